@@ -1,0 +1,174 @@
+"""Public planning API: capture → price → solve → Plan, and baselines to compare.
+
+    graph = autopar.capture(model, (idx,))
+    plan = autopar.solve(graph, world_size=64, cluster="a100-80g", global_batch=512)
+    print(plan.summary())
+    plan.save("plan.json")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from autopar.cost_models.hardware import ClusterSpec, load_cluster
+from autopar.cost_models.memory import PRECISIONS
+from autopar.errors import AutoparError, InfeasibleError
+from autopar.graph import LayerGraph
+from autopar.pins import Pins
+from autopar.plan import Breakdown, LayerPlan, Mesh, Plan, Predicted, SolverReport
+from autopar.pricing import TrainingSpec
+from autopar.solver import Solution, SolverOptions
+from autopar.solver import solve as _solve
+
+PinsLike = Pins | Mapping[str, Any] | Iterable[str] | None
+DEFAULT_CLUSTER = "a100-80g"
+GiB = 2**30
+
+
+def resolve_cluster(cluster: str | ClusterSpec | None, world_size: int, *,
+                    nodes: int | None = None) -> ClusterSpec:
+    """The cluster sized for ``world_size`` (a preset name, a file path or a ClusterSpec)."""
+    spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster or DEFAULT_CLUSTER)
+    return spec.for_world_size(world_size, nodes)
+
+
+def memory_budget(cluster: ClusterSpec, memory_gb: float | None) -> int:
+    """Per-rank budget in bytes: ``memory_gb`` GiB if given, else device memory less the reserve."""
+    if memory_gb is None:
+        return cluster.memory_budget_bytes
+    if not memory_gb > 0:
+        raise AutoparError(f"the memory budget must be positive, got {memory_gb} GiB")
+    return int(memory_gb * GiB)
+
+
+def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | None = None,
+          nodes: int | None = None, global_batch: int | None = None, dtype: str = "bf16",
+          memory_gb: float | None = None, pins: PinsLike = None, time_limit_s: float = 30.0) -> Plan:
+    """The fastest plan for ``graph`` on ``world_size`` devices that fits in memory.
+
+    ``global_batch`` (samples per step) defaults to ``world_size``; ``memory_gb``
+    is the per-rank budget in GiB (default: device memory less the cluster's reserve).
+    Raises :class:`InfeasibleError` when nothing fits, :class:`PinError` for bad pins.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise AutoparError(f"world size must be a positive integer, got {world_size!r}")
+    if dtype not in PRECISIONS:
+        raise AutoparError(f"dtype must be one of {', '.join(PRECISIONS)}, got {dtype!r}")
+    batch = world_size if global_batch is None else global_batch
+    if not isinstance(batch, int) or batch < 1:
+        raise AutoparError(f"batch size must be a positive integer, got {batch!r}")
+    spec = resolve_cluster(cluster, world_size, nodes=nodes)
+    training = TrainingSpec(global_batch=batch, dtype=dtype)
+    parsed = Pins.from_any(pins)
+    solution = _solve(graph, world_size, spec, training, pins=parsed,
+                      memory_budget_bytes=memory_budget(spec, memory_gb),
+                      options=SolverOptions(time_limit_s=time_limit_s))
+    return build_plan(graph, solution, spec, training, parsed)
+
+
+def plan_model(model: Any, example_inputs: Any, world_size: int, **kwargs: Any) -> Plan:
+    """Capture ``model`` with ``example_inputs`` and solve (keywords as :func:`solve`)."""
+    from autopar.capture import capture
+
+    return solve(capture(model, example_inputs), world_size, **kwargs)
+
+
+def build_plan(graph: LayerGraph, solution: Solution, cluster: ClusterSpec,
+               training: TrainingSpec, pins: Pins) -> Plan:
+    """Turn the solver's answer into the Plan data users read and passes consume."""
+    c, p = solution.config, solution.prediction
+    flops = 3.0 * graph.total_flops_per_sample * training.global_batch  # fwd + bwd, no recompute
+    step = p.step_time_s
+    tokens = (training.global_batch * graph.seq_len / step / c.world_size
+              if graph.seq_len and step > 0 else None)
+    predicted = Predicted(
+        step_time_s=step,
+        tflops_per_gpu=flops / step / c.world_size / 1e12 if step > 0 else 0.0,
+        tokens_per_s_per_gpu=tokens,
+        memory_per_rank_bytes=p.memory_per_rank_bytes,
+        memory_budget_bytes=solution.memory_budget_bytes,
+        breakdown=Breakdown(p.compute_s, p.bubble_s, p.tp_comm_s, p.dp_comm_s, p.pp_comm_s,
+                            p.optimizer_s),
+    )
+    layers = tuple(LayerPlan(l.name, st, s.tp, s.zero, s.recompute)
+                   for l, st, s in zip(graph, solution.stages, solution.strategies))
+    return Plan(
+        fingerprint=graph.fingerprint(), model=graph.model_name, world_size=c.world_size,
+        mesh=Mesh(c.pp, c.dp, c.tp), microbatches=c.microbatches,
+        microbatch_size=solution.table.microbatch_size, schedule=c.schedule.name,
+        chunks=c.schedule.chunks, layers=layers, predicted=predicted,
+        solver=SolverReport(solution.status, round(solution.wall_s, 4), solution.gap,
+                            solution.configs_total, solution.configs_solved),
+        cluster=cluster.to_dict(),
+        training={"global_batch": training.global_batch, "dtype": training.dtype,
+                  "seq_len": graph.seq_len, "optimizer": "adam"},
+        pins=tuple(pins.to_strings()),
+    )
+
+
+# ---------------------------------------------------------------- baselines
+
+
+@dataclass(frozen=True)
+class BaselineResult:
+    """One row of ``autopar compare``: a named strategy priced by the same model."""
+
+    name: str
+    plan: Plan | None  # None when it does not fit
+    min_memory_bytes: int | None = None
+    reason: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None
+
+
+def _uniform(name: str, pins: list[str]) -> list[tuple[str, list[str]]]:
+    return [(name, pins + ["recompute=none"]), (name, pins + ["recompute=all"])]
+
+
+def baseline_pins(graph: LayerGraph) -> list[tuple[str, list[str]]]:
+    """The textbook strategies, as pins; each tried without and with full recompute."""
+    styled = []
+    for layer in graph:
+        names = [s.name for s in layer.tp_styles]
+        if names:
+            styled.append(f"{layer.name}:tp={'megatron' if 'megatron' in names else names[0]}")
+    rows = _uniform("DDP", ["pp=1", "tp=1", "zero=0"])
+    for z in (1, 2, 3):
+        rows += _uniform(f"ZeRO-{z}", ["pp=1", "tp=1", f"zero={z}"])
+    rows += _uniform("Megatron (tp × dp)", ["pp=1", "zero=0"] + styled)
+    rows += _uniform("Megatron (tp × pp × dp, 1F1B)", ["schedule=1f1b", "zero=0"] + styled)
+    return rows
+
+
+def compare(graph: LayerGraph, world_size: int, **kwargs: Any) -> tuple[Plan | None, list[BaselineResult]]:
+    """The chosen plan beside the baselines, all priced by the same cost model."""
+    user_pins = list(Pins.from_any(kwargs.pop("pins", None)).to_strings())
+    try:
+        chosen: Plan | None = solve(graph, world_size, pins=user_pins, **kwargs)
+    except InfeasibleError:
+        chosen = None
+    best: dict[str, BaselineResult] = {}
+    for name, pins in baseline_pins(graph):
+        try:
+            plan = solve(graph, world_size, pins=pins, **kwargs)
+            row = BaselineResult(name, plan)
+        except InfeasibleError as exc:
+            row = BaselineResult(name, None, exc.min_memory_bytes, str(exc))
+        except AutoparError as exc:  # e.g. no tp degree admits the styles: not applicable
+            row = BaselineResult(name, None, None, str(exc))
+        best[name] = _better(best.get(name), row)
+    return chosen, list(best.values())
+
+
+def _better(a: BaselineResult | None, b: BaselineResult) -> BaselineResult:
+    if a is None:
+        return b
+    if a.fits and b.fits:
+        return a if a.plan.predicted.step_time_s <= b.plan.predicted.step_time_s else b
+    if a.fits or b.fits:
+        return a if a.fits else b
+    am, bm = a.min_memory_bytes, b.min_memory_bytes
+    return a if (bm is None or (am is not None and am <= bm)) else b

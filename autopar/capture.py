@@ -1,0 +1,442 @@
+"""Capture: trace a model into a LayerGraph of layers with costs per sample.
+
+We trace with ``torch.fx.symbolic_trace`` and fall back to
+``torch.export.export(strict=False)`` (Hugging Face models need it). Nodes are
+grouped into layers by ``nn_module_stack``; then the graph is executed once on
+the example inputs (meta tensors are the normal case, so a 175B model costs
+nothing) while counting FLOPs and the tensors autograd saves for backward, per
+node. Layer costs, dataflow between layers and tensor-parallel styles all come
+from that one measured run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import traceback
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+from autopar.errors import CaptureError
+from autopar.graph import Layer, LayerGraph
+from autopar.tp_detect import LayerView, NodeStats, detect_tp_styles
+
+_SKIP_TARGETS = ("_guards_fn",)
+_INPUT = -1  # layer index of placeholders (values that enter the model)
+
+
+# --------------------------------------------------------------------------- tracing
+
+
+def _split_inputs(model: nn.Module, example_inputs: Any) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    return tuple(example_inputs), {}
+
+
+def _where_failed(exc: BaseException, names: dict[int, str]) -> str | None:
+    """The innermost module of ``model`` whose forward was on the stack when ``exc`` rose."""
+    where = None
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
+        owner = frame.f_locals.get("self")
+        if owner is not None and id(owner) in names:
+            where = names[id(owner)]
+    return where
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    line = text[0] if text else type(exc).__name__
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def _trace(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, list, str]:
+    """Trace with FX, else export; return the graph module, its flat inputs and the tracer."""
+    names = {id(m): (p or "<root>") for p, m in model.named_modules()}
+    errors: list[str] = []
+    try:
+        gm = torch.fx.symbolic_trace(model)
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+        bound.apply_defaults()
+        flat = list(bound.arguments.values())
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(flat):
+            raise TypeError("forward uses *args/**kwargs; FX placeholders do not match inputs")
+        return gm, flat, "fx"
+    except Exception as exc:  # noqa: BLE001 - any tracer failure means: try export
+        where = _where_failed(exc, names)
+        errors.append(f"symbolic_trace{' in ' + where if where else ''}: {_short(exc)}")
+    try:
+        ep = torch.export.export(model, args, kwargs=kwargs, strict=False)
+        gm = ep.module()
+        return gm, pytree.tree_leaves((args, kwargs)), "export"
+    except Exception as exc:  # noqa: BLE001
+        where = _where_failed(exc, names)
+        errors.append(f"torch.export{' in ' + where if where else ''}: {_short(exc)}")
+    raise CaptureError(f"cannot capture {type(model).__name__}: " + "; ".join(errors))
+
+
+# --------------------------------------------------------------------------- layers
+
+
+def _expanded_paths(model: nn.Module) -> set[str]:
+    """Modules to open up: the root and every ancestor of a stack of repeated blocks.
+
+    A stack is ≥2 sibling submodules of one class that are either composite
+    (have children of their own, e.g. transformer blocks, ResNet blocks) or
+    held in a ModuleList. Repeated leaves (ln_1/ln_2, fc1/fc2) do not count,
+    so a transformer block stays one layer.
+    """
+    expanded = {""}
+    for path, mod in model.named_modules():
+        counts = Counter(
+            type(child)
+            for _, child in mod.named_children()
+            if isinstance(mod, nn.ModuleList) or next(child.children(), None) is not None
+        )
+        if any(c >= 2 for c in counts.values()):
+            parts = path.split(".") if path else []
+            expanded.update(".".join(parts[:i]) for i in range(len(parts) + 1))
+    return expanded
+
+
+def _stack_paths(node: fx.Node) -> tuple[str, ...]:
+    stack = node.meta.get("nn_module_stack") or {}
+    paths: list[str] = []
+    for value in stack.values():
+        path = value[0] if isinstance(value, tuple) else str(value)
+        path = path.split("@")[0]
+        if path and path not in paths:
+            paths.append(path)
+    return tuple(paths)
+
+
+def _is_compute(node: fx.Node) -> bool:
+    return node.op in ("call_function", "call_method", "call_module") and node.target not in _SKIP_TARGETS
+
+
+def _group_layers(gm: fx.GraphModule, model: nn.Module) -> tuple[list[tuple[str | None, list[fx.Node]]], dict[fx.Node, int]]:
+    """Runs of consecutive compute nodes with the same layer key; glue joins the next run."""
+    expanded = _expanded_paths(model)
+    compute = [n for n in gm.graph.nodes if _is_compute(n)]
+    keys: list[str | None] = []
+    for n in compute:
+        key = next((p for p in _stack_paths(n) if p not in expanded), None)
+        keys.append(key)
+    nxt: str | None = None
+    for i in range(len(keys) - 1, -1, -1):  # glue → following layer
+        if keys[i] is None:
+            keys[i] = nxt
+        else:
+            nxt = keys[i]
+    prev: str | None = None
+    for i, k in enumerate(keys):  # trailing glue → preceding layer
+        if k is None:
+            keys[i] = prev
+        else:
+            prev = k
+    runs: list[tuple[str | None, list[fx.Node]]] = []
+    for n, k in zip(compute, keys):
+        if runs and runs[-1][0] == k:
+            runs[-1][1].append(n)
+        else:
+            runs.append((k, [n]))
+    node_layer = {n: i for i, (_, nodes) in enumerate(runs) for n in nodes}
+    return runs, node_layer
+
+
+def _layer_names(runs: list[tuple[str | None, list[fx.Node]]]) -> list[str]:
+    seen: Counter[str] = Counter()
+    names = []
+    for key, _ in runs:
+        base = key if key is not None else "forward"
+        seen[base] += 1
+        names.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
+    return names
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    """An identity for ``t``'s storage that also works on meta tensors (views share it)."""
+    try:
+        s = t.untyped_storage()
+        return s._cdata, int(s.nbytes())
+    except Exception:  # noqa: BLE001 - tensors without storage count by their own size
+        return id(t), t.numel() * t.element_size()
+
+
+def _is_sdpa(node: fx.Node) -> bool:
+    return "scaled_dot_product_attention" in str(getattr(node.target, "__name__", node.target))
+
+
+def _sdpa_flops(n: fx.Node, interp: fx.Interpreter) -> float:
+    """Attention-core FLOPs (QK^T and PV) by formula: CPU's fused kernel is not counted by torch."""
+    args, _ = interp.fetch_args_kwargs_from_env(n)
+    q, k, v = args[:3]
+    batch_heads = q.numel() // (q.shape[-1] * q.shape[-2])
+    return float(2 * batch_heads * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1]))
+
+
+class _Meter(fx.Interpreter):
+    """Executes the graph once, measuring FLOPs and saved activations per node.
+
+    Saved tensors are attributed to the node running when autograd packs them,
+    each storage once over the whole run; parameter and buffer storages are
+    model state, not activations. Packed tensors are kept alive so a storage
+    address cannot be reused by another tensor during the run.
+    """
+
+    def __init__(self, gm: fx.GraphModule, state_keys: set[int]):
+        super().__init__(gm, garbage_collect_values=True)
+        self.stats: dict[fx.Node, NodeStats] = {}
+        self.state_keys = state_keys
+        self.seen: set[int] = set()
+        self.producer: dict[int, fx.Node] = {}
+        self.keep: list[torch.Tensor] = []
+        self.current: fx.Node | None = None
+        self.counter = FlopCounterMode(display=False)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key, nbytes = _storage_key(t)
+        node = self.current
+        if node is None or key in self.state_keys or key in self.seen:
+            return t
+        self.seen.add(key)
+        self.keep.append(t)
+        self.stats[node].saved.append((float(nbytes), self.producer.get(key, node)))
+        return t
+
+    def _note(self, t: torch.Tensor) -> None:
+        """Remember that the current node produced ``t``'s storage (first producer wins)."""
+        key, _ = _storage_key(t)
+        if key not in self.producer:
+            self.producer[key] = self.current  # type: ignore[assignment]
+            self.keep.append(t)  # pin the storage: its address must not be reused this run
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.current = n
+        st = self.stats[n] = NodeStats(paths=_stack_paths(n))
+        before = self.counter.get_total_flops()
+        if _is_sdpa(n):
+            result = self._run_sdpa(n)
+        else:
+            result = super().run_node(n)
+        st.flops = float(self.counter.get_total_flops() - before)
+        if _is_sdpa(n) and isinstance(result, torch.Tensor):
+            st.flops = _sdpa_flops(n, self)
+        for t in pytree.tree_leaves(result):
+            if isinstance(t, torch.Tensor):
+                self._note(t)
+                st.holds_tensor = True
+        if isinstance(result, torch.Tensor):
+            st.is_tensor = True
+            st.out_numel = result.numel()
+            st.out_bytes = result.numel() * result.element_size()
+            st.out_last_dim = int(result.shape[-1]) if result.dim() else None
+        self.current = None
+        return result
+
+    def _run_sdpa(self, n: fx.Node) -> Any:
+        """SDPA as a fused kernel saves q, k, v, out and logsumexp, not the T×T matrix.
+
+        The meta (and CPU) math path would save the attention probabilities;
+        GPUs run flash/efficient attention, so price those.
+        """
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            result = super().run_node(n)
+        if not isinstance(result, torch.Tensor) or not result.requires_grad:
+            return result
+        args, _ = self.fetch_args_kwargs_from_env(n)
+        for t in [*args[:3], result]:
+            if isinstance(t, torch.Tensor):
+                self._pack(t)
+        lse_bytes = result.numel() // max(int(result.shape[-1]), 1) * 4
+        self.stats[n].saved.append((float(lse_bytes), n))
+        return result
+
+    def measure(self, flat_inputs: list) -> dict[fx.Node, NodeStats]:
+        with self.counter, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            with torch.enable_grad():
+                self.run(*flat_inputs, enable_io_processing=False)
+        self.keep.clear()
+        self.producer.clear()
+        return self.stats
+
+
+def _state_keys(model: nn.Module, gm: fx.GraphModule) -> set[int]:
+    keys = set()
+    for mod in (model, gm):
+        for t in [*mod.parameters(), *mod.buffers()]:
+            keys.add(_storage_key(t)[0])
+    return keys
+
+
+# --------------------------------------------------------------------------- costs
+
+
+def _param_owners(
+    model: nn.Module, gm: fx.GraphModule, runs: list[tuple[str | None, list[fx.Node]]], node_layer: dict[fx.Node, int]
+) -> dict[str, int]:
+    """Canonical parameter FQN → owning layer index (module prefix first, else first user)."""
+    canon = dict(model.named_parameters())
+    by_id = {id(p): name for name, p in canon.items()}
+    alias = {n: by_id[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if id(p) in by_id}
+    owners: dict[str, int] = {}
+    for name in canon:
+        for i, (key, _) in enumerate(runs):
+            if key is not None and name.startswith(key + "."):
+                owners[name] = i
+                break
+    first_use: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        used: list[tuple[str, list[int]]] = []
+        if node.op == "get_attr":
+            used.append((str(node.target), [node_layer[u] for u in node.users if u in node_layer]))
+        elif node.op == "call_module" and node in node_layer:
+            sub = gm.get_submodule(str(node.target))
+            used += [(f"{node.target}.{n}", [node_layer[node]]) for n, _ in sub.named_parameters()]
+        for fqn, layers in used:
+            name = alias.get(fqn)
+            if name is not None and layers:
+                first_use[name] = min(first_use.get(name, len(runs)), min(layers))
+    for name in canon:
+        if name not in owners:
+            owners[name] = first_use.get(name, 0)
+    return owners
+
+
+def _crossings(
+    gm: fx.GraphModule, node_layer: dict[fx.Node, int], stats: dict[fx.Node, NodeStats], n_layers: int
+) -> list[tuple[int, set[int], int, bool]]:
+    """Every value that leaves the layer (or input) that made it: (src, consumers, bytes, is_tensor).
+
+    A tuple consumed through ``getitem`` in another layer crosses element by
+    element, so each consumed element is its own value.
+    """
+    items: dict[tuple[fx.Node, Any], tuple[int, set[int], int, bool]] = {}
+    for user in gm.graph.nodes:
+        if user.op == "output":
+            dst = n_layers
+        elif user in node_layer:
+            dst = node_layer[user]
+        else:
+            continue
+        for src in user.all_input_nodes:
+            if src.op == "get_attr" or (src.op != "placeholder" and src not in node_layer):
+                continue
+            a = node_layer.get(src, _INPUT)
+            if a == dst:
+                continue
+            st = stats.get(src, NodeStats())
+            key: tuple[fx.Node, Any] = (src, None)
+            if not st.is_tensor and user.target is operator.getitem and user.args[0] is src:
+                key, st = (src, user.args[1]), stats.get(user, NodeStats())
+            prev = items.get(key)
+            consumers = prev[1] if prev else set()
+            consumers.add(dst)
+            items[key] = (a, consumers, st.out_bytes, st.is_tensor)
+    return list(items.values())
+
+
+def _dtype_bytes(model: nn.Module, flat_inputs: list) -> int:
+    dtypes = Counter(p.dtype for p in model.parameters() if p.is_floating_point())
+    if dtypes:
+        return dtypes.most_common(1)[0][0].itemsize
+    for t in flat_inputs:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t.element_size()
+    return 4
+
+
+def _batch_and_seq(flat_inputs: list) -> tuple[int, int | None]:
+    tensors = [t for t in flat_inputs if isinstance(t, torch.Tensor)]
+    if not tensors or tensors[0].dim() == 0:
+        raise CaptureError("example inputs need a tensor with a batch dimension (dim 0)")
+    ints = [t for t in tensors if not t.is_floating_point() and not t.is_complex() and t.dim() >= 2]
+    return int(tensors[0].shape[0]), (int(ints[0].shape[1]) if ints else None)
+
+
+def _layer_costs(
+    crossings: list[tuple[int, set[int], int, bool]], n_layers: int
+) -> tuple[list[float], list[float], list[bool], dict[tuple[int, int], float]]:
+    """Input bytes per layer, boundary bytes and cuttability after each layer, and edges."""
+    inputs = [0.0] * n_layers
+    boundary = [0.0] * n_layers
+    cut_ok = [i < n_layers - 1 for i in range(n_layers)]
+    edges: dict[tuple[int, int], float] = {}
+    for src, consumers, nbytes, is_tensor in crossings:
+        for dst in consumers:
+            if dst < n_layers:
+                inputs[dst] += nbytes
+                if src >= 0:
+                    edges[(src, dst)] = edges.get((src, dst), 0.0) + nbytes
+        for i in range(max(src, 0), min(max(consumers), n_layers - 1)):
+            boundary[i] += nbytes
+            cut_ok[i] = cut_ok[i] and is_tensor
+    boundary[n_layers - 1] = 0.0
+    return inputs, boundary, cut_ok, edges
+
+
+def capture(model: nn.Module, example_inputs: tuple | dict | torch.Tensor, *, name: str | None = None) -> LayerGraph:
+    """Trace ``model`` on ``example_inputs`` (meta is fine) into a LayerGraph with per-sample costs."""
+    args, kwargs = _split_inputs(model, example_inputs)
+    gm, flat, tracer = _trace(model, args, kwargs)
+    runs, node_layer = _group_layers(gm, model)
+    if not runs:
+        raise CaptureError(f"cannot capture {type(model).__name__}: the traced graph computes nothing")
+    try:
+        stats = _Meter(gm, _state_keys(model, gm)).measure(flat)
+    except Exception as exc:  # noqa: BLE001
+        raise CaptureError(
+            f"cannot capture {type(model).__name__}: running the {tracer} graph on the example inputs failed: {_short(exc)}"
+        ) from exc
+    batch, seq_len = _batch_and_seq(flat)
+    dtype_bytes = _dtype_bytes(model, flat)
+    n = len(runs)
+    names = _layer_names(runs)
+    owners = _param_owners(model, gm, runs, node_layer)
+    params = dict(model.named_parameters())
+    inputs, boundary, cut_ok, edges = _layer_costs(_crossings(gm, node_layer, stats, n), n)
+    layers = []
+    for i, (key, nodes) in enumerate(runs):
+        mine = [p for p, owner in owners.items() if owner == i]
+        view = LayerView(model, key, nodes, stats, batch, dtype_bytes)
+        layers.append(
+            Layer(
+                name=names[i],
+                index=i,
+                kind=type(model.get_submodule(key)).__name__ if key is not None else "glue",
+                flops_per_sample=sum(stats[x].flops for x in nodes) / batch,
+                param_count=sum(params[p].numel() for p in mine),
+                param_bytes=sum(params[p].numel() * params[p].element_size() for p in mine),
+                activation_bytes_per_sample=sum(b for x in nodes for b, _ in stats[x].saved) / batch,
+                input_bytes_per_sample=inputs[i] / batch,
+                boundary_bytes_per_sample=boundary[i] / batch,
+                can_cut_after=cut_ok[i],
+                tp_styles=detect_tp_styles(view),
+                param_names=tuple(mine),
+                module_path=key,
+            )
+        )
+    return LayerGraph(
+        layers,
+        model_name=name or type(model).__name__,
+        example_batch=batch,
+        dtype_bytes=dtype_bytes,
+        edges=[(names[a], names[b], v / batch) for (a, b), v in edges.items()],
+        tracer=tracer,
+        seq_len=seq_len,
+    )
+
+
+__all__ = ["capture"]

@@ -1,0 +1,37 @@
+"""Typed errors of autopar's public API.
+
+Every error a user can cause is one of these, with a message that names the
+thing that is wrong and what to do about it. The CLI prints the message on one
+line and exits 2 (3 for :class:`InfeasibleError`).
+"""
+
+from __future__ import annotations
+
+
+class AutoparError(ValueError):
+    """Base class of every error autopar raises for bad input."""
+
+
+class CaptureError(AutoparError):
+    """The model could not be traced into a LayerGraph (both tracers were tried)."""
+
+
+class PinError(AutoparError):
+    """A pin is malformed, names no layer, or contradicts another pin or the world size."""
+
+
+class PlanError(AutoparError):
+    """A plan file is corrupt, of another schema version, or made for another model."""
+
+
+class SpecError(AutoparError):
+    """A CLI model SPEC could not be loaded or returned something other than (model, inputs)."""
+
+
+class InfeasibleError(AutoparError):
+    """No plan satisfies the constraints; the message names the binding one."""
+
+    def __init__(self, message: str, *, binding: str, min_memory_bytes: int | None = None):
+        super().__init__(message)
+        self.binding = binding
+        self.min_memory_bytes = min_memory_bytes

@@ -1,0 +1,229 @@
+"""The LayerGraph: a captured model as a chain of layers with costs per sample.
+
+A *layer* is the planning unit: one call of a module on the model's main chain
+(a transformer block, the embedding, the final norm + head…) or a run of glue
+operations between such calls. Layers are ordered by execution; a pipeline may
+be cut only after a layer whose ``can_cut_after`` is true, where every value
+that crosses the cut is a known tensor.
+
+All sizes are *per sample* (per element of the example batch's dim 0) and in
+the dtype the model was captured in (``LayerGraph.dtype_bytes`` bytes per
+element), so the cost model can rescale them for any microbatch and precision.
+Networkx holds the dataflow between layers; the chain order is ``layers``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+import networkx as nx
+
+
+@dataclass(frozen=True)
+class TPStyle:
+    """One way to split a layer over the tensor-parallel axis, and what it costs.
+
+    ``column`` modules are split on their output features, ``row`` modules on
+    their input features (the Megatron column→row pairing), ``vocab`` modules
+    (embeddings) on their vocabulary. ``divisors`` are sizes the tp degree must
+    divide (attention heads, key/value heads, FFN width, vocabulary).
+
+    Cost figures are per sample, in elements of the captured dtype:
+    ``sharded_params`` parameters are split across tp ranks (the rest of the
+    layer's parameters stay replicated), likewise ``sharded_flops_per_sample``
+    forward FLOPs and ``sharded_activation_elems_per_sample`` saved
+    activations. Communication in the tp group per sample:
+    ``fwd_allreduce_elems`` / ``bwd_allreduce_elems`` in ``fwd_allreduce_count``
+    / ``bwd_allreduce_count`` collectives, and ``fwd_allgather_elems`` (the
+    gathered output size) for outputs gathered to every rank.
+    """
+
+    name: str
+    column: tuple[str, ...] = ()
+    row: tuple[str, ...] = ()
+    vocab: tuple[str, ...] = ()
+    divisors: tuple[int, ...] = ()
+    heads: dict[str, int] = field(default_factory=dict)
+    sharded_params: int = 0
+    sharded_flops_per_sample: float = 0.0
+    sharded_activation_elems_per_sample: float = 0.0
+    fwd_allreduce_elems: float = 0.0
+    fwd_allreduce_count: int = 0
+    bwd_allreduce_elems: float = 0.0
+    bwd_allreduce_count: int = 0
+    fwd_allgather_elems: float = 0.0
+
+    def admits(self, tp: int) -> bool:
+        """Whether this style can run on ``tp`` ranks (every divisor divisible)."""
+        return tp >= 1 and all(d % tp == 0 for d in self.divisors)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for key in ("column", "row", "vocab", "divisors"):
+            d[key] = list(d[key])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TPStyle":
+        d = dict(d)
+        for key in ("column", "row", "vocab", "divisors"):
+            d[key] = tuple(d.get(key, ()))
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One planning unit of the chain, with its costs per sample.
+
+    ``activation_bytes_per_sample`` is what autograd keeps for backward;
+    ``input_bytes_per_sample`` what recompute keeps instead (the values that
+    enter the layer); ``boundary_bytes_per_sample`` what crosses a pipeline cut
+    placed right after this layer (zero and ``can_cut_after`` false when no cut
+    is allowed there). ``param_names`` are the fully qualified parameter names
+    owned by this layer (each parameter belongs to exactly one layer).
+    """
+
+    name: str
+    index: int
+    kind: str
+    flops_per_sample: float
+    param_count: int
+    param_bytes: int
+    activation_bytes_per_sample: float
+    input_bytes_per_sample: float
+    boundary_bytes_per_sample: float
+    can_cut_after: bool
+    tp_styles: tuple[TPStyle, ...] = ()
+    param_names: tuple[str, ...] = ()
+    module_path: str | None = None
+
+    def tp_style(self, name: str) -> TPStyle:
+        for style in self.tp_styles:
+            if style.name == name:
+                return style
+        raise KeyError(f"layer {self.name!r} has no tensor-parallel style {name!r}")
+
+    def cost_signature(self) -> tuple:
+        """What the cost model sees of this layer: equal signatures price the same."""
+        return (
+            round(self.flops_per_sample, 3),
+            self.param_count,
+            self.param_bytes,
+            round(self.activation_bytes_per_sample, 3),
+            round(self.input_bytes_per_sample, 3),
+            tuple(json.dumps(s.to_dict(), sort_keys=True) for s in self.tp_styles),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tp_styles"] = [s.to_dict() for s in self.tp_styles]
+        d["param_names"] = list(self.param_names)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Layer":
+        d = dict(d)
+        d["tp_styles"] = tuple(TPStyle.from_dict(s) for s in d.get("tp_styles", ()))
+        d["param_names"] = tuple(d.get("param_names", ()))
+        return cls(**d)
+
+
+class LayerGraph:
+    """The captured model: layers in execution order plus their dataflow.
+
+    ``graph`` is a networkx DiGraph whose nodes are layer names (attribute
+    ``layer``) and whose edges carry ``bytes_per_sample`` of the tensors that
+    flow from one layer to a later one. ``example_batch`` is the dim-0 size of
+    the example inputs the costs were divided by; ``dtype_bytes`` the element
+    size of the captured floating-point dtype.
+    """
+
+    def __init__(
+        self,
+        layers: list[Layer],
+        *,
+        model_name: str,
+        example_batch: int,
+        dtype_bytes: int,
+        edges: list[tuple[str, str, float]] | None = None,
+        tracer: str = "",
+        seq_len: int | None = None,
+    ):
+        names = [layer.name for layer in layers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"layer names must be unique, got {names}")
+        self.layers = list(layers)
+        self.model_name = model_name
+        self.example_batch = example_batch
+        self.dtype_bytes = dtype_bytes
+        self.tracer = tracer
+        self.seq_len = seq_len
+        self.graph = nx.DiGraph()
+        for layer in self.layers:
+            self.graph.add_node(layer.name, layer=layer)
+        for src, dst, nbytes in edges or []:
+            self.graph.add_edge(src, dst, bytes_per_sample=nbytes)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __iter__(self) -> Iterator[Layer]:
+        return iter(self.layers)
+
+    def __getitem__(self, index: int) -> Layer:
+        return self.layers[index]
+
+    def __repr__(self) -> str:
+        return (
+            f"LayerGraph({self.model_name}, {len(self.layers)} layers, "
+            f"{self.total_params / 1e6:.1f}M params, "
+            f"{self.total_flops_per_sample / 1e9:.2f} GFLOP/sample fwd)"
+        )
+
+    @property
+    def total_params(self) -> int:
+        return sum(layer.param_count for layer in self.layers)
+
+    @property
+    def total_flops_per_sample(self) -> float:
+        return sum(layer.flops_per_sample for layer in self.layers)
+
+    def layer(self, name: str) -> Layer:
+        return self.graph.nodes[name]["layer"]
+
+    def fingerprint(self) -> str:
+        """A stable hash of the structure and costs: plans are bound to it."""
+        payload = json.dumps(
+            [
+                [l.name, l.kind, l.param_count, round(l.flops_per_sample), l.can_cut_after]
+                for l in self.layers
+            ],
+            sort_keys=True,
+        )
+        return "sha256:" + hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name,
+            "example_batch": self.example_batch,
+            "dtype_bytes": self.dtype_bytes,
+            "tracer": self.tracer,
+            "seq_len": self.seq_len,
+            "layers": [layer.to_dict() for layer in self.layers],
+            "edges": [[u, v, d["bytes_per_sample"]] for u, v, d in self.graph.edges(data=True)],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "LayerGraph":
+        return cls(
+            [Layer.from_dict(x) for x in d["layers"]],
+            model_name=d["model_name"],
+            example_batch=d["example_batch"],
+            dtype_bytes=d["dtype_bytes"],
+            edges=[tuple(e) for e in d.get("edges", [])],
+            tracer=d.get("tracer", ""),
+            seq_len=d.get("seq_len"),
+        )

@@ -1,0 +1,224 @@
+"""Pins: user constraints that fix part of a plan; the solver fills in the rest.
+
+Global pins are ``KEY=VALUE`` with KEY one of ``pp``, ``dp``, ``tp`` (degrees),
+``microbatches``, ``schedule`` (``gpipe``, ``1f1b``, ``interleaved_1f1b``),
+``chunks`` (model chunks per rank, interleaved only), ``zero`` (0–3, every
+layer) and ``recompute`` (``all``/``none``). Per-layer pins are
+``GLOB:KEY=VALUE`` with KEY one of ``stage``, ``tp`` (a style name or
+``none``), ``zero`` and ``recompute`` (``on``/``off``), where GLOB is an
+``fnmatch`` pattern over layer names, e.g. ``blocks.0:stage=0`` or
+``blocks.*:zero=3``. Pinning everything prices a hand-made plan.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping
+
+from autopar.cost_models.pipeline import ScheduleKind
+from autopar.errors import PinError
+
+_UNSET: Any = object()
+GLOBAL_KEYS = ("pp", "dp", "tp", "microbatches", "schedule", "chunks", "zero", "recompute")
+LAYER_KEYS = ("stage", "tp", "zero", "recompute")
+_TRUE = {"all", "on", "true", "yes", "1"}
+_FALSE = {"none", "off", "false", "no", "0"}
+SCHEDULE_NAMES = {
+    "gpipe": ScheduleKind.GPIPE,
+    "1f1b": ScheduleKind.ONE_F_ONE_B,
+    "interleaved_1f1b": ScheduleKind.INTERLEAVED_1F1B,
+    "interleaved": ScheduleKind.INTERLEAVED_1F1B,
+    "none": ScheduleKind.NONE,
+}
+
+
+@dataclass(frozen=True)
+class LayerPin:
+    """Constraints on the layers whose names match ``pattern``; ``_UNSET`` leaves a field free."""
+
+    pattern: str
+    stage: Any = _UNSET
+    tp: Any = _UNSET  # style name, or None for replicated
+    zero: Any = _UNSET
+    recompute: Any = _UNSET
+
+    def fields_set(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in LAYER_KEYS if getattr(self, k) is not _UNSET}
+
+
+@dataclass(frozen=True)
+class Pins:
+    """Every pin of a planning request, validated for form (not yet against a model)."""
+
+    pp: int | None = None
+    dp: int | None = None
+    tp: int | None = None
+    microbatches: int | None = None
+    schedule: ScheduleKind | None = None
+    chunks: int | None = None
+    zero: int | None = None
+    recompute: bool | None = None
+    layers: tuple[LayerPin, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def parse(cls, items: Iterable[str]) -> "Pins":
+        """Pins from ``KEY=VALUE`` / ``GLOB:KEY=VALUE`` strings (the CLI's ``--pin``)."""
+        pins = cls()
+        for item in items:
+            pins = pins._with(item)
+        return pins
+
+    @classmethod
+    def from_any(cls, pins: "Pins | Mapping[str, Any] | Iterable[str] | None") -> "Pins":
+        """Accept a Pins, a mapping (``{"tp": 8, "blocks.*": {"zero": 3}}``), strings or None."""
+        if pins is None:
+            return cls()
+        if isinstance(pins, Pins):
+            return pins
+        if isinstance(pins, str):
+            return cls.parse([pins])
+        if isinstance(pins, Mapping):
+            items: list[str] = []
+            for key, value in pins.items():
+                if isinstance(value, Mapping):
+                    items += [f"{key}:{k}={_text(v)}" for k, v in value.items()]
+                else:
+                    items.append(f"{key}={_text(value)}")
+            return cls.parse(items)
+        return cls.parse(list(pins))
+
+    def _with(self, item: str) -> "Pins":
+        if not isinstance(item, str) or "=" not in item:
+            raise PinError(f"pin {item!r} is not KEY=VALUE or LAYER_GLOB:KEY=VALUE")
+        lhs, value = item.split("=", 1)
+        lhs, value = lhs.strip(), value.strip()
+        if ":" in lhs:
+            pattern, key = (s.strip() for s in lhs.rsplit(":", 1))
+            if key not in LAYER_KEYS:
+                raise PinError(f"pin {item!r}: per-layer key must be one of {', '.join(LAYER_KEYS)}")
+            pin = LayerPin(pattern, **{key: _layer_value(key, value, item)})
+            return replace(self, layers=self.layers + (pin,))
+        if lhs not in GLOBAL_KEYS:
+            raise PinError(
+                f"pin {item!r}: unknown key {lhs!r}; global keys are {', '.join(GLOBAL_KEYS)} "
+                "and per-layer pins are written LAYER_GLOB:KEY=VALUE"
+            )
+        parsed = _global_value(lhs, value, item)
+        old = getattr(self, lhs)
+        if old is not None and old != parsed:
+            raise PinError(f"pins contradict each other: {lhs} pinned to both {_text(old)} and {value}")
+        return replace(self, **{lhs: parsed})
+
+    def to_strings(self) -> list[str]:
+        """The pins written back as CLI strings (recorded in the plan)."""
+        out = [f"{k}={_text(getattr(self, k))}" for k in GLOBAL_KEYS if getattr(self, k) is not None]
+        for pin in self.layers:
+            out += [f"{pin.pattern}:{k}={_text(v)}" for k, v in pin.fields_set().items()]
+        return out
+
+    def check_form(self) -> None:
+        """Contradictions visible without a model or world size."""
+        if self.chunks is not None and self.schedule not in (None, ScheduleKind.INTERLEAVED_1F1B):
+            raise PinError(f"pins contradict each other: chunks={self.chunks} needs "
+                           f"schedule=interleaved_1f1b, not {self.schedule.value}")
+        if self.pp == 1 and self.schedule not in (None, ScheduleKind.NONE):
+            raise PinError(f"pins contradict each other: schedule={self.schedule.value} needs pp > 1")
+        if self.pp is not None and self.pp > 1 and self.schedule is ScheduleKind.NONE:
+            raise PinError(f"pins contradict each other: pp={self.pp} needs a pipeline schedule")
+        for pin in self.layers:
+            set_ = pin.fields_set()
+            if self.zero is not None and "zero" in set_ and set_["zero"] != self.zero:
+                raise PinError(f"pins contradict each other: zero={self.zero} for every layer but "
+                               f"{pin.pattern}:zero={set_['zero']}")
+            if self.recompute is not None and "recompute" in set_ and set_["recompute"] != self.recompute:
+                raise PinError(f"pins contradict each other: recompute={_text(self.recompute)} for "
+                               f"every layer but {pin.pattern}:recompute={_text(set_['recompute'])}")
+            if self.pp is not None and "stage" in set_:
+                stages = self.pp * (self.chunks or 1)
+                if set_["stage"] >= stages:
+                    raise PinError(f"pin {pin.pattern}:stage={set_['stage']} is outside the "
+                                   f"{stages} pipeline stages pinned (stages count from 0)")
+
+    def resolve_layers(self, names: list[str]) -> list[dict[str, Any]]:
+        """Per layer, the fields pinned for it (global zero/recompute included)."""
+        resolved: list[dict[str, Any]] = [{} for _ in names]
+        for pin in self.layers:
+            matched = [i for i, n in enumerate(names) if fnmatch.fnmatchcase(n, pin.pattern)]
+            if not matched:
+                sample = ", ".join(names[:6]) + (", …" if len(names) > 6 else "")
+                raise PinError(f"pin pattern {pin.pattern!r} names no layer (layers: {sample})")
+            for i in matched:
+                for key, value in pin.fields_set().items():
+                    if key in resolved[i] and resolved[i][key] != value:
+                        raise PinError(f"pins contradict each other on layer {names[i]!r}: "
+                                       f"{key}={_text(resolved[i][key])} and {key}={_text(value)}")
+                    resolved[i][key] = value
+        for i in range(len(names)):
+            if self.zero is not None:
+                resolved[i].setdefault("zero", self.zero)
+            if self.recompute is not None:
+                resolved[i].setdefault("recompute", self.recompute)
+        stages = [(names[i], r["stage"]) for i, r in enumerate(resolved) if "stage" in r]
+        for (a, sa), (b, sb) in zip(stages, stages[1:]):
+            if sb < sa:
+                raise PinError(f"pins contradict each other: {a} is pinned to stage {sa} but the "
+                               f"later layer {b} to stage {sb}; stages cannot go backwards")
+        return resolved
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, ScheduleKind):
+        return value.value
+    if value is None:
+        return "none"
+    return str(value)
+
+
+def _int(value: str, item: str, *, minimum: int) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise PinError(f"pin {item!r}: {value!r} is not an integer") from None
+    if number < minimum:
+        raise PinError(f"pin {item!r}: value must be ≥ {minimum}")
+    return number
+
+
+def _bool(value: str, item: str) -> bool:
+    low = value.lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise PinError(f"pin {item!r}: expected all/none (or on/off), got {value!r}")
+
+
+def _global_value(key: str, value: str, item: str) -> Any:
+    if key in ("pp", "dp", "tp", "microbatches"):
+        return _int(value, item, minimum=1)
+    if key == "chunks":
+        return _int(value, item, minimum=2)
+    if key == "zero":
+        zero = _int(value, item, minimum=0)
+        if zero > 3:
+            raise PinError(f"pin {item!r}: ZeRO stage must be 0, 1, 2 or 3")
+        return zero
+    if key == "recompute":
+        return _bool(value, item)
+    try:
+        return SCHEDULE_NAMES[value.lower()]
+    except KeyError:
+        raise PinError(f"pin {item!r}: schedule must be one of gpipe, 1f1b, interleaved_1f1b") from None
+
+
+def _layer_value(key: str, value: str, item: str) -> Any:
+    if key == "stage":
+        return _int(value, item, minimum=0)
+    if key == "zero":
+        return _global_value("zero", value, item)
+    if key == "recompute":
+        return _bool(value, item)
+    return None if value.lower() in ("none", "-", "replicate") else value

@@ -1,0 +1,289 @@
+"""Price every strategy of every layer for one mesh configuration.
+
+This module is the one place where the cost models meet the LayerGraph. The
+solver builds its CP-SAT model from a :class:`PriceTable`, and
+:func:`evaluate` prices a complete assignment from the same table, so the
+solver's objective and a plan's reported prediction are the same function.
+
+The step-time model of a configuration (pp × dp × tp mesh, m microbatches,
+schedule with v chunks per rank), for pipeline rank j:
+
+    T_j  = Σ_{layers on j} (compute_fwd+bwd(+re-fwd) + tp_comm) per microbatch
+           + point-to-point sends at j's stage boundaries
+    E_j  = max(0, Σ dp_comm_j − OVERLAP · Σ compute_j over the step)   (exposed ZeRO/DP traffic)
+    step = (m + (pp − 1)/v) · max_j T_j + max_j (E_j + optimizer_j)
+
+and the memory of rank j (integer bytes):
+
+    M_j  = Σ model_states(zero, dp, tp) + Σ ⌈activations per microbatch · in_flight(j)⌉ + workspace
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+from functools import cached_property
+
+from autopar.cost_models.communication import Collective, collective_time_s, p2p_time_s, place_group
+from autopar.cost_models.compute import BACKWARD_FLOPS_FACTOR, compute_time_s
+from autopar.cost_models.hardware import ClusterSpec
+from autopar.cost_models.memory import Precision, model_state_bytes, optimizer_shard_params, precision
+from autopar.cost_models.pipeline import Schedule, ScheduleKind, in_flight, step_time_multiplier
+from autopar.graph import Layer, LayerGraph
+
+# ZeRO / data-parallel collectives run beside compute (FSDP2 prefetches
+# all-gathers and issues reduce-scatters as gradients appear); this is the
+# fraction of a rank's step compute that can hide them.
+DP_COMM_OVERLAP = 1.0
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """What one layer does: tensor-parallel style (None = replicated), ZeRO stage, recompute."""
+
+    tp: str | None = None
+    zero: int = 0
+    recompute: bool = False
+
+    def __str__(self) -> str:
+        return f"tp={self.tp or '-'} zero={self.zero} recompute={'on' if self.recompute else 'off'}"
+
+
+@dataclass(frozen=True, order=True)
+class MeshConfig:
+    """The global choices: mesh degrees, microbatches and pipeline schedule."""
+
+    pp: int
+    dp: int
+    tp: int
+    microbatches: int
+    schedule: Schedule = field(compare=False)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    @property
+    def stages(self) -> int:
+        """Virtual pipeline stages: pp × chunks per rank."""
+        return self.pp * self.schedule.chunks
+
+    def rank_of_stage(self, stage: int) -> int:
+        return stage % self.pp
+
+    def describe(self) -> str:
+        return f"pp={self.pp} dp={self.dp} tp={self.tp} m={self.microbatches} {self.schedule}"
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """What the plan trains with: global batch (samples per step) and precision."""
+
+    global_batch: int
+    dtype: str = "bf16"
+
+    @property
+    def precision(self) -> Precision:
+        return precision(self.dtype)
+
+
+@dataclass(frozen=True)
+class LayerPrice:
+    """One layer under one strategy: times in seconds, memory in bytes."""
+
+    compute_mb_s: float  # forward + backward (+ recomputed forward) per microbatch
+    tp_comm_mb_s: float  # tensor-parallel collectives per microbatch
+    dp_comm_s: float  # data-parallel / ZeRO collectives per step
+    optimizer_s: float  # optimizer step per step
+    state_bytes: int  # weights + gradients + optimizer state held
+    activation_mb_bytes: int  # activations kept per microbatch in flight
+
+    @property
+    def time_mb_s(self) -> float:
+        return self.compute_mb_s + self.tp_comm_mb_s
+
+
+class PriceTable:
+    """Prices of every admissible strategy of every layer under one :class:`MeshConfig`."""
+
+    def __init__(self, graph: LayerGraph, config: MeshConfig, cluster: ClusterSpec,
+                 training: TrainingSpec, *, zero_stages: tuple[int, ...] = (0, 1, 2, 3)):
+        samples = config.dp * config.microbatches
+        if training.global_batch % samples:
+            raise ValueError(f"global batch {training.global_batch} does not split into "
+                             f"dp={config.dp} × microbatches={config.microbatches}")
+        self.graph, self.config, self.cluster, self.training = graph, config, cluster, training
+        self.prec = training.precision
+        self.microbatch_size = training.global_batch // samples
+        self.act_scale = self.prec.activation_bytes / graph.dtype_bytes
+        self.dtype_for_compute = "bf16" if training.dtype == "bf16" else "fp32"
+        self.tp_group = place_group(config.tp, 1, cluster.gpus_per_node)
+        self.dp_group = place_group(config.dp, config.tp, cluster.gpus_per_node)
+        self.pp_inter_node = cluster.nodes > 1 and config.dp * config.tp >= cluster.gpus_per_node
+        zeros = zero_stages if config.dp > 1 else (0,)
+        self.strategies: list[list[Strategy]] = [self._strategies(l, zeros) for l in graph]
+        self.prices: list[list[LayerPrice]] = [
+            [self._price(l, s) for s in strategies] for l, strategies in zip(graph, self.strategies)
+        ]
+
+    def _strategies(self, layer: Layer, zeros: tuple[int, ...]) -> list[Strategy]:
+        styles: list[str | None] = [None]
+        if self.config.tp > 1:
+            styles += [s.name for s in layer.tp_styles if s.admits(self.config.tp)]
+        return [Strategy(t, z, r) for t in styles for z in zeros for r in (False, True)]
+
+    @cached_property
+    def multiplier(self) -> Fraction:
+        return step_time_multiplier(self.config.schedule, self.config.pp, self.config.microbatches)
+
+    @cached_property
+    def in_flight(self) -> list[Fraction]:
+        c = self.config
+        return [in_flight(c.schedule, c.pp, c.microbatches, j) for j in range(c.pp)]
+
+    @cached_property
+    def workspace_bytes(self) -> int:
+        """Transient memory: one layer's gathered weights and one layer's full activations."""
+        largest_params = max((l.param_count for l in self.graph), default=0)
+        largest_act = max((l.activation_bytes_per_sample for l in self.graph), default=0.0)
+        return self.prec.param_bytes * largest_params + math.ceil(
+            self.microbatch_size * largest_act * self.act_scale)
+
+    def effective_params(self, layer: Layer, strategy: Strategy) -> int:
+        """Parameters one rank holds for the layer before ZeRO sharding."""
+        if strategy.tp is None:
+            return layer.param_count
+        sharded = layer.tp_style(strategy.tp).sharded_params
+        return layer.param_count - sharded + math.ceil(sharded / self.config.tp)
+
+    def _price(self, layer: Layer, strategy: Strategy) -> LayerPrice:
+        c, b, prec = self.config, self.microbatch_size, self.prec
+        flops, acts = layer.flops_per_sample, layer.activation_bytes_per_sample
+        tp_comm_fwd = tp_comm_bwd = 0.0
+        if strategy.tp is not None:
+            style = layer.tp_style(strategy.tp)
+            flops -= style.sharded_flops_per_sample * (1 - 1 / c.tp)
+            sharded_act = style.sharded_activation_elems_per_sample * self.graph.dtype_bytes
+            acts -= sharded_act * (1 - 1 / c.tp)
+            elem = prec.activation_bytes * b
+            tp_comm_fwd = collective_time_s(
+                Collective.ALL_REDUCE, style.fwd_allreduce_elems * elem, self.tp_group,
+                self.cluster, count=style.fwd_allreduce_count,
+            ) + collective_time_s(Collective.ALL_GATHER, style.fwd_allgather_elems * elem,
+                                  self.tp_group, self.cluster)
+            tp_comm_bwd = collective_time_s(
+                Collective.ALL_REDUCE, style.bwd_allreduce_elems * elem, self.tp_group,
+                self.cluster, count=style.bwd_allreduce_count,
+            )
+        device, dtype = self.cluster.device, self.dtype_for_compute
+        fwd = compute_time_s(b * flops, device, dtype)
+        bwd = compute_time_s(BACKWARD_FLOPS_FACTOR * b * flops, device, dtype)
+        compute = fwd + bwd + (fwd if strategy.recompute else 0.0)
+        tp_comm = tp_comm_fwd + tp_comm_bwd + (tp_comm_fwd if strategy.recompute else 0.0)
+        kept = layer.input_bytes_per_sample if strategy.recompute else acts
+        params = self.effective_params(layer, strategy)
+        return LayerPrice(
+            compute_mb_s=compute,
+            tp_comm_mb_s=tp_comm,
+            dp_comm_s=self._dp_comm_s(params, strategy.zero),
+            optimizer_s=optimizer_shard_params(params, strategy.zero, c.dp)
+            * prec.optimizer_bytes_touched / device.memory_bandwidth_bytes_s,
+            state_bytes=model_state_bytes(params, strategy.zero, c.dp, prec),
+            activation_mb_bytes=math.ceil(b * max(kept, 0.0) * self.act_scale),
+        )
+
+    def _dp_comm_s(self, params: int, zero: int) -> float:
+        """Per step: DP all-reduce; ZeRO-1 RS+AG once; ZeRO-2 RS per microbatch + AG; ZeRO-3 (2 AG + RS) per microbatch."""
+        if self.config.dp <= 1 or params == 0:
+            return 0.0
+        m, group, cl = self.config.microbatches, self.dp_group, self.cluster
+        grads, weights = self.prec.grad_bytes * params, self.prec.param_bytes * params
+        rs = collective_time_s(Collective.REDUCE_SCATTER, grads, group, cl)
+        ag = collective_time_s(Collective.ALL_GATHER, weights, group, cl)
+        if zero == 0:
+            return collective_time_s(Collective.ALL_REDUCE, grads, group, cl)
+        if zero == 1:
+            return rs + ag
+        if zero == 2:
+            return m * rs + ag
+        return m * (2 * ag + rs)
+
+    def memory_coefficient(self, layer_index: int, k: int, rank: int) -> int:
+        """Bytes layer ``layer_index`` under strategy ``k`` adds to pipeline rank ``rank``."""
+        price = self.prices[layer_index][k]
+        f = self.in_flight[rank]
+        return price.state_bytes + -(-price.activation_mb_bytes * f.numerator // f.denominator)
+
+    def p2p_s(self, cut: int) -> float:
+        """One send of the values crossing a cut placed before layer ``cut``, per microbatch."""
+        if cut <= 0 or cut >= len(self.graph):
+            return 0.0
+        nbytes = (self.microbatch_size * self.graph[cut - 1].boundary_bytes_per_sample
+                  * self.act_scale)
+        return p2p_time_s(nbytes, inter_node=self.pp_inter_node, cluster=self.cluster)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A complete plan in solver terms: a config, each layer's stage and strategy."""
+
+    config: MeshConfig
+    stages: tuple[int, ...]
+    strategies: tuple[Strategy, ...]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted step time (with its breakdown on the critical rank) and memory per rank."""
+
+    step_time_s: float
+    memory_per_rank_bytes: tuple[int, ...]
+    compute_s: float
+    bubble_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    dp_comm_s: float
+    optimizer_s: float
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return max(self.memory_per_rank_bytes)
+
+
+def evaluate(table: PriceTable, stages: tuple[int, ...], strategies: tuple[Strategy, ...]) -> Prediction:
+    """Price a complete assignment with the same model the solver optimises."""
+    c = table.config
+    pp = c.pp
+    t_compute, t_tp, t_p2p = [0.0] * pp, [0.0] * pp, [0.0] * pp
+    dp_comm, overlap, opt = [0.0] * pp, [0.0] * pp, [0.0] * pp
+    memory = [table.workspace_bytes] * pp
+    for i, (stage, strategy) in enumerate(zip(stages, strategies)):
+        k = table.strategies[i].index(strategy)
+        price, rank = table.prices[i][k], c.rank_of_stage(stage)
+        t_compute[rank] += price.compute_mb_s
+        t_tp[rank] += price.tp_comm_mb_s
+        dp_comm[rank] += price.dp_comm_s
+        overlap[rank] += DP_COMM_OVERLAP * c.microbatches * price.compute_mb_s
+        opt[rank] += price.optimizer_s
+        memory[rank] += table.memory_coefficient(i, k, rank)
+    for cut in range(1, len(stages)):
+        if stages[cut] != stages[cut - 1]:
+            send = table.p2p_s(cut)
+            t_p2p[c.rank_of_stage(stages[cut - 1])] += send  # forward activations
+            t_p2p[c.rank_of_stage(stages[cut])] += send  # backward gradients
+    per_mb = [t_compute[j] + t_tp[j] + t_p2p[j] for j in range(pp)]
+    tail = [max(0.0, dp_comm[j] - overlap[j]) + opt[j] for j in range(pp)]
+    crit = max(range(pp), key=lambda j: per_mb[j])
+    tail_rank = max(range(pp), key=lambda j: tail[j])
+    mult, m = float(table.multiplier), c.microbatches
+    return Prediction(
+        step_time_s=mult * per_mb[crit] + tail[tail_rank],
+        memory_per_rank_bytes=tuple(memory),
+        compute_s=m * t_compute[crit],
+        bubble_s=(mult - m) * per_mb[crit],
+        tp_comm_s=m * t_tp[crit],
+        pp_comm_s=m * t_p2p[crit],
+        dp_comm_s=tail[tail_rank] - opt[tail_rank],
+        optimizer_s=opt[tail_rank],
+    )

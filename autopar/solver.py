@@ -1,0 +1,531 @@
+"""The planner: choose mesh, microbatches, schedule and per-layer strategies.
+
+Search, in two levels:
+
+1. **Configurations** (:func:`enumerate_configs`): every mesh pp × dp × tp =
+   world size (tp within a node unless pinned), microbatch count m dividing the
+   per-replica batch, and schedule (GPipe only where 1F1B cannot run, since
+   under this cost model 1F1B has GPipe's time and never more memory;
+   interleaved 1F1B with 2 or 4 chunks per rank). Each configuration has a
+   lower bound on its step time (fastest strategy per layer, perfectly
+   balanced stages); configurations are solved in order of that bound and
+   the search stops when the bound reaches the best plan found (branch and
+   bound), so the answer is optimal over the whole space when every inner
+   solve is.
+
+2. **Per configuration, a CP-SAT model** (:func:`_build_model`) over runs of
+   identical consecutive layers (a run r = layers [a_r, b_r), all pricing
+   alike), S = pp·v virtual stages, strategies k of each run:
+
+   Variables
+     cut_c ∈ allowed cut positions, c = 1..S−1       stage c = layers [cut_c, cut_{c+1})
+     cnt_{r,c} = |[a_r, b_r) ∩ [cut_c, cut_{c+1})|   layers of run r in stage c
+     n_{r,c,k} ∈ [0, |r|],  Σ_k n_{r,c,k} = cnt_{r,c}  how many of them use strategy k
+     T, E_j ≥ 0, X                                     critical rank time, exposed comm, tail
+
+   Constraints (each group names the function that adds it)
+     contiguity     cut_{c+1} ≥ cut_c + 1 and stage pins       (_add_cuts)
+     counts         cnt via min/max of interval ends          (_add_counts)
+     rank time      T ≥ Σ_{c on j} Σ n·t + p2p at j's cuts     (_add_rank_terms)
+     exposed comm   E_j ≥ Σ n·(dp_comm − overlap);  X ≥ E_j + Σ n·opt
+     memory         Σ n·mem_{r,k,j} + workspace ≤ budget      (memory_j)
+
+   Objective (× v, to stay integral): minimise (m·v + pp − 1)·T + v·X,
+   i.e. step = (m + (pp−1)/v)·T + X, the model of :mod:`autopar.pricing`.
+
+Times become integers in one place (:class:`_Units`); memory is integral
+bytes already. Runs with 1 worker and a deterministic time limit, so the same
+inputs give the same plan.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from ortools.sat.python import cp_model
+
+from autopar.cost_models.hardware import ClusterSpec
+from autopar.cost_models.pipeline import Schedule, ScheduleKind
+from autopar.errors import InfeasibleError, PinError
+from autopar.graph import LayerGraph
+from autopar.pins import Pins
+from autopar.pricing import DP_COMM_OVERLAP, MeshConfig, PriceTable, Prediction, Strategy, TrainingSpec, evaluate
+
+GiB = 2**30
+INTERLEAVED_CHUNKS = (2, 4)
+TIME_RESOLUTION = 10**7  # the largest time coefficient of a configuration, in integer units
+
+
+@dataclass(frozen=True)
+class SolverOptions:
+    """CP-SAT parameters, from one place."""
+
+    time_limit_s: float = 30.0
+    workers: int = 1
+    seed: int = 0
+    log: bool = False
+
+
+@dataclass
+class Solution:
+    """The chosen assignment, its prediction, and how the search went."""
+
+    config: MeshConfig
+    stages: tuple[int, ...]
+    strategies: tuple[Strategy, ...]
+    prediction: Prediction
+    table: PriceTable
+    status: str
+    gap: float
+    wall_s: float
+    configs_total: int
+    configs_solved: int
+    memory_budget_bytes: int
+
+
+@dataclass
+class _Search:
+    best: tuple[float, MeshConfig, tuple, tuple, Prediction, PriceTable] | None = None
+    open_bounds: list[float] = field(default_factory=list)
+    solved: int = 0
+    min_memory: tuple[int, MeshConfig] | None = None
+
+
+# ---------------------------------------------------------------- configurations
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def cut_positions(graph: LayerGraph) -> list[int]:
+    """Positions q (cut before layer q) where a pipeline may be cut."""
+    return [i + 1 for i, layer in enumerate(graph.layers[:-1]) if layer.can_cut_after]
+
+
+def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
+                      training: TrainingSpec, pins: Pins) -> list[MeshConfig]:
+    """Every configuration the pins allow; raises PinError naming why none remain."""
+    pins.check_form()
+    pinned = [(k, getattr(pins, k)) for k in ("pp", "dp", "tp") if getattr(pins, k) is not None]
+    product = math.prod(v for _, v in pinned)
+    if world_size % product:
+        names = " × ".join(f"{k}={v}" for k, v in pinned)
+        raise PinError(f"world size {world_size} is not a multiple of the pinned {names} = {product}")
+    if len(pinned) == 3 and product != world_size:
+        raise PinError(f"pinned pp × dp × tp = {product} but the world size is {world_size}")
+    max_stages = len(cut_positions(graph)) + 1
+    configs: list[MeshConfig] = []
+    for tp in [pins.tp] if pins.tp else [d for d in _divisors(world_size) if cluster.gpus_per_node % d == 0]:
+        for pp in [pins.pp] if pins.pp else _divisors(world_size // tp):
+            if (world_size // tp) % pp or pp > max_stages:
+                continue
+            dp = world_size // (tp * pp)
+            if pins.dp not in (None, dp) or training.global_batch % dp:
+                continue
+            per_replica = training.global_batch // dp
+            for m in [pins.microbatches] if pins.microbatches else _divisors(per_replica):
+                if per_replica % m:
+                    continue
+                configs += [MeshConfig(pp, dp, tp, m, s) for s in _schedules(pp, m, max_stages, pins)]
+    if not configs:
+        raise PinError(_why_no_config(graph, world_size, training, pins, max_stages))
+    return configs
+
+
+def _schedules(pp: int, m: int, max_stages: int, pins: Pins) -> list[Schedule]:
+    if pp == 1:
+        return [Schedule(ScheduleKind.NONE)] if pins.schedule in (None, ScheduleKind.NONE) else []
+    out: list[Schedule] = []
+    want = pins.schedule
+    if want is ScheduleKind.GPIPE or (want is None and m < pp):
+        out.append(Schedule(ScheduleKind.GPIPE))
+    if want in (None, ScheduleKind.ONE_F_ONE_B) and m >= pp and pins.chunks is None:
+        out.append(Schedule(ScheduleKind.ONE_F_ONE_B))
+    if want in (None, ScheduleKind.INTERLEAVED_1F1B) and m % pp == 0:
+        for v in [pins.chunks] if pins.chunks else INTERLEAVED_CHUNKS:
+            if pp * v <= max_stages:
+                out.append(Schedule(ScheduleKind.INTERLEAVED_1F1B, v))
+    return out
+
+
+def _why_no_config(graph: LayerGraph, world: int, training: TrainingSpec, pins: Pins, max_stages: int) -> str:
+    b = training.global_batch
+    if pins.pp and pins.pp * (pins.chunks or 1) > max_stages:
+        return (f"pp={pins.pp}{f' × chunks={pins.chunks}' if pins.chunks else ''} needs "
+                f"{pins.pp * (pins.chunks or 1)} pipeline stages but the model can be cut into at "
+                f"most {max_stages} (it has {max_stages - 1} places a cut may go)")
+    if pins.dp and b % pins.dp:
+        return f"batch size {b} does not divide over the pinned dp={pins.dp}"
+    if pins.dp and pins.microbatches and b % (pins.dp * pins.microbatches):
+        return (f"batch size {b} does not divide into the pinned dp={pins.dp} × "
+                f"microbatches={pins.microbatches}")
+    if pins.microbatches:
+        return (f"batch size {b} cannot give microbatches={pins.microbatches} on any data-parallel "
+                f"degree of world size {world} that the other pins allow")
+    if pins.schedule or pins.chunks:
+        return (f"no mesh for world size {world} and batch size {b} can run the pinned schedule "
+                f"({pins.schedule.value if pins.schedule else 'interleaved_1f1b'}); interleaved "
+                "1F1B needs microbatches divisible by pp")
+    return (f"no mesh pp × dp × tp = {world} divides batch size {b} with the given pins; "
+            "use a batch size divisible by the data-parallel degree")
+
+
+# ---------------------------------------------------------------- per-layer choices
+
+
+def _allowed(table: PriceTable, layer_pins: list[dict[str, Any]]) -> list[list[int]]:
+    """Indices of each layer's strategies that satisfy its pins."""
+    allowed = []
+    for i, (strategies, pin) in enumerate(zip(table.strategies, layer_pins)):
+        ks = [k for k, s in enumerate(strategies)
+              if pin.get("tp", s.tp) == s.tp and pin.get("zero", s.zero) == s.zero
+              and pin.get("recompute", s.recompute) == s.recompute]
+        if not ks:
+            ks = _pinned_outside_search(table, i, pin)
+        allowed.append(_undominated(table, i, ks))
+    return allowed
+
+
+def _undominated(table: PriceTable, i: int, ks: list[int]) -> list[int]:
+    """Drop strategies another one beats or ties on every priced term (time, comm, memory)."""
+    m = table.config.microbatches
+
+    def vector(k: int) -> tuple:
+        p = table.prices[i][k]
+        return (p.time_mb_s, p.dp_comm_s - DP_COMM_OVERLAP * m * p.compute_mb_s, p.optimizer_s,
+                p.state_bytes, p.activation_mb_bytes)
+
+    vectors = {k: vector(k) for k in ks}
+    keep = []
+    for k in ks:
+        vk = vectors[k]
+        beaten = any(
+            all(a <= b for a, b in zip(vectors[j], vk)) and (vectors[j] != vk or j < k)
+            for j in ks if j != k
+        )
+        if not beaten:
+            keep.append(k)
+    return keep
+
+
+def _pinned_outside_search(table: PriceTable, i: int, pin: dict[str, Any]) -> list[int]:
+    """A pinned choice the search space leaves out (e.g. zero>0 at dp=1): add it, or explain."""
+    layer, tp = table.graph[i], table.config.tp
+    style = pin.get("tp")
+    if style is not None:
+        names = [s.name for s in layer.tp_styles]
+        if style not in names:
+            raise PinError(f"layer {layer.name!r} has no tensor-parallel style {style!r} "
+                           f"(it admits: {', '.join(names) or 'none'})")
+        if not layer.tp_style(style).admits(tp):
+            return []
+    strategy = Strategy(style, pin.get("zero", 0), pin.get("recompute", False))
+    table.strategies[i].append(strategy)
+    table.prices[i].append(table._price(layer, strategy))
+    return [len(table.strategies[i]) - 1]
+
+
+def _runs(table: PriceTable, allowed: list[list[int]], layer_pins: list[dict]) -> list[tuple[int, int]]:
+    """Maximal runs [a, b) of consecutive layers that price alike and are pinned alike."""
+    def key(i: int) -> tuple:
+        return (tuple(table.prices[i][k] for k in allowed[i]),
+                tuple(table.strategies[i][k] for k in allowed[i]))
+
+    runs: list[tuple[int, int]] = []
+    for i in range(len(table.graph)):
+        if runs and "stage" not in layer_pins[i] and "stage" not in layer_pins[runs[-1][0]] \
+                and key(i) == key(runs[-1][0]):
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def lower_bound_s(table: PriceTable, allowed: list[list[int]]) -> float:
+    """Step time no plan of this configuration can beat."""
+    fastest = [min(table.prices[i][k].time_mb_s for k in ks) for i, ks in enumerate(allowed)]
+    per_rank = max(sum(fastest) / table.config.pp, max(fastest))
+    return float(table.multiplier) * per_rank
+
+
+# ---------------------------------------------------------------- CP-SAT model
+
+
+class _Units:
+    """Seconds → integer units: the largest coefficient becomes TIME_RESOLUTION."""
+
+    def __init__(self, largest_s: float):
+        self.unit_s = max(largest_s, 1e-12) / TIME_RESOLUTION
+
+    def __call__(self, seconds: float) -> int:
+        return int(round(seconds / self.unit_s))
+
+
+@dataclass
+class _Model:
+    model: cp_model.CpModel
+    cuts: list[Any]
+    counts: dict[tuple[int, int, int], Any]
+    objective: Any
+    peak_memory: Any | None
+
+
+def _build_model(table: PriceTable, allowed: list[list[int]], runs: list[tuple[int, int]],
+                 layer_pins: list[dict], cuts_ok: list[int], budget: int | None,
+                 units: _Units) -> _Model:
+    """The CP-SAT model of one configuration (budget None: minimise peak memory instead)."""
+    model = cp_model.CpModel()
+    c = table.config
+    cuts = _add_cuts(model, table, layer_pins, cuts_ok)
+    counts = _add_counts(model, runs, allowed, cuts, c.stages)
+    peak = None
+    obj_t, obj_x, memory = _add_rank_terms(model, table, allowed, runs, cuts, counts, units)
+    if budget is None:
+        peak = model.NewIntVar(0, 2**62, "peak_memory")
+        for j, mem in enumerate(memory):
+            model.Add(peak >= mem).WithName(f"peak_memory_{j}")
+        model.Minimize(peak)
+    else:
+        for j, mem in enumerate(memory):
+            model.Add(mem <= budget).WithName(f"memory_{j}")
+        v = c.schedule.chunks
+        objective = (c.microbatches * v + c.pp - 1) * obj_t + v * obj_x
+        model.Minimize(objective)
+    _hint(model, table, allowed, runs, cuts, counts, cuts_ok)
+    return _Model(model, cuts, counts, None if budget is None else objective, peak)
+
+
+def _add_cuts(model: cp_model.CpModel, table: PriceTable, layer_pins: list[dict],
+              cuts_ok: list[int]) -> list[Any]:
+    """cut_0 = 0 < cut_1 < … < cut_S = L, cuts only where allowed, stage pins respected."""
+    n_layers, stages = len(table.graph), table.config.stages
+    domain = cp_model.Domain.FromValues(cuts_ok) if cuts_ok else cp_model.Domain(0, 0)
+    cuts: list[Any] = [0]
+    for s in range(1, stages):
+        cuts.append(model.NewIntVarFromDomain(domain, f"cut_{s}"))
+    cuts.append(n_layers)
+    for s in range(1, stages):
+        model.Add(cuts[s + 1] >= cuts[s] + 1).WithName(f"contiguity_{s}")
+    model.Add(cuts[1] >= 1).WithName("contiguity_0") if stages > 1 else None
+    for i, pin in enumerate(layer_pins):
+        if "stage" in pin:
+            s = pin["stage"]
+            if s >= stages:
+                model.AddBoolOr([]).WithName(f"stage_pin_{i}")  # infeasible by construction
+                continue
+            model.Add(cuts[s] <= i).WithName(f"stage_pin_{i}_lo")
+            model.Add(cuts[s + 1] >= i + 1).WithName(f"stage_pin_{i}_hi")
+    return cuts
+
+
+def _add_counts(model: cp_model.CpModel, runs: list[tuple[int, int]], allowed: list[list[int]],
+                cuts: list[Any], stages: int) -> dict[tuple[int, int, int], Any]:
+    """n_{r,c,k}: layers of run r in stage c using strategy k."""
+    n_layers = cuts[-1]
+    counts: dict[tuple[int, int, int], Any] = {}
+    for r, (a, b) in enumerate(runs):
+        for c in range(stages):
+            # stage c can only hold layers c .. L-S+c (every stage holds at least one)
+            if b <= c or a > n_layers - stages + c:
+                continue
+            if stages == 1:
+                cnt: Any = b - a
+            else:
+                lo = model.NewIntVar(0, n_layers, f"lo_{r}_{c}")
+                hi = model.NewIntVar(0, n_layers, f"hi_{r}_{c}")
+                model.AddMaxEquality(lo, [a, cuts[c]])
+                model.AddMinEquality(hi, [b, cuts[c + 1]])
+                cnt = model.NewIntVar(0, b - a, f"count_{r}_{c}")
+                model.AddMaxEquality(cnt, [hi - lo, 0])
+            ks = allowed[a]
+            vs = [model.NewIntVar(0, b - a, f"n_{r}_{c}_{k}") for k in ks]
+            model.Add(sum(vs) == cnt).WithName(f"count_{r}_{c}")
+            counts.update({(r, c, k): v for k, v in zip(ks, vs)})
+    # Redundant but tightening: every layer of a run is somewhere, every stage holds its interval.
+    for r, (a, b) in enumerate(runs):
+        model.Add(sum(v for (rr, _, _), v in counts.items() if rr == r) == b - a).WithName(f"run_total_{r}")
+    for c in range(stages):
+        in_stage = [v for (_, cc, _), v in counts.items() if cc == c]
+        model.Add(sum(in_stage) == cuts[c + 1] - cuts[c]).WithName(f"stage_size_{c}")
+    return counts
+
+
+def _add_rank_terms(model, table, allowed, runs, cuts, counts, units):
+    """Per pipeline rank: time T ≥ t_j, exposed comm + optimizer ≤ X, memory expression."""
+    c = table.config
+    m = c.microbatches
+    p2p_table = [units(table.p2p_s(q)) for q in range(len(table.graph) + 1)]
+    sends: dict[int, Any] = {}
+    for s in range(1, c.stages):
+        v = model.NewIntVar(0, max(p2p_table), f"p2p_{s}")
+        model.AddElement(cuts[s], p2p_table, v)
+        sends[s] = v
+    big = sum(units(max(p.time_mb_s for p in ps)) for ps in table.prices) + 2 * sum(p2p_table) + 1
+    T = model.NewIntVar(0, big, "rank_time")
+    X = model.NewIntVar(0, 2**50, "tail")
+    memory = []
+    for j in range(c.pp):
+        t_terms, e_terms, o_terms, m_terms = [], [], [], []
+        for (r, s, k), var in counts.items():
+            if c.rank_of_stage(s) != j:
+                continue
+            a = runs[r][0]
+            price = table.prices[a][k]
+            t_terms.append(units(price.time_mb_s) * var)
+            e_terms.append((units(price.dp_comm_s) - units(DP_COMM_OVERLAP * m * price.compute_mb_s)) * var)
+            o_terms.append(units(price.optimizer_s) * var)
+            m_terms.append(table.memory_coefficient(a, k, j) * var)
+        for s in range(1, c.stages):
+            if c.rank_of_stage(s - 1) == j:
+                t_terms.append(sends[s])
+            if c.rank_of_stage(s) == j:
+                t_terms.append(sends[s])
+        model.Add(T >= sum(t_terms)).WithName(f"rank_time_{j}")
+        E = model.NewIntVar(0, 2**50, f"exposed_comm_{j}")
+        model.Add(E >= sum(e_terms)).WithName(f"exposed_comm_{j}")
+        model.Add(X >= E + sum(o_terms)).WithName(f"tail_{j}")
+        memory.append(sum(m_terms) + table.workspace_bytes)
+    return T, X, memory
+
+
+def _hint(model, table, allowed, runs, cuts, counts, cuts_ok) -> None:
+    """Greedy start: evenly spaced cuts, each layer at its least-memory strategy."""
+    stages = table.config.stages
+    if stages > 1 and len(cuts_ok) >= stages - 1:
+        picks = [cuts_ok[round(i * (len(cuts_ok) - 1) / max(stages - 2, 1))] for i in range(stages - 1)]
+        if len(set(picks)) == stages - 1:
+            for s, q in enumerate(picks, start=1):
+                model.AddHint(cuts[s], q)
+
+
+def _extract(solver: cp_model.CpSolver, built: _Model, table: PriceTable,
+             runs: list[tuple[int, int]]) -> tuple[tuple[int, ...], tuple[Strategy, ...]]:
+    cuts = [solver.Value(x) if not isinstance(x, int) else x for x in built.cuts]
+    stages = [0] * len(table.graph)
+    for s in range(len(cuts) - 1):
+        for i in range(cuts[s], cuts[s + 1]):
+            stages[i] = s
+    strategies: list[Strategy | None] = [None] * len(table.graph)
+    for r, (a, b) in enumerate(runs):
+        for s in range(len(cuts) - 1):
+            layers = [i for i in range(max(a, cuts[s]), min(b, cuts[s + 1]))]
+            ks = [k for (rr, ss, k) in built.counts if rr == r and ss == s]
+            for k in sorted(ks):
+                for _ in range(solver.Value(built.counts[(r, s, k)])):
+                    strategies[layers.pop(0)] = table.strategies[a][k]
+    return tuple(stages), tuple(strategies)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- search
+
+
+def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: TrainingSpec, *,
+          pins: Pins | None = None, memory_budget_bytes: int | None = None,
+          options: SolverOptions | None = None) -> Solution:
+    """The fastest plan under the memory budget, by branch and bound over configurations."""
+    start = time.perf_counter()
+    options = options or SolverOptions()
+    pins = pins or Pins()
+    budget = cluster.memory_budget_bytes if memory_budget_bytes is None else memory_budget_bytes
+    layer_pins = pins.resolve_layers([layer.name for layer in graph])
+    cuts_ok = cut_positions(graph)
+    candidates = []
+    for config in enumerate_configs(graph, world_size, cluster, training, pins):
+        table = PriceTable(graph, config, cluster, training)
+        allowed = _allowed(table, layer_pins)
+        if any(not ks for ks in allowed):
+            continue
+        candidates.append((lower_bound_s(table, allowed), config, table, allowed))
+    if not candidates:
+        raise PinError(f"no tensor-parallel degree the pins allow is admitted by the pinned layer styles")
+    candidates.sort(key=lambda x: (x[0], x[1]))
+    search = _Search()
+    for index, (bound, config, table, allowed) in enumerate(candidates):
+        if search.best is not None and bound >= search.best[0]:
+            break
+        remaining = options.time_limit_s - (time.perf_counter() - start)
+        if remaining <= 0:
+            search.open_bounds += [b for b, *_ in candidates[index:]]
+            break
+        _solve_config(search, table, allowed, layer_pins, cuts_ok, budget, remaining, options)
+    wall = time.perf_counter() - start
+    if search.best is None:
+        _raise_infeasible(candidates, layer_pins, cuts_ok, budget, options)
+    step, config, stages, strategies, prediction, table = search.best
+    bound = min([step] + search.open_bounds)
+    gap = max(0.0, (step - bound) / step) if step > 0 else 0.0
+    return Solution(config, stages, strategies, prediction, table,
+                    "OPTIMAL" if gap <= 1e-9 else "FEASIBLE", gap, wall,
+                    len(candidates), search.solved, budget)
+
+
+def _solver(time_limit_s: float, options: SolverOptions) -> cp_model.CpSolver:
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = options.workers
+    solver.parameters.random_seed = options.seed
+    solver.parameters.max_deterministic_time = max(time_limit_s, 0.05)
+    solver.parameters.max_time_in_seconds = max(3 * time_limit_s, 0.1)
+    solver.parameters.log_search_progress = options.log
+    return solver
+
+
+def _solve_config(search: _Search, table: PriceTable, allowed, layer_pins, cuts_ok, budget,
+                  time_limit_s: float, options: SolverOptions) -> None:
+    runs = _runs(table, allowed, layer_pins)
+    largest = max(max(p.time_mb_s, p.dp_comm_s, p.optimizer_s, table.config.microbatches * p.compute_mb_s)
+                  for ps in table.prices for p in ps)
+    units = _Units(max(largest, max(table.p2p_s(q) for q in range(len(table.graph) + 1))))
+    built = _build_model(table, allowed, runs, layer_pins, cuts_ok, budget, units)
+    if search.best is not None:  # prune: only plans that can beat the best so far (with rounding slack)
+        v = table.config.schedule.chunks
+        slack = 4 * (len(table.graph) + table.config.stages) * (table.config.microbatches * v + table.config.pp)
+        built.model.Add(built.objective <= int(search.best[0] * v / units.unit_s) + slack)
+    solver = _solver(time_limit_s, options)
+    status = solver.Solve(built.model)
+    search.solved += 1
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if status == cp_model.UNKNOWN:
+            search.open_bounds.append(lower_bound_s(table, allowed))
+        return
+    stages, strategies = _extract(solver, built, table, runs)
+    prediction = evaluate(table, stages, strategies)
+    if status == cp_model.FEASIBLE:
+        v = table.config.schedule.chunks
+        search.open_bounds.append(solver.BestObjectiveBound() * units.unit_s / v)
+    if search.best is None or prediction.step_time_s < search.best[0]:
+        search.best = (prediction.step_time_s, table.config, stages, strategies, prediction, table)
+
+
+def _raise_infeasible(candidates, layer_pins, cuts_ok, budget: int, options: SolverOptions) -> None:
+    """No configuration fits: find the least memory any plan needs and say so."""
+    best: tuple[int, MeshConfig] | None = None
+    by_memory = sorted(candidates, key=lambda x: _memory_lower_bound(x[2], x[3]))
+    for _, config, table, allowed in by_memory[:4]:
+        runs = _runs(table, allowed, layer_pins)
+        built = _build_model(table, allowed, runs, layer_pins, cuts_ok, None, _Units(1.0))
+        solver = _solver(min(options.time_limit_s, 5.0), options)
+        if solver.Solve(built.model) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            need = int(solver.ObjectiveValue())
+            if best is None or need < best[0]:
+                best = (need, config)
+    if best is None:
+        raise InfeasibleError("no plan satisfies the pins (stage pins and pipeline cuts conflict)",
+                              binding="pins")
+    need, config = best
+    raise InfeasibleError(
+        f"no plan fits in memory: needs {need / GiB:.2f} GiB per rank at best "
+        f"({config.describe()}), budget {budget / GiB:.2f} GiB; use more devices, a smaller "
+        f"batch, or more memory (--memory-gb)",
+        binding="memory", min_memory_bytes=need,
+    )
+
+
+def _memory_lower_bound(table: PriceTable, allowed: list[list[int]]) -> float:
+    pp = table.config.pp
+    least = [min(table.memory_coefficient(i, k, pp - 1) for k in ks) for i, ks in enumerate(allowed)]
+    return table.workspace_bytes + max(sum(least) / pp, max(least))

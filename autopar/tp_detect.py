@@ -1,0 +1,339 @@
+"""Tensor-parallel style detection on a measured layer.
+
+Capture hands this module the FX nodes of one layer with what executing them
+measured (FLOPs, saved activations, output sizes). We look for structures
+whose split we can describe exactly:
+
+* ``megatron`` — inside a submodule P, linears run in order where all but the
+  last read one replicated input of width w (column: split output features)
+  and the last maps the columns' result back to w (row: split input features).
+  Attention inside P needs a known head count, otherwise P is not admitted.
+* ``vocab`` — an ``nn.Embedding`` layer (split the vocabulary), or a layer
+  ending in an LM-head linear with ``out_features >= 8 * in_features``.
+
+Anything we cannot describe exactly is not admitted: a wrong style would make
+the lowering pass compute different numbers than one device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from autopar.graph import TPStyle
+
+_HEAD_ATTRS = ("num_heads", "n_head", "num_attention_heads", "n_heads")
+_KV_ATTRS = ("num_key_value_heads", "n_kv_head", "n_kv_heads")
+_ATTN_OPS = ("softmax", "scaled_dot_product", "matmul", "bmm")
+
+
+@dataclass
+class NodeStats:
+    """What executing one FX node measured; sizes are totals for the example batch."""
+
+    paths: tuple[str, ...] = ()
+    flops: float = 0.0
+    # (bytes, producer node) of every storage first saved for backward here
+    saved: list[tuple[float, fx.Node]] = field(default_factory=list)
+    is_tensor: bool = False
+    holds_tensor: bool = False  # a tensor, or a tuple/list with tensors inside
+    out_numel: int = 0
+    out_bytes: int = 0
+    out_last_dim: int | None = None
+
+
+@dataclass
+class LayerView:
+    """One layer's nodes in graph order plus everything detection needs."""
+
+    model: nn.Module
+    path: str | None
+    nodes: list[fx.Node]
+    stats: dict[fx.Node, NodeStats]
+    batch: int
+    dtype_bytes: int
+
+
+def linear_dims(mod: nn.Module) -> tuple[int, int] | None:
+    """(in, out) features of an nn.Linear or an HF Conv1D (weight stored (in, out))."""
+    if isinstance(mod, nn.Linear):
+        return mod.in_features, mod.out_features
+    w = getattr(mod, "weight", None)
+    if type(mod).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.dim() == 2:
+        return int(w.shape[0]), int(w.shape[1])
+    return None
+
+
+def _numel(mod: nn.Module, skip_bias: bool = False) -> int:
+    return sum(p.numel() for n, p in mod.named_parameters(recurse=False) if not (skip_bias and n == "bias"))
+
+
+def _inside(stats: NodeStats, path: str) -> bool:
+    return path in stats.paths
+
+
+def _attr(mod: nn.Module, names: tuple[str, ...]) -> int | None:
+    """Read a head count from the module itself, else from its ``config``."""
+    for owner in (mod, getattr(mod, "config", None)):
+        if owner is None:
+            continue
+        for name in names:
+            value = getattr(owner, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def _external_inputs(nodes: list[fx.Node], members: set[fx.Node], view: LayerView) -> set[fx.Node]:
+    """Tensor values consumed by ``nodes`` but produced outside ``members`` (params excluded)."""
+    out: set[fx.Node] = set()
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a in members or a.op == "get_attr":
+                continue
+            st = view.stats.get(a)
+            if a.op == "placeholder" or (st is not None and st.is_tensor):
+                out.add(a)
+    return out
+
+
+def _depends_on(start: set[fx.Node], targets: set[fx.Node], stop: set[fx.Node], allowed: set[fx.Node], view: LayerView) -> tuple[bool, bool]:
+    """Walk tensor dataflow back from ``start`` inside ``allowed``: (reaches targets, reaches stop)."""
+    seen: set[fx.Node] = set()
+    todo = list(start)
+    hit_t = hit_s = False
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in targets:
+            hit_t = True
+            continue
+        if n in stop:
+            hit_s = True
+            continue
+        if n not in allowed:
+            continue
+        for a in n.all_input_nodes:
+            st = view.stats.get(a)
+            if a in targets or a in stop or (st is not None and st.holds_tensor):
+                todo.append(a)
+    return hit_t, hit_s
+
+
+def _is_attention(core: list[fx.Node]) -> bool:
+    for n in core:
+        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+        name = str(name).lower()
+        if not any(op in name for op in _ATTN_OPS):
+            continue
+        if ("matmul" in name or "bmm" in name) and any(a.op == "get_attr" for a in n.all_input_nodes):
+            continue
+        return True
+    return False
+
+
+@dataclass
+class _Pair:
+    """One accepted column→row group inside a submodule P."""
+
+    path: str
+    columns: list[str]
+    row: str
+    heads: dict[str, int]
+    divisors: list[int]
+    params: int
+    flops: float
+    act_elems: float
+    allreduce_elems: float
+
+
+def _try_pair(view: LayerView, p_path: str, linears: list[str]) -> _Pair | None:
+    """Check the column→row pattern for the linears of P (in execution order)."""
+    mods = {lp: view.model.get_submodule(lp) for lp in linears}
+    dims = {lp: linear_dims(m) for lp, m in mods.items()}
+    cols, row = linears[:-1], linears[-1]
+    width = dims[cols[0]][0]  # type: ignore[index]
+    if any(dims[c][0] != width for c in cols) or dims[row][1] != width:  # type: ignore[index]
+        return None
+    p_nodes = [n for n in view.nodes if _inside(view.stats[n], p_path)]
+    in_mod = {lp: [n for n in p_nodes if _inside(view.stats[n], lp)] for lp in linears}
+    if any(not v for v in in_mod.values()):
+        return None
+    # every column reads the same replicated value X from outside its module
+    xs = [_external_inputs(in_mod[c], set(in_mod[c]), view) for c in cols]
+    if any(len(x) != 1 for x in xs) or len(set().union(*xs)) != 1:
+        return None
+    x_node = next(iter(xs[0]))
+    first = p_nodes.index(in_mod[cols[0]][0])
+    row_start = p_nodes.index(in_mod[row][0])
+    if any(p_nodes.index(in_mod[c][-1]) > row_start for c in cols):
+        return None
+    col_nodes = {n for c in cols for n in in_mod[c]}
+    core = [n for n in p_nodes[first:row_start] if n not in col_nodes]
+    row_in = _external_inputs(in_mod[row], set(in_mod[row]), view)
+    col_outs = {in_mod[c][-1] for c in cols}
+    hit_cols, hit_x = _depends_on(row_in, col_outs, {x_node}, set(core), view)
+    if not hit_cols or hit_x:
+        return None
+    heads: dict[str, int] = {}
+    divisors = [dims[c][1] for c in cols]  # type: ignore[index]
+    if _is_attention(core):
+        p_mod = view.model.get_submodule(p_path) if p_path else view.model
+        owners = [p_mod] + [m for _, m in p_mod.named_modules() if m is not p_mod]
+        n_heads = next((h for m in owners if (h := _attr(m, _HEAD_ATTRS)) is not None), None)
+        if n_heads is None:
+            return None
+        n_kv = next((h for m in owners if (h := _attr(m, _KV_ATTRS)) is not None), n_heads)
+        heads = {p_path: n_heads, p_path + ".kv": n_kv}
+        divisors = [n_heads, n_kv] + divisors
+    sharded = col_nodes | set(core)
+    act = sum(b for n in sharded | set(in_mod[row]) for b, prod in view.stats[n].saved if prod in sharded)
+    return _Pair(
+        path=p_path,
+        columns=list(cols),
+        row=row,
+        heads=heads,
+        divisors=divisors,
+        params=sum(_numel(mods[c]) for c in cols) + _numel(mods[row], skip_bias=True),
+        flops=sum(view.stats[n].flops for n in sharded | set(in_mod[row])),
+        act_elems=act / view.dtype_bytes,
+        allreduce_elems=float(view.stats[in_mod[row][-1]].out_numel),
+    )
+
+
+def _executed_linears(view: LayerView) -> list[str]:
+    """Linear-like module paths of the layer, in order of first execution."""
+    seen: list[str] = []
+    for n in view.nodes:
+        for path in view.stats[n].paths:
+            if path in seen:
+                continue
+            try:
+                mod = view.model.get_submodule(path)
+            except AttributeError:
+                continue
+            if linear_dims(mod) is not None:
+                seen.append(path)
+    return seen
+
+
+def _megatron(view: LayerView) -> TPStyle | None:
+    """Find minimal submodules P (deepest first) whose linears form a column→row group."""
+    linears = _executed_linears(view)
+    if len(linears) < 2 or view.path is None:
+        return None
+    candidates = {lp.rsplit(".", 1)[0] if "." in lp else "" for lp in linears}
+    for lp in linears:  # every ancestor inside the layer is a candidate too
+        parts = lp.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            anc = ".".join(parts[:i])
+            if anc == view.path or anc.startswith(view.path + "."):
+                candidates.add(anc)
+    candidates = {c for c in candidates if c == view.path or c.startswith(view.path + ".")}
+    used: set[str] = set()
+    pairs: list[_Pair] = []
+    for p_path in sorted(candidates, key=lambda c: -c.count(".") - (c != "")):
+        mine = [lp for lp in linears if lp.startswith(p_path + ".") and lp not in used]
+        if len(mine) < 2:
+            continue
+        pair = _try_pair(view, p_path, mine)
+        if pair is not None:
+            pairs.append(pair)
+            used.update(mine)
+    if not pairs or len(used) != len(linears):
+        return None
+    pairs.sort(key=lambda p: linears.index(p.columns[0]))
+    b = view.batch
+    elems = sum(p.allreduce_elems for p in pairs) / b
+    heads: dict[str, int] = {}
+    for p in pairs:
+        heads.update(p.heads)
+    return TPStyle(
+        name="megatron",
+        column=tuple(c for p in pairs for c in p.columns),
+        row=tuple(p.row for p in pairs),
+        divisors=tuple(sorted(set(d for p in pairs for d in p.divisors))),
+        heads=heads,
+        sharded_params=sum(p.params for p in pairs),
+        sharded_flops_per_sample=sum(p.flops for p in pairs) / b,
+        sharded_activation_elems_per_sample=sum(p.act_elems for p in pairs) / b,
+        fwd_allreduce_elems=elems,
+        fwd_allreduce_count=len(pairs),
+        bwd_allreduce_elems=elems,
+        bwd_allreduce_count=len(pairs),
+    )
+
+
+def _vocab_embedding(view: LayerView) -> TPStyle | None:
+    if view.path is None:
+        return None
+    mod = view.model.get_submodule(view.path)
+    if not isinstance(mod, nn.Embedding):
+        return None
+    out = [n for n in view.nodes if view.stats[n].is_tensor and _inside(view.stats[n], view.path)]
+    if not out:
+        return None
+    elems = view.stats[out[-1]].out_numel / view.batch
+    return TPStyle(
+        name="vocab",
+        vocab=(view.path,),
+        divisors=(mod.num_embeddings,),
+        sharded_params=mod.weight.numel(),
+        fwd_allreduce_elems=elems,
+        fwd_allreduce_count=1,
+    )
+
+
+def _vocab_head(view: LayerView) -> TPStyle | None:
+    """An LM head: the layer's last computing node runs in a wide Linear."""
+    computing = [n for n in view.nodes if view.stats[n].flops > 0]
+    if not computing:
+        return None
+    last = computing[-1]
+    head = next(
+        (p for p in reversed(view.stats[last].paths) if _linear_at(view.model, p) is not None), None
+    )
+    if head is None:
+        return None
+    d_in, d_out = _linear_at(view.model, head)  # type: ignore[misc]
+    if d_out < 8 * d_in:
+        return None
+    mod = view.model.get_submodule(head)
+    nodes = [n for n in view.nodes if _inside(view.stats[n], head)]
+    ext = _external_inputs(nodes, set(nodes), view)
+    in_elems = sum(view.stats[x].out_numel for x in ext if x in view.stats)
+    return TPStyle(
+        name="vocab",
+        column=(head,),
+        vocab=(head,),
+        divisors=(d_out,),
+        sharded_params=_numel(mod),
+        sharded_flops_per_sample=sum(view.stats[n].flops for n in nodes) / view.batch,
+        fwd_allgather_elems=view.stats[nodes[-1]].out_numel / view.batch,
+        bwd_allreduce_elems=in_elems / view.batch,
+        bwd_allreduce_count=1,
+    )
+
+
+def _linear_at(model: nn.Module, path: str) -> tuple[int, int] | None:
+    try:
+        return linear_dims(model.get_submodule(path))
+    except AttributeError:
+        return None
+
+
+def detect_tp_styles(view: LayerView) -> tuple[TPStyle, ...]:
+    """Every tensor-parallel style the layer admits (empty when none is exact)."""
+    styles: list[TPStyle] = []
+    for finder in (_megatron, _vocab_embedding, _vocab_head):
+        style = finder(view)
+        if style is not None:
+            styles.append(style)
+    return tuple(styles)
+
+
+__all__ = ["NodeStats", "LayerView", "detect_tp_styles", "linear_dims"]

@@ -1,0 +1,86 @@
+"""Communication: α-β collectives and point-to-point on a placed process group.
+
+Time ≈ α + bytes · factor / busbw (nccl-tests' bus-bandwidth convention):
+all-reduce factor 2(n−1)/n, all-gather and reduce-scatter (n−1)/n, where
+``bytes`` is the full (unsharded) buffer. A group inside one node runs at the
+NVLink bus bandwidth. A group that spans nodes with ``local`` members per node
+is limited by the NICs those members drive at once (each device's share of
+its node's NICs), and never faster than NVLink: busbw = min(intra, local · nic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from .hardware import ClusterSpec
+
+
+class Collective(Enum):
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+
+
+@dataclass(frozen=True)
+class GroupPlacement:
+    """Where a process group's ranks sit: ``size`` ranks, ``local`` of them per node."""
+
+    size: int
+    local: int
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.size > self.local
+
+
+def place_group(size: int, stride: int, gpus_per_node: int) -> GroupPlacement:
+    """Placement of a mesh axis group of ``size`` ranks spaced ``stride`` apart.
+
+    Ranks are laid out node by node; with the mesh (pp, dp, tp) row-major, the
+    tp group has stride 1, dp stride tp, pp stride dp·tp.
+    """
+    if size <= 1:
+        return GroupPlacement(size=max(size, 1), local=max(size, 1))
+    if stride >= gpus_per_node:
+        return GroupPlacement(size=size, local=1)
+    local = min(size, max(1, gpus_per_node // stride))
+    return GroupPlacement(size=size, local=local)
+
+
+def bus_factor(kind: Collective, n: int) -> float:
+    if n <= 1:
+        return 0.0
+    if kind is Collective.ALL_REDUCE:
+        return 2.0 * (n - 1) / n
+    return (n - 1) / n
+
+
+def bus_bandwidth(group: GroupPlacement, cluster: ClusterSpec) -> float:
+    if not group.spans_nodes:
+        return cluster.intra_node.bandwidth_bytes_s
+    return min(cluster.intra_node.bandwidth_bytes_s, group.local * cluster.nic_bandwidth_per_device)
+
+
+def latency(group: GroupPlacement, cluster: ClusterSpec) -> float:
+    link = cluster.inter_node if group.spans_nodes else cluster.intra_node
+    return link.latency_s
+
+
+def collective_time_s(
+    kind: Collective, nbytes: float, group: GroupPlacement, cluster: ClusterSpec, *, count: int = 1
+) -> float:
+    """Time of ``count`` collectives moving ``nbytes`` (full buffer size) in all."""
+    if group.size <= 1 or nbytes <= 0:
+        return 0.0
+    bw = bus_bandwidth(group, cluster)
+    return count * latency(group, cluster) + nbytes * bus_factor(kind, group.size) / bw
+
+
+def p2p_time_s(nbytes: float, *, inter_node: bool, cluster: ClusterSpec) -> float:
+    """One send/recv of ``nbytes`` between neighbouring pipeline stages."""
+    if nbytes <= 0:
+        return 0.0
+    if inter_node:
+        return cluster.inter_node.latency_s + nbytes / cluster.nic_bandwidth_per_device
+    return cluster.intra_node.latency_s + nbytes / cluster.intra_node.bandwidth_bytes_s

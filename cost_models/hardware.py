@@ -1,0 +1,286 @@
+"""Hardware: devices, links and clusters, with presets and user files.
+
+A cluster is ``nodes`` hosts of ``gpus_per_node`` identical devices. Inside a
+node, devices talk over ``intra_node`` (NVLink: bandwidth is the nccl-tests
+*bus* bandwidth); between nodes over ``inter_node`` (bandwidth is one NIC's),
+with ``nics_per_node`` NICs shared by the node's devices.
+
+Preset figures are public (DESIGN.md "Cost model facts"); compute efficiency
+(``matmul_efficiency``) is fitted to the calibration set — see
+``benchmarks/calibration_set.py``, which prints the fit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+GB = 1e9
+GiB = 2**30
+
+
+class CostModelError(ValueError):
+    """Base class of errors raised by the cost models for bad input."""
+
+
+class ClusterError(CostModelError):
+    """A cluster name is unknown or a cluster description is incomplete or invalid."""
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (or one CPU process in the ``cpu`` preset).
+
+    ``peak_flops_bf16`` / ``peak_flops_fp32`` are dense peak FLOP/s.
+    ``matmul_efficiency`` is the fraction of peak a large training layer
+    reaches (fitted); ``half_efficiency_flops`` is the work per layer call at
+    which efficiency falls to half of that, which makes small microbatches slow.
+    """
+
+    name: str
+    memory_bytes: int
+    peak_flops_bf16: float
+    peak_flops_fp32: float
+    memory_bandwidth_bytes_s: float
+    matmul_efficiency: float
+    half_efficiency_flops: float
+
+    def peak_flops(self, dtype: str) -> float:
+        return self.peak_flops_bf16 if dtype == "bf16" else self.peak_flops_fp32
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """An α-β link: ``latency_s`` per collective or message, ``bandwidth_bytes_s`` bus bandwidth."""
+
+    bandwidth_bytes_s: float
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """``nodes`` × ``gpus_per_node`` devices and the links between them.
+
+    ``memory_reserve_fraction`` of each device's memory is kept back from the
+    planner's budget for the allocator's fragmentation, the CUDA context and
+    communication buffers (a stated reserve, not a fudge: change it per file).
+    """
+
+    name: str
+    device: DeviceSpec
+    gpus_per_node: int
+    nodes: int
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+    nics_per_node: int
+    backend: str = "nccl"
+    memory_reserve_fraction: float = 0.10
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def memory_budget_bytes(self) -> int:
+        return int(self.device.memory_bytes * (1.0 - self.memory_reserve_fraction))
+
+    @property
+    def nic_bandwidth_per_device(self) -> float:
+        """Inter-node bandwidth one device can count on when all devices send at once."""
+        share = min(1.0, self.nics_per_node / self.gpus_per_node)
+        return self.inter_node.bandwidth_bytes_s * share
+
+    def for_world_size(self, world_size: int, nodes: int | None = None) -> "ClusterSpec":
+        """The cluster sized for ``world_size`` ranks (``nodes`` hosts if given).
+
+        Without ``nodes``, full nodes are used (a world smaller than a node uses
+        part of one node). With ``nodes``, the ranks spread evenly over them.
+        """
+        if world_size < 1:
+            raise ClusterError(f"world size must be at least 1, got {world_size}")
+        if nodes is None:
+            if world_size <= self.gpus_per_node:
+                return replace(self, nodes=1, gpus_per_node=world_size)
+            if world_size % self.gpus_per_node:
+                raise ClusterError(
+                    f"world size {world_size} is not a multiple of the {self.gpus_per_node} "
+                    f"devices per node of cluster {self.name!r}; pass --nodes to spread it"
+                )
+            return replace(self, nodes=world_size // self.gpus_per_node)
+        if nodes < 1 or world_size % nodes:
+            raise ClusterError(f"world size {world_size} does not split evenly over {nodes} nodes")
+        per_node = world_size // nodes
+        if per_node > self.gpus_per_node:
+            raise ClusterError(
+                f"{world_size} ranks on {nodes} nodes is {per_node} per node, but cluster "
+                f"{self.name!r} has {self.gpus_per_node} devices per node; use more nodes"
+            )
+        return replace(self, nodes=nodes, gpus_per_node=per_node)
+
+    def with_memory(self, memory_bytes: int) -> "ClusterSpec":
+        """The same cluster with another per-device memory (``--memory-gb``)."""
+        return replace(self, device=replace(self.device, memory_bytes=int(memory_bytes)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "cluster") -> "ClusterSpec":
+        return _cluster_from_dict(data, source)
+
+
+def _validate(c: ClusterSpec) -> None:
+    positive = {
+        "gpus_per_node": c.gpus_per_node,
+        "nodes": c.nodes,
+        "nics_per_node": c.nics_per_node,
+        "device.memory_bytes": c.device.memory_bytes,
+        "device.peak_flops_bf16": c.device.peak_flops_bf16,
+        "device.peak_flops_fp32": c.device.peak_flops_fp32,
+        "device.memory_bandwidth_bytes_s": c.device.memory_bandwidth_bytes_s,
+        "device.matmul_efficiency": c.device.matmul_efficiency,
+        "intra_node.bandwidth_bytes_s": c.intra_node.bandwidth_bytes_s,
+        "inter_node.bandwidth_bytes_s": c.inter_node.bandwidth_bytes_s,
+    }
+    for key, value in positive.items():
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ClusterError(f"cluster {c.name!r}: {key} must be a positive number, got {value!r}")
+    non_negative = {
+        "device.half_efficiency_flops": c.device.half_efficiency_flops,
+        "intra_node.latency_s": c.intra_node.latency_s,
+        "inter_node.latency_s": c.inter_node.latency_s,
+    }
+    for key, value in non_negative.items():
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ClusterError(f"cluster {c.name!r}: {key} must be a number ≥ 0, got {value!r}")
+    if c.device.matmul_efficiency > 1:
+        raise ClusterError(f"cluster {c.name!r}: device.matmul_efficiency must be ≤ 1")
+    if not 0 <= c.memory_reserve_fraction < 1:
+        raise ClusterError(f"cluster {c.name!r}: memory_reserve_fraction must be in [0, 1)")
+    if c.backend not in ("nccl", "gloo"):
+        raise ClusterError(f"cluster {c.name!r}: backend must be 'nccl' or 'gloo', got {c.backend!r}")
+
+
+def _section(data: dict[str, Any], key: str, cls: type, source: str) -> Any:
+    raw = data.get(key)
+    if not isinstance(raw, dict):
+        raise ClusterError(f"{source}: missing section {key!r}")
+    names = [f.name for f in fields(cls) if f.name != "name"]
+    missing = [n for n in names if n not in raw]
+    if missing:
+        raise ClusterError(f"{source}: {key} is missing {', '.join(missing)}")
+    unknown = sorted(set(raw) - set(names) - {"name"})
+    if unknown:
+        raise ClusterError(f"{source}: {key} has unknown fields {', '.join(unknown)}")
+    kwargs = {n: raw[n] for n in names}
+    if cls is DeviceSpec:
+        kwargs["name"] = str(raw.get("name", data.get("name", "device")))
+    return cls(**kwargs)
+
+
+def _cluster_from_dict(data: dict[str, Any], source: str) -> ClusterSpec:
+    if not isinstance(data, dict):
+        raise ClusterError(f"{source}: expected a table of cluster fields")
+    required = ["gpus_per_node", "nics_per_node"]
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise ClusterError(f"{source}: missing {', '.join(missing)}")
+    known = {f.name for f in fields(ClusterSpec)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ClusterError(f"{source}: unknown fields {', '.join(unknown)}")
+    try:
+        return ClusterSpec(
+            name=str(data.get("name", Path(source).stem)),
+            device=_section(data, "device", DeviceSpec, source),
+            gpus_per_node=data["gpus_per_node"],
+            nodes=data.get("nodes", 1),
+            intra_node=_section(data, "intra_node", LinkSpec, source),
+            inter_node=_section(data, "inter_node", LinkSpec, source),
+            nics_per_node=data["nics_per_node"],
+            backend=data.get("backend", "nccl"),
+            memory_reserve_fraction=data.get("memory_reserve_fraction", 0.10),
+        )
+    except TypeError as exc:  # a field of the wrong type reached a comparison
+        raise ClusterError(f"{source}: {exc}") from None
+
+
+# Calibrated compute efficiencies (benchmarks/calibration_set.py fits them):
+# torchtitan Llama 3.1 8B FSDP on 8 H100 (5,762 tok/s/GPU) and 8B / 70B FSDP on
+# 64 A100 (56.8 % / 51.7 % MFU). V100 borrows A100's, H200 H100's (same die).
+H100_EFFICIENCY = 0.40
+A100_EFFICIENCY = 0.57
+# Work per layer call at which a GPU reaches half its large-layer efficiency:
+# about a 1024×1024×1024 bf16 GEMM (2 GFLOP). Not fitted; a stated assumption.
+GPU_HALF_EFFICIENCY_FLOPS = 2e9
+
+_NVLINK_A100 = LinkSpec(bandwidth_bytes_s=230 * GB, latency_s=10e-6)
+_NVLINK_H100 = LinkSpec(bandwidth_bytes_s=370 * GB, latency_s=10e-6)
+_NVLINK_V100 = LinkSpec(bandwidth_bytes_s=130 * GB, latency_s=10e-6)
+_HDR_NIC = LinkSpec(bandwidth_bytes_s=24 * GB, latency_s=20e-6)
+_NDR_NIC = LinkSpec(bandwidth_bytes_s=46 * GB, latency_s=20e-6)
+_EDR_NIC = LinkSpec(bandwidth_bytes_s=11 * GB, latency_s=20e-6)
+
+
+def _gpu(name: str, mem_gib: float, bf16: float, fp32: float, hbm: float, eff: float) -> DeviceSpec:
+    return DeviceSpec(name, int(mem_gib * GiB), bf16 * 1e12, fp32 * 1e12, hbm * GB, eff,
+                      GPU_HALF_EFFICIENCY_FLOPS)
+
+
+def _dgx(name: str, device: DeviceSpec, nvlink: LinkSpec, nic: LinkSpec) -> ClusterSpec:
+    return ClusterSpec(name, device, gpus_per_node=8, nodes=1, intra_node=nvlink,
+                       inter_node=nic, nics_per_node=8)
+
+
+# The local machine: one gloo process per "device", sharing the host's cores and
+# memory. Conservative figures; `autopar calibrate` measures better ones.
+_CPU = ClusterSpec(
+    "cpu",
+    DeviceSpec("cpu", memory_bytes=2 * GiB, peak_flops_bf16=20e9, peak_flops_fp32=20e9,
+               memory_bandwidth_bytes_s=10 * GB, matmul_efficiency=0.5,
+               half_efficiency_flops=1e7),
+    gpus_per_node=8, nodes=1,
+    intra_node=LinkSpec(bandwidth_bytes_s=1 * GB, latency_s=100e-6),
+    inter_node=LinkSpec(bandwidth_bytes_s=1 * GB, latency_s=100e-6),
+    nics_per_node=1, backend="gloo", memory_reserve_fraction=0.25,
+)
+
+PRESETS: dict[str, ClusterSpec] = {
+    c.name: c
+    for c in [
+        _dgx("a100-40g", _gpu("A100-SXM4-40GB", 40, 312, 19.5, 1555, A100_EFFICIENCY), _NVLINK_A100, _HDR_NIC),
+        _dgx("a100-80g", _gpu("A100-SXM4-80GB", 80, 312, 19.5, 2039, A100_EFFICIENCY), _NVLINK_A100, _HDR_NIC),
+        _dgx("h100-80g", _gpu("H100-SXM5-80GB", 80, 989, 67, 3350, H100_EFFICIENCY), _NVLINK_H100, _NDR_NIC),
+        _dgx("h100-96g", _gpu("H100-SXM5-96GB-500W", 95, 989, 67, 3350, H100_EFFICIENCY), _NVLINK_H100, _NDR_NIC),
+        _dgx("h200", _gpu("H200-SXM-141GB", 140, 989, 67, 4800, H100_EFFICIENCY), _NVLINK_H100, _NDR_NIC),
+        _dgx("v100-16g", _gpu("V100-SXM2-16GB", 16, 125, 15.7, 900, A100_EFFICIENCY), _NVLINK_V100, _EDR_NIC),
+        _CPU,
+    ]
+}
+
+
+def load_cluster(name_or_path: str) -> ClusterSpec:
+    """A preset by name, or a cluster from a ``.json`` / ``.toml`` file."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    path = Path(name_or_path)
+    if path.suffix.lower() not in (".json", ".toml"):
+        raise ClusterError(
+            f"unknown cluster {name_or_path!r}: use one of {', '.join(sorted(PRESETS))} "
+            "or a .json/.toml cluster file"
+        )
+    if not path.is_file():
+        raise ClusterError(f"cluster file {name_or_path!r} does not exist")
+    try:
+        text = path.read_text()
+        data = tomllib.loads(text) if path.suffix.lower() == ".toml" else json.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ClusterError(f"cluster file {name_or_path!r} is not valid: {exc}") from None
+    return ClusterSpec.from_dict(data, source=str(path))
