@@ -69,7 +69,7 @@ def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | No
 
 def plan_model(model: Any, example_inputs: Any, world_size: int, **kwargs: Any) -> Plan:
     """Capture ``model`` with ``example_inputs`` and solve (keywords as :func:`solve`)."""
-    from autopar.capture import capture
+    from autopar.capturing import capture
 
     return solve(capture(model, example_inputs), world_size, **kwargs)
 
@@ -143,13 +143,16 @@ def baseline_pins(graph: LayerGraph) -> list[tuple[str, list[str]]]:
     return rows
 
 
-def compare(graph: LayerGraph, world_size: int, **kwargs: Any) -> tuple[Plan | None, list[BaselineResult]]:
-    """The chosen plan beside the baselines, all priced by the same cost model."""
+CHOSEN = "autopar (chosen)"
+
+
+def compare(graph: LayerGraph, world_size: int, **kwargs: Any) -> tuple[BaselineResult, list[BaselineResult]]:
+    """The chosen plan (row named ``CHOSEN``) beside the baselines, all priced by one cost model."""
     user_pins = list(Pins.from_any(kwargs.pop("pins", None)).to_strings())
     try:
-        chosen: Plan | None = solve(graph, world_size, pins=user_pins, **kwargs)
-    except InfeasibleError:
-        chosen = None
+        chosen = BaselineResult(CHOSEN, solve(graph, world_size, pins=user_pins, **kwargs))
+    except InfeasibleError as exc:
+        chosen = BaselineResult(CHOSEN, None, exc.min_memory_bytes, str(exc))
     best: dict[str, BaselineResult] = {}
     for name, pins in baseline_pins(graph):
         try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any, Iterator
 
 import networkx as nx
@@ -59,6 +60,14 @@ class TPStyle:
     def admits(self, tp: int) -> bool:
         """Whether this style can run on ``tp`` ranks (every divisor divisible)."""
         return tp >= 1 and all(d % tp == 0 for d in self.divisors)
+
+    def cost_signature(self) -> tuple:
+        """The style's name and numbers, without module paths: equal signatures price alike."""
+        return (self.name, self.divisors, self.sharded_params,
+                round(self.sharded_flops_per_sample, 3),
+                round(self.sharded_activation_elems_per_sample, 3),
+                self.fwd_allreduce_elems, self.fwd_allreduce_count, self.bwd_allreduce_elems,
+                self.bwd_allreduce_count, self.fwd_allgather_elems)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -114,7 +123,7 @@ class Layer:
             self.param_bytes,
             round(self.activation_bytes_per_sample, 3),
             round(self.input_bytes_per_sample, 3),
-            tuple(json.dumps(s.to_dict(), sort_keys=True) for s in self.tp_styles),
+            tuple(s.cost_signature() for s in self.tp_styles),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -190,6 +199,15 @@ class LayerGraph:
     @property
     def total_flops_per_sample(self) -> float:
         return sum(layer.flops_per_sample for layer in self.layers)
+
+    @cached_property
+    def cost_classes(self) -> tuple[int, ...]:
+        """Per layer, a class id shared by layers that price alike (the repeated blocks)."""
+        ids: dict[tuple, int] = {}
+        return tuple(
+            ids.setdefault(l.cost_signature() + (l.boundary_bytes_per_sample,), len(ids))
+            for l in self.layers
+        )
 
     def layer(self, name: str) -> Layer:
         return self.graph.nodes[name]["layer"]

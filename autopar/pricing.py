@@ -10,8 +10,12 @@ schedule with v chunks per rank), for pipeline rank j:
 
     T_j  = Σ_{layers on j} (compute_fwd+bwd(+re-fwd) + tp_comm) per microbatch
            + point-to-point sends at j's stage boundaries
-    E_j  = max(0, Σ dp_comm_j − OVERLAP · Σ compute_j over the step)   (exposed ZeRO/DP traffic)
+    E_j  = Σ_{layers on j} max(0, dp_comm − OVERLAP · compute over the step)   (exposed DP/ZeRO traffic)
     step = (m + (pp − 1)/v) · max_j T_j + max_j (E_j + optimizer_j)
+
+Each layer's data-parallel collectives hide only under that layer's own
+compute (FSDP2 prefetches one layer ahead), so a layer with no compute, such
+as an embedding, exposes all of its traffic.
 
 and the memory of rank j (integer bytes):
 
@@ -95,6 +99,7 @@ class LayerPrice:
     compute_mb_s: float  # forward + backward (+ recomputed forward) per microbatch
     tp_comm_mb_s: float  # tensor-parallel collectives per microbatch
     dp_comm_s: float  # data-parallel / ZeRO collectives per step
+    exposed_comm_s: float  # the part of dp_comm_s not hidden under the layer's compute
     optimizer_s: float  # optimizer step per step
     state_bytes: int  # weights + gradients + optimizer state held
     activation_mb_bytes: int  # activations kept per microbatch in flight
@@ -102,6 +107,11 @@ class LayerPrice:
     @property
     def time_mb_s(self) -> float:
         return self.compute_mb_s + self.tp_comm_mb_s
+
+    @property
+    def tail_s(self) -> float:
+        """What the layer adds after the pipeline drains: exposed DP traffic and its optimizer step."""
+        return self.exposed_comm_s + self.optimizer_s
 
 
 class PriceTable:
@@ -122,10 +132,15 @@ class PriceTable:
         self.dp_group = place_group(config.dp, config.tp, cluster.gpus_per_node)
         self.pp_inter_node = cluster.nodes > 1 and config.dp * config.tp >= cluster.gpus_per_node
         zeros = zero_stages if config.dp > 1 else (0,)
-        self.strategies: list[list[Strategy]] = [self._strategies(l, zeros) for l in graph]
-        self.prices: list[list[LayerPrice]] = [
-            [self._price(l, s) for s in strategies] for l, strategies in zip(graph, self.strategies)
-        ]
+        # Layers of one cost class (the repeated blocks) share one priced row; a row
+        # is copied before a layer's row is extended (see solver._pinned_outside_search).
+        rows: dict[int, tuple[list[Strategy], list[LayerPrice]]] = {}
+        for layer, cls in zip(graph, graph.cost_classes):
+            if cls not in rows:
+                strategies = self._strategies(layer, zeros)
+                rows[cls] = (strategies, [self._price(layer, s) for s in strategies])
+        self.strategies: list[list[Strategy]] = [rows[c][0] for c in graph.cost_classes]
+        self.prices: list[list[LayerPrice]] = [rows[c][1] for c in graph.cost_classes]
 
     def _strategies(self, layer: Layer, zeros: tuple[int, ...]) -> list[Strategy]:
         styles: list[str | None] = [None]
@@ -183,10 +198,12 @@ class PriceTable:
         tp_comm = tp_comm_fwd + tp_comm_bwd + (tp_comm_fwd if strategy.recompute else 0.0)
         kept = layer.input_bytes_per_sample if strategy.recompute else acts
         params = self.effective_params(layer, strategy)
+        dp_comm = self._dp_comm_s(params, strategy.zero)
         return LayerPrice(
             compute_mb_s=compute,
             tp_comm_mb_s=tp_comm,
-            dp_comm_s=self._dp_comm_s(params, strategy.zero),
+            dp_comm_s=dp_comm,
+            exposed_comm_s=max(0.0, dp_comm - DP_COMM_OVERLAP * c.microbatches * compute),
             optimizer_s=optimizer_shard_params(params, strategy.zero, c.dp)
             * prec.optimizer_bytes_touched / device.memory_bandwidth_bytes_s,
             state_bytes=model_state_bytes(params, strategy.zero, c.dp, prec),
@@ -256,15 +273,14 @@ def evaluate(table: PriceTable, stages: tuple[int, ...], strategies: tuple[Strat
     c = table.config
     pp = c.pp
     t_compute, t_tp, t_p2p = [0.0] * pp, [0.0] * pp, [0.0] * pp
-    dp_comm, overlap, opt = [0.0] * pp, [0.0] * pp, [0.0] * pp
+    exposed, opt = [0.0] * pp, [0.0] * pp
     memory = [table.workspace_bytes] * pp
     for i, (stage, strategy) in enumerate(zip(stages, strategies)):
         k = table.strategies[i].index(strategy)
         price, rank = table.prices[i][k], c.rank_of_stage(stage)
         t_compute[rank] += price.compute_mb_s
         t_tp[rank] += price.tp_comm_mb_s
-        dp_comm[rank] += price.dp_comm_s
-        overlap[rank] += DP_COMM_OVERLAP * c.microbatches * price.compute_mb_s
+        exposed[rank] += price.exposed_comm_s
         opt[rank] += price.optimizer_s
         memory[rank] += table.memory_coefficient(i, k, rank)
     for cut in range(1, len(stages)):
@@ -273,7 +289,7 @@ def evaluate(table: PriceTable, stages: tuple[int, ...], strategies: tuple[Strat
             t_p2p[c.rank_of_stage(stages[cut - 1])] += send  # forward activations
             t_p2p[c.rank_of_stage(stages[cut])] += send  # backward gradients
     per_mb = [t_compute[j] + t_tp[j] + t_p2p[j] for j in range(pp)]
-    tail = [max(0.0, dp_comm[j] - overlap[j]) + opt[j] for j in range(pp)]
+    tail = [exposed[j] + opt[j] for j in range(pp)]
     crit = max(range(pp), key=lambda j: per_mb[j])
     tail_rank = max(range(pp), key=lambda j: tail[j])
     mult, m = float(table.multiplier), c.microbatches
@@ -284,6 +300,6 @@ def evaluate(table: PriceTable, stages: tuple[int, ...], strategies: tuple[Strat
         bubble_s=(mult - m) * per_mb[crit],
         tp_comm_s=m * t_tp[crit],
         pp_comm_s=m * t_p2p[crit],
-        dp_comm_s=tail[tail_rank] - opt[tail_rank],
+        dp_comm_s=exposed[tail_rank],
         optimizer_s=opt[tail_rank],
     )

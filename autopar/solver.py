@@ -21,13 +21,13 @@ Search, in two levels:
      cut_c ∈ allowed cut positions, c = 1..S−1       stage c = layers [cut_c, cut_{c+1})
      cnt_{r,c} = |[a_r, b_r) ∩ [cut_c, cut_{c+1})|   layers of run r in stage c
      n_{r,c,k} ∈ [0, |r|],  Σ_k n_{r,c,k} = cnt_{r,c}  how many of them use strategy k
-     T, E_j ≥ 0, X                                     critical rank time, exposed comm, tail
+     T, X                                              critical rank time, tail
 
    Constraints (each group names the function that adds it)
      contiguity     cut_{c+1} ≥ cut_c + 1 and stage pins       (_add_cuts)
      counts         cnt via min/max of interval ends          (_add_counts)
      rank time      T ≥ Σ_{c on j} Σ n·t + p2p at j's cuts     (_add_rank_terms)
-     exposed comm   E_j ≥ Σ n·(dp_comm − overlap);  X ≥ E_j + Σ n·opt
+     tail           X ≥ Σ_{c on j} Σ n·(exposed dp comm + optimizer)
      memory         Σ n·mem_{r,k,j} + workspace ≤ budget      (memory_j)
 
    Objective (× v, to stay integral): minimise (m·v + pp − 1)·T + v·X,
@@ -53,9 +53,9 @@ from autopar.cost_models.pipeline import Schedule, ScheduleKind
 from autopar.errors import InfeasibleError, PinError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
-from autopar.pricing import DP_COMM_OVERLAP, MeshConfig, PriceTable, Prediction, Strategy, TrainingSpec, evaluate
+from autopar.units import format_bytes
+from autopar.pricing import MeshConfig, PriceTable, Prediction, Strategy, TrainingSpec, evaluate
 
-GiB = 2**30
 INTERLEAVED_CHUNKS = (2, 4)
 TIME_RESOLUTION = 10**7  # the largest time coefficient of a configuration, in integer units
 
@@ -115,7 +115,8 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
     product = math.prod(v for _, v in pinned)
     if world_size % product:
         names = " × ".join(f"{k}={v}" for k, v in pinned)
-        raise PinError(f"world size {world_size} is not a multiple of the pinned {names} = {product}")
+        total = f" = {product}" if len(pinned) > 1 else ""
+        raise PinError(f"world size {world_size} is not a multiple of the pinned {names}{total}")
     if len(pinned) == 3 and product != world_size:
         raise PinError(f"pinned pp × dp × tp = {product} but the world size is {world_size}")
     max_stages = len(cut_positions(graph)) + 1
@@ -181,36 +182,44 @@ def _why_no_config(graph: LayerGraph, world: int, training: TrainingSpec, pins: 
 def _allowed(table: PriceTable, layer_pins: list[dict[str, Any]]) -> list[list[int]]:
     """Indices of each layer's strategies that satisfy its pins."""
     allowed = []
+    memo: dict[tuple, list[int]] = {}
+    classes = table.graph.cost_classes
     for i, (strategies, pin) in enumerate(zip(table.strategies, layer_pins)):
+        key = (classes[i], tuple(sorted(pin.items())))
+        if key in memo:
+            allowed.append(memo[key])
+            continue
         ks = [k for k, s in enumerate(strategies)
               if pin.get("tp", s.tp) == s.tp and pin.get("zero", s.zero) == s.zero
               and pin.get("recompute", s.recompute) == s.recompute]
-        if not ks:
-            ks = _pinned_outside_search(table, i, pin)
-        allowed.append(_undominated(table, i, ks))
+        if not ks:  # a pinned choice outside the search space extends this layer's row only
+            allowed.append(_pinned_outside_search(table, i, pin))
+            continue
+        memo[key] = _undominated(table, i, ks)
+        allowed.append(memo[key])
     return allowed
 
 
 def _undominated(table: PriceTable, i: int, ks: list[int]) -> list[int]:
-    """Drop strategies another one beats or ties on every priced term (time, comm, memory)."""
-    m = table.config.microbatches
+    """Drop strategies another one beats or ties on every priced term (time, tail, memory)."""
 
     def vector(k: int) -> tuple:
         p = table.prices[i][k]
-        return (p.time_mb_s, p.dp_comm_s - DP_COMM_OVERLAP * m * p.compute_mb_s, p.optimizer_s,
-                p.state_bytes, p.activation_mb_bytes)
+        return (p.time_mb_s, p.tail_s, p.state_bytes, p.activation_mb_bytes)
 
     vectors = {k: vector(k) for k in ks}
-    keep = []
-    for k in ks:
-        vk = vectors[k]
-        beaten = any(
-            all(a <= b for a, b in zip(vectors[j], vk)) and (vectors[j] != vk or j < k)
-            for j in ks if j != k
-        )
-        if not beaten:
-            keep.append(k)
-    return keep
+
+    def beaten(k: int) -> bool:
+        t, x, st, act = vectors[k]
+        for j in ks:
+            if j == k:
+                continue
+            tj, xj, sj, aj = vectors[j]
+            if tj <= t and xj <= x and sj <= st and aj <= act and (j < k or vectors[j] != vectors[k]):
+                return True
+        return False
+
+    return [k for k in ks if not beaten(k)]
 
 
 def _pinned_outside_search(table: PriceTable, i: int, pin: dict[str, Any]) -> list[int]:
@@ -225,16 +234,15 @@ def _pinned_outside_search(table: PriceTable, i: int, pin: dict[str, Any]) -> li
         if not layer.tp_style(style).admits(tp):
             return []
     strategy = Strategy(style, pin.get("zero", 0), pin.get("recompute", False))
-    table.strategies[i].append(strategy)
-    table.prices[i].append(table._price(layer, strategy))
+    table.strategies[i] = [*table.strategies[i], strategy]  # copies: the row is shared
+    table.prices[i] = [*table.prices[i], table._price(layer, strategy)]
     return [len(table.strategies[i]) - 1]
 
 
 def _runs(table: PriceTable, allowed: list[list[int]], layer_pins: list[dict]) -> list[tuple[int, int]]:
     """Maximal runs [a, b) of consecutive layers that price alike and are pinned alike."""
     def key(i: int) -> tuple:
-        return (tuple(table.prices[i][k] for k in allowed[i]),
-                tuple(table.strategies[i][k] for k in allowed[i]))
+        return (table.graph.cost_classes[i], tuple(allowed[i]), len(table.strategies[i]))
 
     runs: list[tuple[int, int]] = []
     for i in range(len(table.graph)):
@@ -246,11 +254,67 @@ def _runs(table: PriceTable, allowed: list[list[int]], layer_pins: list[dict]) -
     return runs
 
 
-def lower_bound_s(table: PriceTable, allowed: list[list[int]]) -> float:
-    """Step time no plan of this configuration can beat."""
-    fastest = [min(table.prices[i][k].time_mb_s for k in ks) for i, ks in enumerate(allowed)]
-    per_rank = max(sum(fastest) / table.config.pp, max(fastest))
-    return float(table.multiplier) * per_rank
+def lower_bound_s(table: PriceTable, allowed: list[list[int]], budget: int | None = None,
+                  cuts_ok: list[int] | None = None) -> float:
+    """Step time no plan of this configuration can beat (``inf``: none fits in memory).
+
+    Every rank's time is at least the average over ranks of the layers' summed
+    times, and the layers together must fit in pp × (budget − workspace) bytes
+    (each layer counted at its smallest in-flight multiplier). The best such
+    sum is bounded by the Lagrangian dual of that knapsack, max over λ ≥ 0 of
+    Σ_l min_k (t_lk + λ·mem_lk) − λ·capacity, found by bisection on λ.
+    """
+    c = table.config
+    memo: dict[tuple, float] = {}
+    fastest = []
+    for i, ks in enumerate(allowed):
+        key = (table.graph.cost_classes[i], tuple(ks))
+        if key not in memo:
+            memo[key] = min(table.prices[i][k].time_mb_s for k in ks)
+        fastest.append(memo[key])
+    total = sum(fastest)
+    if budget is not None:
+        total = _knapsack_bound(table, allowed, c.pp * (budget - table.workspace_bytes))
+    if cuts_ok and c.stages > 1:
+        thinnest = min(cuts_ok, key=lambda q: table.graph[q - 1].boundary_bytes_per_sample)
+        total += 2 * (c.stages - 1) * table.p2p_s(thinnest)  # p2p time grows with bytes
+    return float(table.multiplier) * max(total / c.pp, max(fastest))
+
+
+def _knapsack_bound(table: PriceTable, allowed: list[list[int]], capacity: int) -> float:
+    rank = min(range(table.config.pp), key=lambda j: table.in_flight[j])
+    rows: dict[tuple, list[int]] = {}
+    for i, ks in enumerate(allowed):
+        rows.setdefault((table.graph.cost_classes[i], tuple(ks)), []).append(i)
+    groups = [
+        (tuple((table.prices[i][k].time_mb_s, table.memory_coefficient(i, k, rank)) for k in ks), len(members))
+        for (_, ks), members in rows.items() for i in members[:1]
+    ]
+
+    def dual(lam: float) -> tuple[float, float]:
+        value, used = -lam * capacity, 0.0
+        for points, n in groups:
+            t, mem = min(points, key=lambda p: (p[0] + lam * p[1], p[1]))
+            value += n * (t + lam * mem)
+            used += n * mem
+        return value, used - capacity
+
+    value, excess = dual(0.0)
+    if excess <= 0:
+        return value
+    least = sum(n * min(p[1] for p in points) for points, n in groups)
+    if least > capacity:
+        return math.inf
+    lo, hi = 0.0, 1e-15
+    while dual(hi)[1] > 0:
+        lo, hi = hi, hi * 4
+    best = value
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        value, excess = dual(mid)
+        best = max(best, value)
+        lo, hi = (mid, hi) if excess > 0 else (lo, mid)
+    return max(best, dual(hi)[0])
 
 
 # ---------------------------------------------------------------- CP-SAT model
@@ -282,11 +346,11 @@ def _build_model(table: PriceTable, allowed: list[list[int]], runs: list[tuple[i
     model = cp_model.CpModel()
     c = table.config
     cuts = _add_cuts(model, table, layer_pins, cuts_ok)
-    counts = _add_counts(model, runs, allowed, cuts, c.stages)
+    counts = _add_counts(model, runs, allowed, cuts, c)
     peak = None
     obj_t, obj_x, memory = _add_rank_terms(model, table, allowed, runs, cuts, counts, units)
     if budget is None:
-        peak = model.NewIntVar(0, 2**62, "peak_memory")
+        peak = model.NewIntVar(0, 2**60, "peak_memory")
         for j, mem in enumerate(memory):
             model.Add(peak >= mem).WithName(f"peak_memory_{j}")
         model.Minimize(peak)
@@ -324,10 +388,16 @@ def _add_cuts(model: cp_model.CpModel, table: PriceTable, layer_pins: list[dict]
 
 
 def _add_counts(model: cp_model.CpModel, runs: list[tuple[int, int]], allowed: list[list[int]],
-                cuts: list[Any], stages: int) -> dict[tuple[int, int, int], Any]:
-    """n_{r,c,k}: layers of run r in stage c using strategy k."""
-    n_layers = cuts[-1]
-    counts: dict[tuple[int, int, int], Any] = {}
+                cuts: list[Any], config: MeshConfig) -> dict[tuple[int, int, int], Any]:
+    """n_{r,j,k}: layers of run r on pipeline rank j using strategy k.
+
+    Costs depend only on what each rank holds, so strategies are counted per
+    rank, not per stage: stages of one rank are interchangeable, and counting
+    per stage would hand CP-SAT symmetric copies of every solution.
+    """
+    n_layers, stages = cuts[-1], config.stages
+    held: dict[tuple[int, int], list[Any]] = {}
+    in_stage: dict[int, list[Any]] = {c: [] for c in range(stages)}
     for r, (a, b) in enumerate(runs):
         for c in range(stages):
             # stage c can only hold layers c .. L-S+c (every stage holds at least one)
@@ -340,25 +410,27 @@ def _add_counts(model: cp_model.CpModel, runs: list[tuple[int, int]], allowed: l
                 hi = model.NewIntVar(0, n_layers, f"hi_{r}_{c}")
                 model.AddMaxEquality(lo, [a, cuts[c]])
                 model.AddMinEquality(hi, [b, cuts[c + 1]])
-                cnt = model.NewIntVar(0, b - a, f"count_{r}_{c}")
+                cnt = model.NewIntVar(0, b - a, f"layers_{r}_{c}")
                 model.AddMaxEquality(cnt, [hi - lo, 0])
-            ks = allowed[a]
-            vs = [model.NewIntVar(0, b - a, f"n_{r}_{c}_{k}") for k in ks]
-            model.Add(sum(vs) == cnt).WithName(f"count_{r}_{c}")
-            counts.update({(r, c, k): v for k, v in zip(ks, vs)})
-    # Redundant but tightening: every layer of a run is somewhere, every stage holds its interval.
+            held.setdefault((r, config.rank_of_stage(c)), []).append(cnt)
+            in_stage[c].append(cnt)
+    # Redundant but tightening: every stage holds exactly its interval.
+    for c, cnts in in_stage.items():
+        model.Add(sum(cnts) == cuts[c + 1] - cuts[c]).WithName(f"stage_size_{c}")
+    counts: dict[tuple[int, int, int], Any] = {}
+    for (r, j), cnts in held.items():
+        a, b = runs[r]
+        vs = [model.NewIntVar(0, b - a, f"n_{r}_{j}_{k}") for k in allowed[a]]
+        model.Add(sum(vs) == sum(cnts)).WithName(f"strategy_count_{r}_{j}")
+        counts.update({(r, j, k): v for k, v in zip(allowed[a], vs)})
     for r, (a, b) in enumerate(runs):
         model.Add(sum(v for (rr, _, _), v in counts.items() if rr == r) == b - a).WithName(f"run_total_{r}")
-    for c in range(stages):
-        in_stage = [v for (_, cc, _), v in counts.items() if cc == c]
-        model.Add(sum(in_stage) == cuts[c + 1] - cuts[c]).WithName(f"stage_size_{c}")
     return counts
 
 
 def _add_rank_terms(model, table, allowed, runs, cuts, counts, units):
-    """Per pipeline rank: time T ≥ t_j, exposed comm + optimizer ≤ X, memory expression."""
+    """Per pipeline rank: time T ≥ t_j, tail X ≥ x_j, and the memory expression."""
     c = table.config
-    m = c.microbatches
     p2p_table = [units(table.p2p_s(q)) for q in range(len(table.graph) + 1)]
     sends: dict[int, Any] = {}
     for s in range(1, c.stages):
@@ -370,15 +442,14 @@ def _add_rank_terms(model, table, allowed, runs, cuts, counts, units):
     X = model.NewIntVar(0, 2**50, "tail")
     memory = []
     for j in range(c.pp):
-        t_terms, e_terms, o_terms, m_terms = [], [], [], []
-        for (r, s, k), var in counts.items():
-            if c.rank_of_stage(s) != j:
+        t_terms, x_terms, m_terms = [], [], []
+        for (r, jj, k), var in counts.items():
+            if jj != j:
                 continue
             a = runs[r][0]
             price = table.prices[a][k]
             t_terms.append(units(price.time_mb_s) * var)
-            e_terms.append((units(price.dp_comm_s) - units(DP_COMM_OVERLAP * m * price.compute_mb_s)) * var)
-            o_terms.append(units(price.optimizer_s) * var)
+            x_terms.append(units(price.tail_s) * var)
             m_terms.append(table.memory_coefficient(a, k, j) * var)
         for s in range(1, c.stages):
             if c.rank_of_stage(s - 1) == j:
@@ -386,9 +457,7 @@ def _add_rank_terms(model, table, allowed, runs, cuts, counts, units):
             if c.rank_of_stage(s) == j:
                 t_terms.append(sends[s])
         model.Add(T >= sum(t_terms)).WithName(f"rank_time_{j}")
-        E = model.NewIntVar(0, 2**50, f"exposed_comm_{j}")
-        model.Add(E >= sum(e_terms)).WithName(f"exposed_comm_{j}")
-        model.Add(X >= E + sum(o_terms)).WithName(f"tail_{j}")
+        model.Add(X >= sum(x_terms)).WithName(f"tail_{j}")
         memory.append(sum(m_terms) + table.workspace_bytes)
     return T, X, memory
 
@@ -411,13 +480,12 @@ def _extract(solver: cp_model.CpSolver, built: _Model, table: PriceTable,
         for i in range(cuts[s], cuts[s + 1]):
             stages[i] = s
     strategies: list[Strategy | None] = [None] * len(table.graph)
-    for r, (a, b) in enumerate(runs):
-        for s in range(len(cuts) - 1):
-            layers = [i for i in range(max(a, cuts[s]), min(b, cuts[s + 1]))]
-            ks = [k for (rr, ss, k) in built.counts if rr == r and ss == s]
-            for k in sorted(ks):
-                for _ in range(solver.Value(built.counts[(r, s, k)])):
-                    strategies[layers.pop(0)] = table.strategies[a][k]
+    for (r, j, k) in sorted(built.counts):
+        a, b = runs[r]
+        layers = [i for i in range(a, b) if strategies[i] is None
+                  and table.config.rank_of_stage(stages[i]) == j]
+        for i in layers[:solver.Value(built.counts[(r, j, k)])]:
+            strategies[i] = table.strategies[a][k]
     return tuple(stages), tuple(strategies)  # type: ignore[arg-type]
 
 
@@ -440,13 +508,13 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
         allowed = _allowed(table, layer_pins)
         if any(not ks for ks in allowed):
             continue
-        candidates.append((lower_bound_s(table, allowed), config, table, allowed))
+        candidates.append((lower_bound_s(table, allowed, budget, cuts_ok), config, table, allowed))
     if not candidates:
         raise PinError(f"no tensor-parallel degree the pins allow is admitted by the pinned layer styles")
     candidates.sort(key=lambda x: (x[0], x[1]))
     search = _Search()
     for index, (bound, config, table, allowed) in enumerate(candidates):
-        if search.best is not None and bound >= search.best[0]:
+        if math.isinf(bound) or (search.best is not None and bound >= search.best[0]):
             break
         remaining = options.time_limit_s - (time.perf_counter() - start)
         if remaining <= 0:
@@ -477,8 +545,7 @@ def _solver(time_limit_s: float, options: SolverOptions) -> cp_model.CpSolver:
 def _solve_config(search: _Search, table: PriceTable, allowed, layer_pins, cuts_ok, budget,
                   time_limit_s: float, options: SolverOptions) -> None:
     runs = _runs(table, allowed, layer_pins)
-    largest = max(max(p.time_mb_s, p.dp_comm_s, p.optimizer_s, table.config.microbatches * p.compute_mb_s)
-                  for ps in table.prices for p in ps)
+    largest = max(max(p.time_mb_s, p.tail_s) for ps in table.prices for p in ps)
     units = _Units(max(largest, max(table.p2p_s(q) for q in range(len(table.graph) + 1))))
     built = _build_model(table, allowed, runs, layer_pins, cuts_ok, budget, units)
     if search.best is not None:  # prune: only plans that can beat the best so far (with rounding slack)
@@ -490,7 +557,7 @@ def _solve_config(search: _Search, table: PriceTable, allowed, layer_pins, cuts_
     search.solved += 1
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if status == cp_model.UNKNOWN:
-            search.open_bounds.append(lower_bound_s(table, allowed))
+            search.open_bounds.append(lower_bound_s(table, allowed, budget, cuts_ok))
         return
     stages, strategies = _extract(solver, built, table, runs)
     prediction = evaluate(table, stages, strategies)
@@ -518,8 +585,8 @@ def _raise_infeasible(candidates, layer_pins, cuts_ok, budget: int, options: Sol
                               binding="pins")
     need, config = best
     raise InfeasibleError(
-        f"no plan fits in memory: needs {need / GiB:.2f} GiB per rank at best "
-        f"({config.describe()}), budget {budget / GiB:.2f} GiB; use more devices, a smaller "
+        f"no plan fits in memory: needs {format_bytes(need)} per rank at best "
+        f"({config.describe()}), budget {format_bytes(budget)}; use more devices, a smaller "
         f"batch, or more memory (--memory-gb)",
         binding="memory", min_memory_bytes=need,
     )

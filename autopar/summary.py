@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from autopar.plan import LayerPlan, Plan
 
-GiB = 2**30
+from autopar.units import format_bytes
 
 
 def _fold(layers: tuple["LayerPlan", ...]) -> list[tuple[str, "LayerPlan", int]]:
@@ -43,8 +43,8 @@ def render_summary(plan: "Plan") -> str:
         f"step time     {p.step_time_s:.4g} s   {p.tflops_per_gpu:.1f} TFLOP/s per GPU{tokens}",
         f"  breakdown   compute {b.compute_s:.4g} s · bubble {b.bubble_s:.4g} s · tp {b.tp_comm_s:.4g} s"
         f" · dp {b.dp_comm_s:.4g} s · pp {b.pp_comm_s:.4g} s · optimizer {b.optimizer_s:.4g} s",
-        "memory/rank   " + "  ".join(f"s{j}: {x / GiB:.2f}" for j, x in enumerate(p.memory_per_rank_bytes))
-        + f" GiB  (budget {p.memory_budget_bytes / GiB:.2f} GiB)",
+        "memory/rank   " + "  ".join(f"s{j}: {format_bytes(x)}" for j, x in enumerate(p.memory_per_rank_bytes))
+        + f"  (budget {format_bytes(p.memory_budget_bytes)})",
         f"solver        {plan.solver.status}{gap} in {plan.solver.wall_s:.2f} s"
         f" ({plan.solver.configs_solved} of {plan.solver.configs_considered} configurations solved)",
     ]
@@ -57,4 +57,4 @@ def render_summary(plan: "Plan") -> str:
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines += ["", fmt.format(*header), fmt.format(*("-" * w for w in widths))]
     lines += [fmt.format(*r) for r in rows]
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)

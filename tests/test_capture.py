@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autopar.capture import capture
+from autopar.capturing import capture
 from autopar.errors import CaptureError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

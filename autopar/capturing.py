@@ -11,7 +11,9 @@ from that one measured run.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import operator
 import traceback
 from collections import Counter
@@ -75,7 +77,10 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule,
         where = _where_failed(exc, names)
         errors.append(f"symbolic_trace{' in ' + where if where else ''}: {_short(exc)}")
     try:
-        ep = torch.export.export(model, args, kwargs=kwargs, strict=False)
+        # A failed export prints its partial graph to stderr (torch/export/_trace.py);
+        # CaptureError says what failed, so that dump is dropped.
+        with contextlib.redirect_stderr(io.StringIO()):
+            ep = torch.export.export(model, args, kwargs=kwargs, strict=False)
         gm = ep.module()
         return gm, pytree.tree_leaves((args, kwargs)), "export"
     except Exception as exc:  # noqa: BLE001

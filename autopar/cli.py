@@ -1,0 +1,235 @@
+"""The ``autopar`` command: plan a model, show a saved plan, compare with baselines.
+
+    autopar plan examples/gpt.py:gpt3_175b --world-size 1024 --cluster a100-80g --batch-size 1536
+    autopar show plan.json
+    autopar compare examples/gpt.py:gpt2_small --world-size 64
+
+Exit codes: 0 done; 2 bad input (one ``autopar: error: …`` line on stderr, no
+traceback); 3 no feasible plan. Torch is imported only by commands that
+capture a model, so ``show`` starts in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING, Any, NoReturn, Sequence
+
+from autopar.cost_models.hardware import CostModelError
+from autopar.errors import AutoparError, InfeasibleError
+
+if TYPE_CHECKING:
+    from autopar.api import BaselineResult
+    from autopar.graph import LayerGraph
+    from autopar.plan import Plan
+
+EXIT_OK, EXIT_BAD_INPUT, EXIT_INFEASIBLE = 0, 2, 3
+from autopar.units import GiB, format_bytes
+
+
+class _UsageError(Exception):
+    """argparse's complaint, raised instead of printing usage and exiting."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+# ------------------------------------------------------------------ output
+
+
+def _out(text: str) -> None:
+    sys.stdout.write(text + "\n")
+
+
+def _err(message: str) -> None:
+    """One line on stderr, whatever the message holds."""
+    sys.stderr.write("autopar: error: " + " ".join(str(message).split()) + "\n")
+
+
+# ------------------------------------------------------------------ arguments
+
+
+def _add_problem_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by ``plan`` and ``compare``: the model, the cluster, the training step."""
+    p.add_argument("spec", metavar="SPEC",
+                   help="FILE.py:FUNCTION or MODULE:FUNCTION returning (model, inputs)")
+    p.add_argument("--world-size", type=int, required=True, metavar="N", help="number of devices (ranks)")
+    p.add_argument("--cluster", default=None, metavar="NAME|FILE",
+                   help="preset name (a100-80g, h100-80g, cpu, …) or a .json/.toml cluster file")
+    p.add_argument("--nodes", type=int, default=None, metavar="K", help="spread the ranks over K nodes")
+    p.add_argument("--batch-size", type=int, default=None, metavar="B",
+                   help="global batch in samples per step (default: world size)")
+    p.add_argument("--seq-len", type=int, default=None, metavar="S", help="passed to the spec function")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="training precision")
+    p.add_argument("--memory-gb", type=float, default=None, metavar="X",
+                   help="per-rank memory budget in GiB (default: device memory less the reserve)")
+    p.add_argument("--pin", action="append", default=[], metavar="K=V",
+                   help="fix part of the plan, e.g. tp=8 or 'blocks.*:zero=3' (repeatable)")
+    p.add_argument("--time-limit", type=float, default=30.0, metavar="S", help="solver time limit in seconds")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _parser() -> argparse.ArgumentParser:
+    from autopar import __version__
+
+    parser = _Parser(prog="autopar", description="Plan how to parallelise a PyTorch model's training.")
+    parser.add_argument("--version", action="version", version=f"autopar {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    plan = sub.add_parser("plan", help="find the fastest plan that fits")
+    _add_problem_args(plan)
+    plan.add_argument("-o", "--output", default=None, metavar="PLAN.json", help="write the plan as JSON")
+    show = sub.add_parser("show", help="print a saved plan")
+    show.add_argument("plan", metavar="PLAN.json")
+    show.add_argument("--json", action="store_true", help="print the plan's JSON")
+    compare = sub.add_parser("compare", help="the chosen plan beside DDP, ZeRO and Megatron baselines")
+    _add_problem_args(compare)
+    return parser
+
+
+# ------------------------------------------------------------------ commands
+
+
+def _graph(args: argparse.Namespace) -> "LayerGraph":
+    """Load the SPEC and capture it (this is where torch gets imported)."""
+    from autopar.capturing import capture
+    from autopar.spec import load_spec
+
+    model, inputs = load_spec(args.spec, seq_len=args.seq_len)
+    return capture(model, inputs, name=args.spec.rpartition(":")[2])
+
+
+def _solve_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Keywords of :func:`autopar.solve`, with the cheap checks done before torch is imported.
+
+    A typo in ``--cluster`` or ``--pin`` then fails in a fraction of a second
+    instead of after the seconds that loading and capturing the model take.
+    """
+    from autopar.api import memory_budget, resolve_cluster
+    from autopar.pins import Pins
+
+    cluster = resolve_cluster(args.cluster, args.world_size, nodes=args.nodes)
+    memory_budget(cluster, args.memory_gb)
+    pins = Pins.parse(args.pin)
+    pins.check_form()
+    return dict(cluster=cluster, nodes=args.nodes, global_batch=args.batch_size, dtype=args.dtype,
+                memory_gb=args.memory_gb, pins=pins, time_limit_s=args.time_limit)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from autopar.api import solve
+
+    kwargs = _solve_kwargs(args)
+    plan = solve(_graph(args), args.world_size, **kwargs)
+    if args.output:  # written first, so an unwritable path fails before any output
+        plan.save(args.output)
+    _out(plan.to_json() if args.json else plan.summary())
+    if args.output and not args.json:
+        _out(f"\nplan written to {args.output}")
+    return EXIT_OK
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from autopar.plan import Plan
+
+    plan = Plan.load(args.plan)
+    _out(plan.to_json() if args.json else plan.summary())
+    return EXIT_OK
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from autopar.api import compare
+
+    kwargs = _solve_kwargs(args)
+    chosen, baselines = compare(_graph(args), args.world_size, **kwargs)
+    rows = compare_rows(chosen, baselines)
+    _out(json.dumps(rows, indent=2) if args.json else render_compare(rows))
+    if not chosen.fits:
+        _err(chosen.reason)
+        return EXIT_INFEASIBLE
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------ compare table
+
+
+def _row(name: str, plan: "Plan | None", chosen_s: float | None, *,
+         min_memory_bytes: int | None = None, reason: str = "") -> dict[str, Any]:
+    if plan is None:
+        return {"name": name, "fits": False, "min_memory_bytes": min_memory_bytes, "reason": reason}
+    step = plan.predicted.step_time_s
+    return {
+        "name": name, "fits": True,
+        "mesh": {"pp": plan.mesh.pp, "dp": plan.mesh.dp, "tp": plan.mesh.tp},
+        "microbatches": plan.microbatches, "step_time_s": step,
+        "tflops_per_gpu": plan.predicted.tflops_per_gpu,
+        "peak_memory_bytes": max(plan.predicted.memory_per_rank_bytes, default=0),
+        "vs_chosen": step / chosen_s if chosen_s else None,
+    }
+
+
+def compare_rows(chosen: "BaselineResult", baselines: Sequence["BaselineResult"]) -> list[dict[str, Any]]:
+    """Rows of ``autopar compare``: the chosen plan first, then each baseline (JSON-ready)."""
+    chosen_s = chosen.plan.predicted.step_time_s if chosen.plan is not None else None
+    return [_row(b.name, b.plan, chosen_s, min_memory_bytes=b.min_memory_bytes, reason=b.reason)
+            for b in (chosen, *baselines)]
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    if not row["fits"]:
+        need = row.get("min_memory_bytes")
+        why = f"needs {format_bytes(need)}" if need else _shorten(row.get("reason", ""), 48)
+        return [row["name"], "-", "-", "-", "-", "-", f"no ({why})", "-"]
+    m, ratio = row["mesh"], row["vs_chosen"]
+    return [row["name"], f"{m['pp']}×{m['dp']}×{m['tp']}", str(row["microbatches"]),
+            f"{row['step_time_s']:.4g}", f"{row['tflops_per_gpu']:.1f}",
+            f"{row['peak_memory_bytes'] / GiB:.2f}", "yes", f"{ratio:.2f}×" if ratio else "-"]
+
+
+def _shorten(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def render_compare(rows: list[dict[str, Any]]) -> str:
+    """The compare rows as an aligned text table."""
+    header = ["strategy", "mesh pp×dp×tp", "microbatches", "step (s)", "TFLOP/s/GPU",
+              "peak GiB/rank", "fits", "vs chosen"]
+    table = [header] + [_cells(r) for r in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ entry point
+
+_COMMANDS = {"plan": _cmd_plan, "show": _cmd_show, "compare": _cmd_compare}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; bad input is one stderr line and exit 2, no feasible plan exit 3."""
+    try:
+        try:
+            args = _parser().parse_args(argv)
+        except SystemExit as exc:  # --help and --version: argparse has printed them
+            return int(exc.code or 0)
+        return _COMMANDS[args.command](args)
+    except InfeasibleError as exc:
+        _err(str(exc))
+        return EXIT_INFEASIBLE
+    except (AutoparError, CostModelError, _UsageError) as exc:
+        _err(str(exc))
+        return EXIT_BAD_INPUT
+    except OSError as exc:  # a missing or unwritable file named on the command line
+        _err(f"{exc.strerror or exc}: {exc.filename}" if exc.filename else str(exc))
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

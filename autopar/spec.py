@@ -1,0 +1,132 @@
+"""Model SPECs for the CLI: ``path/to/file.py:function`` or ``package.module:function``.
+
+A spec function returns ``(model, example_inputs)``, usually built on the meta
+device, and accepts ``device`` and optionally ``seq_len``. Every way a spec can
+be wrong is a :class:`SpecError` naming the spec, so the CLI can print one line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable
+
+from autopar.errors import SpecError
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _split(spec: str) -> tuple[str, str]:
+    target, sep, func = spec.rpartition(":")
+    if not sep or not target or not func:
+        raise SpecError(f"model spec {spec!r} must be FILE.py:FUNCTION or MODULE:FUNCTION "
+                        "(e.g. examples/gpt.py:gpt3_175b)")
+    return target, func
+
+
+def _is_path(target: str) -> bool:
+    return target.endswith(".py") or "/" in target or "\\" in target
+
+
+def _import_file(spec: str, path: Path) -> ModuleType:
+    """Import a file by path with its directory on sys.path (so its sibling imports work)."""
+    if not path.is_file():
+        raise SpecError(f"model spec {spec!r}: file {str(path)!r} does not exist")
+    name = f"autopar_spec_{abs(hash(str(path.resolve())))}"
+    loader_spec = importlib.util.spec_from_file_location(name, path)
+    if loader_spec is None or loader_spec.loader is None:
+        raise SpecError(f"model spec {spec!r}: cannot import {str(path)!r} as Python")
+    module = importlib.util.module_from_spec(loader_spec)
+    directory = str(path.resolve().parent)
+    sys.path.insert(0, directory)
+    sys.modules[name] = module  # dataclasses and pickling look the module up here
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - any failure of user code is a bad spec
+        sys.modules.pop(name, None)
+        raise SpecError(f"model spec {spec!r}: importing {str(path)!r} failed: {_one_line(exc)}") from exc
+    finally:
+        if directory in sys.path:
+            sys.path.remove(directory)
+    return module
+
+
+def _import_module(spec: str, name: str) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except Exception as exc:  # noqa: BLE001 - ModuleNotFoundError or the module's own error
+        raise SpecError(f"model spec {spec!r}: cannot import module {name!r}: {_one_line(exc)}") from exc
+
+
+def _function(spec: str, module: ModuleType, func: str) -> Callable[..., Any]:
+    fn = getattr(module, func, None)
+    if callable(fn):
+        return fn
+    names = sorted(n for n, v in vars(module).items()
+                   if callable(v) and not n.startswith("_") and not isinstance(v, type)
+                   and getattr(v, "__module__", None) == module.__name__)
+    shown = ", ".join(names[:10]) + (", …" if len(names) > 10 else "")
+    raise SpecError(f"model spec {spec!r}: no function {func!r} in the module"
+                    + (f" (it has: {shown})" if names else " (it defines no functions)"))
+
+
+def _call(spec: str, fn: Callable[..., Any], seq_len: int | None, device: str) -> Any:
+    """Call ``fn`` with the keywords it accepts among seq_len (only if given) and device."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs: dict[str, Any] = {}
+    if seq_len is not None:
+        if "seq_len" not in params and not var_kw:
+            raise SpecError(f"model spec {spec!r}: --seq-len given but {fn.__name__}() "
+                            "takes no seq_len argument")
+        kwargs["seq_len"] = seq_len
+    if "device" in params or var_kw:
+        kwargs["device"] = device
+    try:
+        return fn(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - the spec function's own failure
+        raise SpecError(f"model spec {spec!r}: {fn.__name__}() raised {_one_line(exc)}") from exc
+
+
+def _check_result(spec: str, result: Any) -> tuple[nn.Module, Any]:
+    import torch
+    import torch.nn as nn
+
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module)):
+        what = (f"a {len(result)}-tuple" if isinstance(result, tuple) else type(result).__name__)
+        if isinstance(result, tuple) and len(result) == 2:
+            what = f"({type(result[0]).__name__}, {type(result[1]).__name__})"
+        raise SpecError(f"model spec {spec!r} returned {what}; expected (nn.Module, example_inputs)")
+    model, inputs = result
+    if isinstance(inputs, torch.Tensor):
+        return model, (inputs,)
+    if isinstance(inputs, dict):
+        return model, dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model, tuple(inputs)
+    raise SpecError(f"model spec {spec!r} returned inputs of type {type(inputs).__name__}; "
+                    "expected a tensor, a tuple/list of inputs or a dict of keyword inputs")
+
+
+def load_spec(spec: str, *, seq_len: int | None = None, device: str = "meta") -> tuple[nn.Module, Any]:
+    """The ``(model, example_inputs)`` a SPEC names, inputs normalised for :func:`autopar.capture`."""
+    target, func = _split(spec)
+    if _is_path(target):
+        module = _import_file(spec, Path(target))
+    else:
+        module = _import_module(spec, target)
+    fn = _function(spec, module, func)
+    return _check_result(spec, _call(spec, fn, seq_len, device))

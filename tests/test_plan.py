@@ -1,0 +1,93 @@
+"""Plans are data: JSON round trips, readable summaries, and clear errors for bad files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import autopar
+from autopar.errors import PlanError
+from autopar.plan import SCHEMA, Plan
+
+from synthetic import transformer_graph
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return transformer_graph(8, 2048, 1024, vocab=32768, heads=16)
+
+
+@pytest.fixture(scope="module")
+def plan(graph):
+    return autopar.solve(graph, 16, cluster="a100-40g", global_batch=64, pins=["pp=2"])
+
+
+def test_json_round_trip_is_exact(plan, tmp_path):
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    again = Plan.load(path, fingerprint=plan.fingerprint)
+    assert again == plan
+    data = json.loads(path.read_text())
+    assert data["schema"] == SCHEMA and list(data)[0] == "schema"
+    assert set(data["mesh"]) == {"pp", "dp", "tp"}
+    assert {"name", "stage", "tp", "zero", "recompute"} == set(data["layers"][0])
+    assert set(data["predicted"]["breakdown"]) == {
+        "compute_s", "bubble_s", "tp_comm_s", "dp_comm_s", "pp_comm_s", "optimizer_s"}
+    assert data["solver"]["status"] in ("OPTIMAL", "FEASIBLE") and data["solver"]["wall_s"] >= 0
+    assert data["pins"] == ["pp=2"]
+
+
+def test_prediction_adds_up(plan):
+    b = plan.predicted.breakdown
+    parts = b.compute_s + b.bubble_s + b.tp_comm_s + b.dp_comm_s + b.pp_comm_s + b.optimizer_s
+    assert parts == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
+    assert len(plan.predicted.memory_per_rank_bytes) == plan.mesh.pp
+    assert plan.training["global_batch"] == plan.mesh.dp * plan.microbatches * plan.microbatch_size
+
+
+def test_summary_folds_runs_of_identical_layers(plan):
+    text = plan.summary()
+    assert f"pp={plan.mesh.pp} × dp={plan.mesh.dp} × tp={plan.mesh.tp}" in text
+    assert "TFLOP/s per GPU" in text and "memory/rank" in text and "s1:" in text
+    assert "…" in text  # blocks with the same choices share a row
+    assert len(text.splitlines()) < 10 + len(plan.layers)
+
+
+def test_plan_for_another_model_is_refused(plan, tmp_path):
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    other = transformer_graph(6, 2048, 1024, vocab=32768, heads=16)
+    with pytest.raises(PlanError, match="another model"):
+        Plan.load(path, fingerprint=other.fingerprint())
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda d: d.update(schema="autopar.plan/0"), "schema"),
+    (lambda d: d.pop("mesh"), "missing field 'mesh'"),
+    (lambda d: d["mesh"].update(pp="2"), "wrong type"),
+    (lambda d: d.update(world_size=7), "does not multiply"),
+    (lambda d: d["layers"][0].update(stage=99), "stages"),
+    (lambda d: d["layers"][0].update(zero=7), "zero"),
+    (lambda d: d["predicted"]["breakdown"].update(extra=1), "malformed"),
+])
+def test_bad_plan_files_get_a_clear_error(plan, tmp_path, mutate, message):
+    data = plan.to_dict()
+    mutate(data)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(PlanError, match=message):
+        Plan.load(path)
+
+
+def test_corrupt_and_missing_files(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema": "autopar.plan/1", ')
+    with pytest.raises(PlanError, match="not valid JSON"):
+        Plan.load(bad)
+    binary = tmp_path / "plan.pt"
+    binary.write_bytes(b"\x80\x04\x95pickle")
+    with pytest.raises(PlanError):
+        Plan.load(binary)
+    with pytest.raises(PlanError, match="does not exist"):
+        Plan.load(tmp_path / "nope.json")

@@ -1,0 +1,194 @@
+"""The solver finds the cheapest plan of the cost model: checked against brute force.
+
+The brute force shares only the price table and `evaluate` with the solver: it
+enumerates every configuration, every placement of pipeline cuts and every
+strategy (dominated or not) of every layer, and keeps the fastest plan whose
+every rank fits in the budget.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from autopar.cost_models.hardware import PRESETS, GiB
+from autopar.errors import InfeasibleError, PinError
+from autopar.graph import Layer, LayerGraph, TPStyle
+from autopar.pins import Pins
+from autopar.pricing import PriceTable, TrainingSpec, evaluate
+from autopar.solver import SolverOptions, cut_positions, enumerate_configs, solve
+
+from synthetic import transformer_graph
+
+
+def _rank_frontier(table: PriceTable, layers: list[int], rank: int, budget: int) -> list[tuple[float, float]]:
+    """Every (time, tail) one rank can reach within budget, by enumerating all strategy combinations."""
+    times, tails, mems = np.zeros(1), np.zeros(1), np.full(1, table.workspace_bytes, dtype=np.int64)
+    for i in layers:
+        ks = range(len(table.strategies[i]))
+        t = np.array([table.prices[i][k].time_mb_s for k in ks])
+        x = np.array([table.prices[i][k].tail_s for k in ks])
+        m = np.array([table.memory_coefficient(i, k, rank) for k in ks], dtype=np.int64)
+        times = np.add.outer(times, t).ravel()
+        tails = np.add.outer(tails, x).ravel()
+        mems = np.add.outer(mems, m).ravel()
+        # identical layers make many combinations sum alike: keep each distinct sum once
+        rows = np.unique(np.stack([times.round(15), tails.round(15), mems.astype(np.float64)], axis=1), axis=0)
+        times, tails, mems = rows[:, 0], rows[:, 1], rows[:, 2].astype(np.int64)
+    ok = mems <= budget
+    front: list[tuple[float, float]] = []  # the objective only grows with either: keep the Pareto set
+    for t, x in sorted(set(zip(times[ok].tolist(), tails[ok].tolist()))):
+        if not front or x < front[-1][1]:
+            front.append((t, x))
+    return front
+
+
+def brute_force(graph: LayerGraph, world: int, cluster, training: TrainingSpec, budget: int) -> float:
+    best = math.inf
+    cuts_ok = cut_positions(graph)
+    for config in enumerate_configs(graph, world, cluster, training, Pins()):
+        table = PriceTable(graph, config, cluster, training)
+        mult = float(table.multiplier)
+        for cuts in itertools.combinations(cuts_ok, config.stages - 1):
+            bounds = [0, *cuts, len(graph)]
+            stages = [s for s in range(config.stages) for _ in range(bounds[s], bounds[s + 1])]
+            p2p = [0.0] * config.pp
+            for q in cuts:
+                p2p[config.rank_of_stage(stages[q - 1])] += table.p2p_s(q)
+                p2p[config.rank_of_stage(stages[q])] += table.p2p_s(q)
+            fronts = []
+            for j in range(config.pp):
+                layers = [i for i, s in enumerate(stages) if config.rank_of_stage(s) == j]
+                fronts.append([(t + p2p[j], x) for t, x in _rank_frontier(table, layers, j, budget)])
+            if any(not f for f in fronts):
+                continue
+            for combo in itertools.product(*fronts):
+                best = min(best, mult * max(t for t, _ in combo) + max(x for _, x in combo))
+    return best
+
+
+def _tiny_cluster(memory_gib: float, gpus: int = 4):
+    c = PRESETS["a100-80g"]
+    from dataclasses import replace
+
+    return replace(c, gpus_per_node=gpus, device=replace(c.device, memory_bytes=int(memory_gib * GiB)))
+
+
+CASES = [
+    # (blocks, hidden, seq, world, gpus per node, batch, memory GiB)
+    (2, 1024, 512, 2, 2, 4, 80),  # ample memory
+    (2, 2048, 1024, 4, 4, 8, 6),  # tight: needs sharding or recompute
+    (3, 1024, 1024, 4, 2, 8, 3),  # spans two nodes, tight
+    (4, 512, 256, 8, 4, 8, 80),  # six layers, world 8
+    (4, 2048, 2048, 8, 8, 8, 2.5),  # six layers, very tight
+]
+
+
+@pytest.mark.parametrize("blocks,hidden,seq,world,gpus,batch,mem", CASES)
+def test_solver_matches_brute_force(blocks, hidden, seq, world, gpus, batch, mem):
+    graph = transformer_graph(blocks, hidden, seq, vocab=8192, heads=16)
+    cluster = _tiny_cluster(mem, gpus).for_world_size(world)
+    training = TrainingSpec(batch, "bf16")
+    budget = cluster.memory_budget_bytes
+    expected = brute_force(graph, world, cluster, training, budget)
+    if math.isinf(expected):
+        with pytest.raises(InfeasibleError):
+            solve(graph, world, cluster, training)
+        return
+    solution = solve(graph, world, cluster, training, options=SolverOptions(time_limit_s=60))
+    assert solution.status == "OPTIMAL"
+    assert solution.prediction.step_time_s == pytest.approx(expected, rel=1e-5)
+    assert max(solution.prediction.memory_per_rank_bytes) <= budget
+
+
+def test_same_inputs_same_plan():
+    graph = transformer_graph(8, 2048, 1024, vocab=32768, heads=16)
+    cluster = PRESETS["a100-40g"].for_world_size(32)
+    runs = [solve(graph, 32, cluster, TrainingSpec(64)) for _ in range(2)]
+    assert runs[0].config == runs[1].config
+    assert runs[0].stages == runs[1].stages and runs[0].strategies == runs[1].strategies
+
+
+def test_rediscovers_data_parallel_when_memory_is_ample():
+    graph = transformer_graph(4, 512, 256, vocab=8192, heads=8)  # a small model on big GPUs
+    cluster = PRESETS["a100-80g"].for_world_size(8)
+    solution = solve(graph, 8, cluster, TrainingSpec(64))
+    assert (solution.config.pp, solution.config.tp) == (1, 1)
+    assert solution.config.dp == 8
+
+
+def test_shards_when_memory_is_tight():
+    graph = transformer_graph(24, 4096, 2048, vocab=50304, heads=32)  # ~5B parameters
+    cluster = PRESETS["a100-40g"].for_world_size(16)
+    solution = solve(graph, 16, cluster, TrainingSpec(32))
+    # Plain DP would need 16 bytes per parameter (~80 GB): the plan must shard states.
+    assert any(s.zero >= 1 or s.tp for s in solution.strategies) or solution.config.pp > 1
+    assert max(solution.prediction.memory_per_rank_bytes) <= cluster.memory_budget_bytes
+
+
+def test_tensor_parallel_stays_inside_a_node():
+    graph = transformer_graph(8, 8192, 2048, vocab=50304, heads=64)
+    cluster = PRESETS["a100-80g"].for_world_size(64)
+    solution = solve(graph, 64, cluster, TrainingSpec(64))
+    assert cluster.gpus_per_node % solution.config.tp == 0
+
+
+def test_pins_are_obeyed():
+    graph = transformer_graph(4, 1024, 512, vocab=8192, heads=16)
+    cluster = PRESETS["a100-80g"].for_world_size(8)
+    pins = Pins.parse(["pp=2", "tp=2", "microbatches=4", "schedule=1f1b", "blocks.*:zero=3",
+                       "blocks.0:stage=0", "head:recompute=on"])
+    solution = solve(graph, 8, cluster, TrainingSpec(16), pins=pins)
+    c = solution.config
+    assert (c.pp, c.dp, c.tp, c.microbatches, c.schedule.name) == (2, 2, 2, 4, "1f1b")
+    names = [l.name for l in graph]
+    for name, stage, s in zip(names, solution.stages, solution.strategies):
+        if name.startswith("blocks."):
+            assert s.zero == 3
+    assert solution.stages[names.index("blocks.0")] == 0
+    assert solution.strategies[names.index("head")].recompute
+
+
+def test_everything_pinned_prices_the_hand_made_plan():
+    graph = transformer_graph(2, 1024, 512, vocab=8192, heads=16)
+    cluster = PRESETS["a100-80g"].for_world_size(4)
+    pins = Pins.parse(["pp=1", "dp=4", "tp=1", "microbatches=1", "zero=0", "recompute=none"])
+    solution = solve(graph, 4, cluster, TrainingSpec(8), pins=pins)
+    table = solution.table
+    again = evaluate(table, solution.stages, solution.strategies)
+    assert again.step_time_s == solution.prediction.step_time_s
+    assert all(s.zero == 0 and not s.recompute and s.tp is None for s in solution.strategies)
+
+
+def test_infeasible_names_memory_and_the_least_that_fits():
+    graph = transformer_graph(4, 4096, 2048, vocab=50304, heads=32)
+    cluster = PRESETS["a100-80g"].for_world_size(2)
+    with pytest.raises(InfeasibleError) as err:
+        solve(graph, 2, cluster, TrainingSpec(2), memory_budget_bytes=1 * GiB)
+    assert err.value.binding == "memory"
+    assert err.value.min_memory_bytes > 1 * GiB
+    assert "per rank at best" in str(err.value) and "budget 1.00 GiB" in str(err.value)
+    # and the reported minimum does fit
+    solution = solve(graph, 2, cluster, TrainingSpec(2), memory_budget_bytes=err.value.min_memory_bytes)
+    assert max(solution.prediction.memory_per_rank_bytes) <= err.value.min_memory_bytes
+
+
+@pytest.mark.parametrize("pins,message", [
+    (["tp=3"], "not a multiple"),
+    (["pp=2", "dp=2", "tp=1"], "world size is 8"),
+    (["pp=8"], "pipeline stages"),
+    (["dp=8", "microbatches=3"], "does not divide"),
+    (["nosuch.*:zero=1"], "names no layer"),
+    (["zero=3", "blocks.*:zero=1"], "contradict"),
+    (["blocks.1:stage=0", "blocks.0:stage=1"], "backwards"),
+    (["blocks.0:tp=colwise", "tp=2"], "no tensor-parallel style"),
+    (["pp=1", "schedule=1f1b"], "contradict"),
+])
+def test_bad_pins_are_named(pins, message):
+    graph = transformer_graph(4, 1024, 512, vocab=8192, heads=16)
+    cluster = PRESETS["a100-80g"].for_world_size(8)
+    with pytest.raises(PinError, match=message):
+        solve(graph, 8, cluster, TrainingSpec(16), pins=Pins.parse(pins))
