@@ -360,7 +360,7 @@ def _build_model(table: PriceTable, allowed: list[list[int]], runs: list[tuple[i
         v = c.schedule.chunks
         objective = (c.microbatches * v + c.pp - 1) * obj_t + v * obj_x
         model.Minimize(objective)
-    _hint(model, table, allowed, runs, cuts, counts, cuts_ok)
+    _hint(model, table, cuts, cuts_ok)
     return _Model(model, cuts, counts, None if budget is None else objective, peak)
 
 
@@ -375,7 +375,6 @@ def _add_cuts(model: cp_model.CpModel, table: PriceTable, layer_pins: list[dict]
     cuts.append(n_layers)
     for s in range(1, stages):
         model.Add(cuts[s + 1] >= cuts[s] + 1).WithName(f"contiguity_{s}")
-    model.Add(cuts[1] >= 1).WithName("contiguity_0") if stages > 1 else None
     for i, pin in enumerate(layer_pins):
         if "stage" in pin:
             s = pin["stage"]
@@ -462,8 +461,8 @@ def _add_rank_terms(model, table, allowed, runs, cuts, counts, units):
     return T, X, memory
 
 
-def _hint(model, table, allowed, runs, cuts, counts, cuts_ok) -> None:
-    """Greedy start: evenly spaced cuts, each layer at its least-memory strategy."""
+def _hint(model: cp_model.CpModel, table: PriceTable, cuts: list[Any], cuts_ok: list[int]) -> None:
+    """Start the search from evenly spaced cuts."""
     stages = table.config.stages
     if stages > 1 and len(cuts_ok) >= stages - 1:
         picks = [cuts_ok[round(i * (len(cuts_ok) - 1) / max(stages - 2, 1))] for i in range(stages - 1)]

@@ -212,11 +212,12 @@ def _cluster_from_dict(data: dict[str, Any], source: str) -> ClusterSpec:
         raise ClusterError(f"{source}: {exc}") from None
 
 
-# Calibrated compute efficiencies (benchmarks/calibration_set.py fits them):
-# torchtitan Llama 3.1 8B FSDP on 8 H100 (5,762 tok/s/GPU) and 8B / 70B FSDP on
-# 64 A100 (56.8 % / 51.7 % MFU). V100 borrows A100's, H200 H100's (same die).
-H100_EFFICIENCY = 0.40
-A100_EFFICIENCY = 0.57
+# Fitted compute efficiencies: `python benchmarks/calibration_set.py --fit`
+# reproduces them from torchtitan's Llama 3.1 runs (8B FSDP on 8 and 128 H100;
+# 8B and 70B FSDP on 64 A100), geometric mean per family. V100 borrows A100's,
+# H200 H100's (same compute die).
+H100_EFFICIENCY = 0.334
+A100_EFFICIENCY = 0.609
 # Work per layer call at which a GPU reaches half its large-layer efficiency:
 # about a 1024×1024×1024 bf16 GEMM (2 GFLOP). Not fitted; a stated assumption.
 GPU_HALF_EFFICIENCY_FLOPS = 2e9
@@ -240,7 +241,8 @@ def _dgx(name: str, device: DeviceSpec, nvlink: LinkSpec, nic: LinkSpec) -> Clus
 
 
 # The local machine: one gloo process per "device", sharing the host's cores and
-# memory. Conservative figures; `autopar calibrate` measures better ones.
+# memory. Conservative figures for a small CPU host; a cluster file can carry
+# measured ones.
 _CPU = ClusterSpec(
     "cpu",
     DeviceSpec("cpu", memory_bytes=2 * GiB, peak_flops_bf16=20e9, peak_flops_fp32=20e9,
