@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
+from autopar import twins
 from autopar.errors import CaptureError
 from autopar.graph import Layer, LayerGraph
 from autopar.tp_detect import LayerView, NodeStats, detect_tp_styles
@@ -192,6 +193,79 @@ def _sdpa_flops(n: fx.Node, interp: fx.Interpreter) -> float:
     return float(2 * batch_heads * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1]))
 
 
+class _TwinLayers:
+    """Follows the meter from layer to layer: records measured layers, replays their twins.
+
+    On entering a layer it computes the layer's signature (structure plus
+    input metadata, :mod:`autopar.twins`); if a measured layer had the same
+    one, the layer's stats are set from it and its nodes are not executed.
+    Otherwise the layer runs and, on leaving it, becomes a record — unless it
+    touched real data or changed its inputs' metadata in place.
+    """
+
+    def __init__(self, runs: list[tuple[str | None, list[fx.Node]]], node_layer: dict[fx.Node, int]):
+        self.runs = runs
+        self.node_layer = node_layer
+        self.records: dict[tuple, list[twins.LayerRecord]] = {}
+        self.layer: int | None = None
+        self.replayed: dict[fx.Node, Any] | None = None
+        self.recording: tuple[tuple, list, list[torch.Tensor]] | None = None
+
+    def real_data_seen(self) -> None:
+        """A value with real data: its layer's results may depend on data, never reuse them."""
+        self.recording = None
+
+    def step(self, meter: "_Meter", n: fx.Node) -> tuple[bool, Any]:
+        """Before node ``n`` runs: (True, its value) if its layer is replayed, else (False, None)."""
+        layer = self.node_layer.get(n)
+        if layer != self.layer and (layer is not None or n.op == "output"):
+            self._leave(meter)
+            if layer is not None:
+                self._enter(meter, layer)
+        if self.replayed is not None and layer is not None:
+            return True, self.replayed.get(n)
+        return False, None
+
+    def _enter(self, meter: "_Meter", layer: int) -> None:
+        self.layer = layer
+        key, nodes = self.runs[layer]
+        try:
+            static, ext_nodes = twins.static_signature(meter.module, key, nodes)
+            values = [self._input_value(meter, e) for e in ext_nodes]
+            inputs_sig, inputs = twins.input_signature(values, meter.state_keys)
+        except Exception:  # noqa: BLE001 - anything unusual: measure the layer, record nothing
+            return
+        signature = (static, inputs_sig)
+        for record in self.records.get(signature, []):
+            try:
+                self.replayed = twins.replay(record, nodes, inputs, meter)
+                return
+            except Exception:  # noqa: BLE001 - this record cannot serve; try the next or execute
+                continue
+        self.recording = (signature, values, inputs)
+
+    @staticmethod
+    def _input_value(meter: "_Meter", node: fx.Node) -> Any:
+        """The value of an input of the layer being entered (a get_attr may sit later in the graph)."""
+        if node in meter.env:
+            return meter.env[node]
+        if node.op == "get_attr":
+            return meter.fetch_attr(str(node.target))
+        raise twins.NotReplayable(f"input {node.name} has no value yet")
+
+    def _leave(self, meter: "_Meter") -> None:
+        if self.recording is not None and self.layer is not None:
+            signature, values, inputs = self.recording
+            try:
+                if twins.input_signature(values, meter.state_keys)[0] != signature[1]:
+                    raise twins.NotReplayable("the layer changed its inputs in place")
+                record = twins.make_record(signature, self.runs[self.layer][1], inputs, meter)
+                self.records.setdefault(signature, []).append(record)
+            except Exception:  # noqa: BLE001 - not a usable record; the measurement stands
+                pass
+        self.layer = self.replayed = self.recording = None
+
+
 class _Meter(fx.Interpreter):
     """Executes the graph once, measuring FLOPs and saved activations per node.
 
@@ -201,20 +275,27 @@ class _Meter(fx.Interpreter):
     address cannot be reused by another tensor during the run.
     """
 
-    def __init__(self, gm: fx.GraphModule, state_keys: set[int]):
+    def __init__(self, gm: fx.GraphModule, state_keys: set[int], runs: list[tuple[str | None, list[fx.Node]]],
+                 node_layer: dict[fx.Node, int], replay: bool = True):
         super().__init__(gm, garbage_collect_values=True)
         self.stats: dict[fx.Node, NodeStats] = {}
         self.state_keys = state_keys
-        self.seen: set[int] = set()
-        self.producer: dict[int, fx.Node] = {}
+        self.seen: set[Any] = set()
+        self.producer: dict[Any, fx.Node] = {}
         self.keep: list[torch.Tensor] = []
         self.current: fx.Node | None = None
         self.counter = FlopCounterMode(display=False)
+        # every save attempt per node, (storage key, bytes, producer), for twin replay
+        self.events: dict[fx.Node, list[twins.Event]] = {}
+        self.twins = _TwinLayers(runs, node_layer) if replay else None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key, nbytes = _storage_key(t)
         node = self.current
-        if node is None or key in self.state_keys or key in self.seen:
+        if node is None:
+            return t
+        self.events.setdefault(node, []).append((key, float(nbytes), self.producer.get(key, node)))
+        if key in self.state_keys or key in self.seen:
             return t
         self.seen.add(key)
         self.keep.append(t)
@@ -229,6 +310,10 @@ class _Meter(fx.Interpreter):
             self.keep.append(t)  # pin the storage: its address must not be reused this run
 
     def run_node(self, n: fx.Node) -> Any:
+        if self.twins is not None:
+            replayed, value = self.twins.step(self, n)
+            if replayed:
+                return value
         self.current = n
         st = self.stats[n] = NodeStats(paths=_stack_paths(n))
         before = self.counter.get_total_flops()
@@ -243,6 +328,8 @@ class _Meter(fx.Interpreter):
             if isinstance(t, torch.Tensor):
                 self._note(t)
                 st.holds_tensor = True
+                if not t.is_meta and self.twins is not None:
+                    self.twins.real_data_seen()
         if isinstance(result, torch.Tensor):
             st.is_tensor = True
             st.out_numel = result.numel()
@@ -267,6 +354,7 @@ class _Meter(fx.Interpreter):
                 self._pack(t)
         lse_bytes = result.numel() // max(int(result.shape[-1]), 1) * 4
         self.stats[n].saved.append((float(lse_bytes), n))
+        self.events.setdefault(n, []).append((None, float(lse_bytes), n))
         return result
 
     def measure(self, flat_inputs: list) -> dict[fx.Node, NodeStats]:
@@ -392,15 +480,26 @@ def _layer_costs(
     return inputs, boundary, cut_ok, edges
 
 
-def capture(model: nn.Module, example_inputs: tuple | dict | torch.Tensor, *, name: str | None = None) -> LayerGraph:
-    """Trace ``model`` on ``example_inputs`` (meta is fine) into a LayerGraph with per-sample costs."""
+def capture(
+    model: nn.Module,
+    example_inputs: tuple | dict | torch.Tensor,
+    *,
+    name: str | None = None,
+    replay_twins: bool = True,
+) -> LayerGraph:
+    """Trace ``model`` on ``example_inputs`` (meta is fine) into a LayerGraph with per-sample costs.
+
+    ``replay_twins=False`` executes every layer instead of replaying layers
+    identical to one already measured (see :mod:`autopar.twins`); the result
+    is the same, only slower — kept for testing that claim.
+    """
     args, kwargs = _split_inputs(model, example_inputs)
     gm, flat, tracer = _trace(model, args, kwargs)
     runs, node_layer = _group_layers(gm, model)
     if not runs:
         raise CaptureError(f"cannot capture {type(model).__name__}: the traced graph computes nothing")
     try:
-        stats = _Meter(gm, _state_keys(model, gm)).measure(flat)
+        stats = _Meter(gm, _state_keys(model, gm), runs, node_layer, replay=replay_twins).measure(flat)
     except Exception as exc:  # noqa: BLE001
         raise CaptureError(
             f"cannot capture {type(model).__name__}: running the {tracer} graph on the example inputs failed: {_short(exc)}"

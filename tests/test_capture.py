@@ -255,6 +255,71 @@ def test_hugging_face_models(kind, device):
         assert all(p.is_meta for p in model.parameters())
 
 
+# ----------------------------------------------------------------------------- twin replay
+
+
+def _hf_gpt2_3_layers():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    with torch.device("meta"):
+        cfg = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, vocab_size=128, n_positions=64, use_cache=False)
+        model = transformers.GPT2LMHeadModel(cfg)
+        ids = torch.zeros(2, 16, dtype=torch.long)
+    return model, {"input_ids": ids}
+
+
+class _SavesItsOutput(nn.Module):
+    """Ends in a ReLU (saves its output, the next block's input); an in-place ReLU on its input."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.lin(torch.relu_(x * 1.0)))
+
+
+def _relu_chain():
+    with torch.device("meta"):
+        return nn.Sequential(*[_SavesItsOutput() for _ in range(5)]), (torch.zeros(3, 8),)
+
+
+TWIN_CASES = {
+    "relu-chain": (_relu_chain, 3),
+    "gpt-6": (lambda: _example("gpt").gpt(n_layer=6, d_model=64, n_head=4, vocab_size=128, seq_len=32), 5),
+    "gpt-6-cpu": (lambda: _example("gpt").gpt(n_layer=6, d_model=64, n_head=4, vocab_size=128, seq_len=32,
+                                              device="cpu"), 0),
+    "llama-6": (lambda: _example("llama").build(_example("llama").LlamaConfig(128, 32, 6, 64, 128, 4, 2)), 5),
+    "mlp": (lambda: _example("mlp").mlp(), 6),
+    "hf-gpt2-3": (_hf_gpt2_3_layers, 2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TWIN_CASES))
+def test_twin_replay_matches_full_execution(case, monkeypatch):
+    """Replaying twin layers gives exactly what executing every layer gives, and does replay."""
+    from autopar import twins
+
+    build, expected_replays = TWIN_CASES[case]
+    model, inputs = build()
+    full = capture(model, inputs, replay_twins=False)
+    replays = []
+    real_replay = twins.replay
+
+    def counting_replay(*args):
+        values = real_replay(*args)
+        replays.append(args[1])
+        return values
+
+    monkeypatch.setattr(twins, "replay", counting_replay)
+    fast = capture(model, inputs)
+    assert len(replays) == expected_replays
+    assert fast.fingerprint() == full.fingerprint()
+    assert fast.to_dict() == full.to_dict()
+    for a, b in zip(fast, full):
+        assert a == b  # every Layer field, styles included
+
+
 # ----------------------------------------------------------------------------- failures
 
 
