@@ -132,6 +132,7 @@ class PriceTable:
         self.dp_group = place_group(config.dp, config.tp, cluster.gpus_per_node)
         self.pp_inter_node = cluster.nodes > 1 and config.dp * config.tp >= cluster.gpus_per_node
         zeros = zero_stages if config.dp > 1 else (0,)
+        self._style_memo: dict[tuple[int, str | None], tuple[float, float, float, float, float]] = {}
         # Layers of one cost class (the repeated blocks) share one priced row; a row
         # is copied before a layer's row is extended (see solver._pinned_outside_search).
         rows: dict[int, tuple[list[Strategy], list[LayerPrice]]] = {}
@@ -172,16 +173,21 @@ class PriceTable:
         sharded = layer.tp_style(strategy.tp).sharded_params
         return layer.param_count - sharded + math.ceil(sharded / self.config.tp)
 
-    def _price(self, layer: Layer, strategy: Strategy) -> LayerPrice:
-        c, b, prec = self.config, self.microbatch_size, self.prec
+    def _style_part(self, layer: Layer, style_name: str | None) -> tuple[float, float, float, float, float]:
+        """What a tensor-parallel style (or none) sets, whatever the ZeRO stage and recompute:
+        forward and backward compute, forward and backward tp communication, saved activations."""
+        key = (id(layer), style_name)
+        if key in self._style_memo:
+            return self._style_memo[key]
+        c, b = self.config, self.microbatch_size
         flops, acts = layer.flops_per_sample, layer.activation_bytes_per_sample
         tp_comm_fwd = tp_comm_bwd = 0.0
-        if strategy.tp is not None:
-            style = layer.tp_style(strategy.tp)
+        if style_name is not None:
+            style = layer.tp_style(style_name)
             flops -= style.sharded_flops_per_sample * (1 - 1 / c.tp)
             sharded_act = style.sharded_activation_elems_per_sample * self.graph.dtype_bytes
             acts -= sharded_act * (1 - 1 / c.tp)
-            elem = prec.activation_bytes * b
+            elem = self.prec.activation_bytes * b
             tp_comm_fwd = collective_time_s(
                 Collective.ALL_REDUCE, style.fwd_allreduce_elems * elem, self.tp_group,
                 self.cluster, count=style.fwd_allreduce_count,
@@ -194,6 +200,12 @@ class PriceTable:
         device, dtype = self.cluster.device, self.dtype_for_compute
         fwd = compute_time_s(b * flops, device, dtype)
         bwd = compute_time_s(BACKWARD_FLOPS_FACTOR * b * flops, device, dtype)
+        self._style_memo[key] = (fwd, bwd, tp_comm_fwd, tp_comm_bwd, acts)
+        return self._style_memo[key]
+
+    def _price(self, layer: Layer, strategy: Strategy) -> LayerPrice:
+        c, b, prec, device = self.config, self.microbatch_size, self.prec, self.cluster.device
+        fwd, bwd, tp_comm_fwd, tp_comm_bwd, acts = self._style_part(layer, strategy.tp)
         compute = fwd + bwd + (fwd if strategy.recompute else 0.0)
         tp_comm = tp_comm_fwd + tp_comm_bwd + (tp_comm_fwd if strategy.recompute else 0.0)
         kept = layer.input_bytes_per_sample if strategy.recompute else acts
