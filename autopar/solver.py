@@ -568,13 +568,22 @@ def _solve_config(search: _Search, table: PriceTable, allowed, layer_pins, cuts_
 
 
 def _raise_infeasible(candidates, layer_pins, cuts_ok, budget: int, options: SolverOptions) -> None:
-    """No configuration fits: find the least memory any plan needs and say so."""
+    """No configuration fits: find the least memory any plan needs and say so.
+
+    Branch and bound again, on memory: configurations in order of a lower bound
+    on their peak memory, each solved for its least peak, until the bound
+    reaches the least found (or the time limit ends the search).
+    """
+    start = time.perf_counter()
     best: tuple[int, MeshConfig] | None = None
-    by_memory = sorted(candidates, key=lambda x: _memory_lower_bound(x[2], x[3]))
-    for _, config, table, allowed in by_memory[:4]:
+    by_memory = sorted(((_memory_lower_bound(x[2], x[3]), x) for x in candidates), key=lambda y: y[0])
+    for bound, (_, config, table, allowed) in by_memory:
+        remaining = options.time_limit_s - (time.perf_counter() - start)
+        if (best is not None and bound >= best[0]) or remaining <= 0:
+            break
         runs = _runs(table, allowed, layer_pins)
         built = _build_model(table, allowed, runs, layer_pins, cuts_ok, None, _Units(1.0))
-        solver = _solver(min(options.time_limit_s, 5.0), options)
+        solver = _solver(remaining, options)
         if solver.Solve(built.model) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             need = int(solver.ObjectiveValue())
             if best is None or need < best[0]:
