@@ -30,6 +30,9 @@ _EXPORTS: dict[str, str] = {
     "Layer": "autopar.graph", "LayerGraph": "autopar.graph", "TPStyle": "autopar.graph",
     "Pins": "autopar.pins",
     "Plan": "autopar.plan",
+    "compile": "autopar.runtime", "ParallelModel": "autopar.runtime",
+    "BatchError": "autopar.errors", "LaunchError": "autopar.errors",
+    "LoweringError": "autopar.errors",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -379,8 +379,9 @@ def _state_keys(model: nn.Module, gm: fx.GraphModule) -> set[int]:
 
 def _param_owners(
     model: nn.Module, gm: fx.GraphModule, runs: list[tuple[str | None, list[fx.Node]]], node_layer: dict[fx.Node, int]
-) -> dict[str, int]:
-    """Canonical parameter FQN → owning layer index (module prefix first, else first user)."""
+) -> tuple[dict[str, int], dict[str, set[int]]]:
+    """Canonical parameter FQN → owning layer index (module prefix first, else first user),
+    and → every layer that uses it (more than one for tied weights)."""
     canon = dict(model.named_parameters())
     by_id = {id(p): name for name, p in canon.items()}
     alias = {n: by_id[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if id(p) in by_id}
@@ -390,7 +391,7 @@ def _param_owners(
             if key is not None and name.startswith(key + "."):
                 owners[name] = i
                 break
-    first_use: dict[str, int] = {}
+    users: dict[str, set[int]] = {}
     for node in gm.graph.nodes:
         used: list[tuple[str, list[int]]] = []
         if node.op == "get_attr":
@@ -401,11 +402,11 @@ def _param_owners(
         for fqn, layers in used:
             name = alias.get(fqn)
             if name is not None and layers:
-                first_use[name] = min(first_use.get(name, len(runs)), min(layers))
+                users.setdefault(name, set()).update(layers)
     for name in canon:
         if name not in owners:
-            owners[name] = first_use.get(name, 0)
-    return owners
+            owners[name] = min(users.get(name, {0}))
+    return owners, users
 
 
 def _crossings(
@@ -508,9 +509,12 @@ def capture(
     dtype_bytes = _dtype_bytes(model, flat)
     n = len(runs)
     names = _layer_names(runs)
-    owners = _param_owners(model, gm, runs, node_layer)
+    owners, users = _param_owners(model, gm, runs, node_layer)
     params = dict(model.named_parameters())
     inputs, boundary, cut_ok, edges = _layer_costs(_crossings(gm, node_layer, stats, n), n)
+    for layers in users.values():  # a tied weight keeps the layers that share it in one stage
+        for i in range(min(layers), max(layers)):
+            cut_ok[i] = False
     layers = []
     for i, (key, nodes) in enumerate(runs):
         mine = [p for p, owner in owners.items() if owner == i]
@@ -543,4 +547,62 @@ def capture(
     )
 
 
-__all__ = ["capture"]
+# --------------------------------------------------------------------------- tracing for lowering
+
+
+class _LayerTracer(fx.Tracer):
+    """``symbolic_trace`` with each layer's module kept as one ``call_module`` node (a leaf)."""
+
+    def __init__(self, leaves: set[str]):
+        super().__init__()
+        self.leaves = leaves
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
+
+
+def _node_layers(gm: fx.GraphModule, model: nn.Module) -> dict[str, str]:
+    runs, _ = _group_layers(gm, model)
+    return {n.name: name for name, (_, nodes) in zip(_layer_names(runs), runs) for n in nodes}
+
+
+def _trace_layer_leaves(model: nn.Module, node_layer: dict[str, str], gm: fx.GraphModule) -> fx.GraphModule | None:
+    """Re-trace with every layer module a leaf; None unless that yields the same layers in order."""
+    runs, _ = _group_layers(gm, model)
+    leaves = {key for key, _ in runs if key is not None}
+    try:
+        tracer = _LayerTracer(leaves)
+        graph = tracer.trace(model)
+        leaf_gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    except Exception:  # noqa: BLE001 - e.g. a tuple output unpacked by Python code: keep the full trace
+        return None
+    if list(dict.fromkeys(_node_layers(leaf_gm, model).values())) != list(dict.fromkeys(node_layer.values())):
+        return None
+    return leaf_gm
+
+
+def trace_layers(model: nn.Module, example_inputs: tuple | dict | torch.Tensor,
+                 ) -> tuple[fx.GraphModule, dict[str, str], str]:
+    """Trace ``model`` as :func:`capture` does and name each compute node's layer.
+
+    Returns ``(gm, node_layer, tracer)``: ``node_layer`` maps a node's name to
+    the name of its layer (the names :func:`capture` gives; placeholders,
+    ``get_attr`` and output nodes have none). ``tracer`` is ``"fx-layers"``
+    when the model is FX-traceable with each layer's module kept as one
+    ``call_module`` node — the layer modules are then called, so hooks that
+    passes install on them (tensor parallel, checkpoint, FSDP) run — else
+    ``"fx"`` (layers inlined) or ``"export"`` (ATen graph of
+    ``torch.export``). The graph module holds the model's own parameter
+    objects under their original FQNs. Raises :class:`CaptureError` like capture.
+    """
+    args, kwargs = _split_inputs(model, example_inputs)
+    gm, _, tracer = _trace(model, args, kwargs)
+    node_layer = _node_layers(gm, model)
+    if tracer == "fx":
+        leaf_gm = _trace_layer_leaves(model, node_layer, gm)
+        if leaf_gm is not None:
+            return leaf_gm, _node_layers(leaf_gm, model), "fx-layers"
+    return gm, node_layer, tracer
+
+
+__all__ = ["capture", "trace_layers"]

@@ -1,10 +1,13 @@
-"""The ``autopar`` command: plan a model, show a saved plan, compare with baselines.
+"""The ``autopar`` command: plan a model, show a saved plan, compare with baselines, run.
 
     autopar plan examples/gpt.py:gpt3_175b --world-size 1024 --cluster a100-80g --batch-size 1536
     autopar show plan.json
     autopar compare examples/gpt.py:gpt2_small --world-size 64
+    autopar run examples/train_gpt.py --nproc 2 -- --steps 20
+    autopar verify examples/gpt.py:gpt_tiny --world-size 2 --pin tp=2
 
-Exit codes: 0 done; 2 bad input (one ``autopar: error: …`` line on stderr, no
+Exit codes: 0 done; 1 ``verify`` found a difference above 1e-5 or a ``run``
+process failed; 2 bad input (one ``autopar: error: …`` line on stderr, no
 traceback); 3 no feasible plan. Torch is imported only by commands that
 capture a model, so ``show`` starts in a fraction of a second.
 """
@@ -24,7 +27,7 @@ if TYPE_CHECKING:
     from autopar.graph import LayerGraph
     from autopar.plan import Plan
 
-EXIT_OK, EXIT_BAD_INPUT, EXIT_INFEASIBLE = 0, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INFEASIBLE = 0, 1, 2, 3
 from autopar.units import GiB, format_bytes
 
 
@@ -86,18 +89,27 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true", help="print the plan's JSON")
     compare = sub.add_parser("compare", help="the chosen plan beside DDP, ZeRO and Megatron baselines")
     _add_problem_args(compare)
+    run = sub.add_parser("run", help="launch a training script on N local processes (torchrun)")
+    run.add_argument("script", metavar="SCRIPT")
+    run.add_argument("--nproc", type=int, required=True, metavar="N", help="processes (ranks) to start")
+    run.add_argument("args", nargs="*", metavar="ARGS", help="the script's arguments (after --)")
+    verify = sub.add_parser("verify", help="run a plan on N gloo processes against one process")
+    _add_problem_args(verify)
+    verify.add_argument("--plan", default=None, metavar="PLAN.json", help="verify this plan (else solve)")
+    verify.add_argument("--steps", type=int, default=3, metavar="K", help="SGD steps to compare")
+    verify.set_defaults(dtype="fp32")
     return parser
 
 
 # ------------------------------------------------------------------ commands
 
 
-def _graph(args: argparse.Namespace) -> "LayerGraph":
+def _graph(args: argparse.Namespace, device: str = "meta") -> "LayerGraph":
     """Load the SPEC and capture it (this is where torch gets imported)."""
     from autopar.capturing import capture
     from autopar.spec import load_spec
 
-    model, inputs = load_spec(args.spec, seq_len=args.seq_len)
+    model, inputs = load_spec(args.spec, seq_len=args.seq_len, device=device)
     return capture(model, inputs, name=args.spec.rpartition(":")[2])
 
 
@@ -150,6 +162,60 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         _err(chosen.reason)
         return EXIT_INFEASIBLE
     return EXIT_OK
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if args.nproc < 1:
+        raise AutoparError(f"--nproc must be at least 1, got {args.nproc}")
+    if not Path(args.script).is_file():
+        raise AutoparError(f"script {args.script!r} does not exist")
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        torchrun.main(["--standalone", "--nproc-per-node", str(args.nproc), args.script, *args.args])
+    except ChildFailedError as exc:
+        _err(f"{args.script} failed on {len(exc.failures)} of {args.nproc} processes "
+             "(their tracebacks are above)")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from autopar.plan import Plan
+    from autopar.verify import TOLERANCE, verify
+
+    if args.steps < 1:
+        raise AutoparError(f"--steps must be at least 1, got {args.steps}")
+    if args.plan is not None:
+        plan = Plan.load(args.plan)
+        if plan.world_size != args.world_size:
+            raise AutoparError(f"plan {args.plan!r} is for {plan.world_size} ranks, not --world-size "
+                               f"{args.world_size}")
+        graph = _graph(args, device="cpu")
+        plan.check_fingerprint(graph.fingerprint())
+    else:
+        from autopar.api import solve
+
+        kwargs = _solve_kwargs(args)
+        kwargs["cluster"] = kwargs["cluster"] if args.cluster else "cpu"
+        graph = _graph(args, device="cpu")
+        plan = solve(graph, args.world_size, **kwargs)
+    report = verify(args.spec, plan.to_json(), graph.to_dict(), steps=args.steps, seq_len=args.seq_len)
+    m = plan.mesh
+    _out(f"plan: mesh pp×dp×tp {m.pp}×{m.dp}×{m.tp}, {plan.microbatches} microbatches, "
+         f"zero {sorted({l.zero for l in plan.layers})}, "
+         f"{sum(l.recompute for l in plan.layers)} layers recomputed")
+    for k, (a, b) in enumerate(zip(report.losses, report.ref_losses), 1):
+        _out(f"step {k}: loss {a:.8g}  (one process {b:.8g})")
+    _out(f"max relative difference: loss {report.loss_rel:.3g}, first-step gradients "
+         f"{report.grad_rel:.3g} ({report.grad_worst}), parameters after {report.steps} steps "
+         f"{report.param_rel:.3g} ({report.param_worst})")
+    ok = report.ok(TOLERANCE)
+    _out(f"{'OK' if ok else 'DIFFERENT'}: {report.max_rel:.3g} {'<=' if ok else '>'} {TOLERANCE:g}")
+    return EXIT_OK if ok else EXIT_FAILED
 
 
 # ------------------------------------------------------------------ compare table
@@ -206,16 +272,25 @@ def render_compare(rows: list[dict[str, Any]]) -> str:
 
 # ------------------------------------------------------------------ entry point
 
-_COMMANDS = {"plan": _cmd_plan, "show": _cmd_show, "compare": _cmd_compare}
+_COMMANDS = {"plan": _cmd_plan, "show": _cmd_show, "compare": _cmd_compare, "run": _cmd_run,
+             "verify": _cmd_verify}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; bad input is one stderr line and exit 2, no feasible plan exit 3."""
     try:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        # `autopar run SCRIPT --nproc N -- ARGS`: argparse's subparsers mishandle `--`, so split here
+        rest = argv[argv.index("--") + 1:] if "--" in argv else []
+        argv = argv[: argv.index("--")] if "--" in argv else argv
         try:
             args = _parser().parse_args(argv)
         except SystemExit as exc:  # --help and --version: argparse has printed them
             return int(exc.code or 0)
+        if rest and args.command != "run":
+            raise _UsageError(f"only `autopar run` takes arguments after --, got {' '.join(rest)}")
+        if args.command == "run":
+            args.args = [*args.args, *rest]
         return _COMMANDS[args.command](args)
     except InfeasibleError as exc:
         _err(str(exc))

@@ -35,3 +35,15 @@ class InfeasibleError(AutoparError):
         super().__init__(message)
         self.binding = binding
         self.min_memory_bytes = min_memory_bytes
+
+
+class LoweringError(AutoparError):
+    """A plan cannot be lowered onto this model (e.g. tp does not divide its heads or widths)."""
+
+
+class LaunchError(AutoparError):
+    """Training needs a process group that was not launched; the message says how to launch."""
+
+
+class BatchError(AutoparError):
+    """A training batch or loss does not fit the plan (microbatches × microbatch size, a scalar loss)."""

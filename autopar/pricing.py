@@ -144,6 +144,10 @@ class PriceTable:
         self.prices: list[list[LayerPrice]] = [rows[c][1] for c in graph.cost_classes]
 
     def _strategies(self, layer: Layer, zeros: tuple[int, ...]) -> list[Strategy]:
+        if self.config.pp > 1 and self.graph.tracer == "export":
+            # An export-captured model's pipeline stages are single ATen graphs with no
+            # layer modules left to hook (passes/pipeline.py): each layer stays replicated.
+            return [Strategy(None, 0, False)]
         styles: list[str | None] = [None]
         if self.config.tp > 1:
             styles += [s.name for s in layer.tp_styles if s.admits(self.config.tp)]

@@ -57,12 +57,15 @@ class LayerView:
 
 
 def linear_dims(mod: nn.Module) -> tuple[int, int] | None:
-    """(in, out) features of an nn.Linear or an HF Conv1D (weight stored (in, out))."""
+    """(in, out) features of an nn.Linear; None for anything else.
+
+    Only nn.Linear counts: DTensor's ColwiseParallel / RowwiseParallel split
+    nn.Linear and nn.Embedding, so a layer built from other matmul modules
+    (Hugging Face GPT-2's Conv1D) admits no tensor-parallel style the runtime
+    could run.
+    """
     if isinstance(mod, nn.Linear):
         return mod.in_features, mod.out_features
-    w = getattr(mod, "weight", None)
-    if type(mod).__name__ == "Conv1D" and isinstance(w, torch.Tensor) and w.dim() == 2:
-        return int(w.shape[0]), int(w.shape[1])
     return None
 
 

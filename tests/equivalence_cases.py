@@ -1,0 +1,206 @@
+"""Cases for :mod:`distributed`: each runs a plan on W ranks against one process.
+
+Every equivalence case builds the same model (seed 0) and global batches
+(seed 1) on each rank, compiles it under a fully pinned plan (rank 0 captures
+and solves; the plan is broadcast), trains 3 SGD-with-momentum steps and 3
+AdamW steps, and on rank 0 compares with the unsharded model trained on the
+whole global batch in-process. Metrics are relative differences
+‖Δ‖/‖ref‖ per tensor (max over tensors) and |Δ|/|ref| for losses.
+
+More cases (pipeline plans) register in ``CASES`` the same way.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+import autopar  # noqa: E402
+from autopar.graph import LayerGraph  # noqa: E402
+from autopar.plan import Plan  # noqa: E402
+from autopar.runtime import default_loss  # noqa: E402
+
+STEPS = 3
+SGD = dict(lr=0.05, momentum=0.9)
+ADAMW = dict(lr=1e-3)
+
+
+# ------------------------------------------------------------------ models
+
+
+def gpt_tiny() -> tuple[nn.Module, tuple]:
+    """A GPT whose LM head is wide enough (vocab ≥ 8·d_model) to get the vocab style."""
+    import gpt
+
+    return gpt.gpt(n_layer=2, d_model=32, n_head=4, vocab_size=256, seq_len=16, device="cpu")
+
+
+def mlp_small() -> tuple[nn.Module, tuple]:
+    import mlp
+
+    return mlp.mlp(width=32, depth=3, batch=2, device="cpu")
+
+
+def hf_llama() -> tuple[nn.Module, tuple]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=False, use_cache=False)
+    return LlamaForCausalLM(cfg), (torch.zeros(2, 16, dtype=torch.long),)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A model, a fully pinned plan and a global batch size."""
+
+    build: Callable[[], tuple[nn.Module, tuple]]
+    pins: tuple[str, ...]
+    global_batch: int
+    world_size: int | None = None  # the plan's, when it differs from the launch (error cases)
+
+
+def make_batch(model_inputs: tuple, model: nn.Module, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A global batch shaped like the example inputs: token ids → next-token ids, floats → floats."""
+    g = torch.Generator().manual_seed(seed)
+    ex = model_inputs[0]
+    if ex.is_floating_point():
+        x = torch.randn((batch, *ex.shape[1:]), generator=g)
+        return x, torch.randn((batch, *ex.shape[1:]), generator=g)
+    vocab = _vocab(model)
+    x = torch.randint(0, vocab, (batch, *ex.shape[1:]), generator=g)
+    return x, torch.randint(0, vocab, (batch, *ex.shape[1:]), generator=g)
+
+
+def _vocab(model: nn.Module) -> int:
+    emb = next(m for m in model.modules() if isinstance(m, nn.Embedding))
+    return emb.num_embeddings
+
+
+# ------------------------------------------------------------------ planning
+
+
+def plan_for(spec: Spec, world_size: int) -> tuple[Plan, LayerGraph]:
+    """Rank 0 captures and solves; every rank gets the same plan and graph."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)
+        model, inputs = spec.build()
+        graph = autopar.capture(model, inputs)
+        plan = autopar.solve(graph, spec.world_size or world_size, cluster="cpu", dtype="fp32",
+                             pins=list(spec.pins), global_batch=spec.global_batch)
+        box[0] = (plan.to_json(), graph.to_dict())
+    dist.broadcast_object_list(box, src=0)
+    return Plan.from_json(box[0][0]), LayerGraph.from_dict(box[0][1])
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    denom = b.norm().item()
+    return (a - b).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def _batches(spec: Spec, inputs: tuple, model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [make_batch(inputs, model, spec.global_batch, seed=1 + k) for k in range(STEPS)]
+
+
+def run_parallel(spec: Spec, plan: Plan, graph: LayerGraph, opt: Callable) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model, inputs = spec.build()
+    batches = _batches(spec, inputs, model)
+    pm = autopar.compile(model, plan=plan, graph=graph, optimizer=opt)
+    out: dict[str, Any] = {"losses": [], "local_param_bytes": pm.local_param_bytes()}
+    for k, (x, y) in enumerate(batches):
+        out["losses"].append(pm.train_step(pm.local_batch(x), pm.local_batch(y)))
+        if k == 0:
+            out["grads"] = pm.full_grads()
+    out["params"] = pm.state_dict(full=True)
+    return out
+
+
+def run_reference(spec: Spec, opt: Callable) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model, inputs = spec.build()
+    batches = _batches(spec, inputs, model)
+    optimizer = opt(model.parameters())
+    out: dict[str, Any] = {"losses": [], "param_bytes": sum(p.numel() * p.element_size()
+                                                            for p in model.parameters())}
+    for k, (x, y) in enumerate(batches):
+        optimizer.zero_grad()
+        loss = default_loss(model(x), y)
+        loss.backward()
+        if k == 0:
+            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        out["losses"].append(loss.item())
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def _max_rel(got: dict, ref: dict) -> tuple[float, str]:
+    missing = sorted(set(ref) - set(got))
+    if missing:
+        raise AssertionError(f"the parallel run lacks {missing}")
+    worst = max(((rel(got[n], ref[n]), n) for n in ref), default=(0.0, ""))
+    return worst
+
+
+def equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
+    """A case: SGD-momentum exactness and AdamW agreement of ``spec`` against one process."""
+
+    def case(rank: int, world_size: int) -> dict[str, Any]:
+        plan, graph = plan_for(spec, world_size)
+        sgd = run_parallel(spec, plan, graph, lambda p: torch.optim.SGD(p, **SGD))
+        adam = run_parallel(spec, plan, graph, lambda p: torch.optim.AdamW(p, **ADAMW))
+        metrics: dict[str, Any] = {"mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp],
+                                   "microbatches": plan.microbatches,
+                                   "layers": [[l.name, l.tp, l.zero, l.recompute] for l in plan.layers],
+                                   "losses": sgd["losses"], "adam_losses": adam["losses"]}
+        if rank != 0:
+            return metrics
+        ref_sgd = run_reference(spec, lambda p: torch.optim.SGD(p, **SGD))
+        ref_adam = run_reference(spec, lambda p: torch.optim.AdamW(p, **ADAMW))
+        metrics["loss1_rel"] = abs(sgd["losses"][0] - ref_sgd["losses"][0]) / abs(ref_sgd["losses"][0])
+        metrics["grad_rel"], metrics["grad_worst"] = _max_rel(sgd["grads"], ref_sgd["grads"])
+        metrics["sgd_loss_rel"] = max(abs(a - b) / abs(b) for a, b in zip(sgd["losses"], ref_sgd["losses"]))
+        metrics["param_rel"], metrics["param_worst"] = _max_rel(sgd["params"], ref_sgd["params"])
+        metrics["adam_loss_rel"] = max(abs(a - b) / abs(b) for a, b in zip(adam["losses"], ref_adam["losses"]))
+        metrics["ref_losses"] = ref_sgd["losses"]
+        metrics["local_bytes_frac"] = sgd["local_param_bytes"] / ref_sgd["param_bytes"]
+        return metrics
+
+    return case
+
+
+# ------------------------------------------------------------------ the cases
+
+GPT_TP = ("tok_emb:tp=vocab", "pos_emb:tp=vocab", "blocks.*:tp=megatron", "lm_head:tp=vocab")
+PP1 = ("pp=1", "recompute=none")
+
+SPECS: dict[str, Spec] = {
+    "dp": Spec(gpt_tiny, PP1 + ("dp=2", "tp=1", "zero=0", "microbatches=1"), 4),
+    "zero1": Spec(gpt_tiny, PP1 + ("dp=2", "tp=1", "zero=1", "microbatches=2"), 4),
+    "zero2": Spec(gpt_tiny, PP1 + ("dp=2", "tp=1", "zero=2", "microbatches=2"), 4),
+    "zero3": Spec(gpt_tiny, PP1 + ("dp=2", "tp=1", "zero=3", "microbatches=1"), 4),
+    "tp_mlp": Spec(mlp_small, PP1 + ("dp=1", "tp=2", "zero=0", "*:tp=megatron"), 4),
+    "tp_gpt": Spec(gpt_tiny, PP1 + ("dp=1", "tp=2", "zero=0") + GPT_TP, 4),
+    "hf_llama_tp": Spec(hf_llama, PP1 + ("dp=1", "tp=2", "zero=0", "model.layers.*:tp=megatron",
+                                         "model.embed_tokens:tp=vocab"), 4),
+    "dp2_tp2_gpt": Spec(gpt_tiny, PP1 + ("dp=2", "tp=2", "zero=3", "microbatches=2") + GPT_TP, 8),
+    "mixed_zero_recompute": Spec(gpt_tiny, (
+        "pp=1", "dp=2", "tp=2", "microbatches=2", "tok_emb:zero=0", "pos_emb:zero=1",
+        "blocks.0:zero=3", "blocks.1:zero=1", "ln_f:zero=2", "lm_head:zero=3",
+        "blocks.*:recompute=on", "ln_f:recompute=on", "tok_emb:recompute=off", "pos_emb:recompute=off",
+        "drop:recompute=off", "lm_head:recompute=off", "drop:zero=0") + GPT_TP, 8),
+}
+
+CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}
