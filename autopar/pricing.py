@@ -131,17 +131,43 @@ class PriceTable:
         self.tp_group = place_group(config.tp, 1, cluster.gpus_per_node)
         self.dp_group = place_group(config.dp, config.tp, cluster.gpus_per_node)
         self.pp_inter_node = cluster.nodes > 1 and config.dp * config.tp >= cluster.gpus_per_node
-        zeros = zero_stages if config.dp > 1 else (0,)
+        self.zeros = zero_stages if config.dp > 1 else (0,)
         self._style_memo: dict[tuple[int, str | None], tuple[float, float, float, float, float]] = {}
-        # Layers of one cost class (the repeated blocks) share one priced row; a row
-        # is copied before a layer's row is extended (see solver._pinned_outside_search).
+
+    @cached_property
+    def _rows(self) -> tuple[list[list[Strategy]], list[list[LayerPrice]]]:
+        """Every layer's strategies and prices, built on first use.
+
+        Layers of one cost class (the repeated blocks) share one priced row; a row
+        is copied before a layer's row is extended (see solver._pinned_outside_search).
+        """
         rows: dict[int, tuple[list[Strategy], list[LayerPrice]]] = {}
-        for layer, cls in zip(graph, graph.cost_classes):
+        for layer, cls in zip(self.graph, self.graph.cost_classes):
             if cls not in rows:
-                strategies = self._strategies(layer, zeros)
+                strategies = self._strategies(layer, self.zeros)
                 rows[cls] = (strategies, [self._price(layer, s) for s in strategies])
-        self.strategies: list[list[Strategy]] = [rows[c][0] for c in graph.cost_classes]
-        self.prices: list[list[LayerPrice]] = [rows[c][1] for c in graph.cost_classes]
+        classes = self.graph.cost_classes
+        return [rows[c][0] for c in classes], [rows[c][1] for c in classes]
+
+    @cached_property
+    def strategies(self) -> list[list[Strategy]]:
+        return self._rows[0]
+
+    @cached_property
+    def prices(self) -> list[list[LayerPrice]]:
+        return self._rows[1]
+
+    def fastest_time_mb_s(self) -> list[float]:
+        """Per layer, the least per-microbatch time any strategy could take (no pricing of
+        ZeRO or memory needed: only the tensor-parallel style sets it)."""
+        memo: dict[int, float] = {}
+        out = []
+        for layer, cls in zip(self.graph, self.graph.cost_classes):
+            if cls not in memo:
+                styles = {s.tp for s in self._strategies(layer, (0,))}
+                memo[cls] = min(sum(self._style_part(layer, t)[:4]) for t in styles)
+            out.append(memo[cls])
+        return out
 
     def _strategies(self, layer: Layer, zeros: tuple[int, ...]) -> list[Strategy]:
         if self.config.pp > 1 and self.graph.tracer == "export":

@@ -501,28 +501,36 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     budget = cluster.memory_budget_bytes if memory_budget_bytes is None else memory_budget_bytes
     layer_pins = pins.resolve_layers([layer.name for layer in graph])
     cuts_ok = cut_positions(graph)
+    # Configurations in order of a cheap bound (fastest strategy per layer, balanced),
+    # priced in full only when that bound could still beat the best plan so far.
     candidates = []
     for config in enumerate_configs(graph, world_size, cluster, training, pins):
         table = PriceTable(graph, config, cluster, training)
-        allowed = _allowed(table, layer_pins)
-        if any(not ks for ks in allowed):
-            continue
-        candidates.append((lower_bound_s(table, allowed, budget, cuts_ok), config, table, allowed))
-    if not candidates:
-        raise PinError(f"no tensor-parallel degree the pins allow is admitted by the pinned layer styles")
+        fastest = table.fastest_time_mb_s()
+        cheap = float(table.multiplier) * max(sum(fastest) / config.pp, max(fastest))
+        candidates.append((cheap, config, table))
     candidates.sort(key=lambda x: (x[0], x[1]))
-    search = _Search()
-    for index, (bound, config, table, allowed) in enumerate(candidates):
-        if math.isinf(bound) or (search.best is not None and bound >= search.best[0]):
+    search, priced = _Search(), []
+    for index, (cheap, config, table) in enumerate(candidates):
+        if search.best is not None and cheap >= search.best[0]:
             break
         remaining = options.time_limit_s - (time.perf_counter() - start)
         if remaining <= 0:
             search.open_bounds += [b for b, *_ in candidates[index:]]
             break
+        allowed = _allowed(table, layer_pins)
+        if any(not ks for ks in allowed):
+            continue
+        priced.append((cheap, config, table, allowed))
+        bound = lower_bound_s(table, allowed, budget, cuts_ok)
+        if math.isinf(bound) or (search.best is not None and bound >= search.best[0]):
+            continue
         _solve_config(search, table, allowed, layer_pins, cuts_ok, budget, remaining, options)
     wall = time.perf_counter() - start
     if search.best is None:
-        _raise_infeasible(candidates, layer_pins, cuts_ok, budget, options)
+        if not priced:
+            raise PinError("no tensor-parallel degree the pins allow is admitted by the pinned layer styles")
+        _raise_infeasible(priced, layer_pins, cuts_ok, budget, options)
     step, config, stages, strategies, prediction, table = search.best
     bound = min([step] + search.open_bounds)
     gap = max(0.0, (step - bound) / step) if step > 0 else 0.0
