@@ -25,6 +25,7 @@ and the memory of rank j (integer bytes):
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import cached_property
@@ -190,8 +191,15 @@ class PriceTable:
 
     @cached_property
     def workspace_bytes(self) -> int:
-        """Transient memory: one layer's gathered weights and one layer's full activations."""
-        largest_params = max((l.param_count for l in self.graph), default=0)
+        """Transient memory: the largest FSDP unit's gathered weights and one layer's activations.
+
+        The runtime (passes/zero.py) gives each repeated layer a unit of its own and
+        gathers every other layer's parameters together in the root unit.
+        """
+        counts = Counter(self.graph.cost_classes)
+        repeated = [l.param_count for l, c in zip(self.graph, self.graph.cost_classes) if counts[c] > 1]
+        others = sum(l.param_count for l, c in zip(self.graph, self.graph.cost_classes) if counts[c] == 1)
+        largest_params = max(repeated + [others])
         largest_act = max((l.activation_bytes_per_sample for l in self.graph), default=0.0)
         return self.prec.param_bytes * largest_params + math.ceil(
             self.microbatch_size * largest_act * self.act_scale)

@@ -1,6 +1,6 @@
 """Runtime overhead: autopar-compiled training step vs hand-written torch.distributed.
 
-    python benchmarks/runtime_overhead.py [--steps 30] [--world-size 2]
+    python benchmarks/runtime_overhead.py [--steps 60] [--world-size 2]
 
 For DP, ZeRO-3 and TP at W=2 on CPU/gloo, the same GPT (a few million
 parameters), batch and SGD optimizer are trained by ``autopar.compile`` under a
@@ -131,7 +131,7 @@ def main() -> None:
     import torch.multiprocessing as mp
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args()
     model, _ = build()

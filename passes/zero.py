@@ -18,9 +18,9 @@ on them for every microbatch but the last (:func:`set_last_microbatch`). With
 one microbatch ZeRO-1 and ZeRO-2 run alike; the optimizer state is sharded in
 both because the optimizer sees the sharded parameters.
 
-A plan that is plain DP everywhere gets one ``replicate`` at the root (one
-gradient all-reduce, like DDP's buckets for a small model) instead of one
-group per layer. The FSDP2-based ``replicate`` is used rather than the older composable
+A plan that is plain DP everywhere is DDP (the composable, DDP-based
+``replicate`` at the root; with tp > 1, one FSDP2-based ``replicate`` group at
+the root) instead of one group per layer. The FSDP2-based ``replicate`` is used rather than the older composable
 ``replicate`` (DDP) because it composes with ``fully_shard`` on sibling
 modules in one model. The root module is wrapped last so parameters outside
 every layer module are handled: with the zero stage of the layers owning
@@ -30,6 +30,7 @@ parameters are then needed again at once in backward).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch.nn as nn
@@ -49,17 +50,26 @@ class DataParallelResult:
 def layer_zero_stages(graph: LayerGraph, plan: Plan) -> tuple[dict[str, int], int]:
     """(zero stage per layer module path, zero stage of the root) from the plan.
 
-    A module shared by several layers gets the highest of their stages; layers
-    without a module of their own leave their parameters to the root.
+    The repeated layers (the blocks: layers whose cost class occurs more than
+    once) each get an FSDP unit of their own; every other layer (embeddings,
+    final norm, head, glue) leaves its parameters to the root unit, with the
+    highest zero stage among them. This is torchtitan's wrapping: one unit per
+    block keeps the gather buffer to one block, and folding the few odd layers
+    into the root saves their collectives (per-layer units cost 1.14× the
+    hand-written per-block wrapping in benchmarks/runtime_overhead.py). The
+    cost model's workspace counts the root unit's gathered parameters.
+    A module shared by several layers gets the highest of their stages.
     """
     by_name = {l.name: l for l in graph}
+    counts = Counter(graph.cost_classes)
+    repeated = {l.name for l, c in zip(graph, graph.cost_classes) if counts[c] > 1}
     stages: dict[str, int] = {}
     leftover: list[int] = []
     for lp in plan.layers:
         layer = by_name[lp.name]
         if not layer.param_names:
             continue
-        if layer.module_path:
+        if layer.module_path and layer.name in repeated:
             stages[layer.module_path] = max(stages.get(layer.module_path, 0), lp.zero)
         else:
             leftover.append(lp.zero)
@@ -89,9 +99,17 @@ def apply_data_parallel(model: nn.Module, graph: LayerGraph, plan: Plan, dp_mesh
     stages, root_zero = layer_zero_stages(graph, plan)
     result = DataParallelResult()
     if root_zero == 0 and not any(stages.values()):
-        # a pure-DP plan: one replicate group at the root all-reduces every gradient in
-        # one collective after backward, as DDP's bucketing does for small models (per-layer
-        # groups cost 1.36× DDP's step in benchmarks/runtime_overhead.py on gloo)
+        if plan.mesh.tp == 1:
+            # A pure-DP plan is DDP: the composable (DDP-based) replicate buckets gradients
+            # and overlaps their all-reduce with backward, keeping FQNs. FSDP2's replicate
+            # at the root cost 1.22× DDP's step in benchmarks/runtime_overhead.py on gloo.
+            from torch.distributed._composable.replicate import replicate as ddp_replicate
+
+            ddp_replicate(model, device_mesh=dp_mesh)
+            result.zero_by_path[""] = 0
+            result.deferred.append(model)
+            return result
+        # with tp, one FSDP2-based replicate group at the root (it composes with DTensor)
         stages = {}
     # innermost first: a module is wrapped before any ancestor that is also a layer
     for path in sorted(stages, key=lambda p: -p.count(".")):
@@ -109,7 +127,12 @@ def apply_data_parallel(model: nn.Module, graph: LayerGraph, plan: Plan, dp_mesh
 
 def set_last_microbatch(result: DataParallelResult, last: bool) -> None:
     """Sync and reshard deferred (ZeRO-0/1) modules only in the last microbatch's backward."""
+    from torch.distributed._composable.replicate import DDP
+
     for module in result.deferred:
+        if isinstance(module, DDP):  # the composable DDP takes no ``recurse``
+            module.set_requires_gradient_sync(last)
+            continue
         module.set_requires_gradient_sync(last, recurse=False)
         if hasattr(module, "set_reshard_after_backward"):
             module.set_reshard_after_backward(last, recurse=False)
