@@ -126,7 +126,8 @@ def _worker(rank: int, world_size: int, store_path: str, spec: str, seq_len: int
     model, inputs = _build(spec, seq_len)
     batches = [synthetic_batch(model, inputs, plan.training["global_batch"], SEED + 1 + k)
                for k in range(steps)]
-    pm = autopar.compile(model, plan=plan, graph=LayerGraph.from_dict(graph), optimizer=_sgd)
+    pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=LayerGraph.from_dict(graph),
+                         optimizer=_sgd)
     losses, grads = [], {}
     for k, (x, y) in enumerate(batches):
         losses.append(pm.train_step(pm.local_batch(x), pm.local_batch(y)))

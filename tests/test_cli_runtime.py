@@ -21,6 +21,17 @@ def test_verify_a_tensor_parallel_plan(capsys: pytest.CaptureFixture) -> None:
     assert "mesh pp×dp×tp 1×1×2" in out and "step 2: loss" in out and "OK:" in out
 
 
+def test_verify_the_solvers_plan_on_a_3d_mesh(capsys: pytest.CaptureFixture) -> None:
+    # pp 2 × dp 2 × tp 2 with the solver choosing ZeRO stages and recompute per layer
+    # (it mixes ZeRO-0 embeddings with ZeRO-3 blocks in one pipeline stage)
+    code = main(["verify", str(ROOT / "examples/gpt.py") + ":gpt_tiny", "--world-size", "8",
+                 "--pin", "pp=2", "--pin", "dp=2", "--pin", "tp=2", "--pin", "schedule=1f1b",
+                 "--pin", "microbatches=2", "--batch-size", "8", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "mesh pp×dp×tp 2×2×2" in out and "OK:" in out
+
+
 def test_verify_refuses_a_plan_for_another_world_size(tmp_path: Path, capsys) -> None:
     plan = tmp_path / "plan.json"
     spec = str(ROOT / "examples/gpt.py") + ":gpt_tiny"
