@@ -24,8 +24,14 @@ SWEEP = [(m, w, "a100-80g", 2 * w) for m in ("gpt2_small", "gpt3_6_7b", "gpt3_17
          for w in (8, 64, 512, 4096)]
 
 
+# The console script installed beside this interpreter (not a version manager's shim,
+# which adds its own start-up to every run).
+AUTOPAR = str(Path(sys.executable).with_name("autopar")) if Path(sys.executable).with_name(
+    "autopar").exists() else "autopar"
+
+
 def run_once(model: str, world: int, cluster: str, batch: int) -> tuple[float, dict]:
-    cmd = ["autopar", "plan", f"{ROOT}/examples/gpt.py:{model}", "--world-size", str(world),
+    cmd = [AUTOPAR, "plan", f"{ROOT}/examples/gpt.py:{model}", "--world-size", str(world),
            "--cluster", cluster, "--batch-size", str(batch), "--json"]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)

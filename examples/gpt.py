@@ -55,10 +55,12 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
+        B, T = x.shape[0], x.shape[1]
         # widths come from the attributes, not from x: under tensor parallelism
-        # ``n_head`` and ``d_model`` are this rank's share while x stays full width
-        q, k, v = self.c_attn(x).split(self.d_model, dim=2)
+        # ``n_head`` and ``d_model`` are this rank's share while x stays full width.
+        # (Indexing rather than tuple unpacking keeps torch.fx tracing fast.)
+        qkv = self.c_attn(x).split(self.d_model, dim=2)
+        q, k, v = qkv[0], qkv[1], qkv[2]
         head_dim = self.d_model // self.n_head
         # (B, T, d_model) -> (B, n_head, T, head_dim)
         q = q.view(B, T, self.n_head, head_dim).transpose(1, 2)
