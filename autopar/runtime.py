@@ -201,7 +201,7 @@ def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: An
     check_tensor_parallel(model, graph, plan, tp)
     mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     if builder is not None:
-        runtime = builder(model, example_inputs, graph, plan, mesh, loss_fn, device)
+        runtime = builder(model, example_inputs, graph, plan, mesh, loss_fn, device, init_fn=init_fn)
         return Lowered(module=model, mesh=mesh, pipeline=runtime,
                        row_permutations=runtime.row_permutations)
     meta = _is_meta(model)

@@ -131,9 +131,6 @@ class PipelineRuntime:
 
 def _check_lowerable(split: StageSplit, plan: Plan, model: nn.Module) -> None:
     """Typed errors, the same on every rank, for what this split cannot lower."""
-    if any(p.is_meta for p in model.parameters()):
-        raise LoweringError("pipeline plans need the model's parameters allocated: a meta-device "
-                            "model is not yet supported with pp > 1")
     if split.layers_called:
         return
     why = ("its layers are inlined into one traced graph (torch.export capture)" if split.tracer == "export"
@@ -211,14 +208,19 @@ def _microbatch_inputs(example_inputs: Any, size: int) -> Any:
 
 
 def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, plan: Plan, mesh: Any,
-                   loss_fn: LossFn, device: torch.device) -> PipelineRuntime:
+                   loss_fn: LossFn, device: torch.device,
+                   init_fn: Callable[[nn.Module], None] | None = None) -> PipelineRuntime:
     """Lower ``plan`` (pp > 1) for this rank; see the module docstring.
 
     Requires: an initialised process group, ``mesh`` with axes ("pp", "dp",
     "tp") matching ``plan.mesh``, ``example_inputs`` shaped like one batch.
     Raises :class:`LoweringError` (the same on every rank, before any
-    collective of its own) for what cannot be lowered.
+    collective of its own) for what cannot be lowered. A meta-device model is
+    materialised stage by stage after sharding: each rank allocates only its
+    own stages' shards (``init_fn`` on each stage module, else
+    ``reset_parameters()`` per module).
     """
+    from autopar.runtime import materialise
     from torch.distributed.pipelining import PipelineStage
 
     if example_inputs is None:
@@ -230,9 +232,12 @@ def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, pla
     stage_ids = list(range(pp_rank, plan.stages, pp))
     modules: list[nn.Module] = []
     perms: dict[str, torch.Tensor] = {}
+    meta = any(p.is_meta for p in model.parameters())
     for k in stage_ids:
-        module = split.modules[k].to(device)
+        module = split.modules[k] if meta else split.modules[k].to(device)
         _lower_stage(module, k, view, plan, mesh, perms)
+        if meta:
+            materialise(module, device, init_fn)
         modules.append(module)
     group = mesh["pp"].get_group()
     stages = [PipelineStage(mod, k, plan.stages, device, group=group) for mod, k in zip(modules, stage_ids)]

@@ -99,3 +99,28 @@ def _merge(per_rank: list[dict], cases: list[str], crashed: str | None) -> dict[
                                traceback=res.get("traceback"), rank=r)
         out[name] = metrics
     return out
+
+
+# ------------------------------------------------------------------ assertions on the metrics
+
+EXACT = 1e-5  # first-step loss and gradients, SGD losses and parameters: ‖Δ‖/‖ref‖ per tensor
+ADAM = 1e-3  # AdamW losses (Adam turns rounding noise into full-size updates)
+
+
+def ok(metrics: dict) -> dict:
+    """The case's metrics, or a test failure carrying the failing rank's error and traceback."""
+    import pytest
+
+    if "error" in metrics:
+        pytest.fail(f"rank {metrics.get('rank', 0)}: {metrics['error']}\n{metrics.get('traceback', '')}")
+    return metrics
+
+
+def check_equivalent(m: dict) -> None:
+    """The equivalence bar of the lowering issue, on one case's metrics."""
+    m = ok(m)
+    assert m["loss1_rel"] < EXACT, m
+    assert m["grad_rel"] < EXACT, (m["grad_worst"], m["grad_rel"])
+    assert m["sgd_loss_rel"] < EXACT, m
+    assert m["param_rel"] < EXACT, (m["param_worst"], m["param_rel"])
+    assert m["adam_loss_rel"] < ADAM, m

@@ -117,8 +117,10 @@ def run_parallel(spec: Spec, plan: Plan, graph: LayerGraph, opt: Callable) -> di
     torch.manual_seed(0)
     model, inputs = spec.build()
     batches = _batches(spec, inputs, model)
-    pm = autopar.compile(model, plan=plan, graph=graph, optimizer=opt)
-    out: dict[str, Any] = {"losses": [], "local_param_bytes": pm.local_param_bytes()}
+    # example inputs: a pipeline plan traces the model again to split it into stages
+    pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=graph, optimizer=opt)
+    out: dict[str, Any] = {"losses": [], "local_param_bytes": pm.local_param_bytes(),
+                           "tracer": pm.lowered.pipeline.tracer if pm.lowered.pipeline else None}
     for k, (x, y) in enumerate(batches):
         out["losses"].append(pm.train_step(pm.local_batch(x), pm.local_batch(y)))
         if k == 0:
@@ -162,7 +164,9 @@ def equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
         sgd = run_parallel(spec, plan, graph, lambda p: torch.optim.SGD(p, **SGD))
         adam = run_parallel(spec, plan, graph, lambda p: torch.optim.AdamW(p, **ADAMW))
         metrics: dict[str, Any] = {"mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp],
-                                   "microbatches": plan.microbatches,
+                                   "microbatches": plan.microbatches, "schedule": plan.schedule,
+                                   "chunks": plan.chunks, "tracer": sgd["tracer"],
+                                   "stages": [l.stage for l in plan.layers],
                                    "layers": [[l.name, l.tp, l.zero, l.recompute] for l in plan.layers],
                                    "losses": sgd["losses"], "adam_losses": adam["losses"]}
         if rank != 0:

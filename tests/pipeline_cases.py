@@ -1,9 +1,8 @@
 """Pipeline cases for :mod:`distributed`: pp > 1 plans against one process.
 
-Same protocol as :mod:`equivalence_cases` (model seed 0, global batches seeds
-1…3, 3 SGD-with-momentum steps and 3 AdamW steps, rank 0 compares with the
-unsharded model), except that ``compile`` gets the example inputs: splitting
-a model into stages traces it.
+Same protocol and the same case factory as :mod:`equivalence_cases` (model
+seed 0, global batches seeds 1…3, 3 SGD-with-momentum steps and 3 AdamW
+steps, rank 0 compares with the unsharded model).
 """
 
 from __future__ import annotations
@@ -14,54 +13,7 @@ import torch
 
 import autopar
 from autopar.errors import AutoparError
-from equivalence_cases import (ADAMW, GPT_TP, SGD, Spec, _batches, _max_rel, gpt_tiny, hf_llama,
-                               plan_for, run_reference)
-
-
-def run_parallel(spec: Spec, plan: Any, graph: Any, opt: Callable) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model, inputs = spec.build()
-    batches = _batches(spec, inputs, model)
-    pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=graph, optimizer=opt)
-    out: dict[str, Any] = {"losses": [], "local_param_bytes": pm.local_param_bytes(),
-                           "tracer": pm.lowered.pipeline.tracer if pm.lowered.pipeline else None}
-    for k, (x, y) in enumerate(batches):
-        out["losses"].append(pm.train_step(pm.local_batch(x), pm.local_batch(y)))
-        if k == 0:
-            out["grads"] = pm.full_grads()
-    out["params"] = pm.state_dict(full=True)
-    return out
-
-
-def _rel_losses(got: list[float], ref: list[float]) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(got, ref))
-
-
-def equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
-    """A case: SGD-momentum exactness and AdamW agreement of ``spec`` against one process."""
-
-    def case(rank: int, world_size: int) -> dict[str, Any]:
-        plan, graph = plan_for(spec, world_size)
-        sgd = run_parallel(spec, plan, graph, lambda p: torch.optim.SGD(p, **SGD))
-        adam = run_parallel(spec, plan, graph, lambda p: torch.optim.AdamW(p, **ADAMW))
-        metrics: dict[str, Any] = {
-            "mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp], "microbatches": plan.microbatches,
-            "schedule": plan.schedule, "chunks": plan.chunks, "tracer": sgd["tracer"],
-            "stages": [l.stage for l in plan.layers], "losses": sgd["losses"],
-        }
-        if rank != 0:
-            return metrics
-        ref_sgd = run_reference(spec, lambda p: torch.optim.SGD(p, **SGD))
-        ref_adam = run_reference(spec, lambda p: torch.optim.AdamW(p, **ADAMW))
-        metrics["loss1_rel"] = abs(sgd["losses"][0] - ref_sgd["losses"][0]) / abs(ref_sgd["losses"][0])
-        metrics["grad_rel"], metrics["grad_worst"] = _max_rel(sgd["grads"], ref_sgd["grads"])
-        metrics["sgd_loss_rel"] = _rel_losses(sgd["losses"], ref_sgd["losses"])
-        metrics["param_rel"], metrics["param_worst"] = _max_rel(sgd["params"], ref_sgd["params"])
-        metrics["adam_loss_rel"] = _rel_losses(adam["losses"], ref_adam["losses"])
-        metrics["local_bytes_frac"] = sgd["local_param_bytes"] / ref_sgd["param_bytes"]
-        return metrics
-
-    return case
+from equivalence_cases import GPT_TP, Spec, equivalence, gpt_tiny, hf_llama, plan_for
 
 
 def lowering_error(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
@@ -116,7 +68,26 @@ ERROR_SPECS: dict[str, Spec] = {
                                  "model.layers.*:tp=megatron") + NO_RC, 4),
 }
 
+def meta_pipeline(rank: int, world_size: int) -> dict[str, Any]:
+    """A meta-device GPT under pp = 2: each rank allocates only its own stage, then trains."""
+    import gpt
+
+    model, inputs = gpt.gpt(n_layer=4, d_model=32, n_head=4, vocab_size=256, seq_len=16, device="meta")
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    graph = autopar.capture(model, inputs)
+    plan = autopar.solve(graph, world_size, cluster="cpu", dtype="fp32", global_batch=4,
+                         pins=list(PP2) + ["microbatches=2", "schedule=1f1b", "zero=0", "recompute=none"])
+    pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=graph)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (4, 16), generator=g)
+    losses = [pm.train_step(pm.local_batch(x), pm.local_batch(x)) for _ in range(3)]
+    own = [p for mod in pm.lowered.pipeline.modules for p in mod.parameters()]
+    return {"local_bytes_frac": sum(p.numel() * p.element_size() for p in own) / full,
+            "any_meta": any(p.is_meta for p in own), "losses": losses}
+
+
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
     **{k: equivalence(v) for k, v in SPECS.items()},
     **{k: lowering_error(v) for k, v in ERROR_SPECS.items()},
+    "meta_pipeline": meta_pipeline,
 }

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from distributed import run_cases
-
-EXACT = 1e-5
-ADAM = 1e-3
+from distributed import EXACT, run_cases
+from distributed import check_equivalent as _check_equivalent
+from distributed import ok as _ok
 
 W2_EQUIV = ["dp", "zero1", "zero2", "zero3", "tp_mlp", "tp_gpt", "hf_llama_tp"]
 W2_UNITS = ["runtime_cases:" + c for c in ("tp_pass", "zero_pass", "meta_zero3", "meta_tp", "state_dicts",
@@ -29,21 +28,6 @@ def w2() -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def w4() -> dict[str, dict]:
     return run_cases(4, W4_EQUIV)
-
-
-def _ok(metrics: dict) -> dict:
-    if "error" in metrics:
-        pytest.fail(f"rank {metrics.get('rank', 0)}: {metrics['error']}\n{metrics.get('traceback', '')}")
-    return metrics
-
-
-def _check_equivalent(m: dict) -> None:
-    m = _ok(m)
-    assert m["loss1_rel"] < EXACT, m
-    assert m["grad_rel"] < EXACT, (m["grad_worst"], m["grad_rel"])
-    assert m["sgd_loss_rel"] < EXACT, m
-    assert m["param_rel"] < EXACT, (m["param_worst"], m["param_rel"])
-    assert m["adam_loss_rel"] < ADAM, m
 
 
 @pytest.mark.parametrize("case", W2_EQUIV)

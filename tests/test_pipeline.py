@@ -8,24 +8,25 @@ gradients, and parameters and losses over 3 SGD-with-momentum steps, within
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn as nn
 
 import autopar
-from dataclasses import replace
-
 from autopar.errors import LoweringError, PinError
 from autopar.plan import Mesh
 from autopar.passes.stage_split import split_model
+from distributed import check_equivalent as _check_equivalent
+from distributed import ok as _ok
 from distributed import run_cases
 from equivalence_cases import gpt_tiny, hf_llama, mlp_small
 
-EXACT = 1e-5
-ADAM = 1e-3
 
 W2_EQUIV = ["pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_model_parallel", "pp_hf_llama"]
 W2_ERRORS = ["err_hf_recompute"]
+W2_UNITS = ["meta_pipeline"]
 W4_EQUIV = ["pp2_dp2_zero3", "pp2_dp2_hf_llama"]
 W4_ERRORS = ["err_hf_tp"]
 W8_EQUIV = ["pp2_dp2_tp2", "solver_pick_w8"]
@@ -121,7 +122,7 @@ def test_tied_weights_keep_their_layers_in_one_stage() -> None:
 
 @pytest.fixture(scope="module")
 def w2() -> dict[str, dict]:
-    return run_cases(2, W2_EQUIV + W2_ERRORS, module="pipeline_cases")
+    return run_cases(2, W2_EQUIV + W2_ERRORS + W2_UNITS, module="pipeline_cases")
 
 
 @pytest.fixture(scope="module")
@@ -132,21 +133,6 @@ def w4() -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def w8() -> dict[str, dict]:
     return run_cases(8, W8_EQUIV, module="pipeline_cases")
-
-
-def _ok(metrics: dict) -> dict:
-    if "error" in metrics:
-        pytest.fail(f"rank {metrics.get('rank', 0)}: {metrics['error']}\n{metrics.get('traceback', '')}")
-    return metrics
-
-
-def _check_equivalent(m: dict) -> None:
-    m = _ok(m)
-    assert m["loss1_rel"] < EXACT, m
-    assert m["grad_rel"] < EXACT, (m["grad_worst"], m["grad_rel"])
-    assert m["sgd_loss_rel"] < EXACT, m
-    assert m["param_rel"] < EXACT, (m["param_worst"], m["param_rel"])
-    assert m["adam_loss_rel"] < ADAM, m
 
 
 @pytest.mark.parametrize("case", W2_EQUIV)
@@ -167,6 +153,13 @@ def test_each_pp_rank_holds_its_stages_only(w2: dict, w4: dict, w8: dict) -> Non
     assert w2["pp_1f1b"]["local_bytes_frac"] == pytest.approx(0.5, abs=0.05)
     assert w4["pp2_dp2_zero3"]["local_bytes_frac"] == pytest.approx(0.25, abs=0.03)
     assert w8["pp2_dp2_tp2"]["local_bytes_frac"] == pytest.approx(0.125, abs=0.03)
+
+
+def test_meta_model_is_materialised_stage_by_stage(w2: dict) -> None:
+    m = _ok(w2["meta_pipeline"])
+    assert not m["any_meta"]
+    assert 0.3 < m["local_bytes_frac"] < 0.7  # its own stage only, not the whole model
+    assert all(l == l for l in m["losses"]) and m["losses"][-1] < m["losses"][0]  # finite, learns
 
 
 def test_export_captured_model_with_recompute_or_tp_is_a_typed_error(w2: dict, w4: dict) -> None:
