@@ -335,6 +335,7 @@ class _Meter(fx.Interpreter):
             st.out_numel = result.numel()
             st.out_bytes = result.numel() * result.element_size()
             st.out_last_dim = int(result.shape[-1]) if result.dim() else None
+            st.out_first_dim = int(result.shape[0]) if result.dim() else None
         self.current = None
         return result
 
@@ -410,12 +411,16 @@ def _param_owners(
 
 
 def _crossings(
-    gm: fx.GraphModule, node_layer: dict[fx.Node, int], stats: dict[fx.Node, NodeStats], n_layers: int
+    gm: fx.GraphModule, node_layer: dict[fx.Node, int], stats: dict[fx.Node, NodeStats], n_layers: int,
+    batch: int,
 ) -> list[tuple[int, set[int], int, bool]]:
-    """Every value that leaves the layer (or input) that made it: (src, consumers, bytes, is_tensor).
+    """Every value that leaves the layer (or input) that made it: (src, consumers, bytes, sendable).
 
     A tuple consumed through ``getitem`` in another layer crosses element by
-    element, so each consumed element is its own value.
+    element, so each consumed element is its own value. A value is sendable
+    between pipeline stages when it is a tensor with the batch on dim 0: the
+    schedule sends one microbatch's slice of it (a batch-free tensor such as
+    a position ``arange`` is not split and breaks the stage that receives it).
     """
     items: dict[tuple[fx.Node, Any], tuple[int, set[int], int, bool]] = {}
     for user in gm.graph.nodes:
@@ -438,7 +443,7 @@ def _crossings(
             prev = items.get(key)
             consumers = prev[1] if prev else set()
             consumers.add(dst)
-            items[key] = (a, consumers, st.out_bytes, st.is_tensor)
+            items[key] = (a, consumers, st.out_bytes, st.is_tensor and st.out_first_dim == batch)
     return list(items.values())
 
 
@@ -511,7 +516,7 @@ def capture(
     names = _layer_names(runs)
     owners, users = _param_owners(model, gm, runs, node_layer)
     params = dict(model.named_parameters())
-    inputs, boundary, cut_ok, edges = _layer_costs(_crossings(gm, node_layer, stats, n), n)
+    inputs, boundary, cut_ok, edges = _layer_costs(_crossings(gm, node_layer, stats, n, batch), n)
     for layers in users.values():  # a tied weight keeps the layers that share it in one stage
         for i in range(min(layers), max(layers)):
             cut_ok[i] = False

@@ -42,6 +42,7 @@ class NodeStats:
     out_numel: int = 0
     out_bytes: int = 0
     out_last_dim: int | None = None
+    out_first_dim: int | None = None
 
 
 @dataclass

@@ -166,7 +166,7 @@ def _lower_stage(module: nn.Module, k: int, graph: LayerGraph, plan: Plan, mesh:
     row_permutations.update(tp_result.row_permutations)
     apply_recompute(module, graph, stage_plan)
     if plan.mesh.dp > 1:
-        apply_data_parallel(module, graph, stage_plan, mesh["dp"])
+        apply_data_parallel(module, graph, stage_plan, mesh["dp"], allow_ddp=False)
 
 
 def _checked_loss(loss_fn: LossFn) -> LossFn:

@@ -95,16 +95,20 @@ def _shard(module: nn.Module, zero: int, dp_mesh) -> None:
         fully_shard(module, mesh=dp_mesh, reshard_after_forward=(zero == 3))
 
 
-def apply_data_parallel(model: nn.Module, graph: LayerGraph, plan: Plan, dp_mesh) -> DataParallelResult:
+def apply_data_parallel(model: nn.Module, graph: LayerGraph, plan: Plan, dp_mesh, *,
+                        allow_ddp: bool = True) -> DataParallelResult:
     """Wrap each layer module with its zero stage over ``dp_mesh``, then the root.
 
     Requires: tensor parallelism and recompute already applied (FSDP2 must see
     the DTensor parameters TP made, so on a 2-D mesh it shards over dp after tp).
+    ``allow_ddp=False`` keeps a pure-DP plan on FSDP2's replicate: pipeline
+    stages need it (the composable DDP inside a PipelineStage gave gradients
+    0.88 off, pp2×dp2).
     """
     stages, root_zero = layer_zero_stages(graph, plan)
     result = DataParallelResult()
     if root_zero == 0 and not any(stages.values()):
-        if plan.mesh.tp == 1:
+        if plan.mesh.tp == 1 and allow_ddp:
             # A pure-DP plan is DDP: the composable (DDP-based) replicate buckets gradients
             # and overlaps their all-reduce with backward, keeping FQNs. FSDP2's replicate
             # at the root cost 1.22× DDP's step in benchmarks/runtime_overhead.py on gloo.

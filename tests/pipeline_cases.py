@@ -54,6 +54,12 @@ SPECS: dict[str, Spec] = {
                                      "schedule=1f1b") + NO_RC, 8),
     "pp2_dp2_hf_llama": Spec(hf_llama, ("pp=2", "dp=2", "tp=1", "zero=3", "microbatches=2",
                                         "schedule=1f1b") + NO_RC, 8),
+    # plain DP inside pipeline stages (FSDP2's replicate, not DDP), and the solver's own
+    # choices under interleaved 1F1B over dp (it may cut anywhere a batched value crosses)
+    "pp2_dp2_plain_dp": Spec(gpt_tiny, ("pp=2", "dp=2", "tp=1", "zero=0", "microbatches=2",
+                                        "schedule=1f1b") + NO_RC, 8),
+    "pp2_dp2_interleaved": Spec(gpt_tiny, ("pp=2", "dp=2", "tp=1", "microbatches=2",
+                                           "schedule=interleaved_1f1b", "chunks=2"), 8),
     # W = 8
     "pp2_dp2_tp2": Spec(gpt_4layer, ("pp=2", "dp=2", "tp=2", "zero=3", "microbatches=2",
                                      "schedule=1f1b") + NO_RC + GPT_TP, 8),

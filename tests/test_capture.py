@@ -72,6 +72,8 @@ def test_gpt_tiny_layers_and_costs():
     expected = _dense_fwd_flops(cfg.seq_len, cfg.n_layer, cfg.d_model, cfg.vocab_size)
     assert g.total_flops_per_sample == pytest.approx(expected, rel=1e-6)
     assert g.layer("blocks.0").can_cut_after and g.layer("drop").can_cut_after
+    # the position arange and embedding carry no batch dim: a pipeline cannot send them
+    assert not g.layer("tok_emb").can_cut_after and not g.layer("pos_emb").can_cut_after
     assert not g[-1].can_cut_after and g[-1].boundary_bytes_per_sample == 0
     # one hidden state (T·h fp32) crosses between blocks
     assert g.layer("blocks.0").boundary_bytes_per_sample == cfg.seq_len * cfg.d_model * 4
