@@ -418,9 +418,10 @@ def _crossings(
 
     A tuple consumed through ``getitem`` in another layer crosses element by
     element, so each consumed element is its own value. A value is sendable
-    between pipeline stages when it is a tensor with the batch on dim 0: the
-    schedule sends one microbatch's slice of it (a batch-free tensor such as
-    a position ``arange`` is not split and breaks the stage that receives it).
+    between pipeline stages when it is a tensor whose dim 0 is the batch or 1
+    (broadcast over it, like Hugging Face's rotary cos/sin): each microbatch
+    then gets a value of the right shape. A batch-free tensor such as the
+    position ``arange`` of the GPT example broke interleaved 1F1B.
     """
     items: dict[tuple[fx.Node, Any], tuple[int, set[int], int, bool]] = {}
     for user in gm.graph.nodes:
@@ -443,7 +444,7 @@ def _crossings(
             prev = items.get(key)
             consumers = prev[1] if prev else set()
             consumers.add(dst)
-            items[key] = (a, consumers, st.out_bytes, st.is_tensor and st.out_first_dim == batch)
+            items[key] = (a, consumers, st.out_bytes, st.is_tensor and st.out_first_dim in (batch, 1))
     return list(items.values())
 
 
