@@ -71,15 +71,22 @@ def zero_pass(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
-def meta_zero3(rank: int, world_size: int) -> dict[str, Any]:
-    """A meta-device model is materialised shard by shard: each rank holds about half."""
+def _compiled_meta_gpt(spec: Any, world_size: int) -> tuple[Any, int, torch.Tensor, torch.Tensor]:
+    """A 2-layer GPT built on the meta device, compiled under ``spec``'s plan: the model,
+    its full parameter bytes, and one global batch."""
     import gpt
 
-    plan, graph = plan_for(DP2_ZERO3, world_size)
+    plan, graph = plan_for(spec, world_size)
     model, _ = gpt.gpt(n_layer=2, d_model=32, n_head=4, vocab_size=256, seq_len=16, device="meta")
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     pm = autopar.compile(model, plan=plan, graph=graph)
     x, y = make_batch((torch.zeros(1, 16, dtype=torch.long),), pm.module, 4, seed=1)
+    return pm, full, x, y
+
+
+def meta_zero3(rank: int, world_size: int) -> dict[str, Any]:
+    """A meta-device model is materialised shard by shard: each rank holds about half."""
+    pm, full, x, y = _compiled_meta_gpt(DP2_ZERO3, world_size)
     loss = pm.train_step(pm.local_batch(x), pm.local_batch(y))
     return {"local_bytes_frac": pm.local_param_bytes() / full, "loss": loss,
             "any_meta": any(p.is_meta for p in pm.module.parameters())}
@@ -141,13 +148,7 @@ CASES = {f.__name__: f for f in (tp_pass, zero_pass, meta_zero3, state_dicts, er
 
 def meta_tp(rank: int, world_size: int) -> dict[str, Any]:
     """A meta model under TP is initialised on its DTensor shards and trains."""
-    import gpt
-
-    plan, graph = plan_for(TP2_GPT, world_size)
-    model, _ = gpt.gpt(n_layer=2, d_model=32, n_head=4, vocab_size=256, seq_len=16, device="meta")
-    full = sum(p.numel() * p.element_size() for p in model.parameters())
-    pm = autopar.compile(model, plan=plan, graph=graph)
-    x, y = make_batch((torch.zeros(1, 16, dtype=torch.long),), pm.module, 4, seed=1)
+    pm, full, x, y = _compiled_meta_gpt(TP2_GPT, world_size)
     losses = [pm.train_step(pm.local_batch(x), pm.local_batch(y)) for _ in range(3)]
     return {"local_bytes_frac": pm.local_param_bytes() / full, "losses": losses}
 
