@@ -5,10 +5,12 @@
     autopar compare examples/gpt.py:gpt2_small --world-size 64
     autopar run examples/train_gpt.py --nproc 2 -- --steps 20
     autopar verify examples/gpt.py:gpt_tiny --world-size 2 --pin tp=2
+    autopar calibrate --nproc 2 -o cluster.json
 
 Exit codes: 0 done; 1 ``verify`` found a difference above 1e-5 or a ``run``
 process failed; 2 bad input (one ``autopar: error: …`` line on stderr, no
-traceback); 3 no feasible plan. Torch is imported only by commands that
+traceback); 3 no feasible plan; 130 interrupted (``calibrate`` then writes
+nothing). Torch is imported only by commands that
 capture a model, so ``show`` starts in a fraction of a second.
 """
 
@@ -98,6 +100,16 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--plan", default=None, metavar="PLAN.json", help="verify this plan (else solve)")
     verify.add_argument("--steps", type=int, default=3, metavar="K", help="SGD steps to compare")
     verify.set_defaults(dtype="fp32")
+    calibrate = sub.add_parser("calibrate", help="measure this machine and write a cluster file")
+    calibrate.add_argument("--nproc", type=int, required=True, metavar="N",
+                           help="ranks to measure with, started together as training starts them")
+    calibrate.add_argument("-o", "--output", default=None, metavar="CLUSTER.json",
+                           help="write the cluster file here (default: print its JSON)")
+    calibrate.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                           help="process group backend (auto: NCCL when there is a GPU per rank)")
+    calibrate.add_argument("--name", default=None, help="the cluster's name (default: host-backend-xN)")
+    calibrate.add_argument("--quick", action="store_true",
+                           help="fewer sizes and repetitions: rougher figures in a few seconds")
     return parser
 
 
@@ -218,6 +230,30 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_FAILED
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from autopar.calibrate import CalibrationInterrupted, calibrate, check_output_path, describe
+    from autopar.host import check_local_processes
+
+    if args.output is not None:
+        check_output_path(args.output)
+    if args.backend != "auto":
+        check_local_processes(args.nproc, backend=args.backend)
+    elif args.nproc < 2:
+        check_local_processes(args.nproc, backend="gloo")
+    try:
+        cluster = calibrate(args.nproc, args.output, backend=args.backend, name=args.name,
+                            quick=args.quick)
+    except CalibrationInterrupted as exc:
+        _err(str(exc))
+        return 130
+    sys.stderr.write(describe(cluster) + "\n")
+    if args.output:
+        sys.stderr.write(f"cluster written to {args.output}; plan with --cluster {args.output}\n")
+    else:
+        _out(json.dumps(cluster.to_dict(), indent=2))
+    return EXIT_OK
+
+
 # ------------------------------------------------------------------ compare table
 
 
@@ -273,7 +309,7 @@ def render_compare(rows: list[dict[str, Any]]) -> str:
 # ------------------------------------------------------------------ entry point
 
 _COMMANDS = {"plan": _cmd_plan, "show": _cmd_show, "compare": _cmd_compare, "run": _cmd_run,
-             "verify": _cmd_verify}
+             "verify": _cmd_verify, "calibrate": _cmd_calibrate}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,12 +10,15 @@ schedule with v chunks per rank), for pipeline rank j:
 
     T_j  = Σ_{layers on j} (compute_fwd+bwd(+re-fwd) + tp_comm) per microbatch
            + point-to-point sends at j's stage boundaries
-    E_j  = Σ_{layers on j} max(0, dp_comm − OVERLAP · compute over the step)   (exposed DP/ZeRO traffic)
+    E_j  = Σ_{layers on j} max(dp_comm − ω · compute, (1 − ω) · dp_comm)       (exposed DP/ZeRO traffic)
     step = (m + (pp − 1)/v) · max_j T_j + max_j (E_j + optimizer_j)
 
 Each layer's data-parallel collectives hide only under that layer's own
-compute (FSDP2 prefetches one layer ahead), so a layer with no compute, such
-as an embedding, exposes all of its traffic.
+compute over the step (FSDP2 prefetches one layer ahead), so a layer with no
+compute, such as an embedding, exposes all of its traffic. ω is the cluster's
+``comm_overlap``: running compute c and communication d together takes
+max(c, d) + (1 − ω)·min(c, d), so ω = 1 (GPUs) hides d fully under c and a
+CPU host whose collectives take turns with compute on its cores has ω < 1.
 
 and the memory of rank j (integer bytes):
 
@@ -37,10 +40,14 @@ from autopar.cost_models.memory import Precision, model_state_bytes, optimizer_s
 from autopar.cost_models.pipeline import Schedule, ScheduleKind, in_flight, step_time_multiplier
 from autopar.graph import Layer, LayerGraph
 
-# ZeRO / data-parallel collectives run beside compute (FSDP2 prefetches
-# all-gathers and issues reduce-scatters as gradients appear); this is the
-# fraction of a rank's step compute that can hide them.
-DP_COMM_OVERLAP = 1.0
+
+
+def exposed_comm_s(comm_s: float, compute_s: float, overlap: float) -> float:
+    """What ``comm_s`` of collectives adds to ``compute_s`` of compute they run beside.
+
+    Both together take max(c, d) + (1 − ω)·min(c, d) (see the module docstring).
+    """
+    return max(comm_s - overlap * compute_s, (1.0 - overlap) * comm_s, 0.0)
 
 
 @dataclass(frozen=True)
@@ -253,7 +260,7 @@ class PriceTable:
             compute_mb_s=compute,
             tp_comm_mb_s=tp_comm,
             dp_comm_s=dp_comm,
-            exposed_comm_s=max(0.0, dp_comm - DP_COMM_OVERLAP * c.microbatches * compute),
+            exposed_comm_s=exposed_comm_s(dp_comm, c.microbatches * compute, self.cluster.comm_overlap),
             optimizer_s=optimizer_shard_params(params, strategy.zero, c.dp)
             * prec.optimizer_bytes_touched / device.memory_bandwidth_bytes_s,
             state_bytes=model_state_bytes(params, strategy.zero, c.dp, prec),

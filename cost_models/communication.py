@@ -56,15 +56,16 @@ def bus_factor(kind: Collective, n: int) -> float:
     return (n - 1) / n
 
 
-def bus_bandwidth(group: GroupPlacement, cluster: ClusterSpec) -> float:
+def bus_bandwidth(group: GroupPlacement, cluster: ClusterSpec, kind: str = "all_reduce") -> float:
+    intra = cluster.intra_node.for_kind(kind).bandwidth_bytes_s
     if not group.spans_nodes:
-        return cluster.intra_node.bandwidth_bytes_s
-    return min(cluster.intra_node.bandwidth_bytes_s, group.local * cluster.nic_bandwidth_per_device)
+        return intra
+    return min(intra, group.local * cluster.nic_bandwidth_for(kind))
 
 
-def latency(group: GroupPlacement, cluster: ClusterSpec) -> float:
+def latency(group: GroupPlacement, cluster: ClusterSpec, kind: str = "all_reduce") -> float:
     link = cluster.inter_node if group.spans_nodes else cluster.intra_node
-    return link.latency_s
+    return link.for_kind(kind).latency_s
 
 
 def collective_time_s(
@@ -73,8 +74,8 @@ def collective_time_s(
     """Time of ``count`` collectives moving ``nbytes`` (full buffer size) in all."""
     if group.size <= 1 or nbytes <= 0:
         return 0.0
-    bw = bus_bandwidth(group, cluster)
-    return count * latency(group, cluster) + nbytes * bus_factor(kind, group.size) / bw
+    bw = bus_bandwidth(group, cluster, kind.value)
+    return count * latency(group, cluster, kind.value) + nbytes * bus_factor(kind, group.size) / bw
 
 
 def p2p_time_s(nbytes: float, *, inter_node: bool, cluster: ClusterSpec) -> float:
@@ -82,5 +83,6 @@ def p2p_time_s(nbytes: float, *, inter_node: bool, cluster: ClusterSpec) -> floa
     if nbytes <= 0:
         return 0.0
     if inter_node:
-        return cluster.inter_node.latency_s + nbytes / cluster.nic_bandwidth_per_device
-    return cluster.intra_node.latency_s + nbytes / cluster.intra_node.bandwidth_bytes_s
+        return cluster.inter_node.for_kind("p2p").latency_s + nbytes / cluster.nic_bandwidth_for("p2p")
+    link = cluster.intra_node.for_kind("p2p")
+    return link.latency_s + nbytes / link.bandwidth_bytes_s

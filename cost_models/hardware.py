@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import tomllib
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,12 +53,26 @@ class DeviceSpec:
         return self.peak_flops_bf16 if dtype == "bf16" else self.peak_flops_fp32
 
 
+LINK_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+
 @dataclass(frozen=True)
 class LinkSpec:
-    """An α-β link: ``latency_s`` per collective or message, ``bandwidth_bytes_s`` bus bandwidth."""
+    """An α-β link: ``latency_s`` per collective or message, ``bandwidth_bytes_s`` bus bandwidth.
+
+    ``collectives`` optionally overrides both per kind (``all_reduce``,
+    ``all_gather``, ``reduce_scatter``, ``p2p``): NCCL reaches about the same
+    bus bandwidth in each, but gloo's all-gather and reduce-scatter run at half
+    its all-reduce's, which ``autopar calibrate`` measures and records here.
+    """
 
     bandwidth_bytes_s: float
     latency_s: float
+    collectives: dict[str, "LinkSpec"] = field(default_factory=dict)
+
+    def for_kind(self, kind: str) -> "LinkSpec":
+        """The figures a collective of ``kind`` (or point-to-point, ``p2p``) runs at."""
+        return self.collectives.get(kind, self)
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,11 @@ class ClusterSpec:
     ``memory_reserve_fraction`` of each device's memory is kept back from the
     planner's budget for the allocator's fragmentation, the CUDA context and
     communication buffers (a stated reserve, not a fudge: change it per file).
+
+    ``comm_overlap`` is the fraction of compute under which data-parallel
+    communication can hide: 1 on GPUs (copy engines and NCCL kernels run
+    beside compute); below 1 where collectives take turns with compute on
+    the same cores, as gloo on a CPU does (``autopar calibrate`` measures it).
     """
 
     name: str
@@ -79,6 +98,7 @@ class ClusterSpec:
     nics_per_node: int
     backend: str = "nccl"
     memory_reserve_fraction: float = 0.10
+    comm_overlap: float = 1.0
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -94,8 +114,12 @@ class ClusterSpec:
     @property
     def nic_bandwidth_per_device(self) -> float:
         """Inter-node bandwidth one device can count on when all devices send at once."""
+        return self.nic_bandwidth_for("all_reduce")
+
+    def nic_bandwidth_for(self, kind: str) -> float:
+        """:attr:`nic_bandwidth_per_device` for a collective of ``kind``."""
         share = min(1.0, self.nics_per_node / self.gpus_per_node)
-        return self.inter_node.bandwidth_bytes_s * share
+        return self.inter_node.for_kind(kind).bandwidth_bytes_s * share
 
     def for_world_size(self, world_size: int, nodes: int | None = None) -> "ClusterSpec":
         """The cluster sized for ``world_size`` ranks (``nodes`` hosts if given).
@@ -129,7 +153,11 @@ class ClusterSpec:
         return replace(self, device=replace(self.device, memory_bytes=int(memory_bytes)))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        for level in ("intra_node", "inter_node"):  # no per-kind figures: the field stays out of files
+            if not data[level]["collectives"]:
+                del data[level]["collectives"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "cluster") -> "ClusterSpec":
@@ -149,14 +177,24 @@ def _validate(c: ClusterSpec) -> None:
         "intra_node.bandwidth_bytes_s": c.intra_node.bandwidth_bytes_s,
         "inter_node.bandwidth_bytes_s": c.inter_node.bandwidth_bytes_s,
     }
-    for key, value in positive.items():
-        if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise ClusterError(f"cluster {c.name!r}: {key} must be a positive number, got {value!r}")
     non_negative = {
         "device.half_efficiency_flops": c.device.half_efficiency_flops,
         "intra_node.latency_s": c.intra_node.latency_s,
         "inter_node.latency_s": c.inter_node.latency_s,
     }
+    for level in ("intra_node", "inter_node"):
+        link = getattr(c, level)
+        if not isinstance(link.collectives, dict):
+            raise ClusterError(f"cluster {c.name!r}: {level}.collectives must be a table of kinds")
+        for kind, sub in link.collectives.items():
+            if kind not in LINK_KINDS:
+                raise ClusterError(f"cluster {c.name!r}: {level}.collectives has unknown kind {kind!r}; "
+                                   f"use {', '.join(LINK_KINDS)}")
+            positive[f"{level}.collectives.{kind}.bandwidth_bytes_s"] = sub.bandwidth_bytes_s
+            non_negative[f"{level}.collectives.{kind}.latency_s"] = sub.latency_s
+    for key, value in positive.items():
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ClusterError(f"cluster {c.name!r}: {key} must be a positive number, got {value!r}")
     for key, value in non_negative.items():
         if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ClusterError(f"cluster {c.name!r}: {key} must be a number ≥ 0, got {value!r}")
@@ -164,8 +202,13 @@ def _validate(c: ClusterSpec) -> None:
         raise ClusterError(f"cluster {c.name!r}: device.matmul_efficiency must be ≤ 1")
     if not 0 <= c.memory_reserve_fraction < 1:
         raise ClusterError(f"cluster {c.name!r}: memory_reserve_fraction must be in [0, 1)")
+    if not isinstance(c.comm_overlap, (int, float)) or not 0 <= c.comm_overlap <= 1:
+        raise ClusterError(f"cluster {c.name!r}: comm_overlap must be in [0, 1], got {c.comm_overlap!r}")
     if c.backend not in ("nccl", "gloo"):
         raise ClusterError(f"cluster {c.name!r}: backend must be 'nccl' or 'gloo', got {c.backend!r}")
+
+
+_OPTIONAL_FIELDS = {"collectives"}
 
 
 def _section(data: dict[str, Any], key: str, cls: type, source: str) -> Any:
@@ -173,13 +216,19 @@ def _section(data: dict[str, Any], key: str, cls: type, source: str) -> Any:
     if not isinstance(raw, dict):
         raise ClusterError(f"{source}: missing section {key!r}")
     names = [f.name for f in fields(cls) if f.name != "name"]
-    missing = [n for n in names if n not in raw]
+    missing = [n for n in names if n not in raw and n not in _OPTIONAL_FIELDS]
     if missing:
         raise ClusterError(f"{source}: {key} is missing {', '.join(missing)}")
     unknown = sorted(set(raw) - set(names) - {"name"})
     if unknown:
         raise ClusterError(f"{source}: {key} has unknown fields {', '.join(unknown)}")
-    kwargs = {n: raw[n] for n in names}
+    kwargs = {n: raw[n] for n in names if n in raw}
+    if cls is LinkSpec and "collectives" in raw:
+        subs = raw["collectives"]
+        if not isinstance(subs, dict):
+            raise ClusterError(f"{source}: {key}.collectives must be a table of kinds")
+        kwargs["collectives"] = {k: _section(subs, k, LinkSpec, f"{source}: {key}.collectives")
+                                 for k in subs}
     if cls is DeviceSpec:
         kwargs["name"] = str(raw.get("name", data.get("name", "device")))
     return cls(**kwargs)
@@ -192,7 +241,8 @@ def _cluster_from_dict(data: dict[str, Any], source: str) -> ClusterSpec:
     missing = [k for k in required if k not in data]
     if missing:
         raise ClusterError(f"{source}: missing {', '.join(missing)}")
-    known = {f.name for f in fields(ClusterSpec)}
+    # ``calibration`` records how ``autopar calibrate`` measured the figures; the planner ignores it
+    known = {f.name for f in fields(ClusterSpec)} | {"calibration"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ClusterError(f"{source}: unknown fields {', '.join(unknown)}")
@@ -207,6 +257,7 @@ def _cluster_from_dict(data: dict[str, Any], source: str) -> ClusterSpec:
             nics_per_node=data["nics_per_node"],
             backend=data.get("backend", "nccl"),
             memory_reserve_fraction=data.get("memory_reserve_fraction", 0.10),
+            comm_overlap=data.get("comm_overlap", 1.0),
         )
     except TypeError as exc:  # a field of the wrong type reached a comparison
         raise ClusterError(f"{source}: {exc}") from None

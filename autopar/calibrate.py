@@ -1,0 +1,557 @@
+"""``autopar calibrate``: measure this machine and write a cluster file the planner accepts.
+
+    autopar calibrate --nproc 4 -o cluster.json
+    autopar plan examples/gpt.py:gpt_tiny --world-size 4 --cluster cluster.json
+
+``nproc`` ranks are started on this host, configured as training runs them
+(:func:`autopar.host.threads_per_process` threads each; gloo on CPU, NCCL on
+GPUs), and measure *at the same time*, so contention for shared cores and
+memory bandwidth is in the figures:
+
+- compute: forward + backward of matmul-heavy layers (a GELU MLP and a
+  pre-LN transformer layer) at several widths, FLOPs counted by the same
+  ``FlopCounterMode`` that capture uses; fitted to the compute model
+  ``time = (work + flops_½) / (peak · η)`` (:mod:`autopar.cost_models.compute`),
+  with ``peak`` a large GEMM's throughput;
+- communication: all-reduce, all-gather, reduce-scatter and point-to-point
+  over message sizes, each fitted to ``α + bytes · bus factor / busbw``
+  (the link's figures are the all-reduce's, the others are kept per kind:
+  gloo's all-gather and reduce-scatter are much slower than its all-reduce);
+- overlap: an all-reduce issued asynchronously under layer compute, which
+  gives the fraction of compute that hides communication (1 on GPUs, where
+  copies run on separate engines; below 1 where collectives share the cores);
+- optimizer: an AdamW step, whose bytes touched per second become the
+  ``memory_bandwidth_bytes_s`` the optimizer term is priced with.
+
+The cluster file is written only once every measurement has finished, to a
+temporary file renamed into place, so an interrupted run leaves no
+half-written file behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from autopar.cost_models.communication import Collective, bus_factor
+from autopar.cost_models.hardware import ClusterSpec, DeviceSpec, LinkSpec
+from autopar.errors import AutoparError
+from autopar.host import available_memory_bytes, check_local_processes, threads_per_process
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+
+
+class CalibrationError(AutoparError):
+    """Calibration could not run or its measurements could not be fitted."""
+
+
+class CalibrationInterrupted(CalibrationError):
+    """The run was interrupted; nothing was written."""
+
+
+# ------------------------------------------------------------------ what is measured
+
+
+@dataclass(frozen=True)
+class ProbeSizes:
+    """The workload of one calibration: layer widths, message sizes, repetition time."""
+
+    widths: tuple[int, ...]
+    tokens: tuple[int, int]  # (batch, sequence) of the layer probes
+    gemm: int  # square GEMM side for the peak throughput
+    message_bytes: tuple[int, ...]
+    seconds_per_point: float
+
+
+CPU_SIZES = ProbeSizes(widths=(64, 128, 256, 384, 512), tokens=(4, 64), gemm=768,
+                       message_bytes=tuple(4 ** k * KiB for k in range(1, 9)),  # 4 KiB … 64 MiB
+                       seconds_per_point=0.25)
+GPU_SIZES = ProbeSizes(widths=(1024, 2048, 4096, 8192), tokens=(4, 2048), gemm=8192,
+                       message_bytes=tuple(4 ** k * KiB for k in range(1, 12)),  # 4 KiB … 4 GiB
+                       seconds_per_point=0.1)
+
+
+def probe_sizes(backend: str, quick: bool = False) -> ProbeSizes:
+    """The workload for ``backend``; ``quick`` trims it to a few seconds of rougher figures."""
+    sizes = GPU_SIZES if backend == "nccl" else CPU_SIZES
+    if not quick:
+        return sizes
+    return ProbeSizes(widths=sizes.widths[:3], tokens=sizes.tokens, gemm=sizes.gemm // 2,
+                      message_bytes=sizes.message_bytes[:6], seconds_per_point=0.05)
+
+
+@dataclass
+class Measurements:
+    """What the ranks measured (rank means of per-rank medians), before any fitting."""
+
+    backend: str
+    nproc: int
+    threads: int
+    layers: list[dict[str, Any]] = field(default_factory=list)  # kind, width, fwd_flops, seconds
+    gemm_flops_s: dict[str, float] = field(default_factory=dict)  # dtype -> FLOP/s
+    collectives: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # kind -> (bytes, s)
+    overlap: dict[str, float] = field(default_factory=dict)  # compute_s, comm_s, both_s
+    optimizer: dict[str, float] = field(default_factory=dict)  # params, seconds
+    device_memory_bytes: int = 0
+    device_name: str = "cpu"
+    wall_s: float = 0.0
+
+
+# ------------------------------------------------------------------ fitting (pure functions)
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """``y ≈ slope · x + intercept`` minimising *relative* squared error, intercept ≥ 0.
+
+    Relative error, because the points span orders of magnitude and a 4 KiB
+    message's latency matters as much as a 64 MiB message's bandwidth.
+    """
+    if len(xs) != len(ys) or len(xs) < 2:
+        raise CalibrationError("a fit needs at least two measurements")
+    w = [1.0 / y ** 2 for y in ys]
+    sw = sum(w)
+    sx = sum(wi * x for wi, x in zip(w, xs))
+    sy = sum(wi * y for wi, y in zip(w, ys))
+    sxx = sum(wi * x * x for wi, x in zip(w, xs))
+    sxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys))
+    det = sw * sxx - sx * sx
+    slope = (sw * sxy - sx * sy) / det if det > 0 else 0.0
+    intercept = (sy - slope * sx) / sw
+    if intercept < 0:  # through the origin instead
+        slope, intercept = sxy / sxx, 0.0
+    if not slope > 0:
+        raise CalibrationError("the measurements do not grow with size; the machine was too busy to "
+                               "calibrate, run again when it is idle")
+    return slope, intercept
+
+
+def fit_compute(layers: Sequence[dict[str, Any]]) -> tuple[float, float]:
+    """``(peak · η, flops_½)`` from forward + backward times of layers with forward FLOPs F.
+
+    The compute model prices forward (F) and backward (2F) as separate calls,
+    each paying ``flops_½``: time = (3F + 2·flops_½) / (peak · η).
+    """
+    slope, intercept = fit_line([3.0 * l["fwd_flops"] for l in layers], [l["seconds"] for l in layers])
+    rate = 1.0 / slope
+    return rate, intercept * rate / 2.0
+
+
+def fit_link(collectives: dict[str, list[tuple[int, float]]], nproc: int) -> tuple[float, float]:
+    """``(latency_s, bus bandwidth B/s)`` fitted jointly to the given collectives' measurements."""
+    xs, ys = [], []
+    for kind, points in collectives.items():
+        factor = 1.0 if kind == "p2p" else bus_factor(Collective(kind), nproc)
+        for nbytes, seconds in points:
+            xs.append(nbytes * factor)
+            ys.append(seconds)
+    slope, intercept = fit_line(xs, ys)
+    return intercept, 1.0 / slope
+
+
+def overlap_fraction(compute_s: float, comm_s: float, both_s: float) -> float:
+    """The fraction of the shorter of compute and communication hidden when both run at once.
+
+    Running both takes max(c, m) + (1 − ω)·min(c, m); ω = 1 is perfect overlap,
+    ω = 0 none (they take turns on the same cores).
+    """
+    shorter = min(compute_s, comm_s)
+    if shorter <= 0:
+        return 1.0
+    return min(1.0, max(0.0, (compute_s + comm_s - both_s) / shorter))
+
+
+def build_cluster(m: Measurements, *, name: str | None = None) -> ClusterSpec:
+    """The cluster file's content: one node of ``nproc`` devices with the fitted figures."""
+    rate, half = fit_compute(m.layers)
+    fp32 = max(m.gemm_flops_s.get("fp32", 0.0), rate)
+    bf16 = max(m.gemm_flops_s.get("bf16", 0.0), 1.0)
+    if m.backend == "gloo":  # one process on a CPU: the fp32 figure is what training in fp32 reaches
+        bf16 = min(bf16, fp32) if bf16 > 1.0 else fp32
+    fits = {kind: LinkSpec(*reversed(fit_link({kind: pts}, m.nproc)))
+            for kind, pts in m.collectives.items()}
+    base = fits.pop("all_reduce")
+    overlap = overlap_fraction(m.overlap["compute_s"], m.overlap["comm_s"], m.overlap["both_s"])
+    params, seconds = m.optimizer["params"], m.optimizer["seconds"]
+    bytes_touched = params * (2 * 8 + 4 + 4)  # fp32 AdamW: two moments read and written, grad, weight
+    link = LinkSpec(base.bandwidth_bytes_s, base.latency_s, collectives=fits)
+    device = DeviceSpec(
+        name=m.device_name, memory_bytes=int(m.device_memory_bytes),
+        peak_flops_bf16=bf16, peak_flops_fp32=fp32,
+        memory_bandwidth_bytes_s=bytes_touched / seconds,
+        matmul_efficiency=min(1.0, rate / fp32), half_efficiency_flops=half,
+    )
+    return ClusterSpec(
+        name or f"{socket.gethostname()}-{m.backend}-x{m.nproc}", device,
+        gpus_per_node=m.nproc, nodes=1, intra_node=link, inter_node=link, nics_per_node=1,
+        backend=m.backend, memory_reserve_fraction=0.25 if m.backend == "gloo" else 0.10,
+        comm_overlap=overlap,
+    )
+
+
+def cluster_document(cluster: ClusterSpec, m: Measurements) -> dict[str, Any]:
+    """The JSON written: the cluster's fields, and a ``calibration`` section saying how it was measured."""
+    doc = cluster.to_dict()
+    doc["calibration"] = {
+        "command": f"autopar calibrate --nproc {m.nproc} --backend {m.backend}",
+        "host": socket.gethostname(), "platform": platform.platform(),
+        "threads_per_process": m.threads, "wall_s": round(m.wall_s, 1),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "gemm_flops_s": m.gemm_flops_s, "layers": m.layers, "collectives": m.collectives,
+        "overlap": m.overlap, "optimizer": m.optimizer,
+    }
+    return doc
+
+
+def write_atomically(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same directory, renamed into place."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def check_output_path(path: str | os.PathLike[str]) -> None:
+    """Fail before measuring, not after, when the cluster file cannot be written."""
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():
+        raise CalibrationError(f"cannot write {str(path)!r}: directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise CalibrationError(f"cannot write {str(path)!r}: directory {str(parent)!r} is not writable")
+    if Path(path).is_dir():
+        raise CalibrationError(f"cannot write {str(path)!r}: it is a directory")
+
+
+# ------------------------------------------------------------------ the ranks
+
+
+class _Rank:
+    """One rank's measuring loop; rank 0 reports progress and collects every rank's figures."""
+
+    def __init__(self, rank: int, nproc: int, backend: str, sizes: ProbeSizes,
+                 progress: Callable[[str], None] | None):
+        import torch
+        import torch.distributed as dist
+
+        self.torch, self.dist = torch, dist
+        self.rank, self.nproc, self.sizes = rank, nproc, sizes
+        self.device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        self.progress = progress
+        self.step, self.steps, self.start = 0, 6, time.perf_counter()
+
+    def say(self, what: str) -> None:
+        self.step += 1
+        if self.progress is not None:
+            self.progress(f"[{self.step}/{self.steps}] {what} ({time.perf_counter() - self.start:.0f} s)")
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize()
+
+    def mean_over_ranks(self, value: float) -> float:
+        t = self.torch.tensor([value], dtype=self.torch.float64, device=self.device)
+        self.dist.all_reduce(t)
+        return float(t.item()) / self.nproc
+
+    def max_over_ranks(self, value: float) -> float:
+        t = self.torch.tensor([value], dtype=self.torch.float64, device=self.device)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def timed(self, fn: Callable[[], Any], *, min_reps: int = 3, max_reps: int = 30) -> float:
+        """Median seconds of ``fn`` on this rank, every rank running it at the same time.
+
+        The repetition count comes from the slowest rank's first run, so ranks
+        start and finish together (contention stays what training sees).
+        """
+        fn()
+        self.sync()
+        t = time.perf_counter()
+        fn()
+        self.sync()
+        first = self.max_over_ranks(time.perf_counter() - t)
+        reps = int(min(max_reps, max(min_reps, self.sizes.seconds_per_point / max(first, 1e-9))))
+        self.dist.barrier()
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            self.sync()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    # -- the probes
+
+    def layers(self) -> list[dict[str, Any]]:
+        import torch.nn as nn
+        from torch.utils.flop_counter import FlopCounterMode
+
+        torch = self.torch
+        batch, seq = self.sizes.tokens
+        out = []
+        for width in self.sizes.widths:
+            for kind in ("mlp", "transformer"):
+                torch.manual_seed(0)
+                if kind == "mlp":
+                    layer = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+                else:
+                    layer = nn.TransformerEncoderLayer(width, max(1, width // 64), 4 * width, dropout=0.0,
+                                                       batch_first=True, norm_first=True)
+                layer = layer.to(self.device)
+                x = torch.randn(batch, seq, width, device=self.device, requires_grad=True)
+                grad = torch.ones(batch, seq, width, device=self.device)
+                with FlopCounterMode(display=False) as counter:
+                    layer(x)
+                fwd_flops = counter.get_total_flops()
+
+                def step() -> None:
+                    layer(x).backward(grad)
+
+                seconds = self.mean_over_ranks(self.timed(step))
+                out.append({"kind": kind, "width": width, "fwd_flops": fwd_flops, "seconds": seconds})
+        return out
+
+    def gemm(self) -> dict[str, float]:
+        torch, n = self.torch, self.sizes.gemm
+        rates = {}
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            a = torch.randn(n, n, device=self.device, dtype=dtype)
+            b = torch.randn(n, n, device=self.device, dtype=dtype)
+            seconds = self.mean_over_ranks(self.timed(lambda: a @ b))
+            rates[name] = 2.0 * n ** 3 / seconds
+        return rates
+
+    def collectives(self) -> dict[str, list[tuple[int, float]]]:
+        torch, dist, n = self.torch, self.dist, self.nproc
+        results: dict[str, list[tuple[int, float]]] = {"all_reduce": [], "all_gather": [],
+                                                       "reduce_scatter": [], "p2p": []}
+        for nbytes in self.sizes.message_bytes:
+            elems = max(n, nbytes // 4 // n * n)
+            full = torch.ones(elems, device=self.device)
+            shard = torch.ones(elems // n, device=self.device)
+            ops = {
+                "all_reduce": lambda: dist.all_reduce(full),
+                "all_gather": lambda: _all_gather(full, shard),
+                "reduce_scatter": lambda: _reduce_scatter(shard, full),
+                "p2p": lambda: self._ping_pong(full),
+            }
+            for kind, op in ops.items():
+                seconds = self.timed(op)
+                if kind == "p2p":  # a round trip between ranks 0 and 1: half of it is one send
+                    seconds = self.max_over_ranks(seconds if self.rank == 0 else 0.0) / 2
+                else:
+                    seconds = self.mean_over_ranks(seconds)
+                results[kind].append((elems * 4, seconds))
+        return results
+
+    def _ping_pong(self, buf: Any) -> None:
+        if self.rank == 0:
+            self.dist.send(buf, 1)
+            self.dist.recv(buf, 1)
+        elif self.rank == 1:
+            self.dist.recv(buf, 0)
+            self.dist.send(buf, 0)
+
+    def overlap(self, link: tuple[float, float]) -> dict[str, float]:
+        """Compute alone, an all-reduce alone, then the all-reduce issued under the compute."""
+        import torch.nn as nn
+
+        torch, dist = self.torch, self.dist
+        width = self.sizes.widths[-1]
+        batch, seq = self.sizes.tokens
+        layer = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        layer = layer.to(self.device)
+        x = torch.randn(2 * batch, seq, width, device=self.device, requires_grad=True)
+        grad = torch.ones_like(x)
+
+        def compute() -> None:
+            layer(x).backward(grad)
+
+        compute_s = self.mean_over_ranks(self.timed(compute))
+        latency, busbw = link  # an all-reduce about as long as the compute
+        nbytes = max(4 * KiB, (compute_s - latency) * busbw / bus_factor(Collective.ALL_REDUCE, self.nproc))
+        buf = torch.ones(int(self.max_over_ranks(nbytes)) // 4, device=self.device)
+        comm_s = self.mean_over_ranks(self.timed(lambda: dist.all_reduce(buf)))
+
+        def both() -> None:
+            work = dist.all_reduce(buf, async_op=True)
+            compute()
+            work.wait()
+
+        both_s = self.mean_over_ranks(self.timed(both))
+        return {"compute_s": compute_s, "comm_s": comm_s, "both_s": both_s, "bytes": buf.numel() * 4}
+
+    def optimizer(self) -> dict[str, float]:
+        torch = self.torch
+        params = [torch.nn.Parameter(torch.randn(512, 512, device=self.device)) for _ in range(8)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        seconds = self.mean_over_ranks(self.timed(opt.step))
+        return {"params": float(sum(p.numel() for p in params)), "seconds": seconds}
+
+    def run(self, backend: str) -> Measurements:
+        m = Measurements(backend=backend, nproc=self.nproc, threads=self.torch.get_num_threads())
+        self.say(f"compute: {2 * len(self.sizes.widths)} layers, widths "
+                 f"{self.sizes.widths[0]}…{self.sizes.widths[-1]}")
+        m.layers = self.layers()
+        self.say(f"compute: {self.sizes.gemm}² GEMM in fp32 and bf16")
+        m.gemm_flops_s = self.gemm()
+        sizes = self.sizes.message_bytes
+        self.say(f"collectives: all-reduce, all-gather, reduce-scatter, send/recv, "
+                 f"{_size(sizes[0])}…{_size(sizes[-1])}")
+        m.collectives = self.collectives()
+        self.say("overlap of an all-reduce with compute")
+        m.overlap = self.overlap(fit_link(m.collectives, self.nproc))
+        self.say("optimizer: AdamW step")
+        m.optimizer = self.optimizer()
+        self.say("done")
+        return m
+
+
+def _all_gather(out: Any, shard: Any) -> None:
+    """All-gather into one tensor under the name this torch has (``all_gather_single`` from 2.13)."""
+    import torch.distributed as dist
+
+    if hasattr(dist, "all_gather_single"):
+        dist.all_gather_single(out, shard)
+    else:
+        dist.all_gather_into_tensor(out, shard)
+
+
+def _reduce_scatter(out: Any, full: Any) -> None:
+    """Reduce-scatter from one tensor (``reduce_scatter_single`` from torch 2.13)."""
+    import torch.distributed as dist
+
+    if hasattr(dist, "reduce_scatter_single"):
+        dist.reduce_scatter_single(out, full)
+    else:
+        dist.reduce_scatter_tensor(out, full)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
+
+
+def _worker(rank: int, nproc: int, backend: str, store_path: str, out_path: str, sizes: ProbeSizes,
+            memory_bytes: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles ^C and stops every rank
+    torch.set_num_threads(threads_per_process(nproc))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, store=dist.FileStore(store_path, nproc), rank=rank,
+                            world_size=nproc, timeout=timedelta(seconds=300))
+    progress = (lambda line: print(f"autopar calibrate: {line}", file=sys.stderr, flush=True)) \
+        if rank == 0 else None
+    probe = _Rank(rank, nproc, backend, sizes, progress)
+    m = probe.run(backend)
+    dist.destroy_process_group()
+    if rank == 0:
+        if backend == "nccl":
+            props = torch.cuda.get_device_properties(0)
+            m.device_memory_bytes, m.device_name = props.total_memory, props.name
+        else:
+            m.device_memory_bytes, m.device_name = memory_bytes, f"cpu ({platform.processor() or 'host'})"
+        m.wall_s = time.perf_counter() - probe.start
+        Path(out_path).write_text(json.dumps(m.__dict__))
+
+
+def measure(nproc: int, *, backend: str = "auto", quick: bool = False,
+            timeout_s: float = 600.0) -> Measurements:
+    """Start ``nproc`` local ranks, measure, and return rank means (see the module docstring)."""
+    import torch
+    import torch.multiprocessing as mp
+
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nproc else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise CalibrationError(f"backend must be gloo, nccl or auto, got {backend!r}")
+    check_local_processes(nproc, backend=backend)
+    sizes = probe_sizes(backend, quick)
+    free = available_memory_bytes() or 0
+    memory_bytes = free // nproc  # ranks share the host's memory
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="autopar-calibrate-") as tmp:
+        out = os.path.join(tmp, "measurements.json")
+        ctx = mp.start_processes(_worker, args=(nproc, backend, os.path.join(tmp, "store"), out, sizes,
+                                                memory_bytes),
+                                 nprocs=nproc, join=False, start_method="spawn")
+        try:
+            while not ctx.join(timeout=0.5):
+                if time.perf_counter() - started > timeout_s:
+                    raise CalibrationError(f"calibration did not finish in {timeout_s:.0f} s")
+        except mp.ProcessRaisedException as exc:
+            lines = [l for l in str(exc).strip().splitlines() if l.strip()]
+            raise CalibrationError(f"a rank failed: {lines[-1] if lines else exc}") from None
+        except mp.ProcessExitedException as exc:
+            raise CalibrationError(f"a rank exited early ({exc}); nothing was written") from None
+        except KeyboardInterrupt:
+            raise CalibrationInterrupted("calibration interrupted; no cluster file was written") from None
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            for p in ctx.processes:
+                p.join(timeout=5)
+        data = json.loads(Path(out).read_text())
+    data["collectives"] = {k: [tuple(p) for p in v] for k, v in data["collectives"].items()}
+    return Measurements(**data)
+
+
+def calibrate(nproc: int, output: str | os.PathLike[str] | None = None, *, backend: str = "auto",
+              name: str | None = None, quick: bool = False) -> ClusterSpec:
+    """Measure this host with ``nproc`` ranks, fit, and write the cluster file to ``output`` if given.
+
+    SIGTERM is treated like ^C: the ranks are stopped and nothing is written.
+    """
+    if output is not None:
+        check_output_path(output)
+
+    def _terminate(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        m = measure(nproc, backend=backend, quick=quick)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    cluster = build_cluster(m, name=name)
+    if output is not None:
+        write_atomically(output, json.dumps(cluster_document(cluster, m), indent=2) + "\n")
+    return cluster
+
+
+def describe(cluster: ClusterSpec) -> str:
+    """The fitted figures, one per line, for the CLI."""
+    d, link = cluster.device, cluster.intra_node
+    return "\n".join([
+        f"cluster {cluster.name}: {cluster.gpus_per_node} × {d.name}, backend {cluster.backend}",
+        f"  compute       {d.peak_flops_fp32 / 1e9:.1f} GFLOP/s fp32 peak (GEMM), layers reach "
+        f"{d.matmul_efficiency:.2f} of it; per-call overhead worth {d.half_efficiency_flops / 1e6:.2f} MFLOP",
+        *(f"  {kind:14s}α {link.for_kind(kind).latency_s * 1e6:5.0f} µs, bus bandwidth "
+          f"{link.for_kind(kind).bandwidth_bytes_s / 1e9:.2f} GB/s"
+          for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p")),
+        f"  overlap       {cluster.comm_overlap:.2f} of compute hides communication",
+        f"  optimizer     {d.memory_bandwidth_bytes_s / 1e9:.2f} GB/s of optimizer state touched",
+        f"  memory        {d.memory_bytes / GiB:.1f} GiB per rank",
+    ])
