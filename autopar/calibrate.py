@@ -8,8 +8,9 @@
 GPUs), and measure *at the same time*, so contention for shared cores and
 memory bandwidth is in the figures:
 
-- compute: forward + backward of matmul-heavy layers (a GELU MLP and a
-  pre-LN transformer layer) at several widths, FLOPs counted by the same
+- compute: forward + backward of pre-LN transformer layers (GELU MLP,
+  layer norms, softmax attention: the matmul-heavy layers training spends
+  its time in, elementwise work included) at several widths, FLOPs counted by the same
   ``FlopCounterMode`` that capture uses; fitted to the compute model
   ``time = (work + flops_½) / (peak · η)`` (:mod:`autopar.cost_models.compute`),
   with ``peak`` a large GEMM's throughput;
@@ -47,7 +48,7 @@ from typing import Any, Callable, Sequence
 from autopar.cost_models.communication import Collective, bus_factor
 from autopar.cost_models.hardware import ClusterSpec, DeviceSpec, LinkSpec
 from autopar.errors import AutoparError
-from autopar.host import available_memory_bytes, check_local_processes, threads_per_process
+from autopar.host import available_memory_bytes, check_local_processes, cpu_count, threads_per_process
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
@@ -72,9 +73,10 @@ class ProbeSizes:
     gemm: int  # square GEMM side for the peak throughput
     message_bytes: tuple[int, ...]
     seconds_per_point: float
+    rounds: int = 3  # sweeps of the compute and overlap probes, median taken
 
 
-CPU_SIZES = ProbeSizes(widths=(64, 128, 256, 384, 512), tokens=(4, 64), gemm=768,
+CPU_SIZES = ProbeSizes(widths=(64, 128, 192, 256, 384, 512), tokens=(4, 64), gemm=768,
                        message_bytes=tuple(4 ** k * KiB for k in range(1, 9)),  # 4 KiB … 64 MiB
                        seconds_per_point=0.25)
 GPU_SIZES = ProbeSizes(widths=(1024, 2048, 4096, 8192), tokens=(4, 2048), gemm=8192,
@@ -88,7 +90,7 @@ def probe_sizes(backend: str, quick: bool = False) -> ProbeSizes:
     if not quick:
         return sizes
     return ProbeSizes(widths=sizes.widths[:3], tokens=sizes.tokens, gemm=sizes.gemm // 2,
-                      message_bytes=sizes.message_bytes[:6], seconds_per_point=0.05)
+                      message_bytes=sizes.message_bytes[:6], seconds_per_point=0.05, rounds=1)
 
 
 @dataclass
@@ -98,6 +100,7 @@ class Measurements:
     backend: str
     nproc: int
     threads: int
+    cores: int = 0
     layers: list[dict[str, Any]] = field(default_factory=list)  # kind, width, fwd_flops, seconds
     gemm_flops_s: dict[str, float] = field(default_factory=dict)  # dtype -> FLOP/s
     collectives: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # kind -> (bytes, s)
@@ -178,8 +181,13 @@ def build_cluster(m: Measurements, *, name: str | None = None) -> ClusterSpec:
     bf16 = max(m.gemm_flops_s.get("bf16", 0.0), 1.0)
     if m.backend == "gloo":  # one process on a CPU: the fp32 figure is what training in fp32 reaches
         bf16 = min(bf16, fp32) if bf16 > 1.0 else fp32
-    fits = {kind: LinkSpec(*reversed(fit_link({kind: pts}, m.nproc)))
-            for kind, pts in m.collectives.items()}
+    # a collective as training issues it also waits for the slowest rank (the sync probe); a
+    # point-to-point send waits for its one receiver, which the pipeline bubble already prices
+    sync = m.overlap.get("sync_s", 0.0)
+    fits = {}
+    for kind, pts in m.collectives.items():
+        latency, bandwidth = fit_link({kind: pts}, m.nproc)
+        fits[kind] = LinkSpec(bandwidth, latency + (0.0 if kind == "p2p" else sync))
     base = fits.pop("all_reduce")
     overlap = overlap_fraction(m.overlap["compute_s"], m.overlap["comm_s"], m.overlap["both_s"])
     params, seconds = m.optimizer["params"], m.optimizer["seconds"]
@@ -195,7 +203,7 @@ def build_cluster(m: Measurements, *, name: str | None = None) -> ClusterSpec:
         name or f"{socket.gethostname()}-{m.backend}-x{m.nproc}", device,
         gpus_per_node=m.nproc, nodes=1, intra_node=link, inter_node=link, nics_per_node=1,
         backend=m.backend, memory_reserve_fraction=0.25 if m.backend == "gloo" else 0.10,
-        comm_overlap=overlap,
+        comm_overlap=overlap, cores_per_node=m.cores if m.backend == "gloo" else 0,
     )
 
 
@@ -297,6 +305,17 @@ class _Rank:
             times.append(time.perf_counter() - t)
         return statistics.median(times)
 
+    def timed_mean(self, fn: Callable[[], Any], rounds: int) -> float:
+        """Mean seconds of ``fn`` over ``rounds`` back-to-back runs after one warm-up and a barrier."""
+        fn()
+        self.sync()
+        self.dist.barrier()
+        t = time.perf_counter()
+        for _ in range(rounds):
+            fn()
+        self.sync()
+        return (time.perf_counter() - t) / rounds
+
     # -- the probes
 
     def layers(self) -> list[dict[str, Any]]:
@@ -307,13 +326,10 @@ class _Rank:
         batch, seq = self.sizes.tokens
         out = []
         for width in self.sizes.widths:
-            for kind in ("mlp", "transformer"):
+            for kind in ("transformer",):
                 torch.manual_seed(0)
-                if kind == "mlp":
-                    layer = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-                else:
-                    layer = nn.TransformerEncoderLayer(width, max(1, width // 64), 4 * width, dropout=0.0,
-                                                       batch_first=True, norm_first=True)
+                layer = nn.TransformerEncoderLayer(width, max(1, width // 64), 4 * width, dropout=0.0,
+                                                   activation="gelu", batch_first=True, norm_first=True)
                 layer = layer.to(self.device)
                 x = torch.randn(batch, seq, width, device=self.device, requires_grad=True)
                 grad = torch.ones(batch, seq, width, device=self.device)
@@ -370,7 +386,9 @@ class _Rank:
             self.dist.send(buf, 0)
 
     def overlap(self, link: tuple[float, float]) -> dict[str, float]:
-        """Compute alone, an all-reduce alone, then the all-reduce issued under the compute."""
+        """Compute alone, an all-reduce alone, then the all-reduce issued under the compute; and a
+        small blocking all-reduce after the compute, whose extra time is the wait for the slowest
+        rank (ranks that compute alike still drift apart between synchronising collectives)."""
         import torch.nn as nn
 
         torch, dist = self.torch, self.dist
@@ -396,7 +414,29 @@ class _Rank:
             work.wait()
 
         both_s = self.mean_over_ranks(self.timed(both))
-        return {"compute_s": compute_s, "comm_s": comm_s, "both_s": both_s, "bytes": buf.numel() * 4}
+        # The wait for the slowest rank, measured at a layer's granularity (the engines synchronise
+        # once or a few times per layer) and as a mean over many rounds, since it is the tail
+        # of the ranks' drift that a blocking collective pays.
+        mid = self.sizes.widths[len(self.sizes.widths) // 2]
+        small_layer = nn.Sequential(nn.Linear(mid, 4 * mid), nn.GELU(), nn.Linear(4 * mid, mid)).to(self.device)
+        xs = torch.randn(batch, seq, mid, device=self.device, requires_grad=True)
+        gs = torch.ones_like(xs)
+        small = torch.ones(16 * KiB, device=self.device)
+
+        def layer_step() -> None:
+            small_layer(xs).backward(gs)
+
+        def blocking() -> None:  # a layer's compute, then a collective that waits for every rank
+            layer_step()
+            dist.all_reduce(small)
+
+        rounds = 30
+        layer_s = self.mean_over_ranks(self.timed_mean(layer_step, rounds))
+        small_s = self.mean_over_ranks(self.timed_mean(lambda: dist.all_reduce(small), rounds))
+        blocking_s = self.mean_over_ranks(self.timed_mean(blocking, rounds))
+        return {"compute_s": compute_s, "comm_s": comm_s, "both_s": both_s, "bytes": buf.numel() * 4,
+                "layer_s": layer_s, "small_s": small_s, "blocking_s": blocking_s,
+                "sync_s": max(0.0, blocking_s - layer_s - small_s)}
 
     def optimizer(self) -> dict[str, float]:
         torch = self.torch
@@ -407,19 +447,34 @@ class _Rank:
         seconds = self.mean_over_ranks(self.timed(opt.step))
         return {"params": float(sum(p.numel() for p in params)), "seconds": seconds}
 
+    def repeated(self, probe: Callable[[], Any], rounds: int) -> Any:
+        """The probe run ``rounds`` times, a few seconds apart; per figure, the median over rounds.
+
+        A shared machine has slow spells of seconds; repeating whole sweeps
+        (not single points back to back) keeps one spell from skewing a figure.
+        """
+        results = [probe() for _ in range(rounds)]
+        if isinstance(results[0], dict):
+            return {k: statistics.median(r[k] for r in results) for k in results[0]}
+        return [dict(row, seconds=statistics.median(r[i]["seconds"] for r in results))
+                for i, row in enumerate(results[0])]
+
     def run(self, backend: str) -> Measurements:
-        m = Measurements(backend=backend, nproc=self.nproc, threads=self.torch.get_num_threads())
-        self.say(f"compute: {2 * len(self.sizes.widths)} layers, widths "
-                 f"{self.sizes.widths[0]}…{self.sizes.widths[-1]}")
-        m.layers = self.layers()
+        m = Measurements(backend=backend, nproc=self.nproc, threads=self.torch.get_num_threads(),
+                         cores=cpu_count())
+        self.say(f"compute: {len(self.sizes.widths)} transformer layers, widths "
+                 f"{self.sizes.widths[0]}…{self.sizes.widths[-1]}, {self.sizes.rounds} sweeps")
+        m.layers = self.repeated(self.layers, self.sizes.rounds)
         self.say(f"compute: {self.sizes.gemm}² GEMM in fp32 and bf16")
         m.gemm_flops_s = self.gemm()
         sizes = self.sizes.message_bytes
         self.say(f"collectives: all-reduce, all-gather, reduce-scatter, send/recv, "
                  f"{_size(sizes[0])}…{_size(sizes[-1])}")
         m.collectives = self.collectives()
-        self.say("overlap of an all-reduce with compute")
-        m.overlap = self.overlap(fit_link(m.collectives, self.nproc))
+        self.say(f"overlap of an all-reduce with compute, and the wait for the slowest rank, "
+                 f"{self.sizes.rounds} rounds")
+        link = fit_link(m.collectives, self.nproc)
+        m.overlap = self.repeated(lambda: self.overlap(link), self.sizes.rounds)
         self.say("optimizer: AdamW step")
         m.optimizer = self.optimizer()
         self.say("done")
@@ -552,6 +607,8 @@ def describe(cluster: ClusterSpec) -> str:
           f"{link.for_kind(kind).bandwidth_bytes_s / 1e9:.2f} GB/s"
           for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p")),
         f"  overlap       {cluster.comm_overlap:.2f} of compute hides communication",
+        *([f"  host          {cluster.cores_per_node} cores shared by the {cluster.gpus_per_node} ranks"]
+          if cluster.cores_per_node else []),
         f"  optimizer     {d.memory_bandwidth_bytes_s / 1e9:.2f} GB/s of optimizer state touched",
         f"  memory        {d.memory_bytes / GiB:.1f} GiB per rank",
     ])

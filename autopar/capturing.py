@@ -336,6 +336,7 @@ class _Meter(fx.Interpreter):
             st.out_bytes = result.numel() * result.element_size()
             st.out_last_dim = int(result.shape[-1]) if result.dim() else None
             st.out_first_dim = int(result.shape[0]) if result.dim() else None
+            st.out_floating = result.is_floating_point()
         self.current = None
         return result
 
@@ -458,6 +459,16 @@ def _dtype_bytes(model: nn.Module, flat_inputs: list) -> int:
     return 4
 
 
+def _output_bytes(gm: fx.GraphModule, stats: dict[fx.Node, NodeStats]) -> int:
+    """Bytes of the model's first floating-point output (what the loss reads: logits, ``.logits``)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    for leaf in pytree.tree_leaves(out.args):
+        st = stats.get(leaf) if isinstance(leaf, fx.Node) else None
+        if st is not None and st.is_tensor and st.out_floating:
+            return st.out_bytes
+    return 0
+
+
 def _batch_and_seq(flat_inputs: list) -> tuple[int, int | None]:
     tensors = [t for t in flat_inputs if isinstance(t, torch.Tensor)]
     if not tensors or tensors[0].dim() == 0:
@@ -550,6 +561,7 @@ def capture(
         edges=[(names[a], names[b], v / batch) for (a, b), v in edges.items()],
         tracer=tracer,
         seq_len=seq_len,
+        output_bytes_per_sample=_output_bytes(gm, stats) / batch,
     )
 
 

@@ -147,7 +147,9 @@ class LayerGraph:
     ``layer``) and whose edges carry ``bytes_per_sample`` of the tensors that
     flow from one layer to a later one. ``example_batch`` is the dim-0 size of
     the example inputs the costs were divided by; ``dtype_bytes`` the element
-    size of the captured floating-point dtype.
+    size of the captured floating-point dtype. ``output_bytes_per_sample`` is
+    the model's first floating-point output (the logits a loss reads), whose
+    loss keeps a same-sized tensor for backward.
     """
 
     def __init__(
@@ -160,6 +162,7 @@ class LayerGraph:
         edges: list[tuple[str, str, float]] | None = None,
         tracer: str = "",
         seq_len: int | None = None,
+        output_bytes_per_sample: float = 0.0,
     ):
         names = [layer.name for layer in layers]
         if len(set(names)) != len(names):
@@ -170,6 +173,7 @@ class LayerGraph:
         self.dtype_bytes = dtype_bytes
         self.tracer = tracer
         self.seq_len = seq_len
+        self.output_bytes_per_sample = output_bytes_per_sample
         self.graph = nx.DiGraph()
         for layer in self.layers:
             self.graph.add_node(layer.name, layer=layer)
@@ -230,6 +234,7 @@ class LayerGraph:
             "dtype_bytes": self.dtype_bytes,
             "tracer": self.tracer,
             "seq_len": self.seq_len,
+            "output_bytes_per_sample": self.output_bytes_per_sample,
             "layers": [layer.to_dict() for layer in self.layers],
             "edges": [[u, v, d["bytes_per_sample"]] for u, v, d in self.graph.edges(data=True)],
         }
@@ -244,4 +249,5 @@ class LayerGraph:
             edges=[tuple(e) for e in d.get("edges", [])],
             tracer=d.get("tracer", ""),
             seq_len=d.get("seq_len"),
+            output_bytes_per_sample=d.get("output_bytes_per_sample", 0.0),
         )

@@ -11,7 +11,14 @@ schedule with v chunks per rank), for pipeline rank j:
     T_j  = Σ_{layers on j} (compute_fwd+bwd(+re-fwd) + tp_comm) per microbatch
            + point-to-point sends at j's stage boundaries
     E_j  = Σ_{layers on j} max(dp_comm − ω · compute, (1 − ω) · dp_comm)       (exposed DP/ZeRO traffic)
-    step = (m + (pp − 1)/v) · max_j T_j + max_j (E_j + optimizer_j)
+    step = m · T + w · (S − T) + max_j (E_j + optimizer_j),   T = max_j T_j,  S = Σ_j T_j
+
+The slowest rank paces the m microbatches, and filling and draining the
+pipeline passes through every other rank once: w = 1/v with v chunks per
+rank. With equal stages this is the textbook (m + (pp − 1)/v)·T; with
+unequal ones the bubble is the other stages' time, not (pp − 1) times the
+slowest's. On a host whose ranks share fewer cores than there are ranks,
+w is smaller still (cost_models.hardware.bubble_speedup).
 
 Each layer's data-parallel collectives hide only under that layer's own
 compute over the step (FSDP2 prefetches one layer ahead), so a layer with no
@@ -23,6 +30,7 @@ CPU host whose collectives take turns with compute on its cores has ω < 1.
 and the memory of rank j (integer bytes):
 
     M_j  = Σ model_states(zero, dp, tp) + Σ ⌈activations per microbatch · in_flight(j)⌉ + workspace
+           + (the loss's output-sized tensors, last rank) + (FSDP2's buffers if j has ZeRO layers)
 """
 
 from __future__ import annotations
@@ -35,11 +43,14 @@ from functools import cached_property
 
 from autopar.cost_models.communication import Collective, collective_time_s, p2p_time_s, place_group
 from autopar.cost_models.compute import BACKWARD_FLOPS_FACTOR, compute_time_s
-from autopar.cost_models.hardware import ClusterSpec
+from autopar.cost_models.hardware import ClusterSpec, bubble_speedup
 from autopar.cost_models.memory import Precision, model_state_bytes, optimizer_shard_params, precision
-from autopar.cost_models.pipeline import Schedule, ScheduleKind, in_flight, step_time_multiplier
+from autopar.cost_models.pipeline import Schedule, ScheduleKind, in_flight
 from autopar.graph import Layer, LayerGraph
 
+
+
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
 
 
 def exposed_comm_s(comm_s: float, compute_s: float, overlap: float) -> float:
@@ -188,8 +199,20 @@ class PriceTable:
         return [Strategy(t, z, r) for t in styles for z in zeros for r in (False, True)]
 
     @cached_property
-    def multiplier(self) -> Fraction:
-        return step_time_multiplier(self.config.schedule, self.config.pp, self.config.microbatches)
+    def bubble_weight(self) -> Fraction:
+        """w in step = m·T + w·(S − T) + X (see the module docstring): 1/v with v chunks per rank,
+        less where ranks idling in the bubble lend their cores to busy ones (bubble_speedup)."""
+        c = self.config
+        if c.pp <= 1:
+            return Fraction(0)
+        w = Fraction(1, c.schedule.chunks)
+        speedup = bubble_speedup(self.cluster)
+        return w if speedup == 1.0 else w / Fraction(speedup).limit_denominator(1000)
+
+    def step_time_s(self, per_rank_mb_s: list[float], tail_s: float) -> float:
+        """The step from each pipeline rank's per-microbatch time and the largest tail."""
+        t, total, w = max(per_rank_mb_s), sum(per_rank_mb_s), float(self.bubble_weight)
+        return (self.config.microbatches - w) * t + w * total + tail_s
 
     @cached_property
     def in_flight(self) -> list[Fraction]:
@@ -197,19 +220,50 @@ class PriceTable:
         return [in_flight(c.schedule, c.pp, c.microbatches, j) for j in range(c.pp)]
 
     @cached_property
-    def workspace_bytes(self) -> int:
-        """Transient memory: the largest FSDP unit's gathered weights and one layer's activations.
-
-        The runtime (passes/zero.py) gives each repeated layer a unit of its own and
-        gathers every other layer's parameters together in the root unit.
-        """
+    def largest_unit_params(self) -> int:
+        """Parameters of the largest FSDP unit: a repeated layer (a block), or the root unit that
+        gathers every other layer's parameters together (the runtime's wrapping, passes/zero.py)."""
         counts = Counter(self.graph.cost_classes)
         repeated = [l.param_count for l, c in zip(self.graph, self.graph.cost_classes) if counts[c] > 1]
         others = sum(l.param_count for l, c in zip(self.graph, self.graph.cost_classes) if counts[c] == 1)
-        largest_params = max(repeated + [others])
+        return max(repeated + [others])
+
+    @cached_property
+    def workspace_bytes(self) -> int:
+        """Transient memory on every rank: the largest unit's gathered weights and one layer's activations."""
         largest_act = max((l.activation_bytes_per_sample for l in self.graph), default=0.0)
-        return self.prec.param_bytes * largest_params + math.ceil(
+        return self.prec.param_bytes * self.largest_unit_params + math.ceil(
             self.microbatch_size * largest_act * self.act_scale)
+
+    @cached_property
+    def loss_bytes(self) -> int:
+        """The loss on the last pipeline rank: a tensor the size of the model's output (cross-entropy's
+        log-probabilities) kept per microbatch in flight there, plus the output's gradient."""
+        kept = self.config.microbatches if self.config.schedule.kind is ScheduleKind.GPIPE else 1
+        return math.ceil((kept + 1) * self.microbatch_size * self.graph.output_bytes_per_sample
+                         * self.act_scale)
+
+    def rank_workspace_bytes(self, rank: int) -> int:
+        """:attr:`workspace_bytes`, and :attr:`loss_bytes` on the last pipeline rank."""
+        return self.workspace_bytes + (self.loss_bytes if rank == self.config.pp - 1 else 0)
+
+    @cached_property
+    def reduce_scatter_buffer_bytes(self) -> int:
+        """A rank with a ZeRO-1/2/3 layer holds two units' unsharded gradients in backward: those
+        autograd is producing, and the previous unit's, kept until their reduce-scatter is done
+        (FSDP2 overlaps one unit's reduce-scatter with the next unit's backward)."""
+        return 2 * self.prec.grad_bytes * self.largest_unit_params if self.config.dp > 1 else 0
+
+    @cached_property
+    def prefetch_buffer_bytes(self) -> int:
+        """A rank with a ZeRO-3 layer gathers the next unit's weights while the current one runs
+        (FSDP2's prefetch, forward and backward): a second unit of gathered weights."""
+        return self.prec.param_bytes * self.largest_unit_params if self.config.dp > 1 else 0
+
+    def zero_buffer_bytes(self, zeros: set[int]) -> int:
+        """FSDP2's buffers on a rank whose layers use the ZeRO stages ``zeros``."""
+        return ((self.reduce_scatter_buffer_bytes if any(z >= 1 for z in zeros) else 0)
+                + (self.prefetch_buffer_bytes if 3 in zeros else 0))
 
     def effective_params(self, layer: Layer, strategy: Strategy) -> int:
         """Parameters one rank holds for the layer before ZeRO sharding."""
@@ -255,7 +309,7 @@ class PriceTable:
         tp_comm = tp_comm_fwd + tp_comm_bwd + (tp_comm_fwd if strategy.recompute else 0.0)
         kept = layer.input_bytes_per_sample if strategy.recompute else acts
         params = self.effective_params(layer, strategy)
-        dp_comm = self._dp_comm_s(params, strategy.zero)
+        dp_comm = self._dp_comm_s(params, strategy.zero, self._collective_share(layer, strategy.zero))
         return LayerPrice(
             compute_mb_s=compute,
             tp_comm_mb_s=tp_comm,
@@ -263,20 +317,49 @@ class PriceTable:
             exposed_comm_s=exposed_comm_s(dp_comm, c.microbatches * compute, self.cluster.comm_overlap),
             optimizer_s=optimizer_shard_params(params, strategy.zero, c.dp)
             * prec.optimizer_bytes_touched / device.memory_bandwidth_bytes_s,
-            state_bytes=model_state_bytes(params, strategy.zero, c.dp, prec),
+            state_bytes=model_state_bytes(params, strategy.zero, c.dp, prec)
+            + (prec.grad_bytes * params if self._ddp(strategy.zero) else 0),
             activation_mb_bytes=math.ceil(b * max(kept, 0.0) * self.act_scale),
         )
 
-    def _dp_comm_s(self, params: int, zero: int) -> float:
-        """Per step: DP all-reduce; ZeRO-1 RS+AG once; ZeRO-2 RS per microbatch + AG; ZeRO-3 (2 AG + RS) per microbatch."""
+    @cached_property
+    def _root_params(self) -> int:
+        counts = Counter(self.graph.cost_classes)
+        return sum(l.param_count for l, c in zip(self.graph, self.graph.cost_classes) if counts[c] == 1)
+
+    def _ddp(self, zero: int) -> bool:
+        """Plain DP outside pipelines and tensor parallelism runs as DDP (passes/zero.py), which
+        keeps its gradient buckets beside the gradients: a second copy of them."""
+        c = self.config
+        return zero == 0 and c.dp > 1 and c.pp == 1 and c.tp == 1
+
+    def _collective_share(self, layer: Layer, zero: int) -> float:
+        """How many of the data-parallel engine's collectives (per kind, per step) the layer's
+        traffic rides in: its latency share. The runtime (passes/zero.py) gives each block an
+        FSDP unit, gathers the other layers into one root unit per stage, and runs a pure-DP
+        plan as DDP, whose gradients travel in 25 MiB buckets."""
+        if layer.param_count == 0:
+            return 0.0
+        c = self.config
+        if self._ddp(zero):
+            total = self.prec.grad_bytes * self.graph.total_params
+            buckets = 1 + total / DDP_BUCKET_BYTES
+            return layer.param_count / self.graph.total_params * buckets
+        if Counter(self.graph.cost_classes)[self.graph.cost_classes[layer.index]] > 1:
+            return 1.0
+        return min(1.0, c.pp * layer.param_count / max(self._root_params, 1))
+
+    def _dp_comm_s(self, params: int, zero: int, share: float = 1.0) -> float:
+        """Per step: DP all-reduce; ZeRO-1 RS+AG once; ZeRO-2 RS per microbatch + AG; ZeRO-3 (2 AG + RS)
+        per microbatch. ``share``: the layer's share of each collective's latency."""
         if self.config.dp <= 1 or params == 0:
             return 0.0
         m, group, cl = self.config.microbatches, self.dp_group, self.cluster
         grads, weights = self.prec.grad_bytes * params, self.prec.param_bytes * params
-        rs = collective_time_s(Collective.REDUCE_SCATTER, grads, group, cl)
-        ag = collective_time_s(Collective.ALL_GATHER, weights, group, cl)
+        rs = collective_time_s(Collective.REDUCE_SCATTER, grads, group, cl, count=share)
+        ag = collective_time_s(Collective.ALL_GATHER, weights, group, cl, count=share)
         if zero == 0:
-            return collective_time_s(Collective.ALL_REDUCE, grads, group, cl)
+            return collective_time_s(Collective.ALL_REDUCE, grads, group, cl, count=share)
         if zero == 1:
             return rs + ag
         if zero == 2:
@@ -331,7 +414,8 @@ def evaluate(table: PriceTable, stages: tuple[int, ...], strategies: tuple[Strat
     pp = c.pp
     t_compute, t_tp, t_p2p = [0.0] * pp, [0.0] * pp, [0.0] * pp
     exposed, opt = [0.0] * pp, [0.0] * pp
-    memory = [table.workspace_bytes] * pp
+    memory = [table.rank_workspace_bytes(j) for j in range(pp)]
+    zeros: list[set[int]] = [set() for _ in range(pp)]
     for i, (stage, strategy) in enumerate(zip(stages, strategies)):
         k = table.strategies[i].index(strategy)
         price, rank = table.prices[i][k], c.rank_of_stage(stage)
@@ -340,6 +424,9 @@ def evaluate(table: PriceTable, stages: tuple[int, ...], strategies: tuple[Strat
         exposed[rank] += price.exposed_comm_s
         opt[rank] += price.optimizer_s
         memory[rank] += table.memory_coefficient(i, k, rank)
+        zeros[rank].add(strategy.zero)
+    for j in range(pp):
+        memory[j] += table.zero_buffer_bytes(zeros[j])
     for cut in range(1, len(stages)):
         if stages[cut] != stages[cut - 1]:
             send = table.p2p_s(cut)
@@ -349,12 +436,12 @@ def evaluate(table: PriceTable, stages: tuple[int, ...], strategies: tuple[Strat
     tail = [exposed[j] + opt[j] for j in range(pp)]
     crit = max(range(pp), key=lambda j: per_mb[j])
     tail_rank = max(range(pp), key=lambda j: tail[j])
-    mult, m = float(table.multiplier), c.microbatches
+    m, w = c.microbatches, float(table.bubble_weight)
     return Prediction(
-        step_time_s=mult * per_mb[crit] + tail[tail_rank],
+        step_time_s=table.step_time_s(per_mb, tail[tail_rank]),
         memory_per_rank_bytes=tuple(memory),
         compute_s=m * t_compute[crit],
-        bubble_s=(mult - m) * per_mb[crit],
+        bubble_s=w * (sum(per_mb) - per_mb[crit]),
         tp_comm_s=m * t_tp[crit],
         pp_comm_s=m * t_p2p[crit],
         dp_comm_s=exposed[tail_rank],

@@ -28,10 +28,11 @@ Search, in two levels:
      counts         cnt via min/max of interval ends          (_add_counts)
      rank time      T ≥ Σ_{c on j} Σ n·t + p2p at j's cuts     (_add_rank_terms)
      tail           X ≥ Σ_{c on j} Σ n·(exposed dp comm + optimizer)
-     memory         Σ n·mem_{r,k,j} + workspace ≤ budget      (memory_j)
+     memory         Σ n·mem_{r,k,j} + workspace_j + rs·u_j + ag·v_j ≤ budget   (memory_j)
+                    u_j, v_j ∈ {0,1}: rank j has a ZeRO ≥ 1 / ZeRO-3 layer (FSDP2's buffers)
 
-   Objective (× v, to stay integral): minimise (m·v + pp − 1)·T + v·X,
-   i.e. step = (m + (pp−1)/v)·T + X, the model of :mod:`autopar.pricing`.
+   Objective (× den(w), to stay integral): minimise (m − w)·T + w·S + X with
+   S = Σ_j t_j, i.e. step = m·T + w·(S − T) + X, the model of :mod:`autopar.pricing`.
 
 Times become integers in one place (:class:`_Units`); memory is integral
 bytes already. Runs with 1 worker and a deterministic time limit, so the same
@@ -201,21 +202,21 @@ def _allowed(table: PriceTable, layer_pins: list[dict[str, Any]]) -> list[list[i
 
 
 def _undominated(table: PriceTable, i: int, ks: list[int]) -> list[int]:
-    """Drop strategies another one beats or ties on every priced term (time, tail, memory)."""
+    """Drop strategies another one beats or ties on every priced term (time, tail, memory,
+    and the FSDP2 buffers its ZeRO stage makes the rank hold: none, reduce-scatter, + prefetch)."""
 
     def vector(k: int) -> tuple:
-        p = table.prices[i][k]
-        return (p.time_mb_s, p.tail_s, p.state_bytes, p.activation_mb_bytes)
+        p, zero = table.prices[i][k], table.strategies[i][k].zero
+        return (p.time_mb_s, p.tail_s, p.state_bytes, p.activation_mb_bytes,
+                (zero >= 1) + (zero == 3))
 
     vectors = {k: vector(k) for k in ks}
 
     def beaten(k: int) -> bool:
-        t, x, st, act = vectors[k]
         for j in ks:
             if j == k:
                 continue
-            tj, xj, sj, aj = vectors[j]
-            if tj <= t and xj <= x and sj <= st and aj <= act and (j < k or vectors[j] != vectors[k]):
+            if all(a <= b for a, b in zip(vectors[j], vectors[k])) and (j < k or vectors[j] != vectors[k]):
                 return True
         return False
 
@@ -274,11 +275,13 @@ def lower_bound_s(table: PriceTable, allowed: list[list[int]], budget: int | Non
         fastest.append(memo[key])
     total = sum(fastest)
     if budget is not None:
-        total = _knapsack_bound(table, allowed, c.pp * (budget - table.workspace_bytes))
+        total = _knapsack_bound(table, allowed,
+                                sum(budget - table.rank_workspace_bytes(j) for j in range(c.pp)))
     if cuts_ok and c.stages > 1:
         thinnest = min(cuts_ok, key=lambda q: table.graph[q - 1].boundary_bytes_per_sample)
         total += 2 * (c.stages - 1) * table.p2p_s(thinnest)  # p2p time grows with bytes
-    return float(table.multiplier) * max(total / c.pp, max(fastest))
+    w = float(table.bubble_weight)  # step ≥ (m − w)·T + w·S with T ≥ S/pp, T ≥ any layer, S ≥ total
+    return (c.microbatches - w) * max(total / c.pp, max(fastest)) + w * total
 
 
 def _knapsack_bound(table: PriceTable, allowed: list[list[int]], capacity: int) -> float:
@@ -348,7 +351,7 @@ def _build_model(table: PriceTable, allowed: list[list[int]], runs: list[tuple[i
     cuts = _add_cuts(model, table, layer_pins, cuts_ok)
     counts = _add_counts(model, runs, allowed, cuts, c)
     peak = None
-    obj_t, obj_x, memory = _add_rank_terms(model, table, allowed, runs, cuts, counts, units)
+    obj_t, obj_s, obj_x, memory = _add_rank_terms(model, table, allowed, runs, cuts, counts, units)
     if budget is None:
         peak = model.NewIntVar(0, 2**60, "peak_memory")
         for j, mem in enumerate(memory):
@@ -357,8 +360,9 @@ def _build_model(table: PriceTable, allowed: list[list[int]], runs: list[tuple[i
     else:
         for j, mem in enumerate(memory):
             model.Add(mem <= budget).WithName(f"memory_{j}")
-        v = c.schedule.chunks
-        objective = (c.microbatches * v + c.pp - 1) * obj_t + v * obj_x
+        w = table.bubble_weight  # step = (m − w)·T + w·S + X, scaled to integers
+        objective = ((c.microbatches * w.denominator - w.numerator) * obj_t + w.numerator * obj_s
+                     + w.denominator * obj_x)
         model.Minimize(objective)
     _hint(model, table, cuts, cuts_ok)
     return _Model(model, cuts, counts, None if budget is None else objective, peak)
@@ -428,7 +432,7 @@ def _add_counts(model: cp_model.CpModel, runs: list[tuple[int, int]], allowed: l
 
 
 def _add_rank_terms(model, table, allowed, runs, cuts, counts, units):
-    """Per pipeline rank: time T ≥ t_j, tail X ≥ x_j, and the memory expression."""
+    """Per pipeline rank: time T ≥ t_j, tail X ≥ x_j, and the memory expression; and S = Σ_j t_j."""
     c = table.config
     p2p_table = [units(table.p2p_s(q)) for q in range(len(table.graph) + 1)]
     sends: dict[int, Any] = {}
@@ -439,7 +443,7 @@ def _add_rank_terms(model, table, allowed, runs, cuts, counts, units):
     big = sum(units(max(p.time_mb_s for p in ps)) for ps in table.prices) + 2 * sum(p2p_table) + 1
     T = model.NewIntVar(0, big, "rank_time")
     X = model.NewIntVar(0, 2**50, "tail")
-    memory = []
+    memory, all_t = [], []
     for j in range(c.pp):
         t_terms, x_terms, m_terms = [], [], []
         for (r, jj, k), var in counts.items():
@@ -456,9 +460,29 @@ def _add_rank_terms(model, table, allowed, runs, cuts, counts, units):
             if c.rank_of_stage(s) == j:
                 t_terms.append(sends[s])
         model.Add(T >= sum(t_terms)).WithName(f"rank_time_{j}")
+        all_t.extend(t_terms)
         model.Add(X >= sum(x_terms)).WithName(f"tail_{j}")
-        memory.append(sum(m_terms) + table.workspace_bytes)
-    return T, X, memory
+        memory.append(sum(m_terms) + table.rank_workspace_bytes(j)
+                      + _zero_buffers(model, table, runs, counts, j))
+    return T, sum(all_t), X, memory
+
+
+def _zero_buffers(model: cp_model.CpModel, table: PriceTable, runs: list[tuple[int, int]],
+                  counts: dict[tuple[int, int, int], Any], j: int) -> Any:
+    """FSDP2's reduce-scatter and prefetch buffers on rank j, each held once if any layer there
+    needs it: a boolean per buffer, forced on by the count of every strategy that needs it."""
+    terms: list[Any] = []
+    for name, size, needs in (("rs", table.reduce_scatter_buffer_bytes, lambda z: z >= 1),
+                              ("ag", table.prefetch_buffer_bytes, lambda z: z == 3)):
+        users = [(var, runs[r][1] - runs[r][0]) for (r, jj, k), var in counts.items()
+                 if jj == j and needs(table.strategies[runs[r][0]][k].zero)]
+        if size <= 0 or not users:
+            continue
+        held = model.NewBoolVar(f"{name}_buffer_{j}")
+        for var, most in users:
+            model.Add(var <= most * held)
+        terms.append(size * held)
+    return sum(terms)
 
 
 def _hint(model: cp_model.CpModel, table: PriceTable, cuts: list[Any], cuts_ok: list[int]) -> None:
@@ -507,7 +531,8 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     for config in enumerate_configs(graph, world_size, cluster, training, pins):
         table = PriceTable(graph, config, cluster, training)
         fastest = table.fastest_time_mb_s()
-        cheap = float(table.multiplier) * max(sum(fastest) / config.pp, max(fastest))
+        w = float(table.bubble_weight)
+        cheap = (config.microbatches - w) * max(sum(fastest) / config.pp, max(fastest)) + w * sum(fastest)
         candidates.append((cheap, config, table))
     candidates.sort(key=lambda x: (x[0], x[1]))
     search, priced = _Search(), []
@@ -611,4 +636,4 @@ def _raise_infeasible(candidates, layer_pins, cuts_ok, budget: int, options: Sol
 def _memory_lower_bound(table: PriceTable, allowed: list[list[int]]) -> float:
     pp = table.config.pp
     least = [min(table.memory_coefficient(i, k, pp - 1) for k in ks) for i, ks in enumerate(allowed)]
-    return table.workspace_bytes + max(sum(least) / pp, max(least))
+    return min(table.rank_workspace_bytes(j) for j in range(pp)) + max(sum(least) / pp, max(least))

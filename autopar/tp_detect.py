@@ -43,6 +43,7 @@ class NodeStats:
     out_bytes: int = 0
     out_last_dim: int | None = None
     out_first_dim: int | None = None
+    out_floating: bool = False
 
 
 @dataclass

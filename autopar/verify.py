@@ -119,7 +119,9 @@ def _worker(rank: int, world_size: int, store_path: str, spec: str, seq_len: int
     from autopar.graph import LayerGraph
     from autopar.plan import Plan
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    from autopar.host import threads_per_process
+
+    torch.set_num_threads(threads_per_process(world_size))
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=300))
     plan = Plan.from_json(plan_json)

@@ -16,6 +16,9 @@ reproduce the published tokens/s, and each device family takes the geometric
 mean over its runs (H100: the two 8B runs; A100: 8B and 70B). V100 borrows
 A100's value and H200 H100's (same compute die). No other public figure is
 used for fitting: the rest are kept back to validate the model.
+
+:func:`calibration_rows` returns the table's rows (``benchmarks/suite.py``
+puts them in its report).
 """
 
 from __future__ import annotations
@@ -75,21 +78,59 @@ def fit_efficiency(run: PublishedRun, graph) -> float:
     return eta
 
 
+@dataclass(frozen=True)
+class CalibrationRow:
+    """A published run beside autopar's prediction for the plan it used."""
+
+    run: PublishedRun
+    tokens_per_s_per_gpu: float
+    peak_memory_gib: float
+
+    @property
+    def tokens_error(self) -> float:
+        return self.tokens_per_s_per_gpu / self.run.tokens_per_s_per_gpu - 1
+
+    @property
+    def memory_error(self) -> float | None:
+        published = self.run.peak_memory_gib
+        return self.peak_memory_gib / published - 1 if published else None
+
+
+def capture_graphs() -> dict[str, autopar.LayerGraph]:
+    """Each model of the calibration set, captured once."""
+    return {name: autopar.capture(*getattr(llama, name)()) for name in {r.model for r in RUNS}}
+
+
+def calibration_rows(graphs: dict[str, autopar.LayerGraph] | None = None) -> list[CalibrationRow]:
+    """Every published run priced with the presets as they are."""
+    graphs = graphs or capture_graphs()
+    rows = []
+    for run in RUNS:
+        plan = price(run, graphs[run.model])
+        rows.append(CalibrationRow(run, plan.predicted.tokens_per_s_per_gpu,
+                                   max(plan.predicted.memory_per_rank_bytes) / GiB))
+    return rows
+
+
+def render(rows: list[CalibrationRow]) -> str:
+    """The rows as a Markdown table (what this script prints and the suite's report shows)."""
+    lines = ["| run | published tok/s/GPU | predicted | error | published peak GiB | predicted | error |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        run, mem_error = row.run, row.memory_error
+        mem_pub = f"{run.peak_memory_gib:.1f}" if run.peak_memory_gib else "—"
+        mem_err = f"{mem_error:+.1%}" if mem_error is not None else "—"
+        lines.append(f"| {run.name} | {run.tokens_per_s_per_gpu:,.0f} | {row.tokens_per_s_per_gpu:,.0f} | "
+                     f"{row.tokens_error:+.1%} | {mem_pub} | {row.peak_memory_gib:.1f} | {mem_err} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fit", action="store_true", help="fit matmul_efficiency per device family")
     args = parser.parse_args()
-    graphs = {name: autopar.capture(*getattr(llama, name)()) for name in {r.model for r in RUNS}}
-    print("| run | published tok/s/GPU | predicted | error | published peak GiB | predicted | error |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for run in RUNS:
-        plan = price(run, graphs[run.model])
-        tps = plan.predicted.tokens_per_s_per_gpu
-        mem = max(plan.predicted.memory_per_rank_bytes) / GiB
-        mem_pub = f"{run.peak_memory_gib:.1f}" if run.peak_memory_gib else "—"
-        mem_err = f"{mem / run.peak_memory_gib - 1:+.1%}" if run.peak_memory_gib else "—"
-        print(f"| {run.name} | {run.tokens_per_s_per_gpu:,.0f} | {tps:,.0f} | "
-              f"{tps / run.tokens_per_s_per_gpu - 1:+.1%} | {mem_pub} | {mem:.1f} | {mem_err} |")
+    graphs = capture_graphs()
+    print(render(calibration_rows(graphs)))
     if args.fit:
         fitted: dict[str, list[float]] = {}
         for run in RUNS:

@@ -69,9 +69,13 @@ def latency(group: GroupPlacement, cluster: ClusterSpec, kind: str = "all_reduce
 
 
 def collective_time_s(
-    kind: Collective, nbytes: float, group: GroupPlacement, cluster: ClusterSpec, *, count: int = 1
+    kind: Collective, nbytes: float, group: GroupPlacement, cluster: ClusterSpec, *, count: float = 1
 ) -> float:
-    """Time of ``count`` collectives moving ``nbytes`` (full buffer size) in all."""
+    """Time of ``count`` collectives moving ``nbytes`` (full buffer size) in all.
+
+    ``count`` may be fractional: traffic that rides in a share of a collective
+    (a layer's gradients in a DDP bucket) pays that share of its latency.
+    """
     if group.size <= 1 or nbytes <= 0:
         return 0.0
     bw = bus_bandwidth(group, cluster, kind.value)

@@ -87,6 +87,11 @@ class ClusterSpec:
     communication can hide: 1 on GPUs (copy engines and NCCL kernels run
     beside compute); below 1 where collectives take turns with compute on
     the same cores, as gloo on a CPU does (``autopar calibrate`` measures it).
+
+    ``cores_per_node`` is set where a node's devices are processes sharing
+    that many CPU cores (0: devices do not share compute, as GPUs do). With
+    more ranks than cores, ranks that idle in a pipeline bubble give their
+    cores to the ranks still working (see :func:`bubble_speedup`).
     """
 
     name: str
@@ -99,6 +104,7 @@ class ClusterSpec:
     backend: str = "nccl"
     memory_reserve_fraction: float = 0.10
     comm_overlap: float = 1.0
+    cores_per_node: int = 0
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -164,6 +170,19 @@ class ClusterSpec:
         return _cluster_from_dict(data, source)
 
 
+def bubble_speedup(cluster: ClusterSpec) -> float:
+    """How much faster a rank computes in a pipeline bubble than when every rank is busy.
+
+    1 unless the node's ranks share fewer cores than there are ranks: then a
+    busy rank gets cores/ranks of a core, and while the pipeline fills and
+    drains about half the ranks wait, so those working get up to twice that.
+    """
+    ranks, cores = cluster.gpus_per_node, cluster.cores_per_node
+    if cores <= 0 or ranks <= cores:
+        return 1.0
+    return min(1.0, 2.0 * cores / ranks) / (cores / ranks)
+
+
 def _validate(c: ClusterSpec) -> None:
     positive = {
         "gpus_per_node": c.gpus_per_node,
@@ -202,6 +221,9 @@ def _validate(c: ClusterSpec) -> None:
         raise ClusterError(f"cluster {c.name!r}: device.matmul_efficiency must be ≤ 1")
     if not 0 <= c.memory_reserve_fraction < 1:
         raise ClusterError(f"cluster {c.name!r}: memory_reserve_fraction must be in [0, 1)")
+    if not isinstance(c.cores_per_node, int) or c.cores_per_node < 0:
+        raise ClusterError(f"cluster {c.name!r}: cores_per_node must be a whole number ≥ 0, "
+                           f"got {c.cores_per_node!r}")
     if not isinstance(c.comm_overlap, (int, float)) or not 0 <= c.comm_overlap <= 1:
         raise ClusterError(f"cluster {c.name!r}: comm_overlap must be in [0, 1], got {c.comm_overlap!r}")
     if c.backend not in ("nccl", "gloo"):
@@ -258,6 +280,7 @@ def _cluster_from_dict(data: dict[str, Any], source: str) -> ClusterSpec:
             backend=data.get("backend", "nccl"),
             memory_reserve_fraction=data.get("memory_reserve_fraction", 0.10),
             comm_overlap=data.get("comm_overlap", 1.0),
+            cores_per_node=data.get("cores_per_node", 0),
         )
     except TypeError as exc:  # a field of the wrong type reached a comparison
         raise ClusterError(f"{source}: {exc}") from None

@@ -112,6 +112,9 @@ def apply_data_parallel(model: nn.Module, graph: LayerGraph, plan: Plan, dp_mesh
             # A pure-DP plan is DDP: the composable (DDP-based) replicate buckets gradients
             # and overlaps their all-reduce with backward, keeping FQNs. FSDP2's replicate
             # at the root cost 1.22× DDP's step in benchmarks/runtime_overhead.py on gloo.
+            # DDP keeps its gradient buckets beside the gradients (priced in pricing.py).
+            # gradient_as_bucket_view would share them, but in benchmarks/fidelity.py one
+            # rank in four still held both copies after DDP rebuilt its buckets.
             from torch.distributed._composable.replicate import replicate as ddp_replicate
 
             ddp_replicate(model, device_mesh=dp_mesh)

@@ -25,20 +25,32 @@ from synthetic import transformer_graph
 
 
 def _rank_frontier(table: PriceTable, layers: list[int], rank: int, budget: int) -> list[tuple[float, float]]:
-    """Every (time, tail) one rank can reach within budget, by enumerating all strategy combinations."""
-    times, tails, mems = np.zeros(1), np.zeros(1), np.full(1, table.workspace_bytes, dtype=np.int64)
+    """Every (time, tail) one rank can reach within budget, by enumerating all strategy combinations.
+
+    Memory is the layers' coefficients, the rank's workspace and FSDP2's buffers, held once if
+    any layer needs them (a reduce-scatter buffer from ZeRO-1 on, a prefetch buffer for ZeRO-3).
+    """
+    times, tails = np.zeros(1), np.zeros(1)
+    mems, needs = np.full(1, table.rank_workspace_bytes(rank), dtype=np.int64), np.zeros(1, dtype=np.int64)
     for i in layers:
         ks = range(len(table.strategies[i]))
         t = np.array([table.prices[i][k].time_mb_s for k in ks])
         x = np.array([table.prices[i][k].tail_s for k in ks])
         m = np.array([table.memory_coefficient(i, k, rank) for k in ks], dtype=np.int64)
+        z = np.array([table.strategies[i][k].zero for k in ks])
+        b = (z >= 1).astype(np.int64) + (z == 3)
         times = np.add.outer(times, t).ravel()
         tails = np.add.outer(tails, x).ravel()
         mems = np.add.outer(mems, m).ravel()
+        needs = np.maximum.outer(needs, b).ravel()
         # identical layers make many combinations sum alike: keep each distinct sum once
-        rows = np.unique(np.stack([times.round(15), tails.round(15), mems.astype(np.float64)], axis=1), axis=0)
-        times, tails, mems = rows[:, 0], rows[:, 1], rows[:, 2].astype(np.int64)
-    ok = mems <= budget
+        rows = np.unique(np.stack([times.round(15), tails.round(15), mems.astype(np.float64),
+                                   needs.astype(np.float64)], axis=1), axis=0)
+        times, tails = rows[:, 0], rows[:, 1]
+        mems, needs = rows[:, 2].astype(np.int64), rows[:, 3].astype(np.int64)
+    buffers = np.array([table.zero_buffer_bytes(set()), table.zero_buffer_bytes({1}),
+                        table.zero_buffer_bytes({3})], dtype=np.int64)
+    ok = mems + buffers[needs] <= budget
     front: list[tuple[float, float]] = []  # the objective only grows with either: keep the Pareto set
     for t, x in sorted(set(zip(times[ok].tolist(), tails[ok].tolist()))):
         if not front or x < front[-1][1]:
@@ -51,7 +63,6 @@ def brute_force(graph: LayerGraph, world: int, cluster, training: TrainingSpec, 
     cuts_ok = cut_positions(graph)
     for config in enumerate_configs(graph, world, cluster, training, Pins()):
         table = PriceTable(graph, config, cluster, training)
-        mult = float(table.multiplier)
         for cuts in itertools.combinations(cuts_ok, config.stages - 1):
             bounds = [0, *cuts, len(graph)]
             stages = [s for s in range(config.stages) for _ in range(bounds[s], bounds[s + 1])]
@@ -66,7 +77,7 @@ def brute_force(graph: LayerGraph, world: int, cluster, training: TrainingSpec, 
             if any(not f for f in fronts):
                 continue
             for combo in itertools.product(*fronts):
-                best = min(best, mult * max(t for t, _ in combo) + max(x for _, x in combo))
+                best = min(best, table.step_time_s([t for t, _ in combo], max(x for _, x in combo)))
     return best
 
 

@@ -1,0 +1,342 @@
+"""Predicted against measured, here: plans of a small GPT run for real on gloo.
+
+    python benchmarks/fidelity.py [--json FILE] [--steps 8] [--cluster W=FILE ...]
+
+For W = 2 and W = 4 this machine is first calibrated (``autopar calibrate
+--nproc W``, unless ``--cluster W=FILE`` gives a cluster file), then each
+plan below is solved on that cluster, every field pinned, and run with
+``autopar.compile`` on W gloo processes (AdamW, fp32, the plan's batch).
+
+- Step time: the median over ``--steps`` timed steps (after one warm-up step)
+  of rank 0's ``train_step`` wall time, each step started after a barrier.
+  The plans of one world size take turns step by step, so the machine's slow
+  spells fall on all of them alike.
+- Peak memory per rank: the most bytes of tensors live at once on that rank
+  over four training steps (the first creates the optimizer state; in the
+  second DDP rebuilds its gradient buckets), counting everything allocated
+  since compiling began (the model is built on the meta device, so only the
+  rank's shards are ever allocated); read from the profiler's allocation
+  events on CPU (``torch.cuda.max_memory_allocated`` on GPUs). It is compared
+  with the plan's prediction for that rank's pipeline stage.
+
+Prints a Markdown table, the median absolute step-time error, the Spearman
+rank correlation of predicted and measured step times, and the worst
+measured / predicted memory. Goals: rank correlation ≥ 0.8, median error
+≤ 25 %, memory never more than 10 % above prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+GPT = dict(n_layer=4, d_model=256, n_head=8, vocab_size=2048, seq_len=64)
+GLOBAL_BATCH = 16
+GOALS = {"spearman": 0.8, "median_abs_step_error": 0.25, "max_memory_ratio": 1.10}
+
+_PLAIN = ["recompute=none", "microbatches=1"]
+_TP_BLOCKS = ["blocks.*:tp=megatron", "tok_emb:tp=none", "pos_emb:tp=none", "drop:tp=none",
+              "ln_f:tp=none", "lm_head:tp=none"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One plan to run: a name, the world size and the pins that fix it."""
+
+    name: str
+    world_size: int
+    pins: tuple[str, ...]
+
+
+CASES = [
+    Case("DP", 2, ("pp=1", "dp=2", "tp=1", "zero=0", *_PLAIN)),
+    Case("DP, 4 microbatches", 2, ("pp=1", "dp=2", "tp=1", "zero=0", "recompute=none", "microbatches=4")),
+    Case("DP, recompute", 2, ("pp=1", "dp=2", "tp=1", "zero=0", "recompute=all", "microbatches=1")),
+    Case("ZeRO-2", 2, ("pp=1", "dp=2", "tp=1", "zero=2", *_PLAIN)),
+    Case("ZeRO-3", 2, ("pp=1", "dp=2", "tp=1", "zero=3", *_PLAIN)),
+    Case("TP", 2, ("pp=1", "dp=1", "tp=2", "zero=0", *_PLAIN, *_TP_BLOCKS)),
+    Case("PP GPipe m4", 2, ("pp=2", "dp=1", "tp=1", "zero=0", "recompute=none", "schedule=gpipe",
+                            "microbatches=4")),
+    Case("PP 1F1B m2", 2, ("pp=2", "dp=1", "tp=1", "zero=0", "recompute=none", "schedule=1f1b",
+                           "microbatches=2")),
+    Case("DP", 4, ("pp=1", "dp=4", "tp=1", "zero=0", *_PLAIN)),
+    Case("ZeRO-3", 4, ("pp=1", "dp=4", "tp=1", "zero=3", *_PLAIN)),
+    Case("DP×TP", 4, ("pp=1", "dp=2", "tp=2", "zero=0", *_PLAIN, *_TP_BLOCKS)),
+    Case("PP×DP 1F1B m2", 4, ("pp=2", "dp=2", "tp=1", "zero=0", "recompute=none", "schedule=1f1b",
+                              "microbatches=2")),
+    Case("PP×TP GPipe m2", 4, ("pp=2", "dp=1", "tp=2", "zero=0", "recompute=none", "schedule=gpipe",
+                               "microbatches=2", *_TP_BLOCKS)),
+]
+
+
+def build(device: str = "meta") -> tuple[Any, tuple]:
+    import torch
+
+    import gpt
+
+    torch.manual_seed(0)
+    return gpt.gpt(**GPT, device=device)
+
+
+# ------------------------------------------------------------------ measuring on a rank
+
+
+def peak_tensor_bytes(events: list[tuple[int, int]], since_ns: int) -> int:
+    """The most bytes live at once after ``since_ns``, from (time, ±bytes) allocation events.
+
+    Live bytes are counted from the first event on, so tensors allocated
+    before ``since_ns`` (the model's shards, created while compiling) count.
+    """
+    live = peak = 0
+    for t, nbytes in sorted(events):
+        live += nbytes
+        if t >= since_ns:
+            peak = max(peak, live)
+    return peak
+
+
+_TRAINING = "fidelity.training"
+
+
+def _profiled(fn: Any) -> tuple[Any, tuple[list[tuple[int, int]], int]]:
+    """Run ``fn`` under the profiler: its result, every CPU allocation and free (time, ±bytes), and
+    the time the ``_TRAINING`` range began (on the profiler's own clock)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    kineto = prof.profiler.kineto_results.events()
+    events = [(e.start_ns(), e.nbytes()) for e in kineto
+              if e.name() == "[memory]" and e.device_type() == DeviceType.CPU]
+    started = min(e.start_ns() for e in kineto if e.name() == _TRAINING)
+    return result, (events, started)
+
+
+def _compile_and_measure_memory(plan_json: str, graph: dict) -> tuple[Any, int, tuple]:
+    """Compile one plan on this rank and train two steps: the model, its peak tensor bytes, a batch."""
+    import torch
+    import torch.distributed as dist
+
+    import autopar
+    from autopar.graph import LayerGraph
+    from autopar.plan import Plan
+
+    plan = Plan.from_json(plan_json)
+    g = torch.Generator().manual_seed(1)
+    shape = (GLOBAL_BATCH, GPT["seq_len"])
+    batches = [(torch.randint(0, GPT["vocab_size"], shape, generator=g),
+                torch.randint(0, GPT["vocab_size"], shape, generator=g)) for _ in range(4)]
+    gc.collect()
+    cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+
+    def compile_and_train() -> Any:
+        model, inputs = build("meta")
+        pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=LayerGraph.from_dict(graph))
+        with torch.profiler.record_function(_TRAINING):
+            for x, y in batches:
+                pm.train_step(pm.local_batch(x), pm.local_batch(y))
+        return pm
+
+    if cuda:
+        pm = compile_and_train()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        pm, (events, started) = _profiled(compile_and_train)
+        peak = peak_tensor_bytes(events, started)
+    return pm, peak, tuple(pm.local_batch(t) for t in batches[0])
+
+
+def _worker(rank: int, world_size: int, store: str, jobs: list[tuple[str, dict]], steps: int,
+            out: str) -> None:
+    """Compile every plan (measuring its memory), then time their steps in turns.
+
+    Taking turns — step 1 of every plan, then step 2 of every plan, … — spreads
+    the slow spells of a shared machine over all plans alike, so they disturb
+    the plans' ranking less than timing one plan after another would.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from autopar.host import threads_per_process
+
+    torch.set_num_threads(threads_per_process(world_size))
+    dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=600))
+    models, peaks, batches = [], [], []
+    for k, (plan_json, graph) in enumerate(jobs):
+        pm, peak, batch = _compile_and_measure_memory(plan_json, graph)
+        models.append(pm)
+        peaks.append(peak)
+        batches.append(batch)
+        if rank == 0:
+            print(f"fidelity: W={world_size} plan {k + 1}/{len(jobs)} compiled, memory measured",
+                  file=sys.stderr, flush=True)
+    times: list[list[float]] = [[] for _ in jobs]
+    for step in range(steps + 1):  # the first round warms up
+        for k, (pm, (x, y)) in enumerate(zip(models, batches)):
+            dist.barrier()
+            t = time.perf_counter()
+            pm.train_step(x, y)
+            if step:
+                times[k].append(time.perf_counter() - t)
+    results = [{"peak_bytes": peak, "step_s": statistics.median(ts)} for peak, ts in zip(peaks, times)]
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, results)
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(gathered))
+
+
+def measure(jobs: list[tuple[str, dict]], world_size: int, steps: int) -> list[list[dict[str, Any]]]:
+    """Run every plan on ``world_size`` spawned gloo ranks; per rank, per plan: peak bytes and step time."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="autopar-fidelity-") as tmp:
+        out = os.path.join(tmp, "out.json")
+        mp.start_processes(_worker, args=(world_size, os.path.join(tmp, "store"), jobs, steps, out),
+                           nprocs=world_size, start_method="spawn")
+        return json.loads(Path(out).read_text())
+
+
+# ------------------------------------------------------------------ statistics
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else 0.0
+
+
+# ------------------------------------------------------------------ main
+
+
+def _clusters(args: argparse.Namespace, worlds: list[int]) -> dict[int, str]:
+    from autopar.calibrate import calibrate, describe
+
+    given = {}
+    for item in args.cluster:
+        w, _, path = item.partition("=")
+        given[int(w)] = path
+    # fresh calibrations go beside the JSON results (a temporary folder without --json)
+    out_dir = Path(args.calibration_dir or (Path(args.json).parent if args.json else tempfile.mkdtemp()))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for w in worlds:
+        if w not in given:
+            path = out_dir / f"cluster-w{w}.json"
+            print(f"fidelity: calibrating this machine with {w} processes → {path}", file=sys.stderr, flush=True)
+            cluster = calibrate(w, path)
+            print(describe(cluster), file=sys.stderr, flush=True)
+            given[w] = str(path)
+    return given
+
+
+def main() -> int:
+    import autopar
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per plan")
+    parser.add_argument("--cluster", action="append", default=[], metavar="W=FILE",
+                        help="use this cluster file for world size W instead of calibrating")
+    parser.add_argument("--calibration-dir", default=None,
+                        help="where fresh calibrations are written (default: beside --json)")
+    args = parser.parse_args()
+    worlds = sorted({c.world_size for c in CASES})
+    clusters = _clusters(args, worlds)
+    model, inputs = build("meta")
+    graph = autopar.capture(model, inputs)
+    rows = []
+    for w in worlds:
+        cases = [c for c in CASES if c.world_size == w]
+        plans = [autopar.solve(graph, w, cluster=clusters[w], dtype="fp32", global_batch=GLOBAL_BATCH,
+                               pins=list(c.pins)) for c in cases]
+        started = time.perf_counter()
+        per_rank = measure([(p.to_json(), graph.to_dict()) for p in plans], w, args.steps)
+        print(f"fidelity: W={w}: {len(cases)} plans in {time.perf_counter() - started:.0f} s",
+              file=sys.stderr, flush=True)
+        for k, (case, plan) in enumerate(zip(cases, plans)):
+            ranks = [per_rank[r][k] for r in range(w)]
+            stage_of = [r // (plan.mesh.dp * plan.mesh.tp) for r in range(w)]
+            predicted_mem = [plan.predicted.memory_per_rank_bytes[s] for s in stage_of]
+            worst = max(range(w), key=lambda r: ranks[r]["peak_bytes"] / predicted_mem[r])
+            measured_s, predicted_s = ranks[0]["step_s"], plan.predicted.step_time_s
+            rows.append({
+                "name": case.name, "world_size": w,
+                "mesh": f"{plan.mesh.pp}×{plan.mesh.dp}×{plan.mesh.tp}", "schedule": plan.schedule,
+                "microbatches": plan.microbatches,
+                "predicted_step_s": predicted_s, "measured_step_s": measured_s,
+                "step_error": measured_s / predicted_s - 1,
+                "predicted_peak_bytes": predicted_mem[worst], "measured_peak_bytes": ranks[worst]["peak_bytes"],
+                "memory_ratio": ranks[worst]["peak_bytes"] / predicted_mem[worst],
+                "breakdown": plan.predicted.breakdown.__dict__,
+            })
+    result = {
+        "model": f"GPT {GPT['n_layer']} layers, d {GPT['d_model']}, vocab {GPT['vocab_size']}, "
+                 f"seq {GPT['seq_len']}, global batch {GLOBAL_BATCH}, fp32 AdamW",
+        "machine": f"{platform.platform()}, {os.cpu_count()} cores, gloo",
+        "steps": args.steps, "clusters": {str(w): p for w, p in clusters.items()}, "plans": rows,
+        "median_abs_step_error": statistics.median(abs(r["step_error"]) for r in rows),
+        "spearman": spearman([r["predicted_step_s"] for r in rows], [r["measured_step_s"] for r in rows]),
+        "max_memory_ratio": max(r["memory_ratio"] for r in rows),
+    }
+    print(render(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def render(result: dict[str, Any]) -> str:
+    """The results as a Markdown table and the three summary figures against their goals."""
+    MiB = 2**20
+    lines = [f"{result['model']}; {result['machine']}; median of {result['steps']} steps", "",
+             "| plan | W | pp×dp×tp | schedule | m | predicted s | measured s | error | "
+             "predicted MiB | measured MiB | measured / predicted |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in result["plans"]:
+        lines.append(f"| {r['name']} | {r['world_size']} | {r['mesh']} | {r['schedule']} | {r['microbatches']} | "
+                     f"{r['predicted_step_s']:.3f} | {r['measured_step_s']:.3f} | {r['step_error']:+.0%} | "
+                     f"{r['predicted_peak_bytes'] / MiB:.1f} | {r['measured_peak_bytes'] / MiB:.1f} | "
+                     f"{r['memory_ratio']:.2f} |")
+    s, e, m = result["spearman"], result["median_abs_step_error"], result["max_memory_ratio"]
+    lines += ["", f"Spearman rank correlation of step times: {s:.2f} (goal ≥ {GOALS['spearman']})",
+              f"median absolute step-time error: {e:.0%} (goal ≤ {GOALS['median_abs_step_error']:.0%})",
+              f"worst measured / predicted peak memory: {m:.2f} (goal ≤ {GOALS['max_memory_ratio']:.2f})"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
