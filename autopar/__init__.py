@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "capture": "autopar.capturing",
     "BaselineResult": "autopar.api", "compare": "autopar.api", "plan_model": "autopar.api",
-    "solve": "autopar.api",
+    "solve": "autopar.api", "reprice": "autopar.api",
     "ClusterError": "autopar.cost_models.hardware", "ClusterSpec": "autopar.cost_models.hardware",
     "DeviceSpec": "autopar.cost_models.hardware", "LinkSpec": "autopar.cost_models.hardware",
     "load_cluster": "autopar.cost_models.hardware",

@@ -67,6 +67,37 @@ def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | No
     return build_plan(graph, solution, spec, training, parsed)
 
 
+def reprice(graph: LayerGraph, plan: Plan, cluster: str | ClusterSpec | None = None, *,
+            memory_gb: float | None = None) -> Plan:
+    """The same plan priced on ``cluster`` (default: the one it was made for): a new Plan whose
+    ``predicted`` and ``cluster`` are replaced, every choice kept. Raises PlanError if the plan
+    was made for another graph; it is not re-solved, so it may not be the best plan there."""
+    from autopar.cost_models.pipeline import Schedule, ScheduleKind
+    from autopar.pricing import MeshConfig, PriceTable, Strategy, evaluate
+    from autopar.solver import Solution
+
+    plan.check_fingerprint(graph.fingerprint())
+    spec = (ClusterSpec.from_dict(plan.cluster, source="plan") if cluster is None
+            else resolve_cluster(cluster, plan.world_size))
+    if spec.world_size != plan.world_size:
+        spec = spec.for_world_size(plan.world_size)
+    training = TrainingSpec(global_batch=int(plan.training["global_batch"]), dtype=plan.training["dtype"])
+    config = MeshConfig(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, plan.microbatches,
+                        Schedule(ScheduleKind(plan.schedule), plan.chunks))
+    table = PriceTable(graph, config, spec, training)
+    stages = tuple(l.stage for l in plan.layers)
+    strategies = tuple(Strategy(l.tp, l.zero, l.recompute) for l in plan.layers)
+    for i, s in enumerate(strategies):  # a choice the search space leaves out is priced all the same
+        if s not in table.strategies[i]:
+            table.strategies[i] = [*table.strategies[i], s]
+            table.prices[i] = [*table.prices[i], table._price(graph[i], s)]
+    prediction = evaluate(table, stages, strategies)
+    solution = Solution(config, stages, strategies, prediction, table, plan.solver.status,
+                        plan.solver.gap, plan.solver.wall_s, plan.solver.configs_considered,
+                        plan.solver.configs_solved, memory_budget(spec, memory_gb))
+    return build_plan(graph, solution, spec, training, Pins.parse(plan.pins))
+
+
 def plan_model(model: Any, example_inputs: Any, world_size: int, **kwargs: Any) -> Plan:
     """Capture ``model`` with ``example_inputs`` and solve (keywords as :func:`solve`)."""
     from autopar.capturing import capture

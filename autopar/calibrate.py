@@ -22,7 +22,11 @@ memory bandwidth is in the figures:
   gives the fraction of compute that hides communication (1 on GPUs, where
   copies run on separate engines; below 1 where collectives share the cores);
 - optimizer: an AdamW step, whose bytes touched per second become the
-  ``memory_bandwidth_bytes_s`` the optimizer term is priced with.
+  ``memory_bandwidth_bytes_s`` the optimizer term is priced with;
+- tensor parallelism: a Megatron MLP over all ranks with DTensor against its
+  local shard, which gives what each tensor-parallel collective costs beyond
+  its link figures (``tp_overhead_s``: DTensor's dispatch and redistribution,
+  paid in line on a CPU, hidden on a GPU whose host runs ahead).
 
 The cluster file is written only once every measurement has finished, to a
 temporary file renamed into place, so an interrupted run leaves no
@@ -40,12 +44,13 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from autopar.cost_models.communication import Collective, bus_factor
+from autopar.cost_models.communication import (Collective, bus_factor, collective_time_s, place_group,
+                                               ring_steps)
 from autopar.cost_models.hardware import ClusterSpec, DeviceSpec, LinkSpec
 from autopar.errors import AutoparError
 from autopar.host import available_memory_bytes, check_local_processes, cpu_count, threads_per_process
@@ -106,6 +111,7 @@ class Measurements:
     collectives: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # kind -> (bytes, s)
     overlap: dict[str, float] = field(default_factory=dict)  # compute_s, comm_s, both_s
     optimizer: dict[str, float] = field(default_factory=dict)  # params, seconds
+    tensor_parallel: dict[str, float] = field(default_factory=dict)  # tp_s, local_s, bytes
     device_memory_bytes: int = 0
     device_name: str = "cpu"
     wall_s: float = 0.0
@@ -181,30 +187,41 @@ def build_cluster(m: Measurements, *, name: str | None = None) -> ClusterSpec:
     bf16 = max(m.gemm_flops_s.get("bf16", 0.0), 1.0)
     if m.backend == "gloo":  # one process on a CPU: the fp32 figure is what training in fp32 reaches
         bf16 = min(bf16, fp32) if bf16 > 1.0 else fp32
-    # a collective as training issues it also waits for the slowest rank (the sync probe); a
-    # point-to-point send waits for its one receiver, which the pipeline bubble already prices
-    sync = m.overlap.get("sync_s", 0.0)
+    # latency per ring step, so groups smaller than the one measured (a tp pair among 4 ranks)
+    # pay for their own steps; a collective as training issues it also waits for the slowest
+    # rank (the sync probe), which the cluster carries as collective_sync_s
     fits = {}
     for kind, pts in m.collectives.items():
         latency, bandwidth = fit_link({kind: pts}, m.nproc)
-        fits[kind] = LinkSpec(bandwidth, latency + (0.0 if kind == "p2p" else sync))
+        fits[kind] = LinkSpec(bandwidth, latency / ring_steps(kind, m.nproc))
     base = fits.pop("all_reduce")
     overlap = overlap_fraction(m.overlap["compute_s"], m.overlap["comm_s"], m.overlap["both_s"])
     params, seconds = m.optimizer["params"], m.optimizer["seconds"]
     bytes_touched = params * (2 * 8 + 4 + 4)  # fp32 AdamW: two moments read and written, grad, weight
     link = LinkSpec(base.bandwidth_bytes_s, base.latency_s, collectives=fits)
+    # a Megatron MLP makes one all-reduce forward and one backward; what it costs beyond the
+    # local shard's compute and those two all-reduces is DTensor's work around each collective
     device = DeviceSpec(
         name=m.device_name, memory_bytes=int(m.device_memory_bytes),
         peak_flops_bf16=bf16, peak_flops_fp32=fp32,
         memory_bandwidth_bytes_s=bytes_touched / seconds,
         matmul_efficiency=min(1.0, rate / fp32), half_efficiency_flops=half,
     )
-    return ClusterSpec(
+    cluster = ClusterSpec(
         name or f"{socket.gethostname()}-{m.backend}-x{m.nproc}", device,
         gpus_per_node=m.nproc, nodes=1, intra_node=link, inter_node=link, nics_per_node=1,
         backend=m.backend, memory_reserve_fraction=0.25 if m.backend == "gloo" else 0.10,
         comm_overlap=overlap, cores_per_node=m.cores if m.backend == "gloo" else 0,
+        latency_per_step=True, collective_sync_s=m.overlap.get("sync_s", 0.0),
     )
+    # a Megatron MLP makes one all-reduce forward and one backward; what it costs beyond the
+    # local shard's compute and those two all-reduces is DTensor's work around each collective
+    tp = m.tensor_parallel
+    if not tp:
+        return cluster
+    group = place_group(m.nproc, 1, m.nproc)
+    all_reduce = collective_time_s(Collective.ALL_REDUCE, tp["bytes"], group, cluster)
+    return replace(cluster, tp_overhead_s=max(0.0, (tp["tp_s"] - tp["local_s"] - 2 * all_reduce) / 2))
 
 
 def cluster_document(cluster: ClusterSpec, m: Measurements) -> dict[str, Any]:
@@ -216,7 +233,7 @@ def cluster_document(cluster: ClusterSpec, m: Measurements) -> dict[str, Any]:
         "threads_per_process": m.threads, "wall_s": round(m.wall_s, 1),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "gemm_flops_s": m.gemm_flops_s, "layers": m.layers, "collectives": m.collectives,
-        "overlap": m.overlap, "optimizer": m.optimizer,
+        "overlap": m.overlap, "optimizer": m.optimizer, "tensor_parallel": m.tensor_parallel,
     }
     return doc
 
@@ -262,7 +279,7 @@ class _Rank:
         self.rank, self.nproc, self.sizes = rank, nproc, sizes
         self.device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         self.progress = progress
-        self.step, self.steps, self.start = 0, 6, time.perf_counter()
+        self.step, self.steps, self.start = 0, 7, time.perf_counter()
 
     def say(self, what: str) -> None:
         self.step += 1
@@ -438,6 +455,33 @@ class _Rank:
                 "layer_s": layer_s, "small_s": small_s, "blocking_s": blocking_s,
                 "sync_s": max(0.0, blocking_s - layer_s - small_s)}
 
+    def tensor_parallel(self) -> dict[str, float]:
+        """A Megatron MLP over every rank with DTensor (column- then row-parallel), and the same
+        per-rank shard as a plain local MLP: what tensor parallelism costs beyond its matmuls."""
+        import torch.nn as nn
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        torch, n = self.torch, self.nproc
+        width = self.sizes.widths[len(self.sizes.widths) // 2]
+        batch, seq = self.sizes.tokens
+        mesh = init_device_mesh(self.device.type, (n,))
+        torch.manual_seed(0)
+        tp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)).to(self.device)
+        parallelize_module(tp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        local = nn.Sequential(nn.Linear(width, 4 * width // n), nn.GELU(),
+                              nn.Linear(4 * width // n, width)).to(self.device)
+        x = torch.randn(batch, seq, width, device=self.device, requires_grad=True)
+        rounds = 20
+
+        def step(mlp: nn.Module) -> None:
+            mlp(x).sum().backward()  # the output is used (its all-reduce waited for), as a next layer would
+            x.grad = None
+
+        tp_s = self.mean_over_ranks(self.timed_mean(lambda: step(tp), rounds))
+        local_s = self.mean_over_ranks(self.timed_mean(lambda: step(local), rounds))
+        return {"tp_s": tp_s, "local_s": local_s, "bytes": float(x.numel() * x.element_size())}
+
     def optimizer(self) -> dict[str, float]:
         torch = self.torch
         params = [torch.nn.Parameter(torch.randn(512, 512, device=self.device)) for _ in range(8)]
@@ -477,6 +521,8 @@ class _Rank:
         m.overlap = self.repeated(lambda: self.overlap(link), self.sizes.rounds)
         self.say("optimizer: AdamW step")
         m.optimizer = self.optimizer()
+        self.say("tensor parallelism: a DTensor MLP against its local shard")
+        m.tensor_parallel = self.repeated(self.tensor_parallel, self.sizes.rounds)
         self.say("done")
         return m
 
@@ -516,19 +562,39 @@ def _worker(rank: int, nproc: int, backend: str, store_path: str, out_path: str,
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, store=dist.FileStore(store_path, nproc), rank=rank,
                             world_size=nproc, timeout=timedelta(seconds=300))
-    progress = (lambda line: print(f"autopar calibrate: {line}", file=sys.stderr, flush=True)) \
-        if rank == 0 else None
-    probe = _Rank(rank, nproc, backend, sizes, progress)
-    m = probe.run(backend)
+    m = measure_in_process_group(backend, sizes, memory_bytes, progress=_progress if rank == 0 else None)
     dist.destroy_process_group()
     if rank == 0:
-        if backend == "nccl":
-            props = torch.cuda.get_device_properties(0)
-            m.device_memory_bytes, m.device_name = props.total_memory, props.name
-        else:
-            m.device_memory_bytes, m.device_name = memory_bytes, f"cpu ({platform.processor() or 'host'})"
-        m.wall_s = time.perf_counter() - probe.start
         Path(out_path).write_text(json.dumps(m.__dict__))
+
+
+def _progress(line: str) -> None:
+    print(f"autopar calibrate: {line}", file=sys.stderr, flush=True)
+
+
+def measure_in_process_group(backend: str, sizes: ProbeSizes, memory_bytes: int, *,
+                             progress: Callable[[str], None] | None = None) -> Measurements:
+    """Measure with the ranks of the initialised default process group: every rank calls this,
+    each returns the rank means. For callers that already run ranks (benchmarks/fidelity.py
+    calibrates in the processes that then train, right before timing them)."""
+    import torch
+    import torch.distributed as dist
+
+    probe = _Rank(dist.get_rank(), dist.get_world_size(), backend, sizes, progress)
+    m = probe.run(backend)
+    if backend == "nccl":
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        m.device_memory_bytes, m.device_name = props.total_memory, props.name
+    else:
+        m.device_memory_bytes, m.device_name = memory_bytes, f"cpu ({platform.processor() or 'host'})"
+    m.wall_s = time.perf_counter() - probe.start
+    return m
+
+
+def measurements_from_dict(data: dict[str, Any]) -> Measurements:
+    """Measurements from their JSON form (collective points back to tuples)."""
+    data = dict(data, collectives={k: [tuple(p) for p in v] for k, v in data["collectives"].items()})
+    return Measurements(**data)
 
 
 def measure(nproc: int, *, backend: str = "auto", quick: bool = False,
@@ -568,9 +634,7 @@ def measure(nproc: int, *, backend: str = "auto", quick: bool = False,
                     p.terminate()
             for p in ctx.processes:
                 p.join(timeout=5)
-        data = json.loads(Path(out).read_text())
-    data["collectives"] = {k: [tuple(p) for p in v] for k, v in data["collectives"].items()}
-    return Measurements(**data)
+        return measurements_from_dict(json.loads(Path(out).read_text()))
 
 
 def calibrate(nproc: int, output: str | os.PathLike[str] | None = None, *, backend: str = "auto",
@@ -609,6 +673,7 @@ def describe(cluster: ClusterSpec) -> str:
         f"  overlap       {cluster.comm_overlap:.2f} of compute hides communication",
         *([f"  host          {cluster.cores_per_node} cores shared by the {cluster.gpus_per_node} ranks"]
           if cluster.cores_per_node else []),
+        f"  tensor par.   {cluster.tp_overhead_s * 1e3:.2f} ms per collective beyond the link (DTensor)",
         f"  optimizer     {d.memory_bandwidth_bytes_s / 1e9:.2f} GB/s of optimizer state touched",
         f"  memory        {d.memory_bytes / GiB:.1f} GiB per rank",
     ])

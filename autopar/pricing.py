@@ -296,6 +296,9 @@ class PriceTable:
                 Collective.ALL_REDUCE, style.bwd_allreduce_elems * elem, self.tp_group,
                 self.cluster, count=style.bwd_allreduce_count,
             )
+            overhead = self.cluster.tp_overhead_s  # DTensor's work around each collective
+            tp_comm_fwd += overhead * (style.fwd_allreduce_count + (style.fwd_allgather_elems > 0))
+            tp_comm_bwd += overhead * style.bwd_allreduce_count
         device, dtype = self.cluster.device, self.dtype_for_compute
         fwd = compute_time_s(b * flops, device, dtype)
         bwd = compute_time_s(BACKWARD_FLOPS_FACTOR * b * flops, device, dtype)

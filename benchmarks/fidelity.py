@@ -2,10 +2,13 @@
 
     python benchmarks/fidelity.py [--json FILE] [--steps 8] [--cluster W=FILE ...]
 
-For W = 2 and W = 4 this machine is first calibrated (``autopar calibrate
---nproc W``, unless ``--cluster W=FILE`` gives a cluster file), then each
-plan below is solved on that cluster, every field pinned, and run with
+For W = 2 and W = 4, each plan below (every choice pinned) is run with
 ``autopar.compile`` on W gloo processes (AdamW, fp32, the plan's batch).
+The same W processes calibrate the machine with ``autopar calibrate``'s
+probes and fitting (its cluster file is written beside ``--json``) after
+compiling and right before the timed steps, and each plan is priced on that
+cluster with ``autopar.reprice``; ``--cluster W=FILE`` prices on a given file
+instead.
 
 - Step time: the median over ``--steps`` timed steps (after one warm-up step)
   of rank 0's ``train_step`` wall time, each step started after a barrier.
@@ -165,8 +168,12 @@ def _compile_and_measure_memory(plan_json: str, graph: dict) -> tuple[Any, int, 
 
 
 def _worker(rank: int, world_size: int, store: str, jobs: list[tuple[str, dict]], steps: int,
-            out: str) -> None:
-    """Compile every plan (measuring its memory), then time their steps in turns.
+            calibrate: bool, out: str) -> None:
+    """Compile every plan (measuring its memory), calibrate, then time the plans' steps in turns.
+
+    Calibrating here, in the processes that train and just before they are
+    timed, keeps the machine's drift out of the comparison: on this shared
+    machine the same probe's time moved by ±30 % between minutes.
 
     Taking turns — step 1 of every plan, then step 2 of every plan, … — spreads
     the slow spells of a shared machine over all plans alike, so they disturb
@@ -189,6 +196,16 @@ def _worker(rank: int, world_size: int, store: str, jobs: list[tuple[str, dict]]
         if rank == 0:
             print(f"fidelity: W={world_size} plan {k + 1}/{len(jobs)} compiled, memory measured",
                   file=sys.stderr, flush=True)
+    measurements = None
+    if calibrate:
+        from autopar.calibrate import measure_in_process_group, probe_sizes
+        from autopar.host import available_memory_bytes
+
+        progress = (lambda line: print(f"fidelity: calibrate W={world_size}: {line}", file=sys.stderr,
+                                       flush=True)) if rank == 0 else None
+        measurements = measure_in_process_group("gloo", probe_sizes("gloo"),
+                                                (available_memory_bytes() or 0) // world_size,
+                                                progress=progress).__dict__
     times: list[list[float]] = [[] for _ in jobs]
     for step in range(steps + 1):  # the first round warms up
         for k, (pm, (x, y)) in enumerate(zip(models, batches)):
@@ -202,18 +219,22 @@ def _worker(rank: int, world_size: int, store: str, jobs: list[tuple[str, dict]]
     dist.all_gather_object(gathered, results)
     dist.destroy_process_group()
     if rank == 0:
-        Path(out).write_text(json.dumps(gathered))
+        Path(out).write_text(json.dumps({"ranks": gathered, "measurements": measurements}))
 
 
-def measure(jobs: list[tuple[str, dict]], world_size: int, steps: int) -> list[list[dict[str, Any]]]:
-    """Run every plan on ``world_size`` spawned gloo ranks; per rank, per plan: peak bytes and step time."""
+def measure(jobs: list[tuple[str, dict]], world_size: int, steps: int,
+            calibrate: bool) -> tuple[list[list[dict[str, Any]]], dict | None]:
+    """Run every plan on ``world_size`` spawned gloo ranks: per rank, per plan, peak bytes and step
+    time; and the calibration measurements taken in those ranks (None unless ``calibrate``)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="autopar-fidelity-") as tmp:
         out = os.path.join(tmp, "out.json")
-        mp.start_processes(_worker, args=(world_size, os.path.join(tmp, "store"), jobs, steps, out),
+        mp.start_processes(_worker, args=(world_size, os.path.join(tmp, "store"), jobs, steps, calibrate,
+                                          out),
                            nprocs=world_size, start_method="spawn")
-        return json.loads(Path(out).read_text())
+        data = json.loads(Path(out).read_text())
+        return data["ranks"], data["measurements"]
 
 
 # ------------------------------------------------------------------ statistics
@@ -244,24 +265,16 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 # ------------------------------------------------------------------ main
 
 
-def _clusters(args: argparse.Namespace, worlds: list[int]) -> dict[int, str]:
-    from autopar.calibrate import calibrate, describe
+def _write_cluster(measurements: dict, path: Path) -> str:
+    """The cluster the ranks measured, written as `autopar calibrate` writes it."""
+    from autopar.calibrate import build_cluster, cluster_document, describe, measurements_from_dict, \
+        write_atomically
 
-    given = {}
-    for item in args.cluster:
-        w, _, path = item.partition("=")
-        given[int(w)] = path
-    # fresh calibrations go beside the JSON results (a temporary folder without --json)
-    out_dir = Path(args.calibration_dir or (Path(args.json).parent if args.json else tempfile.mkdtemp()))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for w in worlds:
-        if w not in given:
-            path = out_dir / f"cluster-w{w}.json"
-            print(f"fidelity: calibrating this machine with {w} processes → {path}", file=sys.stderr, flush=True)
-            cluster = calibrate(w, path)
-            print(describe(cluster), file=sys.stderr, flush=True)
-            given[w] = str(path)
-    return given
+    m = measurements_from_dict(measurements)
+    cluster = build_cluster(m)
+    write_atomically(path, json.dumps(cluster_document(cluster, m), indent=2) + "\n")
+    print(describe(cluster), file=sys.stderr, flush=True)
+    return str(path)
 
 
 def main() -> int:
@@ -271,23 +284,32 @@ def main() -> int:
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per plan")
     parser.add_argument("--cluster", action="append", default=[], metavar="W=FILE",
-                        help="use this cluster file for world size W instead of calibrating")
+                        help="price the plans of world size W on this cluster file instead of "
+                             "calibrating in the ranks")
     parser.add_argument("--calibration-dir", default=None,
                         help="where fresh calibrations are written (default: beside --json)")
     args = parser.parse_args()
+    given = {int(w): path for w, _, path in (item.partition("=") for item in args.cluster)}
+    out_dir = Path(args.calibration_dir or (Path(args.json).parent if args.json else tempfile.mkdtemp()))
+    out_dir.mkdir(parents=True, exist_ok=True)
     worlds = sorted({c.world_size for c in CASES})
-    clusters = _clusters(args, worlds)
     model, inputs = build("meta")
     graph = autopar.capture(model, inputs)
-    rows = []
+    rows, clusters = [], {}
     for w in worlds:
         cases = [c for c in CASES if c.world_size == w]
-        plans = [autopar.solve(graph, w, cluster=clusters[w], dtype="fp32", global_batch=GLOBAL_BATCH,
-                               pins=list(c.pins)) for c in cases]
+        # every choice is pinned but the pipeline cuts, which the solver makes on the cluster the
+        # plans are first priced on; they are then priced again, unchanged, on the calibration
+        first = given.get(w, "cpu")
+        plans = [autopar.solve(graph, w, cluster=first, dtype="fp32", global_batch=GLOBAL_BATCH,
+                               pins=list(c.pins), memory_gb=64) for c in cases]
         started = time.perf_counter()
-        per_rank = measure([(p.to_json(), graph.to_dict()) for p in plans], w, args.steps)
+        per_rank, measurements = measure([(p.to_json(), graph.to_dict()) for p in plans], w, args.steps,
+                                         calibrate=w not in given)
         print(f"fidelity: W={w}: {len(cases)} plans in {time.perf_counter() - started:.0f} s",
               file=sys.stderr, flush=True)
+        clusters[w] = given.get(w) or _write_cluster(measurements, out_dir / f"cluster-w{w}.json")
+        plans = [autopar.reprice(graph, p, clusters[w]) for p in plans]
         for k, (case, plan) in enumerate(zip(cases, plans)):
             ranks = [per_rank[r][k] for r in range(w)]
             stage_of = [r // (plan.mesh.dp * plan.mesh.tp) for r in range(w)]

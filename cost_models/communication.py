@@ -48,6 +48,14 @@ def place_group(size: int, stride: int, gpus_per_node: int) -> GroupPlacement:
     return GroupPlacement(size=size, local=local)
 
 
+def ring_steps(kind: str, n: int) -> int:
+    """Steps of a ring collective over n ranks: all-reduce 2(n−1), all-gather and
+    reduce-scatter n−1, point-to-point 1."""
+    if kind == "p2p":
+        return 1
+    return max(1, (2 if kind == "all_reduce" else 1) * (n - 1))
+
+
 def bus_factor(kind: Collective, n: int) -> float:
     if n <= 1:
         return 0.0
@@ -64,8 +72,13 @@ def bus_bandwidth(group: GroupPlacement, cluster: ClusterSpec, kind: str = "all_
 
 
 def latency(group: GroupPlacement, cluster: ClusterSpec, kind: str = "all_reduce") -> float:
+    """A collective's fixed time: the link's latency (per ring step where the cluster says so),
+    and the wait for the slowest rank that a blocking collective adds (``collective_sync_s``)."""
     link = cluster.inter_node if group.spans_nodes else cluster.intra_node
-    return link.for_kind(kind).latency_s
+    alpha = link.for_kind(kind).latency_s
+    if cluster.latency_per_step:
+        alpha *= ring_steps(kind, group.size)
+    return alpha + cluster.collective_sync_s
 
 
 def collective_time_s(
@@ -83,7 +96,8 @@ def collective_time_s(
 
 
 def p2p_time_s(nbytes: float, *, inter_node: bool, cluster: ClusterSpec) -> float:
-    """One send/recv of ``nbytes`` between neighbouring pipeline stages."""
+    """One send/recv of ``nbytes`` between neighbouring pipeline stages (no sync term: the
+    receiver's wait for its sender is the pipeline bubble, priced there)."""
     if nbytes <= 0:
         return 0.0
     if inter_node:

@@ -92,6 +92,18 @@ class ClusterSpec:
     that many CPU cores (0: devices do not share compute, as GPUs do). With
     more ranks than cores, ranks that idle in a pipeline bubble give their
     cores to the ranks still working (see :func:`bubble_speedup`).
+
+    ``tp_overhead_s`` is what each tensor-parallel collective costs beyond its
+    link figures: DTensor's dispatch and redistribution around it, paid in
+    line where the host computes (CPU), hidden where the host runs ahead of
+    the device (GPUs: 0).
+
+    ``latency_per_step`` makes link latencies per ring step (a collective over
+    n ranks pays 2(n−1) of them for an all-reduce, n−1 for all-gather and
+    reduce-scatter) instead of per collective, so a calibration taken over
+    all ranks prices smaller groups right. ``collective_sync_s`` is the wait
+    for the slowest rank each blocking collective adds where ranks drift
+    apart between collectives (measured by ``autopar calibrate``; 0 for GPUs).
     """
 
     name: str
@@ -105,6 +117,9 @@ class ClusterSpec:
     memory_reserve_fraction: float = 0.10
     comm_overlap: float = 1.0
     cores_per_node: int = 0
+    tp_overhead_s: float = 0.0
+    latency_per_step: bool = False
+    collective_sync_s: float = 0.0
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -200,6 +215,8 @@ def _validate(c: ClusterSpec) -> None:
         "device.half_efficiency_flops": c.device.half_efficiency_flops,
         "intra_node.latency_s": c.intra_node.latency_s,
         "inter_node.latency_s": c.inter_node.latency_s,
+        "tp_overhead_s": c.tp_overhead_s,
+        "collective_sync_s": c.collective_sync_s,
     }
     for level in ("intra_node", "inter_node"):
         link = getattr(c, level)
@@ -221,6 +238,8 @@ def _validate(c: ClusterSpec) -> None:
         raise ClusterError(f"cluster {c.name!r}: device.matmul_efficiency must be ≤ 1")
     if not 0 <= c.memory_reserve_fraction < 1:
         raise ClusterError(f"cluster {c.name!r}: memory_reserve_fraction must be in [0, 1)")
+    if not isinstance(c.latency_per_step, bool):
+        raise ClusterError(f"cluster {c.name!r}: latency_per_step must be true or false")
     if not isinstance(c.cores_per_node, int) or c.cores_per_node < 0:
         raise ClusterError(f"cluster {c.name!r}: cores_per_node must be a whole number ≥ 0, "
                            f"got {c.cores_per_node!r}")
@@ -281,6 +300,9 @@ def _cluster_from_dict(data: dict[str, Any], source: str) -> ClusterSpec:
             memory_reserve_fraction=data.get("memory_reserve_fraction", 0.10),
             comm_overlap=data.get("comm_overlap", 1.0),
             cores_per_node=data.get("cores_per_node", 0),
+            tp_overhead_s=data.get("tp_overhead_s", 0.0),
+            latency_per_step=data.get("latency_per_step", False),
+            collective_sync_s=data.get("collective_sync_s", 0.0),
         )
     except TypeError as exc:  # a field of the wrong type reached a comparison
         raise ClusterError(f"{source}: {exc}") from None

@@ -104,6 +104,7 @@ def test_built_cluster_carries_the_fitted_figures():
     assert c.intra_node.for_kind("all_gather").bandwidth_bytes_s == pytest.approx(0.5e9)
     assert c.intra_node.for_kind("p2p").latency_s == pytest.approx(50e-6)
     assert c.comm_overlap == pytest.approx(0.5)
+    assert c.latency_per_step and c.intra_node.latency_s == pytest.approx(50e-6)  # 2 ring steps at n=2
     assert c.device.memory_bandwidth_bytes_s == pytest.approx(24e6 / 0.003)
 
 
@@ -119,6 +120,19 @@ def test_cluster_file_round_trips_through_load_cluster_and_prices_each_collectiv
     assert ag == pytest.approx(300e-6 + 2**24 * 0.5 / 0.5e9)
     assert ar == pytest.approx(100e-6 + 2**24 * 1.0 / 2e9)
     assert json.loads(path.read_text())["calibration"]["threads_per_process"] == 1
+
+
+def test_latency_per_step_prices_a_smaller_group_for_its_own_steps():
+    m = _measurements(nproc=4, collectives={
+        "all_reduce": _alpha_beta(600e-6, 2e9, "all_reduce", 4),
+        "all_gather": _alpha_beta(300e-6, 1e9, "all_gather", 4),
+        "reduce_scatter": _alpha_beta(300e-6, 1e9, "reduce_scatter", 4),
+        "p2p": _alpha_beta(50e-6, 3e9, "p2p")},
+        overlap={"compute_s": 0.1, "comm_s": 0.1, "both_s": 0.15, "sync_s": 1e-3})
+    c = build_cluster(m)
+    four, two = place_group(4, 1, 4), place_group(2, 1, 4)
+    assert collective_time_s(Collective.ALL_REDUCE, 0.0 + 1, four, c) == pytest.approx(600e-6 + 1e-3, rel=1e-3)
+    assert collective_time_s(Collective.ALL_REDUCE, 0.0 + 1, two, c) == pytest.approx(200e-6 + 1e-3, rel=1e-3)
 
 
 def test_cluster_files_without_per_kind_figures_still_load_and_presets_stay_unchanged():
@@ -208,7 +222,7 @@ def test_quick_calibration_writes_a_cluster_the_planner_uses(tmp_path):
     run = subprocess.run(_console("calibrate", "--nproc", "2", "--quick", "-o", str(target)),
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert "[6/6] done" in run.stderr and f"cluster written to {target}" in run.stderr
+    assert "[7/7] done" in run.stderr and f"cluster written to {target}" in run.stderr
     cluster = load_cluster(str(target))
     assert cluster.backend == "gloo" and cluster.gpus_per_node == 2
     assert 0 <= cluster.comm_overlap <= 1

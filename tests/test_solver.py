@@ -203,3 +203,27 @@ def test_bad_pins_are_named(pins, message):
     cluster = PRESETS["a100-80g"].for_world_size(8)
     with pytest.raises(PinError, match=message):
         solve(graph, 8, cluster, TrainingSpec(16), pins=Pins.parse(pins))
+
+
+def test_reprice_keeps_every_choice_and_prices_on_another_cluster():
+    import autopar
+    from autopar.errors import PlanError
+
+    graph = transformer_graph(4, 1024, 512, vocab=8192, heads=16)
+    plan = autopar.solve(graph, 8, cluster="a100-80g", global_batch=32)
+    same = autopar.reprice(graph, plan)
+    assert same.predicted == plan.predicted and same.layers == plan.layers
+    slower = autopar.reprice(graph, plan, "v100-16g", memory_gb=80)
+    assert (slower.mesh, slower.layers, slower.microbatches) == (plan.mesh, plan.layers, plan.microbatches)
+    assert slower.cluster["name"] == "v100-16g"
+    assert slower.predicted.step_time_s > plan.predicted.step_time_s  # a slower device
+    pinned = [f"pp={plan.mesh.pp}", f"dp={plan.mesh.dp}", f"tp={plan.mesh.tp}",
+              f"microbatches={plan.microbatches}", f"schedule={plan.schedule}"] + [
+        f"{l.name}:stage={l.stage}" for l in plan.layers] + [
+        f"{l.name}:tp={l.tp or 'none'}" for l in plan.layers] + [
+        f"{l.name}:zero={l.zero}" for l in plan.layers] + [
+        f"{l.name}:recompute={'on' if l.recompute else 'off'}" for l in plan.layers]
+    resolved = autopar.solve(graph, 8, cluster="v100-16g", global_batch=32, pins=pinned, memory_gb=80)
+    assert resolved.predicted.step_time_s == pytest.approx(slower.predicted.step_time_s)
+    with pytest.raises(PlanError):
+        autopar.reprice(transformer_graph(2, 1024, 512, vocab=8192, heads=16), plan)
