@@ -99,17 +99,19 @@ def build(device: str = "meta") -> tuple[Any, tuple]:
 
 
 def peak_tensor_bytes(events: list[tuple[int, int]], since_ns: int) -> int:
-    """The most bytes live at once after ``since_ns``, from (time, ±bytes) allocation events.
+    """The most bytes live at once from ``since_ns`` on, from (time, ±bytes) allocation events.
 
     Live bytes are counted from the first event on, so tensors allocated
     before ``since_ns`` (the model's shards, created while compiling) count.
     """
-    live = peak = 0
+    live, peak, inside = 0, 0, False
     for t, nbytes in sorted(events):
+        if t >= since_ns and not inside:
+            peak, inside = live, True
         live += nbytes
-        if t >= since_ns:
+        if inside:
             peak = max(peak, live)
-    return peak
+    return peak if inside else live
 
 
 _TRAINING = "fidelity.training"
