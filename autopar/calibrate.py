@@ -422,6 +422,7 @@ class _Rank:
         compute_s = self.mean_over_ranks(self.timed(compute))
         latency, busbw = link  # an all-reduce about as long as the compute
         nbytes = max(4 * KiB, (compute_s - latency) * busbw / bus_factor(Collective.ALL_REDUCE, self.nproc))
+        nbytes = min(nbytes, self.sizes.message_bytes[-1])  # no larger than the link was measured at
         buf = torch.ones(int(self.max_over_ranks(nbytes)) // 4, device=self.device)
         comm_s = self.mean_over_ranks(self.timed(lambda: dist.all_reduce(buf)))
 
