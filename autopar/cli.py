@@ -231,16 +231,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from autopar.calibrate import CalibrationInterrupted, calibrate, check_output_path, describe
-    from autopar.host import check_local_processes
+    from autopar.calibrate import CalibrationInterrupted, calibrate, describe
 
-    if args.output is not None:
-        check_output_path(args.output)
-    if args.backend != "auto":
-        check_local_processes(args.nproc, backend=args.backend)
-    elif args.nproc < 2:
-        check_local_processes(args.nproc, backend="gloo")
-    try:
+    try:  # calibrate() refuses a bad -o or process count before any rank starts
         cluster = calibrate(args.nproc, args.output, backend=args.backend, name=args.name,
                             quick=args.quick)
     except CalibrationInterrupted as exc:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from typing import Any, Iterator
@@ -212,6 +213,13 @@ class LayerGraph:
             ids.setdefault(l.cost_signature() + (l.boundary_bytes_per_sample,), len(ids))
             for l in self.layers
         )
+
+    @cached_property
+    def repeated(self) -> tuple[bool, ...]:
+        """Per layer, whether its cost class occurs more than once (a block): the runtime gives
+        each such layer an FSDP unit of its own and gathers the others into the root unit."""
+        counts = Counter(self.cost_classes)
+        return tuple(counts[c] > 1 for c in self.cost_classes)
 
     def layer(self, name: str) -> Layer:
         return self.graph.nodes[name]["layer"]

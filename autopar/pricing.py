@@ -36,7 +36,6 @@ and the memory of rank j (integer bytes):
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import cached_property
@@ -47,8 +46,6 @@ from autopar.cost_models.hardware import ClusterSpec, bubble_speedup
 from autopar.cost_models.memory import Precision, model_state_bytes, optimizer_shard_params, precision
 from autopar.cost_models.pipeline import Schedule, ScheduleKind, in_flight
 from autopar.graph import Layer, LayerGraph
-
-
 
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
 
@@ -223,10 +220,8 @@ class PriceTable:
     def largest_unit_params(self) -> int:
         """Parameters of the largest FSDP unit: a repeated layer (a block), or the root unit that
         gathers every other layer's parameters together (the runtime's wrapping, passes/zero.py)."""
-        counts = Counter(self.graph.cost_classes)
-        repeated = [l.param_count for l, c in zip(self.graph, self.graph.cost_classes) if counts[c] > 1]
-        others = sum(l.param_count for l, c in zip(self.graph, self.graph.cost_classes) if counts[c] == 1)
-        return max(repeated + [others])
+        blocks = [l.param_count for l, own in zip(self.graph, self.graph.repeated) if own]
+        return max(blocks + [self._root_params])
 
     @cached_property
     def workspace_bytes(self) -> int:
@@ -327,8 +322,8 @@ class PriceTable:
 
     @cached_property
     def _root_params(self) -> int:
-        counts = Counter(self.graph.cost_classes)
-        return sum(l.param_count for l, c in zip(self.graph, self.graph.cost_classes) if counts[c] == 1)
+        """Parameters of the layers that share the root FSDP unit (every layer but the blocks)."""
+        return sum(l.param_count for l, own in zip(self.graph, self.graph.repeated) if not own)
 
     def _ddp(self, zero: int) -> bool:
         """Plain DP outside pipelines and tensor parallelism runs as DDP (passes/zero.py), which
@@ -348,7 +343,7 @@ class PriceTable:
             total = self.prec.grad_bytes * self.graph.total_params
             buckets = 1 + total / DDP_BUCKET_BYTES
             return layer.param_count / self.graph.total_params * buckets
-        if Counter(self.graph.cost_classes)[self.graph.cost_classes[layer.index]] > 1:
+        if self.graph.repeated[layer.index]:
             return 1.0
         return min(1.0, c.pp * layer.param_count / max(self._root_params, 1))
 

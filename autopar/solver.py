@@ -280,8 +280,13 @@ def lower_bound_s(table: PriceTable, allowed: list[list[int]], budget: int | Non
     if cuts_ok and c.stages > 1:
         thinnest = min(cuts_ok, key=lambda q: table.graph[q - 1].boundary_bytes_per_sample)
         total += 2 * (c.stages - 1) * table.p2p_s(thinnest)  # p2p time grows with bytes
-    w = float(table.bubble_weight)  # step ≥ (m − w)·T + w·S with T ≥ S/pp, T ≥ any layer, S ≥ total
-    return (c.microbatches - w) * max(total / c.pp, max(fastest)) + w * total
+    return _balanced_step_s(table, total, max(fastest))
+
+
+def _balanced_step_s(table: PriceTable, total: float, slowest_layer: float) -> float:
+    """The least step = (m − w)·T + w·S + X when S ≥ ``total`` and T ≥ S/pp, T ≥ any one layer."""
+    c, w = table.config, float(table.bubble_weight)
+    return (c.microbatches - w) * max(total / c.pp, slowest_layer) + w * total
 
 
 def _knapsack_bound(table: PriceTable, allowed: list[list[int]], capacity: int) -> float:
@@ -531,8 +536,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     for config in enumerate_configs(graph, world_size, cluster, training, pins):
         table = PriceTable(graph, config, cluster, training)
         fastest = table.fastest_time_mb_s()
-        w = float(table.bubble_weight)
-        cheap = (config.microbatches - w) * max(sum(fastest) / config.pp, max(fastest)) + w * sum(fastest)
+        cheap = _balanced_step_s(table, sum(fastest), max(fastest))
         candidates.append((cheap, config, table))
     candidates.sort(key=lambda x: (x[0], x[1]))
     search, priced = _Search(), []

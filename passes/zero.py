@@ -30,7 +30,6 @@ parameters are then needed again at once in backward).
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch.nn as nn
@@ -61,8 +60,7 @@ def layer_zero_stages(graph: LayerGraph, plan: Plan) -> tuple[dict[str, int], in
     A module shared by several layers gets the highest of their stages.
     """
     by_name = {l.name: l for l in graph}
-    counts = Counter(graph.cost_classes)
-    repeated = {l.name for l, c in zip(graph, graph.cost_classes) if counts[c] > 1}
+    repeated = {l.name for l, own in zip(graph, graph.repeated) if own}
     stages: dict[str, int] = {}
     leftover: list[int] = []
     for lp in plan.layers:
