@@ -22,7 +22,9 @@ memory bandwidth is in the figures:
   gives the fraction of compute that hides communication (1 on GPUs, where
   copies run on separate engines; below 1 where collectives share the cores);
 - optimizer: an AdamW step, whose bytes touched per second become the
-  ``memory_bandwidth_bytes_s`` the optimizer term is priced with;
+  ``memory_bandwidth_bytes_s`` the optimizer term is priced with, and the
+  same step over small parameters as plain tensors and as DTensors, whose
+  difference per parameter becomes ``optimizer_dtensor_s``;
 - tensor parallelism: a Megatron MLP over all ranks with DTensor against its
   local shard, which gives what each tensor-parallel collective costs beyond
   its link figures (``tp_overhead_s``: DTensor's dispatch and redistribution,
@@ -197,6 +199,9 @@ def build_cluster(m: Measurements, *, name: str | None = None) -> ClusterSpec:
     base = fits.pop("all_reduce")
     overlap = overlap_fraction(m.overlap["compute_s"], m.overlap["comm_s"], m.overlap["both_s"])
     params, seconds = m.optimizer["params"], m.optimizer["seconds"]
+    # DTensor's dispatch around each optimizer op, per parameter, beyond a plain tensor's step
+    dtensor_s = max(0.0, (m.optimizer.get("small_dtensor_s", 0.0) - m.optimizer.get("small_plain_s", 0.0))
+                    / max(m.optimizer.get("small_tensors", 1.0), 1.0)) if m.backend == "gloo" else 0.0
     bytes_touched = params * (2 * 8 + 4 + 4)  # fp32 AdamW: two moments read and written, grad, weight
     link = LinkSpec(base.bandwidth_bytes_s, base.latency_s, collectives=fits)
     # a Megatron MLP makes one all-reduce forward and one backward; what it costs beyond the
@@ -213,6 +218,7 @@ def build_cluster(m: Measurements, *, name: str | None = None) -> ClusterSpec:
         backend=m.backend, memory_reserve_fraction=0.25 if m.backend == "gloo" else 0.10,
         comm_overlap=overlap, cores_per_node=m.cores if m.backend == "gloo" else 0,
         latency_per_step=True, collective_sync_s=m.overlap.get("sync_s", 0.0),
+        optimizer_dtensor_s=dtensor_s,
     )
     # a Megatron MLP makes one all-reduce forward and one backward; what it costs beyond the
     # local shard's compute and those two all-reduces is DTensor's work around each collective
@@ -484,13 +490,28 @@ class _Rank:
         return {"tp_s": tp_s, "local_s": local_s, "bytes": float(x.numel() * x.element_size())}
 
     def optimizer(self) -> dict[str, float]:
-        torch = self.torch
-        params = [torch.nn.Parameter(torch.randn(512, 512, device=self.device)) for _ in range(8)]
-        for p in params:
-            p.grad = torch.randn_like(p)
-        opt = torch.optim.AdamW(params, lr=1e-3)
-        seconds = self.mean_over_ranks(self.timed(opt.step))
-        return {"params": float(sum(p.numel() for p in params)), "seconds": seconds}
+        """An AdamW step over large tensors (its bandwidth), and over many small ones as plain
+        tensors and as DTensors sharded over every rank (what DTensor adds per parameter)."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        torch, n = self.torch, self.nproc
+        mesh = init_device_mesh(self.device.type, (n,))
+
+        def adamw_step(tensors: list[Any]) -> Callable[[], Any]:
+            params = [torch.nn.Parameter(t) for t in tensors]
+            for p in params:
+                p.grad = torch.full_like(p, 1e-3)  # not random: DTensor warns of random ops on CPU
+            return torch.optim.AdamW(params, lr=1e-3).step
+
+        large = [torch.randn(512, 512, device=self.device) for _ in range(8)]
+        seconds = self.mean_over_ranks(self.timed(adamw_step(large)))
+        small = [torch.randn(64 * n, 64, device=self.device) for _ in range(16)]
+        plain_s = self.mean_over_ranks(self.timed(adamw_step([t.chunk(n)[0].clone() for t in small])))
+        dtensor_s = self.mean_over_ranks(self.timed(adamw_step(
+            [distribute_tensor(t, mesh, [Shard(0)]) for t in small])))
+        return {"params": float(sum(t.numel() for t in large)), "seconds": seconds,
+                "small_tensors": float(len(small)), "small_plain_s": plain_s, "small_dtensor_s": dtensor_s}
 
     def repeated(self, probe: Callable[[], Any], rounds: int) -> Any:
         """The probe run ``rounds`` times, a few seconds apart; per figure, the median over rounds.
@@ -520,7 +541,7 @@ class _Rank:
                  f"{self.sizes.rounds} rounds")
         link = fit_link(m.collectives, self.nproc)
         m.overlap = self.repeated(lambda: self.overlap(link), self.sizes.rounds)
-        self.say("optimizer: AdamW step")
+        self.say("optimizer: AdamW steps, plain and DTensor parameters")
         m.optimizer = self.optimizer()
         self.say("tensor parallelism: a DTensor MLP against its local shard")
         m.tensor_parallel = self.repeated(self.tensor_parallel, self.sizes.rounds)
@@ -675,6 +696,7 @@ def describe(cluster: ClusterSpec) -> str:
         *([f"  host          {cluster.cores_per_node} cores shared by the {cluster.gpus_per_node} ranks"]
           if cluster.cores_per_node else []),
         f"  tensor par.   {cluster.tp_overhead_s * 1e3:.2f} ms per collective beyond the link (DTensor)",
-        f"  optimizer     {d.memory_bandwidth_bytes_s / 1e9:.2f} GB/s of optimizer state touched",
+        f"  optimizer     {d.memory_bandwidth_bytes_s / 1e9:.2f} GB/s of optimizer state touched, "
+        f"{cluster.optimizer_dtensor_s * 1e6:.0f} µs more per DTensor parameter",
         f"  memory        {d.memory_bytes / GiB:.1f} GiB per rank",
     ])

@@ -125,6 +125,7 @@ class Layer:
             round(self.activation_bytes_per_sample, 3),
             round(self.input_bytes_per_sample, 3),
             tuple(s.cost_signature() for s in self.tp_styles),
+            len(self.param_names),
         )
 
     def to_dict(self) -> dict[str, Any]:

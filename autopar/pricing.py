@@ -17,8 +17,14 @@ The slowest rank paces the m microbatches, and filling and draining the
 pipeline passes through every other rank once: w = 1/v with v chunks per
 rank. With equal stages this is the textbook (m + (pp − 1)/v)·T; with
 unequal ones the bubble is the other stages' time, not (pp − 1) times the
-slowest's. On a host whose ranks share fewer cores than there are ranks,
-w is smaller still (cost_models.hardware.bubble_speedup).
+slowest's. On a host whose k pipeline ranks share fewer cores than there
+are processes, a waiting rank lends its cores to the working ones: then
+
+    step = max((m · T + w · (S − T)) / σ,  m · max_node Σ_{j on node} T_j / k) + tail
+
+the critical path at the speed σ of a rank with the node's cores to itself
+(cost_models.hardware.idle_core_speedup), or the node's work spread over
+its cores, whichever is longer (PriceTable.pipeline_s).
 
 Each layer's data-parallel collectives hide only under that layer's own
 compute over the step (FSDP2 prefetches one layer ahead), so a layer with no
@@ -42,7 +48,7 @@ from functools import cached_property
 
 from autopar.cost_models.communication import Collective, collective_time_s, p2p_time_s, place_group
 from autopar.cost_models.compute import BACKWARD_FLOPS_FACTOR, compute_time_s
-from autopar.cost_models.hardware import ClusterSpec, bubble_speedup
+from autopar.cost_models.hardware import ClusterSpec, idle_core_speedup
 from autopar.cost_models.memory import Precision, model_state_bytes, optimizer_shard_params, precision
 from autopar.cost_models.pipeline import Schedule, ScheduleKind, in_flight
 from autopar.graph import Layer, LayerGraph
@@ -197,19 +203,45 @@ class PriceTable:
 
     @cached_property
     def bubble_weight(self) -> Fraction:
-        """w in step = m·T + w·(S − T) + X (see the module docstring): 1/v with v chunks per rank,
-        less where ranks idling in the bubble lend their cores to busy ones (bubble_speedup)."""
+        """w in step = m·T + w·(S − T) + X (see the module docstring): 1/v with v chunks per rank."""
         c = self.config
-        if c.pp <= 1:
-            return Fraction(0)
-        w = Fraction(1, c.schedule.chunks)
-        speedup = bubble_speedup(self.cluster)
-        return w if speedup == 1.0 else w / Fraction(speedup).limit_denominator(1000)
+        return Fraction(0) if c.pp <= 1 else Fraction(1, c.schedule.chunks)
+
+    @cached_property
+    def core_sharing(self) -> tuple[Fraction, int]:
+        """(σ, k): σ how much faster a rank runs while the others of its node wait, k how many
+        consecutive pipeline ranks share a node's cores; (1, 1) where no rank lends cores.
+
+        Ranks are laid out pp-major, so a node of g ranks holds g / (dp·tp)
+        pipeline ranks; with k = 1 every rank of a node waits at the same
+        moments and lends nothing.
+        """
+        c = self.config
+        on_node = min(self.cluster.gpus_per_node, c.world_size)
+        k = math.gcd(max(1, on_node // (c.dp * c.tp)), c.pp)
+        sigma = idle_core_speedup(self.cluster, on_node)
+        return (Fraction(1), 1) if c.pp <= 1 or k < 2 or sigma == 1 else (sigma, k)
+
+    def pipeline_s(self, per_rank_mb_s: list[float]) -> float:
+        """The step before the tail, from each pipeline rank's per-microbatch time.
+
+        The critical path is m·T + w·(S − T). Where ranks share cores (σ > 1),
+        it runs σ times faster at best, and a node's cores cannot do its k
+        ranks' m microbatches of work faster than m·(their sum)/k: the step is
+        the larger of the two. Both are exact when every phase keeps the
+        cores busy, as GPipe and 1F1B do once a stage's ranks fill them.
+        """
+        m, w = self.config.microbatches, float(self.bubble_weight)
+        chain = (m - w) * max(per_rank_mb_s) + w * sum(per_rank_mb_s)
+        sigma, k = self.core_sharing
+        if sigma == 1:
+            return chain
+        work = max(sum(per_rank_mb_s[g:g + k]) for g in range(0, len(per_rank_mb_s), k))
+        return max(chain / float(sigma), m * work / k)
 
     def step_time_s(self, per_rank_mb_s: list[float], tail_s: float) -> float:
         """The step from each pipeline rank's per-microbatch time and the largest tail."""
-        t, total, w = max(per_rank_mb_s), sum(per_rank_mb_s), float(self.bubble_weight)
-        return (self.config.microbatches - w) * t + w * total + tail_s
+        return self.pipeline_s(per_rank_mb_s) + tail_s
 
     @cached_property
     def in_flight(self) -> list[Fraction]:
@@ -314,7 +346,8 @@ class PriceTable:
             dp_comm_s=dp_comm,
             exposed_comm_s=exposed_comm_s(dp_comm, c.microbatches * compute, self.cluster.comm_overlap),
             optimizer_s=optimizer_shard_params(params, strategy.zero, c.dp)
-            * prec.optimizer_bytes_touched / device.memory_bandwidth_bytes_s,
+            * prec.optimizer_bytes_touched / device.memory_bandwidth_bytes_s
+            + (len(layer.param_names) * self.cluster.optimizer_dtensor_s if self._dtensor(strategy) else 0.0),
             state_bytes=model_state_bytes(params, strategy.zero, c.dp, prec)
             + (prec.grad_bytes * params if self._ddp(strategy.zero) else 0),
             activation_mb_bytes=math.ceil(b * max(kept, 0.0) * self.act_scale),
@@ -324,6 +357,11 @@ class PriceTable:
     def _root_params(self) -> int:
         """Parameters of the layers that share the root FSDP unit (every layer but the blocks)."""
         return sum(l.param_count for l, own in zip(self.graph, self.graph.repeated) if not own)
+
+    def _dtensor(self, strategy: Strategy) -> bool:
+        """Whether the layer's parameters are DTensors once lowered (passes/zero.py,
+        passes/tensor_parallel.py): tensor-parallel, or data-parallel on FSDP2 (anything but DDP)."""
+        return strategy.tp is not None or (self.config.dp > 1 and not self._ddp(strategy.zero))
 
     def _ddp(self, zero: int) -> bool:
         """Plain DP outside pipelines and tensor parallelism runs as DDP (passes/zero.py), which
@@ -435,13 +473,15 @@ def evaluate(table: PriceTable, stages: tuple[int, ...], strategies: tuple[Strat
     crit = max(range(pp), key=lambda j: per_mb[j])
     tail_rank = max(range(pp), key=lambda j: tail[j])
     m, w = c.microbatches, float(table.bubble_weight)
+    chain = m * per_mb[crit] + w * (sum(per_mb) - per_mb[crit])
+    lent = table.pipeline_s(per_mb) / chain if chain else 1.0  # < 1 where waiting ranks lend cores
     return Prediction(
         step_time_s=table.step_time_s(per_mb, tail[tail_rank]),
         memory_per_rank_bytes=tuple(memory),
-        compute_s=m * t_compute[crit],
-        bubble_s=w * (sum(per_mb) - per_mb[crit]),
-        tp_comm_s=m * t_tp[crit],
-        pp_comm_s=m * t_p2p[crit],
+        compute_s=lent * m * t_compute[crit],
+        bubble_s=lent * w * (sum(per_mb) - per_mb[crit]),
+        tp_comm_s=lent * m * t_tp[crit],
+        pp_comm_s=lent * m * t_p2p[crit],
         dp_comm_s=exposed[tail_rank],
         optimizer_s=opt[tail_rank],
     )

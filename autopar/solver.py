@@ -33,6 +33,8 @@ Search, in two levels:
 
    Objective (× den(w), to stay integral): minimise (m − w)·T + w·S + X with
    S = Σ_j t_j, i.e. step = m·T + w·(S − T) + X, the model of :mod:`autopar.pricing`.
+   Where ranks share cores: P + X, with P ≥ that critical path / σ and P ≥ each
+   node's work term (:func:`_step_objective`).
 
 Times become integers in one place (:class:`_Units`); memory is integral
 bytes already. Runs with 1 worker and a deterministic time limit, so the same
@@ -284,9 +286,12 @@ def lower_bound_s(table: PriceTable, allowed: list[list[int]], budget: int | Non
 
 
 def _balanced_step_s(table: PriceTable, total: float, slowest_layer: float) -> float:
-    """The least step = (m − w)·T + w·S + X when S ≥ ``total`` and T ≥ S/pp, T ≥ any one layer."""
+    """The least step (:meth:`PriceTable.pipeline_s`) when S ≥ ``total`` and T ≥ S/pp, T ≥ any one
+    layer: a node's k ranks hold at least k/pp of S, so its work term is at least m·S/pp."""
     c, w = table.config, float(table.bubble_weight)
-    return (c.microbatches - w) * max(total / c.pp, slowest_layer) + w * total
+    chain = (c.microbatches - w) * max(total / c.pp, slowest_layer) + w * total
+    sigma, _ = table.core_sharing
+    return chain if sigma == 1 else max(chain / float(sigma), c.microbatches * total / c.pp)
 
 
 def _knapsack_bound(table: PriceTable, allowed: list[list[int]], capacity: int) -> float:
@@ -345,6 +350,7 @@ class _Model:
     counts: dict[tuple[int, int, int], Any]
     objective: Any
     peak_memory: Any | None
+    scale: int  # objective = scale × step time in units
 
 
 def _build_model(table: PriceTable, allowed: list[list[int]], runs: list[tuple[int, int]],
@@ -356,7 +362,8 @@ def _build_model(table: PriceTable, allowed: list[list[int]], runs: list[tuple[i
     cuts = _add_cuts(model, table, layer_pins, cuts_ok)
     counts = _add_counts(model, runs, allowed, cuts, c)
     peak = None
-    obj_t, obj_s, obj_x, memory = _add_rank_terms(model, table, allowed, runs, cuts, counts, units)
+    obj_t, rank_t, obj_x, memory = _add_rank_terms(model, table, allowed, runs, cuts, counts, units)
+    objective, scale = None, 1
     if budget is None:
         peak = model.NewIntVar(0, 2**60, "peak_memory")
         for j, mem in enumerate(memory):
@@ -365,12 +372,32 @@ def _build_model(table: PriceTable, allowed: list[list[int]], runs: list[tuple[i
     else:
         for j, mem in enumerate(memory):
             model.Add(mem <= budget).WithName(f"memory_{j}")
-        w = table.bubble_weight  # step = (m − w)·T + w·S + X, scaled to integers
-        objective = ((c.microbatches * w.denominator - w.numerator) * obj_t + w.numerator * obj_s
-                     + w.denominator * obj_x)
+        objective, scale = _step_objective(model, table, obj_t, rank_t, obj_x)
         model.Minimize(objective)
     _hint(model, table, cuts, cuts_ok)
-    return _Model(model, cuts, counts, None if budget is None else objective, peak)
+    return _Model(model, cuts, counts, objective, peak, scale)
+
+
+def _step_objective(model: cp_model.CpModel, table: PriceTable, T: Any, rank_t: list[Any],
+                    X: Any) -> tuple[Any, int]:
+    """The step of :meth:`PriceTable.pipeline_s` plus the tail X, times ``scale`` to stay integral.
+
+    Without core sharing it is linear: (m − w)·T + w·S + X. With it, a
+    variable P ≥ the critical path / σ and P ≥ each node's work term stands
+    for the max, and the objective is P + X.
+    """
+    m, w = table.config.microbatches, table.bubble_weight
+    S = sum(rank_t)
+    sigma, k = table.core_sharing
+    if sigma == 1:
+        return (m * w.denominator - w.numerator) * T + w.numerator * S + w.denominator * X, w.denominator
+    c_t, c_s, c_work = (m - w) / sigma, w / sigma, Fraction(m, k)
+    scale = math.lcm(c_t.denominator, c_s.denominator, c_work.denominator)
+    P = model.NewIntVar(0, 2**55, "pipeline")
+    model.Add(P >= int(c_t * scale) * T + int(c_s * scale) * S).WithName("pipeline_critical_path")
+    for g in range(0, len(rank_t), k):
+        model.Add(P >= int(c_work * scale) * sum(rank_t[g:g + k])).WithName(f"pipeline_node_work_{g // k}")
+    return P + scale * X, scale
 
 
 def _add_cuts(model: cp_model.CpModel, table: PriceTable, layer_pins: list[dict],
@@ -437,7 +464,7 @@ def _add_counts(model: cp_model.CpModel, runs: list[tuple[int, int]], allowed: l
 
 
 def _add_rank_terms(model, table, allowed, runs, cuts, counts, units):
-    """Per pipeline rank: time T ≥ t_j, tail X ≥ x_j, and the memory expression; and S = Σ_j t_j."""
+    """T ≥ every pipeline rank's time t_j, tail X ≥ x_j; the t_j and each rank's memory expression."""
     c = table.config
     p2p_table = [units(table.p2p_s(q)) for q in range(len(table.graph) + 1)]
     sends: dict[int, Any] = {}
@@ -448,7 +475,7 @@ def _add_rank_terms(model, table, allowed, runs, cuts, counts, units):
     big = sum(units(max(p.time_mb_s for p in ps)) for ps in table.prices) + 2 * sum(p2p_table) + 1
     T = model.NewIntVar(0, big, "rank_time")
     X = model.NewIntVar(0, 2**50, "tail")
-    memory, all_t = [], []
+    memory, rank_t = [], []
     for j in range(c.pp):
         t_terms, x_terms, m_terms = [], [], []
         for (r, jj, k), var in counts.items():
@@ -465,11 +492,11 @@ def _add_rank_terms(model, table, allowed, runs, cuts, counts, units):
             if c.rank_of_stage(s) == j:
                 t_terms.append(sends[s])
         model.Add(T >= sum(t_terms)).WithName(f"rank_time_{j}")
-        all_t.extend(t_terms)
+        rank_t.append(sum(t_terms))
         model.Add(X >= sum(x_terms)).WithName(f"tail_{j}")
         memory.append(sum(m_terms) + table.rank_workspace_bytes(j)
                       + _zero_buffers(model, table, runs, counts, j))
-    return T, sum(all_t), X, memory
+    return T, rank_t, X, memory
 
 
 def _zero_buffers(model: cp_model.CpModel, table: PriceTable, runs: list[tuple[int, int]],
@@ -585,9 +612,9 @@ def _solve_config(search: _Search, table: PriceTable, allowed, layer_pins, cuts_
     units = _Units(max(largest, max(table.p2p_s(q) for q in range(len(table.graph) + 1))))
     built = _build_model(table, allowed, runs, layer_pins, cuts_ok, budget, units)
     if search.best is not None:  # prune: only plans that can beat the best so far (with rounding slack)
-        v = table.config.schedule.chunks
-        slack = 4 * (len(table.graph) + table.config.stages) * (table.config.microbatches * v + table.config.pp)
-        built.model.Add(built.objective <= int(search.best[0] * v / units.unit_s) + slack)
+        d = built.scale
+        slack = 4 * (len(table.graph) + table.config.stages) * (table.config.microbatches * d + table.config.pp)
+        built.model.Add(built.objective <= int(search.best[0] * d / units.unit_s) + slack)
     solver = _solver(time_limit_s, options)
     status = solver.Solve(built.model)
     search.solved += 1

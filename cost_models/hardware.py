@@ -16,6 +16,7 @@ import json
 import math
 import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -90,13 +91,20 @@ class ClusterSpec:
 
     ``cores_per_node`` is set where a node's devices are processes sharing
     that many CPU cores (0: devices do not share compute, as GPUs do). With
-    more ranks than cores, ranks that idle in a pipeline bubble give their
-    cores to the ranks still working (see :func:`bubble_speedup`).
+    more ranks than cores, ranks that wait (in a pipeline's fill and drain,
+    or for a stage ahead) give their cores to the ranks still working (see
+    :func:`idle_core_speedup` and ``autopar.pricing``).
 
     ``tp_overhead_s`` is what each tensor-parallel collective costs beyond its
     link figures: DTensor's dispatch and redistribution around it, paid in
     line where the host computes (CPU), hidden where the host runs ahead of
     the device (GPUs: 0).
+
+    ``optimizer_dtensor_s`` is what each DTensor parameter (sharded by FSDP2
+    or tensor parallelism) adds to an optimizer step beyond its bytes:
+    DTensor's dispatch around every op the optimizer runs on it. Measured
+    by ``autopar calibrate`` on CPU hosts; 0 for GPUs, where the host runs
+    ahead of the device.
 
     ``latency_per_step`` makes link latencies per ring step (a collective over
     n ranks pays 2(n−1) of them for an all-reduce, n−1 for all-gather and
@@ -118,6 +126,7 @@ class ClusterSpec:
     comm_overlap: float = 1.0
     cores_per_node: int = 0
     tp_overhead_s: float = 0.0
+    optimizer_dtensor_s: float = 0.0
     latency_per_step: bool = False
     collective_sync_s: float = 0.0
 
@@ -185,17 +194,19 @@ class ClusterSpec:
         return _cluster_from_dict(data, source)
 
 
-def bubble_speedup(cluster: ClusterSpec) -> float:
-    """How much faster a rank computes in a pipeline bubble than when every rank is busy.
+def idle_core_speedup(cluster: ClusterSpec, ranks_on_node: int) -> Fraction:
+    """How much faster one rank computes while the other ranks of its node wait than while all work.
 
-    1 unless the node's ranks share fewer cores than there are ranks: then a
-    busy rank gets cores/ranks of a core, and while the pipeline fills and
-    drains about half the ranks wait, so those working get up to twice that.
+    1 unless the node's ``ranks_on_node`` processes share fewer cores than
+    there are ranks: then a rank gets cores/ranks of a core while all work
+    (the pace ``autopar calibrate`` measures, every rank busy) and a whole
+    core when enough of the others wait (a rank runs one intra-op thread
+    there, see ``autopar.host.threads_per_process``).
     """
-    ranks, cores = cluster.gpus_per_node, cluster.cores_per_node
-    if cores <= 0 or ranks <= cores:
-        return 1.0
-    return min(1.0, 2.0 * cores / ranks) / (cores / ranks)
+    cores = cluster.cores_per_node
+    if cores <= 0 or ranks_on_node <= cores:
+        return Fraction(1)
+    return Fraction(ranks_on_node, cores)
 
 
 def _validate(c: ClusterSpec) -> None:
@@ -216,6 +227,7 @@ def _validate(c: ClusterSpec) -> None:
         "intra_node.latency_s": c.intra_node.latency_s,
         "inter_node.latency_s": c.inter_node.latency_s,
         "tp_overhead_s": c.tp_overhead_s,
+        "optimizer_dtensor_s": c.optimizer_dtensor_s,
         "collective_sync_s": c.collective_sync_s,
     }
     for level in ("intra_node", "inter_node"):
@@ -301,6 +313,7 @@ def _cluster_from_dict(data: dict[str, Any], source: str) -> ClusterSpec:
             comm_overlap=data.get("comm_overlap", 1.0),
             cores_per_node=data.get("cores_per_node", 0),
             tp_overhead_s=data.get("tp_overhead_s", 0.0),
+            optimizer_dtensor_s=data.get("optimizer_dtensor_s", 0.0),
             latency_per_step=data.get("latency_per_step", False),
             collective_sync_s=data.get("collective_sync_s", 0.0),
         )

@@ -42,7 +42,9 @@ def _measurements(**overrides) -> Measurements:
                      "all_gather": _alpha_beta(300e-6, 0.5e9, "all_gather"),
                      "reduce_scatter": _alpha_beta(300e-6, 0.5e9, "reduce_scatter"),
                      "p2p": _alpha_beta(50e-6, 3e9, "p2p")},
-        overlap={"compute_s": 0.1, "comm_s": 0.1, "both_s": 0.15}, optimizer={"params": 1e6, "seconds": 0.003},
+        overlap={"compute_s": 0.1, "comm_s": 0.1, "both_s": 0.15},
+        optimizer={"params": 1e6, "seconds": 0.003,
+                   "small_tensors": 16.0, "small_plain_s": 0.001, "small_dtensor_s": 0.005},
         device_memory_bytes=4 * 2**30, device_name="cpu (test)", wall_s=12.0)
     for k, v in overrides.items():
         setattr(m, k, v)
@@ -106,6 +108,7 @@ def test_built_cluster_carries_the_fitted_figures():
     assert c.comm_overlap == pytest.approx(0.5)
     assert c.latency_per_step and c.intra_node.latency_s == pytest.approx(50e-6)  # 2 ring steps at n=2
     assert c.device.memory_bandwidth_bytes_s == pytest.approx(24e6 / 0.003)
+    assert c.optimizer_dtensor_s == pytest.approx(0.004 / 16)  # DTensor's step beyond the plain one
 
 
 def test_cluster_file_round_trips_through_load_cluster_and_prices_each_collective(tmp_path):

@@ -81,27 +81,30 @@ def brute_force(graph: LayerGraph, world: int, cluster, training: TrainingSpec, 
     return best
 
 
-def _tiny_cluster(memory_gib: float, gpus: int = 4):
+def _tiny_cluster(memory_gib: float, gpus: int = 4, cores: int = 0):
     c = PRESETS["a100-80g"]
     from dataclasses import replace
 
-    return replace(c, gpus_per_node=gpus, device=replace(c.device, memory_bytes=int(memory_gib * GiB)))
+    return replace(c, gpus_per_node=gpus, cores_per_node=cores,
+                   device=replace(c.device, memory_bytes=int(memory_gib * GiB)))
 
 
 CASES = [
-    # (blocks, hidden, seq, world, gpus per node, batch, memory GiB)
-    (2, 1024, 512, 2, 2, 4, 80),  # ample memory
-    (2, 2048, 1024, 4, 4, 8, 6),  # tight: needs sharding or recompute
-    (3, 1024, 1024, 4, 2, 8, 3),  # spans two nodes, tight
-    (4, 512, 256, 8, 4, 8, 80),  # six layers, world 8
-    (4, 2048, 2048, 8, 8, 8, 2.5),  # six layers, very tight
+    # (blocks, hidden, seq, world, gpus per node, batch, memory GiB, cores per node)
+    (2, 1024, 512, 2, 2, 4, 80, 0),  # ample memory
+    (2, 2048, 1024, 4, 4, 8, 6, 0),  # tight: needs sharding or recompute
+    (3, 1024, 1024, 4, 2, 8, 3, 0),  # spans two nodes, tight
+    (4, 512, 256, 8, 4, 8, 80, 0),  # six layers, world 8
+    (4, 2048, 2048, 8, 8, 8, 2.5, 0),  # six layers, very tight
+    (4, 512, 256, 8, 8, 8, 80, 2),  # 8 ranks sharing 2 cores: waiting pipeline ranks lend them
+    (3, 1024, 1024, 4, 4, 8, 3, 2),  # 4 ranks sharing 2 cores, tight
 ]
 
 
-@pytest.mark.parametrize("blocks,hidden,seq,world,gpus,batch,mem", CASES)
-def test_solver_matches_brute_force(blocks, hidden, seq, world, gpus, batch, mem):
+@pytest.mark.parametrize("blocks,hidden,seq,world,gpus,batch,mem,cores", CASES)
+def test_solver_matches_brute_force(blocks, hidden, seq, world, gpus, batch, mem, cores):
     graph = transformer_graph(blocks, hidden, seq, vocab=8192, heads=16)
-    cluster = _tiny_cluster(mem, gpus).for_world_size(world)
+    cluster = _tiny_cluster(mem, gpus, cores).for_world_size(world)
     training = TrainingSpec(batch, "bf16")
     budget = cluster.memory_budget_bytes
     expected = brute_force(graph, world, cluster, training, budget)
