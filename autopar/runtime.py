@@ -193,7 +193,7 @@ def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: An
 
     from autopar.passes.recompute import apply_recompute
     from autopar.passes.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
-    from autopar.passes.zero import apply_data_parallel
+    from autopar.passes.zero import apply_data_parallel, sync_replicas
 
     device, (pp, dp, tp) = _device(), (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp)
     # every check that can fail runs before the first collective (the mesh's groups)
@@ -216,6 +216,8 @@ def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: An
     dp_result = apply_data_parallel(model, graph, plan, mesh["dp"]) if dp > 1 else None
     if meta:
         materialise(model, device, init_fn)
+    if dp_result is not None:
+        sync_replicas(dp_result, mesh["dp"])
     return Lowered(module=model, mesh=mesh, data_parallel=dp_result,
                    row_permutations=tp_result.row_permutations)
 

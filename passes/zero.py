@@ -44,6 +44,7 @@ class DataParallelResult:
 
     zero_by_path: dict[str, int] = field(default_factory=dict)
     deferred: list[nn.Module] = field(default_factory=list)
+    ddp: nn.Module | None = None  # the root, when lowered onto the composable DDP
 
 
 def layer_zero_stages(graph: LayerGraph, plan: Plan) -> tuple[dict[str, int], int]:
@@ -115,9 +116,14 @@ def apply_data_parallel(model: nn.Module, graph: LayerGraph, plan: Plan, dp_mesh
             # rank in four still held both copies after DDP rebuilt its buckets.
             from torch.distributed._composable.replicate import replicate as ddp_replicate
 
-            ddp_replicate(model, device_mesh=dp_mesh)
+            # init_sync=False: DDP's own start-up sync broadcasts one flat copy of every
+            # parameter (flatten_dense_tensors), whose free can land on a gloo worker thread,
+            # which the profiler does not see (benchmarks/fidelity.py then counted it live
+            # for the whole run); sync_replicas broadcasts each tensor in place instead.
+            ddp_replicate(model, device_mesh=dp_mesh, init_sync=False)
             result.zero_by_path[""] = 0
             result.deferred.append(model)
+            result.ddp = model
             return result
         # with tp, one FSDP2-based replicate group at the root (it composes with DTensor)
         stages = {}
@@ -133,6 +139,24 @@ def apply_data_parallel(model: nn.Module, graph: LayerGraph, plan: Plan, dp_mesh
     if root_zero <= 1:
         result.deferred.append(model)
     return result
+
+
+def sync_replicas(result: DataParallelResult, dp_mesh) -> None:
+    """Broadcast a DDP root's parameters and buffers in place from the dp group's first rank.
+
+    Requires: the module materialised. What DDP's ``init_sync`` does, without its flat
+    copy of the whole model (and its shape check, which the shared plan makes moot).
+    """
+    import torch
+    import torch.distributed as dist
+
+    if result.ddp is None:
+        return
+    group = dp_mesh.get_group()
+    src = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for t in [*result.ddp.parameters(), *result.ddp.buffers()]:
+            dist.broadcast(t, src=src, group=group)
 
 
 def set_last_microbatch(result: DataParallelResult, last: bool) -> None:
