@@ -111,9 +111,8 @@ def apply_data_parallel(model: nn.Module, graph: LayerGraph, plan: Plan, dp_mesh
             # A pure-DP plan is DDP: the composable (DDP-based) replicate buckets gradients
             # and overlaps their all-reduce with backward, keeping FQNs. FSDP2's replicate
             # at the root cost 1.22× DDP's step in benchmarks/runtime_overhead.py on gloo.
-            # DDP keeps its gradient buckets beside the gradients (priced in pricing.py).
-            # gradient_as_bucket_view would share them, but in benchmarks/fidelity.py one
-            # rank in four still held both copies after DDP rebuilt its buckets.
+            # DDP keeps its gradient buckets beside the gradients (priced in pricing.py);
+            # gradient_as_bucket_view=True measured the same peak with zero_grad(set_to_none).
             from torch.distributed._composable.replicate import replicate as ddp_replicate
 
             # init_sync=False: DDP's own start-up sync broadcasts one flat copy of every

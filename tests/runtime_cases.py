@@ -154,3 +154,24 @@ def meta_tp(rank: int, world_size: int) -> dict[str, Any]:
 
 
 CASES["meta_tp"] = meta_tp
+
+
+DP2 = Spec(gpt_tiny, ("pp=1", "recompute=none", "dp=2", "tp=1", "zero=0", "microbatches=1"), 4)
+
+
+def ddp_replicas(rank: int, world_size: int) -> dict[str, Any]:
+    """Ranks that initialise differently start DDP training from the first rank's weights."""
+    plan, graph = plan_for(DP2, world_size)
+    torch.manual_seed(rank)  # a different model on every rank
+    model, _ = gpt_tiny()
+    pm = autopar.compile(model, plan=plan, graph=graph)
+    weights = torch.cat([p.detach().reshape(-1) for p in pm.module.parameters()])
+    gathered = [torch.empty_like(weights) for _ in range(world_size)]
+    dist.all_gather(gathered, weights)
+    torch.manual_seed(0)
+    first, _ = gpt_tiny()
+    return {"replicas_rel": max(rel(g, gathered[0]) for g in gathered),
+            "first_rank_rel": rel(gathered[0], torch.cat([p.detach().reshape(-1) for p in first.parameters()]))}
+
+
+CASES["ddp_replicas"] = ddp_replicas

@@ -23,7 +23,14 @@ def test_spearman_gives_tied_values_their_average_rank():
 
 
 def test_peak_counts_what_was_allocated_before_the_window_but_only_peaks_inside_it():
-    events = [(0, 100), (1, 50), (2, -50), (10, 30), (11, -30), (12, 20)]
+    events = [(0, 100, 1), (1, 50, 2), (2, -50, 2), (10, 30, 3), (11, -30, 3), (12, 20, 4)]
     assert peak_tensor_bytes(events, since_ns=10) == 130  # 100 live from before, +30 at t=10
     assert peak_tensor_bytes(events, since_ns=0) == 150
     assert peak_tensor_bytes(events, since_ns=13) == 120  # nothing happens after: what is live then
+
+
+def test_peak_takes_an_address_allocated_again_as_freed_unseen_just_then():
+    # address 7's free happened on a thread the profiler does not follow
+    events = [(0, 100, 7), (5, 40, 8), (6, -40, 8), (10, 60, 7), (11, 10, 9)]
+    assert peak_tensor_bytes(events, since_ns=0) == 140  # 100 still live when 40 more came
+    assert peak_tensor_bytes(events, since_ns=11) == 70  # not 170: the first 100 were gone by t=10

@@ -16,7 +16,8 @@ from distributed import ok as _ok
 
 W2_EQUIV = ["dp", "zero1", "zero2", "zero3", "tp_mlp", "tp_gpt", "hf_llama_tp"]
 W2_UNITS = ["runtime_cases:" + c for c in ("tp_pass", "zero_pass", "meta_zero3", "meta_tp", "state_dicts",
-                                          "err_world_size", "err_bad_batch", "err_nonscalar_loss")]
+                                          "ddp_replicas", "err_world_size", "err_bad_batch",
+                                          "err_nonscalar_loss")]
 W4_EQUIV = ["dp2_tp2_gpt", "mixed_zero_recompute"]
 
 
@@ -95,6 +96,11 @@ def test_meta_model_under_tensor_parallelism_trains(w2: dict) -> None:
     m = _ok(w2["runtime_cases:meta_tp"])
     assert m["local_bytes_frac"] == pytest.approx(0.5, abs=0.02)
     assert m["losses"][-1] < m["losses"][0]  # default AdamW learns the fixed batch
+
+
+def test_ddp_replicas_start_from_the_first_ranks_weights(w2: dict) -> None:
+    m = _ok(w2["runtime_cases:ddp_replicas"])
+    assert m["replicas_rel"] == 0.0 and m["first_rank_rel"] == 0.0
 
 
 def test_full_state_dict_is_the_original_layout(w2: dict) -> None:
