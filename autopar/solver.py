@@ -11,7 +11,9 @@ Search, in two levels:
    balanced stages); configurations are solved in order of that bound and
    the search stops when the bound reaches the best plan found (branch and
    bound), so the answer is optimal over the whole space when every inner
-   solve is.
+   solve is. Before a configuration is solved, a bound with its memory terms
+   (:func:`lower_bound_s`: a knapsack over all ranks' memory, and rank by rank
+   with in-flight activations and FSDP2's buffers) may skip it.
 
 2. **Per configuration, a CP-SAT model** (:func:`_build_model`) over runs of
    identical consecutive layers (a run r = layers [a_r, b_r), all pricing
@@ -30,6 +32,8 @@ Search, in two levels:
      tail           X ≥ Σ_{c on j} Σ n·(exposed dp comm + optimizer)
      memory         Σ n·mem_{r,k,j} + workspace_j + rs·u_j + ag·v_j ≤ budget   (memory_j)
                     u_j, v_j ∈ {0,1}: rank j has a ZeRO ≥ 1 / ZeRO-3 layer (FSDP2's buffers)
+     rank floors    (redundant) time of a group of alike layers on j ≥ g_j(their count), the least
+                    that many can take in j's own memory; T ≥ the bound they give  (_add_rank_floors)
 
    Objective (× den(w), to stay integral): minimise (m − w)·T + w·S + X with
    S = Σ_j t_j, i.e. step = m·T + w·(S − T) + X, the model of :mod:`autopar.pricing`.
@@ -43,6 +47,7 @@ inputs give the same plan.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from dataclasses import dataclass, field
@@ -265,7 +270,8 @@ def lower_bound_s(table: PriceTable, allowed: list[list[int]], budget: int | Non
     times, and the layers together must fit in pp × (budget − workspace) bytes
     (each layer counted at its smallest in-flight multiplier). The best such
     sum is bounded by the Lagrangian dual of that knapsack, max over λ ≥ 0 of
-    Σ_l min_k (t_lk + λ·mem_lk) − λ·capacity, found by bisection on λ.
+    Σ_l min_k (t_lk + λ·mem_lk) − λ·capacity, found by bisection on λ. The
+    slowest rank is also bounded rank by rank (:func:`_rank_time_bound_s`).
     """
     c = table.config
     memo: dict[tuple, float] = {}
@@ -275,19 +281,23 @@ def lower_bound_s(table: PriceTable, allowed: list[list[int]], budget: int | Non
         if key not in memo:
             memo[key] = min(table.prices[i][k].time_mb_s for k in ks)
         fastest.append(memo[key])
-    total = sum(fastest)
+    total, slowest = sum(fastest), max(fastest)
     if budget is not None:
         total = _knapsack_bound(table, allowed,
                                 sum(budget - table.rank_workspace_bytes(j) for j in range(c.pp)))
+        slowest = max(slowest, _rank_time_bound_s(table, allowed, budget, cuts_ok or []))
     if cuts_ok and c.stages > 1:
         thinnest = min(cuts_ok, key=lambda q: table.graph[q - 1].boundary_bytes_per_sample)
         total += 2 * (c.stages - 1) * table.p2p_s(thinnest)  # p2p time grows with bytes
-    return _balanced_step_s(table, total, max(fastest))
+    return _balanced_step_s(table, total, slowest)
 
 
 def _balanced_step_s(table: PriceTable, total: float, slowest_layer: float) -> float:
     """The least step (:meth:`PriceTable.pipeline_s`) when S ≥ ``total`` and T ≥ S/pp, T ≥ any one
-    layer: a node's k ranks hold at least k/pp of S, so its work term is at least m·S/pp."""
+    layer (``slowest_layer`` may be any lower bound on T): a node's k ranks hold at least k/pp
+    of S, so its work term is at least m·S/pp."""
+    if math.isinf(total):  # w = 0 at pp = 1 must not turn "nothing fits" into nan
+        return math.inf
     c, w = table.config, float(table.bubble_weight)
     chain = (c.microbatches - w) * max(total / c.pp, slowest_layer) + w * total
     sigma, _ = table.core_sharing
@@ -330,6 +340,168 @@ def _knapsack_bound(table: PriceTable, allowed: list[list[int]], capacity: int) 
     return max(best, dual(hi)[0])
 
 
+def _rank_time_bound_s(table: PriceTable, allowed: list[list[int]], budget: int,
+                       cuts_ok: list[int]) -> float:
+    """A lower bound on T, the slowest pipeline rank's time per microbatch, from each rank's
+    own memory (its in-flight activations, workspace and FSDP2 buffers).
+
+    The knapsack bound pools every rank's memory, so it lets the first rank of a 1F1B pipeline,
+    which holds pp microbatches of activations, borrow the last rank's room; and it leaves out
+    the buffers, which on a 1T model are as large as a rank's layers. Here, for each group of
+    alike layers, g_j(n) is the least time rank j can hold n of them in (:func:`_rank_curves`);
+    g_j grows with n, and the group's N layers are spread over the ranks, so T is at least the
+    N-th smallest of all g_j(n), plus the least point-to-point time rank j's stage boundaries
+    add. Other layers only add time and memory, so every group gives a bound; the largest is kept.
+    """
+    offsets = _rank_p2p_floor(table, cuts_ok)
+    best = max(offsets, default=0.0)
+    for (i, ks), members in _layer_groups(table, allowed).items():
+        if min(table.prices[i][k].time_mb_s for k in ks) > 0:
+            curves = _rank_curves(table, i, ks, budget, float)
+            best = max(best, _nth_smallest(lambda j, n: offsets[j] + _least_time(curves[j], n),
+                                           len(curves), len(members)))
+    return best * (1 - 1e-9)  # sums in another order than evaluate's must not prune a tie
+
+
+def _layer_groups(table: PriceTable, allowed: list[list[int]]) -> dict[tuple[int, tuple[int, ...]], list[int]]:
+    """Layers that price alike and allow the same strategies, keyed by (first layer, strategies)."""
+    rows: dict[tuple, list[int]] = {}
+    for i, ks in enumerate(allowed):
+        rows.setdefault(_group_key(table, i, ks), []).append(i)
+    return {(members[0], tuple(allowed[members[0]])): members for members in rows.values()}
+
+
+def _group_key(table: PriceTable, i: int, ks: list[int]) -> tuple:
+    """Layers alike for the rank bounds: one cost class and the same strategies (by value: a
+    row extended for a pin may give another strategy the same index)."""
+    return table.graph.cost_classes[i], tuple(table.strategies[i][k] for k in ks)
+
+
+_Curve = list[tuple[int, list[tuple[int, float]]]]  # (room in bytes, strategy frontier) per buffer choice
+EXACT_WORK = 4096  # most count combinations tried for one rank's least time (beyond: the LP's bound)
+
+
+def _rank_curves(table: PriceTable, i: int, ks: list[int] | tuple[int, ...], budget: int,
+                 time_of: Any) -> list[_Curve]:
+    """Per pipeline rank, what :func:`_least_time` needs for layer ``i``'s strategies ``ks``:
+    for each choice of FSDP2 buffers the rank holds (none, reduce-scatter, both), the room
+    left after workspace and buffers, and the (memory, time) frontier of the strategies that choice allows.
+    ``time_of`` maps seconds to the unit of the result (the model's integer units, or none)."""
+    c = table.config
+    buffers = [table.zero_buffer_bytes(z) for z in ({0}, {1}, {3})]
+    need = [(table.strategies[i][k].zero >= 1) + (table.strategies[i][k].zero == 3) for k in ks]
+    curves = []
+    for j in range(c.pp):
+        room = budget - table.rank_workspace_bytes(j)
+        curve = []
+        for mode, buffer in enumerate(buffers):
+            points = [(table.memory_coefficient(i, k, j), time_of(table.prices[i][k].time_mb_s))
+                      for k, q in zip(ks, need) if q <= mode]
+            if points and room - buffer >= 0:
+                curve.append((room - buffer, _frontier(points)))
+        curves.append(curve)
+    return curves
+
+
+def _rank_p2p_floor(table: PriceTable, cuts_ok: list[int], time_of: Any = float) -> list[float]:
+    """Per pipeline rank, the least time its stages' boundaries add (each cut: one send, charged
+    to the ranks on both sides), at the thinnest cut allowed."""
+    c = table.config
+    floor = [0.0] * c.pp
+    if c.stages <= 1 or not cuts_ok:
+        return floor
+    thinnest = min(time_of(table.p2p_s(q)) for q in cuts_ok)
+    for s in range(1, c.stages):
+        floor[c.rank_of_stage(s - 1)] += thinnest
+        floor[c.rank_of_stage(s)] += thinnest
+    return floor
+
+
+def _frontier(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The (memory, time) points no other beats on both, by memory ascending (time descending)."""
+    front: list[tuple[int, float]] = []
+    for m, t in sorted(points):
+        if not front or t < front[-1][1]:
+            front.append((m, t))
+    return front
+
+
+def _time_memory_hull(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The lower convex hull of (memory, time) points from the least memory to the fastest:
+    the least mean time of a fractional mix whose mean memory is at most some amount."""
+    hull: list[tuple[int, float]] = []
+    for m, t in sorted(points):
+        while len(hull) >= 2 and ((hull[-1][1] - hull[-2][1]) * (m - hull[-2][0])
+                                  >= (t - hull[-2][1]) * (hull[-1][0] - hull[-2][0])):
+            hull.pop()
+        hull.append((m, t))
+    return hull
+
+
+def _least_time(curve: _Curve, n: int) -> float:
+    """g(n): the least time n layers take on a rank (each on one strategy, the best choice of
+    buffers) in its room; inf if they cannot fit. 0 for none."""
+    if n <= 0:
+        return 0.0
+    return min((_least_time_in(front, room, n) for room, front in curve), default=math.inf)
+
+
+def _least_time_in(front: list[tuple[int, float]], room: int, n: int) -> float:
+    """Least time of n layers on the strategies of ``front`` in ``room`` bytes (inf: none fit).
+
+    Exact (integer counts) while that takes at most :data:`EXACT_WORK` combinations, which covers
+    the usual frontier (a style with and without recomputation, maybe two styles) on ranks
+    whose memory holds only a few layers, where the fractional mix's bound is several percent
+    lower (1T on 4096: rank 0 holds 4 blocks). Beyond that, the fractional mix: still a bound.
+    """
+    if n * front[0][0] > room:
+        return math.inf
+    if n * front[-1][0] <= room:
+        return n * front[-1][1]
+    if (n + 1) ** max(len(front) - 2, 0) <= EXACT_WORK:
+        return _least_integer_time(front, room, n)
+    hull, per_layer = _time_memory_hull(front), room / n
+    for (m0, t0), (m1, t1) in zip(hull, hull[1:]):
+        if per_layer < m1:
+            return n * (t0 + (t1 - t0) * (per_layer - m0) / (m1 - m0))
+    return n * hull[-1][1]
+
+
+def _least_integer_time(front: list[tuple[int, float]], room: int, n: int) -> float:
+    """:func:`_least_time_in` by enumerating the counts of the middle strategies; with two left,
+    the fastest takes as many layers as the room allows."""
+    (m_small, t_small), (m_fast, t_fast) = front[0], front[-1]
+    if n * m_small > room:
+        return math.inf
+    if len(front) == 1 or n * m_fast <= room:
+        return n * t_fast
+    if len(front) == 2:
+        fast = min(n, (room - n * m_small) // (m_fast - m_small))
+        return fast * t_fast + (n - fast) * t_small
+    (m_mid, t_mid), rest = front[1], [front[0], *front[2:]]
+    best = math.inf
+    for x in range(n + 1):
+        left = room - x * m_mid
+        if left < (n - x) * m_small:
+            break  # each more middle layer takes more room than a small one saves
+        best = min(best, x * t_mid + _least_integer_time(rest, left, n - x))
+    return best
+
+
+def _nth_smallest(g: Any, ranks: int, n_layers: int) -> float:
+    """The ``n_layers``-th smallest of g(j, n) over ranks j and n ≥ 1, each g(j, ·) growing with n:
+    were T below it, the ranks together could not hold the layers. A heap merges the ranks."""
+    heap = [(g(j, 1), j, 1) for j in range(ranks)]
+    heapq.heapify(heap)
+    value = 0.0
+    for _ in range(n_layers):
+        value, j, n = heapq.heappop(heap)
+        if math.isinf(value):
+            return math.inf
+        heapq.heappush(heap, (g(j, n + 1), j, n + 1))
+    return value
+
+
 # ---------------------------------------------------------------- CP-SAT model
 
 
@@ -364,6 +536,8 @@ def _build_model(table: PriceTable, allowed: list[list[int]], runs: list[tuple[i
     peak = None
     obj_t, rank_t, obj_x, memory = _add_rank_terms(model, table, allowed, runs, cuts, counts, units)
     objective, scale = None, 1
+    if budget is not None:
+        model.Add(obj_t >= _add_rank_floors(model, table, allowed, runs, counts, budget, cuts_ok, units))
     if budget is None:
         peak = model.NewIntVar(0, 2**60, "peak_memory")
         for j, mem in enumerate(memory):
@@ -497,6 +671,73 @@ def _add_rank_terms(model, table, allowed, runs, cuts, counts, units):
         memory.append(sum(m_terms) + table.rank_workspace_bytes(j)
                       + _zero_buffers(model, table, runs, counts, j))
     return T, rank_t, X, memory
+
+
+def _add_rank_floors(model: cp_model.CpModel, table: PriceTable, allowed: list[list[int]],
+                     runs: list[tuple[int, int]], counts: dict[tuple[int, int, int], Any],
+                     budget: int, cuts_ok: list[int], units: _Units) -> int:
+    """Redundant: the layers of one alike group on rank j take at least g_j(how many there are),
+    the least time that many can take in the rank's own memory (:func:`_rank_curves`); and the
+    slowest rank at least what :func:`_rank_time_bound_s` finds from them, which is returned.
+
+    The LP relaxation spreads a rank's FSDP2 buffer booleans thin (a rank using ZeRO on a few of
+    a run's layers pays a few run-lengths' share of the buffer), so without this it lets the
+    first ranks of a deep pipeline skip recomputation their memory cannot; the bound then
+    stalls far below the best plan and the search cannot close the gap.
+    """
+    offsets = _rank_p2p_floor(table, cuts_ok, units)
+    slowest = 0
+    by_group: dict[tuple, list[int]] = {}
+    for r, (a, _) in enumerate(runs):
+        by_group.setdefault(_group_key(table, a, allowed[a]), []).append(r)
+    for members in by_group.values():
+        first = runs[members[0]][0]
+        ks = allowed[first]
+        size = sum(runs[r][1] - runs[r][0] for r in members)
+        if size < 2 or min(units(table.prices[first][k].time_mb_s) for k in ks) <= 0:
+            continue
+        curves = _rank_curves(table, first, ks, budget, units)
+        floors = [_floor_table(curve, size) for curve in curves]
+        slowest = max(slowest, _nth_smallest(
+            lambda j, n: offsets[j] + (floors[j][n] if n < len(floors[j]) else math.inf), len(curves), size))
+        for j, floor in enumerate(floors):
+            held = [(units(table.prices[first][k].time_mb_s), v) for (r, jj, k), v in counts.items()
+                    if jj == j and r in members]
+            if not held:
+                continue
+            count = model.NewIntVar(0, len(floor) - 1, f"group_{first}_count_{j}")
+            model.Add(count == sum(v for _, v in held))
+            least = model.NewIntVar(0, floor[-1], f"group_{first}_floor_{j}")
+            model.AddElement(count, floor, least)
+            time_j = sum(t * v for t, v in held)
+            model.Add(time_j >= least).WithName(f"group_{first}_time_{j}")
+            for (n0, f0), (n1, f1) in zip(hull := _lower_hull(floor), hull[1:]):
+                # the LP sees the element only through these: time ≥ the chord through (n0, f0), (n1, f1)
+                model.Add((n1 - n0) * time_j >= (f1 - f0) * count + f0 * n1 - f1 * n0)
+    return int(slowest) if not math.isinf(slowest) else 0
+
+
+def _floor_table(curve: _Curve, size: int) -> list[int]:
+    """floor[n]: the least time of n layers on a rank (:func:`_least_time`), rounded down to
+    model units, for n = 0 up to the most that fit (at most ``size``)."""
+    floor = [0]
+    for n in range(1, size + 1):
+        least = _least_time(curve, n)
+        if math.isinf(least):
+            break
+        floor.append(max(0, math.floor(least - 1e-6)))
+    return floor
+
+
+def _lower_hull(values: list[int]) -> list[tuple[int, int]]:
+    """The vertices of the lower convex hull of the points (n, values[n])."""
+    hull: list[tuple[int, int]] = []
+    for n, v in enumerate(values):
+        while len(hull) >= 2 and ((hull[-1][1] - hull[-2][1]) * (n - hull[-2][0])
+                                  >= (v - hull[-2][1]) * (hull[-1][0] - hull[-2][0])):
+            hull.pop()
+        hull.append((n, v))
+    return hull
 
 
 def _zero_buffers(model: cp_model.CpModel, table: PriceTable, runs: list[tuple[int, int]],
