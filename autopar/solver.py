@@ -536,7 +536,7 @@ def _build_model(table: PriceTable, allowed: list[list[int]], runs: list[tuple[i
     peak = None
     obj_t, rank_t, obj_x, memory = _add_rank_terms(model, table, allowed, runs, cuts, counts, units)
     objective, scale = None, 1
-    if budget is not None:
+    if budget is not None and c.pp > 1:  # one rank: its memory constraint says as much, and faster
         model.Add(obj_t >= _add_rank_floors(model, table, allowed, runs, counts, budget, cuts_ok, units))
     if budget is None:
         peak = model.NewIntVar(0, 2**60, "peak_memory")
