@@ -28,7 +28,10 @@ memory bandwidth is in the figures:
 - tensor parallelism: a Megatron MLP over all ranks with DTensor against its
   local shard, which gives what each tensor-parallel collective costs beyond
   its link figures (``tp_overhead_s``: DTensor's dispatch and redistribution,
-  paid in line on a CPU, hidden on a GPU whose host runs ahead).
+  paid in line on a CPU, hidden on a GPU whose host runs ahead);
+- ZeRO: a stack of FSDP2 units against the same layers unsharded, which
+  gives what each of FSDP2's collectives costs beyond its link figures
+  (``zero_overhead_s``: its hooks and buffer copies, on CPU hosts).
 
 The cluster file is written only once every measurement has finished, to a
 temporary file renamed into place, so an interrupted run leaves no
@@ -114,6 +117,7 @@ class Measurements:
     overlap: dict[str, float] = field(default_factory=dict)  # compute_s, comm_s, both_s
     optimizer: dict[str, float] = field(default_factory=dict)  # params, seconds
     tensor_parallel: dict[str, float] = field(default_factory=dict)  # tp_s, local_s, bytes
+    zero: dict[str, float] = field(default_factory=dict)  # zero_s, local_s, layers, layer_bytes
     device_memory_bytes: int = 0
     device_name: str = "cpu"
     wall_s: float = 0.0
@@ -197,7 +201,13 @@ def build_cluster(m: Measurements, *, name: str | None = None) -> ClusterSpec:
         latency, bandwidth = fit_link({kind: pts}, m.nproc)
         fits[kind] = LinkSpec(bandwidth, latency / ring_steps(kind, m.nproc))
     base = fits.pop("all_reduce")
-    overlap = overlap_fraction(m.overlap["compute_s"], m.overlap["comm_s"], m.overlap["both_s"])
+    # the overlap probe's all-reduce priced by the link fitted over every size, not timed once on its
+    # own: that one time moved ω from 0.09 to 0.47 between runs here, the fit by a few hundredths
+    comm_s = m.overlap["comm_s"]
+    if "bytes" in m.overlap:
+        comm_s = (base.latency_s * ring_steps("all_reduce", m.nproc)
+                  + m.overlap["bytes"] * bus_factor(Collective.ALL_REDUCE, m.nproc) / base.bandwidth_bytes_s)
+    overlap = overlap_fraction(m.overlap["compute_s"], comm_s, m.overlap["both_s"])
     params, seconds = m.optimizer["params"], m.optimizer["seconds"]
     # DTensor's dispatch around each optimizer op, per parameter, beyond a plain tensor's step
     dtensor_s = max(0.0, (m.optimizer.get("small_dtensor_s", 0.0) - m.optimizer.get("small_plain_s", 0.0))
@@ -222,12 +232,20 @@ def build_cluster(m: Measurements, *, name: str | None = None) -> ClusterSpec:
     )
     # a Megatron MLP makes one all-reduce forward and one backward; what it costs beyond the
     # local shard's compute and those two all-reduces is DTensor's work around each collective
-    tp = m.tensor_parallel
-    if not tp:
-        return cluster
     group = place_group(m.nproc, 1, m.nproc)
-    all_reduce = collective_time_s(Collective.ALL_REDUCE, tp["bytes"], group, cluster)
-    return replace(cluster, tp_overhead_s=max(0.0, (tp["tp_s"] - tp["local_s"] - 2 * all_reduce) / 2))
+    tp = m.tensor_parallel
+    if tp:
+        all_reduce = collective_time_s(Collective.ALL_REDUCE, tp["bytes"], group, cluster)
+        cluster = replace(cluster, tp_overhead_s=max(0.0, (tp["tp_s"] - tp["local_s"] - 2 * all_reduce) / 2))
+    # each ZeRO-3 unit all-gathers twice and reduce-scatters once; what the stack costs beyond its
+    # local compute and those collectives is FSDP2's work around each of them on the host
+    z = m.zero
+    if z and m.backend == "gloo":
+        unit = z["layer_bytes"]
+        links = z["layers"] * (2 * collective_time_s(Collective.ALL_GATHER, unit, group, cluster)
+                               + collective_time_s(Collective.REDUCE_SCATTER, unit, group, cluster))
+        cluster = replace(cluster, zero_overhead_s=max(0.0, (z["zero_s"] - z["local_s"] - links) / (3 * z["layers"])))
+    return cluster
 
 
 def cluster_document(cluster: ClusterSpec, m: Measurements) -> dict[str, Any]:
@@ -240,6 +258,7 @@ def cluster_document(cluster: ClusterSpec, m: Measurements) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "gemm_flops_s": m.gemm_flops_s, "layers": m.layers, "collectives": m.collectives,
         "overlap": m.overlap, "optimizer": m.optimizer, "tensor_parallel": m.tensor_parallel,
+        "zero": m.zero,
     }
     return doc
 
@@ -285,7 +304,7 @@ class _Rank:
         self.rank, self.nproc, self.sizes = rank, nproc, sizes
         self.device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         self.progress = progress
-        self.step, self.steps, self.start = 0, 7, time.perf_counter()
+        self.step, self.steps, self.start = 0, 8, time.perf_counter()
 
     def say(self, what: str) -> None:
         self.step += 1
@@ -489,6 +508,35 @@ class _Rank:
         local_s = self.mean_over_ranks(self.timed_mean(lambda: step(local), rounds))
         return {"tp_s": tp_s, "local_s": local_s, "bytes": float(x.numel() * x.element_size())}
 
+    def zero(self) -> dict[str, float]:
+        """A stack of linear layers, each its own FSDP2 unit over every rank (ZeRO-3), against the
+        same stack as plain local layers: what FSDP2 costs beyond the compute and its collectives."""
+        import torch.nn as nn
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        torch, n, depth = self.torch, self.nproc, 4
+        width = self.sizes.widths[-1]
+        batch, seq = self.sizes.tokens
+        mesh = init_device_mesh(self.device.type, (n,))
+        torch.manual_seed(0)
+        sharded = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]).to(self.device)
+        for layer in sharded:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        local = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]).to(self.device)
+        x = torch.randn(batch * seq, width, device=self.device)  # 2-D: a view out would warn
+        rounds = 6
+
+        def step(stack: nn.Module) -> None:
+            stack(x).sum().backward()
+            stack.zero_grad(set_to_none=True)
+
+        zero_s = self.mean_over_ranks(self.timed_mean(lambda: step(sharded), rounds))
+        local_s = self.mean_over_ranks(self.timed_mean(lambda: step(local), rounds))
+        return {"zero_s": zero_s, "local_s": local_s, "layers": float(depth),
+                "layer_bytes": float(sum(p.numel() * p.element_size() for p in local[0].parameters()))}
+
     def optimizer(self) -> dict[str, float]:
         """An AdamW step over large tensors (its bandwidth), and over many small ones as plain
         tensors and as DTensors sharded over every rank (what DTensor adds per parameter)."""
@@ -545,6 +593,8 @@ class _Rank:
         m.optimizer = self.optimizer()
         self.say("tensor parallelism: a DTensor MLP against its local shard")
         m.tensor_parallel = self.repeated(self.tensor_parallel, self.sizes.rounds)
+        self.say("ZeRO: FSDP2 units against their local layers")
+        m.zero = self.repeated(self.zero, self.sizes.rounds)
         self.say("done")
         return m
 
@@ -698,5 +748,6 @@ def describe(cluster: ClusterSpec) -> str:
         f"  tensor par.   {cluster.tp_overhead_s * 1e3:.2f} ms per collective beyond the link (DTensor)",
         f"  optimizer     {d.memory_bandwidth_bytes_s / 1e9:.2f} GB/s of optimizer state touched, "
         f"{cluster.optimizer_dtensor_s * 1e6:.0f} µs more per DTensor parameter",
+        f"  ZeRO          {cluster.zero_overhead_s * 1e3:.2f} ms per collective beyond the link (FSDP2)",
         f"  memory        {d.memory_bytes / GiB:.1f} GiB per rank",
     ])

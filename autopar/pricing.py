@@ -11,6 +11,7 @@ schedule with v chunks per rank), for pipeline rank j:
     T_j  = Σ_{layers on j} (compute_fwd+bwd(+re-fwd) + tp_comm) per microbatch
            + point-to-point sends at j's stage boundaries
     E_j  = Σ_{layers on j} max(dp_comm − ω · compute, (1 − ω) · dp_comm)       (exposed DP/ZeRO traffic)
+           + FSDP2's work around each collective, hooks and buffer copies (never hidden: the host does it)
     step = m · T + w · (S − T) + max_j (E_j + optimizer_j),   T = max_j T_j,  S = Σ_j T_j
 
 The slowest rank paces the m microbatches, and filling and draining the
@@ -339,12 +340,15 @@ class PriceTable:
         tp_comm = tp_comm_fwd + tp_comm_bwd + (tp_comm_fwd if strategy.recompute else 0.0)
         kept = layer.input_bytes_per_sample if strategy.recompute else acts
         params = self.effective_params(layer, strategy)
-        dp_comm = self._dp_comm_s(params, strategy.zero, self._collective_share(layer, strategy.zero))
+        share = self._collective_share(layer, strategy.zero)
+        dp_comm = self._dp_comm_s(params, strategy.zero, share)
+        copies = self._zero_overhead_s(params, strategy.zero, share)  # made by the host: never hidden
         return LayerPrice(
             compute_mb_s=compute,
             tp_comm_mb_s=tp_comm,
-            dp_comm_s=dp_comm,
-            exposed_comm_s=exposed_comm_s(dp_comm, c.microbatches * compute, self.cluster.comm_overlap),
+            dp_comm_s=dp_comm + copies,
+            exposed_comm_s=exposed_comm_s(dp_comm, c.microbatches * compute, self.cluster.comm_overlap)
+            + copies,
             optimizer_s=optimizer_shard_params(params, strategy.zero, c.dp)
             * prec.optimizer_bytes_touched / device.memory_bandwidth_bytes_s
             + (len(layer.param_names) * self.cluster.optimizer_dtensor_s if self._dtensor(strategy) else 0.0),
@@ -401,6 +405,16 @@ class PriceTable:
         if zero == 2:
             return m * rs + ag
         return m * (2 * ag + rs)
+
+    def _zero_overhead_s(self, params: int, zero: int, share: float) -> float:
+        """Per step: FSDP2's own work around the collectives :meth:`_dp_comm_s` counts (the cluster's
+        ``zero_overhead_s`` each; ``share`` as there). FSDP2's replicate all-reduces once a step;
+        DDP's bucketing is C++ beside its all-reduce and left out."""
+        c, each = self.config, self.cluster.zero_overhead_s
+        if each <= 0 or c.dp <= 1 or params == 0 or self._ddp(zero):
+            return 0.0
+        m = c.microbatches
+        return share * each * {0: 1, 1: 2, 2: m + 1, 3: 3 * m}[zero]
 
     def memory_coefficient(self, layer_index: int, k: int, rank: int) -> int:
         """Bytes layer ``layer_index`` under strategy ``k`` adds to pipeline rank ``rank``."""

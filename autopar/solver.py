@@ -866,8 +866,7 @@ def _solve_config(search: _Search, table: PriceTable, allowed, layer_pins, cuts_
     stages, strategies = _extract(solver, built, table, runs)
     prediction = evaluate(table, stages, strategies)
     if status == cp_model.FEASIBLE:
-        v = table.config.schedule.chunks
-        search.open_bounds.append(solver.BestObjectiveBound() * units.unit_s / v)
+        search.open_bounds.append(solver.BestObjectiveBound() * units.unit_s / built.scale)
     if search.best is None or prediction.step_time_s < search.best[0]:
         search.best = (prediction.step_time_s, table.config, stages, strategies, prediction, table)
 

@@ -5,8 +5,8 @@
 For W = 2 and W = 4, each plan below (every choice pinned) is run with
 ``autopar.compile`` on W gloo processes (AdamW, fp32, the plan's batch).
 The same W processes calibrate the machine with ``autopar calibrate``'s
-probes and fitting (its cluster file is written beside ``--json``) after
-compiling and right before the timed steps, and each plan is priced on that
+probes and fitting (its cluster file is written beside ``--json``) halfway
+through the timed steps, and each plan is priced on that
 cluster with ``autopar.reprice``; ``--cluster W=FILE`` prices on a given file
 instead.
 
@@ -188,10 +188,11 @@ def _compile_and_measure_memory(plan_json: str, graph: dict) -> tuple[Any, int, 
 
 def _worker(rank: int, world_size: int, store: str, jobs: list[tuple[str, dict]], steps: int,
             calibrate: bool, out: str) -> None:
-    """Compile every plan (measuring its memory), calibrate, then time the plans' steps in turns.
+    """Compile every plan (measuring its memory), then time the plans' steps in turns, calibrating
+    halfway through.
 
-    Calibrating here, in the processes that train and just before they are
-    timed, keeps the machine's drift out of the comparison: on this shared
+    Calibrating here, in the processes that train and amid the steps that
+    are timed, keeps the machine's drift out of the comparison: on this shared
     machine the same probe's time moved by ±30 % between minutes.
 
     Taking turns — step 1 of every plan, then step 2 of every plan, … — spreads
@@ -215,6 +216,19 @@ def _worker(rank: int, world_size: int, store: str, jobs: list[tuple[str, dict]]
         if rank == 0:
             print(f"fidelity: W={world_size} plan {k + 1}/{len(jobs)} compiled, memory measured",
                   file=sys.stderr, flush=True)
+    times: list[list[float]] = [[] for _ in jobs]
+
+    def timed_rounds(rounds: int, warm_up: bool = False) -> None:
+        for step in range(rounds + warm_up):
+            for k, (pm, (x, y)) in enumerate(zip(models, batches)):
+                dist.barrier()
+                t = time.perf_counter()
+                pm.train_step(x, y)
+                if step or not warm_up:
+                    times[k].append(time.perf_counter() - t)
+
+    # half the steps, the calibration, the other half: the calibration sits amid the steps it prices
+    timed_rounds(steps // 2, warm_up=True)
     measurements = None
     if calibrate:
         from autopar.calibrate import measure_in_process_group, probe_sizes
@@ -225,14 +239,7 @@ def _worker(rank: int, world_size: int, store: str, jobs: list[tuple[str, dict]]
         measurements = measure_in_process_group("gloo", probe_sizes("gloo"),
                                                 (available_memory_bytes() or 0) // world_size,
                                                 progress=progress).__dict__
-    times: list[list[float]] = [[] for _ in jobs]
-    for step in range(steps + 1):  # the first round warms up
-        for k, (pm, (x, y)) in enumerate(zip(models, batches)):
-            dist.barrier()
-            t = time.perf_counter()
-            pm.train_step(x, y)
-            if step:
-                times[k].append(time.perf_counter() - t)
+    timed_rounds(steps - steps // 2)
     results = [{"peak_bytes": peak, "step_s": statistics.median(ts)} for peak, ts in zip(peaks, times)]
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, results)
@@ -301,13 +308,15 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per plan")
+    parser.add_argument("--steps", type=int, default=16, help="timed steps per plan")
     parser.add_argument("--cluster", action="append", default=[], metavar="W=FILE",
                         help="price the plans of world size W on this cluster file instead of "
                              "calibrating in the ranks")
     parser.add_argument("--calibration-dir", default=None,
                         help="where fresh calibrations are written (default: beside --json)")
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
     given = {int(w): path for w, _, path in (item.partition("=") for item in args.cluster)}
     out_dir = Path(args.calibration_dir or (Path(args.json).parent if args.json else tempfile.mkdtemp()))
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -106,6 +106,11 @@ class ClusterSpec:
     by ``autopar calibrate`` on CPU hosts; 0 for GPUs, where the host runs
     ahead of the device.
 
+    ``zero_overhead_s`` is what each collective FSDP2 issues costs beyond
+    its link figures: its hooks and its copies in and out of the flat
+    collective buffers, made on the host. ``autopar calibrate`` measures it
+    on CPU hosts; 0 for GPUs, where the host runs ahead of the device.
+
     ``latency_per_step`` makes link latencies per ring step (a collective over
     n ranks pays 2(n−1) of them for an all-reduce, n−1 for all-gather and
     reduce-scatter) instead of per collective, so a calibration taken over
@@ -127,6 +132,7 @@ class ClusterSpec:
     cores_per_node: int = 0
     tp_overhead_s: float = 0.0
     optimizer_dtensor_s: float = 0.0
+    zero_overhead_s: float = 0.0
     latency_per_step: bool = False
     collective_sync_s: float = 0.0
 
@@ -228,6 +234,7 @@ def _validate(c: ClusterSpec) -> None:
         "inter_node.latency_s": c.inter_node.latency_s,
         "tp_overhead_s": c.tp_overhead_s,
         "optimizer_dtensor_s": c.optimizer_dtensor_s,
+        "zero_overhead_s": c.zero_overhead_s,
         "collective_sync_s": c.collective_sync_s,
     }
     for level in ("intra_node", "inter_node"):
@@ -314,6 +321,7 @@ def _cluster_from_dict(data: dict[str, Any], source: str) -> ClusterSpec:
             cores_per_node=data.get("cores_per_node", 0),
             tp_overhead_s=data.get("tp_overhead_s", 0.0),
             optimizer_dtensor_s=data.get("optimizer_dtensor_s", 0.0),
+            zero_overhead_s=data.get("zero_overhead_s", 0.0),
             latency_per_step=data.get("latency_per_step", False),
             collective_sync_s=data.get("collective_sync_s", 0.0),
         )

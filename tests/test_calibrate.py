@@ -42,7 +42,8 @@ def _measurements(**overrides) -> Measurements:
                      "all_gather": _alpha_beta(300e-6, 0.5e9, "all_gather"),
                      "reduce_scatter": _alpha_beta(300e-6, 0.5e9, "reduce_scatter"),
                      "p2p": _alpha_beta(50e-6, 3e9, "p2p")},
-        overlap={"compute_s": 0.1, "comm_s": 0.1, "both_s": 0.15},
+        # 199.8 MB all-reduced over the fitted link (100 µs, 2 GB/s bus) takes 0.1 s
+        overlap={"compute_s": 0.1, "comm_s": 0.1, "both_s": 0.15, "bytes": 199.8e6},
         optimizer={"params": 1e6, "seconds": 0.003,
                    "small_tensors": 16.0, "small_plain_s": 0.001, "small_dtensor_s": 0.005},
         device_memory_bytes=4 * 2**30, device_name="cpu (test)", wall_s=12.0)
@@ -106,9 +107,25 @@ def test_built_cluster_carries_the_fitted_figures():
     assert c.intra_node.for_kind("all_gather").bandwidth_bytes_s == pytest.approx(0.5e9)
     assert c.intra_node.for_kind("p2p").latency_s == pytest.approx(50e-6)
     assert c.comm_overlap == pytest.approx(0.5)
+    # the all-reduce timed alone once is noisy; the link fitted over every size prices it instead
+    noisy = build_cluster(_measurements(overlap={"compute_s": 0.1, "comm_s": 0.18, "both_s": 0.15,
+                                                 "bytes": 199.8e6}))
+    assert noisy.comm_overlap == pytest.approx(0.5)
     assert c.latency_per_step and c.intra_node.latency_s == pytest.approx(50e-6)  # 2 ring steps at n=2
     assert c.device.memory_bandwidth_bytes_s == pytest.approx(24e6 / 0.003)
     assert c.optimizer_dtensor_s == pytest.approx(0.004 / 16)  # DTensor's step beyond the plain one
+    assert c.zero_overhead_s == 0.0  # not measured: not priced
+
+
+def test_fsdp2_time_beyond_compute_and_collectives_becomes_its_overhead_per_collective():
+    plain = build_cluster(_measurements())
+    unit, layers, group = 2**20, 4, place_group(2, 1, 2)
+    links = layers * (2 * collective_time_s(Collective.ALL_GATHER, unit, group, plain)
+                      + collective_time_s(Collective.REDUCE_SCATTER, unit, group, plain))
+    zero = {"local_s": 0.05, "zero_s": 0.05 + links + layers * 3 * 2e-3, "layers": layers, "layer_bytes": unit}
+    assert build_cluster(_measurements(zero=zero)).zero_overhead_s == pytest.approx(2e-3)
+    zero["zero_s"] = 0.05 + links * 0.9  # FSDP2 no slower than its collectives: nothing to price
+    assert build_cluster(_measurements(zero=zero)).zero_overhead_s == 0.0
 
 
 def test_cluster_file_round_trips_through_load_cluster_and_prices_each_collective(tmp_path):

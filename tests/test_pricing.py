@@ -66,3 +66,20 @@ def test_dtensor_parameters_cost_the_optimizer_a_dispatch_per_tensor():
     # DDP keeps plain tensors; FSDP2 shards each of the block's 12 parameters into a DTensor
     assert optimizer_s(ddp, 1e-3) == pytest.approx(optimizer_s(ddp, 0.0))
     assert optimizer_s(fsdp, 1e-3) == pytest.approx(optimizer_s(fsdp, 0.0) + 12e-3)
+
+
+def test_fsdp2_overhead_is_priced_per_collective_and_never_hidden():
+    graph = transformer_graph(2, 256, 64, vocab=1024, heads=4)
+    cluster = replace(PRESETS["a100-80g"], gpus_per_node=2, comm_overlap=1.0).for_world_size(2)
+    config = MeshConfig(1, 2, 1, 2, Schedule(ScheduleKind.NONE))  # 2 microbatches
+
+    def exposed(strategy: Strategy, overhead: float) -> float:
+        table = PriceTable(graph, config, replace(cluster, zero_overhead_s=overhead), TrainingSpec(8))
+        return table.prices[1][table.strategies[1].index(strategy)].exposed_comm_s
+
+    # a block is its own FSDP2 unit; ZeRO-1: RS + AG a step, ZeRO-2: RS per microbatch + AG, ZeRO-3: 2 AG + RS each
+    for zero, collectives in ((1, 2), (2, 2 + 1), (3, 2 * 3)):
+        strategy = Strategy(None, zero, False)
+        assert exposed(strategy, 1e-3) - exposed(strategy, 0.0) == pytest.approx(collectives * 1e-3)
+    ddp = Strategy(None, 0, False)
+    assert exposed(ddp, 1e-3) == exposed(ddp, 0.0)
