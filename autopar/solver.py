@@ -48,6 +48,7 @@ inputs give the same plan.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -426,15 +427,15 @@ def _frontier(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
     return front
 
 
-def _time_memory_hull(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
-    """The lower convex hull of (memory, time) points from the least memory to the fastest:
-    the least mean time of a fractional mix whose mean memory is at most some amount."""
-    hull: list[tuple[int, float]] = []
-    for m, t in sorted(points):
-        while len(hull) >= 2 and ((hull[-1][1] - hull[-2][1]) * (m - hull[-2][0])
-                                  >= (t - hull[-2][1]) * (hull[-1][0] - hull[-2][0])):
+def _lower_convex_hull(points: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """The vertices of the lower convex hull of (x, y) points, by x ascending. Of (memory, time)
+    points: the least mean time of a fractional mix whose mean memory is at most some amount."""
+    hull: list[tuple[Any, Any]] = []
+    for x, y in sorted(points):
+        while len(hull) >= 2 and ((hull[-1][1] - hull[-2][1]) * (x - hull[-2][0])
+                                  >= (y - hull[-2][1]) * (hull[-1][0] - hull[-2][0])):
             hull.pop()
-        hull.append((m, t))
+        hull.append((x, y))
     return hull
 
 
@@ -460,7 +461,7 @@ def _least_time_in(front: list[tuple[int, float]], room: int, n: int) -> float:
         return n * front[-1][1]
     if (n + 1) ** max(len(front) - 2, 0) <= EXACT_WORK:
         return _least_integer_time(front, room, n)
-    hull, per_layer = _time_memory_hull(front), room / n
+    hull, per_layer = _lower_convex_hull(front), room / n
     for (m0, t0), (m1, t1) in zip(hull, hull[1:]):
         if per_layer < m1:
             return n * (t0 + (t1 - t0) * (per_layer - m0) / (m1 - m0))
@@ -711,7 +712,7 @@ def _add_rank_floors(model: cp_model.CpModel, table: PriceTable, allowed: list[l
             model.AddElement(count, floor, least)
             time_j = sum(t * v for t, v in held)
             model.Add(time_j >= least).WithName(f"group_{first}_time_{j}")
-            for (n0, f0), (n1, f1) in zip(hull := _lower_hull(floor), hull[1:]):
+            for (n0, f0), (n1, f1) in zip(hull := _lower_convex_hull(list(enumerate(floor))), hull[1:]):
                 # the LP sees the element only through these: time ≥ the chord through (n0, f0), (n1, f1)
                 model.Add((n1 - n0) * time_j >= (f1 - f0) * count + f0 * n1 - f1 * n0)
     return int(slowest) if not math.isinf(slowest) else 0
@@ -727,17 +728,6 @@ def _floor_table(curve: _Curve, size: int) -> list[int]:
             break
         floor.append(max(0, math.floor(least - 1e-6)))
     return floor
-
-
-def _lower_hull(values: list[int]) -> list[tuple[int, int]]:
-    """The vertices of the lower convex hull of the points (n, values[n])."""
-    hull: list[tuple[int, int]] = []
-    for n, v in enumerate(values):
-        while len(hull) >= 2 and ((hull[-1][1] - hull[-2][1]) * (n - hull[-2][0])
-                                  >= (v - hull[-2][1]) * (hull[-1][0] - hull[-2][0])):
-            hull.pop()
-        hull.append((n, v))
-    return hull
 
 
 def _zero_buffers(model: cp_model.CpModel, table: PriceTable, runs: list[tuple[int, int]],
@@ -905,6 +895,32 @@ def _raise_infeasible(candidates, layer_pins, cuts_ok, budget: int, options: Sol
 
 
 def _memory_lower_bound(table: PriceTable, allowed: list[list[int]]) -> float:
-    pp = table.config.pp
-    least = [min(table.memory_coefficient(i, k, pp - 1) for k in ks) for i, ks in enumerate(allowed)]
-    return min(table.rank_workspace_bytes(j) for j in range(pp)) + max(sum(least) / pp, max(least))
+    """A lower bound on the least peak memory of a configuration, rank by rank.
+
+    For each group of N alike layers, h_j(n), the least rank j can hold n of
+    them in, is its workspace plus, for the best choice of FSDP2 buffers (none;
+    reduce-scatter, allowing ZeRO-1/2; both, allowing ZeRO-3), the buffers and
+    n times the layer's least memory under the strategies that choice allows.
+    h_j grows with n and the ranks hold the N layers between them, so the peak
+    is at least the N-th smallest of all h_j(n) (:func:`_nth_smallest`); the
+    largest over the groups is kept.
+    """
+    c = table.config
+    modes = [(table.zero_buffer_bytes(zeros), most) for zeros, most in (({0}, 0), ({1}, 2), ({3}, 3))]
+    workspace = [table.rank_workspace_bytes(j) for j in range(c.pp)]
+    best = 0.0
+    for (i, _), members in _layer_groups(table, allowed).items():
+        per_rank = []  # per rank: (buffers, least memory of one layer) for each buffer choice
+        for j in range(c.pp):
+            choices = []
+            for buffers, most in modes:
+                fits = [table.memory_coefficient(i, k, j) for k in allowed[i] if table.strategies[i][k].zero <= most]
+                if fits:
+                    choices.append((buffers, min(fits)))
+            per_rank.append(choices)
+
+        def least_held(j: int, n: int) -> float:
+            return workspace[j] + min(buffers + n * least for buffers, least in per_rank[j])
+
+        best = max(best, _nth_smallest(least_held, c.pp, len(members)))
+    return best

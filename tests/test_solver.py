@@ -230,3 +230,24 @@ def test_reprice_keeps_every_choice_and_prices_on_another_cluster():
     assert resolved.predicted.step_time_s == pytest.approx(slower.predicted.step_time_s)
     with pytest.raises(PlanError):
         autopar.reprice(transformer_graph(2, 1024, 512, vocab=8192, heads=16), plan)
+
+
+def test_memory_bound_never_exceeds_the_least_peak_a_configuration_reaches():
+    from ortools.sat.python import cp_model
+
+    from autopar.solver import _allowed, _build_model, _memory_lower_bound, _runs, _solver, _Units
+
+    graph = transformer_graph(4, 1024, 1024, vocab=8192, heads=16)
+    cluster, training = _tiny_cluster(2, 4).for_world_size(8), TrainingSpec(8, "bf16")
+    no_pins = [{} for _ in graph]
+    checked = 0
+    for config in enumerate_configs(graph, 8, cluster, training, Pins()):
+        table = PriceTable(graph, config, cluster, training)
+        allowed = _allowed(table, no_pins)
+        built = _build_model(table, allowed, _runs(table, allowed, no_pins), no_pins, cut_positions(graph), None,
+                             _Units(1.0))
+        solver = _solver(10, SolverOptions())
+        assert solver.Solve(built.model) == cp_model.OPTIMAL
+        assert _memory_lower_bound(table, allowed) <= solver.ObjectiveValue(), config.describe()
+        checked += 1
+    assert checked >= 10
