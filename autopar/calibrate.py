@@ -201,21 +201,12 @@ def build_cluster(m: Measurements, *, name: str | None = None) -> ClusterSpec:
         latency, bandwidth = fit_link({kind: pts}, m.nproc)
         fits[kind] = LinkSpec(bandwidth, latency / ring_steps(kind, m.nproc))
     base = fits.pop("all_reduce")
-    # the overlap probe's all-reduce priced by the link fitted over every size, not timed once on its
-    # own: that one time moved ω from 0.09 to 0.47 between runs here, the fit by a few hundredths
-    comm_s = m.overlap["comm_s"]
-    if "bytes" in m.overlap:
-        comm_s = (base.latency_s * ring_steps("all_reduce", m.nproc)
-                  + m.overlap["bytes"] * bus_factor(Collective.ALL_REDUCE, m.nproc) / base.bandwidth_bytes_s)
-    overlap = overlap_fraction(m.overlap["compute_s"], comm_s, m.overlap["both_s"])
     params, seconds = m.optimizer["params"], m.optimizer["seconds"]
     # DTensor's dispatch around each optimizer op, per parameter, beyond a plain tensor's step
     dtensor_s = max(0.0, (m.optimizer.get("small_dtensor_s", 0.0) - m.optimizer.get("small_plain_s", 0.0))
                     / max(m.optimizer.get("small_tensors", 1.0), 1.0)) if m.backend == "gloo" else 0.0
     bytes_touched = params * (2 * 8 + 4 + 4)  # fp32 AdamW: two moments read and written, grad, weight
     link = LinkSpec(base.bandwidth_bytes_s, base.latency_s, collectives=fits)
-    # a Megatron MLP makes one all-reduce forward and one backward; what it costs beyond the
-    # local shard's compute and those two all-reduces is DTensor's work around each collective
     device = DeviceSpec(
         name=m.device_name, memory_bytes=int(m.device_memory_bytes),
         peak_flops_bf16=bf16, peak_flops_fp32=fp32,
@@ -226,13 +217,19 @@ def build_cluster(m: Measurements, *, name: str | None = None) -> ClusterSpec:
         name or f"{socket.gethostname()}-{m.backend}-x{m.nproc}", device,
         gpus_per_node=m.nproc, nodes=1, intra_node=link, inter_node=link, nics_per_node=1,
         backend=m.backend, memory_reserve_fraction=0.25 if m.backend == "gloo" else 0.10,
-        comm_overlap=overlap, cores_per_node=m.cores if m.backend == "gloo" else 0,
+        cores_per_node=m.cores if m.backend == "gloo" else 0,
         latency_per_step=True, collective_sync_s=m.overlap.get("sync_s", 0.0),
         optimizer_dtensor_s=dtensor_s,
     )
+    group = place_group(m.nproc, 1, m.nproc)
+    # the overlap probe's all-reduce priced by the link fitted over every size, not timed once on its
+    # own: that one time moved ω from 0.09 to 0.47 between runs here, the fit by a few hundredths
+    o = m.overlap
+    comm_s = (collective_time_s(Collective.ALL_REDUCE, o["bytes"], group, replace(cluster, collective_sync_s=0.0))
+              if "bytes" in o else o["comm_s"])
+    cluster = replace(cluster, comm_overlap=overlap_fraction(o["compute_s"], comm_s, o["both_s"]))
     # a Megatron MLP makes one all-reduce forward and one backward; what it costs beyond the
     # local shard's compute and those two all-reduces is DTensor's work around each collective
-    group = place_group(m.nproc, 1, m.nproc)
     tp = m.tensor_parallel
     if tp:
         all_reduce = collective_time_s(Collective.ALL_REDUCE, tp["bytes"], group, cluster)

@@ -342,13 +342,13 @@ class PriceTable:
         params = self.effective_params(layer, strategy)
         share = self._collective_share(layer, strategy.zero)
         dp_comm = self._dp_comm_s(params, strategy.zero, share)
-        copies = self._zero_overhead_s(params, strategy.zero, share)  # made by the host: never hidden
+        fsdp_work = self._zero_overhead_s(params, strategy.zero, share)  # done by the host: never hidden
         return LayerPrice(
             compute_mb_s=compute,
             tp_comm_mb_s=tp_comm,
-            dp_comm_s=dp_comm + copies,
+            dp_comm_s=dp_comm + fsdp_work,
             exposed_comm_s=exposed_comm_s(dp_comm, c.microbatches * compute, self.cluster.comm_overlap)
-            + copies,
+            + fsdp_work,
             optimizer_s=optimizer_shard_params(params, strategy.zero, c.dp)
             * prec.optimizer_bytes_touched / device.memory_bandwidth_bytes_s
             + (len(layer.param_names) * self.cluster.optimizer_dtensor_s if self._dtensor(strategy) else 0.0),
@@ -389,32 +389,32 @@ class PriceTable:
             return 1.0
         return min(1.0, c.pp * layer.param_count / max(self._root_params, 1))
 
+    def _dp_collectives(self, zero: int) -> tuple[int, int, int]:
+        """(all-reduces, reduce-scatters, all-gathers) the data-parallel engine runs per step: DP one
+        all-reduce; ZeRO-1 RS + AG once; ZeRO-2 RS per microbatch + AG; ZeRO-3 (2 AG + RS) per microbatch."""
+        m = self.config.microbatches
+        return {0: (1, 0, 0), 1: (0, 1, 1), 2: (0, m, 1), 3: (0, m, 2 * m)}[zero]
+
     def _dp_comm_s(self, params: int, zero: int, share: float = 1.0) -> float:
-        """Per step: DP all-reduce; ZeRO-1 RS+AG once; ZeRO-2 RS per microbatch + AG; ZeRO-3 (2 AG + RS)
-        per microbatch. ``share``: the layer's share of each collective's latency."""
+        """Per step: the collectives of :meth:`_dp_collectives`. ``share``: the layer's share of
+        each collective's latency."""
         if self.config.dp <= 1 or params == 0:
             return 0.0
-        m, group, cl = self.config.microbatches, self.dp_group, self.cluster
+        group, cl = self.dp_group, self.cluster
         grads, weights = self.prec.grad_bytes * params, self.prec.param_bytes * params
-        rs = collective_time_s(Collective.REDUCE_SCATTER, grads, group, cl, count=share)
-        ag = collective_time_s(Collective.ALL_GATHER, weights, group, cl, count=share)
-        if zero == 0:
-            return collective_time_s(Collective.ALL_REDUCE, grads, group, cl, count=share)
-        if zero == 1:
-            return rs + ag
-        if zero == 2:
-            return m * rs + ag
-        return m * (2 * ag + rs)
+        all_reduce, reduce_scatter, all_gather = self._dp_collectives(zero)
+        return (all_reduce * collective_time_s(Collective.ALL_REDUCE, grads, group, cl, count=share)
+                + reduce_scatter * collective_time_s(Collective.REDUCE_SCATTER, grads, group, cl, count=share)
+                + all_gather * collective_time_s(Collective.ALL_GATHER, weights, group, cl, count=share))
 
     def _zero_overhead_s(self, params: int, zero: int, share: float) -> float:
-        """Per step: FSDP2's own work around the collectives :meth:`_dp_comm_s` counts (the cluster's
-        ``zero_overhead_s`` each; ``share`` as there). FSDP2's replicate all-reduces once a step;
-        DDP's bucketing is C++ beside its all-reduce and left out."""
+        """Per step: FSDP2's own work around each collective of :meth:`_dp_collectives` (the cluster's
+        ``zero_overhead_s``; ``share`` as in :meth:`_dp_comm_s`). FSDP2's replicate all-reduces once a
+        step; DDP's bucketing is C++ beside its all-reduce and left out."""
         c, each = self.config, self.cluster.zero_overhead_s
         if each <= 0 or c.dp <= 1 or params == 0 or self._ddp(zero):
             return 0.0
-        m = c.microbatches
-        return share * each * {0: 1, 1: 2, 2: m + 1, 3: 3 * m}[zero]
+        return share * each * sum(self._dp_collectives(zero))
 
     def memory_coefficient(self, layer_index: int, k: int, rank: int) -> int:
         """Bytes layer ``layer_index`` under strategy ``k`` adds to pipeline rank ``rank``."""
@@ -487,10 +487,10 @@ def evaluate(table: PriceTable, stages: tuple[int, ...], strategies: tuple[Strat
     crit = max(range(pp), key=lambda j: per_mb[j])
     tail_rank = max(range(pp), key=lambda j: tail[j])
     m, w = c.microbatches, float(table.bubble_weight)
-    chain = m * per_mb[crit] + w * (sum(per_mb) - per_mb[crit])
-    lent = table.pipeline_s(per_mb) / chain if chain else 1.0  # < 1 where waiting ranks lend cores
+    chain, pipeline = m * per_mb[crit] + w * (sum(per_mb) - per_mb[crit]), table.pipeline_s(per_mb)
+    lent = pipeline / chain if chain else 1.0  # < 1 where waiting ranks lend cores
     return Prediction(
-        step_time_s=table.step_time_s(per_mb, tail[tail_rank]),
+        step_time_s=pipeline + tail[tail_rank],
         memory_per_rank_bytes=tuple(memory),
         compute_s=lent * m * t_compute[crit],
         bubble_s=lent * w * (sum(per_mb) - per_mb[crit]),
