@@ -19,8 +19,8 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _EXPORTS: dict[str, str] = {
     "capture": "autopar.capturing",
-    "BaselineResult": "autopar.api", "compare": "autopar.api", "plan_model": "autopar.api",
-    "solve": "autopar.api", "reprice": "autopar.api",
+    "BaselineResult": "autopar.planning.api", "compare": "autopar.planning.api", "plan_model": "autopar.planning.api",
+    "solve": "autopar.planning.api", "reprice": "autopar.planning.api",
     "ClusterError": "autopar.cost_models.hardware", "ClusterSpec": "autopar.cost_models.hardware",
     "DeviceSpec": "autopar.cost_models.hardware", "LinkSpec": "autopar.cost_models.hardware",
     "load_cluster": "autopar.cost_models.hardware",

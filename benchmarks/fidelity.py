@@ -202,7 +202,7 @@ def _worker(rank: int, world_size: int, store: str, jobs: list[tuple[str, dict]]
     import torch
     import torch.distributed as dist
 
-    from autopar.host import threads_per_process
+    from autopar.tools.host import threads_per_process
 
     torch.set_num_threads(threads_per_process(world_size))
     dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank,
@@ -231,8 +231,8 @@ def _worker(rank: int, world_size: int, store: str, jobs: list[tuple[str, dict]]
     timed_rounds(steps // 2, warm_up=True)
     measurements = None
     if calibrate:
-        from autopar.calibrate import measure_in_process_group, probe_sizes
-        from autopar.host import available_memory_bytes
+        from autopar.tools.calibrate import measure_in_process_group, probe_sizes
+        from autopar.tools.host import available_memory_bytes
 
         progress = (lambda line: print(f"fidelity: calibrate W={world_size}: {line}", file=sys.stderr,
                                        flush=True)) if rank == 0 else None
@@ -293,7 +293,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def _write_cluster(measurements: dict, path: Path) -> str:
     """The cluster the ranks measured, written as `autopar calibrate` writes it."""
-    from autopar.calibrate import build_cluster, cluster_document, describe, measurements_from_dict, \
+    from autopar.tools.calibrate import build_cluster, cluster_document, describe, measurements_from_dict, \
         write_atomically
 
     m = measurements_from_dict(measurements)

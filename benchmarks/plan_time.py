@@ -32,7 +32,7 @@ SWEEP = [(m, w, "a100-80g", 2 * w) for m in ("gpt2_small", "gpt3_6_7b", "gpt3_17
 MODELS = ("gpt2_small", "gpt2_xl", "gpt3_6_7b", "gpt3_13b", "gpt3_175b", "gpt_1t")
 WORLDS = (8, 64, 512, 4096)
 # What a fresh planning process imports before it can capture and solve (OR-Tools via the API).
-IMPORTS = "import autopar, torch; from autopar import capturing, api"
+IMPORTS = "import autopar, torch; from autopar import capturing; from autopar.planning import api"
 
 
 # The console script installed beside this interpreter (not a version manager's shim,
@@ -110,7 +110,7 @@ def time_in_process(model: str, worlds: Sequence[int] = WORLDS, cluster: str = "
     and each solve are timed ``repeat`` times and the median kept.
     """
     import autopar
-    from autopar.spec import load_spec
+    from autopar.tools.spec import load_spec
     from autopar.units import format_bytes
 
     build_s, (module, inputs) = timed(lambda: load_spec(spec_of(model)))

@@ -93,7 +93,7 @@ class ClusterSpec:
     that many CPU cores (0: devices do not share compute, as GPUs do). With
     more ranks than cores, ranks that wait (in a pipeline's fill and drain,
     or for a stage ahead) give their cores to the ranks still working (see
-    :func:`idle_core_speedup` and ``autopar.pricing``).
+    :func:`idle_core_speedup` and ``autopar.planning.pricing``).
 
     ``tp_overhead_s`` is what each tensor-parallel collective costs beyond its
     link figures: DTensor's dispatch and redistribution around it, paid in
@@ -207,7 +207,7 @@ def idle_core_speedup(cluster: ClusterSpec, ranks_on_node: int) -> Fraction:
     there are ranks: then a rank gets cores/ranks of a core while all work
     (the pace ``autopar calibrate`` measures, every rank busy) and a whole
     core when enough of the others wait (a rank runs one intra-op thread
-    there, see ``autopar.host.threads_per_process``).
+    there, see ``autopar.tools.host.threads_per_process``).
     """
     cores = cluster.cores_per_node
     if cores <= 0 or ranks_on_node <= cores:

@@ -220,7 +220,7 @@ def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, pla
     own stages' shards (``init_fn`` on each stage module, else
     ``reset_parameters()`` per module).
     """
-    from autopar.runtime import materialise
+    from autopar.passes.materialise import materialise
     from torch.distributed.pipelining import PipelineStage
 
     if example_inputs is None:

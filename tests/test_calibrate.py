@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from autopar.calibrate import (CalibrationError, Measurements, build_cluster, check_output_path,
+from autopar.tools.calibrate import (CalibrationError, Measurements, build_cluster, check_output_path,
                                cluster_document, fit_compute, fit_line, overlap_fraction,
                                write_atomically)
-from autopar.cli import main
+from autopar.tools.cli import main
 from autopar.cost_models.communication import Collective, collective_time_s, place_group
 from autopar.cost_models.hardware import ClusterError, ClusterSpec, load_cluster
-from autopar.pricing import exposed_comm_s
+from autopar.planning.pricing import exposed_comm_s
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "gpt.py") + ":gpt_tiny"
@@ -212,7 +212,7 @@ def test_calibrate_refuses_bad_input_in_one_line(capsys, argv, message):
 
 def _console(*argv: str) -> list[str]:
     exe = shutil.which("autopar")
-    return ([exe] if exe else [sys.executable, "-m", "autopar.cli"]) + list(argv)
+    return ([exe] if exe else [sys.executable, "-m", "autopar.tools.cli"]) + list(argv)
 
 
 def test_interrupted_calibration_says_so_and_writes_nothing(tmp_path):

@@ -307,7 +307,7 @@ TWIN_CASES = {
 @pytest.mark.parametrize("case", sorted(TWIN_CASES))
 def test_twin_replay_matches_full_execution(case, monkeypatch):
     """Replaying twin layers gives exactly what executing every layer gives, and does replay."""
-    from autopar import twins
+    from autopar.capturing import twins
 
     build, expected_replays = TWIN_CASES[case]
     model, inputs = build()

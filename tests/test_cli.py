@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 import autopar
-from autopar.cli import main
+from autopar.tools.cli import main
 from autopar.errors import PlanError, SpecError
 from autopar.plan import SCHEMA, Plan
-from autopar.spec import load_spec
+from autopar.tools.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "gpt.py") + ":gpt_tiny"
@@ -29,9 +29,9 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def _console(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """The installed console script (``python -m autopar.cli`` where it is not on PATH)."""
+    """The installed console script (``python -m autopar.tools.cli`` where it is not on PATH)."""
     exe = shutil.which("autopar")
-    cmd = [exe] if exe else [sys.executable, "-m", "autopar.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "autopar.tools.cli"]
     return subprocess.run(cmd + list(argv), cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
@@ -83,7 +83,7 @@ def test_saved_plan_shows_and_is_bound_to_its_model(plan_file, capsys):
 
 
 def test_show_does_not_import_torch(plan_file):
-    code = ("import sys; from autopar.cli import main; rc = main(['show', sys.argv[1]]); "
+    code = ("import sys; from autopar.tools.cli import main; rc = main(['show', sys.argv[1]]); "
             "assert 'torch' not in sys.modules, 'show imported torch'; sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code, str(plan_file)], capture_output=True, text=True,
                           timeout=60)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from autopar.cli import main
+from autopar.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

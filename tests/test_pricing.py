@@ -1,4 +1,4 @@
-"""The step-time model of autopar.pricing where ranks share a host's cores."""
+"""The step-time model of autopar.planning.pricing where ranks share a host's cores."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from autopar.cost_models.hardware import PRESETS
 from autopar.cost_models.pipeline import Schedule, ScheduleKind
 from autopar.graph import LayerGraph
-from autopar.pricing import MeshConfig, PriceTable, Strategy, TrainingSpec
+from autopar.planning.pricing import MeshConfig, PriceTable, Strategy, TrainingSpec
 
 from synthetic import transformer_graph
 

@@ -18,8 +18,8 @@ from autopar.cost_models.hardware import PRESETS, GiB
 from autopar.errors import InfeasibleError, PinError
 from autopar.graph import Layer, LayerGraph, TPStyle
 from autopar.pins import Pins
-from autopar.pricing import PriceTable, TrainingSpec, evaluate
-from autopar.solver import SolverOptions, cut_positions, enumerate_configs, solve
+from autopar.planning.pricing import PriceTable, TrainingSpec, evaluate
+from autopar.planning.solver import SolverOptions, cut_positions, enumerate_configs, solve
 
 from synthetic import transformer_graph
 
@@ -235,7 +235,7 @@ def test_reprice_keeps_every_choice_and_prices_on_another_cluster():
 def test_memory_bound_never_exceeds_the_least_peak_a_configuration_reaches():
     from ortools.sat.python import cp_model
 
-    from autopar.solver import _allowed, _build_model, _memory_lower_bound, _runs, _solver, _Units
+    from autopar.planning.solver import _allowed, _build_model, _memory_lower_bound, _runs, _solver, _Units
 
     graph = transformer_graph(4, 1024, 1024, vocab=8192, heads=16)
     cluster, training = _tiny_cluster(2, 4).for_world_size(8), TrainingSpec(8, "bf16")

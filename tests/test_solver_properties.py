@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from autopar.cost_models.hardware import PRESETS, GiB
 from autopar.errors import InfeasibleError
 from autopar.graph import Layer, LayerGraph, TPStyle
-from autopar.pricing import TrainingSpec, evaluate
-from autopar.solver import SolverOptions, cut_positions, solve
+from autopar.planning.pricing import TrainingSpec, evaluate
+from autopar.planning.solver import SolverOptions, cut_positions, solve
 
 
 @st.composite

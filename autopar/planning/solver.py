@@ -36,7 +36,7 @@ Search, in two levels:
                     that many can take in j's own memory; T ≥ the bound they give  (_add_rank_floors)
 
    Objective (× den(w), to stay integral): minimise (m − w)·T + w·S + X with
-   S = Σ_j t_j, i.e. step = m·T + w·(S − T) + X, the model of :mod:`autopar.pricing`.
+   S = Σ_j t_j, i.e. step = m·T + w·(S − T) + X, the model of :mod:`autopar.planning.pricing`.
    Where ranks share cores: P + X, with P ≥ that critical path / σ and P ≥ each
    node's work term (:func:`_step_objective`).
 
@@ -63,7 +63,7 @@ from autopar.errors import InfeasibleError, PinError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
 from autopar.units import format_bytes
-from autopar.pricing import MeshConfig, PriceTable, Prediction, Strategy, TrainingSpec, evaluate
+from autopar.planning.pricing import MeshConfig, PriceTable, Prediction, Strategy, TrainingSpec, evaluate
 
 INTERLEAVED_CHUNKS = (2, 4)
 TIME_RESOLUTION = 10**7  # the largest time coefficient of a configuration, in integer units

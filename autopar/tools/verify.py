@@ -84,7 +84,7 @@ def _worst(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[
 
 
 def _build(spec: str, seq_len: int | None) -> tuple[nn.Module, tuple]:
-    from autopar.spec import load_spec
+    from autopar.tools.spec import load_spec
 
     torch.manual_seed(SEED)
     return load_spec(spec, seq_len=seq_len, device="cpu")
@@ -119,7 +119,7 @@ def _worker(rank: int, world_size: int, store_path: str, spec: str, seq_len: int
     from autopar.graph import LayerGraph
     from autopar.plan import Plan
 
-    from autopar.host import threads_per_process
+    from autopar.tools.host import threads_per_process
 
     torch.set_num_threads(threads_per_process(world_size))
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,

@@ -25,7 +25,7 @@ from autopar.cost_models.hardware import CostModelError
 from autopar.errors import AutoparError, InfeasibleError
 
 if TYPE_CHECKING:
-    from autopar.api import BaselineResult
+    from autopar.planning.api import BaselineResult
     from autopar.graph import LayerGraph
     from autopar.plan import Plan
 
@@ -119,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
 def _graph(args: argparse.Namespace, device: str = "meta") -> "LayerGraph":
     """Load the SPEC and capture it (this is where torch gets imported)."""
     from autopar.capturing import capture
-    from autopar.spec import load_spec
+    from autopar.tools.spec import load_spec
 
     model, inputs = load_spec(args.spec, seq_len=args.seq_len, device=device)
     return capture(model, inputs, name=args.spec.rpartition(":")[2])
@@ -131,7 +131,7 @@ def _solve_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     A typo in ``--cluster`` or ``--pin`` then fails in a fraction of a second
     instead of after the seconds that loading and capturing the model take.
     """
-    from autopar.api import memory_budget, resolve_cluster
+    from autopar.planning.api import memory_budget, resolve_cluster
     from autopar.pins import Pins
 
     cluster = resolve_cluster(args.cluster, args.world_size, nodes=args.nodes)
@@ -143,7 +143,7 @@ def _solve_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from autopar.api import solve
+    from autopar.planning.api import solve
 
     kwargs = _solve_kwargs(args)
     plan = solve(_graph(args), args.world_size, **kwargs)
@@ -164,7 +164,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from autopar.api import compare
+    from autopar.planning.api import compare
 
     kwargs = _solve_kwargs(args)
     chosen, baselines = compare(_graph(args), args.world_size, **kwargs)
@@ -197,7 +197,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from autopar.plan import Plan
-    from autopar.verify import TOLERANCE, verify
+    from autopar.tools.verify import TOLERANCE, verify
 
     if args.steps < 1:
         raise AutoparError(f"--steps must be at least 1, got {args.steps}")
@@ -209,7 +209,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         graph = _graph(args, device="cpu")
         plan.check_fingerprint(graph.fingerprint())
     else:
-        from autopar.api import solve
+        from autopar.planning.api import solve
 
         kwargs = _solve_kwargs(args)
         kwargs["cluster"] = kwargs["cluster"] if args.cluster else "cpu"
@@ -231,7 +231,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from autopar.calibrate import CalibrationInterrupted, calibrate, describe
+    from autopar.tools.calibrate import CalibrationInterrupted, calibrate, describe
 
     try:  # calibrate() refuses a bad -o or process count before any rank starts
         cluster = calibrate(args.nproc, args.output, backend=args.backend, name=args.name,

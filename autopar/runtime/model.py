@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from autopar.errors import AutoparError, BatchError, LaunchError, PlanError
 from autopar.graph import LayerGraph
+from autopar.passes.materialise import is_meta, materialise
 from autopar.plan import Plan, Predicted
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -93,7 +94,7 @@ def launch_hint(world_size: int) -> str:
 def _solve_everywhere(graph: LayerGraph, world_size: int, launched: bool, **kwargs: Any) -> Plan:
     """Solve on rank 0 and broadcast, so every rank lowers the same plan (CP-SAT with
     several workers may pick different optima); an error on rank 0 is raised on all."""
-    from autopar.api import solve
+    from autopar.planning.api import solve
 
     if not launched or dist.get_world_size() == 1:
         return solve(graph, world_size, **kwargs)
@@ -164,28 +165,6 @@ def _pipeline_builder() -> Callable[..., Any]:
     return build_pipeline
 
 
-def _is_meta(model: nn.Module) -> bool:
-    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-
-
-@torch.no_grad()
-def materialise(model: nn.Module, device: torch.device,
-                init_fn: Callable[[nn.Module], None] | None = None) -> None:
-    """Allocate a sharded meta model on ``device`` (each rank only its shards) and initialise it.
-
-    ``init_fn(model)`` if given, else ``reset_parameters()`` on every module that has it.
-    Buffers computed in ``__init__`` (e.g. rotary tables) are not recomputed: pass an ``init_fn``.
-    """
-    model.to_empty(device=device)
-    if init_fn is not None:
-        init_fn(model)
-        return
-    for module in model.modules():
-        reset = getattr(module, "reset_parameters", None)
-        if callable(reset):
-            reset()
-
-
 def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: Any,
           loss_fn: LossFn, init_fn: Callable[[nn.Module], None] | None) -> Lowered:
     """Lower ``plan`` for this rank of the initialised process group."""
@@ -204,7 +183,7 @@ def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: An
         runtime = builder(model, example_inputs, graph, plan, mesh, loss_fn, device, init_fn=init_fn)
         return Lowered(module=model, mesh=mesh, pipeline=runtime,
                        row_permutations=runtime.row_permutations)
-    meta = _is_meta(model)
+    meta = is_meta(model)
     if not meta:
         model.to(device)
     # Order matters (torchtitan's): TP first, since it swaps weights for DTensors that
@@ -228,7 +207,7 @@ def _lower_local(model: nn.Module, graph: LayerGraph, plan: Plan,
     from autopar.passes.recompute import apply_recompute
 
     apply_recompute(model, graph, plan)
-    if _is_meta(model):
+    if is_meta(model):
         materialise(model, torch.device("cpu"), init_fn)
     return Lowered(module=model)
 

@@ -25,10 +25,10 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopar import twins
+from autopar.capturing import twins
 from autopar.errors import CaptureError
 from autopar.graph import Layer, LayerGraph
-from autopar.tp_detect import LayerView, NodeStats, detect_tp_styles
+from autopar.capturing.tp_detect import LayerView, NodeStats, detect_tp_styles
 
 _SKIP_TARGETS = ("_guards_fn",)
 _INPUT = -1  # layer index of placeholders (values that enter the model)
@@ -114,17 +114,6 @@ def _expanded_paths(model: nn.Module) -> set[str]:
     return expanded
 
 
-def _stack_paths(node: fx.Node) -> tuple[str, ...]:
-    stack = node.meta.get("nn_module_stack") or {}
-    paths: list[str] = []
-    for value in stack.values():
-        path = value[0] if isinstance(value, tuple) else str(value)
-        path = path.split("@")[0]
-        if path and path not in paths:
-            paths.append(path)
-    return tuple(paths)
-
-
 def _is_compute(node: fx.Node) -> bool:
     return node.op in ("call_function", "call_method", "call_module") and node.target not in _SKIP_TARGETS
 
@@ -135,7 +124,7 @@ def _group_layers(gm: fx.GraphModule, model: nn.Module) -> tuple[list[tuple[str 
     compute = [n for n in gm.graph.nodes if _is_compute(n)]
     keys: list[str | None] = []
     for n in compute:
-        key = next((p for p in _stack_paths(n) if p not in expanded), None)
+        key = next((p for p in twins.stack_paths(n) if p not in expanded), None)
         keys.append(key)
     nxt: str | None = None
     for i in range(len(keys) - 1, -1, -1):  # glue → following layer
@@ -197,7 +186,7 @@ class _TwinLayers:
     """Follows the meter from layer to layer: records measured layers, replays their twins.
 
     On entering a layer it computes the layer's signature (structure plus
-    input metadata, :mod:`autopar.twins`); if a measured layer had the same
+    input metadata, :mod:`autopar.capturing.twins`); if a measured layer had the same
     one, the layer's stats are set from it and its nodes are not executed.
     Otherwise the layer runs and, on leaving it, becomes a record — unless it
     touched real data or changed its inputs' metadata in place.
@@ -315,7 +304,7 @@ class _Meter(fx.Interpreter):
             if replayed:
                 return value
         self.current = n
-        st = self.stats[n] = NodeStats(paths=_stack_paths(n))
+        st = self.stats[n] = NodeStats(paths=twins.stack_paths(n))
         before = self.counter.get_total_flops()
         if _is_sdpa(n):
             result = self._run_sdpa(n)
@@ -508,7 +497,7 @@ def capture(
     """Trace ``model`` on ``example_inputs`` (meta is fine) into a LayerGraph with per-sample costs.
 
     ``replay_twins=False`` executes every layer instead of replaying layers
-    identical to one already measured (see :mod:`autopar.twins`); the result
+    identical to one already measured (see :mod:`autopar.capturing.twins`); the result
     is the same, only slower — kept for testing that claim.
     """
     args, kwargs = _split_inputs(model, example_inputs)

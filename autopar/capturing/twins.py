@@ -36,7 +36,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
-from autopar.tp_detect import NodeStats
+from autopar.capturing.tp_detect import NodeStats
 
 _SIMPLE = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
            torch.memory_format, torch.Size, type(Ellipsis))
@@ -334,6 +334,18 @@ def replay(record: LayerRecord, nodes: list[fx.Node], inputs: list[torch.Tensor]
     return values
 
 
+def stack_paths(node: fx.Node) -> tuple[str, ...]:
+    """The module paths of a node's ``nn_module_stack``, outermost first, without repeats."""
+    stack = node.meta.get("nn_module_stack") or {}
+    paths: list[str] = []
+    for value in stack.values():
+        path = value[0] if isinstance(value, tuple) else str(value)
+        path = path.split("@")[0]
+        if path and path not in paths:
+            paths.append(path)
+    return tuple(paths)
+
+
 def _leaves(value: Any) -> list[torch.Tensor]:
     leaves: list[torch.Tensor] = []
     _flatten(value, leaves)
@@ -343,9 +355,7 @@ def _leaves(value: Any) -> list[torch.Tensor]:
 def _replay_stats(record: LayerRecord, i: int, node: fx.Node, nodes: list[fx.Node], inputs: list[torch.Tensor],
                   new_keys: dict, token: object, meter: Any) -> NodeStats:
     """Node i's measured stats, with each save re-decided against the run's dedup state."""
-    from autopar.capturing import _stack_paths  # noqa: PLC0415 - avoid an import cycle
-
-    st = replace(record.stats[i], paths=_stack_paths(node), saved=[])
+    st = replace(record.stats[i], paths=stack_paths(node), saved=[])
     for kind, what, nbytes, prod in record.events[i]:
         if kind == "lse":
             st.saved.append((nbytes, node))

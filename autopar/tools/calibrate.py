@@ -4,7 +4,7 @@
     autopar plan examples/gpt.py:gpt_tiny --world-size 4 --cluster cluster.json
 
 ``nproc`` ranks are started on this host, configured as training runs them
-(:func:`autopar.host.threads_per_process` threads each; gloo on CPU, NCCL on
+(:func:`autopar.tools.host.threads_per_process` threads each; gloo on CPU, NCCL on
 GPUs), and measure *at the same time*, so contention for shared cores and
 memory bandwidth is in the figures:
 
@@ -58,7 +58,7 @@ from autopar.cost_models.communication import (Collective, bus_factor, collectiv
                                                ring_steps)
 from autopar.cost_models.hardware import ClusterSpec, DeviceSpec, LinkSpec
 from autopar.errors import AutoparError
-from autopar.host import available_memory_bytes, check_local_processes, cpu_count, threads_per_process
+from autopar.tools.host import available_memory_bytes, check_local_processes, cpu_count, threads_per_process
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 

@@ -17,9 +17,9 @@ from autopar.errors import AutoparError, InfeasibleError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
 from autopar.plan import Breakdown, LayerPlan, Mesh, Plan, Predicted, SolverReport
-from autopar.pricing import TrainingSpec
-from autopar.solver import Solution, SolverOptions
-from autopar.solver import solve as _solve
+from autopar.planning.pricing import TrainingSpec
+from autopar.planning.solver import Solution, SolverOptions
+from autopar.planning.solver import solve as _solve
 
 PinsLike = Pins | Mapping[str, Any] | Iterable[str] | None
 DEFAULT_CLUSTER = "a100-80g"
@@ -73,8 +73,8 @@ def reprice(graph: LayerGraph, plan: Plan, cluster: str | ClusterSpec | None = N
     ``predicted`` and ``cluster`` are replaced, every choice kept. Raises PlanError if the plan
     was made for another graph; it is not re-solved, so it may not be the best plan there."""
     from autopar.cost_models.pipeline import Schedule, ScheduleKind
-    from autopar.pricing import MeshConfig, PriceTable, Strategy, evaluate
-    from autopar.solver import Solution
+    from autopar.planning.pricing import MeshConfig, PriceTable, Strategy, evaluate
+    from autopar.planning.solver import Solution
 
     plan.check_fingerprint(graph.fingerprint())
     spec = (ClusterSpec.from_dict(plan.cluster, source="plan") if cluster is None

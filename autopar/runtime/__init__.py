@@ -1,0 +1,5 @@
+"""The runtime: lower a Plan for this rank and train it (:func:`compile`, :class:`ParallelModel`)."""
+
+from autopar.runtime.model import ParallelModel, compile, default_loss, default_optimizer
+
+__all__ = ["ParallelModel", "compile", "default_loss", "default_optimizer"]

@@ -1,0 +1,1 @@
+"""Tools around the compiler: the CLI, ``verify``, ``calibrate``, model SPEC loading, host checks."""
