@@ -2,7 +2,9 @@
 
 Plain frozen dataclasses with JSON I/O (schema ``autopar.plan/1``), bound to
 the captured graph by its fingerprint. Loading never unpickles: a plan file is
-JSON text, checked field by field.
+JSON text, checked field by field. Inside the program the settings travel as
+types (a :class:`ClusterSpec`, a :class:`ScheduleKind`, :class:`TrainingSettings`);
+in the file they are the plain JSON they always were.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autopar.cost_models.hardware import ClusterSpec, CostModelError
+from autopar.cost_models.pipeline import ScheduleKind
 from autopar.errors import PlanError
+from autopar.units import format_bytes
 
 SCHEMA = "autopar.plan/1"
-GiB = 2**30
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,28 @@ class SolverReport:
 
 
 @dataclass(frozen=True)
+class TrainingSettings:
+    """The training step a plan was made for (the file's ``training`` section).
+
+    ``global_batch`` samples per step in ``dtype`` (``bf16`` or ``fp32``);
+    ``seq_len`` is the captured sequence length (None for models without one);
+    ``optimizer`` is the optimizer the memory model priced (``adam``).
+    """
+
+    global_batch: int
+    dtype: str
+    seq_len: int | None
+    optimizer: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, *, source: str = "training") -> "TrainingSettings":
+        return _training_from_dict(d, source)
+
+
+@dataclass(frozen=True)
 class Plan:
     """A complete parallelization plan for one model on one cluster."""
 
@@ -81,13 +107,13 @@ class Plan:
     mesh: Mesh
     microbatches: int
     microbatch_size: int
-    schedule: str
+    schedule: ScheduleKind  # "none", "gpipe", "1f1b" or "interleaved_1f1b" in the file
     chunks: int
     layers: tuple[LayerPlan, ...]
     predicted: Predicted
     solver: SolverReport
-    cluster: dict[str, Any]
-    training: dict[str, Any]
+    cluster: ClusterSpec  # ClusterSpec.to_dict() in the file
+    training: TrainingSettings
     pins: tuple[str, ...] = ()
     schema: str = SCHEMA
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -95,7 +121,10 @@ class Plan:
     # ------------------------------------------------------------ JSON
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = asdict(self)  # key order is the field order; the typed settings become their JSON
+        d["schedule"] = self.schedule.value
+        d["cluster"] = self.cluster.to_dict()
+        d["training"] = self.training.to_dict()
         d["layers"] = [asdict(l) for l in self.layers]
         d["predicted"]["memory_per_rank_bytes"] = list(self.predicted.memory_per_rank_bytes)
         d["pins"], d["notes"] = list(self.pins), list(self.notes)
@@ -151,8 +180,6 @@ class Plan:
 
     def summary(self) -> str:
         """A readable table: mesh, predictions, memory per stage, one row per run of layers."""
-        from autopar.summary import render_summary
-
         return render_summary(self)
 
 
@@ -163,6 +190,43 @@ def _require(d: dict, key: str, kind: type | tuple, source: str) -> Any:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise PlanError(f"{source}: field {key!r} has the wrong type ({type(value).__name__})")
     return value
+
+
+def _schedule_from_dict(d: dict, source: str) -> ScheduleKind:
+    value = _require(d, "schedule", str, source)
+    try:
+        return ScheduleKind(value)
+    except ValueError:
+        raise PlanError(f"{source}: field 'schedule' is {value!r}; use one of "
+                        f"{', '.join(k.value for k in ScheduleKind)}") from None
+
+
+def _cluster_from_dict(d: dict, source: str) -> ClusterSpec:
+    raw = _require(d, "cluster", dict, source)
+    try:
+        return ClusterSpec.from_dict(raw, source="cluster")
+    except CostModelError as exc:
+        raise PlanError(f"{source}: {exc}") from None
+
+
+_TRAINING_FIELDS = ("global_batch", "dtype", "seq_len", "optimizer")
+
+
+def _training_from_dict(t: Any, source: str) -> TrainingSettings:
+    if not isinstance(t, dict):
+        raise PlanError(f"{source} is not a JSON object")
+    unknown = sorted(set(t) - set(_TRAINING_FIELDS))
+    if unknown:
+        raise PlanError(f"{source} has unknown fields {', '.join(map(repr, unknown))}")
+    seq_len = _require(t, "seq_len", (int, type(None)), source)
+    if isinstance(seq_len, bool):
+        raise PlanError(f"{source}: field 'seq_len' has the wrong type (bool)")
+    return TrainingSettings(
+        global_batch=_require(t, "global_batch", int, source),
+        dtype=_require(t, "dtype", str, source),
+        seq_len=seq_len,
+        optimizer=_require(t, "optimizer", str, source),
+    )
 
 
 def _plan_from_dict(d: Any, source: str) -> Plan:
@@ -198,13 +262,13 @@ def _plan_from_dict(d: Any, source: str) -> Plan:
             mesh=mesh,
             microbatches=_require(d, "microbatches", int, source),
             microbatch_size=_require(d, "microbatch_size", int, source),
-            schedule=_require(d, "schedule", str, source),
+            schedule=_schedule_from_dict(d, source),
             chunks=_require(d, "chunks", int, source),
             layers=layers,
             predicted=predicted,
             solver=SolverReport(**_require(d, "solver", dict, source)),
-            cluster=_require(d, "cluster", dict, source),
-            training=_require(d, "training", dict, source),
+            cluster=_cluster_from_dict(d, source),
+            training=_training_from_dict(_require(d, "training", dict, source), f"{source}: training"),
             pins=tuple(d.get("pins", ())),
             notes=tuple(d.get("notes", ())),
         )
@@ -223,3 +287,56 @@ def _check_consistent(plan: Plan, source: str) -> None:
         raise PlanError(f"{source}: layer stages must be non-decreasing and below {plan.stages}")
     if any(l.zero not in (0, 1, 2, 3) for l in plan.layers):
         raise PlanError(f"{source}: a layer's zero stage is not 0–3")
+
+
+# ---------------------------------------------------------------- the readable table
+
+
+def _fold(layers: tuple[LayerPlan, ...]) -> list[tuple[str, LayerPlan, int]]:
+    """Runs of consecutive layers with identical choices: (label, first, count)."""
+    rows: list[tuple[str, LayerPlan, int]] = []
+    start = 0
+    for i in range(1, len(layers) + 1):
+        if i < len(layers) and _choices(layers[i]) == _choices(layers[start]):
+            continue
+        first, count = layers[start], i - start
+        label = first.name if count == 1 else f"{first.name} … {layers[i - 1].name} ({count})"
+        rows.append((label, first, count))
+        start = i
+    return rows
+
+
+def _choices(layer: LayerPlan) -> tuple:
+    return (layer.stage, layer.tp, layer.zero, layer.recompute)
+
+
+def render_summary(plan: Plan) -> str:
+    p, m = plan.predicted, plan.mesh
+    sched = plan.schedule.value + (f" × {plan.chunks} chunks" if plan.chunks > 1 else "")
+    gap = f", gap {plan.solver.gap:.2%}" if plan.solver.gap > 0 else ""
+    tokens = f"  ({p.tokens_per_s_per_gpu:,.0f} tokens/s/GPU)" if p.tokens_per_s_per_gpu else ""
+    b = p.breakdown
+    lines = [
+        f"autopar plan — {plan.model} on {plan.world_size} × {plan.cluster.device.name}"
+        f" ({plan.cluster.name}, {plan.training.dtype})",
+        f"mesh          pp={m.pp} × dp={m.dp} × tp={m.tp}",
+        f"batch         {plan.training.global_batch} = dp {m.dp} × {plan.microbatches} microbatches"
+        f" × {plan.microbatch_size}   schedule {sched}",
+        f"step time     {p.step_time_s:.4g} s   {p.tflops_per_gpu:.1f} TFLOP/s per GPU{tokens}",
+        f"  breakdown   compute {b.compute_s:.4g} s · bubble {b.bubble_s:.4g} s · tp {b.tp_comm_s:.4g} s"
+        f" · dp {b.dp_comm_s:.4g} s · pp {b.pp_comm_s:.4g} s · optimizer {b.optimizer_s:.4g} s",
+        "memory/rank   " + "  ".join(f"s{j}: {format_bytes(x)}" for j, x in enumerate(p.memory_per_rank_bytes))
+        + f"  (budget {format_bytes(p.memory_budget_bytes)})",
+        f"solver        {plan.solver.status}{gap} in {plan.solver.wall_s:.2f} s"
+        f" ({plan.solver.configs_solved} of {plan.solver.configs_considered} configurations solved)",
+    ]
+    if plan.pins:
+        lines.append("pins          " + " ".join(plan.pins))
+    rows = [(label, str(l.stage), l.tp or "-", str(l.zero), "on" if l.recompute else "off")
+            for label, l, _ in _fold(plan.layers)]
+    header = ("layer", "stage", "tp", "zero", "recompute")
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines += ["", fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*r) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)

@@ -346,7 +346,7 @@ def main() -> int:
             measured_s, predicted_s = ranks[0]["step_s"], plan.predicted.step_time_s
             rows.append({
                 "name": case.name, "world_size": w,
-                "mesh": f"{plan.mesh.pp}×{plan.mesh.dp}×{plan.mesh.tp}", "schedule": plan.schedule,
+                "mesh": f"{plan.mesh.pp}×{plan.mesh.dp}×{plan.mesh.tp}", "schedule": plan.schedule.value,
                 "microbatches": plan.microbatches,
                 "predicted_step_s": predicted_s, "measured_step_s": measured_s,
                 "step_error": measured_s / predicted_s - 1,

@@ -20,12 +20,14 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from autopar.errors import AutoparError
+from autopar.units import GiB
+
 GB = 1e9
-GiB = 2**30
 
 
-class CostModelError(ValueError):
-    """Base class of errors raised by the cost models for bad input."""
+class CostModelError(AutoparError):
+    """Base class of errors raised by the cost models for bad input (an :class:`AutoparError`)."""
 
 
 class ClusterError(CostModelError):

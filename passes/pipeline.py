@@ -9,11 +9,11 @@ and whose ``parameters`` the optimizer steps.
 Lowering, per rank (virtual stage s lives on pp rank ``s % pp``):
 
 1. split the model into one module per virtual stage (:mod:`.stage_split`);
-2. on each of this rank's stages, the pp = 1 passes in torchtitan's order,
-   each handed the plan restricted to the stage's layers: tensor parallel
-   over the tp axis (swaps weights for DTensors), recompute (its hooks sit
-   inside FSDP's), ZeRO/DP over the dp axis last (wraps the stage root, so
-   the stage is an ``FSDPModule`` and pipelining drives its gradient sync);
+2. on each of this rank's stages, the one lowering path
+   (:func:`autopar.passes.parallelize.parallelize_part`) with the stage's
+   slice of the plan and the contract's units for it: tensor parallel,
+   recompute, ZeRO/DP last (the stage root is a unit, so the stage is an
+   ``FSDPModule`` and pipelining drives its gradient sync);
 3. ``PipelineStage`` on the pp axis's group, and the schedule the plan names.
 
 What stays true: gradients are the global-batch mean. ``loss_fn`` averages a
@@ -23,23 +23,26 @@ microbatch; the schedule sums microbatch gradients and divides by
 
 Export-captured models (Hugging Face) run as ATen graphs in which no layer
 module is called, so tensor parallelism and recompute cannot hook them: a
-:class:`LoweringError`. ZeRO then shards each stage as one FSDP unit (the
-highest zero stage of its layers; plain ``replicate`` if all are 0).
+:class:`LoweringError`; the contract never offers them there, and runs each
+export stage as one replicated unit. An FX model whose layers could not be
+kept as module calls (the split's own fallback, unknown to the planner)
+shards each stage as one FSDP unit at the highest ZeRO stage of its layers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from autopar.contract import ROOT, Layout, Unit, plan_layout, unit_engine
 from autopar.errors import BatchError, LoweringError
 from autopar.graph import LayerGraph
-from autopar.plan import Plan
+from autopar.passes.parallelize import Part, parallelize_part
 from autopar.passes.stage_split import StageSplit, split_model
+from autopar.plan import Plan
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -88,46 +91,6 @@ class PipelineRuntime:
             return None
         return torch.stack([l.detach() for l in losses]).mean()
 
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters under their original FQNs (each stage's own)."""
-        for mod in self.modules:
-            yield from mod.named_parameters()
-
-    def parameters(self) -> list[nn.Parameter]:
-        return [p for _, p in self.named_parameters()]
-
-    def _gather(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every pp rank's tensors, fused q/k/v rows put back in the original order first."""
-        local = {k: self._unpermute(k, v).cpu() for k, v in local.items()}
-        parts: list[Any] = [None] * dist.get_world_size(self.pp_group)
-        dist.all_gather_object(parts, local, group=self.pp_group)
-        return {k: v for part in parts for k, v in part.items()}
-
-    def _unpermute(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        perm = self.row_permutations.get(name)
-        return tensor if perm is None else tensor[torch.argsort(perm).to(tensor.device)]
-
-    def full_grads(self) -> dict[str, torch.Tensor]:
-        """Every stage's gradients, unsharded and in the original layout, on every rank (a collective)."""
-        from torch.distributed.tensor import DTensor
-
-        local = {}
-        for name, p in self.named_parameters():
-            if p.grad is not None:
-                g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-                local[name] = g.detach()
-        return self._gather(local)
-
-    def state_dict(self, full: bool = True) -> dict[str, Any]:
-        """``full``: every stage's unsharded state in the original layout on every rank (a collective);
-        else this rank's shards (fused q/k/v rows permuted, see ``row_permutations``)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        local: dict[str, Any] = {}
-        for mod in self.modules:
-            local.update(get_model_state_dict(mod, options=StateDictOptions(full_state_dict=full)))
-        return self._gather(local) if full else local
-
 
 def _check_lowerable(split: StageSplit, plan: Plan, model: nn.Module) -> None:
     """Typed errors, the same on every rank, for what this split cannot lower."""
@@ -145,28 +108,15 @@ def _check_lowerable(split: StageSplit, plan: Plan, model: nn.Module) -> None:
                             f"but {why}; plan layers {rc[:3]} with recompute=off, or use pp=1")
 
 
-def _stage_graph_view(graph: LayerGraph, split: StageSplit) -> LayerGraph:
-    """The graph the ZeRO pass sees: with layers inlined, every layer's parameters belong to the stage root."""
-    if split.layers_called:
-        return graph
-    layers = [replace(l, module_path=None) for l in graph]
-    return LayerGraph(layers, model_name=graph.model_name, example_batch=graph.example_batch,
-                      dtype_bytes=graph.dtype_bytes, tracer=graph.tracer, seq_len=graph.seq_len)
-
-
-def _lower_stage(module: nn.Module, k: int, graph: LayerGraph, plan: Plan, mesh: Any,
-                 row_permutations: dict[str, torch.Tensor]) -> None:
-    """Stage k's passes in torchtitan's order (see the module docstring), each on the stage's plan."""
-    from autopar.passes.recompute import apply_recompute
-    from autopar.passes.tensor_parallel import apply_tensor_parallel
-    from autopar.passes.zero import apply_data_parallel
-
-    stage_plan = replace(plan, layers=tuple(lp for lp in plan.layers if lp.stage == k))
-    tp_result = apply_tensor_parallel(module, graph, stage_plan, mesh["tp"])
-    row_permutations.update(tp_result.row_permutations)
-    apply_recompute(module, graph, stage_plan)
-    if plan.mesh.dp > 1:
-        apply_data_parallel(module, graph, stage_plan, mesh["dp"], allow_ddp=False)
+def stage_part(graph: LayerGraph, plan: Plan, layout: Layout, stage: int, layers_called: bool) -> Part:
+    """Stage ``stage``'s slice of the plan and its units from the contract. With its layers
+    inlined (no layer module is called), the stage is one unit holding every layer."""
+    layers = tuple(lp for lp in plan.layers if lp.stage == stage)
+    units = layout.stage_units(stage)
+    if not layers_called and len(units) > 1:
+        zero = max(u.zero for u in units)
+        units = (Unit(ROOT, zero, unit_engine(zero), tuple(lp.name for lp in layers)),)
+    return Part(stage, layers, units, tuple(layout.recompute_paths(graph, stage)))
 
 
 def _checked_loss(loss_fn: LossFn) -> LossFn:
@@ -183,12 +133,14 @@ def _checked_loss(loss_fn: LossFn) -> LossFn:
 def _schedule(plan: Plan, stages: list[Any], loss_fn: LossFn) -> Any:
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+    from autopar.cost_models.pipeline import ScheduleKind
+
     m = plan.microbatches
-    if plan.schedule == "interleaved_1f1b":
+    if plan.schedule is ScheduleKind.INTERLEAVED_1F1B:
         return ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
-    single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}.get(plan.schedule)
+    single = {ScheduleKind.GPIPE: ScheduleGPipe, ScheduleKind.ONE_F_ONE_B: Schedule1F1B}.get(plan.schedule)
     if single is None or len(stages) != 1:
-        raise LoweringError(f"pipeline schedule {plan.schedule!r} with {plan.chunks} chunk(s) per rank "
+        raise LoweringError(f"pipeline schedule {plan.schedule.value!r} with {plan.chunks} chunk(s) per rank "
                             "is not supported: use gpipe, 1f1b (1 chunk) or interleaved_1f1b")
     return single(stages[0], m, loss_fn=loss_fn)
 
@@ -220,29 +172,26 @@ def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, pla
     own stages' shards (``init_fn`` on each stage module, else
     ``reset_parameters()`` per module).
     """
-    from autopar.passes.materialise import materialise
     from torch.distributed.pipelining import PipelineStage
 
     if example_inputs is None:
         raise LoweringError("pipeline plans need example_inputs to split the model: pass them to compile")
     split = split_model(model, _microbatch_inputs(example_inputs, plan.microbatch_size), graph, plan)
     _check_lowerable(split, plan, model)
-    view = _stage_graph_view(graph, split)
+    layout = plan_layout(graph, plan)
     pp, pp_rank = plan.mesh.pp, mesh["pp"].get_local_rank()
     stage_ids = list(range(pp_rank, plan.stages, pp))
     modules: list[nn.Module] = []
     perms: dict[str, torch.Tensor] = {}
-    meta = any(p.is_meta for p in model.parameters())
     for k in stage_ids:
-        module = split.modules[k] if meta else split.modules[k].to(device)
-        _lower_stage(module, k, view, plan, mesh, perms)
-        if meta:
-            materialise(module, device, init_fn)
-        modules.append(module)
+        part = stage_part(graph, plan, layout, k, split.layers_called)
+        result = parallelize_part(split.modules[k], graph, plan, part, mesh, device, init_fn)
+        perms.update(result.row_permutations)
+        modules.append(result.module)
     group = mesh["pp"].get_group()
     stages = [PipelineStage(mod, k, plan.stages, device, group=group) for mod, k in zip(modules, stage_ids)]
     schedule = _schedule(plan, stages, _checked_loss(loss_fn))
     return PipelineRuntime(plan, modules, stage_ids, schedule, group, device, split.tracer, perms)
 
 
-__all__ = ["PipelineRuntime", "build_pipeline"]
+__all__ = ["PipelineRuntime", "build_pipeline", "stage_part"]

@@ -164,7 +164,7 @@ def equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
         sgd = run_parallel(spec, plan, graph, lambda p: torch.optim.SGD(p, **SGD))
         adam = run_parallel(spec, plan, graph, lambda p: torch.optim.AdamW(p, **ADAMW))
         metrics: dict[str, Any] = {"mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp],
-                                   "microbatches": plan.microbatches, "schedule": plan.schedule,
+                                   "microbatches": plan.microbatches, "schedule": plan.schedule.value,
                                    "chunks": plan.chunks, "tracer": sgd["tracer"],
                                    "stages": [l.stage for l in plan.layers],
                                    "layers": [[l.name, l.tp, l.zero, l.recompute] for l in plan.layers],

@@ -54,12 +54,13 @@ def zero_pass(rank: int, world_size: int) -> dict[str, Any]:
     """apply_data_parallel alone: which engine per layer, deferred modules, local shards."""
     from torch.distributed.fsdp import FSDPModule
 
+    from autopar.contract import plan_layout
     from autopar.passes.zero import apply_data_parallel
 
     plan, graph = plan_for(MIXED, world_size)
     torch.manual_seed(0)
     model, _ = gpt_tiny()
-    result = apply_data_parallel(model, graph, plan, _mesh(plan)["dp"])
+    result = apply_data_parallel(model, plan_layout(graph, plan).stage_units(0), _mesh(plan)["dp"])
     deferred = [n for n, m in model.named_modules() if any(m is d for d in result.deferred)]
     return {
         "zero_by_path": result.zero_by_path,

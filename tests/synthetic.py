@@ -7,12 +7,15 @@ from autopar.graph import Layer, LayerGraph, TPStyle
 
 def transformer_graph(n_blocks: int = 4, hidden: int = 1024, seq: int = 1024, vocab: int = 32768,
                       heads: int = 16, dtype_bytes: int = 2) -> LayerGraph:
-    """Embedding, n identical transformer blocks and an LM head, priced by the usual formulas."""
+    """Embedding, n identical transformer blocks and an LM head, priced by the usual formulas.
+
+    Each layer is one module of its own (``module_path`` its name), as capture finds a GPT's.
+    """
     h, s, v = hidden, seq, vocab
     emb = Layer(
         "embed", 0, "Embedding", flops_per_sample=0.0, param_count=v * h, param_bytes=v * h * dtype_bytes,
         activation_bytes_per_sample=0.0, input_bytes_per_sample=8 * s,
-        boundary_bytes_per_sample=s * h * dtype_bytes, can_cut_after=True,
+        boundary_bytes_per_sample=s * h * dtype_bytes, can_cut_after=True, module_path="embed",
         tp_styles=(TPStyle("vocab", vocab=("embed",), divisors=(v,), sharded_params=v * h,
                            fwd_allreduce_elems=s * h, fwd_allreduce_count=1),),
     )
@@ -29,11 +32,12 @@ def transformer_graph(n_blocks: int = 4, hidden: int = 1024, seq: int = 1024, vo
                            fwd_allreduce_elems=2 * s * h, fwd_allreduce_count=2,
                            bwd_allreduce_elems=2 * s * h, bwd_allreduce_count=2),),
     )
-    blocks = [Layer(f"blocks.{i}", i + 1, **block) for i in range(n_blocks)]
+    blocks = [Layer(f"blocks.{i}", i + 1, module_path=f"blocks.{i}", **block) for i in range(n_blocks)]
     head = Layer(
         "head", n_blocks + 1, "Linear", flops_per_sample=2.0 * s * h * v, param_count=h * v,
         param_bytes=h * v * dtype_bytes, activation_bytes_per_sample=s * h * dtype_bytes + s * v * 4,
         input_bytes_per_sample=s * h * dtype_bytes, boundary_bytes_per_sample=0.0, can_cut_after=False,
+        module_path="head",
         tp_styles=(TPStyle("vocab", column=("head",), divisors=(v,), sharded_params=h * v,
                            sharded_flops_per_sample=2.0 * s * h * v, fwd_allgather_elems=s * v,
                            bwd_allreduce_elems=s * h, bwd_allreduce_count=1),),

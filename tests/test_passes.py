@@ -139,7 +139,7 @@ def test_a_plan_for_another_model_is_refused(graph, tmp_path: Path) -> None:
 
 
 def test_pipeline_plans_need_the_pipeline_pass() -> None:
-    from autopar.runtime.model import _pipeline_builder
+    from autopar.runtime.lowering import _pipeline_builder
 
     try:
         import autopar.passes.pipeline  # noqa: F401

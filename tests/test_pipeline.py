@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import autopar
+from autopar.cost_models.pipeline import ScheduleKind
 from autopar.errors import LoweringError, PinError
 from autopar.plan import Mesh
 from autopar.passes.stage_split import split_model
@@ -112,7 +113,7 @@ def test_tied_weights_keep_their_layers_in_one_stage() -> None:
     # and a hand-made plan that cuts anyway is refused when lowering
     flat = autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=8, pins=["pp=1", "tp=1"])
     layers = tuple(replace(l, stage=0 if i < 2 else 1) for i, l in enumerate(flat.layers))
-    cut = replace(flat, mesh=Mesh(2, 1, 1), layers=layers, schedule="gpipe")
+    cut = replace(flat, mesh=Mesh(2, 1, 1), layers=layers, schedule=ScheduleKind.GPIPE)
     with pytest.raises(LoweringError, match="tied"):
         split_model(model, inputs, graph, cut)
 

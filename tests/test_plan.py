@@ -43,7 +43,7 @@ def test_prediction_adds_up(plan):
     parts = b.compute_s + b.bubble_s + b.tp_comm_s + b.dp_comm_s + b.pp_comm_s + b.optimizer_s
     assert parts == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
     assert len(plan.predicted.memory_per_rank_bytes) == plan.mesh.pp
-    assert plan.training["global_batch"] == plan.mesh.dp * plan.microbatches * plan.microbatch_size
+    assert plan.training.global_batch == plan.mesh.dp * plan.microbatches * plan.microbatch_size
 
 
 def test_summary_folds_runs_of_identical_layers(plan):

@@ -9,6 +9,7 @@ import pytest
 from autopar.cost_models.hardware import PRESETS
 from autopar.cost_models.pipeline import Schedule, ScheduleKind
 from autopar.graph import LayerGraph
+from autopar.contract import REPLICATED, DataParallelism
 from autopar.planning.pricing import MeshConfig, PriceTable, Strategy, TrainingSpec
 
 from synthetic import transformer_graph
@@ -55,10 +56,12 @@ def test_dtensor_parameters_cost_the_optimizer_a_dispatch_per_tensor():
     names = tuple(f"w{i}" for i in range(12))
     graph = LayerGraph([replace(layer, param_names=names) for layer in synthetic], model_name="named",
                        example_batch=1, dtype_bytes=2, seq_len=64)
-    config = MeshConfig(1, 2, 1, 1, Schedule(ScheduleKind.NONE))
     cluster = replace(PRESETS["a100-80g"], gpus_per_node=2).for_world_size(2)
 
     def optimizer_s(strategy: Strategy, dtensor_s: float) -> float:
+        # a pure-DP plan is DDP; a plan sharding a block is FSDP2 (autopar.contract)
+        mode = DataParallelism(sharded=True, root_zero=3) if strategy.zero else REPLICATED
+        config = MeshConfig(1, 2, 1, 1, Schedule(ScheduleKind.NONE), mode)
         table = PriceTable(graph, config, replace(cluster, optimizer_dtensor_s=dtensor_s), TrainingSpec(8))
         return table.prices[1][table.strategies[1].index(strategy)].optimizer_s
 
@@ -71,9 +74,10 @@ def test_dtensor_parameters_cost_the_optimizer_a_dispatch_per_tensor():
 def test_fsdp2_overhead_is_priced_per_collective_and_never_hidden():
     graph = transformer_graph(2, 256, 64, vocab=1024, heads=4)
     cluster = replace(PRESETS["a100-80g"], gpus_per_node=2, comm_overlap=1.0).for_world_size(2)
-    config = MeshConfig(1, 2, 1, 2, Schedule(ScheduleKind.NONE))  # 2 microbatches
 
     def exposed(strategy: Strategy, overhead: float) -> float:
+        mode = DataParallelism(sharded=True, root_zero=3) if strategy.zero else REPLICATED
+        config = MeshConfig(1, 2, 1, 2, Schedule(ScheduleKind.NONE), mode)  # 2 microbatches
         table = PriceTable(graph, config, replace(cluster, zero_overhead_s=overhead), TrainingSpec(8))
         return table.prices[1][table.strategies[1].index(strategy)].exposed_comm_s
 

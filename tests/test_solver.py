@@ -218,10 +218,10 @@ def test_reprice_keeps_every_choice_and_prices_on_another_cluster():
     assert same.predicted == plan.predicted and same.layers == plan.layers
     slower = autopar.reprice(graph, plan, "v100-16g", memory_gb=80)
     assert (slower.mesh, slower.layers, slower.microbatches) == (plan.mesh, plan.layers, plan.microbatches)
-    assert slower.cluster["name"] == "v100-16g"
+    assert slower.cluster.name == "v100-16g"
     assert slower.predicted.step_time_s > plan.predicted.step_time_s  # a slower device
     pinned = [f"pp={plan.mesh.pp}", f"dp={plan.mesh.dp}", f"tp={plan.mesh.tp}",
-              f"microbatches={plan.microbatches}", f"schedule={plan.schedule}"] + [
+              f"microbatches={plan.microbatches}", f"schedule={plan.schedule.value}"] + [
         f"{l.name}:stage={l.stage}" for l in plan.layers] + [
         f"{l.name}:tp={l.tp or 'none'}" for l in plan.layers] + [
         f"{l.name}:zero={l.zero}" for l in plan.layers] + [
@@ -235,7 +235,12 @@ def test_reprice_keeps_every_choice_and_prices_on_another_cluster():
 def test_memory_bound_never_exceeds_the_least_peak_a_configuration_reaches():
     from ortools.sat.python import cp_model
 
-    from autopar.planning.solver import _allowed, _build_model, _memory_lower_bound, _runs, _solver, _Units
+    from autopar.planning.bounds import memory_lower_bound as _memory_lower_bound
+    from autopar.planning.choices import allowed_strategies as _allowed
+    from autopar.planning.choices import runs_of as _runs
+    from autopar.planning.model import Units as _Units
+    from autopar.planning.model import build_model as _build_model
+    from autopar.planning.model import cp_solver as _solver
 
     graph = transformer_graph(4, 1024, 1024, vocab=8192, heads=16)
     cluster, training = _tiny_cluster(2, 4).for_world_size(8), TrainingSpec(8, "bf16")

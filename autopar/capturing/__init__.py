@@ -2,9 +2,12 @@
 
 ``trace`` traces (torch.fx, else torch.export), groups nodes into layers and
 measures them; ``tp_detect`` finds each layer's tensor-parallel styles;
-``twins`` replays a repeated layer's measurements instead of re-running it.
+``twins`` replays a repeated layer's measurements instead of re-running it;
+``layer_trace`` traces with each layer kept one module call, for the
+pipeline stage split.
 """
 
-from autopar.capturing.trace import capture, trace_layers
+from autopar.capturing.layer_trace import trace_layers
+from autopar.capturing.trace import capture
 
 __all__ = ["capture", "trace_layers"]

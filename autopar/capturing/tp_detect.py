@@ -18,7 +18,7 @@ the lowering pass compute different numbers than one device.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-import torch
+
 import torch.fx as fx
 import torch.nn as nn
 
@@ -104,7 +104,9 @@ def _external_inputs(nodes: list[fx.Node], members: set[fx.Node], view: LayerVie
     return out
 
 
-def _depends_on(start: set[fx.Node], targets: set[fx.Node], stop: set[fx.Node], allowed: set[fx.Node], view: LayerView) -> tuple[bool, bool]:
+def _depends_on(
+    start: set[fx.Node], targets: set[fx.Node], stop: set[fx.Node], allowed: set[fx.Node], view: LayerView
+) -> tuple[bool, bool]:
     """Walk tensor dataflow back from ``start`` inside ``allowed``: (reaches targets, reaches stop)."""
     seen: set[fx.Node] = set()
     todo = list(start)

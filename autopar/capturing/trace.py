@@ -26,9 +26,9 @@ import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.capturing import twins
+from autopar.capturing.tp_detect import LayerView, NodeStats, detect_tp_styles
 from autopar.errors import CaptureError
 from autopar.graph import Layer, LayerGraph
-from autopar.capturing.tp_detect import LayerView, NodeStats, detect_tp_styles
 
 _SKIP_TARGETS = ("_guards_fn",)
 _INPUT = -1  # layer index of placeholders (values that enter the model)
@@ -118,7 +118,9 @@ def _is_compute(node: fx.Node) -> bool:
     return node.op in ("call_function", "call_method", "call_module") and node.target not in _SKIP_TARGETS
 
 
-def _group_layers(gm: fx.GraphModule, model: nn.Module) -> tuple[list[tuple[str | None, list[fx.Node]]], dict[fx.Node, int]]:
+def _group_layers(
+    gm: fx.GraphModule, model: nn.Module
+) -> tuple[list[tuple[str | None, list[fx.Node]]], dict[fx.Node, int]]:
     """Runs of consecutive compute nodes with the same layer key; glue joins the next run."""
     expanded = _expanded_paths(model)
     compute = [n for n in gm.graph.nodes if _is_compute(n)]
@@ -204,7 +206,7 @@ class _TwinLayers:
         """A value with real data: its layer's results may depend on data, never reuse them."""
         self.recording = None
 
-    def step(self, meter: "_Meter", n: fx.Node) -> tuple[bool, Any]:
+    def step(self, meter: _Meter, n: fx.Node) -> tuple[bool, Any]:
         """Before node ``n`` runs: (True, its value) if its layer is replayed, else (False, None)."""
         layer = self.node_layer.get(n)
         if layer != self.layer and (layer is not None or n.op == "output"):
@@ -215,7 +217,7 @@ class _TwinLayers:
             return True, self.replayed.get(n)
         return False, None
 
-    def _enter(self, meter: "_Meter", layer: int) -> None:
+    def _enter(self, meter: _Meter, layer: int) -> None:
         self.layer = layer
         key, nodes = self.runs[layer]
         try:
@@ -234,7 +236,7 @@ class _TwinLayers:
         self.recording = (signature, values, inputs)
 
     @staticmethod
-    def _input_value(meter: "_Meter", node: fx.Node) -> Any:
+    def _input_value(meter: _Meter, node: fx.Node) -> Any:
         """The value of an input of the layer being entered (a get_attr may sit later in the graph)."""
         if node in meter.env:
             return meter.env[node]
@@ -242,7 +244,7 @@ class _TwinLayers:
             return meter.fetch_attr(str(node.target))
         raise twins.NotReplayable(f"input {node.name} has no value yet")
 
-    def _leave(self, meter: "_Meter") -> None:
+    def _leave(self, meter: _Meter) -> None:
         if self.recording is not None and self.layer is not None:
             signature, values, inputs = self.recording
             try:
@@ -509,7 +511,8 @@ def capture(
         stats = _Meter(gm, _state_keys(model, gm), runs, node_layer, replay=replay_twins).measure(flat)
     except Exception as exc:  # noqa: BLE001
         raise CaptureError(
-            f"cannot capture {type(model).__name__}: running the {tracer} graph on the example inputs failed: {_short(exc)}"
+            f"cannot capture {type(model).__name__}: running the {tracer} graph on the example inputs "
+            f"failed: {_short(exc)}"
         ) from exc
     batch, seq_len = _batch_and_seq(flat)
     dtype_bytes = _dtype_bytes(model, flat)
@@ -554,62 +557,4 @@ def capture(
     )
 
 
-# --------------------------------------------------------------------------- tracing for lowering
-
-
-class _LayerTracer(fx.Tracer):
-    """``symbolic_trace`` with each layer's module kept as one ``call_module`` node (a leaf)."""
-
-    def __init__(self, leaves: set[str]):
-        super().__init__()
-        self.leaves = leaves
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
-
-
-def _node_layers(gm: fx.GraphModule, model: nn.Module) -> dict[str, str]:
-    runs, _ = _group_layers(gm, model)
-    return {n.name: name for name, (_, nodes) in zip(_layer_names(runs), runs) for n in nodes}
-
-
-def _trace_layer_leaves(model: nn.Module, node_layer: dict[str, str], gm: fx.GraphModule) -> fx.GraphModule | None:
-    """Re-trace with every layer module a leaf; None unless that yields the same layers in order."""
-    runs, _ = _group_layers(gm, model)
-    leaves = {key for key, _ in runs if key is not None}
-    try:
-        tracer = _LayerTracer(leaves)
-        graph = tracer.trace(model)
-        leaf_gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
-    except Exception:  # noqa: BLE001 - e.g. a tuple output unpacked by Python code: keep the full trace
-        return None
-    if list(dict.fromkeys(_node_layers(leaf_gm, model).values())) != list(dict.fromkeys(node_layer.values())):
-        return None
-    return leaf_gm
-
-
-def trace_layers(model: nn.Module, example_inputs: tuple | dict | torch.Tensor,
-                 ) -> tuple[fx.GraphModule, dict[str, str], str]:
-    """Trace ``model`` as :func:`capture` does and name each compute node's layer.
-
-    Returns ``(gm, node_layer, tracer)``: ``node_layer`` maps a node's name to
-    the name of its layer (the names :func:`capture` gives; placeholders,
-    ``get_attr`` and output nodes have none). ``tracer`` is ``"fx-layers"``
-    when the model is FX-traceable with each layer's module kept as one
-    ``call_module`` node — the layer modules are then called, so hooks that
-    passes install on them (tensor parallel, checkpoint, FSDP) run — else
-    ``"fx"`` (layers inlined) or ``"export"`` (ATen graph of
-    ``torch.export``). The graph module holds the model's own parameter
-    objects under their original FQNs. Raises :class:`CaptureError` like capture.
-    """
-    args, kwargs = _split_inputs(model, example_inputs)
-    gm, _, tracer = _trace(model, args, kwargs)
-    node_layer = _node_layers(gm, model)
-    if tracer == "fx":
-        leaf_gm = _trace_layer_leaves(model, node_layer, gm)
-        if leaf_gm is not None:
-            return leaf_gm, _node_layers(leaf_gm, model), "fx-layers"
-    return gm, node_layer, tracer
-
-
-__all__ = ["capture", "trace_layers"]
+__all__ = ["capture"]

@@ -8,22 +8,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping
 
+from autopar import contract
 from autopar.cost_models.hardware import ClusterSpec, load_cluster
 from autopar.cost_models.memory import PRECISIONS
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
-from autopar.plan import Breakdown, LayerPlan, Mesh, Plan, Predicted, SolverReport
+from autopar.plan import Breakdown, LayerPlan, Mesh, Plan, Predicted, SolverReport, TrainingSettings
 from autopar.planning.pricing import TrainingSpec
 from autopar.planning.solver import Solution, SolverOptions
 from autopar.planning.solver import solve as _solve
+from autopar.units import GiB
 
 PinsLike = Pins | Mapping[str, Any] | Iterable[str] | None
 DEFAULT_CLUSTER = "a100-80g"
-GiB = 2**30
 
 
 def resolve_cluster(cluster: str | ClusterSpec | None, world_size: int, *,
@@ -77,20 +78,18 @@ def reprice(graph: LayerGraph, plan: Plan, cluster: str | ClusterSpec | None = N
     from autopar.planning.solver import Solution
 
     plan.check_fingerprint(graph.fingerprint())
-    spec = (ClusterSpec.from_dict(plan.cluster, source="plan") if cluster is None
+    spec = (plan.cluster if cluster is None
             else resolve_cluster(cluster, plan.world_size))
     if spec.world_size != plan.world_size:
         spec = spec.for_world_size(plan.world_size)
-    training = TrainingSpec(global_batch=int(plan.training["global_batch"]), dtype=plan.training["dtype"])
+    training = TrainingSpec(global_batch=plan.training.global_batch, dtype=plan.training.dtype)
     config = MeshConfig(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, plan.microbatches,
                         Schedule(ScheduleKind(plan.schedule), plan.chunks))
-    table = PriceTable(graph, config, spec, training)
     stages = tuple(l.stage for l in plan.layers)
     strategies = tuple(Strategy(l.tp, l.zero, l.recompute) for l in plan.layers)
-    for i, s in enumerate(strategies):  # a choice the search space leaves out is priced all the same
-        if s not in table.strategies[i]:
-            table.strategies[i] = [*table.strategies[i], s]
-            table.prices[i] = [*table.prices[i], table._price(graph[i], s)]
+    # the data-parallel mode the plan lowers in; a choice the search space leaves out is priced all the same
+    config = replace(config, data_parallel=contract.mode_of(graph, config.dp, tuple(s.zero for s in strategies), config.pp))
+    table = PriceTable(graph, config, spec, training)
     prediction = evaluate(table, stages, strategies)
     solution = Solution(config, stages, strategies, prediction, table, plan.solver.status,
                         plan.solver.gap, plan.solver.wall_s, plan.solver.configs_considered,
@@ -127,15 +126,35 @@ def build_plan(graph: LayerGraph, solution: Solution, cluster: ClusterSpec,
     return Plan(
         fingerprint=graph.fingerprint(), model=graph.model_name, world_size=c.world_size,
         mesh=Mesh(c.pp, c.dp, c.tp), microbatches=c.microbatches,
-        microbatch_size=solution.table.microbatch_size, schedule=c.schedule.name,
+        microbatch_size=solution.table.microbatch_size, schedule=c.schedule.kind,
         chunks=c.schedule.chunks, layers=layers, predicted=predicted,
         solver=SolverReport(solution.status, round(solution.wall_s, 4), solution.gap,
                             solution.configs_total, solution.configs_solved),
-        cluster=cluster.to_dict(),
-        training={"global_batch": training.global_batch, "dtype": training.dtype,
-                  "seq_len": graph.seq_len, "optimizer": "adam"},
+        cluster=cluster,
+        training=TrainingSettings(global_batch=training.global_batch, dtype=training.dtype,
+                                  seq_len=graph.seq_len, optimizer="adam"),
         pins=tuple(pins.to_strings()),
+        notes=contract_notes(graph, solution),
     )
+
+
+def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
+    """Where a layer runs otherwise than its plan entry asks (the contract's rules), say so."""
+    table, raised, kept = solution.table, [], []
+    for i, (layer, s) in enumerate(zip(graph, solution.strategies)):
+        runs = table.runs_as(i, s)
+        if layer.param_count and solution.config.dp > 1 and runs.zero != s.zero:
+            raised.append(f"{layer.name} (zero={s.zero})")
+        if s.recompute and not runs.recompute:
+            kept.append(layer.name)
+    notes = []
+    if raised:
+        notes.append(f"{', '.join(raised)} share the root FSDP unit, which runs at "
+                     f"ZeRO-{solution.config.data_parallel.root_zero}: priced and run at that stage")
+    if kept:
+        notes.append(f"{', '.join(kept)}: recompute asked for, but the layer has no module of its own "
+                     "to checkpoint (or sits in an export-captured pipeline stage): runs without it")
+    return tuple(notes)
 
 
 # ---------------------------------------------------------------- baselines

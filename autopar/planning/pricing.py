@@ -47,14 +47,14 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import cached_property
 
+from autopar import contract
+from autopar.contract import REPLICATED, Buffers, DataParallelism, Engine
 from autopar.cost_models.communication import Collective, collective_time_s, p2p_time_s, place_group
 from autopar.cost_models.compute import BACKWARD_FLOPS_FACTOR, compute_time_s
 from autopar.cost_models.hardware import ClusterSpec, idle_core_speedup
 from autopar.cost_models.memory import Precision, model_state_bytes, optimizer_shard_params, precision
 from autopar.cost_models.pipeline import Schedule, ScheduleKind, in_flight
 from autopar.graph import Layer, LayerGraph
-
-DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
 
 
 def exposed_comm_s(comm_s: float, compute_s: float, overlap: float) -> float:
@@ -79,13 +79,21 @@ class Strategy:
 
 @dataclass(frozen=True, order=True)
 class MeshConfig:
-    """The global choices: mesh degrees, microbatches and pipeline schedule."""
+    """The global choices: mesh degrees, microbatches, pipeline schedule, and how data
+    parallelism runs (:class:`~autopar.contract.DataParallelism`: replicated, or sharded
+    with the root units at one ZeRO stage)."""
 
     pp: int
     dp: int
     tp: int
     microbatches: int
     schedule: Schedule = field(compare=False)
+    data_parallel: DataParallelism = REPLICATED
+
+    @property
+    def engine(self) -> Engine:
+        """The plan's data-parallel engine (:func:`autopar.contract.plan_engine`)."""
+        return contract.plan_engine(self.pp, self.dp, self.tp, self.data_parallel)
 
     @property
     def world_size(self) -> int:
@@ -97,10 +105,11 @@ class MeshConfig:
         return self.pp * self.schedule.chunks
 
     def rank_of_stage(self, stage: int) -> int:
-        return stage % self.pp
+        return contract.pipeline_rank(stage, self.pp)
 
     def describe(self) -> str:
-        return f"pp={self.pp} dp={self.dp} tp={self.tp} m={self.microbatches} {self.schedule}"
+        dp = f" {self.data_parallel}" if self.dp > 1 else ""
+        return f"pp={self.pp} dp={self.dp} tp={self.tp} m={self.microbatches} {self.schedule}{dp}"
 
 
 @dataclass(frozen=True)
@@ -141,7 +150,7 @@ class PriceTable:
     """Prices of every admissible strategy of every layer under one :class:`MeshConfig`."""
 
     def __init__(self, graph: LayerGraph, config: MeshConfig, cluster: ClusterSpec,
-                 training: TrainingSpec, *, zero_stages: tuple[int, ...] = (0, 1, 2, 3)):
+                 training: TrainingSpec):
         samples = config.dp * config.microbatches
         if training.global_batch % samples:
             raise ValueError(f"global batch {training.global_batch} does not split into "
@@ -154,7 +163,7 @@ class PriceTable:
         self.tp_group = place_group(config.tp, 1, cluster.gpus_per_node)
         self.dp_group = place_group(config.dp, config.tp, cluster.gpus_per_node)
         self.pp_inter_node = cluster.nodes > 1 and config.dp * config.tp >= cluster.gpus_per_node
-        self.zeros = zero_stages if config.dp > 1 else (0,)
+        self.engine = config.engine
         self._style_memo: dict[tuple[int, str | None], tuple[float, float, float, float, float]] = {}
 
     @cached_property
@@ -164,13 +173,16 @@ class PriceTable:
         Layers of one cost class (the repeated blocks) share one priced row; a row
         is copied before a layer's row is extended (see solver._pinned_outside_search).
         """
-        rows: dict[int, tuple[list[Strategy], list[LayerPrice]]] = {}
-        for layer, cls in zip(self.graph, self.graph.cost_classes):
-            if cls not in rows:
-                strategies = self._strategies(layer, self.zeros)
-                rows[cls] = (strategies, [self._price(layer, s) for s in strategies])
-        classes = self.graph.cost_classes
-        return [rows[c][0] for c in classes], [rows[c][1] for c in classes]
+        rows: dict[tuple, tuple[list[Strategy], list[LayerPrice]]] = {}
+        keys = []
+        for layer in self.graph:
+            zeros = contract.offered_zeros(self.graph, layer.index, self.config.data_parallel, self.config.pp)
+            key = (self.graph.cost_classes[layer.index], zeros, self._recompute_options(layer))
+            if key not in rows:
+                strategies = self._strategies(layer, zeros)
+                rows[key] = (strategies, [self._price(layer, s) for s in strategies])
+            keys.append(key)
+        return [rows[k][0] for k in keys], [rows[k][1] for k in keys]
 
     @cached_property
     def strategies(self) -> list[list[Strategy]]:
@@ -192,15 +204,44 @@ class PriceTable:
             out.append(memo[cls])
         return out
 
+    def _recompute_options(self, layer: Layer) -> tuple[bool, ...]:
+        return (False, True) if contract.recompute_applies(self.graph, layer.index, self.config.pp) else (False,)
+
     def _strategies(self, layer: Layer, zeros: tuple[int, ...]) -> list[Strategy]:
-        if self.config.pp > 1 and self.graph.tracer == "export":
-            # An export-captured model's pipeline stages are single ATen graphs with no
-            # layer modules left to hook (passes/pipeline.py): each layer stays replicated.
-            return [Strategy(None, 0, False)]
+        """What the contract lets this layer run as (styles, ZeRO stages, recompute)."""
         styles: list[str | None] = [None]
-        if self.config.tp > 1:
+        if self.config.tp > 1 and contract.tp_applies(self.graph, self.config.pp):
             styles += [s.name for s in layer.tp_styles if s.admits(self.config.tp)]
-        return [Strategy(t, z, r) for t in styles for z in zeros for r in (False, True)]
+        return [Strategy(t, z, r) for t in styles for z in zeros for r in self._recompute_options(layer)]
+
+    def index_of(self, i: int, strategy: Strategy) -> int:
+        """Strategy ``strategy``'s index in layer ``i``'s row, pricing it there first if the
+        search space leaves it out (a pinned or hand-made choice). Rows are shared between
+        layers that price alike, so the row is copied before it is extended."""
+        if strategy not in self.strategies[i]:
+            self.strategies[i] = [*self.strategies[i], strategy]
+            self.prices[i] = [*self.prices[i], self._price(self.graph[i], strategy)]
+        return self.strategies[i].index(strategy)
+
+    def runs_as(self, i: int, strategy: Strategy) -> Strategy:
+        """What layer ``i`` asking for ``strategy`` runs as (the contract's ZeRO stage and recompute):
+        what it is priced as."""
+        c = self.config
+        zero = contract.effective_zero(self.graph, i, strategy.zero, c.data_parallel, c.dp, c.pp)
+        recompute = strategy.recompute and contract.recompute_applies(self.graph, i, c.pp)
+        return Strategy(strategy.tp, zero, recompute)
+
+    def buffers_needed(self, i: int, k: int) -> Buffers:
+        """The FSDP2 buffers layer ``i`` under strategy ``k`` makes its rank hold (the contract's)."""
+        if self.config.dp <= 1 or self.engine is Engine.DDP:
+            return Buffers.NONE
+        zero = self.runs_as(i, self.strategies[i][k]).zero
+        return contract.buffers_of(zero, bool(self.graph[i].param_count))
+
+    def buffer_bytes(self, buffers: Buffers) -> int:
+        """Bytes of FSDP2's ``buffers`` on a rank."""
+        return ((self.reduce_scatter_buffer_bytes if buffers.value >= Buffers.REDUCE_SCATTER.value else 0)
+                + (self.prefetch_buffer_bytes if buffers is Buffers.PREFETCH else 0))
 
     @cached_property
     def bubble_weight(self) -> Fraction:
@@ -213,13 +254,13 @@ class PriceTable:
         """(σ, k): σ how much faster a rank runs while the others of its node wait, k how many
         consecutive pipeline ranks share a node's cores; (1, 1) where no rank lends cores.
 
-        Ranks are laid out pp-major, so a node of g ranks holds g / (dp·tp)
-        pipeline ranks; with k = 1 every rank of a node waits at the same
-        moments and lends nothing.
+        A node holds :func:`~autopar.contract.pipeline_ranks_per_node` pipeline
+        ranks; with k = 1 every rank of a node waits at the same moments and
+        lends nothing.
         """
         c = self.config
         on_node = min(self.cluster.gpus_per_node, c.world_size)
-        k = math.gcd(max(1, on_node // (c.dp * c.tp)), c.pp)
+        k = math.gcd(contract.pipeline_ranks_per_node(c.pp, c.dp, c.tp, self.cluster.gpus_per_node), c.pp)
         sigma = idle_core_speedup(self.cluster, on_node)
         return (Fraction(1), 1) if c.pp <= 1 or k < 2 or sigma == 1 else (sigma, k)
 
@@ -251,10 +292,8 @@ class PriceTable:
 
     @cached_property
     def largest_unit_params(self) -> int:
-        """Parameters of the largest FSDP unit: a repeated layer (a block), or the root unit that
-        gathers every other layer's parameters together (the runtime's wrapping, passes/zero.py)."""
-        blocks = [l.param_count for l, own in zip(self.graph, self.graph.repeated) if own]
-        return max(blocks + [self._root_params])
+        """Parameters of the largest FSDP unit (:func:`autopar.contract.largest_unit_params`)."""
+        return contract.wrapping(self.graph, self.config.pp).largest_unit_params
 
     @cached_property
     def workspace_bytes(self) -> int:
@@ -289,9 +328,9 @@ class PriceTable:
         return self.prec.param_bytes * self.largest_unit_params if self.config.dp > 1 else 0
 
     def zero_buffer_bytes(self, zeros: set[int]) -> int:
-        """FSDP2's buffers on a rank whose layers use the ZeRO stages ``zeros``."""
-        return ((self.reduce_scatter_buffer_bytes if any(z >= 1 for z in zeros) else 0)
-                + (self.prefetch_buffer_bytes if 3 in zeros else 0))
+        """FSDP2's buffers on a rank whose layers with parameters use the ZeRO stages ``zeros``."""
+        held = [contract.buffers_of(z) for z in zeros] if self.engine is not Engine.DDP else []
+        return self.buffer_bytes(max(held, key=lambda b: b.value, default=Buffers.NONE))
 
     def effective_params(self, layer: Layer, strategy: Strategy) -> int:
         """Parameters one rank holds for the layer before ZeRO sharding."""
@@ -334,13 +373,15 @@ class PriceTable:
         return self._style_memo[key]
 
     def _price(self, layer: Layer, strategy: Strategy) -> LayerPrice:
+        """The layer priced as it runs (:meth:`runs_as`)."""
+        strategy = self.runs_as(layer.index, strategy)
         c, b, prec, device = self.config, self.microbatch_size, self.prec, self.cluster.device
         fwd, bwd, tp_comm_fwd, tp_comm_bwd, acts = self._style_part(layer, strategy.tp)
         compute = fwd + bwd + (fwd if strategy.recompute else 0.0)
         tp_comm = tp_comm_fwd + tp_comm_bwd + (tp_comm_fwd if strategy.recompute else 0.0)
         kept = layer.input_bytes_per_sample if strategy.recompute else acts
         params = self.effective_params(layer, strategy)
-        share = self._collective_share(layer, strategy.zero)
+        share = contract.collective_share(self.graph, layer.index, self.engine, c.pp, prec.grad_bytes)
         dp_comm = self._dp_comm_s(params, strategy.zero, share)
         fsdp_work = self._zero_overhead_s(params, strategy.zero, share)  # done by the host: never hidden
         return LayerPrice(
@@ -353,68 +394,35 @@ class PriceTable:
             * prec.optimizer_bytes_touched / device.memory_bandwidth_bytes_s
             + (len(layer.param_names) * self.cluster.optimizer_dtensor_s if self._dtensor(strategy) else 0.0),
             state_bytes=model_state_bytes(params, strategy.zero, c.dp, prec)
-            + (prec.grad_bytes * params if self._ddp(strategy.zero) else 0),
+            + (prec.grad_bytes * params if self.engine is Engine.DDP else 0),
             activation_mb_bytes=math.ceil(b * max(kept, 0.0) * self.act_scale),
         )
-
-    @cached_property
-    def _root_params(self) -> int:
-        """Parameters of the layers that share the root FSDP unit (every layer but the blocks)."""
-        return sum(l.param_count for l, own in zip(self.graph, self.graph.repeated) if not own)
 
     def _dtensor(self, strategy: Strategy) -> bool:
         """Whether the layer's parameters are DTensors once lowered (passes/zero.py,
         passes/tensor_parallel.py): tensor-parallel, or data-parallel on FSDP2 (anything but DDP)."""
-        return strategy.tp is not None or (self.config.dp > 1 and not self._ddp(strategy.zero))
-
-    def _ddp(self, zero: int) -> bool:
-        """Plain DP outside pipelines and tensor parallelism runs as DDP (passes/zero.py), which
-        keeps its gradient buckets beside the gradients: a second copy of them."""
-        c = self.config
-        return zero == 0 and c.dp > 1 and c.pp == 1 and c.tp == 1
-
-    def _collective_share(self, layer: Layer, zero: int) -> float:
-        """How many of the data-parallel engine's collectives (per kind, per step) the layer's
-        traffic rides in: its latency share. The runtime (passes/zero.py) gives each block an
-        FSDP unit, gathers the other layers into one root unit per stage, and runs a pure-DP
-        plan as DDP, whose gradients travel in 25 MiB buckets."""
-        if layer.param_count == 0:
-            return 0.0
-        c = self.config
-        if self._ddp(zero):
-            total = self.prec.grad_bytes * self.graph.total_params
-            buckets = 1 + total / DDP_BUCKET_BYTES
-            return layer.param_count / self.graph.total_params * buckets
-        if self.graph.repeated[layer.index]:
-            return 1.0
-        return min(1.0, c.pp * layer.param_count / max(self._root_params, 1))
-
-    def _dp_collectives(self, zero: int) -> tuple[int, int, int]:
-        """(all-reduces, reduce-scatters, all-gathers) the data-parallel engine runs per step: DP one
-        all-reduce; ZeRO-1 RS + AG once; ZeRO-2 RS per microbatch + AG; ZeRO-3 (2 AG + RS) per microbatch."""
-        m = self.config.microbatches
-        return {0: (1, 0, 0), 1: (0, 1, 1), 2: (0, m, 1), 3: (0, m, 2 * m)}[zero]
+        return strategy.tp is not None or self.engine in (Engine.REPLICATE, Engine.FULLY_SHARD)
 
     def _dp_comm_s(self, params: int, zero: int, share: float = 1.0) -> float:
-        """Per step: the collectives of :meth:`_dp_collectives`. ``share``: the layer's share of
-        each collective's latency."""
+        """Per step: the collectives of :func:`autopar.contract.dp_collectives`. ``share``: the
+        layer's share of each collective's latency."""
         if self.config.dp <= 1 or params == 0:
             return 0.0
         group, cl = self.dp_group, self.cluster
         grads, weights = self.prec.grad_bytes * params, self.prec.param_bytes * params
-        all_reduce, reduce_scatter, all_gather = self._dp_collectives(zero)
+        all_reduce, reduce_scatter, all_gather = contract.dp_collectives(zero, self.config.microbatches)
         return (all_reduce * collective_time_s(Collective.ALL_REDUCE, grads, group, cl, count=share)
                 + reduce_scatter * collective_time_s(Collective.REDUCE_SCATTER, grads, group, cl, count=share)
                 + all_gather * collective_time_s(Collective.ALL_GATHER, weights, group, cl, count=share))
 
     def _zero_overhead_s(self, params: int, zero: int, share: float) -> float:
-        """Per step: FSDP2's own work around each collective of :meth:`_dp_collectives` (the cluster's
+        """Per step: FSDP2's own work around each of its collectives (the cluster's
         ``zero_overhead_s``; ``share`` as in :meth:`_dp_comm_s`). FSDP2's replicate all-reduces once a
         step; DDP's bucketing is C++ beside its all-reduce and left out."""
         c, each = self.config, self.cluster.zero_overhead_s
-        if each <= 0 or c.dp <= 1 or params == 0 or self._ddp(zero):
+        if each <= 0 or c.dp <= 1 or params == 0 or self.engine is Engine.DDP:
             return 0.0
-        return share * each * sum(self._dp_collectives(zero))
+        return share * each * sum(contract.dp_collectives(zero, c.microbatches))
 
     def memory_coefficient(self, layer_index: int, k: int, rank: int) -> int:
         """Bytes layer ``layer_index`` under strategy ``k`` adds to pipeline rank ``rank``."""
@@ -459,24 +467,30 @@ class Prediction:
 
 
 def evaluate(table: PriceTable, stages: tuple[int, ...], strategies: tuple[Strategy, ...]) -> Prediction:
-    """Price a complete assignment with the same model the solver optimises."""
+    """Price a complete assignment with the same model the solver optimises.
+
+    Each layer is priced as the contract says it runs (:meth:`PriceTable.runs_as`): a
+    root-unit layer at its root's ZeRO stage, recompute only on a layer with a module. The
+    table's configuration must carry the assignment's data-parallel mode
+    (:func:`autopar.contract.mode_of`).
+    """
     c = table.config
     pp = c.pp
     t_compute, t_tp, t_p2p = [0.0] * pp, [0.0] * pp, [0.0] * pp
     exposed, opt = [0.0] * pp, [0.0] * pp
     memory = [table.rank_workspace_bytes(j) for j in range(pp)]
-    zeros: list[set[int]] = [set() for _ in range(pp)]
+    buffers = [Buffers.NONE] * pp
     for i, (stage, strategy) in enumerate(zip(stages, strategies)):
-        k = table.strategies[i].index(strategy)
+        k = table.index_of(i, strategy)
         price, rank = table.prices[i][k], c.rank_of_stage(stage)
+        buffers[rank] = max(buffers[rank], table.buffers_needed(i, k), key=lambda b: b.value)
         t_compute[rank] += price.compute_mb_s
         t_tp[rank] += price.tp_comm_mb_s
         exposed[rank] += price.exposed_comm_s
         opt[rank] += price.optimizer_s
         memory[rank] += table.memory_coefficient(i, k, rank)
-        zeros[rank].add(strategy.zero)
     for j in range(pp):
-        memory[j] += table.zero_buffer_bytes(zeros[j])
+        memory[j] += table.buffer_bytes(buffers[j])
     for cut in range(1, len(stages)):
         if stages[cut] != stages[cut - 1]:
             send = table.p2p_s(cut)

@@ -21,7 +21,6 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
-from autopar.cost_models.hardware import CostModelError
 from autopar.errors import AutoparError, InfeasibleError
 
 if TYPE_CHECKING:
@@ -324,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     except InfeasibleError as exc:
         _err(str(exc))
         return EXIT_INFEASIBLE
-    except (AutoparError, CostModelError, _UsageError) as exc:
+    except (AutoparError, _UsageError) as exc:  # CostModelError and ClusterError are AutoparErrors
         _err(str(exc))
         return EXIT_BAD_INPUT
     except OSError as exc:  # a missing or unwritable file named on the command line

@@ -12,10 +12,11 @@ from __future__ import annotations
 import os
 
 from autopar.errors import AutoparError
+from autopar.units import GiB
 
 # Resident memory of one idle rank: torch, gloo and the Python interpreter
 # (about 0.4 GiB measured with torch 2.13 on CPU), with headroom for measurement.
-PROCESS_OVERHEAD_BYTES = 3 * 2**29
+PROCESS_OVERHEAD_BYTES = 3 * GiB // 2
 # Beyond this many ranks per core, timings measure the OS scheduler, not the ranks.
 MAX_PROCESSES_PER_CORE = 4
 
@@ -65,5 +66,5 @@ def check_local_processes(nproc: int, *, backend: str) -> None:
     free = available_memory_bytes()
     if free is not None and nproc * PROCESS_OVERHEAD_BYTES > free:
         most = max(1, free // PROCESS_OVERHEAD_BYTES)
-        raise AutoparError(f"--nproc {nproc} needs about {nproc * PROCESS_OVERHEAD_BYTES / 2**30:.1f} GiB "
-                           f"but {free / 2**30:.1f} GiB is available; use at most {most}")
+        raise AutoparError(f"--nproc {nproc} needs about {nproc * PROCESS_OVERHEAD_BYTES / GiB:.1f} GiB "
+                           f"but {free / GiB:.1f} GiB is available; use at most {most}")

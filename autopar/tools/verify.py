@@ -126,7 +126,7 @@ def _worker(rank: int, world_size: int, store_path: str, spec: str, seq_len: int
                             world_size=world_size, timeout=timedelta(seconds=300))
     plan = Plan.from_json(plan_json)
     model, inputs = _build(spec, seq_len)
-    batches = [synthetic_batch(model, inputs, plan.training["global_batch"], SEED + 1 + k)
+    batches = [synthetic_batch(model, inputs, plan.training.global_batch, SEED + 1 + k)
                for k in range(steps)]
     pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=LayerGraph.from_dict(graph),
                          optimizer=_sgd)

@@ -1,0 +1,406 @@
+"""The contract: what each layer of a plan runs as, decided once for pricing and lowering.
+
+Pricing (:mod:`autopar.planning.pricing`), the solver's bounds and the
+lowering passes all ask this module, and nothing else decides, for a graph
+and a plan (or one configuration being priced):
+
+* the **data-parallel engine** of the plan and of each layer;
+* each layer's **FSDP unit** and the ZeRO stage that unit runs at;
+* the **collectives** a unit issues per step and each layer's share of them;
+* the **FSDP2 buffers** a rank holds;
+* whether a layer's **recompute** applies;
+* the **rank layout** (pp-major, tp innermost).
+
+Torch-free, so the planner and ``autopar show`` never import torch for it.
+
+The rules, with what the runtime showed:
+
+``dp = 1``
+    No data-parallel engine (:attr:`Engine.NONE`): a layer's ``zero`` is moot.
+every layer ``zero = 0`` (a *replicated* plan)
+    ``pp = tp = 1``: DDP at the root (the composable, DDP-based ``replicate``:
+    25 MiB gradient buckets overlapped with backward; FSDP2's replicate at the
+    root cost 1.22× its step on gloo). Otherwise one FSDP2 ``replicate`` unit
+    per part (the model, or one pipeline stage) holding all its layers: the
+    composable DDP inside a ``PipelineStage`` gave gradients 0.88 off, and
+    DDP does not take DTensor parameters.
+some layer ``zero ≥ 1`` (a *sharded* plan)
+    Each *block* — a repeated layer (its cost class occurs more than once)
+    with a module of its own that no other layer calls, and parameters — is
+    an FSDP2 unit of its own: ``fully_shard`` (``reshard_after_forward`` for
+    ZeRO-3) for zero ≥ 1, FSDP2 ``replicate`` for zero 0. Every other layer
+    with parameters belongs to its part's **root unit**; every root unit of
+    the plan runs at one ZeRO stage: the highest its layers ask for, and at
+    least 1 (a replicate root around ``fully_shard`` units mis-averaged their
+    gradients under pipelining: 1.34 relative error, pp2×dp2×tp2). A root
+    layer that asked for less keeps its request in the plan, is priced at the
+    root's stage (:func:`effective_zero`) and is noted. One unit per block and the
+    odd layers folded into the root is torchtitan's wrapping: per-layer units
+    cost 1.14× the hand-written per-block wrapping (benchmarks/runtime_overhead.py).
+    A root holding no parameters runs at ZeRO-2 if its part shards anything, else 0.
+    Inside an export-captured model's pipeline stages no layer module is
+    called, so each stage is one unit holding all its layers.
+recompute
+    Applies to a layer with a module of its own (checkpoint hooks on that
+    module), except inside pipeline stages of an export-captured model, whose
+    stages are single ATen graphs with no layer modules left to hook.
+
+The solver searches each data-parallel mode (:class:`DataParallelism`) as a
+configuration of its own and offers each layer only the choices that run as
+priced (:func:`offered_zeros`, :func:`recompute_applies`), so a plan it
+returns lowers exactly as it was priced. A hand-made plan is lowered by the
+same rules and priced by them too (:func:`layout`, ``planning.pricing.evaluate``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
+from weakref import WeakKeyDictionary
+
+if TYPE_CHECKING:
+    from autopar.graph import Layer, LayerGraph
+    from autopar.plan import Plan
+
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
+ROOT = ""  # the unit path of a part's root module
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+class Engine(Enum):
+    """What runs a layer's data parallelism."""
+
+    NONE = "none"  # dp = 1
+    DDP = "ddp"  # the composable DDP at the model's root
+    REPLICATE = "replicate"  # an FSDP2 replicate unit
+    FULLY_SHARD = "fully_shard"  # an FSDP2 fully_shard unit
+
+
+class Buffers(Enum):
+    """FSDP2's buffers a rank holds because of the units it runs (ordered: each holds the previous)."""
+
+    NONE = 0
+    REDUCE_SCATTER = 1  # two units of unsharded gradients around a reduce-scatter (ZeRO ≥ 1)
+    PREFETCH = 2  # + the next unit's weights gathered ahead (ZeRO-3)
+
+
+@dataclass(frozen=True, order=True)
+class DataParallelism:
+    """The plan-wide half of the contract: replicated (every layer zero 0) or sharded, and
+    the ZeRO stage of the root units when sharded (0 where no root unit holds parameters)."""
+
+    sharded: bool = False
+    root_zero: int = 0
+
+    def __str__(self) -> str:
+        return f"zero-root={self.root_zero}" if self.sharded else "replicated"
+
+
+REPLICATED = DataParallelism()
+
+
+def plan_engine(pp: int, dp: int, tp: int, mode: DataParallelism) -> Engine:
+    """The engine of a replicated plan's layers (sharded plans choose per unit)."""
+    if dp <= 1:
+        return Engine.NONE
+    if mode.sharded:
+        return Engine.FULLY_SHARD
+    return Engine.DDP if pp == 1 and tp == 1 else Engine.REPLICATE
+
+
+def unit_engine(zero: int) -> Engine:
+    return Engine.FULLY_SHARD if zero >= 1 else Engine.REPLICATE
+
+
+# ---------------------------------------------------------------- per layer, from the graph
+
+
+@dataclass(frozen=True)
+class Wrapping:
+    """Which layers own an FSDP unit and which share their part's root unit, for one graph
+    and pipeline degree (sharded plans; replicated ones wrap each part whole)."""
+
+    own: tuple[bool, ...]
+    root: tuple[bool, ...]
+    root_params: int  # parameters of the root-unit layers, all parts together
+    largest_unit_params: int  # the largest unit: a block, or a part's root unit
+
+
+_WRAPPINGS: WeakKeyDictionary[LayerGraph, dict[int, Wrapping]] = WeakKeyDictionary()
+
+
+def wrapping(graph: LayerGraph, pp: int) -> Wrapping:
+    """A block — a repeated layer with parameters, whose module no other layer calls and holds
+    all of them — owns a unit, except inside an export-captured model's pipeline stages, where
+    no layer module is called and each stage is one unit. Cached per graph."""
+    cached = _WRAPPINGS.setdefault(graph, {})
+    if pp not in cached:
+        calls = Counter(layer.module_path for layer in graph if layer.module_path)
+        called = tp_applies(graph, pp)
+
+        def owns(layer: Layer, repeated: bool) -> bool:
+            path = layer.module_path
+            return bool(called and repeated and path and calls[path] == 1 and layer.param_count
+                        and all(name.startswith(path + ".") for name in layer.param_names))
+
+        own = tuple(owns(layer, rep) for layer, rep in zip(graph, graph.repeated))
+        root = tuple(bool(layer.param_count) and not o for layer, o in zip(graph, own))
+        root_params = sum(layer.param_count for layer, r in zip(graph, root) if r)
+        root_unit = root_params if called else -(-root_params // pp)  # export: a stage's share
+        largest = max([layer.param_count for layer, o in zip(graph, own) if o] + [root_unit])
+        cached[pp] = Wrapping(own, root, root_params, largest)
+    return cached[pp]
+
+
+def recompute_applies(graph: LayerGraph, index: int, pp: int) -> bool:
+    """Whether checkpointing layer ``index`` can be lowered (see the module docstring)."""
+    return tp_applies(graph, pp) and graph[index].module_path is not None
+
+
+def tp_applies(graph: LayerGraph, pp: int) -> bool:
+    """Whether layer modules are called, so DTensor styles and checkpoint hooks can be lowered:
+    not inside an export-captured model's pipeline stages (single ATen graphs)."""
+    return not (pp > 1 and graph.tracer == "export")
+
+
+def data_parallel_modes(graph: LayerGraph, pp: int, dp: int) -> list[DataParallelism]:
+    """The data-parallel modes the solver searches for a mesh: each a configuration of its own."""
+    if dp <= 1:
+        return [REPLICATED]
+    if not wrapping(graph, pp).root_params:
+        return [REPLICATED, DataParallelism(True, 0)]
+    return [REPLICATED] + [DataParallelism(True, z) for z in (1, 2, 3)]
+
+
+def offered_zeros(graph: LayerGraph, index: int, mode: DataParallelism, pp: int) -> tuple[int, ...]:
+    """The ZeRO stages layer ``index`` may take in ``mode``, each of which runs as priced."""
+    if not mode.sharded or not graph[index].param_count:
+        return (0,)
+    if wrapping(graph, pp).root[index]:
+        return (mode.root_zero,)
+    return ZERO_STAGES
+
+
+def admits_zero_pin(graph: LayerGraph, index: int, pinned: int, mode: DataParallelism, pp: int, *,
+                    root_floor: int | None) -> bool:
+    """Whether a layer pinned to ZeRO stage ``pinned`` can be planned in ``mode``.
+
+    A layer without parameters has no unit, so any pin is moot. A root-unit
+    layer runs at the root's stage. Where the pins shard some layer, the plan is
+    sharded whatever a root layer asks, so the root runs at ``root_floor`` — the
+    least stage that runs every pinned root layer, max(1, their pins) — and a
+    layer pinned lower keeps its pin in the plan, is priced as it runs
+    (:func:`effective_zero`) and is noted; ``root_floor`` is None when the pins
+    shard nothing or pin no root layer, and then a root layer's pin must be the
+    mode's own stage.
+    """
+    if not graph[index].param_count:
+        return True
+    if not mode.sharded:
+        return pinned == 0
+    if wrapping(graph, pp).root[index]:
+        return (pinned if root_floor is None else root_floor) == mode.root_zero
+    return True
+
+
+def effective_zero(graph: LayerGraph, index: int, zero: int, mode: DataParallelism, dp: int, pp: int) -> int:
+    """The ZeRO stage layer ``index`` asking for ``zero`` runs at in ``mode`` (see the rules)."""
+    if dp <= 1 or not graph[index].param_count or not mode.sharded:
+        return 0
+    return mode.root_zero if wrapping(graph, pp).root[index] else zero
+
+
+def root_floor(graph: LayerGraph, pinned_zeros: list[int | None], pp: int) -> int | None:
+    """See :func:`admits_zero_pin`: the root stage pins force, from each layer's pinned zero (or None)."""
+    params = [bool(layer.param_count) for layer in graph]
+    if not any(z is not None and z >= 1 and p for z, p in zip(pinned_zeros, params)):
+        return None
+    roots = [z for z, root in zip(pinned_zeros, wrapping(graph, pp).root) if root and z is not None]
+    return max([1, *roots]) if roots else None
+
+
+def buffers_of(zero: int, has_params: bool = True) -> Buffers:
+    """FSDP2's buffers a ZeRO stage makes its rank hold (a layer without parameters: none)."""
+    if not has_params or zero <= 0:
+        return Buffers.NONE
+    return Buffers.PREFETCH if zero == 3 else Buffers.REDUCE_SCATTER
+
+
+def dp_collectives(zero: int, microbatches: int) -> tuple[int, int, int]:
+    """(all-reduces, reduce-scatters, all-gathers) a unit issues per step at ``zero``: ZeRO-0
+    one all-reduce; ZeRO-1 RS + AG once (sync deferred to the last microbatch); ZeRO-2 RS per
+    microbatch + AG; ZeRO-3 (2 AG + RS) per microbatch (weights gathered for forward and backward)."""
+    m = microbatches
+    return {0: (1, 0, 0), 1: (0, 1, 1), 2: (0, m, 1), 3: (0, m, 2 * m)}[zero]
+
+
+def collective_share(graph: LayerGraph, index: int, engine: Engine, pp: int, grad_bytes: int) -> float:
+    """How many of its engine's collectives (per kind, per step) layer ``index``'s traffic rides
+    in: its share of their latency. ``engine`` is the plan's (:func:`plan_engine`). DDP packs
+    every gradient into 25 MiB buckets; a replicated plan's one unit per part, and a sharded
+    plan's root unit, are shared by a part's layers (a part holds about 1/pp of them); a
+    block's unit is its own."""
+    layer = graph[index]
+    if layer.param_count == 0 or engine is Engine.NONE:
+        return 0.0
+    if engine is Engine.DDP:
+        buckets = 1 + grad_bytes * graph.total_params / DDP_BUCKET_BYTES
+        return layer.param_count / graph.total_params * buckets
+    if engine is Engine.REPLICATE:
+        return min(1.0, pp * layer.param_count / max(graph.total_params, 1))
+    wrap = wrapping(graph, pp)
+    if wrap.own[index]:
+        return 1.0
+    return min(1.0, pp * layer.param_count / max(wrap.root_params, 1))
+
+
+# ---------------------------------------------------------------- rank layout
+
+
+def pipeline_rank(stage: int, pp: int) -> int:
+    """The pipeline rank holding virtual stage ``stage`` (interleaved: stage s on s mod pp)."""
+    return stage % pp
+
+
+def pipeline_ranks_per_node(pp: int, dp: int, tp: int, ranks_per_node: int) -> int:
+    """How many consecutive pipeline ranks share one node: ranks are laid out pp-major
+    (global rank = (pp_rank · dp + dp_rank) · tp + tp_rank, the device mesh's row-major
+    order over (pp, dp, tp)), so a node of g ranks holds g / (dp·tp) of them."""
+    return max(1, min(ranks_per_node, pp * dp * tp) // (dp * tp))
+
+
+def group_stride(axis: str, dp: int, tp: int) -> int:
+    """The distance in global ranks between neighbours of a mesh axis (pp-major, tp innermost)."""
+    return {"tp": 1, "dp": tp, "pp": dp * tp}[axis]
+
+
+# ---------------------------------------------------------------- a plan's layout
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One FSDP2 unit (or the DDP root) of a part: the module it wraps and the layers it holds."""
+
+    path: str  # module path in the model ("" = the part's root)
+    zero: int
+    engine: Engine
+    layers: tuple[str, ...]
+
+    @property
+    def deferred(self) -> bool:
+        """Whether gradient sync (and resharding) waits for the last microbatch (ZeRO-0/1)."""
+        return self.zero <= 1
+
+
+@dataclass(frozen=True)
+class LayerRole:
+    """What one layer runs as: its unit, the ZeRO stage that unit runs at, its engine, recompute."""
+
+    name: str
+    stage: int
+    rank: int  # pipeline rank
+    zero: int
+    engine: Engine
+    unit: str | None  # the unit's path; None when the layer has no parameters or dp = 1
+    recompute: bool
+    buffers: Buffers
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The contract for one plan: every layer's role and every part's units, innermost first."""
+
+    pp: int
+    dp: int
+    tp: int
+    mode: DataParallelism
+    engine: Engine
+    layers: tuple[LayerRole, ...]
+    units: dict[int, tuple[Unit, ...]]  # per virtual stage
+
+    def role(self, name: str) -> LayerRole:
+        return next(r for r in self.layers if r.name == name)
+
+    def stage_units(self, stage: int) -> tuple[Unit, ...]:
+        return self.units.get(stage, ())
+
+    def recompute_paths(self, graph: LayerGraph, stage: int | None = None) -> list[str]:
+        """Module paths checkpointed in ``stage`` (every stage if None), in layer order."""
+        paths: list[str] = []
+        for layer, role in zip(graph, self.layers):
+            if role.recompute and (stage is None or role.stage == stage) and layer.module_path not in paths:
+                paths.append(layer.module_path)  # type: ignore[arg-type]
+        return paths
+
+    def rank_buffers(self, rank: int) -> Buffers:
+        """The FSDP2 buffers pipeline rank ``rank`` holds: the most any of its layers' units needs."""
+        held = [r.buffers for r in self.layers if r.rank == rank]
+        return max(held, key=lambda b: b.value, default=Buffers.NONE)
+
+
+def mode_of(graph: LayerGraph, dp: int, zeros: tuple[int, ...], pp: int) -> DataParallelism:
+    """The data-parallel mode a plan's ZeRO stages put it in."""
+    sharded = dp > 1 and any(z >= 1 and layer.param_count for layer, z in zip(graph, zeros))
+    if not sharded:
+        return REPLICATED
+    roots = [z for z, root in zip(zeros, wrapping(graph, pp).root) if root]
+    return DataParallelism(True, max(roots + [1]) if roots else 0)
+
+
+def layout(graph: LayerGraph, pp: int, dp: int, tp: int, stages: tuple[int, ...],
+           zeros: tuple[int, ...], recompute: tuple[bool, ...]) -> Layout:
+    """Every layer's role and every part's units for an assignment (see the module docstring)."""
+    mode = mode_of(graph, dp, zeros, pp)
+    engine = plan_engine(pp, dp, tp, mode)
+    wrap = wrapping(graph, pp)
+    own, root = wrap.own, wrap.root
+    units: dict[int, tuple[Unit, ...]] = {}
+    unit_of: dict[int, tuple[str, int, Engine]] = {}
+    for stage in sorted(set(stages)):
+        members = [i for i, s in enumerate(stages) if s == stage]
+        units[stage] = _part_units(graph, members, zeros, mode, engine, own, root)
+        for unit in units[stage]:
+            for name in unit.layers:
+                unit_of[_index(graph, name)] = (unit.path, unit.zero, unit.engine)
+    roles = []
+    for i, layer in enumerate(graph):
+        path, zero, eng = unit_of.get(i, (None, 0, Engine.NONE))
+        has = path is not None and bool(layer.param_count)
+        roles.append(LayerRole(layer.name, stages[i], pipeline_rank(stages[i], pp), zero if has else 0,
+                               eng if has else Engine.NONE, path if has else None,
+                               recompute[i] and recompute_applies(graph, i, pp),
+                               buffers_of(zero, has) if eng is not Engine.DDP else Buffers.NONE))
+    return Layout(pp, dp, tp, mode, engine, tuple(roles), units)
+
+
+def _index(graph: LayerGraph, name: str) -> int:
+    return next(i for i, layer in enumerate(graph) if layer.name == name)
+
+
+def _part_units(graph: LayerGraph, members: list[int], zeros: tuple[int, ...], mode: DataParallelism,
+                engine: Engine, own: tuple[bool, ...], root: tuple[bool, ...]) -> tuple[Unit, ...]:
+    """One part's units, innermost first and the root last."""
+    names = tuple(graph[i].name for i in members)
+    if engine is Engine.NONE:
+        return ()
+    if engine in (Engine.DDP, Engine.REPLICATE):
+        return (Unit(ROOT, 0, engine, names),)
+    blocks = [i for i in members if own[i]]
+    if any(root[i] for i in members):
+        root_zero = mode.root_zero
+    else:
+        root_zero = 2 if any(zeros[i] >= 1 for i in blocks) else 0
+    out = [Unit(graph[i].module_path or ROOT, zeros[i], unit_engine(zeros[i]), (graph[i].name,))
+           for i in sorted(blocks, key=lambda i: -(graph[i].module_path or "").count("."))]
+    rest = tuple(graph[i].name for i in members if not own[i])
+    return (*out, Unit(ROOT, root_zero, unit_engine(root_zero), rest))
+
+
+def plan_layout(graph: LayerGraph, plan: Plan) -> Layout:
+    """The contract for a Plan made for ``graph``."""
+    by_name = {lp.name: lp for lp in plan.layers}
+    lps = [by_name[layer.name] for layer in graph]
+    return layout(graph, plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, tuple(lp.stage for lp in lps),
+                  tuple(lp.zero for lp in lps), tuple(lp.recompute for lp in lps))

@@ -1,0 +1,302 @@
+"""Bounds: step times and memory no plan of a configuration can beat, to skip or prune it.
+
+:func:`lower_bound_s` bounds the step time (a knapsack over all ranks'
+memory, and rank by rank with in-flight activations and FSDP2's buffers);
+:func:`memory_lower_bound` bounds the least peak memory, for the search
+that names the least memory an infeasible problem needs. Both read the
+buffers a strategy makes its rank hold from the price table, which asks the
+contract (:meth:`PriceTable.buffers_needed`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Any
+
+from autopar.contract import Buffers
+from autopar.planning.pricing import PriceTable
+
+Curve = list[tuple[int, list[tuple[int, float]]]]  # (room in bytes, strategy frontier) per buffer choice
+EXACT_WORK = 4096  # most count combinations tried for one rank's least time (beyond: the LP's bound)
+
+
+def lower_bound_s(table: PriceTable, allowed: list[list[int]], budget: int | None = None,
+                  cuts_ok: list[int] | None = None) -> float:
+    """Step time no plan of this configuration can beat (``inf``: none fits in memory).
+
+    Every rank's time is at least the average over ranks of the layers' summed
+    times, and the layers together must fit in pp × (budget − workspace) bytes
+    (each layer counted at its smallest in-flight multiplier). The best such
+    sum is bounded by the Lagrangian dual of that knapsack, max over λ ≥ 0 of
+    Σ_l min_k (t_lk + λ·mem_lk) − λ·capacity, found by bisection on λ. The
+    slowest rank is also bounded rank by rank (:func:`_rank_time_bound_s`).
+    """
+    c = table.config
+    memo: dict[tuple, float] = {}
+    fastest = []
+    for i, ks in enumerate(allowed):
+        key = (table.graph.cost_classes[i], tuple(ks))
+        if key not in memo:
+            memo[key] = min(table.prices[i][k].time_mb_s for k in ks)
+        fastest.append(memo[key])
+    total, slowest = sum(fastest), max(fastest)
+    if budget is not None:
+        total = _knapsack_bound(table, allowed,
+                                sum(budget - table.rank_workspace_bytes(j) for j in range(c.pp)))
+        slowest = max(slowest, _rank_time_bound_s(table, allowed, budget, cuts_ok or []))
+    if cuts_ok and c.stages > 1:
+        thinnest = min(cuts_ok, key=lambda q: table.graph[q - 1].boundary_bytes_per_sample)
+        total += 2 * (c.stages - 1) * table.p2p_s(thinnest)  # p2p time grows with bytes
+    return balanced_step_s(table, total, slowest)
+
+
+def balanced_step_s(table: PriceTable, total: float, slowest_layer: float) -> float:
+    """The least step (:meth:`PriceTable.pipeline_s`) when S ≥ ``total`` and T ≥ S/pp, T ≥ any one
+    layer (``slowest_layer`` may be any lower bound on T): a node's k ranks hold at least k/pp
+    of S, so its work term is at least m·S/pp."""
+    if math.isinf(total):  # w = 0 at pp = 1 must not turn "nothing fits" into nan
+        return math.inf
+    c, w = table.config, float(table.bubble_weight)
+    chain = (c.microbatches - w) * max(total / c.pp, slowest_layer) + w * total
+    sigma, _ = table.core_sharing
+    return chain if sigma == 1 else max(chain / float(sigma), c.microbatches * total / c.pp)
+
+
+def _knapsack_bound(table: PriceTable, allowed: list[list[int]], capacity: int) -> float:
+    rank = min(range(table.config.pp), key=lambda j: table.in_flight[j])
+    rows: dict[tuple, list[int]] = {}
+    for i, ks in enumerate(allowed):
+        rows.setdefault((table.graph.cost_classes[i], tuple(ks)), []).append(i)
+    groups = [
+        (tuple((table.prices[i][k].time_mb_s, table.memory_coefficient(i, k, rank)) for k in ks), len(members))
+        for (_, ks), members in rows.items() for i in members[:1]
+    ]
+
+    def dual(lam: float) -> tuple[float, float]:
+        value, used = -lam * capacity, 0.0
+        for points, n in groups:
+            t, mem = min(points, key=lambda p: (p[0] + lam * p[1], p[1]))
+            value += n * (t + lam * mem)
+            used += n * mem
+        return value, used - capacity
+
+    value, excess = dual(0.0)
+    if excess <= 0:
+        return value
+    least = sum(n * min(p[1] for p in points) for points, n in groups)
+    if least > capacity:
+        return math.inf
+    lo, hi = 0.0, 1e-15
+    while dual(hi)[1] > 0:
+        lo, hi = hi, hi * 4
+    best = value
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        value, excess = dual(mid)
+        best = max(best, value)
+        lo, hi = (mid, hi) if excess > 0 else (lo, mid)
+    return max(best, dual(hi)[0])
+
+
+def _rank_time_bound_s(table: PriceTable, allowed: list[list[int]], budget: int,
+                       cuts_ok: list[int]) -> float:
+    """A lower bound on T, the slowest pipeline rank's time per microbatch, from each rank's
+    own memory (its in-flight activations, workspace and FSDP2 buffers).
+
+    The knapsack bound pools every rank's memory, so it lets the first rank of a 1F1B pipeline,
+    which holds pp microbatches of activations, borrow the last rank's room; and it leaves out
+    the buffers, which on a 1T model are as large as a rank's layers. Here, for each group of
+    alike layers, g_j(n) is the least time rank j can hold n of them in (:func:`rank_curves`);
+    g_j grows with n, and the group's N layers are spread over the ranks, so T is at least the
+    N-th smallest of all g_j(n), plus the least point-to-point time rank j's stage boundaries
+    add. Other layers only add time and memory, so every group gives a bound; the largest is kept.
+    """
+    offsets = rank_p2p_floor(table, cuts_ok)
+    best = max(offsets, default=0.0)
+    for (i, ks), members in layer_groups(table, allowed).items():
+        if min(table.prices[i][k].time_mb_s for k in ks) > 0:
+            curves = rank_curves(table, i, ks, budget, float)
+            best = max(best, nth_smallest(lambda j, n: offsets[j] + least_time(curves[j], n),
+                                           len(curves), len(members)))
+    return best * (1 - 1e-9)  # sums in another order than evaluate's must not prune a tie
+
+
+def layer_groups(table: PriceTable, allowed: list[list[int]]) -> dict[tuple[int, tuple[int, ...]], list[int]]:
+    """Layers that price alike and allow the same strategies, keyed by (first layer, strategies)."""
+    rows: dict[tuple, list[int]] = {}
+    for i, ks in enumerate(allowed):
+        rows.setdefault(group_key(table, i, ks), []).append(i)
+    return {(members[0], tuple(allowed[members[0]])): members for members in rows.values()}
+
+
+def group_key(table: PriceTable, i: int, ks: list[int]) -> tuple:
+    """Layers alike for the rank bounds: one cost class and the same strategies (by value: a
+    row extended for a pin may give another strategy the same index)."""
+    return table.graph.cost_classes[i], tuple(table.strategies[i][k] for k in ks)
+
+
+def rank_curves(table: PriceTable, i: int, ks: list[int] | tuple[int, ...], budget: int,
+                 time_of: Any) -> list[Curve]:
+    """Per pipeline rank, what :func:`least_time` needs for layer ``i``'s strategies ``ks``:
+    for each choice of FSDP2 buffers the rank holds (none, reduce-scatter, both), the room
+    left after workspace and buffers, and the (memory, time) frontier of the strategies that choice allows.
+    ``time_of`` maps seconds to the unit of the result (the model's integer units, or none)."""
+    c = table.config
+    buffers = [table.buffer_bytes(b) for b in Buffers]
+    need = [table.buffers_needed(i, k).value for k in ks]
+    curves = []
+    for j in range(c.pp):
+        room = budget - table.rank_workspace_bytes(j)
+        curve = []
+        for mode, buffer in enumerate(buffers):
+            points = [(table.memory_coefficient(i, k, j), time_of(table.prices[i][k].time_mb_s))
+                      for k, q in zip(ks, need) if q <= mode]
+            if points and room - buffer >= 0:
+                curve.append((room - buffer, _frontier(points)))
+        curves.append(curve)
+    return curves
+
+
+def rank_p2p_floor(table: PriceTable, cuts_ok: list[int], time_of: Any = float) -> list[float]:
+    """Per pipeline rank, the least time its stages' boundaries add (each cut: one send, charged
+    to the ranks on both sides), at the thinnest cut allowed."""
+    c = table.config
+    floor = [0.0] * c.pp
+    if c.stages <= 1 or not cuts_ok:
+        return floor
+    thinnest = min(time_of(table.p2p_s(q)) for q in cuts_ok)
+    for s in range(1, c.stages):
+        floor[c.rank_of_stage(s - 1)] += thinnest
+        floor[c.rank_of_stage(s)] += thinnest
+    return floor
+
+
+def _frontier(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The (memory, time) points no other beats on both, by memory ascending (time descending)."""
+    front: list[tuple[int, float]] = []
+    for m, t in sorted(points):
+        if not front or t < front[-1][1]:
+            front.append((m, t))
+    return front
+
+
+def lower_convex_hull(points: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """The vertices of the lower convex hull of (x, y) points, by x ascending. Of (memory, time)
+    points: the least mean time of a fractional mix whose mean memory is at most some amount."""
+    hull: list[tuple[Any, Any]] = []
+    for x, y in sorted(points):
+        while len(hull) >= 2 and ((hull[-1][1] - hull[-2][1]) * (x - hull[-2][0])
+                                  >= (y - hull[-2][1]) * (hull[-1][0] - hull[-2][0])):
+            hull.pop()
+        hull.append((x, y))
+    return hull
+
+
+def least_time(curve: Curve, n: int) -> float:
+    """g(n): the least time n layers take on a rank (each on one strategy, the best choice of
+    buffers) in its room; inf if they cannot fit. 0 for none."""
+    if n <= 0:
+        return 0.0
+    return min((_least_time_in(front, room, n) for room, front in curve), default=math.inf)
+
+
+def _least_time_in(front: list[tuple[int, float]], room: int, n: int) -> float:
+    """Least time of n layers on the strategies of ``front`` in ``room`` bytes (inf: none fit).
+
+    Exact (integer counts) while that takes at most :data:`EXACT_WORK` combinations, which covers
+    the usual frontier (a style with and without recomputation, maybe two styles) on ranks
+    whose memory holds only a few layers, where the fractional mix's bound is several percent
+    lower (1T on 4096: rank 0 holds 4 blocks). Beyond that, the fractional mix: still a bound.
+    """
+    if n * front[0][0] > room:
+        return math.inf
+    if n * front[-1][0] <= room:
+        return n * front[-1][1]
+    if (n + 1) ** max(len(front) - 2, 0) <= EXACT_WORK:
+        return _least_integer_time(front, room, n)
+    hull, per_layer = lower_convex_hull(front), room / n
+    for (m0, t0), (m1, t1) in zip(hull, hull[1:]):
+        if per_layer < m1:
+            return n * (t0 + (t1 - t0) * (per_layer - m0) / (m1 - m0))
+    return n * hull[-1][1]
+
+
+def _least_integer_time(front: list[tuple[int, float]], room: int, n: int) -> float:
+    """:func:`_least_time_in` by enumerating the counts of the middle strategies; with two left,
+    the fastest takes as many layers as the room allows."""
+    (m_small, t_small), (m_fast, t_fast) = front[0], front[-1]
+    if n * m_small > room:
+        return math.inf
+    if len(front) == 1 or n * m_fast <= room:
+        return n * t_fast
+    if len(front) == 2:
+        fast = min(n, (room - n * m_small) // (m_fast - m_small))
+        return fast * t_fast + (n - fast) * t_small
+    (m_mid, t_mid), rest = front[1], [front[0], *front[2:]]
+    best = math.inf
+    for x in range(n + 1):
+        left = room - x * m_mid
+        if left < (n - x) * m_small:
+            break  # each more middle layer takes more room than a small one saves
+        best = min(best, x * t_mid + _least_integer_time(rest, left, n - x))
+    return best
+
+
+def nth_smallest(g: Any, ranks: int, n_layers: int) -> float:
+    """The ``n_layers``-th smallest of g(j, n) over ranks j and n ≥ 1, each g(j, ·) growing with n:
+    were T below it, the ranks together could not hold the layers. A heap merges the ranks."""
+    heap = [(g(j, 1), j, 1) for j in range(ranks)]
+    heapq.heapify(heap)
+    value = 0.0
+    for _ in range(n_layers):
+        value, j, n = heapq.heappop(heap)
+        if math.isinf(value):
+            return math.inf
+        heapq.heappush(heap, (g(j, n + 1), j, n + 1))
+    return value
+
+
+def floor_table(curve: Curve, size: int) -> list[int]:
+    """floor[n]: the least time of n layers on a rank (:func:`least_time`), rounded down to
+    model units, for n = 0 up to the most that fit (at most ``size``)."""
+    floor = [0]
+    for n in range(1, size + 1):
+        least = least_time(curve, n)
+        if math.isinf(least):
+            break
+        floor.append(max(0, math.floor(least - 1e-6)))
+    return floor
+
+
+def memory_lower_bound(table: PriceTable, allowed: list[list[int]]) -> float:
+    """A lower bound on the least peak memory of a configuration, rank by rank.
+
+    For each group of N alike layers, h_j(n), the least rank j can hold n of
+    them in, is its workspace plus, for the best choice of FSDP2 buffers (none;
+    reduce-scatter, allowing ZeRO-1/2; both, allowing ZeRO-3), the buffers and
+    n times the layer's least memory under the strategies that choice allows.
+    h_j grows with n and the ranks hold the N layers between them, so the peak
+    is at least the N-th smallest of all h_j(n) (:func:`nth_smallest`); the
+    largest over the groups is kept.
+    """
+    c = table.config
+    modes = [(table.buffer_bytes(b), b.value) for b in Buffers]
+    workspace = [table.rank_workspace_bytes(j) for j in range(c.pp)]
+    best = 0.0
+    for (i, _), members in layer_groups(table, allowed).items():
+        per_rank = []  # per rank: (buffers, least memory of one layer) for each buffer choice
+        for j in range(c.pp):
+            choices = []
+            for buffers, most in modes:
+                fits = [table.memory_coefficient(i, k, j) for k in allowed[i]
+                        if table.buffers_needed(i, k).value <= most]
+                if fits:
+                    choices.append((buffers, min(fits)))
+            per_rank.append(choices)
+
+        def least_held(j: int, n: int) -> float:
+            return workspace[j] + min(buffers + n * least for buffers, least in per_rank[j])
+
+        best = max(best, nth_smallest(least_held, c.pp, len(members)))
+    return best

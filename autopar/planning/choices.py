@@ -1,0 +1,102 @@
+"""Per-layer choices: the strategies of each layer the pins allow, and runs of alike layers.
+
+A pinned choice the search space leaves out is priced all the same (the row
+is extended for that layer only); a pinned ZeRO stage that cannot run in the
+configuration's data-parallel mode rules the configuration out
+(:func:`autopar.contract.admits_zero_pin`). Dominated strategies are dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autopar import contract
+from autopar.errors import PinError
+from autopar.planning.pricing import PriceTable, Strategy
+
+
+def allowed_strategies(table: PriceTable, layer_pins: list[dict[str, Any]]) -> list[list[int]]:
+    """Indices of each layer's strategies that satisfy its pins."""
+    allowed = []
+    memo: dict[tuple, list[int]] = {}
+    classes = table.graph.cost_classes
+    floor = contract.root_floor(table.graph, [pin.get("zero") for pin in layer_pins], table.config.pp)
+    for i, (strategies, pin) in enumerate(zip(table.strategies, layer_pins)):
+        if not _pin_runs_here(table, i, pin, floor):  # the pinned ZeRO stage cannot run in this mode
+            allowed.append([])
+            continue
+        key = (classes[i], id(strategies), tuple(sorted(pin.items())))
+        if key in memo:
+            allowed.append(memo[key])
+            continue
+        ks = [k for k, s in enumerate(strategies)
+              if pin.get("tp", s.tp) == s.tp and pin.get("zero", s.zero) == s.zero
+              and pin.get("recompute", s.recompute) == s.recompute]
+        if not ks:  # a pinned choice outside the search space extends this layer's row only
+            allowed.append(_pinned_outside_search(table, i, pin))
+            continue
+        memo[key] = _undominated(table, i, ks)
+        allowed.append(memo[key])
+    return allowed
+
+
+def _pin_runs_here(table: PriceTable, i: int, pin: dict[str, Any], root_floor: int | None) -> bool:
+    """Whether layer i's pinned ZeRO stage can be planned in this configuration's data-parallel
+    mode (:func:`autopar.contract.admits_zero_pin`; moot at dp = 1). A pin the contract runs
+    otherwise (a root-unit layer below its root's stage, recompute on a layer without a
+    module) is kept and priced as it runs; the plan notes it."""
+    c = table.config
+    if "zero" not in pin or c.dp <= 1:
+        return True
+    return contract.admits_zero_pin(table.graph, i, pin["zero"], c.data_parallel, c.pp, root_floor=root_floor)
+
+
+def _undominated(table: PriceTable, i: int, ks: list[int]) -> list[int]:
+    """Drop strategies another one beats or ties on every priced term (time, tail, memory,
+    and the FSDP2 buffers its ZeRO stage makes the rank hold: none, reduce-scatter, + prefetch)."""
+
+    def vector(k: int) -> tuple:
+        p = table.prices[i][k]
+        return (p.time_mb_s, p.tail_s, p.state_bytes, p.activation_mb_bytes, table.buffers_needed(i, k).value)
+
+    vectors = {k: vector(k) for k in ks}
+
+    def beaten(k: int) -> bool:
+        for j in ks:
+            if j == k:
+                continue
+            if all(a <= b for a, b in zip(vectors[j], vectors[k])) and (j < k or vectors[j] != vectors[k]):
+                return True
+        return False
+
+    return [k for k in ks if not beaten(k)]
+
+
+def _pinned_outside_search(table: PriceTable, i: int, pin: dict[str, Any]) -> list[int]:
+    """A pinned choice the search space leaves out (e.g. zero>0 at dp=1): add it, or explain."""
+    layer, tp = table.graph[i], table.config.tp
+    style = pin.get("tp")
+    if style is not None:
+        names = [s.name for s in layer.tp_styles]
+        if style not in names:
+            raise PinError(f"layer {layer.name!r} has no tensor-parallel style {style!r} "
+                           f"(it admits: {', '.join(names) or 'none'})")
+        if not layer.tp_style(style).admits(tp):
+            return []
+    zero = pin.get("zero", contract.offered_zeros(table.graph, i, table.config.data_parallel, table.config.pp)[0])
+    return [table.index_of(i, Strategy(style, zero, pin.get("recompute", False)))]
+
+
+def runs_of(table: PriceTable, allowed: list[list[int]], layer_pins: list[dict]) -> list[tuple[int, int]]:
+    """Maximal runs [a, b) of consecutive layers that price alike and are pinned alike."""
+    def key(i: int) -> tuple:
+        return (table.graph.cost_classes[i], tuple(allowed[i]), len(table.strategies[i]))
+
+    runs: list[tuple[int, int]] = []
+    for i in range(len(table.graph)):
+        if runs and "stage" not in layer_pins[i] and "stage" not in layer_pins[runs[-1][0]] \
+                and key(i) == key(runs[-1][0]):
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs

@@ -1,0 +1,117 @@
+"""Lowering: a Plan made into this rank's model parts.
+
+The model becomes a list of *parts*: ``[model]`` without a pipeline, or this
+rank's pipeline stages. Every part goes through the one lowering path,
+:func:`autopar.passes.parallelize.parallelize_part` (tensor parallel →
+recompute → ZeRO/DP), with its slice of the plan and its units from the
+contract (:func:`autopar.contract.plan_layout`); the pipeline pass splits the
+stages and calls that same function for each. What :class:`Lowered` holds is
+therefore the same whatever the plan: parts, the mesh, what each pass made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autopar.contract import plan_layout
+from autopar.errors import PlanError
+from autopar.graph import LayerGraph
+from autopar.passes.parallelize import Part, PartResult, parallelize_part
+from autopar.plan import Plan
+from autopar.runtime.launch import device as rank_device
+
+InitFn = Callable[[nn.Module], None]
+
+
+@dataclass
+class Lowered:
+    """What lowering made of the model on this rank.
+
+    ``parts`` are the modules this rank trains (``[model]``, or its pipeline
+    stages); ``data_parallel`` what the ZeRO pass made of each (None where dp
+    = 1); ``pipeline`` the schedule runtime when pp > 1; ``pp_group`` the
+    group whose ranks hold the other stages (None without a pipeline).
+    """
+
+    parts: list[nn.Module]
+    mesh: Any = None
+    data_parallel: list[Any] = field(default_factory=list)
+    row_permutations: dict[str, torch.Tensor] = field(default_factory=dict)
+    pipeline: Any = None  # passes.pipeline.PipelineRuntime
+    pp_group: Any = None
+
+    @property
+    def module(self) -> nn.Module:
+        """The first part: the whole model without a pipeline."""
+        return self.parts[0]
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.parameters()]
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their original FQNs (each part's own)."""
+        return [item for part in self.parts for item in part.named_parameters()]
+
+
+def _pipeline_builder() -> Callable[..., Any]:
+    try:
+        from autopar.passes.pipeline import build_pipeline
+    except ImportError:
+        raise PlanError("pipeline plans need autopar.passes.pipeline") from None
+    return build_pipeline
+
+
+def whole_model_part(graph: LayerGraph, plan: Plan) -> Part:
+    """The plan's one part when there is no pipeline: every layer, the contract's units."""
+    layout = plan_layout(graph, plan)
+    return Part(None, plan.layers, layout.stage_units(0), tuple(layout.recompute_paths(graph)))
+
+
+def _from_parts(results: list[PartResult], mesh: Any, **kwargs: Any) -> Lowered:
+    perms: dict[str, torch.Tensor] = {}
+    for r in results:
+        perms.update(r.row_permutations)
+    return Lowered([r.module for r in results], mesh,
+                   [r.data_parallel for r in results], perms, **kwargs)
+
+
+def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: Any,
+          loss_fn: Callable[..., torch.Tensor], init_fn: InitFn | None) -> Lowered:
+    """Lower ``plan`` for this rank of the initialised process group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.passes.tensor_parallel import check_tensor_parallel
+
+    device, (pp, dp, tp) = rank_device(), (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp)
+    # every check that can fail runs before the first collective (the mesh's groups)
+    builder = _pipeline_builder() if pp > 1 else None
+    check_tensor_parallel(model, graph, plan, tp)
+    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    if builder is not None:
+        runtime = builder(model, example_inputs, graph, plan, mesh, loss_fn, device, init_fn=init_fn)
+        return Lowered(runtime.modules, mesh, [None] * len(runtime.modules), runtime.row_permutations,
+                       pipeline=runtime, pp_group=runtime.pp_group)
+    result = parallelize_part(model, graph, plan, whole_model_part(graph, plan), mesh, device, init_fn)
+    return _from_parts([result], mesh)
+
+
+def lower_local(model: nn.Module, graph: LayerGraph, plan: Plan, init_fn: InitFn | None) -> Lowered:
+    """One rank and no process group: the same path, where only recompute applies."""
+    result = parallelize_part(model, graph, plan, whole_model_part(graph, plan), None,
+                              torch.device("cpu"), init_fn)
+    return _from_parts([result], None)
+
+
+def gather_parts(local: dict[str, Any], pp_group: Any) -> dict[str, Any]:
+    """Every pipeline rank's tensors on every rank (a collective); ``local`` itself without one."""
+    if pp_group is None:
+        return local
+    local = {k: v.cpu() for k, v in local.items()}
+    parts: list[Any] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(parts, local, group=pp_group)
+    return {k: v for part in parts for k, v in part.items()}

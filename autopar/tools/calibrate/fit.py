@@ -1,0 +1,176 @@
+"""Fitting: the ranks' measurements turned into the cluster file's figures (pure functions, no torch)."""
+
+from __future__ import annotations
+
+import platform
+import socket
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+from autopar.cost_models.communication import Collective, bus_factor, collective_time_s, place_group, ring_steps
+from autopar.cost_models.hardware import ClusterSpec, DeviceSpec, LinkSpec
+from autopar.tools.calibrate.errors import CalibrationError
+
+
+@dataclass
+class Measurements:
+    """What the ranks measured (rank means of per-rank medians), before any fitting."""
+
+    backend: str
+    nproc: int
+    threads: int
+    cores: int = 0
+    layers: list[dict[str, Any]] = field(default_factory=list)  # kind, width, fwd_flops, seconds
+    gemm_flops_s: dict[str, float] = field(default_factory=dict)  # dtype -> FLOP/s
+    collectives: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # kind -> (bytes, s)
+    overlap: dict[str, float] = field(default_factory=dict)  # compute_s, comm_s, both_s
+    optimizer: dict[str, float] = field(default_factory=dict)  # params, seconds
+    tensor_parallel: dict[str, float] = field(default_factory=dict)  # tp_s, local_s, bytes
+    zero: dict[str, float] = field(default_factory=dict)  # zero_s, local_s, layers, layer_bytes
+    device_memory_bytes: int = 0
+    device_name: str = "cpu"
+    wall_s: float = 0.0
+
+
+def measurements_from_dict(data: dict[str, Any]) -> Measurements:
+    """Measurements from their JSON form (collective points back to tuples)."""
+    data = dict(data, collectives={k: [tuple(p) for p in v] for k, v in data["collectives"].items()})
+    return Measurements(**data)
+
+
+# ------------------------------------------------------------------ fitting (pure functions)
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """``y ≈ slope · x + intercept`` minimising *relative* squared error, intercept ≥ 0.
+
+    Relative error, because the points span orders of magnitude and a 4 KiB
+    message's latency matters as much as a 64 MiB message's bandwidth.
+    """
+    if len(xs) != len(ys) or len(xs) < 2:
+        raise CalibrationError("a fit needs at least two measurements")
+    w = [1.0 / y ** 2 for y in ys]
+    sw = sum(w)
+    sx = sum(wi * x for wi, x in zip(w, xs))
+    sy = sum(wi * y for wi, y in zip(w, ys))
+    sxx = sum(wi * x * x for wi, x in zip(w, xs))
+    sxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys))
+    det = sw * sxx - sx * sx
+    slope = (sw * sxy - sx * sy) / det if det > 0 else 0.0
+    intercept = (sy - slope * sx) / sw
+    if intercept < 0:  # through the origin instead
+        slope, intercept = sxy / sxx, 0.0
+    if not slope > 0:
+        raise CalibrationError("the measurements do not grow with size; the machine was too busy to "
+                               "calibrate, run again when it is idle")
+    return slope, intercept
+
+
+def fit_compute(layers: Sequence[dict[str, Any]]) -> tuple[float, float]:
+    """``(peak · η, flops_½)`` from forward + backward times of layers with forward FLOPs F.
+
+    The compute model prices forward (F) and backward (2F) as separate calls,
+    each paying ``flops_½``: time = (3F + 2·flops_½) / (peak · η).
+    """
+    slope, intercept = fit_line([3.0 * l["fwd_flops"] for l in layers], [l["seconds"] for l in layers])
+    rate = 1.0 / slope
+    return rate, intercept * rate / 2.0
+
+
+def fit_link(collectives: dict[str, list[tuple[int, float]]], nproc: int) -> tuple[float, float]:
+    """``(latency_s, bus bandwidth B/s)`` fitted jointly to the given collectives' measurements."""
+    xs, ys = [], []
+    for kind, points in collectives.items():
+        factor = 1.0 if kind == "p2p" else bus_factor(Collective(kind), nproc)
+        for nbytes, seconds in points:
+            xs.append(nbytes * factor)
+            ys.append(seconds)
+    slope, intercept = fit_line(xs, ys)
+    return intercept, 1.0 / slope
+
+
+def overlap_fraction(compute_s: float, comm_s: float, both_s: float) -> float:
+    """The fraction of the shorter of compute and communication hidden when both run at once.
+
+    Running both takes max(c, m) + (1 − ω)·min(c, m); ω = 1 is perfect overlap,
+    ω = 0 none (they take turns on the same cores).
+    """
+    shorter = min(compute_s, comm_s)
+    if shorter <= 0:
+        return 1.0
+    return min(1.0, max(0.0, (compute_s + comm_s - both_s) / shorter))
+
+
+def build_cluster(m: Measurements, *, name: str | None = None) -> ClusterSpec:
+    """The cluster file's content: one node of ``nproc`` devices with the fitted figures."""
+    rate, half = fit_compute(m.layers)
+    fp32 = max(m.gemm_flops_s.get("fp32", 0.0), rate)
+    bf16 = max(m.gemm_flops_s.get("bf16", 0.0), 1.0)
+    if m.backend == "gloo":  # one process on a CPU: the fp32 figure is what training in fp32 reaches
+        bf16 = min(bf16, fp32) if bf16 > 1.0 else fp32
+    # latency per ring step, so groups smaller than the one measured (a tp pair among 4 ranks)
+    # pay for their own steps; a collective as training issues it also waits for the slowest
+    # rank (the sync probe), which the cluster carries as collective_sync_s
+    fits = {}
+    for kind, pts in m.collectives.items():
+        latency, bandwidth = fit_link({kind: pts}, m.nproc)
+        fits[kind] = LinkSpec(bandwidth, latency / ring_steps(kind, m.nproc))
+    base = fits.pop("all_reduce")
+    params, seconds = m.optimizer["params"], m.optimizer["seconds"]
+    # DTensor's dispatch around each optimizer op, per parameter, beyond a plain tensor's step
+    dtensor_s = max(0.0, (m.optimizer.get("small_dtensor_s", 0.0) - m.optimizer.get("small_plain_s", 0.0))
+                    / max(m.optimizer.get("small_tensors", 1.0), 1.0)) if m.backend == "gloo" else 0.0
+    bytes_touched = params * (2 * 8 + 4 + 4)  # fp32 AdamW: two moments read and written, grad, weight
+    link = LinkSpec(base.bandwidth_bytes_s, base.latency_s, collectives=fits)
+    device = DeviceSpec(
+        name=m.device_name, memory_bytes=int(m.device_memory_bytes),
+        peak_flops_bf16=bf16, peak_flops_fp32=fp32,
+        memory_bandwidth_bytes_s=bytes_touched / seconds,
+        matmul_efficiency=min(1.0, rate / fp32), half_efficiency_flops=half,
+    )
+    cluster = ClusterSpec(
+        name or f"{socket.gethostname()}-{m.backend}-x{m.nproc}", device,
+        gpus_per_node=m.nproc, nodes=1, intra_node=link, inter_node=link, nics_per_node=1,
+        backend=m.backend, memory_reserve_fraction=0.25 if m.backend == "gloo" else 0.10,
+        cores_per_node=m.cores if m.backend == "gloo" else 0,
+        latency_per_step=True, collective_sync_s=m.overlap.get("sync_s", 0.0),
+        optimizer_dtensor_s=dtensor_s,
+    )
+    group = place_group(m.nproc, 1, m.nproc)
+    # the overlap probe's all-reduce priced by the link fitted over every size, not timed once on its
+    # own: that one time moved ω from 0.09 to 0.47 between runs here, the fit by a few hundredths
+    o = m.overlap
+    comm_s = (collective_time_s(Collective.ALL_REDUCE, o["bytes"], group, replace(cluster, collective_sync_s=0.0))
+              if "bytes" in o else o["comm_s"])
+    cluster = replace(cluster, comm_overlap=overlap_fraction(o["compute_s"], comm_s, o["both_s"]))
+    # a Megatron MLP makes one all-reduce forward and one backward; what it costs beyond the
+    # local shard's compute and those two all-reduces is DTensor's work around each collective
+    tp = m.tensor_parallel
+    if tp:
+        all_reduce = collective_time_s(Collective.ALL_REDUCE, tp["bytes"], group, cluster)
+        cluster = replace(cluster, tp_overhead_s=max(0.0, (tp["tp_s"] - tp["local_s"] - 2 * all_reduce) / 2))
+    # each ZeRO-3 unit all-gathers twice and reduce-scatters once; what the stack costs beyond its
+    # local compute and those collectives is FSDP2's work around each of them on the host
+    z = m.zero
+    if z and m.backend == "gloo":
+        unit = z["layer_bytes"]
+        links = z["layers"] * (2 * collective_time_s(Collective.ALL_GATHER, unit, group, cluster)
+                               + collective_time_s(Collective.REDUCE_SCATTER, unit, group, cluster))
+        cluster = replace(cluster, zero_overhead_s=max(0.0, (z["zero_s"] - z["local_s"] - links) / (3 * z["layers"])))
+    return cluster
+
+
+def cluster_document(cluster: ClusterSpec, m: Measurements) -> dict[str, Any]:
+    """The JSON written: the cluster's fields, and a ``calibration`` section saying how it was measured."""
+    doc = cluster.to_dict()
+    doc["calibration"] = {
+        "command": f"autopar calibrate --nproc {m.nproc} --backend {m.backend}",
+        "host": socket.gethostname(), "platform": platform.platform(),
+        "threads_per_process": m.threads, "wall_s": round(m.wall_s, 1),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "gemm_flops_s": m.gemm_flops_s, "layers": m.layers, "collectives": m.collectives,
+        "overlap": m.overlap, "optimizer": m.optimizer, "tensor_parallel": m.tensor_parallel,
+        "zero": m.zero,
+    }
+    return doc
