@@ -60,11 +60,13 @@ from enum import Enum
 from typing import TYPE_CHECKING
 from weakref import WeakKeyDictionary
 
+from autopar.units import MiB
+
 if TYPE_CHECKING:
     from autopar.graph import Layer, LayerGraph
     from autopar.plan import Plan
 
-DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's default bucket_cap_mb
+DDP_BUCKET_BYTES = 25 * MiB  # DistributedDataParallel's default bucket_cap_mb
 ROOT = ""  # the unit path of a part's root module
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -265,14 +267,17 @@ def pipeline_rank(stage: int, pp: int) -> int:
 
 
 def pipeline_ranks_per_node(pp: int, dp: int, tp: int, ranks_per_node: int) -> int:
-    """How many consecutive pipeline ranks share one node: ranks are laid out pp-major
-    (global rank = (pp_rank · dp + dp_rank) · tp + tp_rank, the device mesh's row-major
-    order over (pp, dp, tp)), so a node of g ranks holds g / (dp·tp) of them."""
-    return max(1, min(ranks_per_node, pp * dp * tp) // (dp * tp))
+    """How many consecutive pipeline ranks share one node: pipeline neighbours are
+    :func:`axis_stride` ("pp") = dp·tp ranks apart, so a node of g ranks holds g / (dp·tp) of them."""
+    return max(1, min(ranks_per_node, pp * dp * tp) // axis_stride("pp", dp, tp))
 
 
-def group_stride(axis: str, dp: int, tp: int) -> int:
-    """The distance in global ranks between neighbours of a mesh axis (pp-major, tp innermost)."""
+MESH_AXES = ("pp", "dp", "tp")  # the device mesh's axes, outermost first: pp-major, tp innermost
+
+
+def axis_stride(axis: str, dp: int, tp: int) -> int:
+    """The distance in global ranks between neighbours of a mesh axis (the mesh is row-major
+    over :data:`MESH_AXES`: global rank = (pp_rank · dp + dp_rank) · tp + tp_rank)."""
     return {"tp": 1, "dp": tp, "pp": dp * tp}[axis]
 
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
-from typing import Any, Iterator
+from typing import Any
 
 import networkx as nx
 
@@ -77,7 +78,7 @@ class TPStyle:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TPStyle":
+    def from_dict(cls, d: dict[str, Any]) -> TPStyle:
         d = dict(d)
         for key in ("column", "row", "vocab", "divisors"):
             d[key] = tuple(d.get(key, ()))
@@ -135,7 +136,7 @@ class Layer:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Layer":
+    def from_dict(cls, d: dict[str, Any]) -> Layer:
         d = dict(d)
         d["tp_styles"] = tuple(TPStyle.from_dict(s) for s in d.get("tp_styles", ()))
         d["param_names"] = tuple(d.get("param_names", ()))
@@ -249,7 +250,7 @@ class LayerGraph:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "LayerGraph":
+    def from_dict(cls, d: dict[str, Any]) -> LayerGraph:
         return cls(
             [Layer.from_dict(x) for x in d["layers"]],
             model_name=d["model_name"],

@@ -13,8 +13,9 @@ layer) and ``recompute`` (``all``/``none``). Per-layer pins are
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from autopar.cost_models.pipeline import ScheduleKind
 from autopar.errors import PinError
@@ -62,7 +63,7 @@ class Pins:
     layers: tuple[LayerPin, ...] = field(default_factory=tuple)
 
     @classmethod
-    def parse(cls, items: Iterable[str]) -> "Pins":
+    def parse(cls, items: Iterable[str]) -> Pins:
         """Pins from ``KEY=VALUE`` / ``GLOB:KEY=VALUE`` strings (the CLI's ``--pin``)."""
         pins = cls()
         for item in items:
@@ -70,7 +71,7 @@ class Pins:
         return pins
 
     @classmethod
-    def from_any(cls, pins: "Pins | Mapping[str, Any] | Iterable[str] | None") -> "Pins":
+    def from_any(cls, pins: Pins | Mapping[str, Any] | Iterable[str] | None) -> Pins:
         """Accept a Pins, a mapping (``{"tp": 8, "blocks.*": {"zero": 3}}``), strings or None."""
         if pins is None:
             return cls()
@@ -88,7 +89,7 @@ class Pins:
             return cls.parse(items)
         return cls.parse(list(pins))
 
-    def _with(self, item: str) -> "Pins":
+    def _with(self, item: str) -> Pins:
         if not isinstance(item, str) or "=" not in item:
             raise PinError(f"pin {item!r} is not KEY=VALUE or LAYER_GLOB:KEY=VALUE")
         lhs, value = item.split("=", 1)

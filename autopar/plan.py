@@ -93,7 +93,7 @@ class TrainingSettings:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: Any, *, source: str = "training") -> "TrainingSettings":
+    def from_dict(cls, d: Any, *, source: str = "training") -> TrainingSettings:
         return _training_from_dict(d, source)
 
 
@@ -138,11 +138,11 @@ class Plan:
         Path(path).write_text(self.to_json() + "\n")
 
     @classmethod
-    def from_dict(cls, d: Any, *, source: str = "plan") -> "Plan":
+    def from_dict(cls, d: Any, *, source: str = "plan") -> Plan:
         return _plan_from_dict(d, source)
 
     @classmethod
-    def from_json(cls, text: str, *, source: str = "plan") -> "Plan":
+    def from_json(cls, text: str, *, source: str = "plan") -> Plan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -151,7 +151,7 @@ class Plan:
         return cls.from_dict(data, source=source)
 
     @classmethod
-    def load(cls, path: str | Path, *, fingerprint: str | None = None) -> "Plan":
+    def load(cls, path: str | Path, *, fingerprint: str | None = None) -> Plan:
         """Read a plan file; with ``fingerprint``, check it was made for that graph."""
         p = Path(path)
         if not p.is_file():
@@ -339,4 +339,6 @@ def render_summary(plan: Plan) -> str:
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines += ["", fmt.format(*header), fmt.format(*("-" * w for w in widths))]
     lines += [fmt.format(*r) for r in rows]
+    if plan.notes:
+        lines += [""] + [f"note: {note}" for note in plan.notes]
     return "\n".join(line.rstrip() for line in lines)

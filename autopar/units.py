@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-GiB = 2**30
+KiB = 2**10
 MiB = 2**20
+GiB = 2**30
 
 
 def format_bytes(n: float) -> str:

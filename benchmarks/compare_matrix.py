@@ -12,18 +12,18 @@ baseline of every case (``benchmarks/suite.py`` tables and plots them all).
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
-import autopar  # noqa: E402
-
 import convnet  # noqa: E402
 import gpt  # noqa: E402
 import llama  # noqa: E402
+
+import autopar  # noqa: E402
 
 # (label, spec function, cluster, world size, global batch, memory budget GiB or None)
 Case = tuple[str, Callable, str, int, int, float | None]

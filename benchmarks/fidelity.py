@@ -71,6 +71,10 @@ CASES = [
     Case("DP, recompute", 2, ("pp=1", "dp=2", "tp=1", "zero=0", "recompute=all", "microbatches=1")),
     Case("ZeRO-2", 2, ("pp=1", "dp=2", "tp=1", "zero=2", *_PLAIN)),
     Case("ZeRO-3", 2, ("pp=1", "dp=2", "tp=1", "zero=3", *_PLAIN)),
+    Case("ZeRO-0/3 blocks", 2, ("pp=1", "dp=2", "tp=1", "blocks.0:zero=3", "blocks.1:zero=0",
+                                "blocks.2:zero=0", "blocks.3:zero=3", *_PLAIN)),
+    Case("ZeRO-3, root asks 0", 2, ("pp=1", "dp=2", "tp=1", "blocks.*:zero=3", "tok_emb:zero=0",
+                                    "pos_emb:zero=0", "ln_f:zero=0", "lm_head:zero=0", *_PLAIN)),
     Case("TP", 2, ("pp=1", "dp=1", "tp=2", "zero=0", *_PLAIN, *_TP_BLOCKS)),
     Case("PP GPipe m4", 2, ("pp=2", "dp=1", "tp=1", "zero=0", "recompute=none", "schedule=gpipe",
                             "microbatches=4")),
@@ -87,9 +91,8 @@ CASES = [
 
 
 def build(device: str = "meta") -> tuple[Any, tuple]:
-    import torch
-
     import gpt
+    import torch
 
     torch.manual_seed(0)
     return gpt.gpt(**GPT, device=device)
@@ -293,8 +296,13 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def _write_cluster(measurements: dict, path: Path) -> str:
     """The cluster the ranks measured, written as `autopar calibrate` writes it."""
-    from autopar.tools.calibrate import build_cluster, cluster_document, describe, measurements_from_dict, \
-        write_atomically
+    from autopar.tools.calibrate import (
+        build_cluster,
+        cluster_document,
+        describe,
+        measurements_from_dict,
+        write_atomically,
+    )
 
     m = measurements_from_dict(measurements)
     cluster = build_cluster(m)

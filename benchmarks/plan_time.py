@@ -20,9 +20,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADLINE = [("gpt3_175b", 1024, "a100-80g", 1536)]

@@ -103,7 +103,9 @@ def _worker(rank: int, world_size: int, store: str, steps: int, out: str) -> Non
     for strategy, pins in PINS.items():
         pins = pins + ([f"tp={world_size}"] if strategy == "TP" else [])
         plan = autopar.solve(graph, world_size, cluster="cpu", dtype="fp32", global_batch=BATCH, pins=pins)
-        sgd = lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9)
+        def sgd(p):
+            return torch.optim.SGD(p, lr=0.01, momentum=0.9)
+
         pm = autopar.compile(build()[0], plan=plan, graph=graph, optimizer=sgd)
         manual = hand_written(strategy, build()[0])
         opt = sgd(manual.parameters())

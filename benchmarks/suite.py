@@ -35,10 +35,11 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 START = time.perf_counter()  # before the heavy imports, so the suite's wall time includes them
 

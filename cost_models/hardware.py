@@ -71,9 +71,9 @@ class LinkSpec:
 
     bandwidth_bytes_s: float
     latency_s: float
-    collectives: dict[str, "LinkSpec"] = field(default_factory=dict)
+    collectives: dict[str, LinkSpec] = field(default_factory=dict)
 
-    def for_kind(self, kind: str) -> "LinkSpec":
+    def for_kind(self, kind: str) -> LinkSpec:
         """The figures a collective of ``kind`` (or point-to-point, ``p2p``) runs at."""
         return self.collectives.get(kind, self)
 
@@ -159,7 +159,7 @@ class ClusterSpec:
         share = min(1.0, self.nics_per_node / self.gpus_per_node)
         return self.inter_node.for_kind(kind).bandwidth_bytes_s * share
 
-    def for_world_size(self, world_size: int, nodes: int | None = None) -> "ClusterSpec":
+    def for_world_size(self, world_size: int, nodes: int | None = None) -> ClusterSpec:
         """The cluster sized for ``world_size`` ranks (``nodes`` hosts if given).
 
         Without ``nodes``, full nodes are used (a world smaller than a node uses
@@ -186,7 +186,7 @@ class ClusterSpec:
             )
         return replace(self, nodes=nodes, gpus_per_node=per_node)
 
-    def with_memory(self, memory_bytes: int) -> "ClusterSpec":
+    def with_memory(self, memory_bytes: int) -> ClusterSpec:
         """The same cluster with another per-device memory (``--memory-gb``)."""
         return replace(self, device=replace(self.device, memory_bytes=int(memory_bytes)))
 
@@ -198,7 +198,7 @@ class ClusterSpec:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], *, source: str = "cluster") -> "ClusterSpec":
+    def from_dict(cls, data: dict[str, Any], *, source: str = "cluster") -> ClusterSpec:
         return _cluster_from_dict(data, source)
 
 

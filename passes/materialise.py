@@ -7,7 +7,7 @@ values come from ``init_fn`` or each module's ``reset_parameters()``.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn

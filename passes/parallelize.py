@@ -24,16 +24,17 @@ What stays true across the passes: parameter FQNs are the model's own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
+from autopar.passes.materialise import is_meta, materialise
 
 from autopar.contract import Unit
 from autopar.errors import LoweringError
 from autopar.graph import LayerGraph
-from autopar.passes.materialise import is_meta, materialise
 from autopar.plan import LayerPlan, Plan
 
 

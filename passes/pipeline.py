@@ -31,17 +31,18 @@ shards each stage as one FSDP unit at the highest ZeRO stage of its layers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
+from autopar.passes.parallelize import Part, parallelize_part
+from autopar.passes.stage_split import StageSplit, split_model
 
 from autopar.contract import ROOT, Layout, Unit, plan_layout, unit_engine
 from autopar.errors import BatchError, LoweringError
 from autopar.graph import LayerGraph
-from autopar.passes.parallelize import Part, parallelize_part
-from autopar.passes.stage_split import StageSplit, split_model
 from autopar.plan import Plan
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -131,9 +132,8 @@ def _checked_loss(loss_fn: LossFn) -> LossFn:
 
 
 def _schedule(plan: Plan, stages: list[Any], loss_fn: LossFn) -> Any:
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-
     from autopar.cost_models.pipeline import ScheduleKind
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     m = plan.microbatches
     if plan.schedule is ScheduleKind.INTERLEAVED_1F1B:

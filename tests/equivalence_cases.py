@@ -13,9 +13,10 @@ More cases (pipeline plans) register in ``CASES`` the same way.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -7,13 +7,14 @@ steps, rank 0 compares with the unsharded model).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from equivalence_cases import GPT_TP, Spec, equivalence, gpt_tiny, hf_llama, plan_for
 
 import autopar
 from autopar.errors import AutoparError
-from equivalence_cases import GPT_TP, Spec, equivalence, gpt_tiny, hf_llama, plan_for
 
 
 def lowering_error(spec: Spec) -> Callable[[int, int], dict[str, Any]]:

@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from equivalence_cases import GPT_TP, Spec, gpt_tiny, make_batch, plan_for, rel
 
 import autopar
 from autopar.errors import AutoparError
-from equivalence_cases import GPT_TP, Spec, gpt_tiny, make_batch, plan_for, rel
 
 DP2_ZERO3 = Spec(gpt_tiny, ("pp=1", "recompute=none", "dp=2", "tp=1", "zero=3", "microbatches=1"), 4)
 TP2_GPT = Spec(gpt_tiny, ("pp=1", "recompute=none", "dp=1", "tp=2", "zero=0") + GPT_TP, 4)
@@ -52,10 +52,10 @@ def tp_pass(rank: int, world_size: int) -> dict[str, Any]:
 
 def zero_pass(rank: int, world_size: int) -> dict[str, Any]:
     """apply_data_parallel alone: which engine per layer, deferred modules, local shards."""
+    from autopar.passes.zero import apply_data_parallel
     from torch.distributed.fsdp import FSDPModule
 
     from autopar.contract import plan_layout
-    from autopar.passes.zero import apply_data_parallel
 
     plan, graph = plan_for(MIXED, world_size)
     torch.manual_seed(0)
@@ -138,7 +138,9 @@ def err_bad_batch(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def err_nonscalar_loss(rank: int, world_size: int) -> dict[str, Any]:
-    per_sample = lambda out, y: torch.nn.functional.cross_entropy(out.transpose(1, 2), y, reduction="none")
+    def per_sample(out, y):
+        return torch.nn.functional.cross_entropy(out.transpose(1, 2), y, reduction="none")
+
     pm, x, y = _compiled(loss_fn=per_sample)
     return _raised(lambda: pm.train_step(pm.local_batch(x), pm.local_batch(y)))
 

@@ -13,14 +13,22 @@ import time
 from pathlib import Path
 
 import pytest
-
-from autopar.tools.calibrate import (CalibrationError, Measurements, build_cluster, check_output_path,
-                               cluster_document, fit_compute, fit_line, overlap_fraction,
-                               write_atomically)
-from autopar.tools.cli import main
 from autopar.cost_models.communication import Collective, collective_time_s, place_group
 from autopar.cost_models.hardware import ClusterError, ClusterSpec, load_cluster
+
 from autopar.planning.pricing import exposed_comm_s
+from autopar.tools.calibrate import (
+    CalibrationError,
+    Measurements,
+    build_cluster,
+    check_output_path,
+    cluster_document,
+    fit_compute,
+    fit_line,
+    overlap_fraction,
+    write_atomically,
+)
+from autopar.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "gpt.py") + ":gpt_tiny"

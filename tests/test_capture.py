@@ -212,7 +212,8 @@ def _hf(kind: str, device: str):
     transformers.logging.set_verbosity_error()
     with torch.device(device):
         if kind == "gpt2":
-            cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, use_cache=False)
+            cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64,
+                                          use_cache=False)
             model = transformers.GPT2LMHeadModel(cfg)
         elif kind == "llama":
             cfg = transformers.LlamaConfig(

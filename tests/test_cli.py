@@ -6,15 +6,14 @@ import json
 import shutil
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
 
 import autopar
-from autopar.tools.cli import main
 from autopar.errors import PlanError, SpecError
 from autopar.plan import SCHEMA, Plan
+from autopar.tools.cli import main
 from autopar.tools.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from autopar.cost_models.hardware import PRESETS
+from autopar.cost_models.memory import model_state_bytes
+from autopar.cost_models.pipeline import Schedule
 
 import autopar
 from autopar import contract
 from autopar.contract import ROOT, Engine
-from autopar.cost_models.hardware import PRESETS
-from autopar.cost_models.memory import model_state_bytes
-from autopar.cost_models.pipeline import Schedule
 from autopar.planning.pricing import MeshConfig, PriceTable, Strategy, TrainingSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -260,7 +260,9 @@ def test_root_layers_asking_for_different_stages_run_and_are_priced_at_the_highe
     layout = contract.plan_layout(graph, plan)
     assert layout.role("tok_emb").zero == layout.role("lm_head").zero == 3
     assert {lp.name: lp.zero for lp in plan.layers}["tok_emb"] == 0  # the plan keeps the pin
-    assert any("root FSDP unit" in note and "ZeRO-3" in note for note in plan.notes)
+    assert any("tok_emb (zero=0)" in note and "root FSDP unit, which runs at ZeRO-3" in note
+               for note in plan.notes)
+    assert "note: tok_emb (zero=0)" in plan.summary()
     table, strategies = _table(graph, plan)
     i = next(i for i, layer in enumerate(graph) if layer.name == "tok_emb")
     assert table.runs_as(i, strategies[i]).zero == 3
@@ -284,3 +286,32 @@ def test_the_solver_offers_only_choices_that_run_as_priced() -> None:
                 assert runs.recompute == s.recompute
                 assert runs.zero == s.zero or not graph[i].param_count, (config.describe(), graph[i].name, s)
     assert contract.REPLICATED in modes and any(m.sharded for m in modes)
+
+
+def test_passes_run_in_their_order_and_a_failure_names_the_pass_and_those_before(fake_group) -> None:
+    from autopar.passes.parallelize import PASSES, Context, Pass, run_passes
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from autopar.errors import LoweringError
+    from autopar.runtime.lowering import whole_model_part
+
+    assert [p.name for p in PASSES] == ["tensor_parallel", "recompute", "data_parallel"]
+    graph, plan = _plan(_gpt, ("pp=1", "dp=4", "tp=1", "zero=3", "microbatches=1", "blocks.*:recompute=on"))
+    fake_group(0)
+    mesh = init_device_mesh("cpu", (1, 4, 1), mesh_dim_names=contract.MESH_AXES)
+    part = whole_model_part(graph, plan)
+    model, _ = _gpt()
+    fully_shard(model.blocks[0], mesh=mesh["dp"])  # sharded before recompute could sit inside it
+    with pytest.raises(LoweringError, match=r"pass 'recompute' on the model failed: requires none, found "
+                                            r"modules already sharded by FSDP2.*blocks\.0.*passes run before it: none"):
+        run_passes(model, Context(graph, plan, part, mesh))
+
+    def refuse(module, ctx):
+        return "a reason"
+
+    late = Pass("late", lambda ctx: True, lambda m, ctx: None, lambda m, ctx, r: None, refuse)
+    model, _ = _gpt()
+    with pytest.raises(LoweringError, match=r"pass 'late' on the model failed: a reason "
+                                            r"\(passes run before it: recompute, data_parallel\)"):
+        run_passes(model, Context(graph, plan, part, mesh), passes=(*PASSES, late))

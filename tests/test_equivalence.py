@@ -9,7 +9,6 @@ within 1e-5 relative; 3 AdamW steps' losses within 1e-3.
 from __future__ import annotations
 
 import pytest
-
 from distributed import EXACT, run_cases
 from distributed import check_equivalent as _check_equivalent
 from distributed import ok as _ok

@@ -7,17 +7,16 @@ The passes on real process groups are tested in test_equivalence.py
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-
-import autopar
-from autopar.errors import LaunchError, LoweringError, PlanError
 from autopar.passes.recompute import apply_recompute
 from autopar.passes.tensor_parallel import Attention, check_tensor_parallel, qkv_permutation
 from autopar.passes.zero import layer_zero_stages
+
+import autopar
+from autopar.errors import LaunchError, LoweringError, PlanError
 from autopar.runtime import default_loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -112,7 +111,9 @@ def test_outside_a_process_group_the_plan_is_inspectable_but_does_not_train(grap
 def test_one_rank_runs_locally_like_plain_torch(graph) -> None:
     model, _ = _tiny()
     ref, _ = _tiny()
-    sgd = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
+    def sgd(p):
+        return torch.optim.SGD(p, lr=0.1, momentum=0.9)
+
     pm = autopar.compile(model, world_size=1, graph=graph, plan=_plan(graph, 1, "microbatches=2"),
                          optimizer=sgd)
     x, y = torch.randint(0, 256, (4, 16)), torch.randint(0, 256, (4, 16))

@@ -5,12 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from synthetic import transformer_graph
 
 import autopar
 from autopar.errors import PlanError
 from autopar.plan import SCHEMA, Plan
-
-from synthetic import transformer_graph
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,14 @@ import math
 
 import numpy as np
 import pytest
-
 from autopar.cost_models.hardware import PRESETS, GiB
+from synthetic import transformer_graph
+
 from autopar.errors import InfeasibleError, PinError
-from autopar.graph import Layer, LayerGraph, TPStyle
+from autopar.graph import LayerGraph
 from autopar.pins import Pins
 from autopar.planning.pricing import PriceTable, TrainingSpec, evaluate
 from autopar.planning.solver import SolverOptions, cut_positions, enumerate_configs, solve
-
-from synthetic import transformer_graph
 
 
 def _rank_frontier(table: PriceTable, layers: list[int], rank: int, budget: int) -> list[tuple[float, float]]:
@@ -159,7 +158,7 @@ def test_pins_are_obeyed():
     c = solution.config
     assert (c.pp, c.dp, c.tp, c.microbatches, c.schedule.name) == (2, 2, 2, 4, "1f1b")
     names = [l.name for l in graph]
-    for name, stage, s in zip(names, solution.stages, solution.strategies):
+    for name, s in zip(names, solution.strategies):
         if name.startswith("blocks."):
             assert s.zero == 3
     assert solution.stages[names.index("blocks.0")] == 0

@@ -8,8 +8,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from autopar import contract
 from autopar.cost_models.hardware import ClusterSpec, load_cluster
@@ -88,7 +89,8 @@ def reprice(graph: LayerGraph, plan: Plan, cluster: str | ClusterSpec | None = N
     stages = tuple(l.stage for l in plan.layers)
     strategies = tuple(Strategy(l.tp, l.zero, l.recompute) for l in plan.layers)
     # the data-parallel mode the plan lowers in; a choice the search space leaves out is priced all the same
-    config = replace(config, data_parallel=contract.mode_of(graph, config.dp, tuple(s.zero for s in strategies), config.pp))
+    mode = contract.mode_of(graph, config.dp, tuple(s.zero for s in strategies), config.pp)
+    config = replace(config, data_parallel=mode)
     table = PriceTable(graph, config, spec, training)
     prediction = evaluate(table, stages, strategies)
     solution = Solution(config, stages, strategies, prediction, table, plan.solver.status,
@@ -149,8 +151,8 @@ def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
             kept.append(layer.name)
     notes = []
     if raised:
-        notes.append(f"{', '.join(raised)} share the root FSDP unit, which runs at "
-                     f"ZeRO-{solution.config.data_parallel.root_zero}: priced and run at that stage")
+        notes.append(f"{', '.join(raised)}: in the root FSDP unit, which runs at "
+                     f"ZeRO-{solution.config.data_parallel.root_zero}; priced and run at that stage")
     if kept:
         notes.append(f"{', '.join(kept)}: recompute asked for, but the layer has no module of its own "
                      "to checkpoint (or sits in an export-captured pipeline stage): runs without it")

@@ -160,9 +160,10 @@ class PriceTable:
         self.microbatch_size = training.global_batch // samples
         self.act_scale = self.prec.activation_bytes / graph.dtype_bytes
         self.dtype_for_compute = "bf16" if training.dtype == "bf16" else "fp32"
-        self.tp_group = place_group(config.tp, 1, cluster.gpus_per_node)
-        self.dp_group = place_group(config.dp, config.tp, cluster.gpus_per_node)
-        self.pp_inter_node = cluster.nodes > 1 and config.dp * config.tp >= cluster.gpus_per_node
+        stride = {axis: contract.axis_stride(axis, config.dp, config.tp) for axis in contract.MESH_AXES}
+        self.tp_group = place_group(config.tp, stride["tp"], cluster.gpus_per_node)
+        self.dp_group = place_group(config.dp, stride["dp"], cluster.gpus_per_node)
+        self.pp_inter_node = cluster.nodes > 1 and stride["pp"] >= cluster.gpus_per_node
         self.engine = config.engine
         self._style_memo: dict[tuple[int, str | None], tuple[float, float, float, float, float]] = {}
 

@@ -11,14 +11,15 @@ therefore the same whatever the plan: parts, the mesh, what each pass made.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.contract import plan_layout
+from autopar.contract import MESH_AXES, plan_layout
 from autopar.errors import PlanError
 from autopar.graph import LayerGraph
 from autopar.passes.parallelize import Part, PartResult, parallelize_part
@@ -91,7 +92,7 @@ def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: An
     # every check that can fail runs before the first collective (the mesh's groups)
     builder = _pipeline_builder() if pp > 1 else None
     check_tensor_parallel(model, graph, plan, tp)
-    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_AXES)  # the contract's layout
     if builder is not None:
         runtime = builder(model, example_inputs, graph, plan, mesh, loss_fn, device, init_fn=init_fn)
         return Lowered(runtime.modules, mesh, [None] * len(runtime.modules), runtime.row_permutations,

@@ -21,9 +21,10 @@ when any process exits non-zero.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -77,9 +78,10 @@ class ParallelModel:
 
     ``module`` is this rank's model, its parameters DTensors where sharded
     (under a pipeline, the model as given: this rank's stages are
-    ``lowered.parts``); ``optimizer`` steps this rank's shards of every part. Plan-only (``launched`` false) when compiled outside
-    a process group for several ranks: inspect ``plan``, and ``train_step``
-    raises :class:`LaunchError`.
+    ``lowered.parts``); ``optimizer`` steps this rank's shards of every
+    part. Plan-only (``launched`` false) when compiled outside a process
+    group for several ranks: inspect ``plan``, and ``train_step`` raises
+    :class:`LaunchError`.
     """
 
     plan: Plan

@@ -19,17 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING, Any, NoReturn, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from autopar.errors import AutoparError, InfeasibleError
+from autopar.units import GiB, format_bytes
 
 if TYPE_CHECKING:
-    from autopar.planning.api import BaselineResult
     from autopar.graph import LayerGraph
     from autopar.plan import Plan
+    from autopar.planning.api import BaselineResult
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INFEASIBLE = 0, 1, 2, 3
-from autopar.units import GiB, format_bytes
 
 
 class _UsageError(Exception):
@@ -115,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------ commands
 
 
-def _graph(args: argparse.Namespace, device: str = "meta") -> "LayerGraph":
+def _graph(args: argparse.Namespace, device: str = "meta") -> LayerGraph:
     """Load the SPEC and capture it (this is where torch gets imported)."""
     from autopar.capturing import capture
     from autopar.tools.spec import load_spec
@@ -130,8 +131,8 @@ def _solve_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     A typo in ``--cluster`` or ``--pin`` then fails in a fraction of a second
     instead of after the seconds that loading and capturing the model take.
     """
-    from autopar.planning.api import memory_budget, resolve_cluster
     from autopar.pins import Pins
+    from autopar.planning.api import memory_budget, resolve_cluster
 
     cluster = resolve_cluster(args.cluster, args.world_size, nodes=args.nodes)
     memory_budget(cluster, args.memory_gb)
@@ -249,7 +250,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ compare table
 
 
-def _row(name: str, plan: "Plan | None", chosen_s: float | None, *,
+def _row(name: str, plan: Plan | None, chosen_s: float | None, *,
          min_memory_bytes: int | None = None, reason: str = "") -> dict[str, Any]:
     if plan is None:
         return {"name": name, "fits": False, "min_memory_bytes": min_memory_bytes, "reason": reason}
@@ -264,7 +265,7 @@ def _row(name: str, plan: "Plan | None", chosen_s: float | None, *,
     }
 
 
-def compare_rows(chosen: "BaselineResult", baselines: Sequence["BaselineResult"]) -> list[dict[str, Any]]:
+def compare_rows(chosen: BaselineResult, baselines: Sequence[BaselineResult]) -> list[dict[str, Any]]:
     """Rows of ``autopar compare``: the chosen plan first, then each baseline (JSON-ready)."""
     chosen_s = chosen.plan.predicted.step_time_s if chosen.plan is not None else None
     return [_row(b.name, b.plan, chosen_s, min_memory_bytes=b.min_memory_bytes, reason=b.reason)

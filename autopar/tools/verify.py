@@ -118,7 +118,6 @@ def _worker(rank: int, world_size: int, store_path: str, spec: str, seq_len: int
     import autopar
     from autopar.graph import LayerGraph
     from autopar.plan import Plan
-
     from autopar.tools.host import threads_per_process
 
     torch.set_num_threads(threads_per_process(world_size))

@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from autopar.cost_models.hardware import GiB, PRESETS, ClusterError, ClusterSpec, CostModelError, load_cluster
+from autopar.cost_models.hardware import PRESETS, ClusterError, ClusterSpec, CostModelError, GiB, load_cluster
 
 
 def _file_dict(name: str = "a100-80g") -> dict:

@@ -5,10 +5,18 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
-
 from autopar.cost_models import (
-    PRESETS, Collective, Schedule, ScheduleKind, bubble_fraction, collective_time_s, in_flight,
-    model_state_bytes, place_group, precision, step_time_multiplier,
+    PRESETS,
+    Collective,
+    Schedule,
+    ScheduleKind,
+    bubble_fraction,
+    collective_time_s,
+    in_flight,
+    model_state_bytes,
+    place_group,
+    precision,
+    step_time_multiplier,
 )
 from autopar.cost_models.communication import bus_bandwidth
 

@@ -67,18 +67,16 @@ from autopar.tools.calibrate.fit import (
 from autopar.tools.calibrate.probes import (
     CPU_SIZES,
     GPU_SIZES,
-    GiB,
-    KiB,
-    MiB,
     ProbeSizes,
     _worker,
     measure_in_process_group,
     probe_sizes,
 )
 from autopar.tools.host import available_memory_bytes, check_local_processes
+from autopar.units import GiB
 
 __all__ = [
-    "CPU_SIZES", "GPU_SIZES", "CalibrationError", "CalibrationInterrupted", "GiB", "KiB", "MiB", "Measurements",
+    "CPU_SIZES", "GPU_SIZES", "CalibrationError", "CalibrationInterrupted", "Measurements",
     "ProbeSizes", "build_cluster", "calibrate", "check_output_path", "cluster_document", "describe",
     "fit_compute", "fit_line", "fit_link", "measure", "measure_in_process_group", "measurements_from_dict",
     "overlap_fraction", "probe_sizes", "write_atomically",

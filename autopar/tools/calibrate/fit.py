@@ -5,8 +5,9 @@ from __future__ import annotations
 import platform
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any
 
 from autopar.cost_models.communication import Collective, bus_factor, collective_time_s, place_group, ring_steps
 from autopar.cost_models.hardware import ClusterSpec, DeviceSpec, LinkSpec

@@ -8,17 +8,16 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from autopar.cost_models.communication import Collective, bus_factor
 from autopar.tools.calibrate.fit import Measurements, fit_link
 from autopar.tools.host import cpu_count, threads_per_process
-
-KiB, MiB, GiB = 2**10, 2**20, 2**30
-
+from autopar.units import KiB, MiB
 
 # ------------------------------------------------------------------ what is measured
 
