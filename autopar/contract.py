@@ -69,6 +69,7 @@ if TYPE_CHECKING:
 DDP_BUCKET_BYTES = 25 * MiB  # DistributedDataParallel's default bucket_cap_mb
 ROOT = ""  # the unit path of a part's root module
 ZERO_STAGES = (0, 1, 2, 3)
+ROOT_STAGES = (1, 2, 3)  # a sharded plan's root units: never a replicate around fully_shard units
 
 
 class Engine(Enum):
@@ -91,20 +92,26 @@ class Buffers(Enum):
 @dataclass(frozen=True, order=True)
 class DataParallelism:
     """The plan-wide half of the contract: replicated (every layer zero 0) or sharded, and
-    the ZeRO stage of the root units when sharded (0 where no root unit holds parameters)."""
+    the ZeRO stage every root unit runs at when sharded. ``root_zero`` 0 in a sharded mode
+    leaves that stage to the solver, which gives all root-unit layers one stage of 1–3
+    (or no root unit holds parameters); a plan's own mode (:func:`mode_of`) names it."""
 
     sharded: bool = False
     root_zero: int = 0
 
     def __str__(self) -> str:
-        return f"zero-root={self.root_zero}" if self.sharded else "replicated"
+        if not self.sharded:
+            return "replicated"
+        return f"sharded, root ZeRO-{self.root_zero}" if self.root_zero else "sharded"
 
 
 REPLICATED = DataParallelism()
 
 
 def plan_engine(pp: int, dp: int, tp: int, mode: DataParallelism) -> Engine:
-    """The engine of a replicated plan's layers (sharded plans choose per unit)."""
+    """The plan's data-parallel engine: none at dp = 1; DDP or one FSDP2 replicate unit per part
+    for a replicated plan; FSDP2 units (:attr:`Engine.FULLY_SHARD`) for a sharded one, where a
+    ZeRO-0 block's own unit is a replicate (:func:`unit_engine`)."""
     if dp <= 1:
         return Engine.NONE
     if mode.sharded:
@@ -167,13 +174,13 @@ def tp_applies(graph: LayerGraph, pp: int) -> bool:
     return not (pp > 1 and graph.tracer == "export")
 
 
-def data_parallel_modes(graph: LayerGraph, pp: int, dp: int) -> list[DataParallelism]:
-    """The data-parallel modes the solver searches for a mesh: each a configuration of its own."""
+def data_parallel_modes(graph: LayerGraph, pp: int, dp: int, root_floor: int | None = None) -> list[DataParallelism]:
+    """The data-parallel modes the solver searches for a mesh, each a configuration of its own:
+    replicated, and sharded — with the root stage the pins force (:func:`root_floor`), else
+    one the solver chooses."""
     if dp <= 1:
         return [REPLICATED]
-    if not wrapping(graph, pp).root_params:
-        return [REPLICATED, DataParallelism(True, 0)]
-    return [REPLICATED] + [DataParallelism(True, z) for z in (1, 2, 3)]
+    return [REPLICATED, DataParallelism(True, root_floor or 0)]
 
 
 def offered_zeros(graph: LayerGraph, index: int, mode: DataParallelism, pp: int) -> tuple[int, ...]:
@@ -181,7 +188,7 @@ def offered_zeros(graph: LayerGraph, index: int, mode: DataParallelism, pp: int)
     if not mode.sharded or not graph[index].param_count:
         return (0,)
     if wrapping(graph, pp).root[index]:
-        return (mode.root_zero,)
+        return (mode.root_zero,) if mode.root_zero else ROOT_STAGES
     return ZERO_STAGES
 
 
@@ -203,7 +210,8 @@ def admits_zero_pin(graph: LayerGraph, index: int, pinned: int, mode: DataParall
     if not mode.sharded:
         return pinned == 0
     if wrapping(graph, pp).root[index]:
-        return (pinned if root_floor is None else root_floor) == mode.root_zero
+        wanted = pinned if root_floor is None else root_floor
+        return wanted == mode.root_zero if mode.root_zero else wanted in ROOT_STAGES
     return True
 
 
@@ -211,7 +219,9 @@ def effective_zero(graph: LayerGraph, index: int, zero: int, mode: DataParalleli
     """The ZeRO stage layer ``index`` asking for ``zero`` runs at in ``mode`` (see the rules)."""
     if dp <= 1 or not graph[index].param_count or not mode.sharded:
         return 0
-    return mode.root_zero if wrapping(graph, pp).root[index] else zero
+    if wrapping(graph, pp).root[index] and mode.root_zero:
+        return mode.root_zero
+    return zero
 
 
 def root_floor(graph: LayerGraph, pinned_zeros: list[int | None], pp: int) -> int | None:
@@ -361,6 +371,7 @@ def layout(graph: LayerGraph, pp: int, dp: int, tp: int, stages: tuple[int, ...]
     engine = plan_engine(pp, dp, tp, mode)
     wrap = wrapping(graph, pp)
     own, root = wrap.own, wrap.root
+    index = {layer.name: i for i, layer in enumerate(graph)}
     units: dict[int, tuple[Unit, ...]] = {}
     unit_of: dict[int, tuple[str, int, Engine]] = {}
     for stage in sorted(set(stages)):
@@ -368,7 +379,7 @@ def layout(graph: LayerGraph, pp: int, dp: int, tp: int, stages: tuple[int, ...]
         units[stage] = _part_units(graph, members, zeros, mode, engine, own, root)
         for unit in units[stage]:
             for name in unit.layers:
-                unit_of[_index(graph, name)] = (unit.path, unit.zero, unit.engine)
+                unit_of[index[name]] = (unit.path, unit.zero, unit.engine)
     roles = []
     for i, layer in enumerate(graph):
         path, zero, eng = unit_of.get(i, (None, 0, Engine.NONE))
@@ -378,10 +389,6 @@ def layout(graph: LayerGraph, pp: int, dp: int, tp: int, stages: tuple[int, ...]
                                recompute[i] and recompute_applies(graph, i, pp),
                                buffers_of(zero, has) if eng is not Engine.DDP else Buffers.NONE))
     return Layout(pp, dp, tp, mode, engine, tuple(roles), units)
-
-
-def _index(graph: LayerGraph, name: str) -> int:
-    return next(i for i, layer in enumerate(graph) if layer.name == name)
 
 
 def _part_units(graph: LayerGraph, members: list[int], zeros: tuple[int, ...], mode: DataParallelism,

@@ -2,8 +2,9 @@
 
 The brute force shares only the price table and `evaluate` with the solver: it
 enumerates every configuration, every placement of pipeline cuts and every
-strategy (dominated or not) of every layer, and keeps the fastest plan whose
-every rank fits in the budget.
+strategy (dominated or not) of every layer — where the solver chooses the root
+units' one ZeRO stage, each stage in turn (the contract runs every root unit at
+one stage) — and keeps the fastest plan whose every rank fits in the budget.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 from autopar.cost_models.hardware import PRESETS, GiB
 from synthetic import transformer_graph
 
+from autopar import contract
 from autopar.errors import InfeasibleError, PinError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
@@ -23,7 +25,8 @@ from autopar.planning.pricing import PriceTable, TrainingSpec, evaluate
 from autopar.planning.solver import SolverOptions, cut_positions, enumerate_configs, solve
 
 
-def _rank_frontier(table: PriceTable, layers: list[int], rank: int, budget: int) -> list[tuple[float, float]]:
+def _rank_frontier(table: PriceTable, layers: list[int], rank: int, budget: int,
+                   root_zero: int | None = None) -> list[tuple[float, float]]:
     """Every (time, tail) one rank can reach within budget, by enumerating all strategy combinations.
 
     Memory is the layers' coefficients, the rank's workspace and FSDP2's buffers, held once if
@@ -31,8 +34,10 @@ def _rank_frontier(table: PriceTable, layers: list[int], rank: int, budget: int)
     """
     times, tails = np.zeros(1), np.zeros(1)
     mems, needs = np.full(1, table.rank_workspace_bytes(rank), dtype=np.int64), np.zeros(1, dtype=np.int64)
+    root = contract.wrapping(table.graph, table.config.pp).root
     for i in layers:
-        ks = range(len(table.strategies[i]))
+        ks = [k for k in range(len(table.strategies[i]))  # every root unit runs at one stage
+              if root_zero is None or not root[i] or table.strategies[i][k].zero == root_zero]
         t = np.array([table.prices[i][k].time_mb_s for k in ks])
         x = np.array([table.prices[i][k].tail_s for k in ks])
         m = np.array([table.memory_coefficient(i, k, rank) for k in ks], dtype=np.int64)
@@ -57,10 +62,18 @@ def _rank_frontier(table: PriceTable, layers: list[int], rank: int, budget: int)
     return front
 
 
+def _configs_and_root_stages(graph: LayerGraph, world: int, cluster, training: TrainingSpec):
+    """Every configuration, and where the solver chooses the root units' one ZeRO stage, each stage."""
+    for config in enumerate_configs(graph, world, cluster, training, Pins()):
+        free = config.data_parallel.sharded and not config.data_parallel.root_zero
+        for root_zero in contract.ROOT_STAGES if free else [None]:
+            yield config, root_zero
+
+
 def brute_force(graph: LayerGraph, world: int, cluster, training: TrainingSpec, budget: int) -> float:
     best = math.inf
     cuts_ok = cut_positions(graph)
-    for config in enumerate_configs(graph, world, cluster, training, Pins()):
+    for config, root_zero in _configs_and_root_stages(graph, world, cluster, training):
         table = PriceTable(graph, config, cluster, training)
         for cuts in itertools.combinations(cuts_ok, config.stages - 1):
             bounds = [0, *cuts, len(graph)]
@@ -72,7 +85,7 @@ def brute_force(graph: LayerGraph, world: int, cluster, training: TrainingSpec, 
             fronts = []
             for j in range(config.pp):
                 layers = [i for i, s in enumerate(stages) if config.rank_of_stage(s) == j]
-                fronts.append([(t + p2p[j], x) for t, x in _rank_frontier(table, layers, j, budget)])
+                fronts.append([(t + p2p[j], x) for t, x in _rank_frontier(table, layers, j, budget, root_zero)])
             if any(not f for f in fronts):
                 continue
             for combo in itertools.product(*fronts):

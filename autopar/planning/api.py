@@ -142,17 +142,18 @@ def build_plan(graph: LayerGraph, solution: Solution, cluster: ClusterSpec,
 
 def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
     """Where a layer runs otherwise than its plan entry asks (the contract's rules), say so."""
-    table, raised, kept = solution.table, [], []
+    table, raised, kept, root = solution.table, [], [], 0
     for i, (layer, s) in enumerate(zip(graph, solution.strategies)):
         runs = table.runs_as(i, s)
         if layer.param_count and solution.config.dp > 1 and runs.zero != s.zero:
             raised.append(f"{layer.name} (zero={s.zero})")
+            root = runs.zero
         if s.recompute and not runs.recompute:
             kept.append(layer.name)
     notes = []
     if raised:
         notes.append(f"{', '.join(raised)}: in the root FSDP unit, which runs at "
-                     f"ZeRO-{solution.config.data_parallel.root_zero}; priced and run at that stage")
+                     f"ZeRO-{root}; priced and run at that stage")
     if kept:
         notes.append(f"{', '.join(kept)}: recompute asked for, but the layer has no module of its own "
                      "to checkpoint (or sits in an export-captured pipeline stage): runs without it")

@@ -35,7 +35,7 @@ def allowed_strategies(table: PriceTable, layer_pins: list[dict[str, Any]]) -> l
         if not ks:  # a pinned choice outside the search space extends this layer's row only
             allowed.append(_pinned_outside_search(table, i, pin))
             continue
-        memo[key] = _undominated(table, i, ks)
+        memo[key] = _undominated_alike(table, i, ks)
         allowed.append(memo[key])
     return allowed
 
@@ -49,6 +49,20 @@ def _pin_runs_here(table: PriceTable, i: int, pin: dict[str, Any], root_floor: i
     if "zero" not in pin or c.dp <= 1:
         return True
     return contract.admits_zero_pin(table.graph, i, pin["zero"], c.data_parallel, c.pp, root_floor=root_floor)
+
+
+def _undominated_alike(table: PriceTable, i: int, ks: list[int]) -> list[int]:
+    """:func:`_undominated`, among the strategies of each ZeRO stage apart for a root-unit layer
+    whose stage the solver chooses for every root unit at once (one stage's strategy cannot
+    stand in for another's there)."""
+    c = table.config
+    coupled = (c.data_parallel.sharded and not c.data_parallel.root_zero
+               and contract.wrapping(table.graph, c.pp).root[i])
+    if not coupled:
+        return _undominated(table, i, ks)
+    zeros = sorted({table.strategies[i][k].zero for k in ks})
+    keep = {k for z in zeros for k in _undominated(table, i, [k for k in ks if table.strategies[i][k].zero == z])}
+    return [k for k in ks if k in keep]
 
 
 def _undominated(table: PriceTable, i: int, ks: list[int]) -> list[int]:
@@ -90,7 +104,7 @@ def _pinned_outside_search(table: PriceTable, i: int, pin: dict[str, Any]) -> li
 def runs_of(table: PriceTable, allowed: list[list[int]], layer_pins: list[dict]) -> list[tuple[int, int]]:
     """Maximal runs [a, b) of consecutive layers that price alike and are pinned alike."""
     def key(i: int) -> tuple:
-        return (table.graph.cost_classes[i], tuple(allowed[i]), len(table.strategies[i]))
+        return (table.graph.cost_classes[i], id(table.strategies[i]), tuple(allowed[i]), len(table.strategies[i]))
 
     runs: list[tuple[int, int]] = []
     for i in range(len(table.graph)):

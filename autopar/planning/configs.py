@@ -46,12 +46,14 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
     if len(pinned) == 3 and product != world_size:
         raise PinError(f"pinned pp × dp × tp = {product} but the world size is {world_size}")
     max_stages = len(cut_positions(graph)) + 1
+    pinned_zeros = [pin.get("zero") for pin in pins.resolve_layers([layer.name for layer in graph])]
     configs: list[MeshConfig] = []
     for tp in [pins.tp] if pins.tp else [d for d in _divisors(world_size) if cluster.gpus_per_node % d == 0]:
         for pp in [pins.pp] if pins.pp else _divisors(world_size // tp):
             if (world_size // tp) % pp or pp > max_stages:
                 continue
             dp = world_size // (tp * pp)
+            floor = contract.root_floor(graph, pinned_zeros, pp)
             if pins.dp not in (None, dp) or training.global_batch % dp:
                 continue
             per_replica = training.global_batch // dp
@@ -59,7 +61,7 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
                 if per_replica % m:
                     continue
                 configs += [MeshConfig(pp, dp, tp, m, s, mode) for s in _schedules(pp, m, max_stages, pins)
-                            for mode in contract.data_parallel_modes(graph, pp, dp)]
+                            for mode in contract.data_parallel_modes(graph, pp, dp, floor)]
     if not configs:
         raise PinError(why_no_config(graph, world_size, training, pins, max_stages))
     return configs

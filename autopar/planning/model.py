@@ -83,6 +83,7 @@ def build_model(table: PriceTable, allowed: list[list[int]], runs: list[tuple[in
         objective, scale = _step_objective(model, table, obj_t, rank_t, obj_x)
         model.Minimize(objective)
     _add_sharded_plan(model, table, runs, counts)
+    _add_root_stage(model, table, runs, counts)
     _hint(model, table, cuts, cuts_ok)
     return BuiltModel(model, cuts, counts, objective, peak, scale)
 
@@ -97,6 +98,29 @@ def _add_sharded_plan(model: cp_model.CpModel, table: PriceTable, runs: list[tup
     sharded = [v for (r, _, k), v in counts.items() if table.strategies[runs[r][0]][k].zero >= 1
                and table.graph[runs[r][0]].param_count]
     model.Add(sum(sharded) >= 1).WithName("sharded_plan_shards_a_layer")
+
+
+def _add_root_stage(model: cp_model.CpModel, table: PriceTable, runs: list[tuple[int, int]],
+                    counts: dict[tuple[int, int, int], Any]) -> None:
+    """Where a sharded configuration leaves the root units' ZeRO stage to the solver, every
+    root-unit layer takes the one stage z whose flag r_z is set (the contract: one stage for
+    every root unit): n_{r,j,k} ≤ |r|·r_{zero(k)} for root runs, Σ_z r_z = 1."""
+    c = table.config
+    if not c.data_parallel.sharded or c.data_parallel.root_zero:
+        return
+    root = contract.wrapping(table.graph, c.pp).root
+    users: dict[int, list[tuple[Any, int]]] = {}
+    for (r, _, k), var in counts.items():
+        a, b = runs[r]
+        if root[a]:
+            users.setdefault(table.strategies[a][k].zero, []).append((var, b - a))
+    if not users:
+        return
+    flags = {z: model.NewBoolVar(f"root_zero_{z}") for z in sorted(users)}
+    model.AddExactlyOne(flags.values()).WithName("root_stage")
+    for z, held in users.items():
+        for var, most in held:
+            model.Add(var <= most * flags[z])
 
 
 def _step_objective(model: cp_model.CpModel, table: PriceTable, T: Any, rank_t: list[Any],
