@@ -61,6 +61,13 @@ SPECS: dict[str, Spec] = {
                                         "schedule=1f1b") + NO_RC, 8),
     "pp2_dp2_interleaved": Spec(gpt_tiny, ("pp=2", "dp=2", "tp=1", "microbatches=2",
                                            "schedule=interleaved_1f1b", "chunks=2"), 8),
+    # a sharded plan's stages that hold only blocks (no root layer): one of ZeRO-0 blocks alone
+    # (a replicate root around a replicate unit), one of ZeRO-3 blocks (a fully_shard root)
+    "pp2_dp2_block_stages": Spec(gpt_4layer, ("pp=2", "dp=2", "tp=1", "microbatches=2",
+                                              "schedule=interleaved_1f1b", "chunks=2", "blocks.0:stage=0",
+                                              "blocks.1:stage=1", "blocks.2:stage=2", "blocks.3:stage=3",
+                                              "blocks.0:zero=3", "blocks.1:zero=0", "blocks.2:zero=3",
+                                              "blocks.3:zero=0") + NO_RC, 8),
     # W = 8
     "pp2_dp2_tp2": Spec(gpt_4layer, ("pp=2", "dp=2", "tp=2", "zero=3", "microbatches=2",
                                      "schedule=1f1b") + NO_RC + GPT_TP, 8),

@@ -27,7 +27,7 @@ from autopar.plan import Mesh
 W2_EQUIV = ["pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_model_parallel", "pp_hf_llama"]
 W2_ERRORS = ["err_hf_recompute"]
 W2_UNITS = ["meta_pipeline"]
-W4_EQUIV = ["pp2_dp2_zero3", "pp2_dp2_hf_llama", "pp2_dp2_plain_dp", "pp2_dp2_interleaved"]
+W4_EQUIV = ["pp2_dp2_zero3", "pp2_dp2_hf_llama", "pp2_dp2_plain_dp", "pp2_dp2_interleaved", "pp2_dp2_block_stages"]
 W4_ERRORS = ["err_hf_tp"]
 W8_EQUIV = ["pp2_dp2_tp2", "solver_pick_w8"]
 
