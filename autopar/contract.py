@@ -26,7 +26,8 @@ every layer ``zero = 0`` (a *replicated* plan)
     DDP does not take DTensor parameters.
 some layer ``zero ≥ 1`` (a *sharded* plan)
     Each *block* — a repeated layer (its cost class occurs more than once)
-    with a module of its own that no other layer calls, and parameters — is
+    with parameters and a module of its own that no other layer calls and
+    that holds all of them — is
     an FSDP2 unit of its own: ``fully_shard`` (``reshard_after_forward`` for
     ZeRO-3) for zero ≥ 1, FSDP2 ``replicate`` for zero 0. Every other layer
     with parameters belongs to its part's **root unit**; every root unit of
@@ -45,10 +46,11 @@ recompute
     module), except inside pipeline stages of an export-captured model, whose
     stages are single ATen graphs with no layer modules left to hook.
 
-The solver searches each data-parallel mode (:class:`DataParallelism`) as a
-configuration of its own and offers each layer only the choices that run as
-priced (:func:`offered_zeros`, :func:`recompute_applies`), so a plan it
-returns lowers exactly as it was priced. A hand-made plan is lowered by the
+The solver searches the replicated and the sharded mode (:class:`DataParallelism`)
+as configurations of their own — in the sharded one, the root units' single
+ZeRO stage is a CP-SAT choice unless pins fix it — and offers each layer only
+the choices that run as priced (:func:`offered_zeros`, :func:`recompute_applies`),
+so a plan it returns lowers exactly as it was priced. A hand-made plan is lowered by the
 same rules and priced by them too (:func:`layout`, ``planning.pricing.evaluate``).
 """
 
