@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "Pins": "autopar.pins",
     "Plan": "autopar.plan",
     "compile": "autopar.runtime", "ParallelModel": "autopar.runtime",
+    "UnknownDeviceWarning": "autopar.runtime.launch",
     "BatchError": "autopar.errors", "LaunchError": "autopar.errors",
     "LoweringError": "autopar.errors",
 }

@@ -17,7 +17,7 @@ from typing import Any
 from autopar.cost_models.hardware import ClusterSpec, CostModelError
 from autopar.cost_models.pipeline import ScheduleKind
 from autopar.errors import PlanError
-from autopar.units import format_bytes
+from autopar.units import device_noun, format_bytes, format_flop_rate
 
 SCHEMA = "autopar.plan/1"
 
@@ -310,11 +310,34 @@ def _choices(layer: LayerPlan) -> tuple:
     return (layer.stage, layer.tp, layer.zero, layer.recompute)
 
 
+def _layer_rows(plan: Plan) -> tuple[list[tuple[str, ...]], tuple[str, ...]]:
+    """The layer table's rows and header. Interleaved plans (chunks > 1) also show each row's
+    pipeline rank (stage mod pp) and its chunk on that rank (stage div pp)."""
+    interleaved, pp = plan.chunks > 1, plan.mesh.pp
+    rows = []
+    for label, l, _ in _fold(plan.layers):
+        where = (str(l.stage), str(l.stage % pp), str(l.stage // pp)) if interleaved else (str(l.stage),)
+        rows.append((label, *where, l.tp or "-", str(l.zero), "on" if l.recompute else "off"))
+    header = ("layer", "stage", *(("rank", "chunk") if interleaved else ()), "tp", "zero", "recompute")
+    return rows, header
+
+
+def _memory_line(plan: Plan) -> str:
+    """Peak memory of each pipeline rank (all the ranks of one pipeline rank hold alike)."""
+    p = plan.predicted
+    budget = format_bytes(p.memory_budget_bytes)
+    if len(p.memory_per_rank_bytes) == 1:
+        return f"{format_bytes(p.memory_per_rank_bytes[0])}  (budget {budget})"
+    return ("  ".join(f"rank {j}: {format_bytes(x)}" for j, x in enumerate(p.memory_per_rank_bytes))
+            + f"  (per pipeline rank; budget {budget})")
+
+
 def render_summary(plan: Plan) -> str:
     p, m = plan.predicted, plan.mesh
     sched = plan.schedule.value + (f" × {plan.chunks} chunks" if plan.chunks > 1 else "")
     gap = f", gap {plan.solver.gap:.2%}" if plan.solver.gap > 0 else ""
-    tokens = f"  ({p.tokens_per_s_per_gpu:,.0f} tokens/s/GPU)" if p.tokens_per_s_per_gpu else ""
+    noun = device_noun(plan.cluster)
+    tokens = f"  ({p.tokens_per_s_per_gpu:,.0f} tokens/s per {noun})" if p.tokens_per_s_per_gpu else ""
     b = p.breakdown
     lines = [
         f"autopar plan — {plan.model} on {plan.world_size} × {plan.cluster.device.name}"
@@ -322,19 +345,16 @@ def render_summary(plan: Plan) -> str:
         f"mesh          pp={m.pp} × dp={m.dp} × tp={m.tp}",
         f"batch         {plan.training.global_batch} = dp {m.dp} × {plan.microbatches} microbatches"
         f" × {plan.microbatch_size}   schedule {sched}",
-        f"step time     {p.step_time_s:.4g} s   {p.tflops_per_gpu:.1f} TFLOP/s per GPU{tokens}",
+        f"step time     {p.step_time_s:.4g} s   {format_flop_rate(p.tflops_per_gpu * 1e12)} per {noun}{tokens}",
         f"  breakdown   compute {b.compute_s:.4g} s · bubble {b.bubble_s:.4g} s · tp {b.tp_comm_s:.4g} s"
         f" · dp {b.dp_comm_s:.4g} s · pp {b.pp_comm_s:.4g} s · optimizer {b.optimizer_s:.4g} s",
-        "memory/rank   " + "  ".join(f"s{j}: {format_bytes(x)}" for j, x in enumerate(p.memory_per_rank_bytes))
-        + f"  (budget {format_bytes(p.memory_budget_bytes)})",
+        "memory/rank   " + _memory_line(plan),
         f"solver        {plan.solver.status}{gap} in {plan.solver.wall_s:.2f} s"
         f" ({plan.solver.configs_solved} of {plan.solver.configs_considered} configurations solved)",
     ]
     if plan.pins:
         lines.append("pins          " + " ".join(plan.pins))
-    rows = [(label, str(l.stage), l.tp or "-", str(l.zero), "on" if l.recompute else "off")
-            for label, l, _ in _fold(plan.layers)]
-    header = ("layer", "stage", "tp", "zero", "recompute")
+    rows, header = _layer_rows(plan)
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines += ["", fmt.format(*header), fmt.format(*("-" * w for w in widths))]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from fractions import Fraction
@@ -385,6 +386,32 @@ PRESETS: dict[str, ClusterSpec] = {
         _CPU,
     ]
 }
+
+
+def preset_for_device(name: str, memory_bytes: int | None = None) -> str | None:
+    """The GPU preset for a CUDA device, or None when none matches.
+
+    ``name`` as ``torch.cuda.get_device_name()`` gives it ("NVIDIA A100-SXM4-80GB",
+    "NVIDIA H100 80GB HBM3", "NVIDIA H200"), ``memory_bytes`` its total memory
+    (without it, the "80GB" in the name, if any). A preset matches when its
+    device's family (A100, H100, H200, V100) is a word of the name and the
+    memory is within 0.9–1.05 × the preset's. A MIG slice, another memory size
+    (a V100 32GB) or another chip (GH200, L4) matches nothing. The presets are
+    8-GPU NVLink nodes, so a PCIe card matches its chip's preset.
+    """
+    if re.search(r"\bMIG\b", name):
+        return None
+    if memory_bytes is None:
+        sized = re.search(r"(\d+)\s*GB", name)
+        memory_bytes = int(sized.group(1)) * GiB if sized else None
+    matches = []
+    for preset, spec in PRESETS.items():
+        family = spec.device.name.split("-")[0]
+        if spec.backend != "nccl" or not re.search(rf"(?<![A-Za-z0-9]){family}(?![0-9])", name):
+            continue
+        if memory_bytes is None or 0.9 <= memory_bytes / spec.device.memory_bytes <= 1.05:
+            matches.append(preset)
+    return matches[0] if len(matches) == 1 else None
 
 
 def load_cluster(name_or_path: str) -> ClusterSpec:

@@ -258,3 +258,51 @@ def test_quick_calibration_writes_a_cluster_the_planner_uses(tmp_path):
                                    "--dtype", "fp32", "--json"), capture_output=True, text=True, timeout=120)
     assert plan.returncode == 0, plan.stderr
     assert json.loads(plan.stdout)["cluster"]["name"] == cluster.name
+
+
+# ------------------------------------------------------------------ names and words
+
+
+def test_describe_keeps_a_space_between_every_label_and_its_figure():
+    from autopar.tools.calibrate import describe
+
+    lines = describe(build_cluster(_measurements(), name="box")).splitlines()
+    assert lines[0].startswith("cluster box: 2 × cpu (test), backend gloo")
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p"):
+        line = next(l for l in lines if l.split()[0] == kind)
+        assert f"  {kind} " in line and line.split()[1] == "α", line
+    for line in lines[1:]:  # labels in one column, the figures in the next, two spaces at least between
+        label = line[2:18].rstrip()
+        assert line.startswith("  ") and label and len(label) <= 14 and line[18] != " ", line
+
+
+@pytest.mark.parametrize("extra, expected", [([], "mycluster"), (["--name", "box"], "box")])
+def test_a_calibrated_file_plans_under_its_own_stem_unless_named(tmp_path, capsys, monkeypatch,
+                                                                 extra, expected):
+    import autopar.tools.calibrate as calibrate_pkg
+
+    monkeypatch.setattr(calibrate_pkg, "measure", lambda nproc, **kw: _measurements())
+    target = tmp_path / "mycluster.json"
+    assert main(["calibrate", "--nproc", "2", "-o", str(target), *extra]) == 0
+    err = capsys.readouterr().err
+    assert f"cluster {expected}: " in err and "reduce_scatterα" not in err
+    assert json.loads(target.read_text())["name"] == expected
+    assert load_cluster(str(target)).name == expected
+    assert main(["plan", TINY, "--world-size", "2", "--cluster", str(target), "--dtype", "fp32"]) == 0
+    assert f"({expected}, fp32)" in capsys.readouterr().out
+
+
+def test_without_an_output_the_calibrated_cluster_is_named_for_the_host(capsys, monkeypatch):
+    import socket
+
+    import autopar.tools.calibrate as calibrate_pkg
+
+    monkeypatch.setattr(calibrate_pkg, "measure", lambda nproc, **kw: _measurements())
+    assert main(["calibrate", "--nproc", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["name"] == f"{socket.gethostname()}-gloo-x2"
+
+
+def test_progress_counts_say_one_sweep_not_one_sweeps():
+    from autopar.tools.calibrate.probes import _count
+
+    assert (_count(1, "sweep"), _count(3, "round")) == ("1 sweep", "3 rounds")

@@ -282,3 +282,105 @@ def test_console_script_bad_input(plan_file):
     _assert_one_line_error(proc.returncode, proc.stderr, 2, "unknown cluster")
     proc = _console("show", str(plan_file))
     assert proc.returncode == 0 and proc.stdout.startswith("autopar plan — gpt_tiny")
+
+
+# ------------------------------------------------------------------ compare: units, collapsed baselines, reasons
+
+SMALL = [TINY, "--world-size", "2", "--cluster", "cpu", "--batch-size", "8"]
+
+
+def test_compare_on_a_small_model_keeps_significant_digits_in_units_that_fit(capsys):
+    code, out, err = _run(capsys, "compare", *SMALL)
+    assert code == 0 and err == ""
+    header, _, *rows = out.splitlines()
+    assert "FLOP/s per rank" in header and "GPU" not in header  # the cpu cluster has no GPUs
+    for line in rows[:7]:
+        assert " 0.0 " not in line and " 0.00 " not in line, line
+        assert "FLOP/s" in line and ("MiB" in line or "KiB" in line or "GiB" in line), line
+    code, out, _ = _run(capsys, "compare", *SMALL, "--json")
+    json_rows = json.loads(out)
+    for row in json_rows:  # the JSON keeps its keys and its raw numbers
+        assert {"name", "fits", "mesh", "microbatches", "step_time_s", "tflops_per_gpu",
+                "peak_memory_bytes", "vs_chosen", "same_as", "note"} <= set(row)
+
+
+def test_compare_says_when_a_baseline_collapses_into_another_row(capsys):
+    code, out, _ = _run(capsys, "compare", *SMALL, "--json")
+    rows = {r["name"]: r for r in json.loads(out)}
+    megatron = rows["Megatron (tp × dp)"]
+    assert megatron["mesh"]["tp"] == 1  # gpt_tiny on 2 ranks: tensor parallelism does not pay
+    assert megatron["same_as"] == "DDP" and megatron["note"].startswith("same plan as DDP (tp=1: ")
+    for row in rows.values():
+        if row["name"].startswith("Megatron") and row["fits"] and row["mesh"]["tp"] == 1:
+            assert "tp=1: " in row["note"], row
+        if row["fits"] and row["same_as"]:  # same_as names an earlier row with the same mesh
+            assert rows[row["same_as"]]["mesh"] == row["mesh"], row
+    assert rows["DDP"]["same_as"] is None and rows["DDP"]["note"] == ""
+    _, table, _ = _run(capsys, "compare", *SMALL)
+    line = next(l for l in table.splitlines() if l.startswith("Megatron (tp × dp)"))
+    assert line.endswith("does not fit or cannot run)") and "same plan as DDP" in line
+
+
+def test_compare_prints_reasons_in_full_below_the_table_naming_the_baselines_pins(capsys):
+    code, out, err = _run(capsys, "compare", TINY, "--world-size", "4", "--cluster", "cpu",
+                          "--batch-size", "6")
+    assert code == 0 and err == ""
+    assert "…" not in out and "given pins" not in out
+    lines = out.splitlines()
+    ddp = next(l for l in lines if l.startswith("DDP "))
+    assert " no [1] " in ddp
+    notes = [l for l in lines if l.startswith("[")]
+    assert notes[0] == ("[1] DDP: with this baseline's pins (pp=1, tp=1, zero=0): the pinned pp=1 × tp=1 "
+                        "leave dp=4 for world size 4, which does not divide batch size 6; use a batch size "
+                        "divisible by 4")
+    assert [n.split(":")[0] for n in notes] == ["[1] DDP", "[2] ZeRO-1", "[3] ZeRO-2", "[4] ZeRO-3"]
+    code, out, _ = _run(capsys, "compare", TINY, "--world-size", "4", "--cluster", "cpu",
+                        "--batch-size", "6", "--json")
+    ddp = next(r for r in json.loads(out) if r["name"] == "DDP")
+    assert not ddp["fits"] and ddp["reason"] == notes[0][len("[1] DDP: "):]
+
+
+def test_compare_on_a_gpu_cluster_says_per_gpu_and_tflops(capsys):
+    code, out, _ = _run(capsys, "compare", TINY, "--world-size", "8", "--cluster", "a100-80g",
+                        "--batch-size", "64")
+    assert code == 0
+    assert "FLOP/s per GPU" in out.splitlines()[0]
+
+
+def test_infeasible_compare_numbers_every_row_and_exits_3(capsys):
+    code, out, err = _run(capsys, "compare", *SMALL, "--memory-gb", "0.001")
+    _assert_one_line_error(code, err, 3, "no plan fits in memory")
+    rows = [l for l in out.splitlines()[2:] if l and not l.startswith("[")]
+    notes = [l for l in out.splitlines() if l.startswith("[")]
+    assert len(rows) == len(notes) == 7
+    assert all(f"[{k}]" in row for k, row in enumerate(rows, 1))
+    assert notes[0].startswith("[1] autopar (chosen): no plan fits in memory")  # the user's own pins: none
+
+
+def test_mesh_pin_messages_name_the_pins_or_claim_none():
+    from autopar.pins import Pins
+    from autopar.planning.configs import why_no_config
+    from autopar.planning.pricing import TrainingSpec
+
+    graph = autopar.capture(*load_spec(TINY, device="meta"))
+    plain = why_no_config(graph, 7, TrainingSpec(5), Pins(), 3)
+    assert "pin" not in plain and "no mesh pp × dp × tp = 7 divides batch size 5" in plain
+    one = why_no_config(graph, 8, TrainingSpec(5), Pins.parse(["pp=2"]), 3)
+    assert "with the pinned pp=2" in one
+    both = why_no_config(graph, 8, TrainingSpec(5), Pins.parse(["pp=2", "tp=2"]), 3)
+    assert "the pinned pp=2 × tp=2 leave dp=2" in both
+
+
+def test_flop_rates_keep_three_significant_figures_and_devices_are_named():
+    from autopar.cost_models.hardware import PRESETS
+
+    from autopar.units import device_noun, format_flop_rate
+
+    assert format_flop_rate(189.23e12) == "189 TFLOP/s"
+    assert format_flop_rate(5.9416e9) == "5.94 GFLOP/s"
+    assert format_flop_rate(812.4e6) == "812 MFLOP/s"
+    assert format_flop_rate(999.7e9) == "1 TFLOP/s"  # rounded before the unit is chosen
+    assert format_flop_rate(0.0) == "0 FLOP/s"
+    assert device_noun(PRESETS["cpu"]) == "rank" and device_noun(PRESETS["cpu"].to_dict()) == "rank"
+    assert all(device_noun(c) == "GPU" for name, c in PRESETS.items() if name != "cpu")
+    assert device_noun("cpu (host)") == "rank" and device_noun("NVIDIA H200") == "GPU"

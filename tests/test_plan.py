@@ -48,7 +48,7 @@ def test_prediction_adds_up(plan):
 def test_summary_folds_runs_of_identical_layers(plan):
     text = plan.summary()
     assert f"pp={plan.mesh.pp} × dp={plan.mesh.dp} × tp={plan.mesh.tp}" in text
-    assert "TFLOP/s per GPU" in text and "memory/rank" in text and "s1:" in text
+    assert "TFLOP/s per GPU" in text and "memory/rank" in text and "rank 1:" in text
     assert "…" in text  # blocks with the same choices share a row
     assert len(text.splitlines()) < 10 + len(plan.layers)
 
@@ -90,3 +90,35 @@ def test_corrupt_and_missing_files(tmp_path):
         Plan.load(binary)
     with pytest.raises(PlanError, match="does not exist"):
         Plan.load(tmp_path / "nope.json")
+
+
+@pytest.fixture(scope="module")
+def interleaved(graph):
+    return autopar.solve(graph, 16, cluster="a100-40g", global_batch=64,
+                         pins=["pp=2", "schedule=interleaved_1f1b", "chunks=2"])
+
+
+def _table_rows(text: str) -> tuple[list[str], list[list[str]]]:
+    lines = text.split("\n\n")[1].splitlines()
+    return lines[0].split(), [line.split() for line in lines[2:]]
+
+
+def test_interleaved_summary_gives_each_row_its_rank_and_chunk(interleaved):
+    assert interleaved.chunks == 2
+    header, rows = _table_rows(interleaved.summary())
+    assert header == ["layer", "stage", "rank", "chunk", "tp", "zero", "recompute"]
+    seen = set()
+    for row in rows:
+        stage, rank, chunk = (int(x) for x in row[-6:-3])
+        assert (rank, chunk) == (stage % interleaved.mesh.pp, stage // interleaved.mesh.pp)
+        seen.add(stage)
+    assert seen == set(range(interleaved.stages))  # folded runs never cross a stage boundary
+    memory = next(line for line in interleaved.summary().splitlines() if line.startswith("memory/rank"))
+    assert "rank 0:" in memory and "rank 1:" in memory and "per pipeline rank" in memory
+    assert "s0:" not in memory
+
+
+def test_plain_summary_keeps_its_columns(graph):
+    plain = autopar.solve(graph, 16, cluster="a100-40g", global_batch=64, pins=["pp=2", "schedule=1f1b"])
+    header, _ = _table_rows(plain.summary())
+    assert header == ["layer", "stage", "tp", "zero", "recompute"]

@@ -19,6 +19,7 @@ from autopar.errors import AutoparError, InfeasibleError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
 from autopar.plan import Breakdown, LayerPlan, Mesh, Plan, Predicted, SolverReport, TrainingSettings
+from autopar.planning.notes import choice_notes, contract_notes
 from autopar.planning.pricing import TrainingSpec
 from autopar.planning.solver import Solution, SolverOptions
 from autopar.planning.solver import solve as _solve
@@ -136,28 +137,8 @@ def build_plan(graph: LayerGraph, solution: Solution, cluster: ClusterSpec,
         training=TrainingSettings(global_batch=training.global_batch, dtype=training.dtype,
                                   seq_len=graph.seq_len, optimizer="adam"),
         pins=tuple(pins.to_strings()),
-        notes=contract_notes(graph, solution),
+        notes=contract_notes(graph, solution) + choice_notes(graph, solution),
     )
-
-
-def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
-    """Where a layer runs otherwise than its plan entry asks (the contract's rules), say so."""
-    table, raised, kept, root = solution.table, [], [], 0
-    for i, (layer, s) in enumerate(zip(graph, solution.strategies)):
-        runs = table.runs_as(i, s)
-        if layer.param_count and solution.config.dp > 1 and runs.zero != s.zero:
-            raised.append(f"{layer.name} (zero={s.zero})")
-            root = runs.zero
-        if s.recompute and not runs.recompute:
-            kept.append(layer.name)
-    notes = []
-    if raised:
-        notes.append(f"{', '.join(raised)}: in the root FSDP unit, which runs at "
-                     f"ZeRO-{root}; priced and run at that stage")
-    if kept:
-        notes.append(f"{', '.join(kept)}: recompute asked for, but the layer has no module of its own "
-                     "to checkpoint (or sits in an export-captured pipeline stage): runs without it")
-    return tuple(notes)
 
 
 # ---------------------------------------------------------------- baselines
@@ -170,7 +151,9 @@ class BaselineResult:
     name: str
     plan: Plan | None  # None when it does not fit
     min_memory_bytes: int | None = None
-    reason: str = ""
+    reason: str = ""  # why it does not fit or apply, in full
+    same_as: str | None = None  # the first earlier row whose plan this one is
+    note: str = ""  # what the row's plan collapsed to: "same plan as DDP", "tp=1: …"
 
     @property
     def fits(self) -> bool:
@@ -198,6 +181,13 @@ def baseline_pins(graph: LayerGraph) -> list[tuple[str, list[str]]]:
 
 CHOSEN = "autopar (chosen)"
 
+# The degree each baseline is named after: solved to 1, the baseline has collapsed into something else.
+_DEFINING = {"ZeRO-1": ("dp",), "ZeRO-2": ("dp",), "ZeRO-3": ("dp",), "Megatron (tp × dp)": ("tp",),
+             "Megatron (tp × pp × dp, 1F1B)": ("tp", "pp")}
+_COLLAPSED = {"dp": "dp=1: there is nothing to shard over",
+              "tp": "tp=1: every tp > 1 is slower, does not fit or cannot run",
+              "pp": "pp=1: every pp > 1 is slower, does not fit or cannot run"}
+
 
 def compare(graph: LayerGraph, world_size: int, **kwargs: Any) -> tuple[BaselineResult, list[BaselineResult]]:
     """The chosen plan (row named ``CHOSEN``) beside the baselines, all priced by one cost model."""
@@ -208,15 +198,51 @@ def compare(graph: LayerGraph, world_size: int, **kwargs: Any) -> tuple[Baseline
         chosen = BaselineResult(CHOSEN, None, exc.min_memory_bytes, str(exc))
     best: dict[str, BaselineResult] = {}
     for name, pins in baseline_pins(graph):
+        own = f"with this baseline's pins ({_pins_summary(pins)}): "  # not the user's: say whose
         try:
             plan = solve(graph, world_size, pins=pins, **kwargs)
             row = BaselineResult(name, plan)
         except InfeasibleError as exc:
-            row = BaselineResult(name, None, exc.min_memory_bytes, str(exc))
+            row = BaselineResult(name, None, exc.min_memory_bytes, own + str(exc))
         except AutoparError as exc:  # e.g. no tp degree admits the styles: not applicable
-            row = BaselineResult(name, None, None, str(exc))
+            row = BaselineResult(name, None, None, own + str(exc))
         best[name] = _better(best.get(name), row)
-    return chosen, list(best.values())
+    return chosen, _mark_collapsed(chosen, list(best.values()))
+
+
+def _pins_summary(pins: list[str]) -> str:
+    """A baseline's pins in a few words (its layer styles counted, not listed; recompute left out,
+    since each baseline is tried both without and with it)."""
+    own = [p for p in pins if ":" not in p and not p.startswith("recompute=")]
+    styled = sum(":tp=" in p for p in pins)
+    return ", ".join(own + ([f"a tensor-parallel style on {styled} layers"] if styled else []))
+
+
+def _plan_key(plan: Plan) -> tuple:
+    """What makes two plans the same plan; a tensor-parallel style means nothing at tp=1."""
+    tp1 = plan.mesh.tp == 1
+    return (plan.mesh, plan.microbatches, plan.microbatch_size, plan.schedule, plan.chunks,
+            tuple((l.name, l.stage, None if tp1 else l.tp, l.zero, l.recompute) for l in plan.layers))
+
+
+def _mark_collapsed(chosen: BaselineResult, baselines: list[BaselineResult]) -> list[BaselineResult]:
+    """Each baseline with its note: ``same plan as ROW`` when an earlier row (the chosen one
+    first) has its plan, and ``tp=1: …`` when it solved to 1 in the degree it is named after."""
+    seen: dict[tuple, str] = {} if chosen.plan is None else {_plan_key(chosen.plan): chosen.name}
+    out = []
+    for row in baselines:
+        if row.plan is None:
+            out.append(row)
+            continue
+        key = _plan_key(row.plan)
+        same = seen.setdefault(key, row.name)
+        same = None if same == row.name else same
+        mesh = row.plan.mesh
+        collapsed = [_COLLAPSED[k] for k in _DEFINING.get(row.name, ()) if getattr(mesh, k) == 1]
+        words = ([f"same plan as {same}"] if same else []) + collapsed
+        note = words[0] + (f" ({'; '.join(words[1:])})" if len(words) > 1 else "") if words else ""
+        out.append(replace(row, same_as=same, note=note))
+    return out
 
 
 def _better(a: BaselineResult | None, b: BaselineResult) -> BaselineResult:

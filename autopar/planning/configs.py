@@ -101,5 +101,15 @@ def why_no_config(graph: LayerGraph, world: int, training: TrainingSpec, pins: P
         return (f"no mesh for world size {world} and batch size {b} can run the pinned schedule "
                 f"({pins.schedule.value if pins.schedule else 'interleaved_1f1b'}); interleaved "
                 "1F1B needs microbatches divisible by pp")
-    return (f"no mesh pp × dp × tp = {world} divides batch size {b} with the given pins; "
-            "use a batch size divisible by the data-parallel degree")
+    mesh = [(k, getattr(pins, k)) for k in ("pp", "dp", "tp") if getattr(pins, k)]
+    if not mesh:
+        return (f"no mesh pp × dp × tp = {world} divides batch size {b}; use a batch size divisible "
+                "by the data-parallel degree")
+    named = " × ".join(f"{k}={v}" for k, v in mesh)
+    free = [k for k in ("pp", "dp", "tp") if not getattr(pins, k)]
+    if free == ["dp"]:  # pp and tp pinned: dp is what is left of the world size
+        dp = world // (pins.pp * pins.tp)
+        return (f"the pinned {named} leave dp={dp} for world size {world}, which does not divide batch "
+                f"size {b}; use a batch size divisible by {dp}")
+    return (f"no mesh pp × dp × tp = {world} with the pinned {named} divides batch size {b}; use a "
+            "batch size divisible by the data-parallel degree")

@@ -136,9 +136,11 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     wall = time.perf_counter() - start
     if search.best is None:
         if not priced:
-            raise PinError("no configuration the pins allow can run them: the pinned tensor-parallel styles "
-                           "admit no tp degree there, or the pinned ZeRO stages cannot run (inside an "
-                           "export-captured model's pipeline stages every layer is replicated)")
+            degrees = ", ".join(f"tp={t}" for t in sorted({config.tp for _, config, _ in candidates}))
+            raise PinError(f"no configuration the pins allow can run every layer: the pinned tensor-parallel "
+                           f"styles admit none of the degrees the pins leave ({degrees}), or the pinned ZeRO "
+                           "stages cannot run (inside an export-captured model's pipeline stages every layer "
+                           "is replicated)")
         raise_infeasible(priced, layer_pins, cuts_ok, budget, options)
     step, config, stages, strategies, prediction, table = search.best
     bound = min([step] + search.open_bounds)

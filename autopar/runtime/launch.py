@@ -3,11 +3,15 @@
 A rank that raises must not hang the others: every check that can fail on
 bad input (world size, a plan for another model) is deterministic — the same
 on every rank given the same plan — and runs before the first collective.
+
+Without a ``cluster``, compile prices its plan on the machine it runs on
+(:func:`local_cluster`).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +46,33 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+class UnknownDeviceWarning(UserWarning):
+    """This machine's GPU matches no cluster preset, so compile priced its plan on another one."""
+
+
+def local_cluster() -> str:
+    """The preset of the machine this process runs on: its CUDA device's, else ``cpu``.
+
+    A GPU that matches no preset warns (:class:`UnknownDeviceWarning`) and
+    gives the planning API's default cluster.
+    """
+    from autopar.cost_models.hardware import preset_for_device
+    from autopar.planning.api import DEFAULT_CLUSTER
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    index = torch.cuda.current_device()
+    name = torch.cuda.get_device_name(index)
+    memory = torch.cuda.get_device_properties(index).total_memory
+    preset = preset_for_device(name, memory)
+    if preset is None:
+        warnings.warn(f"no cluster preset matches this machine's GPU ({name}, {memory / 2**30:.1f} GiB): "
+                      f"pricing the plan on {DEFAULT_CLUSTER}; pass cluster= a preset or a cluster "
+                      "file from `autopar calibrate`", UnknownDeviceWarning, stacklevel=6)
+        return DEFAULT_CLUSTER
+    return preset
+
+
 def launch_hint(world_size: int) -> str:
     return (f"launch one process per rank: `torchrun --nproc-per-node {world_size} script.py` "
             f"or `autopar run script.py --nproc {world_size}`")
@@ -52,15 +83,21 @@ def launch_hint(world_size: int) -> str:
 
 def _solve_everywhere(graph: LayerGraph, world_size: int, launched: bool, **kwargs: Any) -> Plan:
     """Solve on rank 0 and broadcast, so every rank lowers the same plan (CP-SAT with
-    several workers may pick different optima); an error on rank 0 is raised on all."""
+    several workers may pick different optima); an error on rank 0 is raised on all.
+    Without a cluster, the solving rank prices on its own machine (:func:`local_cluster`)."""
     from autopar.planning.api import solve
 
-    if not launched or dist.get_world_size() == 1:
+    def solve_here() -> Plan:
+        if kwargs.get("cluster") is None:
+            kwargs["cluster"] = local_cluster()
         return solve(graph, world_size, **kwargs)
+
+    if not launched or dist.get_world_size() == 1:
+        return solve_here()
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = ("plan", solve(graph, world_size, **kwargs).to_json())
+            box[0] = ("plan", solve_here().to_json())
         except AutoparError as exc:
             box[0] = ("error", type(exc).__name__, str(exc))
     dist.broadcast_object_list(box, src=0)

@@ -7,9 +7,11 @@
 :func:`compile` captures the model (or takes a plan), and inside a process
 group lowers the plan (:mod:`autopar.runtime.lowering`: every model part
 through the one lowering path, tensor parallel → recompute → ZeRO/DP) and
-builds the optimizer over the parts' parameters. Outside one,
-with more than one rank, it returns the plan-only :class:`ParallelModel`
-whose ``train_step`` says how to launch.
+builds the optimizer over the parts' parameters. Outside one, with one
+rank it lowers the plan in this process and trains there; with more, it
+returns the plan-only :class:`ParallelModel` whose ``train_step`` says how
+to launch. Without a ``cluster``, the plan is priced on the machine compile
+runs on (:func:`autopar.runtime.launch.local_cluster`).
 
 A rank that raises must not hang the others: every check that can fail on
 bad input (world size, tp divisibility, a missing pipeline pass, batch
@@ -91,6 +93,11 @@ class ParallelModel:
     loss_fn: LossFn
     launched: bool
     lowered: Lowered | None = None
+
+    def __repr__(self) -> str:
+        m, n = self.plan.mesh, self.plan.world_size
+        return (f"ParallelModel({self.plan.model}, {n} rank{'s' * (n != 1)}, pp={m.pp} dp={m.dp} "
+                f"tp={m.tp}, {self.plan.cluster.name}, launched={self.launched})")
 
     @property
     def predicted(self) -> Predicted:
@@ -236,6 +243,11 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
     initialise one: gloo on CPU, NCCL on GPU). ``plan``: a Plan or a plan JSON
     path, checked against the captured graph; else ``autopar.solve`` with
     ``cluster``, ``pins`` and ``solve_kwargs`` (e.g. ``global_batch``).
+    ``cluster`` defaults to this machine: its CUDA device's preset, ``cpu``
+    without a GPU (:func:`autopar.runtime.launch.local_cluster`). Outside a
+    process group, ``world_size`` 1 trains in this process and a larger one
+    gives a plan-only model (``launched`` false) whose ``train_step`` raises
+    :class:`LaunchError`.
     ``loss_fn(output, targets)`` returns the microbatch mean (default
     :func:`default_loss`); ``optimizer`` is a callable ``params -> Optimizer``
     (default AdamW, lr 1e-3). ``init_fn`` initialises a meta-device model

@@ -166,6 +166,8 @@ def calibrate(nproc: int, output: str | os.PathLike[str] | None = None, *, backe
         m = measure(nproc, backend=backend, quick=quick)
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if name is None and output is not None:  # a file you name mycluster.json plans as mycluster
+        name = Path(output).stem
     cluster = build_cluster(m, name=name)
     if output is not None:
         write_atomically(output, json.dumps(cluster_document(cluster, m), indent=2) + "\n")
@@ -173,21 +175,27 @@ def calibrate(nproc: int, output: str | os.PathLike[str] | None = None, *, backe
 
 
 def describe(cluster: ClusterSpec) -> str:
-    """The fitted figures, one per line, for the CLI."""
+    """The fitted figures, one per line, for the CLI: a label column, then the figure."""
     d, link = cluster.device, cluster.intra_node
+
+    def line(label: str, text: str) -> str:
+        return f"  {label:<16}{text}"  # the longest label, reduce_scatter, keeps two spaces
+
+    def per_kind(kind: str) -> str:
+        k = link.for_kind(kind)
+        return line(kind, f"α {k.latency_s * 1e6:5.0f} µs, bus bandwidth {k.bandwidth_bytes_s / 1e9:.2f} GB/s")
+
     return "\n".join([
         f"cluster {cluster.name}: {cluster.gpus_per_node} × {d.name}, backend {cluster.backend}",
-        f"  compute       {d.peak_flops_fp32 / 1e9:.1f} GFLOP/s fp32 peak (GEMM), layers reach "
-        f"{d.matmul_efficiency:.2f} of it; per-call overhead worth {d.half_efficiency_flops / 1e6:.2f} MFLOP",
-        *(f"  {kind:14s}α {link.for_kind(kind).latency_s * 1e6:5.0f} µs, bus bandwidth "
-          f"{link.for_kind(kind).bandwidth_bytes_s / 1e9:.2f} GB/s"
-          for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p")),
-        f"  overlap       {cluster.comm_overlap:.2f} of compute hides communication",
-        *([f"  host          {cluster.cores_per_node} cores shared by the {cluster.gpus_per_node} ranks"]
+        line("compute", f"{d.peak_flops_fp32 / 1e9:.1f} GFLOP/s fp32 peak (GEMM), layers reach "
+             f"{d.matmul_efficiency:.2f} of it; per-call overhead worth {d.half_efficiency_flops / 1e6:.2f} MFLOP"),
+        *(per_kind(kind) for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p")),
+        line("overlap", f"{cluster.comm_overlap:.2f} of compute hides communication"),
+        *([line("host", f"{cluster.cores_per_node} cores shared by the {cluster.gpus_per_node} ranks")]
           if cluster.cores_per_node else []),
-        f"  tensor par.   {cluster.tp_overhead_s * 1e3:.2f} ms per collective beyond the link (DTensor)",
-        f"  optimizer     {d.memory_bandwidth_bytes_s / 1e9:.2f} GB/s of optimizer state touched, "
-        f"{cluster.optimizer_dtensor_s * 1e6:.0f} µs more per DTensor parameter",
-        f"  ZeRO          {cluster.zero_overhead_s * 1e3:.2f} ms per collective beyond the link (FSDP2)",
-        f"  memory        {d.memory_bytes / GiB:.1f} GiB per rank",
+        line("tensor par.", f"{cluster.tp_overhead_s * 1e3:.2f} ms per collective beyond the link (DTensor)"),
+        line("optimizer", f"{d.memory_bandwidth_bytes_s / 1e9:.2f} GB/s of optimizer state touched, "
+             f"{cluster.optimizer_dtensor_s * 1e6:.0f} µs more per DTensor parameter"),
+        line("ZeRO", f"{cluster.zero_overhead_s * 1e3:.2f} ms per collective beyond the link (FSDP2)"),
+        line("memory", f"{d.memory_bytes / GiB:.1f} GiB per rank"),
     ])

@@ -1,0 +1,119 @@
+"""Plan notes: where a plan runs otherwise than its entries ask, or looks as it does for a reason
+a reader may not guess, said in the price table's own figures (``Plan.notes``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from autopar.graph import LayerGraph
+from autopar.planning.solver import Solution
+
+
+def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
+    """Where a layer runs otherwise than its plan entry asks (the contract's rules), say so."""
+    table, raised, kept, root = solution.table, [], [], 0
+    for i, (layer, s) in enumerate(zip(graph, solution.strategies)):
+        runs = table.runs_as(i, s)
+        if layer.param_count and solution.config.dp > 1 and runs.zero != s.zero:
+            raised.append(f"{layer.name} (zero={s.zero})")
+            root = runs.zero
+        if s.recompute and not runs.recompute:
+            kept.append(layer.name)
+    notes = []
+    if raised:
+        notes.append(f"{', '.join(raised)}: in the root FSDP unit, which runs at "
+                     f"ZeRO-{root}; priced and run at that stage")
+    if kept:
+        notes.append(f"{', '.join(kept)}: recompute asked for, but the layer has no module of its own "
+                     "to checkpoint (or sits in an export-captured pipeline stage): runs without it")
+    return tuple(notes)
+
+
+
+def choice_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
+    """Why the plan looks as it does where it may puzzle a reader, in the price table's figures:
+    uneven interleaved stages, and recompute on a few layers but on no repeated block."""
+    return tuple(n for n in (_uneven_stages_note(graph, solution), _recompute_note(graph, solution)) if n)
+
+
+def _rank_times_mb_s(solution: Solution) -> list[float]:
+    """Each pipeline rank's time per microbatch (the T_j of pricing's docstring): its layers and
+    the sends at its stage boundaries."""
+    table, stages, c = solution.table, solution.stages, solution.config
+    times = [0.0] * c.pp
+    for i, (stage, strategy) in enumerate(zip(stages, solution.strategies)):
+        times[c.rank_of_stage(stage)] += table.prices[i][table.index_of(i, strategy)].time_mb_s
+    for cut in range(1, len(stages)):
+        if stages[cut] != stages[cut - 1]:
+            send = table.p2p_s(cut)
+            times[c.rank_of_stage(stages[cut - 1])] += send
+            times[c.rank_of_stage(stages[cut])] += send
+    return times
+
+
+def _uneven_stages_note(graph: LayerGraph, solution: Solution) -> str | None:
+    """Interleaved plans whose stages hold unequal numbers of blocks (repeated layers): the step
+    prices each pipeline rank's chunks together, so stage sizes are free within a rank."""
+    c = solution.config
+    if c.schedule.chunks <= 1 or not any(graph.repeated):
+        return None
+    per_stage = [0] * c.stages
+    for i, stage in enumerate(solution.stages):
+        per_stage[stage] += bool(graph.repeated[i])
+    if max(per_stage) - min(per_stage) <= 1:
+        return None
+    per_rank = [sum(per_stage[j::c.pp]) for j in range(c.pp)]
+    times = _rank_times_mb_s(solution)
+    slowest = max(range(c.pp), key=lambda j: times[j])
+    held = (f"every pipeline rank's {c.schedule.chunks} chunks add up to {per_rank[0]} blocks"
+            if len(set(per_rank)) == 1 else
+            f"pipeline ranks 0–{c.pp - 1} hold {', '.join(map(str, per_rank))} blocks over their chunks")
+    note = (f"stages are uneven ({min(per_stage)}–{max(per_stage)} blocks each): a rank runs its chunks "
+            f"in turn and the step is priced from each rank's total, so the cost model balances "
+            f"ranks, not stages; {held}, {_seconds(min(times))} to {_seconds(max(times))} a microbatch, "
+            f"and the slowest, rank {slowest}, paces the step")
+    if len({n for j, n in enumerate(per_rank) if j != slowest}) > 1:
+        note += " (moving blocks between the other ranks, none above it, would not change the prediction)"
+    return note
+
+
+def _recompute_note(graph: LayerGraph, solution: Solution) -> str | None:
+    """A plan recomputing some layers but no repeated block: what that recompute saves on its
+    rank and costs a step (the plan priced again without it), against the memory budget."""
+    from autopar.planning.pricing import evaluate
+    from autopar.units import format_bytes
+
+    table, strategies, stages = solution.table, solution.strategies, solution.stages
+    runs = [table.runs_as(i, s).recompute for i, s in enumerate(strategies)]
+    recomputed = [i for i, r in enumerate(runs) if r]
+    if not recomputed or any(graph.repeated[i] for i in recomputed):
+        return None
+    without = tuple(replace(s, recompute=False) if r else s for s, r in zip(strategies, runs))
+    now, then = evaluate(table, stages, strategies), evaluate(table, stages, without)
+    saved = [b - a for a, b in zip(now.memory_per_rank_bytes, then.memory_per_rank_bytes)]
+    rank = max(range(len(saved)), key=lambda j: saved[j])
+    cost = now.step_time_s - then.step_time_s
+    names = ", ".join(graph[i].name for i in recomputed)
+    verb = "recomputes" if len(recomputed) == 1 else "recompute"
+    blocks = " and no block does" if any(graph.repeated) else ""
+    where = "per rank" if len(saved) == 1 else f"on pipeline rank {rank}"
+    effect = f"saves {_bytes(saved[rank])}" if saved[rank] >= 0 else f"needs {_bytes(-saved[rank])} more"
+    price = f"adds {_seconds(cost)} to the step" if cost > 0 else "costs the step nothing"
+    note = f"{names} {verb}{blocks}: this {effect} {where} and {price}"
+    free = all(table.prices[i][table.index_of(i, strategies[i])].time_mb_s
+               == table.prices[i][table.index_of(i, without[i])].time_mb_s for i in recomputed)
+    if free:
+        it = "it does" if len(recomputed) == 1 else "they do"
+        note += f" ({it} no FLOPs, and compute is priced by FLOPs: recompute is free there, so any saving is taken)"
+    return note + (f"; peak memory {format_bytes(now.peak_memory_bytes)} of "
+                   f"{format_bytes(solution.memory_budget_bytes)}")
+
+
+def _bytes(n: int) -> str:
+    from autopar.units import KiB, MiB, format_bytes
+
+    return format_bytes(n) if n >= MiB else f"{n / KiB:.1f} KiB" if n >= KiB else f"{n} B"
+
+
+def _seconds(s: float) -> str:
+    return "no time" if s <= 0 else f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
