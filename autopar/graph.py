@@ -91,7 +91,10 @@ class Layer:
 
     ``activation_bytes_per_sample`` is what autograd keeps for backward;
     ``input_bytes_per_sample`` what recompute keeps instead (the values that
-    enter the layer); ``boundary_bytes_per_sample`` what crosses a pipeline cut
+    enter the layer), and ``glue_saved_bytes_per_sample`` what the layer's ops
+    outside its module save (glue that capture folds into the next module's
+    layer: checkpointing the module does not recompute them, so recompute
+    keeps these too); ``boundary_bytes_per_sample`` what crosses a pipeline cut
     placed right after this layer (zero and ``can_cut_after`` false when no cut
     is allowed there). ``param_names`` are the fully qualified parameter names
     owned by this layer (each parameter belongs to exactly one layer).
@@ -110,6 +113,7 @@ class Layer:
     tp_styles: tuple[TPStyle, ...] = ()
     param_names: tuple[str, ...] = ()
     module_path: str | None = None
+    glue_saved_bytes_per_sample: float = 0.0
 
     def tp_style(self, name: str) -> TPStyle:
         for style in self.tp_styles:
@@ -125,6 +129,7 @@ class Layer:
             self.param_bytes,
             round(self.activation_bytes_per_sample, 3),
             round(self.input_bytes_per_sample, 3),
+            round(self.glue_saved_bytes_per_sample, 3),
             tuple(s.cost_signature() for s in self.tp_styles),
             len(self.param_names),
         )

@@ -319,3 +319,38 @@ def test_passes_run_in_their_order_and_a_failure_names_the_pass_and_those_before
     with pytest.raises(LoweringError, match=r"pass 'late' on the model failed: a reason "
                                             r"\(passes run before it: recompute, data_parallel\)"):
         run_passes(model, Context(graph, plan, part, mesh), passes=(*PASSES, late))
+
+
+def test_recompute_is_priced_as_checkpointing_the_module_leaves_it() -> None:
+    """Checkpointing a layer's module frees its saved activations but keeps its input and what
+    the layer's glue ops (outside the module) save: the priced saving is the measured one."""
+    from torch.distributed._composable import checkpoint
+
+    def saved_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                seen[ptr] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x).sum()
+        return sum(seen.values())
+
+    torch.manual_seed(0)
+    plain, recomputed = GlueGPT(), GlueGPT()
+    x = torch.zeros(2, 8, dtype=torch.long)
+    layer = autopar.capture(plain, (x,)).layer("blocks.1")
+    assert layer.glue_saved_bytes_per_sample == 8 * 32 * 4  # tanh keeps its output, outside the block
+    checkpoint(recomputed.blocks[1])
+    measured = saved_activation_bytes(plain, x) - saved_activation_bytes(recomputed, x)
+    kept = layer.input_bytes_per_sample + layer.glue_saved_bytes_per_sample
+    assert measured == 2 * (layer.activation_bytes_per_sample - kept)
+    graph, plan = _plan(_glue, ("pp=1", "dp=4", "tp=1", "zero=0", "recompute=all"))
+    table, strategies = _table(graph, plan)
+    i = next(i for i, layer in enumerate(graph) if layer.name == "blocks.1")
+    price = table.prices[i][table.index_of(i, strategies[i])]
+    assert price.activation_mb_bytes == round(table.microbatch_size * kept)

@@ -543,6 +543,8 @@ def capture(
                 tp_styles=detect_tp_styles(view),
                 param_names=tuple(mine),
                 module_path=key,
+                glue_saved_bytes_per_sample=sum(b for x in nodes if key not in stats[x].paths
+                                                for b, _ in stats[x].saved) / batch if key else 0.0,
             )
         )
     return LayerGraph(

@@ -380,7 +380,8 @@ class PriceTable:
         fwd, bwd, tp_comm_fwd, tp_comm_bwd, acts = self._style_part(layer, strategy.tp)
         compute = fwd + bwd + (fwd if strategy.recompute else 0.0)
         tp_comm = tp_comm_fwd + tp_comm_bwd + (tp_comm_fwd if strategy.recompute else 0.0)
-        kept = layer.input_bytes_per_sample if strategy.recompute else acts
+        # checkpointing the layer's module keeps its inputs, and what its glue ops (outside the module) save
+        kept = layer.input_bytes_per_sample + layer.glue_saved_bytes_per_sample if strategy.recompute else acts
         params = self.effective_params(layer, strategy)
         share = contract.collective_share(self.graph, layer.index, self.engine, c.pp, prec.grad_bytes)
         dp_comm = self._dp_comm_s(params, strategy.zero, share)
