@@ -179,7 +179,7 @@ class Plan:
         return self.mesh.pp * self.chunks
 
     def summary(self) -> str:
-        """A readable table: mesh, predictions, memory per stage, one row per run of layers."""
+        """A readable table: mesh, predictions, memory per pipeline rank, one row per run of layers, notes."""
         return render_summary(self)
 
 
