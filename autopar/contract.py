@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import TYPE_CHECKING
 from weakref import WeakKeyDictionary
 
@@ -83,7 +83,7 @@ class Engine(Enum):
     FULLY_SHARD = "fully_shard"  # an FSDP2 fully_shard unit
 
 
-class Buffers(Enum):
+class Buffers(IntEnum):
     """FSDP2's buffers a rank holds because of the units it runs (ordered: each holds the previous)."""
 
     NONE = 0
@@ -354,7 +354,7 @@ class Layout:
     def rank_buffers(self, rank: int) -> Buffers:
         """The FSDP2 buffers pipeline rank ``rank`` holds: the most any of its layers' units needs."""
         held = [r.buffers for r in self.layers if r.rank == rank]
-        return max(held, key=lambda b: b.value, default=Buffers.NONE)
+        return max(held, default=Buffers.NONE)
 
 
 def mode_of(graph: LayerGraph, dp: int, zeros: tuple[int, ...], pp: int) -> DataParallelism:

@@ -52,8 +52,7 @@ def _rank_frontier(table: PriceTable, layers: list[int], rank: int, budget: int,
                                    needs.astype(np.float64)], axis=1), axis=0)
         times, tails = rows[:, 0], rows[:, 1]
         mems, needs = rows[:, 2].astype(np.int64), rows[:, 3].astype(np.int64)
-    buffers = np.array([table.zero_buffer_bytes(set()), table.zero_buffer_bytes({1}),
-                        table.zero_buffer_bytes({3})], dtype=np.int64)
+    buffers = np.array([table.buffer_bytes(b) for b in contract.Buffers], dtype=np.int64)
     ok = mems + buffers[needs] <= budget
     front: list[tuple[float, float]] = []  # the objective only grows with either: keep the Pareto set
     for t, x in sorted(set(zip(times[ok].tolist(), tails[ok].tolist()))):

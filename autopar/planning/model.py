@@ -296,7 +296,7 @@ def _zero_buffers(model: cp_model.CpModel, table: PriceTable, runs: list[tuple[i
     for name, size, held in (("rs", table.reduce_scatter_buffer_bytes, Buffers.REDUCE_SCATTER),
                              ("ag", table.prefetch_buffer_bytes, Buffers.PREFETCH)):
         users = [(var, runs[r][1] - runs[r][0]) for (r, jj, k), var in counts.items()
-                 if jj == j and table.buffers_needed(runs[r][0], k).value >= held.value]
+                 if jj == j and table.buffers_needed(runs[r][0], k) >= held]
         if size <= 0 or not users:
             continue
         flag = model.NewBoolVar(f"{name}_buffer_{j}")

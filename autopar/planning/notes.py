@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from autopar.graph import LayerGraph
+from autopar.planning.pricing import evaluate
 from autopar.planning.solver import Solution
 
 
@@ -36,21 +37,6 @@ def choice_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
     return tuple(n for n in (_uneven_stages_note(graph, solution), _recompute_note(graph, solution)) if n)
 
 
-def _rank_times_mb_s(solution: Solution) -> list[float]:
-    """Each pipeline rank's time per microbatch (the T_j of pricing's docstring): its layers and
-    the sends at its stage boundaries."""
-    table, stages, c = solution.table, solution.stages, solution.config
-    times = [0.0] * c.pp
-    for i, (stage, strategy) in enumerate(zip(stages, solution.strategies)):
-        times[c.rank_of_stage(stage)] += table.prices[i][table.index_of(i, strategy)].time_mb_s
-    for cut in range(1, len(stages)):
-        if stages[cut] != stages[cut - 1]:
-            send = table.p2p_s(cut)
-            times[c.rank_of_stage(stages[cut - 1])] += send
-            times[c.rank_of_stage(stages[cut])] += send
-    return times
-
-
 def _uneven_stages_note(graph: LayerGraph, solution: Solution) -> str | None:
     """Interleaved plans whose stages hold unequal numbers of blocks (repeated layers): the step
     prices each pipeline rank's chunks together, so stage sizes are free within a rank."""
@@ -63,7 +49,7 @@ def _uneven_stages_note(graph: LayerGraph, solution: Solution) -> str | None:
     if max(per_stage) - min(per_stage) <= 1:
         return None
     per_rank = [sum(per_stage[j::c.pp]) for j in range(c.pp)]
-    times = _rank_times_mb_s(solution)
+    times = evaluate(solution.table, solution.stages, solution.strategies).rank_time_mb_s
     slowest = max(range(c.pp), key=lambda j: times[j])
     held = (f"every pipeline rank's {c.schedule.chunks} chunks add up to {per_rank[0]} blocks"
             if len(set(per_rank)) == 1 else
@@ -80,7 +66,6 @@ def _uneven_stages_note(graph: LayerGraph, solution: Solution) -> str | None:
 def _recompute_note(graph: LayerGraph, solution: Solution) -> str | None:
     """A plan recomputing some layers but no repeated block: what that recompute saves on its
     rank and costs a step (the plan priced again without it), against the memory budget."""
-    from autopar.planning.pricing import evaluate
     from autopar.units import format_bytes
 
     table, strategies, stages = solution.table, solution.strategies, solution.stages

@@ -241,7 +241,7 @@ class PriceTable:
 
     def buffer_bytes(self, buffers: Buffers) -> int:
         """Bytes of FSDP2's ``buffers`` on a rank."""
-        return ((self.reduce_scatter_buffer_bytes if buffers.value >= Buffers.REDUCE_SCATTER.value else 0)
+        return ((self.reduce_scatter_buffer_bytes if buffers >= Buffers.REDUCE_SCATTER else 0)
                 + (self.prefetch_buffer_bytes if buffers is Buffers.PREFETCH else 0))
 
     @cached_property
@@ -327,11 +327,6 @@ class PriceTable:
         """A rank with a ZeRO-3 layer gathers the next unit's weights while the current one runs
         (FSDP2's prefetch, forward and backward): a second unit of gathered weights."""
         return self.prec.param_bytes * self.largest_unit_params if self.config.dp > 1 else 0
-
-    def zero_buffer_bytes(self, zeros: set[int]) -> int:
-        """FSDP2's buffers on a rank whose layers with parameters use the ZeRO stages ``zeros``."""
-        held = [contract.buffers_of(z) for z in zeros] if self.engine is not Engine.DDP else []
-        return self.buffer_bytes(max(held, key=lambda b: b.value, default=Buffers.NONE))
 
     def effective_params(self, layer: Layer, strategy: Strategy) -> int:
         """Parameters one rank holds for the layer before ZeRO sharding."""
@@ -462,6 +457,7 @@ class Prediction:
     pp_comm_s: float
     dp_comm_s: float
     optimizer_s: float
+    rank_time_mb_s: tuple[float, ...] = ()  # each pipeline rank's T_j per microbatch (sends included)
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -485,7 +481,7 @@ def evaluate(table: PriceTable, stages: tuple[int, ...], strategies: tuple[Strat
     for i, (stage, strategy) in enumerate(zip(stages, strategies)):
         k = table.index_of(i, strategy)
         price, rank = table.prices[i][k], c.rank_of_stage(stage)
-        buffers[rank] = max(buffers[rank], table.buffers_needed(i, k), key=lambda b: b.value)
+        buffers[rank] = max(buffers[rank], table.buffers_needed(i, k))
         t_compute[rank] += price.compute_mb_s
         t_tp[rank] += price.tp_comm_mb_s
         exposed[rank] += price.exposed_comm_s
@@ -514,4 +510,5 @@ def evaluate(table: PriceTable, stages: tuple[int, ...], strategies: tuple[Strat
         pp_comm_s=lent * m * t_p2p[crit],
         dp_comm_s=exposed[tail_rank],
         optimizer_s=opt[tail_rank],
+        rank_time_mb_s=tuple(per_mb),
     )
