@@ -31,9 +31,10 @@ _EXPORTS: dict[str, str] = {
     "Pins": "autopar.pins",
     "Plan": "autopar.plan",
     "compile": "autopar.runtime", "ParallelModel": "autopar.runtime",
+    "latest_checkpoint": "autopar.runtime",
     "UnknownDeviceWarning": "autopar.runtime.launch",
     "BatchError": "autopar.errors", "LaunchError": "autopar.errors",
-    "LoweringError": "autopar.errors",
+    "LoweringError": "autopar.errors", "CheckpointError": "autopar.errors", "WeightsError": "autopar.errors",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -42,9 +42,14 @@ some layer ``zero ≥ 1`` (a *sharded* plan)
     Inside an export-captured model's pipeline stages no layer module is
     called, so each stage is one unit holding all its layers.
 recompute
-    Applies to a layer with a module of its own (checkpoint hooks on that
-    module), except inside pipeline stages of an export-captured model, whose
-    stages are single ATen graphs with no layer modules left to hook.
+    Full recompute applies to a layer with a module of its own (checkpoint
+    hooks on that module), except inside pipeline stages of an export-captured
+    model, whose stages are single ATen graphs with no layer modules left to
+    hook. Selective recompute applies where full does and the module runs a
+    matmul-class op whose output there is to keep (capture's
+    ``selective_saved_bytes_per_sample``): with nothing to keep it would be
+    full recompute under another name. A kind that does not apply runs as none
+    (:func:`recompute_runs_as`).
 
 The solver searches the replicated and the sharded mode (:class:`DataParallelism`)
 as configurations of their own — in the sharded one, the root units' single
@@ -62,6 +67,7 @@ from enum import Enum, IntEnum
 from typing import TYPE_CHECKING
 from weakref import WeakKeyDictionary
 
+from autopar.plan import Recompute
 from autopar.units import MiB
 
 if TYPE_CHECKING:
@@ -165,15 +171,40 @@ def wrapping(graph: LayerGraph, pp: int) -> Wrapping:
     return cached[pp]
 
 
-def recompute_applies(graph: LayerGraph, index: int, pp: int) -> bool:
-    """Whether checkpointing layer ``index`` can be lowered (see the module docstring)."""
-    return tp_applies(graph, pp) and graph[index].module_path is not None
+def recompute_applies(graph: LayerGraph, index: int, pp: int, kind: Recompute = Recompute.FULL) -> bool:
+    """Whether layer ``index`` can run recompute ``kind`` (see the module docstring); none always can."""
+    if kind is Recompute.NONE:
+        return True
+    hooked = tp_applies(graph, pp) and graph[index].module_path is not None
+    if kind is Recompute.SELECTIVE:
+        return hooked and graph[index].selective_saved_bytes_per_sample > 0
+    return hooked
+
+
+def offered_recomputes(graph: LayerGraph, index: int, pp: int) -> tuple[Recompute, ...]:
+    """The recompute kinds layer ``index`` may take, each of which runs as priced."""
+    return tuple(k for k in Recompute if recompute_applies(graph, index, pp, k))
+
+
+def recompute_runs_as(graph: LayerGraph, index: int, pp: int, kind: Recompute | bool) -> Recompute:
+    """The recompute layer ``index`` asking for ``kind`` runs with: ``kind``, or none where it does not apply."""
+    kind = Recompute.of(kind)
+    return kind if recompute_applies(graph, index, pp, kind) else Recompute.NONE
 
 
 def tp_applies(graph: LayerGraph, pp: int) -> bool:
-    """Whether layer modules are called, so DTensor styles and checkpoint hooks can be lowered:
-    not inside an export-captured model's pipeline stages (single ATen graphs)."""
+    """Whether layer modules are called, so the sharding rules and checkpoint hooks can be lowered:
+    not inside the pipeline stages of a model whose export graph could not keep its layers'
+    module calls (capture's tracer ``"export"``; ``"export-layers"`` keeps them)."""
     return not (pp > 1 and graph.tracer == "export")
+
+
+def tied_across_stages(graph: LayerGraph, index: int, pp: int) -> bool:
+    """Whether layer ``index`` is an end of tied embeddings that a pipeline splits (pp > 1: the first
+    and last layer sit in the first and last stage). Its stage holds the tied weight and sums its
+    gradient with the other end's; it runs replicated over tp, since both ends must shard the
+    weight alike."""
+    return pp > 1 and bool(graph[index].tied_params)
 
 
 def data_parallel_modes(graph: LayerGraph, pp: int, dp: int, root_floor: int | None = None) -> list[DataParallelism]:
@@ -321,7 +352,7 @@ class LayerRole:
     zero: int
     engine: Engine
     unit: str | None  # the unit's path; None when the layer has no parameters or dp = 1
-    recompute: bool
+    recompute: Recompute
     buffers: Buffers
 
 
@@ -345,11 +376,16 @@ class Layout:
 
     def recompute_paths(self, graph: LayerGraph, stage: int | None = None) -> list[str]:
         """Module paths checkpointed in ``stage`` (every stage if None), in layer order."""
-        paths: list[str] = []
+        return list(self.recompute_kinds(graph, stage))
+
+    def recompute_kinds(self, graph: LayerGraph, stage: int | None = None) -> dict[str, Recompute]:
+        """Each module checkpointed in ``stage`` (every stage if None) and how, in layer order; a
+        module called by several layers is checkpointed as its first layer says (one set of hooks)."""
+        kinds: dict[str, Recompute] = {}
         for layer, role in zip(graph, self.layers):
-            if role.recompute and (stage is None or role.stage == stage) and layer.module_path not in paths:
-                paths.append(layer.module_path)  # type: ignore[arg-type]
-        return paths
+            if role.recompute and (stage is None or role.stage == stage):
+                kinds.setdefault(layer.module_path, role.recompute)  # type: ignore[arg-type]
+        return kinds
 
     def rank_buffers(self, rank: int) -> Buffers:
         """The FSDP2 buffers pipeline rank ``rank`` holds: the most any of its layers' units needs."""
@@ -367,7 +403,7 @@ def mode_of(graph: LayerGraph, dp: int, zeros: tuple[int, ...], pp: int) -> Data
 
 
 def layout(graph: LayerGraph, pp: int, dp: int, tp: int, stages: tuple[int, ...],
-           zeros: tuple[int, ...], recompute: tuple[bool, ...]) -> Layout:
+           zeros: tuple[int, ...], recompute: tuple[Recompute | bool, ...]) -> Layout:
     """Every layer's role and every part's units for an assignment (see the module docstring)."""
     mode = mode_of(graph, dp, zeros, pp)
     engine = plan_engine(pp, dp, tp, mode)
@@ -388,7 +424,7 @@ def layout(graph: LayerGraph, pp: int, dp: int, tp: int, stages: tuple[int, ...]
         has = path is not None and bool(layer.param_count)
         roles.append(LayerRole(layer.name, stages[i], pipeline_rank(stages[i], pp), zero if has else 0,
                                eng if has else Engine.NONE, path if has else None,
-                               recompute[i] and recompute_applies(graph, i, pp),
+                               recompute_runs_as(graph, i, pp, recompute[i]),
                                buffers_of(zero, has) if eng is not Engine.DDP else Buffers.NONE))
     return Layout(pp, dp, tp, mode, engine, tuple(roles), units)
 
@@ -413,7 +449,9 @@ def _part_units(graph: LayerGraph, members: list[int], zeros: tuple[int, ...], m
 
 
 def plan_layout(graph: LayerGraph, plan: Plan) -> Layout:
-    """The contract for a Plan made for ``graph``."""
+    """The contract for a Plan made for ``graph`` (as a pipeline runs it: :meth:`LayerGraph.pipeline_view`)."""
+    if plan.mesh.pp > 1:
+        graph = graph.pipeline_view()
     by_name = {lp.name: lp for lp in plan.layers}
     lps = [by_name[layer.name] for layer in graph]
     return layout(graph, plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, tuple(lp.stage for lp in lps),

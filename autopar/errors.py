@@ -47,3 +47,11 @@ class LaunchError(AutoparError):
 
 class BatchError(AutoparError):
     """A training batch or loss does not fit the plan (microbatches × microbatch size, a scalar loss)."""
+
+
+class CheckpointError(AutoparError):
+    """A checkpoint is missing, incomplete, corrupt or made for another model; the message says which."""
+
+
+class WeightsError(AutoparError):
+    """A safetensors weights file or directory lacks a parameter, or holds one of another shape."""

@@ -14,6 +14,7 @@ Networkx holds the dataflow between layers; the chain order is ``layers``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections import Counter
@@ -33,6 +34,11 @@ class TPStyle:
     their input features (the Megatron column→row pairing), ``vocab`` modules
     (embeddings) on their vocabulary. ``divisors`` are sizes the tp degree must
     divide (attention heads, key/value heads, FFN width, vocabulary).
+    ``segments`` gives each column projection's output as the blocks the layer
+    later splits it into (a fused ``[q; k; v]`` is three; each block is split
+    across ranks), and ``checked`` the tp degrees at which capture simulated
+    the style and found it exact (:mod:`autopar.capturing.shard_check`); a
+    style with ``checked`` set admits only those degrees.
 
     Cost figures are per sample, in elements of the captured dtype:
     ``sharded_params`` parameters are split across tp ranks (the rest of the
@@ -49,7 +55,8 @@ class TPStyle:
     row: tuple[str, ...] = ()
     vocab: tuple[str, ...] = ()
     divisors: tuple[int, ...] = ()
-    heads: dict[str, int] = field(default_factory=dict)
+    segments: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    checked: tuple[int, ...] = ()
     sharded_params: int = 0
     sharded_flops_per_sample: float = 0.0
     sharded_activation_elems_per_sample: float = 0.0
@@ -61,11 +68,13 @@ class TPStyle:
 
     def admits(self, tp: int) -> bool:
         """Whether this style can run on ``tp`` ranks (every divisor divisible)."""
-        return tp >= 1 and all(d % tp == 0 for d in self.divisors)
+        if tp == 1:
+            return True
+        return tp >= 1 and all(d % tp == 0 for d in self.divisors) and (not self.checked or tp in self.checked)
 
     def cost_signature(self) -> tuple:
         """The style's name and numbers, without module paths: equal signatures price alike."""
-        return (self.name, self.divisors, self.sharded_params,
+        return (self.name, self.divisors, self.checked, self.sharded_params,
                 round(self.sharded_flops_per_sample, 3),
                 round(self.sharded_activation_elems_per_sample, 3),
                 self.fwd_allreduce_elems, self.fwd_allreduce_count, self.bwd_allreduce_elems,
@@ -73,15 +82,18 @@ class TPStyle:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for key in ("column", "row", "vocab", "divisors"):
+        for key in ("column", "row", "vocab", "divisors", "checked"):
             d[key] = list(d[key])
+        d["segments"] = {k: list(v) for k, v in self.segments.items()}
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TPStyle:
         d = dict(d)
-        for key in ("column", "row", "vocab", "divisors"):
+        d.pop("heads", None)  # older graphs: head counts, now read from the graph by simulation
+        for key in ("column", "row", "vocab", "divisors", "checked"):
             d[key] = tuple(d.get(key, ()))
+        d["segments"] = {k: tuple(v) for k, v in d.get("segments", {}).items()}
         return cls(**d)
 
 
@@ -98,6 +110,18 @@ class Layer:
     placed right after this layer (zero and ``can_cut_after`` false when no cut
     is allowed there). ``param_names`` are the fully qualified parameter names
     owned by this layer (each parameter belongs to exactly one layer).
+
+    Selective recompute (the module checkpointed with a policy that keeps the
+    outputs of matmul-class ops, ``cost_models.compute.MATMUL_OPS``) keeps the
+    layer's inputs, its glue's saved tensors and
+    ``selective_saved_bytes_per_sample`` — those outputs inside the module, of
+    which ``selective_sharded_bytes_per_sample`` lie between the column and row
+    projections of its Megatron style, split over tp — and re-runs in backward
+    the module's other ops: ``selective_recompute_flops_per_sample`` FLOPs
+    (those the FLOP counter counts) and ``selective_recompute_bytes_per_sample``
+    bytes read and written (``selective_recompute_sharded_bytes_per_sample`` of
+    them split over tp). Graphs captured before these were recorded load with
+    zeros: selective recompute is then not offered.
     """
 
     name: str
@@ -114,12 +138,27 @@ class Layer:
     param_names: tuple[str, ...] = ()
     module_path: str | None = None
     glue_saved_bytes_per_sample: float = 0.0
+    tp_refusal: str = ""  # why no Megatron style is offered, when the graph had a candidate
+    cut_blocked_by: str = ""  # why no pipeline cut may follow this layer, when the dataflow allows one
+    selective_saved_bytes_per_sample: float = 0.0
+    selective_sharded_bytes_per_sample: float = 0.0
+    selective_recompute_flops_per_sample: float = 0.0
+    selective_recompute_bytes_per_sample: float = 0.0
+    selective_recompute_sharded_bytes_per_sample: float = 0.0
+    # parameters shared with the model's other end (tied input/output embeddings): under a pipeline the
+    # first and last stage each hold them and sum their gradients; ``tied_borrowed`` marks the end
+    # that does not own them (its param_count leaves them out; :meth:`LayerGraph.pipeline_view` adds them)
+    tied_params: tuple[str, ...] = ()
+    tied_param_count: int = 0
+    tied_param_bytes: int = 0
+    tied_borrowed: bool = False
 
     def tp_style(self, name: str) -> TPStyle:
         for style in self.tp_styles:
             if style.name == name:
                 return style
-        raise KeyError(f"layer {self.name!r} has no tensor-parallel style {name!r}")
+        why = f" ({self.tp_refusal})" if self.tp_refusal else ""
+        raise KeyError(f"layer {self.name!r} has no tensor-parallel style {name!r}{why}")
 
     def cost_signature(self) -> tuple:
         """What the cost model sees of this layer: equal signatures price the same."""
@@ -130,6 +169,11 @@ class Layer:
             round(self.activation_bytes_per_sample, 3),
             round(self.input_bytes_per_sample, 3),
             round(self.glue_saved_bytes_per_sample, 3),
+            round(self.selective_saved_bytes_per_sample, 3),
+            round(self.selective_sharded_bytes_per_sample, 3),
+            round(self.selective_recompute_flops_per_sample, 3),
+            round(self.selective_recompute_bytes_per_sample, 3),
+            round(self.selective_recompute_sharded_bytes_per_sample, 3),
             tuple(s.cost_signature() for s in self.tp_styles),
             len(self.param_names),
         )
@@ -138,6 +182,7 @@ class Layer:
         d = asdict(self)
         d["tp_styles"] = [s.to_dict() for s in self.tp_styles]
         d["param_names"] = list(self.param_names)
+        d["tied_params"] = list(self.tied_params)
         return d
 
     @classmethod
@@ -145,6 +190,7 @@ class Layer:
         d = dict(d)
         d["tp_styles"] = tuple(TPStyle.from_dict(s) for s in d.get("tp_styles", ()))
         d["param_names"] = tuple(d.get("param_names", ()))
+        d["tied_params"] = tuple(d.get("tied_params", ()))
         return cls(**d)
 
 
@@ -230,6 +276,27 @@ class LayerGraph:
 
     def layer(self, name: str) -> Layer:
         return self.graph.nodes[name]["layer"]
+
+    def pipeline_view(self) -> LayerGraph:
+        """The graph as a pipeline (pp > 1) runs it: the end that borrows tied parameters holds them
+        too (their memory, optimizer state and gradient are its stage's). Cached; ``self`` when no
+        layer borrows."""
+        cached = self.__dict__.get("_pipeline_view")
+        if cached is not None:
+            return cached
+        if not any(l.tied_borrowed for l in self.layers):
+            view = self
+        else:
+            layers = [dataclasses.replace(l, param_count=l.param_count + l.tied_param_count,
+                                          param_bytes=l.param_bytes + l.tied_param_bytes,
+                                          param_names=l.param_names + l.tied_params)
+                      if l.tied_borrowed else l for l in self.layers]
+            view = LayerGraph(layers, model_name=self.model_name, example_batch=self.example_batch,
+                              dtype_bytes=self.dtype_bytes, tracer=self.tracer, seq_len=self.seq_len,
+                              output_bytes_per_sample=self.output_bytes_per_sample,
+                              edges=[(u, v, d["bytes_per_sample"]) for u, v, d in self.graph.edges(data=True)])
+        self.__dict__["_pipeline_view"] = view
+        return view
 
     def fingerprint(self) -> str:
         """A stable hash of the structure and costs: plans are bound to it."""

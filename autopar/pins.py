@@ -3,11 +3,16 @@
 Global pins are ``KEY=VALUE`` with KEY one of ``pp``, ``dp``, ``tp`` (degrees),
 ``microbatches``, ``schedule`` (``gpipe``, ``1f1b``, ``interleaved_1f1b``),
 ``chunks`` (model chunks per rank, interleaved only), ``zero`` (0–3, every
-layer) and ``recompute`` (``all``/``none``). Per-layer pins are
-``GLOB:KEY=VALUE`` with KEY one of ``stage``, ``tp`` (a style name or
-``none``), ``zero`` and ``recompute`` (``on``/``off``), where GLOB is an
+layer) and ``recompute`` (``none``, ``selective`` or ``full``). Per-layer pins
+are ``GLOB:KEY=VALUE`` with KEY one of ``stage``, ``tp`` (a style name or
+``none``), ``zero`` and ``recompute`` (as the global one), where GLOB is an
 ``fnmatch`` pattern over layer names, e.g. ``blocks.0:stage=0`` or
-``blocks.*:zero=3``. Pinning everything prices a hand-made plan.
+``blocks.*:zero=3``. Pinning everything prices a hand-made plan. For
+recompute, ``on``/``all`` still mean ``full`` and ``off`` means ``none``.
+A global ``recompute=selective`` applies to the layers that have something to
+keep and leaves the others without recompute (the plan notes them); a
+per-layer one on a layer with nothing to keep is a PinError (planning checks
+it against the graph).
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ from typing import Any
 
 from autopar.cost_models.pipeline import ScheduleKind
 from autopar.errors import PinError
+from autopar.plan import Recompute
 
 _UNSET: Any = object()
 GLOBAL_KEYS = ("pp", "dp", "tp", "microbatches", "schedule", "chunks", "zero", "recompute")
 LAYER_KEYS = ("stage", "tp", "zero", "recompute")
-_TRUE = {"all", "on", "true", "yes", "1"}
-_FALSE = {"none", "off", "false", "no", "0"}
+_RECOMPUTE = {**dict.fromkeys(("full", "all", "on", "true", "yes", "1"), Recompute.FULL),
+              **dict.fromkeys(("none", "off", "false", "no", "0"), Recompute.NONE),
+              **dict.fromkeys(("selective", "sac"), Recompute.SELECTIVE)}
 SCHEDULE_NAMES = {
     "gpipe": ScheduleKind.GPIPE,
     "1f1b": ScheduleKind.ONE_F_ONE_B,
@@ -59,7 +66,7 @@ class Pins:
     schedule: ScheduleKind | None = None
     chunks: int | None = None
     zero: int | None = None
-    recompute: bool | None = None
+    recompute: Recompute | None = None
     layers: tuple[LayerPin, ...] = field(default_factory=tuple)
 
     @classmethod
@@ -171,6 +178,8 @@ class Pins:
 def _text(value: Any) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
+    if isinstance(value, Recompute):
+        return str(value)
     if isinstance(value, ScheduleKind):
         return value.value
     if value is None:
@@ -188,13 +197,12 @@ def _int(value: str, item: str, *, minimum: int) -> int:
     return number
 
 
-def _bool(value: str, item: str) -> bool:
-    low = value.lower()
-    if low in _TRUE:
-        return True
-    if low in _FALSE:
-        return False
-    raise PinError(f"pin {item!r}: expected all/none (or on/off), got {value!r}")
+def _recompute(value: str, item: str) -> Recompute:
+    try:
+        return _RECOMPUTE[value.lower()]
+    except KeyError:
+        raise PinError(f"pin {item!r}: recompute must be none, selective or full (on/off: full/none), "
+                       f"got {value!r}") from None
 
 
 def _global_value(key: str, value: str, item: str) -> Any:
@@ -208,7 +216,7 @@ def _global_value(key: str, value: str, item: str) -> Any:
             raise PinError(f"pin {item!r}: ZeRO stage must be 0, 1, 2 or 3")
         return zero
     if key == "recompute":
-        return _bool(value, item)
+        return _recompute(value, item)
     try:
         return SCHEDULE_NAMES[value.lower()]
     except KeyError:
@@ -221,5 +229,5 @@ def _layer_value(key: str, value: str, item: str) -> Any:
     if key == "zero":
         return _global_value("zero", value, item)
     if key == "recompute":
-        return _bool(value, item)
+        return _recompute(value, item)
     return None if value.lower() in ("none", "-", "replicate") else value

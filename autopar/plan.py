@@ -5,12 +5,20 @@ the captured graph by its fingerprint. Loading never unpickles: a plan file is
 JSON text, checked field by field. Inside the program the settings travel as
 types (a :class:`ClusterSpec`, a :class:`ScheduleKind`, :class:`TrainingSettings`);
 in the file they are the plain JSON they always were.
+
+Besides the totals, a plan records where they come from, as pricing priced
+them at solve time: each virtual stage's work per microbatch
+(:class:`StageTime`), each pipeline rank's memory by kind and its tail
+(:class:`RankCost`), and the solver's runners-up (:class:`RunnerUp`). The
+pictures and ``autopar explain`` read these and compute nothing again. They
+were added within schema 1: a file without them loads, with them empty.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +41,34 @@ class Mesh:
         return self.pp * self.dp * self.tp
 
 
+class Recompute(IntEnum):
+    """What a layer recomputes in backward instead of keeping from forward.
+
+    ``NONE`` keeps every saved activation; ``SELECTIVE`` checkpoints the layer's
+    module with torch's selective policy, keeping the outputs of matmul-class
+    ops and recomputing the rest; ``FULL`` keeps only the module's inputs and
+    re-runs its whole forward. FULL is 1 and NONE 0 so that a plan written when
+    recompute was a bool, and code that still passes one, mean what they meant.
+    """
+
+    NONE = 0
+    FULL = 1
+    SELECTIVE = 2
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def of(cls, value: Recompute | bool | int | str) -> Recompute:
+        """A recompute kind from itself, a bool (True = full), or its name."""
+        if isinstance(value, str):
+            try:
+                return cls[value.upper()]
+            except KeyError:
+                raise ValueError(f"recompute must be one of none, selective, full; got {value!r}") from None
+        return cls(int(value))
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     """One layer's choices. ``stage`` is the virtual stage (rank = stage mod pp)."""
@@ -41,7 +77,10 @@ class LayerPlan:
     stage: int
     tp: str | None
     zero: int
-    recompute: bool
+    recompute: Recompute
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", Recompute.of(self.recompute))
 
 
 @dataclass(frozen=True)
@@ -57,6 +96,49 @@ class Breakdown:
 
 
 @dataclass(frozen=True)
+class StageTime:
+    """One virtual stage's work per microbatch on its pipeline rank, in seconds, as priced.
+
+    ``backward_s`` includes a recomputed forward (and ``backward_tp_s`` its collectives);
+    ``send_forward_s`` sends activations to the next stage, ``send_backward_s`` gradients to
+    the previous one. A rank's stages add up to its per-microbatch time T_j.
+    """
+
+    stage: int
+    forward_s: float
+    backward_s: float
+    forward_tp_s: float
+    backward_tp_s: float
+    send_forward_s: float
+    send_backward_s: float
+
+    @property
+    def per_microbatch_s(self) -> float:
+        return (self.forward_s + self.backward_s + self.forward_tp_s + self.backward_tp_s
+                + self.send_forward_s + self.send_backward_s)
+
+
+@dataclass(frozen=True)
+class RankCost:
+    """One pipeline rank (all its dp × tp ranks alike): peak memory by kind, and the tail it adds
+    after the pipeline drains. The memory parts add up to its ``memory_per_rank_bytes``."""
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int  # saved activations of the microbatches in flight at the peak
+    buffers_bytes: int  # FSDP2's unsharded-gradient and prefetch buffers, DDP's gradient buckets
+    workspace_bytes: int  # transient: the largest unit gathered, one layer's activations, the loss
+    dp_comm_s: float  # data-parallel traffic not hidden under compute
+    optimizer_s: float
+
+    @property
+    def memory_bytes(self) -> int:
+        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+                + self.buffers_bytes + self.workspace_bytes)
+
+
+@dataclass(frozen=True)
 class Predicted:
     step_time_s: float
     tflops_per_gpu: float
@@ -64,6 +146,35 @@ class Predicted:
     memory_per_rank_bytes: tuple[int, ...]
     memory_budget_bytes: int
     breakdown: Breakdown
+    stages: tuple[StageTime, ...] = ()  # per virtual stage; empty in plans written before they were kept
+    ranks: tuple[RankCost, ...] = ()  # per pipeline rank; likewise
+    pace: float = 1.0  # the priced pipeline over m·T + w·(S − T): below 1 where waiting ranks lend cores
+
+
+@dataclass(frozen=True)
+class RunnerUp:
+    """The best plan the solver found in another distinct configuration (mesh, or replicated
+    against sharded data parallelism), priced like the chosen one: what came next, and why not."""
+
+    mesh: Mesh
+    microbatches: int
+    schedule: ScheduleKind
+    chunks: int
+    data_parallel: str  # "replicated", "sharded", "sharded, root ZeRO-2"
+    zero: tuple[int, ...]  # the ZeRO stages its layers take
+    recomputed: int  # how many layers recompute
+    step_time_s: float
+    memory_per_rank_bytes: tuple[int, ...]
+    breakdown: Breakdown
+    optimal: bool  # False: the best CP-SAT found in a runner-up's short solve
+    pins: tuple[str, ...]  # pins that fix its configuration (for `autopar plan --pin`)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["schedule"] = self.schedule.value
+        for key in ("zero", "memory_per_rank_bytes", "pins"):
+            d[key] = list(d[key])
+        return d
 
 
 @dataclass(frozen=True)
@@ -117,6 +228,7 @@ class Plan:
     pins: tuple[str, ...] = ()
     schema: str = SCHEMA
     notes: tuple[str, ...] = field(default_factory=tuple)
+    runners_up: tuple[RunnerUp, ...] = ()  # the solver's next distinct configurations, fastest first
 
     # ------------------------------------------------------------ JSON
 
@@ -125,9 +237,12 @@ class Plan:
         d["schedule"] = self.schedule.value
         d["cluster"] = self.cluster.to_dict()
         d["training"] = self.training.to_dict()
-        d["layers"] = [asdict(l) for l in self.layers]
+        d["layers"] = [{**asdict(l), "recompute": str(l.recompute)} for l in self.layers]
         d["predicted"]["memory_per_rank_bytes"] = list(self.predicted.memory_per_rank_bytes)
+        d["predicted"]["stages"] = [asdict(x) for x in self.predicted.stages]
+        d["predicted"]["ranks"] = [asdict(x) for x in self.predicted.ranks]
         d["pins"], d["notes"] = list(self.pins), list(self.notes)
+        d["runners_up"] = [r.to_dict() for r in self.runners_up]
         schema = d.pop("schema")
         return {"schema": schema, **d}
 
@@ -242,7 +357,7 @@ def _plan_from_dict(d: Any, source: str) -> Plan:
             LayerPlan(
                 name=_require(l, "name", str, source), stage=_require(l, "stage", int, source),
                 tp=l.get("tp"), zero=_require(l, "zero", int, source),
-                recompute=_require(l, "recompute", bool, source),
+                recompute=_recompute_from(_require(l, "recompute", (bool, str), source), source),
             )
             for l in _require(d, "layers", list, source)
         )
@@ -254,6 +369,9 @@ def _plan_from_dict(d: Any, source: str) -> Plan:
             memory_per_rank_bytes=tuple(_require(p, "memory_per_rank_bytes", list, source)),
             memory_budget_bytes=int(_require(p, "memory_budget_bytes", int, source)),
             breakdown=Breakdown(**_require(p, "breakdown", dict, source)),
+            stages=tuple(_record(StageTime, x, f"{source}: predicted.stages") for x in p.get("stages", ())),
+            ranks=tuple(_record(RankCost, x, f"{source}: predicted.ranks") for x in p.get("ranks", ())),
+            pace=float(_require(p, "pace", (int, float), source)) if "pace" in p else 1.0,
         )
         plan = Plan(
             fingerprint=_require(d, "fingerprint", str, source),
@@ -271,11 +389,58 @@ def _plan_from_dict(d: Any, source: str) -> Plan:
             training=_training_from_dict(_require(d, "training", dict, source), f"{source}: training"),
             pins=tuple(d.get("pins", ())),
             notes=tuple(d.get("notes", ())),
+            runners_up=tuple(_runner_up(r, f"{source}: runners_up") for r in d.get("runners_up", ())),
         )
     except TypeError as exc:  # unexpected or missing keys in a nested section
         raise PlanError(f"{source} has a malformed section: {exc}") from None
     _check_consistent(plan, source)
     return plan
+
+
+def _recompute_from(value: bool | str, source: str) -> Recompute:
+    """A layer's recompute as the file gives it: a kind's name, or (plans written before
+    selective recompute) a bool, true meaning full."""
+    try:
+        return Recompute.of(value)
+    except ValueError:
+        raise PlanError(f"{source}: a layer's recompute is {value!r}; use none, selective or full") from None
+
+
+_INT_FIELDS = {"stage", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes",
+               "workspace_bytes"}
+
+
+def _record(cls: type, raw: Any, source: str) -> Any:
+    """A dataclass of numbers (:class:`StageTime`, :class:`RankCost`) from its JSON object, each field
+    checked: integers where the field counts bytes or stages, any number elsewhere."""
+    if not isinstance(raw, dict):
+        raise PlanError(f"{source}: an entry is not a JSON object")
+    names = [f.name for f in fields(cls)]
+    unknown = sorted(set(raw) - set(names))
+    if unknown:
+        raise PlanError(f"{source}: unknown fields {', '.join(map(repr, unknown))}")
+    values = {n: _require(raw, n, int if n in _INT_FIELDS else (int, float), source) for n in names}
+    return cls(**{n: v if n in _INT_FIELDS else float(v) for n, v in values.items()})
+
+
+def _runner_up(r: Any, source: str) -> RunnerUp:
+    if not isinstance(r, dict):
+        raise PlanError(f"{source}: an entry is not a JSON object")
+    mesh = _require(r, "mesh", dict, source)
+    return RunnerUp(
+        mesh=Mesh(**{k: _require(mesh, k, int, source) for k in ("pp", "dp", "tp")}),
+        microbatches=_require(r, "microbatches", int, source),
+        schedule=_schedule_from_dict(r, source),
+        chunks=_require(r, "chunks", int, source),
+        data_parallel=_require(r, "data_parallel", str, source),
+        zero=tuple(_require(r, "zero", list, source)),
+        recomputed=_require(r, "recomputed", int, source),
+        step_time_s=float(_require(r, "step_time_s", (int, float), source)),
+        memory_per_rank_bytes=tuple(_require(r, "memory_per_rank_bytes", list, source)),
+        breakdown=Breakdown(**_require(r, "breakdown", dict, source)),
+        optimal=_require(r, "optimal", bool, source),
+        pins=tuple(_require(r, "pins", list, source)),
+    )
 
 
 def _check_consistent(plan: Plan, source: str) -> None:
@@ -287,6 +452,15 @@ def _check_consistent(plan: Plan, source: str) -> None:
         raise PlanError(f"{source}: layer stages must be non-decreasing and below {plan.stages}")
     if any(l.zero not in (0, 1, 2, 3) for l in plan.layers):
         raise PlanError(f"{source}: a layer's zero stage is not 0–3")
+    p = plan.predicted
+    if p.stages and [s.stage for s in p.stages] != list(range(plan.stages)):
+        raise PlanError(f"{source}: predicted.stages must list stages 0–{plan.stages - 1} in order")
+    if p.ranks and len(p.ranks) != plan.mesh.pp:
+        raise PlanError(f"{source}: predicted.ranks has {len(p.ranks)} entries for pp={plan.mesh.pp}")
+    if p.ranks and tuple(r.memory_bytes for r in p.ranks) != p.memory_per_rank_bytes:
+        raise PlanError(f"{source}: predicted.ranks' memory does not add up to memory_per_rank_bytes")
+    if any(r.mesh.world_size != plan.world_size for r in plan.runners_up):
+        raise PlanError(f"{source}: a runner-up's mesh does not multiply to world size {plan.world_size}")
 
 
 # ---------------------------------------------------------------- the readable table
@@ -317,7 +491,7 @@ def _layer_rows(plan: Plan) -> tuple[list[tuple[str, ...]], tuple[str, ...]]:
     rows = []
     for label, l, _ in _fold(plan.layers):
         where = (str(l.stage), str(l.stage % pp), str(l.stage // pp)) if interleaved else (str(l.stage),)
-        rows.append((label, *where, l.tp or "-", str(l.zero), "on" if l.recompute else "off"))
+        rows.append((label, *where, l.tp or "-", str(l.zero), str(l.recompute)))
     header = ("layer", "stage", *(("rank", "chunk") if interleaved else ()), "tp", "zero", "recompute")
     return rows, header
 

@@ -5,9 +5,18 @@
 
 Each published run is priced as the hand-made plan it was (everything pinned:
 FSDP = ZeRO-3 on every layer, pp = tp = 1, one microbatch, the published
-local batch). Selective activation checkpointing (torchtitan's per-op policy,
-which keeps matmul outputs) is priced as no recompute; full checkpointing as
-recompute on every layer.
+local batch). Activation checkpointing is pinned on the transformer blocks
+only, as torchtitan applies it (``apply_ac`` wraps each of ``model.layers``):
+selective (SAC) as autopar's selective recompute, full as full recompute;
+the embedding, final norm and head recompute nothing.
+
+autopar's selective policy keeps every matmul-class output
+(``cost_models.compute.MATMUL_OPS``). torchtitan's op-level policy, the one
+these runs used, keeps attention's output and every *other* ``mm`` output,
+recomputing the rest (``torchtitan/distributed/activation_checkpoint.py``,
+"Saves output of all compute ops, except every second mm"), so it keeps less
+than autopar's policy would on the same block; the memory rows price
+autopar's policy, not torchtitan's.
 
 How the presets' ``matmul_efficiency`` was fitted (``--fit``): with the
 half-efficiency overhead fixed, predicted step time is (compute at η) + terms
@@ -47,25 +56,28 @@ class PublishedRun:
     cluster: str
     gpus: int
     local_batch: int
-    recompute: str  # "none" (selective, per-op) or "all" (full)
+    recompute: str  # "selective" or "full", on the transformer blocks
     tokens_per_s_per_gpu: float
     peak_memory_gib: float | None
 
 
 RUNS = [
-    PublishedRun("Llama 3.1 8B, 8 × H100, FSDP, SAC", "llama3_8b", "h100-96g", 8, 2, "none", 5762, 82.4),
-    PublishedRun("Llama 3.1 8B, 128 × H100, FSDP, SAC", "llama3_8b", "h100-96g", 128, 2, "none", 5605, 67.0),
-    PublishedRun("Llama 3.1 8B, 64 × A100, FSDP, SAC", "llama3_8b", "a100-80g", 64, 1, "none", 2904, None),
-    PublishedRun("Llama 3.1 70B, 64 × A100, FSDP, full AC", "llama3_70b", "a100-80g", 64, 1, "all", 331, None),
+    PublishedRun("Llama 3.1 8B, 8 × H100, FSDP, SAC", "llama3_8b", "h100-96g", 8, 2, "selective", 5762, 82.4),
+    PublishedRun("Llama 3.1 8B, 128 × H100, FSDP, SAC", "llama3_8b", "h100-96g", 128, 2, "selective", 5605, 67.0),
+    PublishedRun("Llama 3.1 8B, 64 × A100, FSDP, SAC", "llama3_8b", "a100-80g", 64, 1, "selective", 2904, None),
+    PublishedRun("Llama 3.1 70B, 64 × A100, FSDP, full AC", "llama3_70b", "a100-80g", 64, 1, "full", 331, None),
 ]
 FAMILY = {"h100-96g": "H100", "a100-80g": "A100"}
+BLOCKS = "layers.*"  # examples/llama.py's transformer blocks
+NOT_BLOCKS = ("embed_tokens", "norm", "lm_head")
 
 
 def price(run: PublishedRun, graph, efficiency: float | None = None) -> autopar.Plan:
     cluster = PRESETS[run.cluster]
     if efficiency is not None:
         cluster = replace(cluster, device=replace(cluster.device, matmul_efficiency=efficiency))
-    pins = ["pp=1", "tp=1", "microbatches=1", "zero=3", f"recompute={run.recompute}"]
+    pins = ["pp=1", "tp=1", "microbatches=1", "zero=3", f"{BLOCKS}:recompute={run.recompute}",
+            *(f"{name}:recompute=none" for name in NOT_BLOCKS)]
     return autopar.solve(graph, run.gpus, cluster=cluster, global_batch=run.local_batch * run.gpus,
                          pins=pins, memory_gb=10_000)  # price the plan; memory is reported, not enforced
 

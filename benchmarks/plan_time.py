@@ -1,11 +1,19 @@
 """Planning time as a whole process, tracing included: the `autopar plan` command, timed.
 
-    python benchmarks/plan_time.py              # GPT-3 175B on 1024 × A100 80GB (the README figure)
+    python benchmarks/plan_time.py              # GPT-3 175B on 1024 × A100 80GB (the README figures)
     python benchmarks/plan_time.py --sweep      # GPT sizes × world sizes
 
 Each figure is the median wall time of ``--repeat`` runs of the console script
 in a fresh interpreter (imports, model construction on the meta device,
-capture, solve), with the solver's status and gap as it reported them.
+capture, solve), with the solver's status and gap as it reported them, and
+the process's peak resident memory (``ru_maxrss`` of that child, from
+``os.wait4``; the most over the repeats).
+
+The headline plans GPT-3 175B twice: from ``gpt3_175b``, which takes
+``device`` and builds on meta itself, and from ``gpt3_175b_plain``, written
+with no ``device`` at all, which autopar builds under ``torch.device("meta")``.
+The plain one must reach :data:`MUST_REACH` (≤ 10 s whole process, OPTIMAL,
+peak RSS ≤ 4 GiB); the script says whether it did and exits 1 if not.
 
 ``benchmarks/suite.py`` also times planning inside one interpreter
 (:func:`time_in_process`), so that capture and solve are seen apart from the
@@ -16,9 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,7 +36,31 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-HEADLINE = [("gpt3_175b", 1024, "a100-80g", 1536)]
+HEADLINE = [("gpt3_175b", 1024, "a100-80g", 1536), ("gpt3_175b_plain", 1024, "a100-80g", 1536)]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What one headline run must reach: wall seconds (median), the solver's status, peak RSS."""
+
+    wall_s: float
+    status: str
+    peak_rss_bytes: int
+
+    def missed(self, wall_s: float, status: str, peak_rss_bytes: int) -> list[str]:
+        """The targets missed, each as ``what: got > target`` (empty when all are met)."""
+        out = []
+        if wall_s > self.wall_s:
+            out.append(f"wall {wall_s:.2f} s > {self.wall_s:g} s")
+        if status != self.status:
+            out.append(f"status {status} != {self.status}")
+        if peak_rss_bytes > self.peak_rss_bytes:
+            out.append(f"peak RSS {peak_rss_bytes / 2**30:.2f} GiB > {self.peak_rss_bytes / 2**30:g} GiB")
+        return out
+
+
+# issue 10: a plain spec (no `device`) of GPT-3 175B plans in 10 s, OPTIMAL, within 4 GiB
+MUST_REACH = {"gpt3_175b_plain": Target(10.0, "OPTIMAL", 4 * 2**30)}
 SWEEP = [(m, w, "a100-80g", 2 * w) for m in ("gpt2_small", "gpt3_6_7b", "gpt3_175b", "gpt_1t")
          for w in (8, 64, 512, 4096)]
 # GPT 125M → 1T (spec functions in examples/gpt.py) and world sizes, for the in-process sweep
@@ -52,16 +86,37 @@ def mesh_text(mesh: Mapping[str, int] | None) -> str:
     return f"{mesh['pp']}×{mesh['dp']}×{mesh['tp']}" if mesh else "—"
 
 
+def run_measured(cmd: Sequence[str]) -> tuple[float, int, str, str, int]:
+    """Run ``cmd``; its wall seconds, exit code, stdout, stderr and peak RSS in bytes.
+
+    The child is reaped with ``os.wait4``, whose rusage is that child's alone
+    (``ru_maxrss``, KiB on Linux), unlike ``getrusage(RUSAGE_CHILDREN)``,
+    the most over every child so far.
+    """
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        return wall, proc.returncode, out.read(), err.read(), usage.ru_maxrss * 1024
+
+
 def run_once(model: str, world: int, cluster: str, batch: int) -> tuple[float, dict]:
+    """One `autopar plan --json` process: its wall time, and the solver's status, gap, mesh and
+    the process's peak RSS (``peak_rss_bytes``)."""
     cmd = [AUTOPAR, "plan", spec_of(model), "--world-size", str(world),
            "--cluster", cluster, "--batch-size", str(batch), "--json"]
-    wall, proc = timed(lambda: subprocess.run(cmd, capture_output=True, text=True))
-    if proc.returncode not in (0, 3):
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr}")
-    if proc.returncode == 3:
-        return wall, {"status": "INFEASIBLE", "gap": None, "mesh": None}
-    plan = json.loads(proc.stdout)
-    return wall, {"status": plan["solver"]["status"], "gap": plan["solver"]["gap"], "mesh": plan["mesh"]}
+    wall, code, stdout, stderr, rss = run_measured(cmd)
+    if code not in (0, 3):
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{stderr}")
+    if code == 3:
+        return wall, {"status": "INFEASIBLE", "gap": None, "mesh": None, "peak_rss_bytes": rss}
+    plan = json.loads(stdout)
+    return wall, {"status": plan["solver"]["status"], "gap": plan["solver"]["gap"], "mesh": plan["mesh"],
+                  "peak_rss_bytes": rss}
 
 
 def timed(fn: Callable[[], Any], repeat: int = 1) -> tuple[float, Any]:
@@ -136,22 +191,32 @@ def time_in_process(model: str, worlds: Sequence[int] = WORLDS, cluster: str = "
     return cases
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    print("| model | world | cluster | batch | wall s (median) | status | gap | mesh pp×dp×tp |")
-    print("|---|---:|---|---:|---:|---|---:|---|")
+    print("| model | world | cluster | batch | wall s (median) | status | gap | mesh pp×dp×tp | peak RSS |")
+    print("|---|---:|---|---:|---:|---|---:|---|---:|")
+    verdicts = []
     for model, world, cluster, batch in SWEEP if args.sweep else HEADLINE:
-        walls, info = [], {}
+        walls, rss, info = [], 0, {}
         for _ in range(args.repeat):
             wall, info = run_once(model, world, cluster, batch)
             walls.append(wall)
+            rss = max(rss, info["peak_rss_bytes"])
+        wall = statistics.median(walls)
         gap = f"{info['gap']:.2%}" if info["gap"] is not None else "—"
-        print(f"| {model} | {world} | {cluster} | {batch} | {statistics.median(walls):.2f} | "
-              f"{info['status']} | {gap} | {mesh_text(info['mesh'])} |", flush=True)
+        print(f"| {model} | {world} | {cluster} | {batch} | {wall:.2f} | {info['status']} | {gap} | "
+              f"{mesh_text(info['mesh'])} | {rss / 2**30:.2f} GiB |", flush=True)
+        target = MUST_REACH.get(model) if not args.sweep else None
+        if target is not None:
+            verdicts.append((model, target, target.missed(wall, info["status"], rss)))
+    for model, target, missed in verdicts:
+        goal = (f"≤ {target.wall_s:g} s, {target.status}, peak RSS ≤ {target.peak_rss_bytes / 2**30:g} GiB")
+        print(f"\nmust reach, {model}: {goal}: " + ("met" if not missed else "MISSED: " + "; ".join(missed)))
+    return 1 if any(missed for _, _, missed in verdicts) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -28,3 +28,25 @@ def compute_time_s(flops: float, device: DeviceSpec, dtype: str) -> float:
     if flops <= 0:
         return 0.0
     return (flops + device.half_efficiency_flops) / (device.peak_flops(dtype) * device.matmul_efficiency)
+
+
+# ATen ops whose outputs selective activation checkpointing keeps (torch's schema names, as a
+# TorchDispatchMode sees them): the matmul class — GEMMs, convolutions and fused attention,
+# whose work grows faster than the bytes they write, so recomputing them costs far more than
+# keeping them (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+# Transformer Models"; torchtitan's op-level SAC save list). Capture prices by this list and
+# the recompute pass lowers by it, so what is priced is what runs. CompositeImplicit ops
+# (linear, matmul) never reach a dispatch mode: they arrive as mm/addmm/bmm.
+MATMUL_OPS = frozenset({
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
+    "aten::convolution",
+    "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_flash_attention_forward", "aten::_efficient_attention_forward",
+})
+
+
+def memory_bound_time_s(nbytes: float, device: DeviceSpec) -> float:
+    """Time of memory-bound work (elementwise ops, norms, softmax) reading and writing ``nbytes``:
+    bytes over the device's memory bandwidth (the roofline's bandwidth side)."""
+    return max(nbytes, 0.0) / device.memory_bandwidth_bytes_s

@@ -3,7 +3,10 @@
 Usage: autopar plan examples/gpt.py:gpt3_175b --world-size 1024 --cluster a100-80g
 
 Every spec function returns ``(model, (idx,))`` built on the meta device by
-default, so planning a 175B model allocates nothing. The model is plain
+default, so planning a 175B model allocates nothing. The ``*_plain`` specs at
+the end are written as a user writes one, with no ``device`` argument: autopar
+builds those under ``torch.device("meta")`` to plan them, and for real (on the
+CPU) to ``verify`` them. The model is plain
 PyTorch: token + learned position embeddings, pre-LN blocks with causal
 self-attention (one fused ``c_attn`` projection, ``F.scaled_dot_product_attention``)
 and a GELU MLP, a final LayerNorm and an untied ``lm_head``.
@@ -186,3 +189,26 @@ def gpt_1t(seq_len: int | None = None, device: str | torch.device = "meta"):
 
 def gpt_tiny(seq_len: int | None = None, device: str | torch.device = "meta"):
     return _named("gpt-tiny", seq_len, device)
+
+
+# ------------------------------------------------------------------ plain specs
+# Written as a user writes a spec: no ``device`` parameter, nothing about meta.
+# autopar calls such a function inside ``with torch.device("meta"):`` to plan,
+# so the weights and the example ids below are meta tensors there, and inside
+# ``torch.device("cpu")`` when ``autopar verify`` builds it for real.
+
+
+def gpt3_175b_plain():
+    """GPT-3 175B, plainly: ``autopar plan examples/gpt.py:gpt3_175b_plain …`` allocates nothing."""
+    cfg = CONFIGS["gpt3-175b"]
+    model = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
+    return model, (idx,)
+
+
+def gpt_tiny_plain():
+    """The tiny GPT, plainly: small enough for ``autopar verify`` to build and train for real."""
+    cfg = CONFIGS["gpt-tiny"]
+    model = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len))
+    return model, (idx,)

@@ -35,7 +35,7 @@ from autopar.passes.materialise import is_meta, materialise
 from autopar.contract import Unit
 from autopar.errors import LoweringError
 from autopar.graph import LayerGraph
-from autopar.plan import LayerPlan, Plan
+from autopar.plan import LayerPlan, Plan, Recompute
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class PartResult:
 
     module: nn.Module
     applied: list[str] = field(default_factory=list)
-    row_permutations: dict[str, torch.Tensor] = field(default_factory=dict)
+    permutations: dict[str, Any] = field(default_factory=dict)  # passes.tensor_parallel.Permutation by FQN
     data_parallel: Any = None  # passes.zero.DataParallelResult, when dp > 1
 
 
@@ -100,7 +100,7 @@ def _tp_run(module: nn.Module, ctx: Context, result: PartResult) -> None:
     from autopar.passes.tensor_parallel import apply_tensor_parallel
 
     tp = apply_tensor_parallel(module, ctx.graph, ctx.plan, ctx.mesh["tp"])
-    result.row_permutations.update(tp.row_permutations)
+    result.permutations.update(tp.permutations)
 
 
 def _tp_ensures(module: nn.Module, ctx: Context) -> str | None:
@@ -131,7 +131,19 @@ def _rc_requires(module: nn.Module, ctx: Context) -> str | None:
 def _rc_run(module: nn.Module, ctx: Context, result: PartResult) -> None:
     from autopar.passes.recompute import checkpoint_modules
 
-    checkpoint_modules(module, list(ctx.part.recompute))
+    checkpoint_modules(module, list(ctx.part.recompute), _recompute_kinds(ctx))
+
+
+def _recompute_kinds(ctx: Context) -> dict[str, Recompute]:
+    """How each module of the part's ``recompute`` is checkpointed: as the plan entry of its first
+    layer asks (the contract put the module there, so that kind applies; see
+    :meth:`autopar.contract.Layout.recompute_kinds`)."""
+    kinds: dict[str, Recompute] = {}
+    for lp in ctx.part.layers:
+        path = ctx.graph.layer(lp.name).module_path
+        if path in ctx.part.recompute and lp.recompute:
+            kinds.setdefault(path, lp.recompute)
+    return kinds
 
 
 def _rc_ensures(module: nn.Module, ctx: Context) -> str | None:

@@ -19,7 +19,10 @@ Lowering, per rank (virtual stage s lives on pp rank ``s % pp``):
 What stays true: gradients are the global-batch mean. ``loss_fn`` averages a
 microbatch; the schedule sums microbatch gradients and divides by
 ``microbatches`` (``scale_grads=True``), giving this dp rank's mean; FSDP /
-``replicate`` average over dp. Parameter FQNs are the model's.
+``replicate`` average over dp. Parameter FQNs are the model's. With
+``scale_grads=False`` (a bf16 plan without FSDP2, whose fp32 master
+gradients accumulate outside the stages: :mod:`autopar.runtime.precision`)
+the caller divides instead.
 
 Export-captured models (Hugging Face) run as ATen graphs in which no layer
 module is called, so tensor parallelism and recompute cannot hook them: a
@@ -39,6 +42,7 @@ import torch
 import torch.nn as nn
 from autopar.passes.parallelize import Part, parallelize_part
 from autopar.passes.stage_split import StageSplit, split_model
+from autopar.passes.tied import TiedEmbeddings, tied_locations
 
 from autopar.contract import ROOT, Layout, Unit, plan_layout, unit_engine
 from autopar.errors import BatchError, LoweringError
@@ -53,7 +57,7 @@ class PipelineRuntime:
     """This rank's pipeline stages and their schedule.
 
     ``modules`` are this rank's stage modules (after TP/recompute/ZeRO), in
-    virtual-stage order ``stage_ids``; ``row_permutations`` the fused q/k/v
+    virtual-stage order ``stage_ids``; ``permutations`` the fused q/k/v
     row orders tensor parallelism applied (by original FQN).
     """
 
@@ -64,7 +68,8 @@ class PipelineRuntime:
     pp_group: Any
     device: torch.device
     tracer: str
-    row_permutations: dict[str, torch.Tensor] = field(default_factory=dict)
+    permutations: dict[str, Any] = field(default_factory=dict)  # passes.tensor_parallel.Permutation by FQN
+    tied: Any = None  # passes.tied.TiedEmbeddings: tied input/output embeddings split across stages
 
     @property
     def has_first(self) -> bool:
@@ -88,6 +93,23 @@ class PipelineRuntime:
         if self.has_last:
             kwargs = dict(target=targets.to(self.device), losses=losses)
         self.schedule.step(*args, return_outputs=False, **kwargs)
+        if self.tied is not None:
+            self.tied.sum_grads()
+        if not self.has_last:
+            return None
+        return torch.stack([l.detach() for l in losses]).mean()
+
+    def evaluate(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor | None:
+        """Forward only, every microbatch through the stages without gradients: the mean loss over
+        this dp rank's shard on ranks holding the last stage, None elsewhere."""
+        args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        args = tuple(a.to(self.device) for a in args) if self.has_first else ()
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {}
+        if self.has_last:
+            kwargs = dict(target=targets.to(self.device), losses=losses)
+        with torch.no_grad():
+            self.schedule.eval(*args, **kwargs)
         if not self.has_last:
             return None
         return torch.stack([l.detach() for l in losses]).mean()
@@ -131,18 +153,18 @@ def _checked_loss(loss_fn: LossFn) -> LossFn:
     return loss
 
 
-def _schedule(plan: Plan, stages: list[Any], loss_fn: LossFn) -> Any:
+def _schedule(plan: Plan, stages: list[Any], loss_fn: LossFn, scale_grads: bool) -> Any:
     from autopar.cost_models.pipeline import ScheduleKind
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     m = plan.microbatches
     if plan.schedule is ScheduleKind.INTERLEAVED_1F1B:
-        return ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+        return ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn, scale_grads=scale_grads)
     single = {ScheduleKind.GPIPE: ScheduleGPipe, ScheduleKind.ONE_F_ONE_B: Schedule1F1B}.get(plan.schedule)
     if single is None or len(stages) != 1:
         raise LoweringError(f"pipeline schedule {plan.schedule.value!r} with {plan.chunks} chunk(s) per rank "
                             "is not supported: use gpipe, 1f1b (1 chunk) or interleaved_1f1b")
-    return single(stages[0], m, loss_fn=loss_fn)
+    return single(stages[0], m, loss_fn=loss_fn, scale_grads=scale_grads)
 
 
 def _microbatch_inputs(example_inputs: Any, size: int) -> Any:
@@ -161,7 +183,8 @@ def _microbatch_inputs(example_inputs: Any, size: int) -> Any:
 
 def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, plan: Plan, mesh: Any,
                    loss_fn: LossFn, device: torch.device,
-                   init_fn: Callable[[nn.Module], None] | None = None) -> PipelineRuntime:
+                   init_fn: Callable[[nn.Module], None] | None = None, *,
+                   scale_grads: bool = True) -> PipelineRuntime:
     """Lower ``plan`` (pp > 1) for this rank; see the module docstring.
 
     Requires: an initialised process group, ``mesh`` with axes ("pp", "dp",
@@ -170,7 +193,8 @@ def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, pla
     collective of its own) for what cannot be lowered. A meta-device model is
     materialised stage by stage after sharding: each rank allocates only its
     own stages' shards (``init_fn`` on each stage module, else
-    ``reset_parameters()`` per module).
+    ``reset_parameters()`` per module). ``scale_grads``: whether the schedule
+    divides the stages' gradients by the microbatch count.
     """
     from torch.distributed.pipelining import PipelineStage
 
@@ -182,16 +206,23 @@ def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, pla
     pp, pp_rank = plan.mesh.pp, mesh["pp"].get_local_rank()
     stage_ids = list(range(pp_rank, plan.stages, pp))
     modules: list[nn.Module] = []
-    perms: dict[str, torch.Tensor] = {}
+    perms: dict[str, Any] = {}
+    shared = [model.get_parameter(name) for name in dict.fromkeys(p for l in graph for p in l.tied_params)]
+    # tied embeddings: where the first and last stage hold them, found before lowering replaces them
+    ends = {k: tied_locations(split.modules[k], shared) for k in stage_ids if k in (0, plan.stages - 1)}
     for k in stage_ids:
         part = stage_part(graph, plan, layout, k, split.layers_called)
         result = parallelize_part(split.modules[k], graph, plan, part, mesh, device, init_fn)
-        perms.update(result.row_permutations)
+        perms.update(result.permutations)
         modules.append(result.module)
+    located = [(modules[stage_ids.index(k)], names) for k, names in ends.items()]
+    tied = TiedEmbeddings.build(mesh, pp, located) if shared else None
+    if tied is not None:
+        tied.share_weights()
     group = mesh["pp"].get_group()
     stages = [PipelineStage(mod, k, plan.stages, device, group=group) for mod, k in zip(modules, stage_ids)]
-    schedule = _schedule(plan, stages, _checked_loss(loss_fn))
-    return PipelineRuntime(plan, modules, stage_ids, schedule, group, device, split.tracer, perms)
+    schedule = _schedule(plan, stages, _checked_loss(loss_fn), scale_grads)
+    return PipelineRuntime(plan, modules, stage_ids, schedule, group, device, split.tracer, perms, tied)
 
 
 __all__ = ["PipelineRuntime", "build_pipeline", "stage_part"]

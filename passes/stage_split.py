@@ -19,11 +19,14 @@ What stays true:
   on the model's modules. Intermediate containers (``blocks``) are fresh,
   empty ``nn.Module`` s.
 * **Layer modules are called** when the model is FX-traceable with each layer
-  kept as one ``call_module`` node (``StageSplit.layers_called``): hooks on
-  them run. For ``torch.export``-captured models (Hugging Face) a stage is
-  ATen ops on ``get_attr`` parameters: no layer module is ever called.
-* A parameter is used by one stage only (tied weights across a cut are a
-  :class:`LoweringError`); buffers and constants may be read by several.
+  kept as one ``call_module`` node, or exported with the layers' call
+  signatures kept (``StageSplit.layers_called``): hooks on them run. Where
+  export cannot keep them, a stage is ATen ops on ``get_attr`` parameters and
+  no layer module is ever called.
+* A parameter is used by one stage only, but tied input/output embeddings,
+  which the first and last stage both hold (``passes/tied.py`` sums their
+  gradients); any other tie across a cut is a :class:`LoweringError`.
+  Buffers and constants may be read by several stages.
 
 Why not ``torch.fx.passes.split_module``: it flattens every qualified name
 (``blocks.0.attn`` becomes ``blocks_0_attn``), which breaks FQNs and the
@@ -67,7 +70,7 @@ class StageSplit:
 
     @property
     def layers_called(self) -> bool:
-        return self.tracer == "fx-layers"
+        return self.tracer in ("fx-layers", "export-layers")
 
 
 def _node_stages(gm: fx.GraphModule, node_layer: dict[str, str], plan: Plan) -> dict[fx.Node, int]:
@@ -135,20 +138,28 @@ def _stage_graph(gm: fx.GraphModule, stages: dict[fx.Node, int], k: int, inputs:
             out = out[0]
         g.output(out)
     else:
-        g.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[n] for n in outputs))
+        # what crosses a cut is sent point-to-point, which needs contiguous tensors (a layer may
+        # return a view: BERT's and OPT's do)
+        sent = [g.call_method("contiguous", (env[n],)) for n in outputs]
+        g.output(sent[0] if len(sent) == 1 else tuple(sent))
     g.lint()
     return g
 
 
-def _check_parameters(model: nn.Module, modules: list[fx.GraphModule]) -> None:
-    """Every stage parameter is the model's own object, and no parameter is in two stages."""
+def _check_parameters(model: nn.Module, modules: list[fx.GraphModule], tied: set[str]) -> None:
+    """Every stage parameter is the model's own object, and no parameter is in two stages but
+    the ``tied`` embeddings, which the first and last stage share."""
     owner = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    shared = {id(model.get_parameter(name)) for name in tied}
     seen: dict[int, int] = {}
     for k, mod in enumerate(modules):
         for name, p in mod.named_parameters():
             if id(p) not in owner:
                 raise LoweringError(f"stage {k}'s parameter {name} is not one of the model's: "
                                     "the tracer copied it")
+            if id(p) in shared and {seen.get(id(p), k), k} <= {0, len(modules) - 1}:
+                seen.setdefault(id(p), k)
+                continue
             if seen.setdefault(id(p), k) != k:
                 raise LoweringError(f"parameter {owner[id(p)]} is used by stages {seen[id(p)]} and {k} "
                                     "(tied weights?): put every layer using it in one stage")
@@ -176,7 +187,8 @@ def split_model(model: nn.Module, example_inputs: Any, graph: LayerGraph, plan: 
     for k in range(n_stages):
         g = _stage_graph(gm, stages, k, ins[k], outs[k])
         modules.append(fx.GraphModule(gm, g, class_name=f"Stage{k}"))
-    _check_parameters(model, modules)
+    tied = {p for layer in graph for p in layer.tied_params} if n_stages > 1 else set()
+    _check_parameters(model, modules, tied)
     by_stage: list[list[str]] = [[] for _ in range(n_stages)]
     for lp in plan.layers:
         by_stage[lp.stage].append(lp.name)

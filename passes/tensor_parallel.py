@@ -1,60 +1,61 @@
-"""Tensor parallelism: a plan's per-layer ``tp`` styles as DTensor parallel styles.
+"""Tensor parallelism: a plan's per-layer ``tp`` styles, lowered as capture proved them.
 
 Takes the model (real or meta tensors, unsharded), the captured
 :class:`~autopar.graph.LayerGraph`, the Plan and the ``tp`` axis of the device
 mesh. Returns a :class:`TensorParallelResult`. What stays true: parameter
 FQNs are unchanged; every rank of the tp axis computes the same layer outputs
-as the unsharded model (Megatron column → row pairs end in an all-reduce,
-vocab-split embeddings in an all-reduce, an LM head in an all-gather).
+as the unsharded model.
 
-Two things DTensor styles cannot do alone, done here:
+A Megatron layer (column projections → row projections) runs its *own*
+forward, unchanged, under :class:`~autopar.capturing.shard_rules.ShardMode`
+— the same rules capture simulated the style with before offering it
+(:mod:`autopar.capturing.shard_check`): shape queries answer globally, views
+and splits get their local sizes. Here the mode's backend is
+:class:`MeshRank`: the projections' weights are DTensor shards over the tp
+mesh (``distribute_tensor``: column weights on their output features, row
+weights on their input features, row biases replicated), the column inputs'
+gradients and the row outputs are summed over the tp group. A fused
+projection's output rows are permuted first so each rank's contiguous shard
+holds its piece of every segment (``[q; k; v]``, GQA-shaped q/k/v, gate/up);
+the permutations are returned so full state dicts can be put back in order.
 
-* a fused q/k/v projection (GPT's ``c_attn``: h → (n_heads + 2·n_kv)·head_dim)
-  split contiguously would give rank 0 all of q and half of k; its rows are
-  permuted first so each rank's contiguous shard holds its own heads' q, k
-  and v. The permutation is returned so full state dicts and gradients can be
-  put back in the original order.
-* an eager attention forward reshapes with its head count: the module's
-  head-count attributes (``n_head``, ``num_heads`` …) and width attributes
-  equal to n_heads·head_dim (``d_model``, ``embed_dim``, ``split_size`` …)
-  become this rank's share. Forwards that reshape with ``-1`` (Hugging Face
-  Llama) need nothing.
+Vocab styles (an ``nn.Embedding`` split on its vocabulary, an LM head split
+on its outputs and gathered) use DTensor's ``RowwiseParallel`` /
+``ColwiseParallel`` directly: no code of the model runs between their
+collectives.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+from autopar.capturing.shard_check import install_projection_hooks
+from autopar.capturing.shard_rules import Collectives, ShardMode, is_conv1d, projection_dims, segment_permutation
 from autopar.errors import LoweringError
 from autopar.graph import Layer, LayerGraph, TPStyle
 from autopar.plan import Plan
 
-HEAD_ATTRS = ("num_heads", "n_head", "num_attention_heads", "n_heads")
-KV_ATTRS = ("num_key_value_heads", "n_kv_head", "n_kv_heads")
-WIDTH_ATTRS = ("d_model", "embed_dim", "split_size", "all_head_size", "inner_dim")
-
 
 @dataclass(frozen=True)
-class Attention:
-    """An attention module inside a tensor-parallel layer, with its head geometry."""
+class Permutation:
+    """The order tensor parallelism gave a parameter along ``dim``: ``new = old.index_select(dim, index)``
+    (a fused projection's output rows; a Conv1D's weight is stored in × out, so its outputs are dim 1)."""
 
-    path: str
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    fused_qkv: str | None  # the fused q/k/v projection's path, if any
+    index: torch.Tensor
+    dim: int = 0
 
 
 @dataclass
 class TensorParallelResult:
-    """What the pass did: ``row_permutations`` maps a parameter FQN to the index
-    ``new_rows = old_rows[perm]`` applied on dim 0 (fused q/k/v only)."""
+    """What the pass did: the layers it split and ``permutations`` by parameter FQN."""
 
     layers: list[str] = field(default_factory=list)
-    row_permutations: dict[str, torch.Tensor] = field(default_factory=dict)
+    permutations: dict[str, Permutation] = field(default_factory=dict)
 
 
 def _tp_layers(graph: LayerGraph, plan: Plan) -> list[tuple[Layer, TPStyle]]:
@@ -73,107 +74,181 @@ def _tp_layers(graph: LayerGraph, plan: Plan) -> list[tuple[Layer, TPStyle]]:
     return out
 
 
-def _linear(model: nn.Module, path: str, role: str) -> nn.Module:
+def _projection(model: nn.Module, path: str, role: str) -> nn.Module:
     mod = model.get_submodule(path)
-    if not isinstance(mod, (nn.Linear, nn.Embedding)):
-        raise LoweringError(f"tensor parallelism splits nn.Linear and nn.Embedding; {role} module "
+    if projection_dims(mod) is None and not isinstance(mod, nn.Embedding):
+        raise LoweringError(f"tensor parallelism splits nn.Linear, Conv1D and nn.Embedding; {role} module "
                             f"{path!r} is {type(mod).__name__}: plan it with tp=none")
     return mod
 
 
-def find_attention(model: nn.Module, style: TPStyle) -> list[Attention]:
-    """The attention modules of a style, from its recorded head counts."""
-    found = []
-    for path, n_heads in style.heads.items():
-        if path.endswith(".kv"):
-            continue
-        n_kv = style.heads.get(path + ".kv", n_heads)
-        rows = [p for p in style.row if p.startswith(path + ".")]
-        cols = [p for p in style.column if p.startswith(path + ".")]
-        if rows:
-            head_dim = _linear(model, rows[0], "row").in_features // n_heads
-        else:
-            head_dim = int(getattr(model.get_submodule(path), "head_dim", 0))
-        fused = next((c for c in cols if head_dim and
-                      _linear(model, c, "column").out_features == (n_heads + 2 * n_kv) * head_dim), None)
-        found.append(Attention(path, n_heads, n_kv, head_dim, fused))
-    return found
-
-
 def check_tensor_parallel(model: nn.Module, graph: LayerGraph, plan: Plan, tp: int) -> None:
-    """Raise :class:`LoweringError` unless ``tp`` divides every head count and split width.
+    """Raise :class:`LoweringError` unless every tp layer's style admits ``tp`` (capture proved it
+    there) and ``tp`` divides every width it splits.
 
     Pure and deterministic, so every rank raises the same error before any collective.
     """
     for layer, style in _tp_layers(graph, plan):
         if not style.admits(tp):
+            proved = f"; capture proved it exact at tp={list(style.checked)}" if style.checked else ""
             raise LoweringError(f"layer {layer.name!r}: tp={tp} does not divide the sizes its "
-                                f"{style.name!r} style splits {list(style.divisors)}; pick tp "
-                                "dividing all of them or plan the layer with tp=none")
-        for path, dim, role in ([(p, "out_features", "column") for p in style.column]
-                                + [(p, "in_features", "row") for p in style.row]):
-            mod = _linear(model, path, role)
-            size = mod.num_embeddings if isinstance(mod, nn.Embedding) else getattr(mod, dim)
+                                f"{style.name!r} style splits {list(style.divisors)}{proved}; pick such a tp "
+                                "or plan the layer with tp=none")
+        for path in (*style.column, *style.row, *style.vocab):
+            mod = _projection(model, path, "tensor-parallel")
+            dims = projection_dims(mod)
+            size = mod.num_embeddings if isinstance(mod, nn.Embedding) else (
+                dims[0] if path in style.row else dims[1])  # type: ignore[index]
             if size % tp:
-                raise LoweringError(f"{role} module {path!r}: tp={tp} does not divide its width {size}")
-        for path in style.vocab:
-            mod = _linear(model, path, "vocab")
-            size = mod.num_embeddings if isinstance(mod, nn.Embedding) else mod.out_features
-            if size % tp:
-                raise LoweringError(f"vocab module {path!r}: tp={tp} does not divide its size {size}")
-        for att in find_attention(model, style):
-            if att.n_heads % tp or att.n_kv_heads % tp:
-                raise LoweringError(f"attention {att.path!r}: tp={tp} does not divide its "
-                                    f"{att.n_heads} heads / {att.n_kv_heads} key-value heads")
+                raise LoweringError(f"module {path!r}: tp={tp} does not divide its width {size}")
+        for path, segs in style.segments.items():
+            if any(s % tp for s in segs):
+                raise LoweringError(f"module {path!r}: tp={tp} does not divide its output's segments {list(segs)}")
 
 
-def qkv_permutation(att: Attention, tp: int) -> torch.Tensor:
-    """Row order putting rank r's q, k and v heads in its contiguous 1/tp of the rows."""
-    hd, nq, nkv = att.head_dim, att.n_heads, att.n_kv_heads
-    q = torch.arange(nq * hd)
-    k = torch.arange(nkv * hd) + nq * hd
-    v = torch.arange(nkv * hd) + (nq + nkv) * hd
-    parts = [torch.cat([t.chunk(tp)[r] for t in (q, k, v)]) for r in range(tp)]
-    return torch.cat(parts)
+# ------------------------------------------------------------------ the mesh backend
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's *f*: identity forward, gradient summed over the tp group backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's *g*: partial results summed over the tp group forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class MeshRank(Collectives):
+    """A rank of a real tp group: weights are DTensor shards (already permuted), sums are
+    all-reduces. The two autograd functions are Megatron's conjugate operators: the layer's
+    code between the projections runs on local tensors, so DTensor's styles, which wrap
+    whole modules, cannot place them."""
+
+    def __init__(self, tp_mesh: Any):
+        self.group = tp_mesh.get_group()
+        self.tp = tp_mesh.size()
+        self.rank = tp_mesh.get_local_rank()
+
+    def column_weight(self, weight: torch.Tensor, dim: int, segments: tuple[int, ...]) -> torch.Tensor:
+        return _local(weight)  # type: ignore[return-value]
+
+    def row_weight(self, weight: torch.Tensor, dim: int) -> torch.Tensor:
+        return _local(weight)  # type: ignore[return-value]
+
+    def replicated(self, param: torch.Tensor | None) -> torch.Tensor | None:
+        return _local(param)
+
+    def copy_to(self, x: torch.Tensor) -> torch.Tensor:
+        return _CopyToTP.apply(x, self.group)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return _ReduceFromTP.apply(partial, self.group)
+
+
+# ------------------------------------------------------------------ lowering
 
 
 @torch.no_grad()
-def _localise_attention(model: nn.Module, att: Attention, tp: int, result: TensorParallelResult) -> None:
-    """Permute a fused q/k/v projection and divide the module's head and width attributes."""
-    if att.fused_qkv is not None:
-        perm = qkv_permutation(att, tp)
-        proj = model.get_submodule(att.fused_qkv)
-        for name, param in proj.named_parameters(recurse=False):
-            if not param.is_meta:  # a meta model is initialised after sharding: nothing to move
-                param.copy_(param[perm])
-            result.row_permutations[f"{att.fused_qkv}.{name}"] = perm
-    mod = model.get_submodule(att.path)
-    width = att.n_heads * att.head_dim
-    for names, full in ((HEAD_ATTRS, att.n_heads), (KV_ATTRS, att.n_kv_heads), (WIDTH_ATTRS, width)):
-        for name in names:
-            value = mod.__dict__.get(name)
-            if isinstance(value, int) and not isinstance(value, bool) and value == full:
-                setattr(mod, name, full // tp)
+def _shard(mod: nn.Module, name: str, tp_mesh: Any, placement: Any) -> None:
+    from torch.distributed.tensor import distribute_tensor
+
+    param = getattr(mod, name, None)
+    if param is None:
+        return
+    dt = distribute_tensor(param.data, tp_mesh, [placement])
+    mod.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
 
 
-def _styles(model: nn.Module, style: TPStyle) -> dict[str, object]:
+@torch.no_grad()
+def _permute(mod: nn.Module, fqn: str, segments: tuple[int, ...], tp: int, result: TensorParallelResult) -> None:
+    perm = segment_permutation(segments, tp)
+    conv = is_conv1d(mod)
+    for name, param in mod.named_parameters(recurse=False):
+        dim = 1 if conv and name == "weight" else 0
+        if not param.is_meta:  # a meta model is initialised after sharding: nothing to move
+            param.copy_(param.index_select(dim, perm.to(param.device)))
+        result.permutations[f"{fqn}.{name}"] = Permutation(perm, dim)
+
+
+def _megatron(model: nn.Module, layer: Layer, style: TPStyle, tp_mesh: Any, result: TensorParallelResult) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    tp = tp_mesh.size()
+    for path in style.column:
+        mod = _projection(model, path, "column")
+        segs = style.segments.get(path)
+        if segs is not None:
+            _permute(mod, path, segs, tp, result)
+        _shard(mod, "weight", tp_mesh, Shard(1 if is_conv1d(mod) else 0))
+        _shard(mod, "bias", tp_mesh, Shard(0))
+    for path in style.row:
+        mod = _projection(model, path, "row")
+        _shard(mod, "weight", tp_mesh, Shard(0 if is_conv1d(mod) else 1))
+        _shard(mod, "bias", tp_mesh, Replicate())
+    if layer.module_path is None:
+        raise LoweringError(f"layer {layer.name!r} has no module of its own to run sharded")
+    owner = model.get_submodule(layer.module_path)
+    install_projection_hooks(owner, style.column, style.row, style.segments, prefix=layer.module_path)
+    _run_sharded(owner, tp_mesh)
+
+
+def _run_sharded(module: nn.Module, tp_mesh: Any) -> None:
+    """Run ``module``'s forward under the sharding rules on this rank of ``tp_mesh``."""
+    comm = MeshRank(tp_mesh)
+    active: list[ShardMode] = []
+
+    def enter(mod, args, kwargs):
+        mode = ShardMode(comm)
+        mode.__enter__()
+        active.append(mode)
+
+    def leave(mod, args, kwargs, output):
+        if active:
+            active.pop().__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave, with_kwargs=True, always_call=True)
+
+
+def _vocab_styles(model: nn.Module, style: TPStyle) -> dict[str, object]:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan: dict[str, object] = {}
-    for path in style.column:
-        # an LM head is both column and vocab: gather its logits on every rank
-        plan[path] = (ColwiseParallel(output_layouts=Replicate()) if path in style.vocab
-                      else ColwiseParallel())
-    for path in style.row:
-        plan[path] = RowwiseParallel()
     for path in style.vocab:
-        if path in plan:
-            continue
-        if isinstance(model.get_submodule(path), nn.Embedding):
+        mod = model.get_submodule(path)
+        if isinstance(mod, nn.Embedding):
             plan[path] = RowwiseParallel(input_layouts=Replicate())  # vocab-split embedding
+        elif isinstance(mod, nn.Linear):
+            plan[path] = ColwiseParallel(output_layouts=Replicate())  # an LM head, gathered
         else:
-            plan[path] = ColwiseParallel(output_layouts=Replicate())
+            raise LoweringError(f"vocab module {path!r} is {type(mod).__name__}: plan it with tp=none")
     return plan
 
 
@@ -181,8 +256,8 @@ def apply_tensor_parallel(model: nn.Module, graph: LayerGraph, plan: Plan, tp_me
     """Shard every layer whose plan ``tp`` names a style over ``tp_mesh`` (a 1-D DeviceMesh).
 
     Requires: the model unsharded (no FSDP yet), ``plan`` made for ``graph``.
-    Returns the layers split and the fused q/k/v row permutations. Raises
-    :class:`LoweringError` (before touching the model) if tp does not divide a size.
+    Returns the layers split and the fused projections' permutations. Raises
+    :class:`LoweringError` (before touching the model) if a style does not admit the degree.
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -191,12 +266,16 @@ def apply_tensor_parallel(model: nn.Module, graph: LayerGraph, plan: Plan, tp_me
     if tp == 1:
         return result
     check_tensor_parallel(model, graph, plan, tp)
-    styles: dict[str, object] = {}
+    vocab: dict[str, object] = {}
     for layer, style in _tp_layers(graph, plan):
-        for att in find_attention(model, style):
-            _localise_attention(model, att, tp, result)
-        styles.update(_styles(model, style))
+        if style.vocab:
+            vocab.update(_vocab_styles(model, style))
+        if style.row:
+            _megatron(model, layer, style, tp_mesh, result)
         result.layers.append(layer.name)
-    if styles:
-        parallelize_module(model, tp_mesh, styles)
+    if vocab:
+        parallelize_module(model, tp_mesh, vocab)
     return result
+
+
+__all__ = ["MeshRank", "Permutation", "TensorParallelResult", "apply_tensor_parallel", "check_tensor_parallel"]

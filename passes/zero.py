@@ -23,12 +23,28 @@ one microbatch ZeRO-1 and ZeRO-2 run alike; the optimizer state is sharded in
 both because the optimizer sees the sharded parameters. The FSDP2-based
 ``replicate`` is used beside ``fully_shard`` rather than the DDP-based one
 because it composes with ``fully_shard`` on sibling modules in one model.
+
+Mixed precision (a bf16 plan): every FSDP2 unit gets
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` — its sharded
+fp32 parameters are the master weights the optimizer steps, compute runs on
+the bf16 copies it gathers, gradients are reduced and accumulated in fp32.
+DDP has no such policy that works composably (its experimental
+``_MixedPrecision`` casts nothing on its lazy first forward), so a bf16 DDP
+root keeps its gradients as views of its buckets and the runtime gives it
+bf16 parameters, fp32 masters and an fp32 all-reduce
+(:mod:`autopar.runtime.precision`). The dtype comes from
+:func:`compute_dtype`, set by the runtime around lowering, or from
+``apply_data_parallel(param_dtype=...)``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+import torch
 import torch.nn as nn
 
 from autopar.contract import ROOT, Engine, Unit, plan_layout, wrapping
@@ -44,6 +60,32 @@ class DataParallelResult:
     zero_by_path: dict[str, int] = field(default_factory=dict)
     deferred: list[nn.Module] = field(default_factory=list)
     ddp: nn.Module | None = None  # the root, when lowered onto the composable DDP
+    param_dtype: torch.dtype | None = None  # the units' compute dtype (None: the parameters' own)
+
+
+_COMPUTE_DTYPE: ContextVar[torch.dtype | None] = ContextVar("autopar_compute_dtype", default=None)
+
+
+@contextmanager
+def compute_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    """Units wrapped inside compute in ``dtype`` (bf16) with fp32 reduction; None or fp32: as they are.
+
+    The runtime sets it around lowering, so the data-parallel pass sees the plan's precision
+    without another argument through the pass manager."""
+    token = _COMPUTE_DTYPE.set(None if dtype == torch.float32 else dtype)
+    try:
+        yield
+    finally:
+        _COMPUTE_DTYPE.reset(token)
+
+
+def mixed_precision_policy(dtype: torch.dtype | None):
+    """FSDP2's policy for ``dtype`` compute: parameters gathered in it, gradients reduced in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
 def layer_zero_stages(graph: LayerGraph, plan: Plan) -> tuple[dict[str, int], int]:
@@ -57,7 +99,7 @@ def layer_zero_stages(graph: LayerGraph, plan: Plan) -> tuple[dict[str, int], in
     return owned, root
 
 
-def _wrap(module: nn.Module, unit: Unit, dp_mesh) -> None:
+def _wrap(module: nn.Module, unit: Unit, dp_mesh, dtype: torch.dtype | None) -> None:
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import fully_shard
 
@@ -72,28 +114,35 @@ def _wrap(module: nn.Module, unit: Unit, dp_mesh) -> None:
         # for the whole run); sync_replicas broadcasts each tensor in place instead.
         from torch.distributed._composable.replicate import replicate as ddp_replicate
 
-        ddp_replicate(module, device_mesh=dp_mesh, init_sync=False)
+        # bf16: gradients as views of the buckets, so the bf16 gradients cost no second copy
+        # (the fp32 all-reduce hook is the runtime's: it needs the master weights)
+        ddp_replicate(module, device_mesh=dp_mesh, init_sync=False, gradient_as_bucket_view=dtype is not None)
     elif unit.engine is Engine.REPLICATE:
-        replicate(module, mesh=dp_mesh)
+        replicate(module, mesh=dp_mesh, mp_policy=mixed_precision_policy(dtype))
     else:
-        fully_shard(module, mesh=dp_mesh, reshard_after_forward=(unit.zero == 3))
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=(unit.zero == 3),
+                    mp_policy=mixed_precision_policy(dtype))
 
 
-def apply_data_parallel(part: nn.Module, units: tuple[Unit, ...], dp_mesh) -> DataParallelResult:
+def apply_data_parallel(part: nn.Module, units: tuple[Unit, ...], dp_mesh, *,
+                        param_dtype: torch.dtype | None = None) -> DataParallelResult:
     """Wrap each of the part's ``units`` (innermost first, the root last) over ``dp_mesh``.
 
+    ``param_dtype`` (default: :func:`compute_dtype`'s) is the compute dtype of a bf16 plan.
     Requires: tensor parallelism and recompute already applied (FSDP2 must see the
     DTensor parameters TP made, so on a 2-D mesh it shards over dp after tp), and the
     units' modules present in ``part``.
     """
-    result = DataParallelResult()
+    dtype = param_dtype if param_dtype is not None else _COMPUTE_DTYPE.get()
+    dtype = None if dtype == torch.float32 else dtype
+    result = DataParallelResult(param_dtype=dtype)
     for unit in units:
         try:
             module = part.get_submodule(unit.path)
         except AttributeError:
             raise LoweringError(f"the contract gives module {unit.path!r} an FSDP unit, but this "
                                 "part of the model has no such module") from None
-        _wrap(module, unit, dp_mesh)
+        _wrap(module, unit, dp_mesh, dtype)
         result.zero_by_path[unit.path] = unit.zero
         if unit.deferred:
             result.deferred.append(module)
@@ -108,7 +157,6 @@ def sync_replicas(result: DataParallelResult, dp_mesh) -> None:
     Requires: the module materialised. What DDP's ``init_sync`` does, without its flat
     copy of the whole model (and its shape check, which the shared plan makes moot).
     """
-    import torch
     import torch.distributed as dist
 
     if result.ddp is None:

@@ -74,13 +74,13 @@ SPECS: dict[str, Spec] = {
     "solver_pick_w8": Spec(gpt_4layer, (), 16),
 }
 
-ERROR_SPECS: dict[str, Spec] = {
-    # an export-captured model's layers are never called: recompute cannot hook them
-    "err_hf_recompute": Spec(hf_llama, PP2 + ("microbatches=2", "schedule=1f1b", "recompute=all"), 4),
-    # ... nor tensor parallelism (W = 4: pp 2 × tp 2)
-    "err_hf_tp": Spec(hf_llama, ("pp=2", "dp=1", "tp=2", "zero=0", "microbatches=2", "schedule=1f1b",
-                                 "model.layers.*:tp=megatron") + NO_RC, 4),
-}
+# an export-captured model's pipeline stages call its layer modules (exported with their call
+# signatures kept): recompute and tensor parallelism run inside them
+SPECS["pp_hf_llama_recompute"] = Spec(hf_llama, PP2 + ("microbatches=2", "schedule=1f1b", "recompute=all"), 4)
+SPECS["pp2_tp2_hf_llama"] = Spec(hf_llama, ("pp=2", "dp=1", "tp=2", "zero=0", "microbatches=2", "schedule=1f1b",
+                                            "model.layers.*:tp=megatron") + NO_RC, 4)
+ERROR_SPECS: dict[str, Spec] = {}
+
 
 def meta_pipeline(rank: int, world_size: int) -> dict[str, Any]:
     """A meta-device GPT under pp = 2: each rank allocates only its own stage, then trains."""

@@ -40,7 +40,7 @@ def tp_pass(rank: int, world_size: int) -> dict[str, Any]:
     attn = model.blocks[0].attn
     return {
         "layers": result.layers,
-        "permuted": sorted(result.row_permutations),
+        "permuted": sorted(result.permutations),
         "c_attn_local": list(attn.c_attn.weight.to_local().shape),
         "c_proj_local": list(attn.c_proj.weight.to_local().shape),
         "tok_emb_local": list(model.tok_emb.weight.to_local().shape),

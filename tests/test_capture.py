@@ -96,13 +96,14 @@ def test_gpt_small_flops_params_and_styles(gpt_small_graph):
     assert cfg.n_head in mega.divisors and 4 * cfg.d_model in mega.divisors
     assert mega.column == ("blocks.3.attn.c_attn", "blocks.3.mlp.c_fc")
     assert mega.row == ("blocks.3.attn.c_proj", "blocks.3.mlp.c_proj")
-    assert mega.heads["blocks.3.attn"] == cfg.n_head
+    assert mega.segments == {"blocks.3.attn.c_attn": (cfg.d_model,) * 3}  # [q; k; v], read from the split
+    assert mega.checked == (2, 3, 4, 6)  # simulated exact at every degree ≤ 8 (one node) the sizes admit
     h, s = cfg.d_model, cfg.seq_len
     assert mega.fwd_allreduce_count == 2 and mega.fwd_allreduce_elems == 2 * s * h
     assert mega.bwd_allreduce_count == 2 and mega.bwd_allreduce_elems == 2 * s * h
     # everything but the two LayerNorms and the row biases is sharded
     assert mega.sharded_params == g.layer("blocks.3").param_count - 4 * h - 2 * h
-    assert mega.admits(12) and not mega.admits(8)
+    assert mega.admits(6) and not mega.admits(8) and not mega.admits(12)
 
     emb = g.layer("tok_emb").tp_style("vocab")
     assert emb.divisors == (cfg.vocab_size,) and emb.fwd_allreduce_elems == s * h
@@ -178,7 +179,7 @@ def test_llama_example():
     assert [l.name for l in g] == ["embed_tokens", "layers.0", "layers.1", "norm", "lm_head"]
     assert g.total_params == _model_params(model)
     mega = g.layer("layers.0").tp_style("megatron")
-    assert mega.heads == {"layers.0.attn": 4, "layers.0.attn.kv": 2}
+    assert mega.segments == {} and mega.checked == (2,)  # separate q/k/v; 2 key/value heads
     assert {2, 4, 128} <= set(mega.divisors)
     assert mega.column == ("layers.0.attn.q_proj", "layers.0.attn.k_proj", "layers.0.attn.v_proj",
                            "layers.0.mlp.gate_proj", "layers.0.mlp.up_proj")
@@ -240,24 +241,23 @@ HF_BLOCKS = {"gpt2": "transformer.h", "llama": "model.layers", "bert": "bert.enc
 def test_hugging_face_models(kind, device):
     model, ids = _hf(kind, device)
     g = capture(model, {"input_ids": ids})
-    assert g.tracer == "export"
+    assert g.tracer == "export-layers"  # the layers stay module calls (pipeline stages call them)
     assert g.example_batch == 2 and g.seq_len == 16
     prefix = HF_BLOCKS[kind]
     b0, b1 = g.layer(f"{prefix}.0"), g.layer(f"{prefix}.1")
     assert g.total_params == _model_params(model)
     assert g.total_flops_per_sample > 0 and b0.flops_per_sample == b1.flops_per_sample > 0
-    # GPT-2 and BERT tie the output head to the embedding: no cut may separate them
+    # GPT-2 and BERT tie the output head to the embedding: a pipeline's first and last stage both hold it
     tied = kind in ("gpt2", "bert") and model.config.tie_word_embeddings
-    assert b0.can_cut_after is not tied
+    assert b0.can_cut_after
     if tied:
-        assert not any(l.can_cut_after for l in g)
-    if kind == "gpt2":  # Conv1D, not nn.Linear: DTensor's styles cannot split it
-        assert not b0.tp_styles
-        return
-    mega = b0.tp_style("megatron")
+        assert g[len(g) - 1].tied_borrowed and g[len(g) - 1].tied_params
+    mega = b0.tp_style("megatron")  # GPT-2's Conv1D (weight stored in × out) is split too
     assert 4 in mega.divisors and mega.fwd_allreduce_count == 2
     if kind == "llama":
-        assert mega.heads[f"{prefix}.0.self_attn.kv"] == 2
+        assert 2 in mega.divisors and mega.checked == (2,)  # 2 key/value heads: tp=2 only
+    if kind == "gpt2":
+        assert mega.segments == {f"{prefix}.0.attn.c_attn": (64, 64, 64)}
     if kind == "gpt2":
         assert g.layer("transformer.wte").tp_style("vocab").divisors == (128,)
         assert g.layer("lm_head").param_count == 0  # tied to transformer.wte.weight

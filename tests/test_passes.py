@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 from autopar.passes.recompute import apply_recompute
-from autopar.passes.tensor_parallel import Attention, check_tensor_parallel, qkv_permutation
+from autopar.passes.tensor_parallel import check_tensor_parallel
 from autopar.passes.zero import layer_zero_stages
 
 import autopar
+from autopar.capturing.shard_rules import segment_permutation
 from autopar.errors import LaunchError, LoweringError, PlanError
 from autopar.runtime import default_loss
 
@@ -45,9 +46,8 @@ def _plan(graph, world_size: int, *pins: str):
                          pins=["pp=1", *pins])
 
 
-def test_qkv_permutation_gives_each_rank_its_heads() -> None:
-    att = Attention("attn", n_heads=4, n_kv_heads=2, head_dim=2, fused_qkv="attn.qkv")
-    perm = qkv_permutation(att, 2)
+def test_segment_permutation_gives_each_rank_its_piece_of_every_segment() -> None:
+    perm = segment_permutation((8, 4, 4), 2)  # GQA-shaped fused q/k/v: 4 q heads, 2 kv heads, head_dim 2
     # q rows 0..7 (4 heads × 2), k rows 8..11, v rows 12..15
     assert perm[:8].tolist() == [0, 1, 2, 3, 8, 9, 12, 13]
     assert perm[8:].tolist() == [4, 5, 6, 7, 10, 11, 14, 15]

@@ -21,14 +21,14 @@ from distributed import run_cases
 from equivalence_cases import gpt_tiny, hf_llama, mlp_small
 
 import autopar
-from autopar.errors import LoweringError, PinError
+from autopar.errors import LoweringError
 from autopar.plan import Mesh
 
-W2_EQUIV = ["pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_model_parallel", "pp_hf_llama"]
-W2_ERRORS = ["err_hf_recompute"]
+W2_EQUIV = ["pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_model_parallel", "pp_hf_llama", "pp_hf_llama_recompute"]
+W2_ERRORS: list[str] = []
 W2_UNITS = ["meta_pipeline"]
 W4_EQUIV = ["pp2_dp2_zero3", "pp2_dp2_hf_llama", "pp2_dp2_plain_dp", "pp2_dp2_interleaved", "pp2_dp2_block_stages"]
-W4_ERRORS = ["err_hf_tp"]
+W4_MORE = ["pp2_tp2_hf_llama"]
 W8_EQUIV = ["pp2_dp2_tp2", "solver_pick_w8"]
 
 
@@ -75,7 +75,7 @@ def test_stages_chain_to_the_model(build, pins: list[str]) -> None:
     names = [n for m in split.modules for n, _ in m.named_parameters()]
     assert sorted(names) == sorted(own)
     assert all(p is own[n] for m in split.modules for n, p in m.named_parameters())
-    assert split.tracer == ("export" if build is hf_llama else "fx-layers")
+    assert split.tracer == ("export-layers" if build is hf_llama else "fx-layers")
 
 
 def test_layer_modules_are_called_in_fx_stages() -> None:
@@ -103,13 +103,13 @@ class _Tied(nn.Module):
         return self.head(x)
 
 
-def test_tied_weights_keep_their_layers_in_one_stage() -> None:
+def test_tied_ends_may_be_cut_apart_but_any_other_tie_may_not() -> None:
     model, inputs = _Tied(), (torch.zeros(2, 4, dtype=torch.long),)
     graph = autopar.capture(model, inputs)
-    assert not any(layer.can_cut_after for layer in graph)  # capture forbids the cut
-    with pytest.raises(PinError, match="pipeline stages"):
-        _plan(graph, ["schedule=1f1b"])
-    # and a hand-made plan that cuts anyway is refused when lowering
+    assert graph.layer("blocks.0").can_cut_after and graph.layer("head").tied_borrowed  # first/last: free
+    # a hand-made plan that cuts between two blocks sharing a weight is refused when lowering
+    model.blocks[1][0].weight = model.blocks[0][0].weight
+    graph = autopar.capture(model, inputs)
     flat = autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=8, pins=["pp=1", "tp=1"])
     layers = tuple(replace(l, stage=0 if i < 2 else 1) for i, l in enumerate(flat.layers))
     cut = replace(flat, mesh=Mesh(2, 1, 1), layers=layers, schedule=ScheduleKind.GPIPE)
@@ -127,7 +127,7 @@ def w2() -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def w4() -> dict[str, dict]:
-    return run_cases(4, W4_EQUIV + W4_ERRORS, module="pipeline_cases")
+    return run_cases(4, W4_EQUIV + W4_MORE, module="pipeline_cases")
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def test_pinned_schedules_are_the_ones_run(w2: dict) -> None:
     assert (w2["pp_interleaved"]["schedule"], w2["pp_interleaved"]["chunks"]) == ("interleaved_1f1b", 2)
     assert max(w2["pp_interleaved"]["stages"]) == 3  # 4 virtual stages on 2 ranks
     assert w2["pp_model_parallel"]["microbatches"] == 1
-    assert w2["pp_hf_llama"]["tracer"] == "export" and w2["pp_1f1b"]["tracer"] == "fx-layers"
+    assert w2["pp_hf_llama"]["tracer"] == "export-layers" and w2["pp_1f1b"]["tracer"] == "fx-layers"
 
 
 def test_each_pp_rank_holds_its_stages_only(w2: dict, w4: dict, w8: dict) -> None:
@@ -162,11 +162,13 @@ def test_meta_model_is_materialised_stage_by_stage(w2: dict) -> None:
     assert all(l == l for l in m["losses"]) and m["losses"][-1] < m["losses"][0]  # finite, learns
 
 
-def test_export_captured_model_with_recompute_or_tp_is_a_typed_error(w2: dict, w4: dict) -> None:
-    m = _ok(w2["err_hf_recompute"])
-    assert m["raised"] == "LoweringError" and "recompute" in m["message"]
-    m = _ok(w4["err_hf_tp"])
-    assert m["raised"] == "LoweringError" and "tensor parallelism" in m["message"]
+def test_export_captured_model_keeps_recompute_and_tp_inside_its_stages(w2: dict, w4: dict) -> None:
+    m = w2["pp_hf_llama_recompute"]
+    _check_equivalent(m)
+    assert m["tracer"] == "export-layers" and all(rc for name, _, _, rc in m["layers"] if ".layers." in name)
+    m = w4["pp2_tp2_hf_llama"]
+    _check_equivalent(m)
+    assert m["mesh"] == [2, 1, 2] and all(tp == "megatron" for name, tp, _, _ in m["layers"] if ".layers." in name)
 
 
 @pytest.mark.parametrize("case", W4_EQUIV)

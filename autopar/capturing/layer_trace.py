@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from autopar.capturing.export_layers import export_with_layer_calls
 from autopar.capturing.trace import _group_layers, _layer_names, _split_inputs, _trace
 
 # --------------------------------------------------------------------------- tracing for lowering
@@ -48,6 +49,17 @@ def _trace_layer_leaves(model: nn.Module, node_layer: dict[str, str], gm: fx.Gra
     return leaf_gm
 
 
+def _export_layers(model: nn.Module, args: tuple, kwargs: dict, node_layer: dict[str, str],
+                   gm: fx.GraphModule) -> fx.GraphModule | None:
+    """The export graph with each layer one call of its module, when the layers come out the same."""
+    runs, _ = _group_layers(gm, model)
+    out = export_with_layer_calls(model, args, kwargs, {key for key, _ in runs if key})
+    if out is None or list(dict.fromkeys(_node_layers(out, model).values())) != \
+            list(dict.fromkeys(node_layer.values())):
+        return None
+    return out
+
+
 def trace_layers(model: nn.Module, example_inputs: tuple | dict | torch.Tensor,
                  ) -> tuple[fx.GraphModule, dict[str, str], str]:
     """Trace ``model`` as :func:`~autopar.capturing.capture` does and name each compute node's layer.
@@ -58,7 +70,8 @@ def trace_layers(model: nn.Module, example_inputs: tuple | dict | torch.Tensor,
     when the model is FX-traceable with each layer's module kept as one
     ``call_module`` node — the layer modules are then called, so hooks that
     passes install on them (tensor parallel, checkpoint, FSDP) run — else
-    ``"fx"`` (layers inlined) or ``"export"`` (ATen graph of
+    ``"export-layers"`` (a ``torch.export`` graph calling each layer's module, see
+    :mod:`autopar.capturing.export_layers`), ``"fx"`` (layers inlined) or ``"export"`` (ATen graph of
     ``torch.export``). The graph module holds the model's own parameter
     objects under their original FQNs. Raises :class:`~autopar.errors.CaptureError` like capture.
     """
@@ -69,6 +82,10 @@ def trace_layers(model: nn.Module, example_inputs: tuple | dict | torch.Tensor,
         leaf_gm = _trace_layer_leaves(model, node_layer, gm)
         if leaf_gm is not None:
             return leaf_gm, _node_layers(leaf_gm, model), "fx-layers"
+    if tracer == "export":
+        layer_gm = _export_layers(model, args, kwargs, node_layer, gm)
+        if layer_gm is not None:
+            return layer_gm, _node_layers(layer_gm, model), "export-layers"
     return gm, node_layer, tracer
 
 

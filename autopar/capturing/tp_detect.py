@@ -4,10 +4,13 @@ Capture hands this module the FX nodes of one layer with what executing them
 measured (FLOPs, saved activations, output sizes). We look for structures
 whose split we can describe exactly:
 
-* ``megatron`` — inside a submodule P, linears run in order where all but the
-  last read one replicated input of width w (column: split output features)
-  and the last maps the columns' result back to w (row: split input features).
-  Attention inside P needs a known head count, otherwise P is not admitted.
+* ``megatron`` — inside a submodule P, projections (``nn.Linear`` or Hugging
+  Face's ``Conv1D``) run in order where all but the last read one replicated
+  input of width w (column: split output features) and the last maps the
+  columns' result back to w (row: split input features). This finds a
+  *candidate*; whether the layer's code between the projections runs exactly
+  on shards, and how a fused projection's output is cut into segments, is
+  decided by simulating it (:mod:`autopar.capturing.tp_verify`).
 * ``vocab`` — an ``nn.Embedding`` layer (split the vocabulary), or a layer
   ending in an LM-head linear with ``out_features >= 8 * in_features``.
 
@@ -22,11 +25,8 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 import torch.nn as nn
 
+from autopar.capturing.shard_rules import projection_dims
 from autopar.graph import TPStyle
-
-_HEAD_ATTRS = ("num_heads", "n_head", "num_attention_heads", "n_heads")
-_KV_ATTRS = ("num_key_value_heads", "n_kv_head", "n_kv_heads")
-_ATTN_OPS = ("softmax", "scaled_dot_product", "matmul", "bmm")
 
 
 @dataclass
@@ -59,16 +59,8 @@ class LayerView:
 
 
 def linear_dims(mod: nn.Module) -> tuple[int, int] | None:
-    """(in, out) features of an nn.Linear; None for anything else.
-
-    Only nn.Linear counts: DTensor's ColwiseParallel / RowwiseParallel split
-    nn.Linear and nn.Embedding, so a layer built from other matmul modules
-    (Hugging Face GPT-2's Conv1D) admits no tensor-parallel style the runtime
-    could run.
-    """
-    if isinstance(mod, nn.Linear):
-        return mod.in_features, mod.out_features
-    return None
+    """(in, out) features of a projection tensor parallelism can split (Linear, Conv1D); else None."""
+    return projection_dims(mod)
 
 
 def _numel(mod: nn.Module, skip_bias: bool = False) -> int:
@@ -77,18 +69,6 @@ def _numel(mod: nn.Module, skip_bias: bool = False) -> int:
 
 def _inside(stats: NodeStats, path: str) -> bool:
     return path in stats.paths
-
-
-def _attr(mod: nn.Module, names: tuple[str, ...]) -> int | None:
-    """Read a head count from the module itself, else from its ``config``."""
-    for owner in (mod, getattr(mod, "config", None)):
-        if owner is None:
-            continue
-        for name in names:
-            value = getattr(owner, name, None)
-            if isinstance(value, int) and value > 0:
-                return value
-    return None
 
 
 def _external_inputs(nodes: list[fx.Node], members: set[fx.Node], view: LayerView) -> set[fx.Node]:
@@ -131,18 +111,6 @@ def _depends_on(
     return hit_t, hit_s
 
 
-def _is_attention(core: list[fx.Node]) -> bool:
-    for n in core:
-        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
-        name = str(name).lower()
-        if not any(op in name for op in _ATTN_OPS):
-            continue
-        if ("matmul" in name or "bmm" in name) and any(a.op == "get_attr" for a in n.all_input_nodes):
-            continue
-        return True
-    return False
-
-
 @dataclass
 class _Pair:
     """One accepted column→row group inside a submodule P."""
@@ -150,7 +118,6 @@ class _Pair:
     path: str
     columns: list[str]
     row: str
-    heads: dict[str, int]
     divisors: list[int]
     params: int
     flops: float
@@ -186,24 +153,13 @@ def _try_pair(view: LayerView, p_path: str, linears: list[str]) -> _Pair | None:
     hit_cols, hit_x = _depends_on(row_in, col_outs, {x_node}, set(core), view)
     if not hit_cols or hit_x:
         return None
-    heads: dict[str, int] = {}
     divisors = [dims[c][1] for c in cols]  # type: ignore[index]
-    if _is_attention(core):
-        p_mod = view.model.get_submodule(p_path) if p_path else view.model
-        owners = [p_mod] + [m for _, m in p_mod.named_modules() if m is not p_mod]
-        n_heads = next((h for m in owners if (h := _attr(m, _HEAD_ATTRS)) is not None), None)
-        if n_heads is None:
-            return None
-        n_kv = next((h for m in owners if (h := _attr(m, _KV_ATTRS)) is not None), n_heads)
-        heads = {p_path: n_heads, p_path + ".kv": n_kv}
-        divisors = [n_heads, n_kv] + divisors
     sharded = col_nodes | set(core)
     act = sum(b for n in sharded | set(in_mod[row]) for b, prod in view.stats[n].saved if prod in sharded)
     return _Pair(
         path=p_path,
         columns=list(cols),
         row=row,
-        heads=heads,
         divisors=divisors,
         params=sum(_numel(mods[c]) for c in cols) + _numel(mods[row], skip_bias=True),
         flops=sum(view.stats[n].flops for n in sharded | set(in_mod[row])),
@@ -256,15 +212,11 @@ def _megatron(view: LayerView) -> TPStyle | None:
     pairs.sort(key=lambda p: linears.index(p.columns[0]))
     b = view.batch
     elems = sum(p.allreduce_elems for p in pairs) / b
-    heads: dict[str, int] = {}
-    for p in pairs:
-        heads.update(p.heads)
     return TPStyle(
         name="megatron",
         column=tuple(c for p in pairs for c in p.columns),
         row=tuple(p.row for p in pairs),
         divisors=tuple(sorted(set(d for p in pairs for d in p.divisors))),
-        heads=heads,
         sharded_params=sum(p.params for p in pairs),
         sharded_flops_per_sample=sum(p.flops for p in pairs) / b,
         sharded_activation_elems_per_sample=sum(p.act_elems for p in pairs) / b,

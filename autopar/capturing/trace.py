@@ -26,7 +26,10 @@ import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.capturing import twins
+from autopar.capturing.export_layers import export_with_layer_calls
+from autopar.capturing.op_costs import OpRecorder, selective_costs
 from autopar.capturing.tp_detect import LayerView, NodeStats, detect_tp_styles
+from autopar.capturing.tp_verify import verify_styles
 from autopar.errors import CaptureError
 from autopar.graph import Layer, LayerGraph
 
@@ -201,6 +204,7 @@ class _TwinLayers:
         self.layer: int | None = None
         self.replayed: dict[fx.Node, Any] | None = None
         self.recording: tuple[tuple, list, list[torch.Tensor]] | None = None
+        self.op_costs: dict[int, list] = {}  # id(record) → its nodes' selective-recompute costs
 
     def real_data_seen(self) -> None:
         """A value with real data: its layer's results may depend on data, never reuse them."""
@@ -230,6 +234,7 @@ class _TwinLayers:
         for record in self.records.get(signature, []):
             try:
                 self.replayed = twins.replay(record, nodes, inputs, meter)
+                meter.ops.adopt(nodes, self.op_costs.get(id(record), ()))
                 return
             except Exception:  # noqa: BLE001 - this record cannot serve; try the next or execute
                 continue
@@ -252,6 +257,7 @@ class _TwinLayers:
                     raise twins.NotReplayable("the layer changed its inputs in place")
                 record = twins.make_record(signature, self.runs[self.layer][1], inputs, meter)
                 self.records.setdefault(signature, []).append(record)
+                self.op_costs[id(record)] = [meter.ops.costs.get(n) for n in self.runs[self.layer][1]]
             except Exception:  # noqa: BLE001 - not a usable record; the measurement stands
                 pass
         self.layer = self.replayed = self.recording = None
@@ -279,6 +285,9 @@ class _Meter(fx.Interpreter):
         # every save attempt per node, (storage key, bytes, producer), for twin replay
         self.events: dict[fx.Node, list[twins.Event]] = {}
         self.twins = _TwinLayers(runs, node_layer) if replay else None
+        # what selective recompute keeps and re-runs, per node (fused attention: see _run_sdpa)
+        self.ops = OpRecorder(lambda: None if self.current is None or _is_sdpa(self.current) else self.current,
+                              self.counter.get_total_flops, _storage_key)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key, nbytes = _storage_key(t)
@@ -347,11 +356,12 @@ class _Meter(fx.Interpreter):
                 self._pack(t)
         lse_bytes = result.numel() // max(int(result.shape[-1]), 1) * 4
         self.stats[n].saved.append((float(lse_bytes), n))
+        self.ops.keep_fused(n, result, lse_bytes)  # selective recompute keeps the kernel's outputs
         self.events.setdefault(n, []).append((None, float(lse_bytes), n))
         return result
 
     def measure(self, flat_inputs: list) -> dict[fx.Node, NodeStats]:
-        with self.counter, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+        with self.counter, self.ops, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
             with torch.enable_grad():
                 self.run(*flat_inputs, enable_io_processing=False)
         self.keep.clear()
@@ -508,7 +518,8 @@ def capture(
     if not runs:
         raise CaptureError(f"cannot capture {type(model).__name__}: the traced graph computes nothing")
     try:
-        stats = _Meter(gm, _state_keys(model, gm), runs, node_layer, replay=replay_twins).measure(flat)
+        meter = _Meter(gm, _state_keys(model, gm), runs, node_layer, replay=replay_twins)
+        stats, ops = meter.measure(flat), meter.ops.costs
     except Exception as exc:  # noqa: BLE001
         raise CaptureError(
             f"cannot capture {type(model).__name__}: running the {tracer} graph on the example inputs "
@@ -521,13 +532,27 @@ def capture(
     owners, users = _param_owners(model, gm, runs, node_layer)
     params = dict(model.named_parameters())
     inputs, boundary, cut_ok, edges = _layer_costs(_crossings(gm, node_layer, stats, n, batch), n)
-    for layers in users.values():  # a tied weight keeps the layers that share it in one stage
-        for i in range(min(layers), max(layers)):
+    blocked: dict[int, str] = {}
+    tied: dict[int, list[str]] = {}
+    first_owner = min(owners.values(), default=0)
+    for pname, layers in users.items():
+        if len(layers) == 2 and sorted(layers) == [first_owner, n - 1] and owners[pname] == first_owner:
+            # input and output embeddings tied (nanoGPT's, GPT-2's): the first and last stage each
+            # hold the weight and sum its gradients (Megatron-LM's embedding group); cuts stay free
+            tied.setdefault(first_owner, []).append(pname)
+            tied.setdefault(n - 1, []).append(pname)
+            continue
+        for i in range(min(layers), max(layers)):  # any other tie keeps its layers in one stage
+            if cut_ok[i] and i not in blocked:
+                blocked[i] = (f"{pname} is tied between layers "
+                              f"{', '.join(names[j] for j in sorted(layers))}, which must share a stage")
             cut_ok[i] = False
     layers = []
     for i, (key, nodes) in enumerate(runs):
         mine = [p for p, owner in owners.items() if owner == i]
         view = LayerView(model, key, nodes, stats, batch, dtype_bytes)
+        styles = detect_tp_styles(view)
+        sac = selective_costs(key, nodes, ops, lambda x: stats[x].paths, styles, batch)
         layers.append(
             Layer(
                 name=names[i],
@@ -540,13 +565,22 @@ def capture(
                 input_bytes_per_sample=inputs[i] / batch,
                 boundary_bytes_per_sample=boundary[i] / batch,
                 can_cut_after=cut_ok[i],
-                tp_styles=detect_tp_styles(view),
+                tp_styles=styles,
                 param_names=tuple(mine),
                 module_path=key,
                 glue_saved_bytes_per_sample=sum(b for x in nodes if key not in stats[x].paths
                                                 for b, _ in stats[x].saved) / batch if key else 0.0,
+                cut_blocked_by=blocked.get(i, ""),
+                **sac.layer_fields(),
+                tied_params=tuple(tied.get(i, ())),
+                tied_param_count=sum(params[p].numel() for p in tied.get(i, ())),
+                tied_param_bytes=sum(params[p].numel() * params[p].element_size() for p in tied.get(i, ())),
+                tied_borrowed=i == n - 1 and bool(tied.get(i)) and n - 1 != first_owner,
             )
         )
+    layers = verify_styles(model, args, kwargs, layers, batch, seq_len)
+    if tracer == "export" and export_with_layer_calls(model, args, kwargs, {k for k, _ in runs if k}) is not None:
+        tracer = "export-layers"  # pipeline stages can call the layer modules (TP, recompute, FSDP per layer)
     return LayerGraph(
         layers,
         model_name=name or type(model).__name__,

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -18,10 +19,21 @@ from autopar.cost_models.memory import PRECISIONS
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
-from autopar.plan import Breakdown, LayerPlan, Mesh, Plan, Predicted, SolverReport, TrainingSettings
+from autopar.plan import (
+    Breakdown,
+    LayerPlan,
+    Mesh,
+    Plan,
+    Predicted,
+    RankCost,
+    RunnerUp,
+    SolverReport,
+    StageTime,
+    TrainingSettings,
+)
 from autopar.planning.notes import choice_notes, contract_notes
-from autopar.planning.pricing import TrainingSpec
-from autopar.planning.solver import Solution, SolverOptions
+from autopar.planning.pricing import Prediction, TrainingSpec
+from autopar.planning.solver import RUNNERS_UP, Candidate, Solution, SolverOptions
 from autopar.planning.solver import solve as _solve
 from autopar.units import GiB
 
@@ -47,12 +59,15 @@ def memory_budget(cluster: ClusterSpec, memory_gb: float | None) -> int:
 
 def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | None = None,
           nodes: int | None = None, global_batch: int | None = None, dtype: str = "bf16",
-          memory_gb: float | None = None, pins: PinsLike = None, time_limit_s: float = 30.0) -> Plan:
+          memory_gb: float | None = None, pins: PinsLike = None, time_limit_s: float = 30.0,
+          runners_up: int = RUNNERS_UP) -> Plan:
     """The fastest plan for ``graph`` on ``world_size`` devices that fits in memory.
 
     ``global_batch`` (samples per step) defaults to ``world_size``; ``memory_gb``
     is the per-rank budget in GiB (default: device memory less the cluster's reserve).
-    Raises :class:`InfeasibleError` when nothing fits, :class:`PinError` for bad pins.
+    The plan records the best plans of the next ``runners_up`` distinct configurations
+    (``Plan.runners_up``; 0 searches least). Raises :class:`InfeasibleError` when nothing
+    fits, :class:`PinError` for bad pins.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise AutoparError(f"world size must be a positive integer, got {world_size!r}")
@@ -66,7 +81,7 @@ def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | No
     parsed = Pins.from_any(pins)
     solution = _solve(graph, world_size, spec, training, pins=parsed,
                       memory_budget_bytes=memory_budget(spec, memory_gb),
-                      options=SolverOptions(time_limit_s=time_limit_s))
+                      options=SolverOptions(time_limit_s=time_limit_s), runners_up=runners_up)
     return build_plan(graph, solution, spec, training, parsed)
 
 
@@ -121,8 +136,10 @@ def build_plan(graph: LayerGraph, solution: Solution, cluster: ClusterSpec,
         tokens_per_s_per_gpu=tokens,
         memory_per_rank_bytes=p.memory_per_rank_bytes,
         memory_budget_bytes=solution.memory_budget_bytes,
-        breakdown=Breakdown(p.compute_s, p.bubble_s, p.tp_comm_s, p.dp_comm_s, p.pp_comm_s,
-                            p.optimizer_s),
+        breakdown=_breakdown(p),
+        stages=stage_times(graph, solution),
+        ranks=rank_costs(graph, solution),
+        pace=pipeline_pace(solution),
     )
     layers = tuple(LayerPlan(l.name, st, s.tp, s.zero, s.recompute)
                    for l, st, s in zip(graph, solution.stages, solution.strategies))
@@ -138,6 +155,113 @@ def build_plan(graph: LayerGraph, solution: Solution, cluster: ClusterSpec,
                                   seq_len=graph.seq_len, optimizer="adam"),
         pins=tuple(pins.to_strings()),
         notes=contract_notes(graph, solution) + choice_notes(graph, solution),
+        runners_up=tuple(runner_up(graph, r) for r in solution.runners_up),
+    )
+
+
+# ---------------------------------------------------------------- where the figures come from
+# What the pictures and `autopar explain` read, taken from the price table at solve time, so they
+# never price anything again. Each is checked against evaluate()'s totals.
+
+
+def _breakdown(p: Prediction) -> Breakdown:
+    return Breakdown(p.compute_s, p.bubble_s, p.tp_comm_s, p.dp_comm_s, p.pp_comm_s, p.optimizer_s)
+
+
+def stage_times(graph: LayerGraph, solution: Solution) -> tuple[StageTime, ...]:
+    """Each virtual stage's forward, backward, tensor-parallel and send time per microbatch, from
+    the layers' prices; a pipeline rank's stages add up to its T_j (``rank_time_mb_s``)."""
+    table, c = solution.table, solution.config
+    parts = [[0.0] * 6 for _ in range(c.stages)]  # fwd, bwd, fwd tp, bwd tp, send fwd, send bwd
+    for i, (stage, strategy) in enumerate(zip(solution.stages, solution.strategies)):
+        price = table.prices[i][table.index_of(i, strategy)]
+        # pricing's own forward share of the layer (compute and collectives); the rest is backward
+        fwd, _, fwd_tp, _, _ = table._style_part(graph[i], table.runs_as(i, strategy).tp)
+        row = parts[stage]
+        row[0], row[1] = row[0] + fwd, row[1] + price.compute_mb_s - fwd
+        row[2], row[3] = row[2] + fwd_tp, row[3] + price.tp_comm_mb_s - fwd_tp
+    for cut in range(1, len(solution.stages)):
+        before, after = solution.stages[cut - 1], solution.stages[cut]
+        if before != after:  # as evaluate() prices it: activations forward, gradients back
+            parts[before][4] += table.p2p_s(cut)
+            parts[after][5] += table.p2p_s(cut)
+    stages = tuple(StageTime(s, *row) for s, row in enumerate(parts))
+    for j, priced in enumerate(solution.prediction.rank_time_mb_s):
+        drawn = sum(st.per_microbatch_s for st in stages if c.rank_of_stage(st.stage) == j)
+        if not math.isclose(drawn, priced, rel_tol=1e-9, abs_tol=1e-15):
+            raise RuntimeError(f"stage times of rank {j} add up to {drawn} s, evaluate() priced {priced} s")
+    return stages
+
+
+def rank_costs(graph: LayerGraph, solution: Solution) -> tuple[RankCost, ...]:
+    """Each pipeline rank's memory by kind and its tail, from the layers' prices; the memory adds
+    up to evaluate()'s ``memory_per_rank_bytes`` to the byte.
+
+    A layer's model state (pricing's ``state_bytes``) splits by the ZeRO formulas of
+    :mod:`autopar.cost_models.memory`: weights and gradients whole or 1/dp each (rounded down),
+    optimizer state what is left, so the single rounding of a ZeRO-3 shard lands there; DDP's
+    gradient buckets are buffers.
+    """
+    table, c, prec = solution.table, solution.config, solution.table.prec
+    mem = [[0] * 6 for _ in range(c.pp)]  # params, grads, optimizer, activations, buffers, workspace
+    tail = [[0.0, 0.0] for _ in range(c.pp)]
+    held = [contract.Buffers.NONE] * c.pp
+    for i, (stage, strategy) in enumerate(zip(solution.stages, solution.strategies)):
+        k = table.index_of(i, strategy)
+        price, rank, runs = table.prices[i][k], c.rank_of_stage(stage), table.runs_as(i, strategy)
+        n = table.effective_params(graph[i], runs)
+        weights = prec.param_bytes * n if runs.zero < 3 else prec.param_bytes * n // c.dp
+        grads = prec.grad_bytes * n if runs.zero < 2 else prec.grad_bytes * n // c.dp
+        buckets = prec.grad_bytes * n if table.engine is contract.Engine.DDP else 0
+        row = mem[rank]
+        row[0] += weights
+        row[1] += grads
+        row[2] += price.state_bytes - weights - grads - buckets
+        row[3] += table.memory_coefficient(i, k, rank) - price.state_bytes
+        row[4] += buckets
+        held[rank] = max(held[rank], table.buffers_needed(i, k))
+        tail[rank][0] += price.exposed_comm_s
+        tail[rank][1] += price.optimizer_s
+    for j in range(c.pp):
+        mem[j][4] += table.buffer_bytes(held[j])
+        mem[j][5] = table.rank_workspace_bytes(j)
+    ranks = tuple(RankCost(*mem[j], *tail[j]) for j in range(c.pp))
+    if tuple(r.memory_bytes for r in ranks) != solution.prediction.memory_per_rank_bytes:
+        raise RuntimeError(f"memory parts add up to {[r.memory_bytes for r in ranks]}, evaluate() priced "
+                           f"{list(solution.prediction.memory_per_rank_bytes)}")
+    return ranks
+
+
+def pipeline_pace(solution: Solution) -> float:
+    """The priced pipeline over its critical path m·T + w·(S − T): 1 unless ranks that share cores
+    lend them while they wait (``PriceTable.pipeline_s``), which evaluate() scales its breakdown by."""
+    table, per_mb = solution.table, list(solution.prediction.rank_time_mb_s)
+    if not per_mb:
+        return 1.0
+    m, w = solution.config.microbatches, float(table.bubble_weight)
+    chain = m * max(per_mb) + w * (sum(per_mb) - max(per_mb))
+    return table.pipeline_s(per_mb) / chain if chain > 0 else 1.0
+
+
+def runner_up(graph: LayerGraph, candidate: Candidate) -> RunnerUp:
+    """A runner-up as the plan records it: its configuration, what its layers do in a few words,
+    its prediction, and the pins that fix its configuration."""
+    c, p, table = candidate.config, candidate.prediction, candidate.table
+    runs = [table.runs_as(i, s) for i, s in enumerate(candidate.strategies)]
+    zero = sorted({r.zero for l, r in zip(graph, runs) if l.param_count}) if c.dp > 1 else []
+    pins = [f"pp={c.pp}", f"dp={c.dp}", f"tp={c.tp}", f"microbatches={c.microbatches}"]
+    if c.pp > 1:
+        pins.append(f"schedule={c.schedule.kind.value}")
+    if c.schedule.chunks > 1:
+        pins.append(f"chunks={c.schedule.chunks}")
+    if c.dp > 1 and not c.data_parallel.sharded:
+        pins.append("zero=0")
+    return RunnerUp(
+        mesh=Mesh(c.pp, c.dp, c.tp), microbatches=c.microbatches, schedule=c.schedule.kind,
+        chunks=c.schedule.chunks, data_parallel=str(c.data_parallel) if c.dp > 1 else "none (dp=1)",
+        zero=tuple(zero), recomputed=sum(bool(r.recompute) for r in runs), step_time_s=p.step_time_s,
+        memory_per_rank_bytes=p.memory_per_rank_bytes, breakdown=_breakdown(p), optimal=candidate.optimal,
+        pins=tuple(pins),
     )
 
 
@@ -200,7 +324,7 @@ def compare(graph: LayerGraph, world_size: int, **kwargs: Any) -> tuple[Baseline
     for name, pins in baseline_pins(graph):
         own = f"with this baseline's pins ({_pins_summary(pins)}): "  # not the user's: say whose
         try:
-            plan = solve(graph, world_size, pins=pins, **kwargs)
+            plan = solve(graph, world_size, pins=pins, **{**kwargs, "runners_up": 0})  # a row needs none
             row = BaselineResult(name, plan)
         except InfeasibleError as exc:
             row = BaselineResult(name, None, exc.min_memory_bytes, own + str(exc))

@@ -8,11 +8,30 @@ configuration's data-parallel mode rules the configuration out
 
 from __future__ import annotations
 
+import fnmatch
 from typing import Any
 
 from autopar import contract
 from autopar.errors import PinError
+from autopar.graph import LayerGraph
+from autopar.pins import Pins
+from autopar.plan import Recompute
 from autopar.planning.pricing import PriceTable, Strategy
+
+
+def check_recompute_pins(graph: LayerGraph, pins: Pins) -> None:
+    """A per-layer ``recompute=selective`` on a layer whose module keeps nothing under it (no
+    matmul-class op) is a PinError naming the layer; a layer without a module of its own runs
+    without recompute and is noted, as for full (:func:`autopar.contract.recompute_applies`)."""
+    for pin in pins.layers:
+        if pin.fields_set().get("recompute") is not Recompute.SELECTIVE:
+            continue
+        for layer in graph:
+            if (fnmatch.fnmatchcase(layer.name, pin.pattern) and layer.module_path is not None
+                    and layer.selective_saved_bytes_per_sample <= 0):
+                raise PinError(f"pin {pin.pattern}:recompute=selective: layer {layer.name!r} runs no "
+                               "matmul-class op (mm, addmm, bmm, convolution, fused attention), so selective "
+                               "recompute has nothing to keep; pin it recompute=full or none")
 
 
 def allowed_strategies(table: PriceTable, layer_pins: list[dict[str, Any]]) -> list[list[int]]:
@@ -93,9 +112,10 @@ def _pinned_outside_search(table: PriceTable, i: int, pin: dict[str, Any]) -> li
     if style is not None:
         names = [s.name for s in layer.tp_styles]
         if style not in names:
+            why = f"; {layer.tp_refusal}" if layer.tp_refusal and style == "megatron" else ""
             raise PinError(f"layer {layer.name!r} has no tensor-parallel style {style!r} "
-                           f"(it admits: {', '.join(names) or 'none'})")
-        if not layer.tp_style(style).admits(tp):
+                           f"(it admits: {', '.join(names) or 'none'}{why})")
+        if not layer.tp_style(style).admits(tp) or contract.tied_across_stages(table.graph, i, table.config.pp):
             return []
     zero = pin.get("zero", contract.offered_zeros(table.graph, i, table.config.data_parallel, table.config.pp)[0])
     return [table.index_of(i, Strategy(style, zero, pin.get("recompute", False)))]

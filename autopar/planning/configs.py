@@ -83,12 +83,17 @@ def _schedules(pp: int, m: int, max_stages: int, pins: Pins) -> list[Schedule]:
     return out
 
 
+def _blocked(graph: LayerGraph) -> str:
+    reasons = list(dict.fromkeys(l.cut_blocked_by for l in graph if l.cut_blocked_by))
+    return f"; no cut goes where {'; '.join(reasons[:2])}" if reasons else ""
+
+
 def why_no_config(graph: LayerGraph, world: int, training: TrainingSpec, pins: Pins, max_stages: int) -> str:
     b = training.global_batch
     if pins.pp and pins.pp * (pins.chunks or 1) > max_stages:
         return (f"pp={pins.pp}{f' × chunks={pins.chunks}' if pins.chunks else ''} needs "
                 f"{pins.pp * (pins.chunks or 1)} pipeline stages but the model can be cut into at "
-                f"most {max_stages} (it has {max_stages - 1} places a cut may go)")
+                f"most {max_stages} (it has {max_stages - 1} places a cut may go)" + _blocked(graph))
     if pins.dp and b % pins.dp:
         return f"batch size {b} does not divide over the pinned dp={pins.dp}"
     if pins.dp and pins.microbatches and b % (pins.dp * pins.microbatches):

@@ -5,21 +5,24 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from autopar import contract
 from autopar.graph import LayerGraph
+from autopar.plan import Recompute
 from autopar.planning.pricing import evaluate
 from autopar.planning.solver import Solution
 
 
 def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
     """Where a layer runs otherwise than its plan entry asks (the contract's rules), say so."""
-    table, raised, kept, root = solution.table, [], [], 0
+    table, raised, kept, bare, root = solution.table, [], [], [], 0
     for i, (layer, s) in enumerate(zip(graph, solution.strategies)):
         runs = table.runs_as(i, s)
         if layer.param_count and solution.config.dp > 1 and runs.zero != s.zero:
             raised.append(f"{layer.name} (zero={s.zero})")
             root = runs.zero
         if s.recompute and not runs.recompute:
-            kept.append(layer.name)
+            (kept if layer.module_path is None or not contract.recompute_applies(graph, i, solution.config.pp)
+             else bare).append(layer.name)
     notes = []
     if raised:
         notes.append(f"{', '.join(raised)}: in the root FSDP unit, which runs at "
@@ -27,6 +30,27 @@ def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
     if kept:
         notes.append(f"{', '.join(kept)}: recompute asked for, but the layer has no module of its own "
                      "to checkpoint (or sits in an export-captured pipeline stage): runs without it")
+    if bare:
+        notes.append(f"{', '.join(bare)}: selective recompute asked for, but the layer runs no matmul-class op "
+                     "whose output it could keep: runs without recompute")
+    return tuple(notes) + refusal_notes(graph)
+
+
+def refusal_notes(graph: LayerGraph) -> tuple[str, ...]:
+    """Layers whose candidate tensor-parallel style capture withdrew, and the op that stopped it
+    (runs of layers refused for the same reason folded into one note)."""
+    notes: list[str] = []
+    runs: list[tuple[list[str], str]] = []
+    for layer in graph:
+        if not layer.tp_refusal:
+            continue
+        if runs and runs[-1][1] == layer.tp_refusal:
+            runs[-1][0].append(layer.name)
+        else:
+            runs.append(([layer.name], layer.tp_refusal))
+    for names, why in runs:
+        who = names[0] if len(names) == 1 else f"{names[0]} … {names[-1]} ({len(names)})"
+        notes.append(f"{who}: {why}")
     return tuple(notes)
 
 
@@ -73,7 +97,7 @@ def _recompute_note(graph: LayerGraph, solution: Solution) -> str | None:
     recomputed = [i for i, r in enumerate(runs) if r]
     if not recomputed or any(graph.repeated[i] for i in recomputed):
         return None
-    without = tuple(replace(s, recompute=False) if r else s for s, r in zip(strategies, runs))
+    without = tuple(replace(s, recompute=Recompute.NONE) if r else s for s, r in zip(strategies, runs))
     now, then = evaluate(table, stages, strategies), evaluate(table, stages, without)
     saved = [b - a for a, b in zip(now.memory_per_rank_bytes, then.memory_per_rank_bytes)]
     rank = max(range(len(saved)), key=lambda j: saved[j])

@@ -50,11 +50,14 @@ from functools import cached_property
 from autopar import contract
 from autopar.contract import REPLICATED, Buffers, DataParallelism, Engine
 from autopar.cost_models.communication import Collective, collective_time_s, p2p_time_s, place_group
-from autopar.cost_models.compute import BACKWARD_FLOPS_FACTOR, compute_time_s
+from autopar.cost_models.compute import BACKWARD_FLOPS_FACTOR, compute_time_s, memory_bound_time_s
 from autopar.cost_models.hardware import ClusterSpec, idle_core_speedup
 from autopar.cost_models.memory import Precision, model_state_bytes, optimizer_shard_params, precision
 from autopar.cost_models.pipeline import Schedule, ScheduleKind, in_flight
 from autopar.graph import Layer, LayerGraph
+from autopar.plan import Recompute
+
+FP32_BYTES = 4  # the loss, and a bf16 plan's master gradients outside FSDP2, are fp32
 
 
 def exposed_comm_s(comm_s: float, compute_s: float, overlap: float) -> float:
@@ -67,14 +70,18 @@ def exposed_comm_s(comm_s: float, compute_s: float, overlap: float) -> float:
 
 @dataclass(frozen=True)
 class Strategy:
-    """What one layer does: tensor-parallel style (None = replicated), ZeRO stage, recompute."""
+    """What one layer does: tensor-parallel style (None = replicated), ZeRO stage, recompute
+    (a :class:`~autopar.plan.Recompute`; a bool means full or none)."""
 
     tp: str | None = None
     zero: int = 0
-    recompute: bool = False
+    recompute: Recompute = Recompute.NONE
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", Recompute.of(self.recompute))
 
     def __str__(self) -> str:
-        return f"tp={self.tp or '-'} zero={self.zero} recompute={'on' if self.recompute else 'off'}"
+        return f"tp={self.tp or '-'} zero={self.zero} recompute={self.recompute}"
 
 
 @dataclass(frozen=True, order=True)
@@ -155,6 +162,8 @@ class PriceTable:
         if training.global_batch % samples:
             raise ValueError(f"global batch {training.global_batch} does not split into "
                              f"dp={config.dp} × microbatches={config.microbatches}")
+        if config.pp > 1:  # tied embeddings: the last stage holds the first layer's weight too
+            graph = graph.pipeline_view()
         self.graph, self.config, self.cluster, self.training = graph, config, cluster, training
         self.prec = training.precision
         self.microbatch_size = training.global_batch // samples
@@ -205,13 +214,14 @@ class PriceTable:
             out.append(memo[cls])
         return out
 
-    def _recompute_options(self, layer: Layer) -> tuple[bool, ...]:
-        return (False, True) if contract.recompute_applies(self.graph, layer.index, self.config.pp) else (False,)
+    def _recompute_options(self, layer: Layer) -> tuple[Recompute, ...]:
+        return contract.offered_recomputes(self.graph, layer.index, self.config.pp)
 
     def _strategies(self, layer: Layer, zeros: tuple[int, ...]) -> list[Strategy]:
         """What the contract lets this layer run as (styles, ZeRO stages, recompute)."""
         styles: list[str | None] = [None]
-        if self.config.tp > 1 and contract.tp_applies(self.graph, self.config.pp):
+        if self.config.tp > 1 and contract.tp_applies(self.graph, self.config.pp) \
+                and not contract.tied_across_stages(self.graph, layer.index, self.config.pp):
             styles += [s.name for s in layer.tp_styles if s.admits(self.config.tp)]
         return [Strategy(t, z, r) for t in styles for z in zeros for r in self._recompute_options(layer)]
 
@@ -229,8 +239,7 @@ class PriceTable:
         what it is priced as."""
         c = self.config
         zero = contract.effective_zero(self.graph, i, strategy.zero, c.data_parallel, c.dp, c.pp)
-        recompute = strategy.recompute and contract.recompute_applies(self.graph, i, c.pp)
-        return Strategy(strategy.tp, zero, recompute)
+        return Strategy(strategy.tp, zero, contract.recompute_runs_as(self.graph, i, c.pp, strategy.recompute))
 
     def buffers_needed(self, i: int, k: int) -> Buffers:
         """The FSDP2 buffers layer ``i`` under strategy ``k`` makes its rank hold (the contract's)."""
@@ -308,8 +317,9 @@ class PriceTable:
         """The loss on the last pipeline rank: a tensor the size of the model's output (cross-entropy's
         log-probabilities) kept per microbatch in flight there, plus the output's gradient."""
         kept = self.config.microbatches if self.config.schedule.kind is ScheduleKind.GPIPE else 1
+        # in fp32 whatever the plan's dtype: the runtime upcasts a bf16 output before the loss
         return math.ceil((kept + 1) * self.microbatch_size * self.graph.output_bytes_per_sample
-                         * self.act_scale)
+                         * FP32_BYTES / self.graph.dtype_bytes)
 
     def rank_workspace_bytes(self, rank: int) -> int:
         """:attr:`workspace_bytes`, and :attr:`loss_bytes` on the last pipeline rank."""
@@ -373,14 +383,15 @@ class PriceTable:
         strategy = self.runs_as(layer.index, strategy)
         c, b, prec, device = self.config, self.microbatch_size, self.prec, self.cluster.device
         fwd, bwd, tp_comm_fwd, tp_comm_bwd, acts = self._style_part(layer, strategy.tp)
-        compute = fwd + bwd + (fwd if strategy.recompute else 0.0)
+        refwd, kept = self._recompute_part(layer, strategy, fwd, acts)
+        compute = fwd + bwd + refwd
+        # a recomputed forward issues its collectives again (selective keeps only matmul-class outputs)
         tp_comm = tp_comm_fwd + tp_comm_bwd + (tp_comm_fwd if strategy.recompute else 0.0)
-        # checkpointing the layer's module keeps its inputs, and what its glue ops (outside the module) save
-        kept = layer.input_bytes_per_sample + layer.glue_saved_bytes_per_sample if strategy.recompute else acts
         params = self.effective_params(layer, strategy)
         share = contract.collective_share(self.graph, layer.index, self.engine, c.pp, prec.grad_bytes)
         dp_comm = self._dp_comm_s(params, strategy.zero, share)
         fsdp_work = self._zero_overhead_s(params, strategy.zero, share)  # done by the host: never hidden
+        fsdp_work += self._tied_sum_s(layer, strategy.zero)
         return LayerPrice(
             compute_mb_s=compute,
             tp_comm_mb_s=tp_comm,
@@ -391,9 +402,41 @@ class PriceTable:
             * prec.optimizer_bytes_touched / device.memory_bandwidth_bytes_s
             + (len(layer.param_names) * self.cluster.optimizer_dtensor_s if self._dtensor(strategy) else 0.0),
             state_bytes=model_state_bytes(params, strategy.zero, c.dp, prec)
-            + (prec.grad_bytes * params if self.engine is Engine.DDP else 0),
+            + (prec.grad_bytes * params if self.engine is Engine.DDP else 0)
+            + self._master_grad_bytes(params),
             activation_mb_bytes=math.ceil(b * max(kept, 0.0) * self.act_scale),
         )
+
+    def _recompute_part(self, layer: Layer, strategy: Strategy, fwd_s: float, acts: float) -> tuple[float, float]:
+        """(time re-run in backward per microbatch, bytes kept per sample) under the layer's recompute.
+
+        Checkpointing the module keeps its inputs and what its glue ops (outside the
+        module) save. Full re-runs the forward. Selective also keeps the outputs of its
+        matmul-class ops and re-runs the rest: their counted FLOPs, and the bytes they
+        read and write at the device's memory bandwidth. A Megatron style splits over tp
+        what lies between its column and row projections.
+        """
+        kind = strategy.recompute
+        if kind is Recompute.NONE:
+            return 0.0, acts
+        base = layer.input_bytes_per_sample + layer.glue_saved_bytes_per_sample
+        if kind is Recompute.FULL:
+            return fwd_s, base
+        split = 1 - 1 / self.config.tp if strategy.tp is not None and layer.tp_style(strategy.tp).row else 0.0
+        saved = layer.selective_saved_bytes_per_sample - split * layer.selective_sharded_bytes_per_sample
+        moved = layer.selective_recompute_bytes_per_sample - split * layer.selective_recompute_sharded_bytes_per_sample
+        b, device = self.microbatch_size, self.cluster.device
+        rerun = (compute_time_s(b * layer.selective_recompute_flops_per_sample, device, self.dtype_for_compute)
+                 + memory_bound_time_s(b * moved * self.act_scale, device))
+        return rerun, base + saved
+
+    def _master_grad_bytes(self, params: int) -> int:
+        """Where no FSDP2 unit holds a bf16 plan's weights (dp = 1, or DDP), the runtime keeps fp32
+        masters whose gradients are fp32 (runtime/precision.py): 2 bytes a parameter more than
+        the bf16 gradients the ZeRO formula counts."""
+        if self.prec.grad_bytes >= FP32_BYTES or self.engine not in (Engine.NONE, Engine.DDP):
+            return 0
+        return (FP32_BYTES - self.prec.grad_bytes) * params
 
     def _dtensor(self, strategy: Strategy) -> bool:
         """Whether the layer's parameters are DTensors once lowered (passes/zero.py,
@@ -411,6 +454,16 @@ class PriceTable:
         return (all_reduce * collective_time_s(Collective.ALL_REDUCE, grads, group, cl, count=share)
                 + reduce_scatter * collective_time_s(Collective.REDUCE_SCATTER, grads, group, cl, count=share)
                 + all_gather * collective_time_s(Collective.ALL_GATHER, weights, group, cl, count=share))
+
+    def _tied_sum_s(self, layer: Layer, zero: int) -> float:
+        """Per step, at each end of tied embeddings split across stages: the all-reduce of the tied
+        weight's gradient (this rank's shard of it) between the first and last stage's ranks, after
+        the pipeline drains — a two-rank all-reduce moves the shard once each way, priced as one send."""
+        if not contract.tied_across_stages(self.graph, layer.index, self.config.pp):
+            return 0.0
+        shard = self.config.dp if zero >= 1 and self.config.dp > 1 else 1
+        nbytes = self.prec.grad_bytes * layer.tied_param_count / shard
+        return p2p_time_s(nbytes, inter_node=self.pp_inter_node, cluster=self.cluster)
 
     def _zero_overhead_s(self, params: int, zero: int, share: float) -> float:
         """Per step: FSDP2's own work around each of its collectives (the cluster's

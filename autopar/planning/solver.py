@@ -49,6 +49,20 @@ Search, in two levels:
 Times become integers in one place (:class:`.model.Units`); memory is integral
 bytes already. Runs with 1 worker and a deterministic time limit, so the same
 inputs give the same plan.
+
+Runners-up. The search keeps the best plan of each *distinct configuration*
+(mesh pp × dp × tp and whether data parallelism is sharded; microbatches and
+schedule are details within one) until it holds the best ``RUNNERS_UP + 1`` of
+them, so a plan can say what came next without solving again
+(``autopar explain``). Branch and bound then prunes against the last of those
+instead of the best alone: a configuration is skipped, or its CP-SAT model
+bounded, by what it must beat to enter the list (:meth:`_Search.threshold`).
+Pruning against the best would leave no runner-up whenever the first
+configuration solved wins. The chosen plan is the same optimum: a
+configuration whose bound is no better than the best plan so far can only be
+a runner-up, so its CP-SAT solve is short (``RUNNER_UP_SOLVE_S``
+deterministic seconds; its candidate says whether it was proved optimal) and
+leaves the chosen plan's gap alone. ``runners_up=0`` is the plain search.
 """
 
 from __future__ import annotations
@@ -64,13 +78,39 @@ from autopar.errors import PinError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
 from autopar.planning.bounds import balanced_step_s, lower_bound_s
-from autopar.planning.choices import allowed_strategies, runs_of
+from autopar.planning.choices import allowed_strategies, check_recompute_pins, runs_of
 from autopar.planning.configs import cut_positions, enumerate_configs
 from autopar.planning.infeasible import raise_infeasible
 from autopar.planning.model import SolverOptions, Units, build_model, cp_solver, extract
 from autopar.planning.pricing import MeshConfig, Prediction, PriceTable, Strategy, TrainingSpec, evaluate
 
-__all__ = ["Solution", "SolverOptions", "cut_positions", "enumerate_configs", "solve"]
+__all__ = ["Candidate", "RUNNERS_UP", "Solution", "SolverOptions", "cut_positions", "distinct_key",
+           "enumerate_configs", "solve"]
+
+RUNNERS_UP = 3  # distinct configurations a plan records after its own: enough to see what came next
+RUNNER_UP_SOLVE_S = 0.25  # CP-SAT deterministic seconds for a configuration that can only be a runner-up
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The best assignment the search found for one configuration, priced by :func:`evaluate`."""
+
+    config: MeshConfig
+    stages: tuple[int, ...]
+    strategies: tuple[Strategy, ...]
+    prediction: Prediction
+    table: PriceTable
+    optimal: bool = True  # False: CP-SAT's time ran out first (a runner-up's solve is short)
+
+    @property
+    def step_time_s(self) -> float:
+        return self.prediction.step_time_s
+
+
+def distinct_key(config: MeshConfig) -> tuple[int, int, int, bool]:
+    """What makes two configurations different plans to a reader: the mesh and whether data
+    parallelism is sharded (microbatches, schedule and the root's ZeRO stage are details)."""
+    return config.pp, config.dp, config.tp, config.data_parallel.sharded
 
 
 @dataclass
@@ -88,25 +128,61 @@ class Solution:
     configs_total: int
     configs_solved: int
     memory_budget_bytes: int
+    runners_up: tuple[Candidate, ...] = ()  # the next distinct configurations, fastest first
 
 
 @dataclass
 class _Search:
-    best: tuple[float, MeshConfig, tuple, tuple, Prediction, PriceTable] | None = None
+    """The best plan of each distinct configuration found so far (:func:`distinct_key`), of which
+    the best ``keep`` matter, and what the search left open."""
+
+    keep: int = RUNNERS_UP + 1
+    kept: dict[tuple, Candidate] = field(default_factory=dict)
     open_bounds: list[float] = field(default_factory=list)
     solved: int = 0
-    min_memory: tuple[int, MeshConfig] | None = None
+
+    def ranked(self) -> list[Candidate]:
+        """The kept plans, fastest first (on a tie, the first found)."""
+        order = {key: n for n, key in enumerate(self.kept)}
+        return sorted(self.kept.values(), key=lambda c: (c.step_time_s, order[distinct_key(c.config)]))
+
+    @property
+    def best(self) -> Candidate | None:
+        ranked = self.ranked()
+        return ranked[0] if ranked else None
+
+    @property
+    def cutoff(self) -> float:
+        """What any configuration must beat to matter: the last of the ``keep`` best (∞ until full)."""
+        ranked = self.ranked()
+        return ranked[self.keep - 1].step_time_s if len(ranked) >= self.keep else math.inf
+
+    def threshold(self, config: MeshConfig) -> float:
+        """What a plan of ``config`` must beat to be kept: its own configuration's best, if that
+        is among the ``keep`` best, else the cutoff."""
+        own = self.kept.get(distinct_key(config))
+        return min(self.cutoff, own.step_time_s if own is not None else math.inf)
+
+    def offer(self, candidate: Candidate) -> None:
+        if candidate.step_time_s < self.threshold(candidate.config):
+            key = distinct_key(candidate.config)
+            self.kept.pop(key, None)  # re-inserted: the order of finding breaks ties
+            self.kept[key] = candidate
+            for dropped in self.ranked()[self.keep:]:
+                del self.kept[distinct_key(dropped.config)]
 
 
 def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: TrainingSpec, *,
           pins: Pins | None = None, memory_budget_bytes: int | None = None,
-          options: SolverOptions | None = None) -> Solution:
-    """The fastest plan under the memory budget, by branch and bound over configurations."""
+          options: SolverOptions | None = None, runners_up: int = RUNNERS_UP) -> Solution:
+    """The fastest plan under the memory budget, by branch and bound over configurations, and the
+    best plans of the next ``runners_up`` distinct configurations (0: the shortest search)."""
     start = time.perf_counter()
     options = options or SolverOptions()
     pins = pins or Pins()
     budget = cluster.memory_budget_bytes if memory_budget_bytes is None else memory_budget_bytes
     layer_pins = pins.resolve_layers([layer.name for layer in graph])
+    check_recompute_pins(graph, pins)
     cuts_ok = cut_positions(graph)
     # Configurations in order of a cheap bound (fastest strategy per layer, balanced),
     # priced in full only when that bound could still beat the best plan so far.
@@ -117,9 +193,9 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
         cheap = balanced_step_s(table, sum(fastest), max(fastest))
         candidates.append((cheap, config, table))
     candidates.sort(key=lambda x: (x[0], x[1]))
-    search, priced = _Search(), []
+    search, priced = _Search(keep=1 + max(0, runners_up)), []
     for index, (cheap, config, table) in enumerate(candidates):
-        if search.best is not None and cheap >= search.best[0]:
+        if cheap >= search.cutoff:
             break
         remaining = options.time_limit_s - (time.perf_counter() - start)
         if remaining <= 0:
@@ -130,7 +206,12 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
             continue
         priced.append((cheap, config, table, allowed))
         bound = lower_bound_s(table, allowed, budget, cuts_ok)
-        if math.isinf(bound) or (search.best is not None and bound >= search.best[0]):
+        if math.isinf(bound) or bound >= search.threshold(config):
+            continue
+        best = search.best
+        if best is not None and bound >= best.step_time_s:  # cannot be chosen: a runner-up at most
+            _solve_config(search, table, allowed, layer_pins, cuts_ok, budget,
+                          min(remaining, RUNNER_UP_SOLVE_S), options, runner_up=True)
             continue
         _solve_config(search, table, allowed, layer_pins, cuts_ok, budget, remaining, options)
     wall = time.perf_counter() - start
@@ -142,34 +223,35 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
                            "stages cannot run (inside an export-captured model's pipeline stages every layer "
                            "is replicated)")
         raise_infeasible(priced, layer_pins, cuts_ok, budget, options)
-    step, config, stages, strategies, prediction, table = search.best
+    best, *runners_up = search.ranked()
+    step = best.step_time_s
     bound = min([step] + search.open_bounds)
     gap = max(0.0, (step - bound) / step) if step > 0 else 0.0
-    return Solution(config, stages, strategies, prediction, table,
+    return Solution(best.config, best.stages, best.strategies, best.prediction, best.table,
                     "OPTIMAL" if gap <= 1e-9 else "FEASIBLE", gap, wall,
-                    len(candidates), search.solved, budget)
+                    len(candidates), search.solved, budget, tuple(runners_up))
 
 
 def _solve_config(search: _Search, table: PriceTable, allowed, layer_pins, cuts_ok, budget,
-                  time_limit_s: float, options: SolverOptions) -> None:
+                  time_limit_s: float, options: SolverOptions, *, runner_up: bool = False) -> None:
     runs = runs_of(table, allowed, layer_pins)
     largest = max(max(p.time_mb_s, p.tail_s) for ps in table.prices for p in ps)
     units = Units(max(largest, max(table.p2p_s(q) for q in range(len(table.graph) + 1))))
     built = build_model(table, allowed, runs, layer_pins, cuts_ok, budget, units)
-    if search.best is not None:  # prune: only plans that can beat the best so far (with rounding slack)
+    must_beat = search.threshold(table.config)
+    if not math.isinf(must_beat):  # prune: only plans that could be kept (with rounding slack)
         d = built.scale
         slack = 4 * (len(table.graph) + table.config.stages) * (table.config.microbatches * d + table.config.pp)
-        built.model.Add(built.objective <= int(search.best[0] * d / units.unit_s) + slack)
+        built.model.Add(built.objective <= int(must_beat * d / units.unit_s) + slack)
     solver = cp_solver(time_limit_s, options)
     status = solver.Solve(built.model)
     search.solved += 1
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        if status == cp_model.UNKNOWN:
+        if status == cp_model.UNKNOWN and not runner_up:
             search.open_bounds.append(lower_bound_s(table, allowed, budget, cuts_ok))
         return
     stages, strategies = extract(solver, built, table, runs)
     prediction = evaluate(table, stages, strategies)
-    if status == cp_model.FEASIBLE:
+    if status == cp_model.FEASIBLE and not runner_up:  # a runner-up's bound is above the chosen plan's
         search.open_bounds.append(solver.BestObjectiveBound() * units.unit_s / built.scale)
-    if search.best is None or prediction.step_time_s < search.best[0]:
-        search.best = (prediction.step_time_s, table.config, stages, strategies, prediction, table)
+    search.offer(Candidate(table.config, stages, strategies, prediction, table, status == cp_model.OPTIMAL))

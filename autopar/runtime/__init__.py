@@ -1,5 +1,7 @@
-"""The runtime: lower a Plan for this rank and train it (:func:`compile`, :class:`ParallelModel`)."""
+"""The runtime: lower a Plan for this rank and train it (:func:`compile`, :class:`ParallelModel`),
+checkpoint it (:func:`latest_checkpoint`)."""
 
+from autopar.runtime.checkpoint import latest_checkpoint
 from autopar.runtime.model import ParallelModel, compile, default_loss, default_optimizer
 
-__all__ = ["ParallelModel", "compile", "default_loss", "default_optimizer"]
+__all__ = ["ParallelModel", "compile", "default_loss", "default_optimizer", "latest_checkpoint"]

@@ -6,12 +6,33 @@ on every rank given the same plan — and runs before the first collective.
 
 Without a ``cluster``, compile prices its plan on the machine it runs on
 (:func:`local_cluster`).
+
+Ending cleanly (:func:`hold`, :func:`shutdown`). A gloo worker thread
+finishes a collective, wakes the caller, and only then drops its reference
+to the collective's tensors. If Python has already dropped its own, the
+tensor's Python object now belongs to that C++ reference, and the worker
+must take the GIL to free it. Near the end of a script the caller runs on
+to interpreter finalization while the worker waits for the GIL; a thread
+taking the GIL during finalization is ended with ``pthread_exit``, which,
+unwinding through the worker's ``noexcept`` loop, is ``terminate called
+without an active exception`` and exit −6 (seen in 2 of 40 runs of
+``examples/train_gpt.py`` before this was fixed; faulthandler showed the
+aborting thread with no Python frame and the main thread already gone).
+So the runtime keeps the tensors of its last collectives alive (:func:`hold`:
+the worker's release is then a plain C++ decrement, needing no GIL), and
+:func:`shutdown`, registered at exit when autopar starts the process group,
+waits until gloo has let go of them (their C++ use count is back to one),
+destroys the groups and collects the garbage while the interpreter is whole.
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
+import time
 import warnings
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +58,39 @@ def ensure_process_group() -> bool:
         dist.init_process_group("nccl")
     else:
         dist.init_process_group("gloo")
+    atexit.register(shutdown)
     return True
+
+
+RELEASE_TIMEOUT_S = 1.0
+_HELD: deque[torch.Tensor] = deque(maxlen=8)  # the last collectives' tensors (see the module docstring)
+
+
+def hold(tensor: torch.Tensor) -> torch.Tensor:
+    """Keep ``tensor``, just used by a collective, alive until later collectives replace it or
+    :func:`shutdown`, so no gloo worker has to free its Python object. Costs nothing a step."""
+    if tensor.device.type == "cpu":  # NCCL's work objects keep theirs for the watchdog: not this race
+        _HELD.append(tensor)
+    return tensor
+
+
+def released(tensor: torch.Tensor, timeout_s: float = RELEASE_TIMEOUT_S) -> torch.Tensor:
+    """``tensor`` once no gloo worker holds it any more (its C++ use count is one: ours)."""
+    deadline = time.monotonic() + timeout_s
+    while tensor._use_count() > 1 and time.monotonic() < deadline:
+        time.sleep(1e-4)  # lets the worker take the GIL and run
+    return tensor
+
+
+def shutdown() -> None:
+    """Let gloo release the held tensors, destroy every process group and collect the garbage,
+    while the interpreter is whole. Safe to call twice and after the user's own
+    ``destroy_process_group``."""
+    while _HELD:
+        released(_HELD.popleft())
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def device() -> torch.device:
@@ -137,3 +190,41 @@ def check_world(plan: Plan, world_size: int, launched: bool) -> None:
     if plan.world_size != world_size:
         raise PlanError(f"the plan is for {plan.world_size} ranks but world_size is {world_size}: "
                         "re-plan for this world size")
+
+
+# ------------------------------------------------------------------ what a launch reports
+
+
+def _error_text(failure: Any) -> str:
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    message = " ".join(str(message).split())
+    return "" if message.startswith("To enable traceback") or message.startswith("Signal ") else message
+
+
+def describe_failures(script: str, failures: dict[int, Any], nproc: int) -> str:
+    """One line naming every failed rank, the first to fail first: its exit code or the signal that
+    ended it, and its error (the exception's type and message, when the rank recorded one).
+
+    ``failures`` maps a global rank to torchrun's ``ProcessFailure``. A rank ended by SIGTERM
+    after another one failed was stopped by the launcher, and is said so."""
+    import signal
+
+    ordered = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[1].exitcode == -signal.SIGTERM,
+                                                      kv[0]))
+    first = ordered[0][0]
+    parts, stopped = [], 0
+    for rank, failure in ordered:
+        code, error = failure.exitcode, _error_text(failure)
+        if code < 0:
+            name = failure.signal_name()
+            if code == -signal.SIGTERM and rank != first:
+                parts.append(f"rank {rank} was stopped by the launcher ({name}) after rank {first} failed")
+                stopped += 1
+                continue
+            what = f"rank {rank} was killed by {name}" + (" (aborted)" if code == -signal.SIGABRT else "")
+        else:
+            what = f"rank {rank} exited with code {code}"
+        parts.append(what + (f": {error}" if error else ""))
+    return f"{script} failed on {len(failures) - stopped} of {nproc} processes: " + "; ".join(parts)

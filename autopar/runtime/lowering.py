@@ -25,6 +25,7 @@ from autopar.graph import LayerGraph
 from autopar.passes.parallelize import Part, PartResult, parallelize_part
 from autopar.plan import Plan
 from autopar.runtime.launch import device as rank_device
+from autopar.runtime.precision import plan_dtype
 
 InitFn = Callable[[nn.Module], None]
 
@@ -42,7 +43,7 @@ class Lowered:
     parts: list[nn.Module]
     mesh: Any = None
     data_parallel: list[Any] = field(default_factory=list)
-    row_permutations: dict[str, torch.Tensor] = field(default_factory=dict)
+    permutations: dict[str, Any] = field(default_factory=dict)  # passes.tensor_parallel.Permutation by FQN
     pipeline: Any = None  # passes.pipeline.PipelineRuntime
     pp_group: Any = None
 
@@ -74,9 +75,9 @@ def whole_model_part(graph: LayerGraph, plan: Plan) -> Part:
 
 
 def _from_parts(results: list[PartResult], mesh: Any, **kwargs: Any) -> Lowered:
-    perms: dict[str, torch.Tensor] = {}
+    perms: dict[str, Any] = {}
     for r in results:
-        perms.update(r.row_permutations)
+        perms.update(r.permutations)
     return Lowered([r.module for r in results], mesh,
                    [r.data_parallel for r in results], perms, **kwargs)
 
@@ -87,17 +88,22 @@ def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: An
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.passes.tensor_parallel import check_tensor_parallel
+    from autopar.passes.zero import compute_dtype
 
     device, (pp, dp, tp) = rank_device(), (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp)
     # every check that can fail runs before the first collective (the mesh's groups)
     builder = _pipeline_builder() if pp > 1 else None
     check_tensor_parallel(model, graph, plan, tp)
     mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_AXES)  # the contract's layout
-    if builder is not None:
-        runtime = builder(model, example_inputs, graph, plan, mesh, loss_fn, device, init_fn=init_fn)
-        return Lowered(runtime.modules, mesh, [None] * len(runtime.modules), runtime.row_permutations,
-                       pipeline=runtime, pp_group=runtime.pp_group)
-    result = parallelize_part(model, graph, plan, whole_model_part(graph, plan), mesh, device, init_fn)
+    dtype = plan_dtype(plan.training.dtype)
+    with compute_dtype(dtype):
+        if builder is not None:
+            # without FSDP2 (dp = 1) a bf16 plan's fp32 masters take the gradients, scaled there
+            runtime = builder(model, example_inputs, graph, plan, mesh, loss_fn, device, init_fn=init_fn,
+                              scale_grads=dtype is None or dp > 1)
+            return Lowered(runtime.modules, mesh, [None] * len(runtime.modules), runtime.permutations,
+                           pipeline=runtime, pp_group=runtime.pp_group)
+        result = parallelize_part(model, graph, plan, whole_model_part(graph, plan), mesh, device, init_fn)
     return _from_parts([result], mesh)
 
 

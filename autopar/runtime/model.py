@@ -1,17 +1,26 @@
 """The runtime: lower a Plan for this rank and train it.
 
-    pm = autopar.compile(model, example_inputs=(idx,))      # inside torchrun
+    pm = autopar.compile(model, example_inputs=(idx,), max_grad_norm=1.0,     # inside torchrun
+                         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup))
     for x, y in batches:
         loss = pm.train_step(pm.local_batch(x), pm.local_batch(y))
+    pm.save("ckpt/step-100")          # and later, under any plan: pm.load(...)
 
 :func:`compile` captures the model (or takes a plan), and inside a process
 group lowers the plan (:mod:`autopar.runtime.lowering`: every model part
-through the one lowering path, tensor parallel → recompute → ZeRO/DP) and
-builds the optimizer over the parts' parameters. Outside one, with one
-rank it lowers the plan in this process and trains there; with more, it
-returns the plan-only :class:`ParallelModel` whose ``train_step`` says how
-to launch. Without a ``cluster``, the plan is priced on the machine compile
-runs on (:func:`autopar.runtime.launch.local_cluster`).
+through the one lowering path, tensor parallel → recompute → ZeRO/DP) in the
+plan's precision (:mod:`autopar.runtime.precision`) and builds the optimizer
+over the tensors that hold the fp32 weights. Outside one, with one rank it
+lowers the plan in this process and trains there; with more, it returns the
+plan-only :class:`ParallelModel` whose ``train_step`` says how to launch.
+Without a ``cluster``, the plan is priced on the machine compile runs on
+(:func:`autopar.runtime.launch.local_cluster`).
+
+A train step: zero the gradients; forward and backward of every microbatch
+(on the step's own RNG stream, :mod:`autopar.runtime.training`); clip by the
+global gradient norm when ``max_grad_norm`` is set; the optimizer step (and
+the bf16 copies of the masters refreshed); the scheduler's step; the global
+mean loss, the same on every rank.
 
 A rank that raises must not hang the others: every check that can fail on
 bad input (world size, tp divisibility, a missing pipeline pass, batch
@@ -24,7 +33,7 @@ when any process exits non-zero.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +45,28 @@ import torch.nn.functional as F
 from autopar.errors import BatchError, LaunchError
 from autopar.graph import LayerGraph
 from autopar.plan import Plan, Predicted
-from autopar.runtime.launch import check_world, device, ensure_process_group, launch_hint, resolve_plan
+from autopar.runtime.launch import (
+    check_world,
+    device,
+    ensure_process_group,
+    hold,
+    launch_hint,
+    resolve_plan,
+)
 from autopar.runtime.lowering import Lowered, gather_parts, lower, lower_local
+from autopar.runtime.precision import MasterWeights, attach_masters, cast_floating, plan_dtype
+from autopar.runtime.state import Entry, full_tensor, param_entries, persistent_buffers
+from autopar.runtime.training import (
+    as_tuple,
+    check_batch,
+    check_loss,
+    clip_grads_,
+    global_grad_norm,
+    step_rng,
+)
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
@@ -62,16 +89,15 @@ def default_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output, targets)
 
 
+def fp32_loss(loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` on the output cast to fp32: a bf16 plan's loss (and its softmax) in full precision."""
+    def loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+        return loss_fn(cast_floating(output, torch.float32), targets)
+
+    return loss
+
+
 # ------------------------------------------------------------------ the trainable model
-
-
-def _as_tuple(inputs: Any) -> tuple[torch.Tensor, ...]:
-    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-
-
-def _unpermute(name: str, tensor: torch.Tensor, perms: dict[str, torch.Tensor]) -> torch.Tensor:
-    perm = perms.get(name)
-    return tensor if perm is None else tensor[torch.argsort(perm).to(tensor.device)]
 
 
 @dataclass
@@ -80,10 +106,14 @@ class ParallelModel:
 
     ``module`` is this rank's model, its parameters DTensors where sharded
     (under a pipeline, the model as given: this rank's stages are
-    ``lowered.parts``); ``optimizer`` steps this rank's shards of every
-    part. Plan-only (``launched`` false) when compiled outside a process
-    group for several ranks: inspect ``plan``, and ``train_step`` raises
-    :class:`LaunchError`.
+    ``lowered.parts``); ``optimizer`` steps this rank's fp32 weights of every
+    part (the FSDP2 shards, or the masters of a bf16 plan's other parts:
+    ``masters``); ``scheduler`` is stepped with it. ``step`` counts optimizer
+    steps (restored by :meth:`load`); ``grad_norm`` is the last step's global
+    gradient norm before clipping (None unless ``max_grad_norm`` is set; give
+    ``float("inf")`` to measure without clipping). Plan-only (``launched``
+    false) when compiled outside a process group for several ranks: inspect
+    ``plan``, and ``train_step`` raises :class:`LaunchError`.
     """
 
     plan: Plan
@@ -93,6 +123,15 @@ class ParallelModel:
     loss_fn: LossFn
     launched: bool
     lowered: Lowered | None = None
+    scheduler: Any = None
+    max_grad_norm: float | None = None
+    masters: MasterWeights | None = None
+    seed: int = 0
+    step: int = 0
+    grad_norm: float | None = None
+    entries: list[Entry] = field(default_factory=list)
+    _checkpoint_group: Any = field(default=None, repr=False)
+    _pending_save: Any = field(default=None, repr=False)
 
     def __repr__(self) -> str:
         m, n = self.plan.mesh, self.plan.world_size
@@ -108,6 +147,16 @@ class ParallelModel:
         """Samples per step on one data-parallel rank: microbatches × microbatch size."""
         return self.plan.microbatches * self.plan.microbatch_size
 
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel coordinate: ``DistributedSampler(..., rank=pm.dp_rank)``."""
+        return self._dp_rank()
+
+    @property
+    def dp_size(self) -> int:
+        """How many data-parallel shards a global batch splits into (``num_replicas`` of a sampler)."""
+        return self.plan.mesh.dp
+
     def _require_launch(self) -> Lowered:
         if self.lowered is None:
             raise LaunchError(f"this plan runs on {self.plan.world_size} ranks and no process group "
@@ -117,6 +166,14 @@ class ParallelModel:
     def _dp_rank(self) -> int:
         mesh = self._require_launch().mesh
         return 0 if mesh is None else mesh["dp"].get_local_rank()
+
+    def _stream(self) -> int:
+        """The RNG stream of this rank: its (pp, dp) coordinate, shared by its tp group."""
+        mesh = self._require_launch().mesh
+        return 0 if mesh is None else mesh["pp"].get_local_rank() * self.plan.mesh.dp + self._dp_rank()
+
+    def _device(self) -> torch.device:
+        return device() if self.launched else torch.device("cpu")
 
     def local_batch(self, tensor: torch.Tensor) -> torch.Tensor:
         """This dp rank's slice of a global batch (the tp and pp ranks of a dp group share it)."""
@@ -128,33 +185,48 @@ class ParallelModel:
                              f"{self.plan.microbatch_size}), got {tensor.shape[0]}")
         return tensor.chunk(dp)[self._dp_rank()]
 
-    def _check_batch(self, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor) -> None:
-        n = self.local_batch_size
-        for what, t in [("inputs", x) for x in inputs] + [("targets", targets)]:
-            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != n:
-                got = t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else "no batch dim"
-                raise BatchError(f"train_step takes this rank's data-parallel shard of {n} samples "
-                                 f"(microbatches {self.plan.microbatches} × microbatch size "
-                                 f"{self.plan.microbatch_size}); {what} has {got}. Use local_batch() "
-                                 "on the global batch")
+    def _check_batch(self, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor,
+                     what: str = "train_step") -> None:
+        check_batch(inputs, targets, self.local_batch_size, self.plan.microbatches,
+                    self.plan.microbatch_size, what)
+
+    def _loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
+        if self.plan.training.dtype == "bf16":
+            output = cast_floating(output, torch.float32)
+        return check_loss(self.loss_fn(output, targets))
+
+    # -------------------------------------------------------------- training
 
     def train_step(self, inputs: Any, targets: torch.Tensor) -> float:
         """One optimizer step on this rank's shard; returns the global-batch mean loss (same on every rank)."""
         lowered = self._require_launch()
-        inputs = _as_tuple(inputs)
+        inputs = as_tuple(inputs)
         self._check_batch(inputs, targets)
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
-        if lowered.pipeline is not None:  # the schedule runs the microbatches through the stages
-            loss = self._pipeline_step(lowered, inputs, targets)
-        else:
-            loss = self._accumulate(lowered, inputs, targets)
+        with step_rng(self.seed, self.step, self._stream(), self._device()):
+            if lowered.pipeline is not None:  # the schedule runs the microbatches through the stages
+                loss = self._pipeline_step(lowered, inputs, targets)
+            else:
+                loss = self._accumulate(lowered, inputs, targets)
+        if self.masters is not None:
+            self.masters.drop_param_grads()
+        if self.max_grad_norm is not None:
+            self._clip()
         self.optimizer.step()
+        if self.masters is not None:
+            self.masters.copy_to_params()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.step += 1
+        return self._global_mean(loss)
+
+    def _global_mean(self, loss: torch.Tensor) -> float:
         if dist.is_initialized() and dist.get_world_size() > 1:
             # each dp group's mean is held by its tp ranks (of the last stage; other
             # stages hold zeros): the sum over the world / (dp × tp) is the global mean
             dist.all_reduce(loss)
-            loss = loss / (self.plan.mesh.dp * self.plan.mesh.tp)
+            return float(hold(loss)) / (self.plan.mesh.dp * self.plan.mesh.tp)
         return float(loss)
 
     def _accumulate(self, lowered: Lowered, inputs: tuple[torch.Tensor, ...],
@@ -162,7 +234,7 @@ class ParallelModel:
         """Gradient accumulation: each microbatch's loss scaled by 1/m, so gradients are the batch mean."""
         from autopar.passes.zero import set_last_microbatch
 
-        dev, m = device() if self.launched else torch.device("cpu"), self.plan.microbatches
+        dev, m = self._device(), self.plan.microbatches
         xs = [x.to(dev).chunk(m) for x in inputs]
         ys = targets.to(dev).chunk(m)
         total = torch.zeros((), dtype=torch.float64, device=dev)
@@ -170,10 +242,9 @@ class ParallelModel:
             for result in lowered.data_parallel:
                 if result is not None:
                     set_last_microbatch(result, i == m - 1)
-            loss = self.loss_fn(lowered.module(*(x[i] for x in xs)), ys[i])
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                raise BatchError(f"loss_fn must return a scalar tensor (the microbatch mean), got {shape}")
+            if self.masters is not None:
+                self.masters.ddp_syncing = i == m - 1
+            loss = self._loss(lowered.module(*(x[i] for x in xs)), ys[i])
             (loss / m).backward()
             total += loss.detach().double()
         return total / m
@@ -187,34 +258,71 @@ class ParallelModel:
             return torch.zeros((), dtype=torch.float64, device=device())
         return loss.detach().double().to(device())
 
-    def full_grads(self) -> dict[str, torch.Tensor]:
-        """Every parameter's gradient, unsharded and in the original layout, on every rank (a collective)."""
-        from torch.distributed.tensor import DTensor
+    def _clip(self) -> None:
+        grads = [e.value.grad for e in self.entries if e.value.grad is not None]
+        stage_ranks = self.plan.mesh.dp * self.plan.mesh.tp
+        norm = global_grad_norm(grads, stage_ranks, self.launched)
+        self.grad_norm = float(norm)
+        clip_grads_(grads, float(self.max_grad_norm), norm)
 
+    def evaluate(self, inputs: Any, targets: torch.Tensor) -> float:
+        """The global-batch mean loss of this rank's shard in eval mode, without gradients (every
+        rank calls it; the same value on every rank). Pipelines run forward only."""
         lowered = self._require_launch()
-        local = {}
-        for name, p in lowered.named_parameters():
-            if p.grad is None:
-                continue
-            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            local[name] = _unpermute(name, g.detach(), lowered.row_permutations)
+        inputs = as_tuple(inputs)
+        self._check_batch(inputs, targets, "evaluate")
+        modes = [(m, m.training) for part in lowered.parts for m in part.modules()]
+        for part in lowered.parts:
+            part.eval()
+        try:
+            with torch.no_grad():
+                if lowered.pipeline is not None:
+                    loss = lowered.pipeline.evaluate(inputs if len(inputs) > 1 else inputs[0], targets)
+                    loss = (torch.zeros((), dtype=torch.float64) if loss is None else loss.double()).to(device())
+                else:
+                    dev, m = self._device(), self.plan.microbatches
+                    xs, ys = [x.to(dev).chunk(m) for x in inputs], targets.to(dev).chunk(m)
+                    loss = sum(self._loss(lowered.module(*(x[i] for x in xs)), ys[i]).double()
+                               for i in range(m)) / m
+        finally:
+            for module, training in modes:
+                module.training = training
+            _reshard(lowered)
+        return self._global_mean(loss)
+
+    # -------------------------------------------------------------- state
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Every parameter's gradient (fp32), unsharded and in the original layout, on every rank
+        (a collective)."""
+        lowered = self._require_launch()
+        local = {e.fqn: full_tensor(e.value.grad, e.perm).detach() for e in self.entries
+                 if e.value.grad is not None}
         return gather_parts(local, lowered.pp_group)
 
     def state_dict(self, full: bool = True) -> dict[str, Any]:
-        """The model's state dict; ``full``: unsharded tensors keyed by the original FQNs on every
-        rank (a collective; every stage's under a pipeline), else this rank's DTensor shards
-        (fused q/k/v rows permuted)."""
+        """The model's state dict with the fp32 weights; ``full``: unsharded tensors keyed by the
+        original FQNs on every rank (a collective; every stage's under a pipeline), else this rank's
+        DTensor shards (fused q/k/v rows permuted)."""
         lowered = self.lowered
-        if lowered is None or lowered.mesh is None:
+        if lowered is None:
             return self.module.state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        local: dict[str, Any] = {}
-        for part in lowered.parts:
-            local.update(get_model_state_dict(part, options=StateDictOptions(full_state_dict=full)))
         if not full:
-            return local
-        local = {k: _unpermute(k, v, lowered.row_permutations) for k, v in local.items()}
+            out: dict[str, Any] = {}
+            for part in lowered.parts:
+                out.update(_sharded_state_dict(part, lowered.mesh is not None))
+            out.update({e.fqn: e.value.detach() for e in self.entries})
+            return out
+        local: dict[str, Any] = {}
+        for e in self.entries:
+            local[e.fqn] = full_tensor(e.value, e.perm).detach()
+        first = {id(e.param): e.fqn for e in self.entries}
+        for part in lowered.parts:
+            for name, p in part.named_parameters(remove_duplicate=False):  # tied weights' other names
+                if id(p) in first and name not in local:
+                    local[name] = local[first[id(p)]]
+        for name, buf in persistent_buffers(lowered.parts).items():
+            local.setdefault(name, buf.detach())
         return gather_parts(local, lowered.pp_group)
 
     def local_param_bytes(self) -> int:
@@ -228,30 +336,115 @@ class ParallelModel:
             total += t.numel() * t.element_size()
         return total
 
+    # -------------------------------------------------------------- checkpoints and weights
+
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None, async_save: bool = False) -> Any:
+        """Save a distributed checkpoint (every rank calls it): model, optimizer, scheduler, ``step``,
+        ``extra`` (rank 0's: keep it the same on every rank) and the plan, loadable under any plan
+        by :meth:`load`. ``async_save`` returns at
+        once and writes in the background (the returned handle's ``result()`` waits). DCP's metadata
+        is pickled: load only checkpoints your own jobs wrote (:mod:`autopar.runtime.checkpoint`)."""
+        from autopar.runtime.checkpoint import save
+
+        return save(self, path, extra, async_save)
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        """Restore a checkpoint saved under any plan and world size into this plan; returns its
+        ``extra``. A checkpoint of another model, or an incomplete or damaged one, raises
+        :class:`~autopar.errors.CheckpointError` with nothing loaded."""
+        from autopar.runtime.checkpoint import load
+
+        return load(self, path)
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for an asynchronous save in progress to be written and published."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.result()
+
+    def export(self, path: str | Path, *, dtype: torch.dtype | None = None) -> Path:
+        """Write the whole model's weights as safetensors keyed like the original model (every rank
+        calls it): a Hugging Face model's export loads with ``from_pretrained(path)``."""
+        from autopar.runtime.weights import export
+
+        return export(self, path, dtype=dtype)
+
+    def load_weights(self, path: str | Path) -> None:
+        """Load safetensors weights (a file, or a Hugging Face checkpoint directory), each rank
+        reading only its shards; the optimizer state is left as it is."""
+        from autopar.runtime.weights import load_weights
+
+        load_weights(self, path)
+
+    def close(self) -> None:
+        """Finish pending checkpoint writes and shut the process groups down cleanly."""
+        from autopar.runtime.launch import shutdown
+
+        self.wait_for_checkpoint()
+        shutdown()
+
+
+def _sharded_state_dict(part: nn.Module, distributed: bool) -> dict[str, Any]:
+    if not distributed:
+        return part.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(part, options=StateDictOptions(full_state_dict=False))
+
+
+def _reshard(lowered: Lowered) -> None:
+    """Free the weights FSDP2 units left gathered by a forward that no backward followed."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in lowered.parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
 
 # ------------------------------------------------------------------ compile
+
+
+def _mixed_precision(lowered: Lowered, plan: Plan) -> MasterWeights | None:
+    """fp32 masters for the parts of a bf16 plan that no FSDP2 unit holds (none for fp32)."""
+    dtype = plan_dtype(plan.training.dtype)
+    if dtype is None:
+        return None
+    ddp = [r.ddp if r is not None else None for r in lowered.data_parallel]
+    fsdp = plan.mesh.dp > 1 and not any(d is not None for d in ddp)
+    if fsdp:
+        return None
+    group = lowered.mesh["dp"].get_group() if lowered.mesh is not None and plan.mesh.dp > 1 else None
+    scale = 1.0 / plan.microbatches if lowered.pipeline is not None else 1.0
+    return attach_masters(lowered.parts, ddp, group, dtype, scale)
 
 
 def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any = None,
             cluster: Any = None, plan: Plan | str | Path | None = None, pins: Any = None,
             loss_fn: LossFn | None = None, optimizer: OptimizerFactory | None = None, *,
             init_fn: Callable[[nn.Module], None] | None = None, graph: LayerGraph | None = None,
-            **solve_kwargs: Any) -> ParallelModel:
+            max_grad_norm: float | None = None, lr_scheduler: SchedulerFactory | None = None,
+            weights: str | Path | None = None, seed: int = 0, **solve_kwargs: Any) -> ParallelModel:
     """Plan (or load a plan for) ``model`` and lower it for this rank.
 
     ``world_size`` defaults to the process group's size (torchrun's env vars
     initialise one: gloo on CPU, NCCL on GPU). ``plan``: a Plan or a plan JSON
     path, checked against the captured graph; else ``autopar.solve`` with
-    ``cluster``, ``pins`` and ``solve_kwargs`` (e.g. ``global_batch``).
-    ``cluster`` defaults to this machine: its CUDA device's preset, ``cpu``
-    without a GPU (:func:`autopar.runtime.launch.local_cluster`). Outside a
-    process group, ``world_size`` 1 trains in this process and a larger one
-    gives a plan-only model (``launched`` false) whose ``train_step`` raises
-    :class:`LaunchError`.
+    ``cluster``, ``pins`` and ``solve_kwargs`` (e.g. ``global_batch``,
+    ``dtype``). ``cluster`` defaults to this machine: its CUDA device's preset,
+    ``cpu`` without a GPU (:func:`autopar.runtime.launch.local_cluster`).
+    Outside a process group, ``world_size`` 1 trains in this process and a
+    larger one gives a plan-only model (``launched`` false) whose
+    ``train_step`` raises :class:`LaunchError`.
     ``loss_fn(output, targets)`` returns the microbatch mean (default
-    :func:`default_loss`); ``optimizer`` is a callable ``params -> Optimizer``
-    (default AdamW, lr 1e-3). ``init_fn`` initialises a meta-device model
-    after sharding (default: ``reset_parameters()``); ``graph`` skips capture.
+    :func:`default_loss`; a bf16 plan hands it the output in fp32);
+    ``optimizer`` is a callable ``params -> Optimizer`` (default AdamW, lr
+    1e-3). ``max_grad_norm`` clips by the global gradient norm;
+    ``lr_scheduler`` is a callable ``optimizer -> scheduler``, stepped after
+    each optimizer step. ``weights`` loads safetensors weights (a file or a
+    Hugging Face directory) after lowering. ``init_fn`` initialises a
+    meta-device model after sharding (default: ``reset_parameters()``);
+    ``graph`` skips capture; ``seed`` seeds each step's dropout.
     """
     launched = ensure_process_group()
     if world_size is None:
@@ -265,10 +458,19 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
     loss_fn = loss_fn or default_loss
     if not launched and world_size > 1:
         return ParallelModel(plan, graph, model, None, loss_fn, launched=False)
+    dtype = plan_dtype(plan.training.dtype)
     if launched:
-        lowered = lower(model, graph, plan, example_inputs=example_inputs, loss_fn=loss_fn, init_fn=init_fn)
+        lowered = lower(model, graph, plan, example_inputs=example_inputs,
+                        loss_fn=fp32_loss(loss_fn) if dtype is not None else loss_fn, init_fn=init_fn)
     else:
         lowered = lower_local(model, graph, plan, init_fn)
-    opt = (optimizer or default_optimizer)(lowered.parameters())
+    masters = _mixed_precision(lowered, plan)
+    entries = param_entries(lowered.named_parameters(), masters, lowered.permutations)
+    opt = (optimizer or default_optimizer)([e.value for e in entries])
     module = model if lowered.pipeline is not None else lowered.module  # a pipeline's stages: lowered.parts
-    return ParallelModel(plan, graph, module, opt, loss_fn, launched=launched, lowered=lowered)
+    pm = ParallelModel(plan, graph, module, opt, loss_fn, launched=launched, lowered=lowered,
+                       scheduler=lr_scheduler(opt) if lr_scheduler is not None else None,
+                       max_grad_norm=max_grad_norm, masters=masters, seed=seed, entries=entries)
+    if weights is not None:
+        pm.load_weights(weights)
+    return pm

@@ -1,13 +1,17 @@
 """The ``autopar`` command: plan a model, show a saved plan, compare with baselines, run.
 
     autopar plan examples/gpt.py:gpt3_175b --world-size 1024 --cluster a100-80g --batch-size 1536
-    autopar show plan.json
-    autopar compare examples/gpt.py:gpt2_small --world-size 64
+    autopar show plan.json [--html report.html] [--png DIR]
+    autopar compare examples/gpt.py:gpt2_small --world-size 64 [--html report.html]
+    autopar explain examples/gpt.py:gpt2_small --world-size 64 [--why-not tp=8 ...]
+    autopar explain plan.json [--model SPEC --why-not PIN ...]
+    autopar diff a.json b.json
     autopar run examples/train_gpt.py --nproc 2 -- --steps 20
     autopar verify examples/gpt.py:gpt_tiny --world-size 2 --pin tp=2
     autopar calibrate --nproc 2 -o cluster.json
 
-Exit codes: 0 done; 1 ``verify`` found a difference above 1e-5 or a ``run``
+Exit codes: 0 done; 1 ``verify`` found a difference above 1e-5 or one of its
+ranks crashed (that rank's error and file:line on stderr), or a ``run``
 process failed; 2 bad input (one ``autopar: error: …`` line on stderr, no
 traceback); 3 no feasible plan; 130 interrupted (``calibrate`` then writes
 nothing). Torch is imported only by commands that
@@ -88,17 +92,26 @@ def _parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="print a saved plan")
     show.add_argument("plan", metavar="PLAN.json")
     show.add_argument("--json", action="store_true", help="print the plan's JSON")
+    _add_picture_args(show)
     compare = sub.add_parser("compare", help="the chosen plan beside DDP, ZeRO and Megatron baselines")
     _add_problem_args(compare)
+    compare.add_argument("--html", default=None, metavar="REPORT.html",
+                         help="also draw every fitting row's timeline, memory and layers in one HTML file")
+    _add_explain_and_diff(sub)
     run = sub.add_parser("run", help="launch a training script on N local processes (torchrun)")
     run.add_argument("script", metavar="SCRIPT")
     run.add_argument("--nproc", type=int, required=True, metavar="N", help="processes (ranks) to start")
+    run.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                     help="restart every rank up to R times when one fails (torchrun's elastic agent)")
     run.add_argument("args", nargs="*", metavar="ARGS", help="the script's arguments (after --)")
     verify = sub.add_parser("verify", help="run a plan on N gloo processes against one process")
     _add_problem_args(verify)
     verify.add_argument("--plan", default=None, metavar="PLAN.json", help="verify this plan (else solve)")
     verify.add_argument("--steps", type=int, default=3, metavar="K", help="SGD steps to compare")
     verify.set_defaults(dtype="fp32")
+    for action in verify._actions:  # verify's global batch defaults to the example inputs' batch
+        if action.dest == "batch_size":
+            action.help = "global batch in samples per step (default: the example inputs' batch)"
     calibrate = sub.add_parser("calibrate", help="measure this machine and write a cluster file")
     calibrate.add_argument("--nproc", type=int, required=True, metavar="N",
                            help="ranks to measure with, started together as training starts them")
@@ -113,16 +126,53 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_picture_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--html", default=None, metavar="REPORT.html",
+                   help="draw the pipeline timeline, memory per rank and layer strip in one self-contained HTML file")
+    p.add_argument("--png", default=None, metavar="DIR", help="draw them as timeline/memory/layers.png in DIR")
+
+
+def _add_explain_and_diff(sub: Any) -> None:
+    explain = sub.add_parser("explain", help="why this plan: its runners-up or counterfactuals beside it")
+    _add_problem_args(explain)
+    for action in explain._actions:  # a plan file brings its own problem: no world size needed then
+        if action.dest == "world_size":
+            action.required, action.default = False, None
+        if action.dest == "spec":
+            action.metavar, action.help = "SPEC|PLAN.json", "a model SPEC to plan, or a saved plan"
+    explain.add_argument("--why-not", action="append", default=[], metavar="PIN",
+                         help="a counterfactual: pins (space-separated) added to the plan's, solved again (repeatable)")
+    explain.add_argument("--model", default=None, metavar="SPEC",
+                         help="the plan file's model, needed to solve --why-not counterfactuals of a saved plan")
+    diff = sub.add_parser("diff", help="two plans of one model side by side")
+    diff.add_argument("a", metavar="A.json")
+    diff.add_argument("b", metavar="B.json")
+    diff.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
 # ------------------------------------------------------------------ commands
 
 
-def _graph(args: argparse.Namespace, device: str = "meta") -> LayerGraph:
-    """Load the SPEC and capture it (this is where torch gets imported)."""
-    from autopar.capturing import capture
+def _load(args: argparse.Namespace, device: str = "meta") -> tuple[Any, Any]:
+    """The SPEC's ``(model, example_inputs)`` (this is where torch gets imported).
+
+    ``meta`` for planning; a spec function without a ``device`` parameter is
+    then built under ``torch.device("meta")``, so it allocates nothing.
+    """
     from autopar.tools.spec import load_spec
 
-    model, inputs = load_spec(args.spec, seq_len=args.seq_len, device=device)
+    return load_spec(args.spec, seq_len=args.seq_len, device=device)
+
+
+def _capture(args: argparse.Namespace, model: Any, inputs: Any) -> LayerGraph:
+    from autopar.capturing import capture
+
     return capture(model, inputs, name=args.spec.rpartition(":")[2])
+
+
+def _graph(args: argparse.Namespace, device: str = "meta") -> LayerGraph:
+    """Load the SPEC and capture it."""
+    return _capture(args, *_load(args, device))
 
 
 def _solve_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -159,8 +209,26 @@ def _cmd_show(args: argparse.Namespace) -> int:
     from autopar.plan import Plan
 
     plan = Plan.load(args.plan)
+    if args.html or args.png:  # refused before anything is printed if the plan cannot be drawn
+        from autopar.tools import pictures
+
+        pictures.require_details(plan)
     _out(plan.to_json() if args.json else plan.summary())
+    if args.html:
+        pictures.write_html(args.html, pictures.plan_html(plan))
+        _note(args.json, f"report written to {args.html}")
+    if args.png:
+        paths = pictures.write_pngs(plan, args.png)
+        _note(args.json, "pictures written to " + ", ".join(str(p) for p in paths))
     return EXIT_OK
+
+
+def _note(quiet: bool, text: str) -> None:
+    """Where files went: on stdout after a table, on stderr after JSON (which must stay parseable)."""
+    if quiet:
+        sys.stderr.write(text + "\n")
+    else:
+        _out("\n" + text)
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -169,7 +237,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     kwargs = _solve_kwargs(args)
     chosen, baselines = compare(_graph(args), args.world_size, **kwargs)
     rows = compare_rows(chosen, baselines)
-    _out(json.dumps(rows, indent=2) if args.json else render_compare(rows, device=device_noun(kwargs["cluster"])))
+    table = render_compare(rows, device=device_noun(kwargs["cluster"]))
+    _out(json.dumps(rows, indent=2) if args.json else table)
+    if args.html:
+        from autopar.tools import pictures
+
+        drawn = [(r.name, r.plan) for r in (chosen, *baselines) if r.plan is not None and r.same_as is None]
+        pictures.write_html(args.html, pictures.compare_html(table, drawn))
+        _note(args.json, f"report written to {args.html}")
     if not chosen.fits:
         _err(chosen.reason)
         return EXIT_INFEASIBLE
@@ -183,51 +258,123 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise AutoparError(f"--nproc must be at least 1, got {args.nproc}")
     if not Path(args.script).is_file():
         raise AutoparError(f"script {args.script!r} does not exist")
+    if args.max_restarts < 0:
+        raise AutoparError(f"--max-restarts must be at least 0, got {args.max_restarts}")
+    import os
+
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from autopar.runtime.launch import describe_failures
+
+    # every rank runs the script through autopar.runtime.entry: its error is recorded for the
+    # report below, and its process groups are shut down before the interpreter finalizes.
+    # Restarted ranks sharing the agent's store read the failed attempt's gloo addresses
+    # ("connectFullMesh failed ... Connection refused"; pytorch/pytorch#135712): a store of their own.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
-        torchrun.main(["--standalone", "--nproc-per-node", str(args.nproc), args.script, *args.args])
+        torchrun.main(["--standalone", "--nproc-per-node", str(args.nproc), "--max-restarts",
+                       str(args.max_restarts), "-m", "autopar.runtime.entry", args.script, *args.args])
     except ChildFailedError as exc:
-        _err(f"{args.script} failed on {len(exc.failures)} of {args.nproc} processes "
-             "(their tracebacks are above)")
+        _err(describe_failures(args.script, exc.failures, args.nproc))
         return EXIT_FAILED
     return EXIT_OK
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    """Build the SPEC for real, dropout off; solve (or load) the plan; run it; compare.
+
+    A crash on a rank is a finding: exit 1 with that rank's error and where
+    it was raised (its traceback above). Bad input stays exit 2.
+    """
     from autopar.plan import Plan
-    from autopar.tools.verify import TOLERANCE, verify
+    from autopar.tools import verify as v
 
     if args.steps < 1:
         raise AutoparError(f"--steps must be at least 1, got {args.steps}")
-    if args.plan is not None:
-        plan = Plan.load(args.plan)
-        if plan.world_size != args.world_size:
-            raise AutoparError(f"plan {args.plan!r} is for {plan.world_size} ranks, not --world-size "
-                               f"{args.world_size}")
-        graph = _graph(args, device="cpu")
+    plan = Plan.load(args.plan) if args.plan is not None else None
+    if plan is not None and plan.world_size != args.world_size:
+        raise AutoparError(f"plan {args.plan!r} is for {plan.world_size} ranks, not --world-size "
+                           f"{args.world_size}")
+    kwargs = _solve_kwargs(args) if plan is None else {}
+    model, inputs = _load(args, device="cpu")
+    dropout = v.disable_dropout(model)
+    graph = _capture(args, model, inputs)
+    warnings = [v.RANDOM_FORWARD] if v.forward_is_random(model, inputs) else []
+    if plan is not None:
         plan.check_fingerprint(graph.fingerprint())
     else:
         from autopar.planning.api import solve
 
-        kwargs = _solve_kwargs(args)
         kwargs["cluster"] = kwargs["cluster"] if args.cluster else "cpu"
-        graph = _graph(args, device="cpu")
+        kwargs["global_batch"] = args.batch_size or v.example_batch(inputs)
         plan = solve(graph, args.world_size, **kwargs)
-    report = verify(args.spec, plan.to_json(), graph.to_dict(), steps=args.steps, seq_len=args.seq_len)
-    m = plan.mesh
-    _out(f"plan: mesh pp×dp×tp {m.pp}×{m.dp}×{m.tp}, {plan.microbatches} microbatches, "
-         f"zero {sorted({l.zero for l in plan.layers})}, "
-         f"{sum(l.recompute for l in plan.layers)} layers recomputed, priced on {plan.cluster.name}")
-    for k, (a, b) in enumerate(zip(report.losses, report.ref_losses), 1):
-        _out(f"step {k}: loss {a:.8g}  (one process {b:.8g})")
-    _out(f"max relative difference: loss {report.loss_rel:.3g}, first-step gradients "
-         f"{report.grad_rel:.3g} ({report.grad_worst}), parameters after {report.steps} steps "
-         f"{report.param_rel:.3g} ({report.param_worst})")
-    ok = report.ok(TOLERANCE)
-    _out(f"{'OK' if ok else 'DIFFERENT'}: {report.max_rel:.3g} {'<=' if ok else '>'} {TOLERANCE:g}")
-    return EXIT_OK if ok else EXIT_FAILED
+    warnings = v.plan_warnings(plan) + warnings
+    if not args.json:
+        _out("\n".join(v.setup_lines(plan, dropout, warnings)))
+    try:
+        report = v.verify(args.spec, plan.to_json(), graph.to_dict(), steps=args.steps, seq_len=args.seq_len)
+    except v.VerifyFailure as exc:
+        if args.json:
+            _out(json.dumps(v.result_json(plan, dropout, warnings, failure=exc), indent=2))
+        elif isinstance(exc, v.RankFailedError) and exc.traceback:
+            sys.stderr.write(f"rank {exc.rank}'s traceback:\n{exc.traceback}")
+        _err(str(exc))
+        return EXIT_FAILED
+    if args.json:
+        _out(json.dumps(v.result_json(plan, dropout, warnings, report), indent=2))
+    else:
+        _out("\n".join(v.result_lines(report)))
+    return EXIT_OK if report.ok(v.TOLERANCE) else EXIT_FAILED
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from autopar.plan import Plan
+    from autopar.tools.explain import explain
+
+    if args.spec.endswith(".json") or (":" not in args.spec and Path(args.spec).is_file()):  # a saved plan
+        plan, graph = Plan.load(args.spec), None
+        _refuse_problem_options(args, plan)
+        if args.why_not:
+            if args.model is None:
+                raise AutoparError("--why-not against a saved plan solves again, which needs its model: add "
+                                   "--model SPEC")
+            graph = _graph(argparse.Namespace(**{**vars(args), "spec": args.model}))
+    else:
+        if args.world_size is None:
+            raise AutoparError("explaining a SPEC needs --world-size N (or give a saved plan)")
+        from autopar.planning.api import solve
+
+        kwargs = _solve_kwargs(args)
+        graph = _graph(args)
+        plan = solve(graph, args.world_size, **kwargs)
+    result = explain(plan, graph, args.why_not, time_limit_s=args.time_limit)
+    _out(json.dumps(result.to_dict(), indent=2) if args.json else result.render())
+    return EXIT_OK
+
+
+def _refuse_problem_options(args: argparse.Namespace, plan: Any) -> None:
+    """A plan file fixes the problem; an option that would change it is a mistake, not a wish."""
+    given = [flag for flag, value in (("--world-size", args.world_size), ("--cluster", args.cluster),
+                                      ("--nodes", args.nodes), ("--batch-size", args.batch_size),
+                                      ("--memory-gb", args.memory_gb), ("--pin", args.pin or None),
+                                      ("--seq-len", args.seq_len if args.model is None else None))
+             if value is not None]
+    if given:
+        raise AutoparError(f"{', '.join(given)}: a saved plan brings its own problem ({plan.world_size} ranks on "
+                           f"{plan.cluster.name}, batch {plan.training.global_batch}); leave them out, or explain "
+                           "the SPEC with them")
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from autopar.plan import Plan
+    from autopar.tools.diff import diff_plans
+
+    result = diff_plans(Plan.load(args.a), Plan.load(args.b), args.a, args.b)
+    _out(json.dumps(result.to_dict(), indent=2) if args.json else result.render())
+    return EXIT_OK
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
@@ -309,7 +456,7 @@ def render_compare(rows: list[dict[str, Any]], *, device: str = "GPU") -> str:
 # ------------------------------------------------------------------ entry point
 
 _COMMANDS = {"plan": _cmd_plan, "show": _cmd_show, "compare": _cmd_compare, "run": _cmd_run,
-             "verify": _cmd_verify, "calibrate": _cmd_calibrate}
+             "verify": _cmd_verify, "calibrate": _cmd_calibrate, "explain": _cmd_explain, "diff": _cmd_diff}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,27 @@
 """Model SPECs for the CLI: ``path/to/file.py:function`` or ``package.module:function``.
 
-A spec function returns ``(model, example_inputs)``, usually built on the meta
-device, and accepts ``device`` and optionally ``seq_len``. Every way a spec can
-be wrong is a :class:`SpecError` naming the spec, so the CLI can print one line.
+A spec function returns ``(model, example_inputs)``. It may take ``device``
+and ``seq_len``; ``seq_len`` is passed only when given. Where it is built:
+
+- a function that takes ``device`` (or ``**kwargs``) is called with it, and
+  decides for itself what that means (the examples build under
+  ``torch.device(device)``);
+- a function written plainly, without ``device``, is called inside
+  ``with torch.device(device):``, so every tensor its factories and module
+  constructors make — weights and example inputs alike — lands there. For
+  ``device="meta"`` (planning: ``plan``, ``compare``, ``show``…) that
+  allocates nothing, so GPT-3 175B from a plain spec plans in a few hundred
+  MiB; ``verify`` asks for ``"cpu"`` and gets the real model.
+
+A plain spec built on meta whose example inputs still came out real (made
+outside the function, or with an explicit device) has them replaced by meta
+tensors of the same shape and dtype, so capture sees one device. What cannot
+be built on meta (copying a meta tensor out with ``.to("cpu")``, ``.item()``)
+fails as a :class:`SpecError` that says so and how to opt out (take a
+``device`` argument).
+
+Every way a spec can be wrong is a :class:`SpecError` naming the spec, so the
+CLI can print one line.
 """
 
 from __future__ import annotations
@@ -11,7 +30,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -81,12 +100,29 @@ def _function(spec: str, module: ModuleType, func: str) -> Callable[..., Any]:
                     + (f" (it has: {shown})" if names else " (it defines no functions)"))
 
 
-def _call(spec: str, fn: Callable[..., Any], seq_len: int | None, device: str) -> Any:
-    """Call ``fn`` with the keywords it accepts among seq_len (only if given) and device."""
+def takes_device(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` accepts a ``device`` keyword (by name or through ``**kwargs``).
+
+    A spec function that does not is "plain": :func:`load_spec` builds it
+    under ``torch.device(device)`` instead of passing the device.
+    """
+    params = _parameters(fn)
+    return "device" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _parameters(fn: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
     try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        params = {}
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: assume it takes nothing
+        return {}
+
+
+def _call(spec: str, fn: Callable[..., Any], seq_len: int | None, device: str) -> Any:
+    """Call ``fn`` with the keywords it accepts among seq_len (only if given) and device;
+    a plain ``fn`` (no ``device``) runs inside ``torch.device(device)`` instead."""
+    import torch
+
+    params = _parameters(fn)
     var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     kwargs: dict[str, Any] = {}
     if seq_len is not None:
@@ -94,12 +130,35 @@ def _call(spec: str, fn: Callable[..., Any], seq_len: int | None, device: str) -
             raise SpecError(f"model spec {spec!r}: --seq-len given but {fn.__name__}() "
                             "takes no seq_len argument")
         kwargs["seq_len"] = seq_len
-    if "device" in params or var_kw:
-        kwargs["device"] = device
+    plain = not takes_device(fn)
     try:
-        return fn(**kwargs)
+        if not plain:
+            return fn(device=device, **kwargs)
+        with torch.device(device):  # factories and module constructors make their tensors here
+            return fn(**kwargs)
     except Exception as exc:  # noqa: BLE001 - the spec function's own failure
-        raise SpecError(f"model spec {spec!r}: {fn.__name__}() raised {_one_line(exc)}") from exc
+        hint = (f" ({fn.__name__}() takes no `device`, so it was built under torch.device({device!r}); "
+                "build nothing that needs real values there, or give it a `device` parameter "
+                "to decide for itself)") if plain and device == "meta" else ""
+        raise SpecError(f"model spec {spec!r}: {fn.__name__}() raised {_one_line(exc)}{hint}") from exc
+
+
+def _to_meta(inputs: Any) -> Any:
+    """Real tensors among the example inputs as meta tensors of the same shape and dtype."""
+    import torch
+
+    def meta(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            return torch.empty_like(t, device="meta")
+        return t
+
+    if isinstance(inputs, dict):
+        return {k: meta(v) for k, v in inputs.items()}
+    return tuple(meta(t) for t in inputs)
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return all(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
 
 
 def _check_result(spec: str, result: Any) -> tuple[nn.Module, Any]:
@@ -123,11 +182,18 @@ def _check_result(spec: str, result: Any) -> tuple[nn.Module, Any]:
 
 
 def load_spec(spec: str, *, seq_len: int | None = None, device: str = "meta") -> tuple[nn.Module, Any]:
-    """The ``(model, example_inputs)`` a SPEC names, inputs normalised for :func:`autopar.capture`."""
+    """The ``(model, example_inputs)`` a SPEC names, inputs normalised for :func:`autopar.capture`.
+
+    ``device`` is where to build: passed to a spec function that takes it, the
+    default device around one that does not (see the module docstring).
+    """
     target, func = _split(spec)
     if _is_path(target):
         module = _import_file(spec, Path(target))
     else:
         module = _import_module(spec, target)
     fn = _function(spec, module, func)
-    return _check_result(spec, _call(spec, fn, seq_len, device))
+    model, inputs = _check_result(spec, _call(spec, fn, seq_len, device))
+    if device == "meta" and not takes_device(fn) and _on_meta(model):
+        inputs = _to_meta(inputs)
+    return model, inputs

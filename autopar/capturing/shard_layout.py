@@ -1,0 +1,62 @@
+"""Where one tensor-parallel rank's share of an activation lies: the words the sharding rules use."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+TAG = "_autopar_shard"  # the attribute a rank's sharded activations carry: (mode key, Sharded)
+
+
+class NoShardRule(Exception):  # noqa: N818 - a reason, raised and caught inside capture
+    """An op inside a tensor-parallel layer that cannot run exactly on shards.
+
+    ``hint`` carries split points the op asked for along a sharded dimension,
+    in global coordinates (a fused projection's segment boundaries), so the
+    checker can retry with those segments.
+    """
+
+    def __init__(self, op: str, why: str, hint: tuple[str, tuple[int, ...]] | None = None):
+        super().__init__(f"{op}: {why}")
+        self.op = op
+        self.why = why
+        self.hint = hint
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """An activation holding one rank's share of dimension ``dim``.
+
+    The dimension is the concatenation of ``segments`` (global sizes); each
+    segment is split into ``tp`` equal contiguous pieces and a rank holds its
+    piece of every segment, in order. ``source`` is the column projection the
+    share started from (for hints).
+    """
+
+    dim: int
+    segments: tuple[int, ...]
+    source: str = ""
+
+    @property
+    def size(self) -> int:
+        return sum(self.segments)
+
+
+def segment_indices(segments: Sequence[int], tp: int, rank: int) -> torch.Tensor:
+    """Global indices a rank holds along a dimension made of ``segments``."""
+    parts, start = [], 0
+    for s in segments:
+        piece = s // tp
+        parts.append(torch.arange(start + rank * piece, start + (rank + 1) * piece))
+        start += s
+    return torch.cat(parts)
+
+
+def segment_permutation(segments: Sequence[int], tp: int) -> torch.Tensor:
+    """``perm`` with ``full[perm]`` holding rank r's indices in its contiguous 1/tp (rank order)."""
+    return torch.cat([segment_indices(segments, tp, r) for r in range(tp)])
+
+
+__all__ = ["TAG", "NoShardRule", "Sharded", "segment_indices", "segment_permutation"]

@@ -1,0 +1,563 @@
+"""The sharding rules, op by op: how each op runs on one rank's share of its inputs.
+
+Each rule takes the active :class:`~autopar.capturing.shard_rules.ShardMode`,
+the op's name, the op and its arguments; it calls the op with local
+arguments (local shapes, split sizes, index ranges) and tags what it returns
+with where the share went. A rule raises
+:class:`~autopar.capturing.shard_layout.NoShardRule` when the op cannot run
+exactly on shards.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from autopar.capturing.shard_layout import TAG, NoShardRule, Sharded, segment_indices
+
+ShardMode = Any  # autopar.capturing.shard_rules.ShardMode (which imports this module)
+
+
+def any_tagged(mode: ShardMode, values) -> bool:
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            tag = getattr(v, TAG, None)
+            if tag is not None and tag[0] is mode.key:
+                return True
+        elif isinstance(v, (tuple, list)) and v and any_tagged(mode, v):
+            return True
+    return False
+
+
+def _dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+
+
+
+def _size(mode: ShardMode, name, func, args, kwargs):
+    shape = mode.global_shape(args[0])
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if dim is None:
+        return torch.Size(shape)
+    return shape[dim]
+
+
+def _get_shape(mode: ShardMode, name, func, args, kwargs):
+    return torch.Size(mode.global_shape(args[0]))
+
+
+def _numel(mode: ShardMode, name, func, args, kwargs):
+    return math.prod(mode.global_shape(args[0]))
+
+
+def _len(mode: ShardMode, name, func, args, kwargs):
+    return mode.global_shape(args[0])[0]
+
+
+def _passthrough_tagged(mode: ShardMode, name, func, args, kwargs):
+    """Ops that keep shape and layout (contiguous, clone, to, detach…)."""
+    lay = mode.layout(args[0])
+    out = func(*args, **kwargs)
+    if lay is None:  # the sharded value only lends its dtype or device (``x.type_as(q)``)
+        return out
+    return mode.tag(out, lay) if isinstance(out, torch.Tensor) and out.shape == args[0].shape else out
+
+
+def _broadcast_shape(shapes: list[list[int]]) -> list[int]:
+    n = max(len(s) for s in shapes)
+    out = [1] * n
+    for s in shapes:
+        for i, v in enumerate(s):
+            j = n - len(s) + i
+            if v != 1:
+                if out[j] not in (1, v):
+                    raise NoShardRule("broadcast", f"shapes {shapes} do not broadcast")
+                out[j] = v
+    return out
+
+
+def _local_of(mode: ShardMode, t: torch.Tensor, dim: int, lay: Sharded) -> torch.Tensor:
+    """This rank's share of a replicated tensor that is full size along a sharded dimension."""
+    idx = segment_indices(lay.segments, mode.tp, mode.comm.rank).to(t.device)
+    return t.index_select(dim, idx)
+
+
+def elementwise(mode: ShardMode, name, func, args, kwargs):
+    """Broadcasting ops: every sharded input must meet on the same output dim and layout;
+    replicated inputs that are full size there are cut to this rank's share."""
+    tensors = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
+    shapes = [mode.global_shape(t) for t in tensors]
+    out_shape = _broadcast_shape(shapes)
+    n = len(out_shape)
+    where: Sharded | None = None
+    for t in tensors:
+        lay = mode.layout(t)
+        if lay is None:
+            continue
+        at = Sharded(lay.dim + n - t.dim(), lay.segments, lay.source)
+        if where is not None and (where.dim, where.segments) != (at.dim, at.segments):
+            raise NoShardRule(name, "its sharded inputs are split on different dims or segments")
+        where = at
+    assert where is not None
+
+    def fix(a):
+        if not isinstance(a, torch.Tensor) or mode.layout(a) is not None:
+            return a
+        j = where.dim - (n - a.dim())
+        if j < 0 or a.shape[j] == 1:
+            return a
+        if a.shape[j] == where.size:
+            return _local_of(mode, a, j, where)
+        raise NoShardRule(name, f"a replicated input of size {a.shape[j]} meets a sharded dim of {where.size}")
+
+    out = func(*[fix(a) for a in args], **{k: fix(v) for k, v in kwargs.items()})
+    if isinstance(out, torch.Tensor) and out.dim() == n:
+        return mode.tag(out, where)
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        raise NoShardRule(name, "reduces a sharded activation to a scalar")
+    raise NoShardRule(name, "its result does not keep the broadcast shape")
+
+
+def _dim_arg(args, kwargs, pos: int, key: str = "dim", default: Any = None) -> Any:
+    if len(args) > pos:
+        return args[pos]
+    return kwargs.get(key, default)
+
+
+def _softmax(mode: ShardMode, name, func, args, kwargs):
+    x = args[0]
+    lay = mode.layout(x)
+    dim = _dim_arg(args, kwargs, 1)
+    if lay is None:
+        raise NoShardRule(name, "a sharded activation as a non-input argument")
+    if dim is None or _dim(dim, x.dim()) == lay.dim:
+        raise NoShardRule(name, "normalises over the sharded dimension")
+    return mode.tag(func(*args, **kwargs), lay)
+
+
+def _norm(mode: ShardMode, name, func, args, kwargs):
+    x = args[0]
+    lay = mode.layout(x)
+    shape = _dim_arg(args, kwargs, 1, "normalized_shape")
+    k = 1 if isinstance(shape, int) else len(shape)
+    if lay is None or lay.dim >= x.dim() - k:
+        raise NoShardRule(name, "normalises over the sharded dimension")
+    rest = [a for a in [*args[2:], *kwargs.values()] if isinstance(a, torch.Tensor)]
+    if any(mode.layout(a) is not None for a in rest):
+        raise NoShardRule(name, "a sharded weight")
+    return mode.tag(func(*args, **kwargs), lay)
+
+
+_REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "max", "min", "var", "std", "norm", "logsumexp",
+                         "argmax", "argmin", "prod", "all", "any", "var_mean", "std_mean"})
+
+
+def _reduction(mode: ShardMode, name, func, args, kwargs):
+    x = args[0]
+    lay = mode.layout(x)
+    if lay is None:
+        return elementwise(mode, name, func, args, kwargs)
+    dim = _dim_arg(args, kwargs, 1)
+    if name == "norm":
+        dim = _dim_arg(args, kwargs, 2)
+    if dim is None or isinstance(dim, torch.Tensor):
+        raise NoShardRule(name, "reduces over every dimension, the sharded one included")
+    dims = [_dim(d, x.dim()) for d in (dim if isinstance(dim, (tuple, list)) else [dim])]
+    if lay.dim in dims:
+        raise NoShardRule(name, "reduces over the sharded dimension")
+    keep = bool(_dim_arg(args, kwargs, 3 if name == "norm" else 2, "keepdim", False))
+    new = lay.dim if keep else lay.dim - sum(1 for d in dims if d < lay.dim)
+    out = func(*args, **kwargs)
+    return mode.tag(tuple(out) if isinstance(out, tuple) else out, Sharded(new, lay.segments, lay.source))
+
+
+# -- shapes ---------------------------------------------------------------
+
+
+def _target_shape(args, start: int) -> list[int]:
+    rest = args[start:]
+    if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)):
+        rest = rest[0]
+    return [int(s) for s in rest]
+
+
+def _resolve(shape: list[int], numel: int, op: str) -> list[int]:
+    if shape.count(-1) > 1:
+        raise NoShardRule(op, "more than one -1 in a shape")
+    if -1 in shape:
+        known = math.prod(s for s in shape if s != -1)
+        shape = [numel // known if s == -1 else s for s in shape]
+    if math.prod(shape) != numel:
+        raise NoShardRule(op, f"shape {shape} does not fit {numel} elements")
+    return shape
+
+
+def view_layout(mode: ShardMode, in_shape: list[int], lay: Sharded, out_shape: list[int], op: str
+                ) -> tuple[Sharded, list[int]]:
+    """Where a sharded dimension goes under a reshape of global ``in_shape`` to ``out_shape``,
+    and the local shape to ask for; raises :class:`NoShardRule` when no layout is exact."""
+    d = lay.dim
+    pin = [math.prod(in_shape[:k]) for k in range(len(in_shape) + 1)]
+    pout = [math.prod(out_shape[:k]) for k in range(len(out_shape) + 1)]
+    outs = set(pout)
+    c = max(k for k in range(d + 1) if pin[k] in outs)
+    c_end = min(k for k in range(d + 1, len(in_shape) + 1) if pin[k] in outs)
+    e = max(k for k in range(len(out_shape) + 1) if pout[k] == pin[c])
+    e_end = min(k for k in range(len(out_shape) + 1) if pout[k] == pin[c_end])
+    if math.prod(in_shape[c:d]) != 1:
+        raise NoShardRule(op, "merges the sharded dimension into an outer one (ranks would interleave)")
+    inner = math.prod(in_shape[d + 1:c_end])
+    segments = tuple(s * inner for s in lay.segments)  # the merged group, still segment-contiguous
+    group = out_shape[e:e_end]
+    if not group:
+        raise NoShardRule(op, "drops the sharded dimension")
+    while True:
+        lead = next((i for i, s in enumerate(group) if s != 1), None)
+        if lead is None:
+            raise NoShardRule(op, "the sharded dimension becomes size 1")
+        rest = math.prod(group[lead + 1:])
+        if all(s % rest == 0 for s in segments) and all((s // rest) % mode.tp == 0 for s in segments):
+            new = tuple(s // rest for s in segments)
+            dim = e + lead
+            break
+        if len(set(segments)) == 1 and group[lead] == len(segments):
+            # [q; k; v] viewed as (3, …): each rank's share lives in the dims after the 3
+            segments = (segments[0],)
+            e, group = e + lead + 1, group[lead + 1:]
+            continue
+        raise NoShardRule(op, f"splits the sharded dimension ({'+'.join(map(str, lay.segments))}) into "
+                          f"{tuple(out_shape[e:e_end])}, which tp={mode.tp} cannot share exactly")
+    for s in new:
+        mode.divisors.add(s)
+    local = list(out_shape)
+    local[dim] = sum(new) // mode.tp
+    return Sharded(dim, new, lay.source), local
+
+
+def _view(mode: ShardMode, name, func, args, kwargs):
+    x = args[0]
+    lay = mode.layout(x)
+    if lay is None:
+        raise NoShardRule(name, "a sharded activation as a shape argument")
+    gshape = mode.global_shape(x)
+    numel = math.prod(gshape)
+    if name in ("view", "reshape", "_reshape_alias"):
+        if len(args) > 1 and isinstance(args[1], torch.dtype):
+            raise NoShardRule(name, "reinterprets a sharded activation's dtype")
+        target = _target_shape(args, 1) if len(args) > 1 else list(kwargs.get("shape", kwargs.get("size")))
+    elif name in ("view_as", "reshape_as"):
+        target = mode.global_shape(args[1])
+    elif name == "flatten":
+        start = _dim(_dim_arg(args, kwargs, 1, "start_dim", 0), x.dim())
+        end = _dim(_dim_arg(args, kwargs, 2, "end_dim", -1), x.dim())
+        target = gshape[:start] + [math.prod(gshape[start:end + 1])] + gshape[end + 1:]
+    elif name == "unflatten":
+        dim = _dim(_dim_arg(args, kwargs, 1), x.dim())
+        sizes = list(_dim_arg(args, kwargs, 2, "sizes"))
+        sizes = _resolve(sizes, gshape[dim], name)
+        target = gshape[:dim] + sizes + gshape[dim + 1:]
+    elif name == "unsqueeze":
+        dim = _dim_arg(args, kwargs, 1)
+        dim = dim + x.dim() + 1 if dim < 0 else dim
+        target = gshape[:dim] + [1] + gshape[dim:]
+    elif name == "squeeze":
+        dim = _dim_arg(args, kwargs, 1)
+        dims = range(x.dim()) if dim is None else [_dim(d, x.dim()) for d in
+                                                    (dim if isinstance(dim, (tuple, list)) else [dim])]
+        target = [s for i, s in enumerate(gshape) if not (i in dims and s == 1)]
+    else:
+        raise NoShardRule(name, "no sharding rule for this op on a sharded activation")
+    target = _resolve(target, numel, name)
+    new, local = view_layout(mode, gshape, lay, target, name)
+    method = "view" if name in ("view", "view_as", "flatten", "unflatten", "unsqueeze", "squeeze") else "reshape"
+    return mode.tag(getattr(x, method)(local), new)
+
+
+def _permute_like(mode: ShardMode, name, func, args, kwargs):
+    x = args[0]
+    lay = mode.layout(x)
+    if lay is None:
+        raise NoShardRule(name, "a sharded activation as a non-input argument")
+    n = x.dim()
+    order = list(range(n))
+    if name == "permute":
+        order = [_dim(d, n) for d in _target_shape(args, 1)]
+    elif name in ("transpose", "swapaxes", "swapdims"):
+        a, b = _dim(_dim_arg(args, kwargs, 1, "dim0"), n), _dim(_dim_arg(args, kwargs, 2, "dim1"), n)
+        order[a], order[b] = order[b], order[a]
+    elif name in ("t", "get_T", "get_mT"):
+        order[-1], order[-2] = order[-2], order[-1]
+    elif name in ("movedim", "moveaxis"):
+        src, dst = _dim_arg(args, kwargs, 1, "source"), _dim_arg(args, kwargs, 2, "destination")
+        src = [src] if isinstance(src, int) else list(src)
+        dst = [dst] if isinstance(dst, int) else list(dst)
+        rest = [i for i in range(n) if i not in [_dim(s, n) for s in src]]
+        result: list[int | None] = [None] * n
+        for s, t in zip(src, dst):
+            result[_dim(t, n)] = _dim(s, n)
+        it = iter(rest)
+        order = [r if r is not None else next(it) for r in result]  # type: ignore[misc]
+    out = func(*args, **kwargs)
+    return mode.tag(out, Sharded(order.index(lay.dim), lay.segments, lay.source))
+
+
+def _split(mode: ShardMode, name, func, args, kwargs):
+    x = args[0]
+    lay = mode.layout(x)
+    if lay is None:
+        raise NoShardRule(name, "a sharded activation as a non-input argument")
+    gshape = mode.global_shape(x)
+    if name == "chunk":
+        chunks = int(_dim_arg(args, kwargs, 1, "chunks"))
+        dim = _dim(_dim_arg(args, kwargs, 2, "dim", 0), x.dim())
+        step = -(-gshape[dim] // chunks)
+        sizes = [min(step, gshape[dim] - i) for i in range(0, gshape[dim], step)]
+    elif name == "unbind":
+        dim = _dim(_dim_arg(args, kwargs, 1, "dim", 0), x.dim())
+        sizes = [1] * gshape[dim]
+    else:
+        spec = _dim_arg(args, kwargs, 1, "split_size_or_sections", kwargs.get("split_size"))
+        dim = _dim(_dim_arg(args, kwargs, 2, "dim", 0), x.dim())
+        if isinstance(spec, int):
+            sizes = [min(spec, gshape[dim] - i) for i in range(0, gshape[dim], spec)]
+        else:
+            sizes = [int(s) for s in spec]
+    if dim != lay.dim:
+        out = func(*args, **kwargs)
+        return mode.tag(tuple(out), lay)
+    if name == "unbind":
+        raise NoShardRule(name, "unbinds the sharded dimension")
+    pieces = _segment_pieces(mode, lay, sizes, name)
+    local = [sum(p) // mode.tp for p in pieces]
+    out = torch.split(x, local, dim)
+    return tuple(mode.tag(t, Sharded(dim, p, lay.source)) for t, p in zip(out, pieces))
+
+
+def _segment_pieces(mode: ShardMode, lay: Sharded, sizes: list[int], op: str) -> list[tuple[int, ...]]:
+    """Group ``lay``'s segments into consecutive pieces of global ``sizes`` (boundaries must meet)."""
+    bounds, acc = [], 0
+    for s in lay.segments:
+        acc += s
+        bounds.append(acc)
+    cuts, acc = [], 0
+    for s in sizes:
+        acc += s
+        cuts.append(acc)
+    if not set(cuts) <= set(bounds) and not set(bounds) <= set(cuts):
+        raise NoShardRule(op, f"cuts the sharded dimension at {cuts[:-1]}, not at its segment boundaries "
+                          f"{bounds[:-1]}", (lay.source, tuple(sizes)))
+    if not set(cuts) <= set(bounds):  # finer cuts inside a segment: ask for those segments
+        raise NoShardRule(op, f"cuts inside a segment at {cuts[:-1]}", (lay.source, tuple(sizes)))
+    pieces, cur = [], []
+    for s, b in zip(lay.segments, bounds):
+        cur.append(s)
+        if b in cuts:
+            pieces.append(tuple(cur))
+            cur = []
+    return pieces
+
+
+def _getitem(mode: ShardMode, name, func, args, kwargs):
+    x, idx = args[0], args[1]
+    lay = mode.layout(x)
+    if lay is None:
+        raise NoShardRule(name, "a sharded activation as an index")
+    items = list(idx) if isinstance(idx, tuple) else [idx]
+    if any(isinstance(i, torch.Tensor) or isinstance(i, list) for i in items):
+        raise NoShardRule(name, "advanced indexing into a sharded activation")
+    n_real = sum(1 for i in items if i is not None and i is not Ellipsis)
+    if Ellipsis in items:
+        k = items.index(Ellipsis)
+        items = items[:k] + [slice(None)] * (x.dim() - n_real) + items[k + 1:]
+    items += [slice(None)] * (x.dim() - sum(1 for i in items if i is not None))
+    gshape = mode.global_shape(x)
+    out_dim, in_dim, new_lay, local_items = 0, 0, None, []
+    for it in items:
+        if it is None:
+            out_dim += 1
+            local_items.append(None)
+            continue
+        if in_dim == lay.dim:
+            if isinstance(it, int) or not isinstance(it, slice):
+                raise NoShardRule(name, "indexes the sharded dimension with a scalar")
+            start, stop, step = it.indices(gshape[in_dim])
+            if step != 1:
+                raise NoShardRule(name, "a strided slice of the sharded dimension")
+            sizes = [s for s in (start, stop - start, gshape[in_dim] - stop) if s > 0]
+            pieces = _segment_pieces(mode, lay, sizes, name)
+            which = 0 if start == 0 else 1
+            keep = pieces[which]
+            lo = sum(sum(p) for p in pieces[:which]) // mode.tp
+            local_items.append(slice(lo, lo + sum(keep) // mode.tp))
+            new_lay = Sharded(out_dim, keep, lay.source)
+            out_dim += 1
+        else:
+            local_items.append(it)
+            if isinstance(it, slice):
+                out_dim += 1
+        in_dim += 1
+    out = x[tuple(local_items)]
+    return mode.tag(out, new_lay) if new_lay is not None else out
+
+
+def _expand(mode: ShardMode, name, func, args, kwargs):
+    x = args[0]
+    lay = mode.layout(x)
+    if lay is None:
+        raise NoShardRule(name, "a sharded activation as a shape argument")
+    sizes = mode.global_shape(args[1]) if name == "expand_as" else _target_shape(args, 1)
+    lead = len(sizes) - x.dim()
+    d = lay.dim + lead
+    if name == "repeat":
+        if sizes[d] != 1:
+            raise NoShardRule(name, "repeats along the sharded dimension")
+        out = x.repeat(sizes)
+        return mode.tag(out, Sharded(d, lay.segments, lay.source))
+    if sizes[d] not in (-1, lay.size):
+        raise NoShardRule(name, "expands the sharded dimension")
+    local = list(sizes)
+    local[d] = -1
+    return mode.tag(x.expand(local), Sharded(d, lay.segments, lay.source))
+
+
+def _repeat_interleave(mode: ShardMode, name, func, args, kwargs):
+    x = args[0]
+    lay = mode.layout(x)
+    reps = _dim_arg(args, kwargs, 1, "repeats")
+    dim = _dim_arg(args, kwargs, 2, "dim")
+    if lay is None or dim is None or not isinstance(reps, int):
+        raise NoShardRule(name, "repeat_interleave of a sharded activation without an int repeat and dim")
+    out = func(*args, **kwargs)
+    if _dim(dim, x.dim()) == lay.dim:
+        return mode.tag(out, Sharded(lay.dim, tuple(s * reps for s in lay.segments), lay.source))
+    return mode.tag(out, lay)
+
+
+def _cat(mode: ShardMode, name, func, args, kwargs):
+    tensors = list(args[0])
+    dim = _dim_arg(args, kwargs, 1, "dim", 0)
+    lays = [mode.layout(t) for t in tensors]
+    if any(lay is None for lay in lays):
+        raise NoShardRule(name, "joins sharded and replicated activations")
+    ndim = tensors[0].dim()
+    if name == "stack":
+        d0 = _dim(dim, ndim + 1)
+        if any((lay.dim, lay.segments) != (lays[0].dim, lays[0].segments) for lay in lays):  # type: ignore[union-attr]
+            raise NoShardRule(name, "stacks activations sharded differently")
+        at = lays[0].dim + (1 if d0 <= lays[0].dim else 0)  # type: ignore[union-attr]
+        return mode.tag(func(*args, **kwargs), Sharded(at, lays[0].segments, lays[0].source))  # type: ignore[union-attr]
+    d0 = _dim(dim, ndim)
+    if any(lay.dim != lays[0].dim for lay in lays):  # type: ignore[union-attr]
+        raise NoShardRule(name, "joins activations sharded on different dims")
+    if d0 == lays[0].dim:  # type: ignore[union-attr]
+        segs = tuple(s for lay in lays for s in lay.segments)  # type: ignore[union-attr]
+        return mode.tag(func(*args, **kwargs), Sharded(d0, segs, lays[0].source))  # type: ignore[union-attr]
+    if any(lay.segments != lays[0].segments for lay in lays):  # type: ignore[union-attr]
+        raise NoShardRule(name, "joins activations whose sharded dims are cut differently")
+    return mode.tag(func(*args, **kwargs), lays[0])
+
+
+def _matmul(mode: ShardMode, name, func, args, kwargs):
+    a, b = args[0], args[1]
+    la, lb = mode.layout(a), mode.layout(b)
+    if a.dim() < 2 or b.dim() < 2:
+        raise NoShardRule(name, "a vector operand with a sharded activation")
+    n = max(a.dim(), b.dim())
+    out: Sharded | None = None
+    if la is not None:
+        pa = la.dim + n - a.dim()
+        if la.dim == a.dim() - 1:
+            raise NoShardRule(name, "contracts over the sharded dimension outside a row projection")
+        out = Sharded(pa, la.segments, la.source)
+    if lb is not None:
+        pb = lb.dim + n - b.dim()
+        if lb.dim == b.dim() - 2:
+            raise NoShardRule(name, "contracts over the sharded dimension outside a row projection")
+        if out is not None and (out.dim, out.segments) != (pb, lb.segments):
+            raise NoShardRule(name, "its operands are sharded on different dims")
+        out = Sharded(pb, lb.segments, lb.source)
+    assert out is not None
+    if out.dim >= n - 2:  # the m (of a) or n (of b) dim: the other operand must not be sharded there
+        if la is not None and lb is not None:
+            raise NoShardRule(name, "both operands sharded on their free dims")
+    else:  # a batch dim: an unsharded operand must broadcast over it
+        for t, lay in ((a, la), (b, lb)):
+            if lay is None:
+                j = out.dim - (n - t.dim())
+                if j >= 0 and t.shape[j] != 1:
+                    raise NoShardRule(name, "a replicated operand is full size on a sharded batch dim")
+    return mode.tag(func(*args, **kwargs), out)
+
+
+def _sdpa(mode: ShardMode, name, func, args, kwargs):
+    q, k, v = args[0], args[1], args[2]
+    lays = [mode.layout(t) for t in (q, k, v)]
+    if any(lay is None or lay.dim != t.dim() - 3 for lay, t in zip(lays, (q, k, v))):
+        raise NoShardRule(name, "query, key and value are not all sharded on their head dimension")
+    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+    if isinstance(mask, torch.Tensor) and mode.layout(mask) is None:
+        j = mask.dim() - 3
+        if j >= 0 and mask.shape[j] != 1:
+            if mask.shape[j] != lays[0].size:  # type: ignore[union-attr]
+                raise NoShardRule(name, "a mask whose head dimension does not match the heads")
+            cut = _local_of(mode, mask, j, lays[0])  # type: ignore[arg-type]
+            if len(args) > 3:
+                args = (*args[:3], cut, *args[4:])
+            else:
+                kwargs = {**kwargs, "attn_mask": cut}
+    return mode.tag(func(*args, **kwargs), lays[0])  # type: ignore[arg-type]
+
+
+def _dropout(mode: ShardMode, name, func, args, kwargs):
+    if not mode.dropout:
+        return args[0]
+    return elementwise(mode, name, func, args, kwargs)
+
+
+ELEMENTWISE = frozenset("""
+add __add__ __radd__ __iadd__ add_ sub __sub__ __rsub__ __isub__ sub_ rsub mul __mul__ __rmul__ __imul__ mul_
+div __truediv__ __rtruediv__ __itruediv__ div_ true_divide __floordiv__ floor_divide neg __neg__ neg_ pow __pow__
+__rpow__ pow_ exp exp_ log log1p expm1 tanh tanh_ sigmoid sigmoid_ relu relu_ gelu silu silu_ mish softplus
+leaky_relu elu selu hardswish hardsigmoid rsqrt sqrt square abs sin cos erf erfc masked_fill masked_fill_ where
+clamp clamp_ clip maximum minimum float half bfloat16 double to type_as type clone detach detach_ contiguous
+requires_grad_ __eq__ __ne__ __lt__ __le__ __gt__ __ge__ eq ne lt le gt ge logical_not logical_and logical_or
+__and__ __or__ __invert__ bitwise_not sign reciprocal lerp addcmul addcdiv copy_ fill_ zero_ nan_to_num
+get_data glu_no ones_like zeros_like empty_like full_like rand_like randn_like tril triu
+""".split())
+
+RULES: dict[str, Callable] = {
+    "size": _size, "get_shape": _get_shape, "numel": _numel, "__len__": _len,
+    "softmax": _softmax, "log_softmax": _softmax, "_softmax": _softmax,
+    "layer_norm": _norm, "rms_norm": _norm,
+    "view": _view, "reshape": _view, "view_as": _view, "reshape_as": _view, "flatten": _view,
+    "unflatten": _view, "unsqueeze": _view, "squeeze": _view,
+    "permute": _permute_like, "transpose": _permute_like, "swapaxes": _permute_like, "swapdims": _permute_like,
+    "t": _permute_like, "get_T": _permute_like, "get_mT": _permute_like, "movedim": _permute_like,
+    "moveaxis": _permute_like,
+    "split": _split, "chunk": _split, "unbind": _split, "split_with_sizes": _split,
+    "__getitem__": _getitem,
+    "expand": _expand, "expand_as": _expand, "repeat": _expand,
+    "repeat_interleave": _repeat_interleave,
+    "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _cat,
+    "matmul": _matmul, "__matmul__": _matmul, "bmm": _matmul,
+    "scaled_dot_product_attention": _sdpa,
+    "dropout": _dropout, "dropout_": _dropout, "feature_dropout": _dropout,
+    **{name: _reduction for name in _REDUCTIONS},
+}
+for _passthrough in ("contiguous", "clone", "detach", "to", "float", "half", "bfloat16", "double", "type_as",
+                     "requires_grad_", "get_data"):
+    RULES[_passthrough] = _passthrough_tagged
+_PASS_NAMES = frozenset({"dim", "get_ndim", "get_dtype", "get_device", "get_requires_grad", "get_is_leaf",
+                         "get_grad_fn", "is_floating_point", "is_contiguous", "element_size", "get_layout",
+                         "data_ptr", "get_is_cuda", "get_is_meta", "is_complex", "get_names", "get_grad",
+                         "stride", "storage_offset", "untyped_storage", "get_itemsize", "get_nbytes"})
+for _n in _PASS_NAMES:
+    RULES[_n] = lambda mode, name, func, args, kwargs: func(*args, **kwargs)
+
+
+__all__ = ["ELEMENTWISE", "RULES", "any_tagged", "elementwise", "view_layout"]

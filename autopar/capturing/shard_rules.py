@@ -1,0 +1,287 @@
+"""Run a layer's own forward on one tensor-parallel rank's shards: the sharding rules.
+
+A Megatron-style tensor-parallel layer splits its column projections on their
+output features and its row projections on their input features. Between
+them, the layer's code (attention, masking, rotary, GQA, a GLU) runs on
+activations that hold only this rank's share of some dimension, but it was
+written for the whole tensor: it reads widths from ``x.size()``, splits by
+``n_embd``, views with ``n_head``. :class:`ShardMode`, a ``TorchFunctionMode``
+active while the layer's module runs, makes that code right on shards:
+
+* every activation that holds a share is tagged with a :class:`Sharded`
+  layout (which dimension, and the *segments* it is cut into: a fused
+  ``[q; k; v]`` projection is three segments, each split across ranks);
+* shape queries (``size()``, ``.shape``, ``numel()``) answer with the
+  *global* sizes, so the layer's arithmetic stays what its author wrote;
+* every op that takes a shape or a split (view/reshape, split/chunk,
+  expand, indexing, cat) is given the local equivalent, and every op is
+  checked to be exact on shards: an op with no rule, or a rule whose
+  condition fails (a softmax over the sharded dimension, a view that would
+  interleave ranks), raises :class:`NoShardRule` naming the op.
+
+The projections themselves go through a :class:`Collectives` backend: in one
+process (:mod:`autopar.capturing.shard_check`) each simulated rank slices its
+weights and sums partial results with the other ranks; on a device mesh
+(:mod:`autopar.passes.tensor_parallel`) the weights are DTensor shards and the
+sums are all-reduces. The rules are the same object in both, so what runs is
+what was checked.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+from autopar.capturing.shard_layout import TAG, NoShardRule, Sharded, segment_indices, segment_permutation
+from autopar.capturing.shard_ops import ELEMENTWISE, RULES, any_tagged, elementwise
+
+# ------------------------------------------------------------------ collectives
+
+
+class Collectives:
+    """How a rank gets its weight shards and combines partial results."""
+
+    tp: int
+    rank: int
+
+    def column_weight(self, weight: torch.Tensor, dim: int, segments: tuple[int, ...]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def row_weight(self, weight: torch.Tensor, dim: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def replicated(self, param: torch.Tensor | None) -> torch.Tensor | None:
+        """A parameter every rank holds whole (a row projection's bias)."""
+        return param
+
+    def copy_to(self, x: torch.Tensor) -> torch.Tensor:
+        """The replicated input of a column projection (its gradient is summed over ranks)."""
+        return x
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum of every rank's partial result of a row projection."""
+        raise NotImplementedError
+
+
+class SimulatedRank(Collectives):
+    """One rank simulated in one process: full weights sliced, partials summed with the
+    other ranks' threads (:class:`Reducer`)."""
+
+    def __init__(self, tp: int, rank: int, reducer: Reducer):
+        self.tp, self.rank, self.reducer = tp, rank, reducer
+
+    def column_weight(self, weight: torch.Tensor, dim: int, segments: tuple[int, ...]) -> torch.Tensor:
+        idx = segment_permutation(segments, self.tp).chunk(self.tp)[self.rank].to(weight.device)
+        return weight.index_select(dim, idx)
+
+    def row_weight(self, weight: torch.Tensor, dim: int) -> torch.Tensor:
+        return weight.chunk(self.tp, dim=dim)[self.rank]
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return self.reducer.sum(self.rank, partial)
+
+
+class Reducer:
+    """A sum across the threads that simulate the ranks of one tp group."""
+
+    def __init__(self, tp: int, timeout: float = 60.0):
+        self.barrier = threading.Barrier(tp, timeout=timeout)
+        self.slots: list[torch.Tensor | None] = [None] * tp
+
+    def sum(self, rank: int, partial: torch.Tensor) -> torch.Tensor:
+        self.slots[rank] = partial
+        self.barrier.wait()
+        parts = list(self.slots)
+        total = parts[0]
+        for p in parts[1:]:
+            if p is None or p.shape != total.shape:  # type: ignore[union-attr]
+                raise NoShardRule("all-reduce", "the ranks' partial results differ in shape")
+            total = total + p
+        self.barrier.wait()
+        return total  # type: ignore[return-value]
+
+    def abort(self) -> None:
+        self.barrier.abort()
+
+
+# ------------------------------------------------------------------ the mode
+
+_STATE = threading.local()
+
+
+def current_mode() -> ShardMode | None:
+    stack = getattr(_STATE, "stack", None)
+    return stack[-1] if stack else None
+
+
+@dataclass
+class Projection:
+    """A column or row projection module the mode is inside of."""
+
+    module: nn.Module
+    path: str
+    role: str  # "column" or "row"
+    segments: tuple[int, ...] = ()
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D``: a linear layer whose weight is stored (in, out)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None
+
+
+def projection_dims(module: nn.Module) -> tuple[int, int] | None:
+    """(in, out) features of an nn.Linear or a Conv1D; None for anything else."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if is_conv1d(module):
+        w = module.weight
+        return int(w.shape[0]), int(w.shape[1])
+    return None
+
+
+class ShardMode(TorchFunctionMode):
+    """Runs a module's forward on one rank's shards (see the module docstring).
+
+    ``dropout=False`` turns dropout into the identity (the numerical check:
+    no parallel plan reproduces one device's masks).
+    """
+
+    def __init__(self, comm: Collectives, dropout: bool = True):
+        super().__init__()
+        self.comm = comm
+        self.tp = comm.tp
+        self.key = object()
+        self.dropout = dropout
+        self.projections: list[Projection] = []
+        self.divisors: set[int] = set()
+
+    @property
+    def projection(self) -> Projection | None:
+        """The column or row projection module running now, if any."""
+        return self.projections[-1] if self.projections else None
+
+    # ---------------------------------------------------------------- entering
+    def __enter__(self):
+        stack = getattr(_STATE, "stack", None)
+        if stack is None:
+            stack = _STATE.stack = []
+        stack.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _STATE.stack.pop()
+        return super().__exit__(*exc)
+
+    # ---------------------------------------------------------------- tags
+    def layout(self, x: Any) -> Sharded | None:
+        tag = getattr(x, TAG, None) if isinstance(x, torch.Tensor) else None
+        return tag[1] if tag is not None and tag[0] is self.key else None
+
+    def tag(self, x: Any, layout: Sharded) -> Any:
+        if isinstance(x, torch.Tensor):
+            local = layout.size // self.tp
+            if x.dim() <= layout.dim or x.shape[layout.dim] != local:
+                raise NoShardRule("shard bookkeeping", f"expected dim {layout.dim} of size {local}, got "
+                                  f"{tuple(x.shape)}")
+            setattr(x, TAG, (self.key, layout))
+        elif isinstance(x, (tuple, list)):
+            for t in x:
+                self.tag(t, layout)
+        return x
+
+    def global_shape(self, x: torch.Tensor) -> list[int]:
+        shape = list(x.shape)
+        lay = self.layout(x)
+        if lay is not None:
+            shape[lay.dim] = lay.size
+        return shape
+
+    def need(self, size: int, what: str, op: str) -> None:
+        if size % self.tp:
+            raise NoShardRule(op, f"tp={self.tp} does not divide {what} ({size})")
+        self.divisors.add(size)
+
+    # ---------------------------------------------------------------- dispatch
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _name(func)
+        if self.projection is not None and name in _PROJECTION_OPS:
+            done = self._projection_op(name, func, args, kwargs)
+            if done is not _NOT_MINE:
+                return done
+        if not self.dropout and name in _DROPOUTS:
+            if name != "scaled_dot_product_attention":
+                return args[0]
+            args, kwargs = _no_attention_dropout(args, kwargs)
+        if not (any_tagged(self, args) or any_tagged(self, kwargs.values())):
+            return func(*args, **kwargs)
+        rule = RULES.get(name)
+        if rule is None:
+            if name in ELEMENTWISE:
+                rule = elementwise
+            else:
+                raise NoShardRule(name, "no sharding rule for this op on a sharded activation")
+        return rule(self, name, func, args, kwargs)
+
+    # ---------------------------------------------------------------- projections
+    def _projection_op(self, name: str, func, args, kwargs):
+        proj = self.projection
+        mod = proj.module  # type: ignore[union-attr]
+        weight = mod.weight
+        conv = is_conv1d(mod)
+        if name == "linear" and not conv and len(args) > 1 and args[1] is weight:
+            x, bias = args[0], (args[2] if len(args) > 2 else kwargs.get("bias"))
+        elif name == "addmm" and conv and len(args) > 2 and args[2] is weight:
+            bias, x = args[0], args[1]
+        else:
+            return _NOT_MINE
+        wdim_out, wdim_in = (1, 0) if conv else (0, 1)
+        if proj.role == "column":  # type: ignore[union-attr]
+            if self.layout(x) is not None:
+                raise NoShardRule(proj.path, "a column projection reads an activation that is already sharded")
+            segs = proj.segments or (int(weight.shape[wdim_out]),)  # type: ignore[union-attr]
+            for s in segs:
+                self.need(s, f"a segment of {proj.path}'s output", proj.path)  # type: ignore[union-attr]
+            w = self.comm.column_weight(weight, wdim_out, segs)
+            b = self.comm.column_weight(bias, 0, segs) if bias is not None else None
+            xin = self.comm.copy_to(x)
+            y = torch.nn.functional.linear(xin, w, b) if not conv else torch.addmm(b, xin, w)
+            return self.tag(y, Sharded(y.dim() - 1, segs, proj.path))  # type: ignore[union-attr]
+        lay = self.layout(x)
+        width = int(weight.shape[wdim_in])
+        if lay is None or lay.dim != x.dim() - 1 or len(lay.segments) != 1 or lay.size != width:
+            raise NoShardRule(proj.path, "a row projection's input is not sharded on its last dim "  # type: ignore[union-attr]
+                              f"as one block of {width} features")
+        w = self.comm.row_weight(weight, wdim_in)
+        partial = torch.nn.functional.linear(x, w) if not conv else torch.mm(x, w)
+        y = self.comm.reduce(partial)
+        b = self.comm.replicated(bias)
+        return y + b if b is not None else y
+
+
+_NOT_MINE = object()
+_PROJECTION_OPS = frozenset({"linear", "addmm"})
+_DROPOUTS = frozenset({"dropout", "dropout_", "feature_dropout", "alpha_dropout", "scaled_dot_product_attention"})
+
+
+def _no_attention_dropout(args, kwargs):
+    if len(args) > 4:
+        return (*args[:4], 0.0, *args[5:]), kwargs
+    return args, {**kwargs, "dropout_p": 0.0}
+
+
+def _name(func) -> str:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        owner = getattr(func, "__self__", None)
+        return "get_" + str(getattr(owner, "__name__", ""))
+    return name
+
+
+__all__ = ["Collectives", "NoShardRule", "Projection", "Reducer", "ShardMode", "Sharded", "SimulatedRank",
+           "current_mode", "is_conv1d", "projection_dims", "segment_indices", "segment_permutation"]

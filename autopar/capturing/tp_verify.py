@@ -1,0 +1,132 @@
+"""Offer a Megatron style only once a simulation of its shards has proved it exact.
+
+:func:`verify_styles` takes the captured layers with their *candidate*
+Megatron styles (:mod:`autopar.capturing.tp_detect` finds column → row
+projection groups from the graph) and, for one layer of each group of
+identical layers, runs :func:`autopar.capturing.shard_check.check_style` on a
+real copy of the layer's module with the inputs the model's forward gives
+it. A proved style gets its fused projections' segments, the sizes tp must
+divide and the degrees simulated; a failed one is withdrawn and the layer
+records why (``Layer.tp_refusal``: the op that stopped it, or the error).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autopar.capturing import shard_check
+from autopar.capturing.shard_rules import projection_dims
+from autopar.graph import Layer, TPStyle
+
+DEGREES = tuple(range(2, 9))  # tp stays inside a node (8 GPUs): every degree up to 8 the sizes admit
+
+
+def _degrees(divisors: tuple[int, ...]) -> list[int]:
+    return [t for t in DEGREES[1:] if all(d % t == 0 for d in divisors)]
+
+
+def _config(model: nn.Module, module: nn.Module) -> Any:
+    for owner in (module, model):
+        for name in ("config", "cfg"):
+            value = getattr(owner, name, None)
+            if value is not None and not isinstance(value, (int, float, str, nn.Module)):
+                return value
+    return None
+
+
+def _signature(module: nn.Module, style: TPStyle, prefix: str) -> tuple:
+    """Layers with equal signatures are twins: one simulation proves (or refutes) them all."""
+    def rel(p: str) -> str:
+        return p[len(prefix) + 1:]
+
+    shapes = tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
+    return (type(module), shapes, tuple(map(rel, style.column)), tuple(map(rel, style.row)))
+
+
+def _check(model: nn.Module, module: nn.Module, style: TPStyle, prefix: str, recorded: tuple,
+           batch: int, seq_len: int | None) -> shard_check.CheckResult:
+    gen = torch.Generator().manual_seed(0)
+    cols = tuple(p[len(prefix) + 1:] for p in style.column)
+    rows = tuple(p[len(prefix) + 1:] for p in style.row)
+    n_params = sum(p.numel() for p in module.parameters())
+    if n_params <= shard_check.MAX_CHECK_PARAMS:
+        copy, inputs = shard_check.layer_copy(module, gen), recorded
+    else:
+        built = shard_check.small_copy(module, _config(model, module), gen)
+        if built is None:
+            return shard_check.CheckResult(False, {}, reason=f"too large to simulate ({n_params:,} parameters) "
+                                           "and no config to build a narrower copy from")
+        copy, mapping = built
+        if seq_len and seq_len > 8:
+            mapping.setdefault(seq_len, 8)
+        mapping.setdefault(batch, 1)
+        inputs = shard_check.shrink_inputs(recorded, mapping)
+    widths = {}
+    for c in cols:
+        dims = projection_dims(copy.get_submodule(c))
+        if dims is None:
+            return shard_check.CheckResult(False, {}, reason=f"{c} is not a Linear or Conv1D")
+        widths[c] = dims[1]
+    result = shard_check.check_style(copy, shard_check.real_inputs(inputs), cols, rows, widths, _degrees)
+    if result.ok and n_params > shard_check.MAX_CHECK_PARAMS:
+        # the copy is narrower: scale its segments back (same fractions of each projection)
+        full = {c: projection_dims(module.get_submodule(c))[1] for c in cols}  # type: ignore[index]
+        segments = {}
+        for c, segs in result.segments.items():
+            factor = full[c] // sum(segs)
+            segments[c] = tuple(s * factor for s in segs)
+        result = dataclasses.replace(result, segments=segments)
+    return result
+
+
+def verify_styles(model: nn.Module, args: tuple, kwargs: dict, layers: list[Layer], batch: int,
+                  seq_len: int | None) -> list[Layer]:
+    """``layers`` with every Megatron style proved by simulation or withdrawn (with the reason)."""
+    todo = [i for i, l in enumerate(layers) if l.module_path and any(s.name == "megatron" for s in l.tp_styles)]
+    if not todo:
+        return layers
+    groups: dict[tuple, list[int]] = {}
+    for i in todo:
+        layer = layers[i]
+        style = next(s for s in layer.tp_styles if s.name == "megatron")
+        module = model.get_submodule(layer.module_path)  # type: ignore[arg-type]
+        groups.setdefault(_signature(module, style, layer.module_path), []).append(i)  # type: ignore[arg-type]
+    firsts = [layers[members[0]].module_path for members in groups.values()]
+    try:
+        recorded = shard_check.record_inputs(model, args, kwargs, firsts)  # type: ignore[arg-type]
+        failure = ""
+    except Exception as exc:  # noqa: BLE001 - the style cannot be proved, so it is not offered
+        recorded, failure = {}, f"running the model's forward to record the layer's inputs failed: " \
+                                f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    out = list(layers)
+    for members in groups.values():
+        first = layers[members[0]]
+        path = first.module_path
+        style = next(s for s in first.tp_styles if s.name == "megatron")
+        rec = recorded.get(path)  # type: ignore[arg-type]
+        if rec is None:
+            result = shard_check.CheckResult(False, {}, reason=failure or "the model's forward never called "
+                                             f"{path} as a module")
+        else:
+            result = _check(model, model.get_submodule(path), style, path, rec, batch, seq_len)  # type: ignore[arg-type]
+        for i in members:
+            layer = layers[i]
+            style = next(s for s in layer.tp_styles if s.name == "megatron")
+            others = tuple(s for s in layer.tp_styles if s.name != "megatron")
+            if result.ok:
+                proved = dataclasses.replace(
+                    style, divisors=tuple(sorted(set(style.divisors) | set(result.divisors))),
+                    segments={f"{layer.module_path}.{c}": s for c, s in result.segments.items() if len(s) > 1},
+                    checked=result.degrees)
+                out[i] = dataclasses.replace(layer, tp_styles=(proved, *others))
+            else:
+                out[i] = dataclasses.replace(layer, tp_styles=others,
+                                             tp_refusal=f"tensor parallelism withdrawn: {result.reason}")
+    return out
+
+
+__all__ = ["verify_styles"]

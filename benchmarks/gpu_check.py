@@ -1,0 +1,217 @@
+"""The GPU check: on one CUDA device, does what runs match what the planner predicts?
+
+    python benchmarks/gpu_check.py --json gpu_check.json          # on a machine with a GPU
+    python benchmarks/gpu_check.py --dry --json /tmp/dry.json     # CPU, tiny: the suite runs this
+
+Ready for the day a machine with a GPU is lent (nothing here needs more than one):
+
+1. the NCCL process group at world size 1 (gloo on CPU with ``--dry``);
+2. ``autopar calibrate``'s compute fit on this device: forward + backward of
+   transformer layers at several widths, in bf16, fitted to the compute
+   model (``matmul_efficiency``, ``half_efficiency_flops``), with the
+   device's bf16 GEMM peak measured beside the preset's;
+3. for several single-device plans — two model sizes, recompute on and off,
+   1, 2 and 4 microbatches — ``autopar.compile`` in bf16 (bf16 compute, fp32
+   master weights and AdamW state), timed training steps (median after
+   warm-up) and peak memory (``torch.cuda.max_memory_allocated``; the
+   profiler's allocation events on CPU), each against the plan priced on the
+   fitted cluster.
+
+Writes JSON: the device, the fit, and per plan the predicted and measured
+step time and peak memory and their ratios. Exits 1 if a plan fails to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent / "examples"))
+sys.path.insert(0, str(ROOT))
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    n_layer: int
+    d_model: int
+    n_head: int
+    vocab: int
+    seq: int
+
+
+GPU_MODELS = (Model("gpt-125m", 12, 768, 12, 50304, 1024), Model("gpt-350m", 24, 1024, 16, 50304, 1024))
+DRY_MODELS = (Model("gpt-dry-a", 2, 32, 4, 256, 16), Model("gpt-dry-b", 3, 48, 4, 256, 16))
+PLANS = (  # (name, pins): every choice a single-device plan has
+    ("m1", ("recompute=none", "microbatches=1")),
+    ("m1 recompute", ("recompute=all", "microbatches=1")),
+    ("m2", ("recompute=none", "microbatches=2")),
+    ("m4 recompute", ("recompute=all", "microbatches=4")),
+)
+
+
+def init_group(dry: bool) -> Any:
+    """World size 1: NCCL on the GPU (gloo with ``--dry``), from a file store."""
+    import torch
+    import torch.distributed as dist
+
+    store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="autopar-gpu-check-"), "store"), 1)
+    if dry:
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        return torch.device("cpu")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    return torch.device("cuda", 0)
+
+
+def compute_fit(dry: bool) -> dict[str, Any]:
+    """Calibrate's layer probes and GEMM in bf16, fitted as ``autopar calibrate`` fits them."""
+    import torch
+
+    from autopar.tools.calibrate.fit import fit_compute
+    from autopar.tools.calibrate.probes import ProbeSizes, _Rank, probe_sizes
+
+    backend = "gloo" if dry else "nccl"
+    sizes = probe_sizes(backend, quick=True)
+    if dry:
+        sizes = ProbeSizes(widths=(32, 64, 96), tokens=(2, 16), gemm=128, message_bytes=(4096,),
+                           seconds_per_point=0.01, rounds=1)
+    probe = _Rank(0, 1, backend, sizes, None)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layers = probe.layers()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    rate, half = fit_compute(layers)
+    return {"layers": layers, "rate_flops_s": rate, "half_efficiency_flops": half, "gemm_flops_s": probe.gemm()}
+
+
+def fitted_cluster(fit: dict[str, Any], dry: bool) -> Any:
+    """This machine's preset with the fitted compute figures (the bf16 peak the GEMM reached, if more)."""
+    from autopar.cost_models.hardware import load_cluster
+
+    from autopar.runtime.launch import local_cluster
+
+    base = load_cluster("cpu" if dry else local_cluster())
+    peak = max(base.device.peak_flops_bf16, fit["gemm_flops_s"]["bf16"])
+    device = replace(base.device, peak_flops_bf16=peak, matmul_efficiency=min(1.0, fit["rate_flops_s"] / peak),
+                     half_efficiency_flops=fit["half_efficiency_flops"])
+    return replace(base, name=f"{base.name}-fitted", device=device, gpus_per_node=1, nodes=1)
+
+
+def measure_peak(fn: Any, device: Any) -> tuple[Any, int]:
+    """(fn's result, the most bytes of tensors live at once while it ran)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        result = fn()
+        torch.cuda.synchronize()
+        return result, torch.cuda.max_memory_allocated() - base
+    from fidelity import _profiled, peak_tensor_bytes
+
+    result, (events, started) = _profiled(fn)
+    return result, peak_tensor_bytes(events, started)
+
+
+def run_plan(model: Model, name: str, pins: tuple[str, ...], cluster: Any, device: Any, steps: int,
+             batch: int) -> dict[str, Any]:
+    """Compile one bf16 plan of ``model``, train, and set measured against predicted."""
+    import gpt
+    import torch
+
+    import autopar
+
+    net, inputs = gpt.gpt(n_layer=model.n_layer, d_model=model.d_model, n_head=model.n_head,
+                          vocab_size=model.vocab, seq_len=model.seq, device="meta")
+    graph = autopar.capture(net, inputs)
+    plan = autopar.solve(graph, 1, cluster=cluster, dtype="bf16", global_batch=batch, pins=list(pins))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, model.vocab, (batch, model.seq), generator=g)
+    y = torch.randint(0, model.vocab, (batch, model.seq), generator=g)
+
+    def compile_and_train() -> Any:
+        from fidelity import _TRAINING
+
+        pm = autopar.compile(net, example_inputs=inputs, plan=plan, graph=graph, max_grad_norm=1.0,
+                             optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
+        with torch.profiler.record_function(_TRAINING):
+            for _ in range(2):
+                pm.train_step(x, y)
+        return pm
+
+    pm, peak = measure_peak(compile_and_train, device)
+    times = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        pm.train_step(x, y)
+        times.append(time.perf_counter() - t)
+    measured_s, predicted_s = statistics.median(times), plan.predicted.step_time_s
+    predicted_bytes = plan.predicted.memory_per_rank_bytes[0]
+    return {"model": model.name, "plan": name, "pins": list(pins), "microbatches": plan.microbatches,
+            "recompute": sum(bool(lp.recompute) for lp in plan.layers), "dtype": plan.training.dtype,
+            "masters_fp32": all(p.dtype == torch.float32 for g_ in pm.optimizer.param_groups for p in g_["params"]),
+            "predicted_step_s": predicted_s, "measured_step_s": measured_s,
+            "step_ratio": measured_s / predicted_s, "predicted_peak_bytes": predicted_bytes,
+            "measured_peak_bytes": peak, "memory_ratio": peak / predicted_bytes}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry", action="store_true", help="CPU and tiny models: check the script runs")
+    parser.add_argument("--json", default=None, metavar="FILE", help="write the results here")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per plan (default 10; dry 2)")
+    args = parser.parse_args()
+    import torch
+    import torch.distributed as dist
+
+    if not args.dry and not torch.cuda.is_available():
+        parser.error("no CUDA device here: run with --dry to check the script on CPU")
+    steps = args.steps or (2 if args.dry else 10)
+    device = init_group(args.dry)
+    fit = compute_fit(args.dry)
+    cluster = fitted_cluster(fit, args.dry)
+    rows, failures = [], []
+    for model in DRY_MODELS if args.dry else GPU_MODELS:
+        for name, pins in PLANS:
+            try:
+                rows.append(run_plan(model, name, pins, cluster, device, steps, batch=4 if args.dry else 8))
+            except Exception as exc:  # noqa: BLE001 - one plan's failure is reported, the others still run
+                failures.append({"model": model.name, "plan": name, "error": f"{type(exc).__name__}: {exc}"})
+            print(f"gpu_check: {model.name} {name} done", file=sys.stderr, flush=True)
+    result = {
+        "dry": args.dry, "backend": dist.get_backend(), "world_size": dist.get_world_size(),
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else f"cpu ({platform.processor()})",
+        "torch": torch.__version__, "cluster": cluster.to_dict(),
+        "fit": {k: v for k, v in fit.items() if k != "layers"}, "probes": fit["layers"],
+        "plans": rows, "failures": failures,
+    }
+    dist.destroy_process_group()
+    text = json.dumps(result, indent=2, default=float)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    for r in rows:
+        print(f"{r['model']:10s} {r['plan']:14s} step {r['measured_step_s']:.4f} s / predicted "
+              f"{r['predicted_step_s']:.4f} s ({r['step_ratio']:.2f})   peak {r['measured_peak_bytes'] / 2**20:.1f} "
+              f"MiB / predicted {r['predicted_peak_bytes'] / 2**20:.1f} MiB ({r['memory_ratio']:.2f})")
+    for f in failures:
+        print(f"FAILED {f['model']} {f['plan']}: {f['error']}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""The model × strategy table: models as their upstream writes them, each plan against one device.
+
+    python benchmarks/zoo_table.py [--strategies tp,zero3,dp2tp2,pp2tp2,3d]
+
+Runs the test suite's zoo (tests/zoo.py: nanoGPT as its author writes it,
+a GPT reading its shapes from tensors, Hugging Face GPT-2, Llama, Mistral,
+Qwen2, Phi-3, GPT-NeoX, OPT, BERT built from small configs) under each
+strategy on gloo processes, and prints a Markdown table: ✓ with the worst
+relative difference from one device (first-step gradients, parameters after
+3 SGD steps), or ✗ with the reason. Bar: 1e-5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+STRATEGIES = {
+    "tp": (2, "TP=2 on the blocks"),
+    "zero3": (2, "ZeRO-3, dp=2"),
+    "dp2tp2": (4, "dp=2 × tp=2, ZeRO-3"),
+    "pp2tp2": (4, "pp=2 × tp=2, 1F1B, recompute"),
+    "3d": (8, "pp=2 × dp=2 × tp=2, ZeRO-3"),
+}
+EXACT = 1e-5
+
+
+def _cell(metrics: dict, blocks: str) -> str:
+    if "error" in metrics:
+        return f"✗ {metrics['error'].splitlines()[0][:120]}"
+    worst = max(metrics["grad_rel"], metrics["param_rel"], metrics["loss1_rel"])
+    if metrics["mesh"][2] > 1:
+        prefix = blocks.removesuffix(".*") + "."
+        styles = {tp for name, tp, _, _ in metrics["layers"] if name.startswith(prefix)}
+        if styles != {"megatron"}:
+            return f"✗ blocks ran as {sorted(map(str, styles))}, not tensor-parallel"
+    if worst >= EXACT:
+        return f"✗ differs from one device by {worst:.1e} ({metrics['grad_worst']})"
+    return f"✓ {worst:.0e}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    args = parser.parse_args()
+    from distributed import run_cases
+    from zoo import MODELS
+
+    chosen = [s for s in args.strategies.split(",") if s]
+    unknown = sorted(set(chosen) - set(STRATEGIES))
+    if unknown:
+        parser.error(f"unknown strategies {unknown}; choose from {sorted(STRATEGIES)}")
+    results: dict[str, dict] = {}
+    for world in sorted({STRATEGIES[s][0] for s in chosen}):
+        cases = [f"zoo_cases:{m}/{s}" for m in MODELS for s in chosen if STRATEGIES[s][0] == world]
+        results.update(run_cases(world, cases))
+    print("| model | " + " | ".join(STRATEGIES[s][1] for s in chosen) + " |")
+    print("| --- |" + " --- |" * len(chosen))
+    for model, (_, blocks) in MODELS.items():
+        cells = [_cell(results[f"zoo_cases:{model}/{s}"], blocks) for s in chosen]
+        print(f"| {model} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

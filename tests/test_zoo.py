@@ -1,0 +1,103 @@
+"""Models as their upstream writes them (tests/zoo.py) train the numbers one device trains.
+
+For each model: Megatron tensor parallelism on its blocks (tp=2, the style
+asserted applied from the plan), ZeRO-3 (dp=2), and both on a 2-D mesh
+(dp=2 × tp=2, ZeRO-3); a 1F1B pipeline with TP and recompute on the blocks
+inside its stages (Hugging Face models are exported with their layers' call
+signatures kept, so stages call the layer modules); and a 3-D plan on 8 ranks
+for three of them. Bars as in test_equivalence: first-step gradients and
+parameters after 3 SGD-with-momentum steps within 1e-5 relative.
+"""
+
+from __future__ import annotations
+
+import pytest
+from distributed import check_equivalent, run_cases
+from zoo import MODELS, TIED
+
+W2 = ([f"zoo_cases:{m}/{kind}" for m in MODELS for kind in ("tp", "zero3")] + [f"zoo_cases:{m}/pp2" for m in TIED]
+      + ["zoo_cases:tp_dropout_masks"])
+W4 = [f"zoo_cases:{m}/{kind}" for m in MODELS for kind in ("dp2tp2", "pp2tp2")]
+W8 = [f"zoo_cases:{m}/3d" for m in ("nanogpt", "hf_llama", "hf_neox")] + [f"zoo_cases:{m}/pp2dp2" for m in TIED]
+
+
+@pytest.fixture(scope="module")
+def w2() -> dict[str, dict]:
+    return run_cases(2, W2)
+
+
+@pytest.fixture(scope="module")
+def w4() -> dict[str, dict]:
+    return run_cases(4, W4)
+
+
+@pytest.fixture(scope="module")
+def w8() -> dict[str, dict]:
+    return run_cases(8, W8)
+
+
+def _blocks_tensor_parallel(metrics: dict, model: str) -> None:
+    pattern = MODELS[model][1].removesuffix(".*")
+    blocks = [(name, tp) for name, tp, _, _ in metrics["layers"] if name.startswith(pattern + ".")]
+    assert blocks and all(tp == "megatron" for _, tp in blocks), blocks
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_tensor_parallel_blocks_match_one_device(w2: dict, model: str) -> None:
+    metrics = w2[f"zoo_cases:{model}/tp"]
+    check_equivalent(metrics)
+    assert metrics["mesh"] == [1, 1, 2]
+    _blocks_tensor_parallel(metrics, model)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_zero3_matches_one_device(w2: dict, model: str) -> None:
+    metrics = w2[f"zoo_cases:{model}/zero3"]
+    check_equivalent(metrics)
+    assert metrics["mesh"] == [1, 2, 1] and all(zero == 3 for _, _, zero, _ in metrics["layers"])
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_tensor_parallel_inside_zero3_on_a_2d_mesh_matches_one_device(w4: dict, model: str) -> None:
+    metrics = w4[f"zoo_cases:{model}/dp2tp2"]
+    check_equivalent(metrics)
+    assert metrics["mesh"] == [1, 2, 2]
+    _blocks_tensor_parallel(metrics, model)
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_a_pipeline_keeps_tensor_parallelism_and_recompute_inside_its_stages(w4: dict, model: str) -> None:
+    metrics = w4[f"zoo_cases:{model}/pp2tp2"]
+    check_equivalent(metrics)
+    assert metrics["mesh"] == [2, 1, 2] and metrics["schedule"] == "1f1b"
+    _blocks_tensor_parallel(metrics, model)
+    prefix = MODELS[model][1].removesuffix(".*") + "."
+    assert all(rc for name, _, _, rc in metrics["layers"] if name.startswith(prefix))
+    assert metrics["tracer"] in ("fx-layers", "export-layers")
+
+
+@pytest.mark.parametrize("model", [c.split(":")[1].split("/")[0] for c in W8 if c.endswith("/3d")])
+def test_a_3d_plan_on_8_ranks_matches_one_device(w8: dict, model: str) -> None:
+    metrics = w8[f"zoo_cases:{model}/3d"]
+    check_equivalent(metrics)
+    assert metrics["mesh"] == [2, 2, 2]
+    _blocks_tensor_parallel(metrics, model)
+
+
+@pytest.mark.parametrize("model", list(TIED))
+def test_tied_embeddings_split_across_pipeline_stages_match_one_device(w2: dict, w8: dict, model: str) -> None:
+    """nanoGPT's and GPT-2's default: the first and last stage each hold the tied weight and sum its
+    gradients (a 1F1B pipeline of 2, and an interleaved 3-D plan with TP and ZeRO-3)."""
+    for metrics, mesh in ((w2[f"zoo_cases:{model}/pp2"], [2, 1, 1]), (w8[f"zoo_cases:{model}/pp2dp2"], [2, 2, 2])):
+        check_equivalent(metrics)
+        assert metrics["mesh"] == mesh
+        stages = {name: stage for name, stage in zip((l[0] for l in metrics["layers"]), metrics["stages"])}
+        assert stages["transformer.wte"] == 0 and stages["lm_head"] == max(stages.values()) > 0
+
+
+def test_tp_ranks_draw_the_same_dropout_masks_where_the_activation_is_replicated(w2: dict) -> None:
+    """Each rank seeded differently before training: the runtime seeds the tp group alike, so the
+    replicated parameters (LayerNorms, row biases) of nanoGPT with dropout 0.1 stay equal."""
+    m = w2["zoo_cases:tp_dropout_masks"]
+    assert "error" not in m, m
+    assert m["dropout_on"] and m["spread"] == 0.0

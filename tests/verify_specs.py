@@ -1,0 +1,62 @@
+"""Specs for ``autopar verify``'s tests, written as a user writes one: plainly, with no ``device``.
+
+``autopar verify tests/verify_specs.py:opt --world-size 2`` builds them for
+real. The Hugging Face models are built from configs (nothing is downloaded)
+that keep the upstream defaults that matter to ``verify``: OPT and BERT have
+dropout (0.1), and their attention key bias has an exact gradient of zero
+(softmax is invariant to a constant added to every key's score), so its
+computed gradient is pure rounding noise. ``crashes_on_rank_1`` raises in the
+parallel run only, on one rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+BATCH, SEQ, VOCAB = 8, 16, 128
+
+
+def _quiet() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+
+def opt() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """A 2-layer OPT causal LM (dropout 0.1, attention dropout 0.1 as configured here)."""
+    _quiet()
+    from transformers import OPTConfig, OPTForCausalLM
+
+    cfg = OPTConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
+                    num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64,
+                    dropout=0.1, attention_dropout=0.1, use_cache=False)
+    return OPTForCausalLM(cfg), (torch.zeros(BATCH, SEQ, dtype=torch.long),)
+
+
+def bert() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """A 2-layer BERT masked LM with its default dropout (hidden and attention 0.1)."""
+    _quiet()
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                     num_attention_heads=4, max_position_embeddings=64)
+    return BertForMaskedLM(cfg), (torch.zeros(BATCH, SEQ, dtype=torch.long),)
+
+
+class CrashesOnRank1(nn.Module):
+    """A linear map that raises on rank 1 of a process group (and nowhere else)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if dist.is_initialized() and dist.get_rank() == 1:
+            raise RuntimeError("rank 1 cannot go on")  # CRASH LINE
+        return self.fc(x)
+
+
+def crashes_on_rank_1() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    return CrashesOnRank1(), (torch.zeros(4, 8),)

@@ -1,0 +1,265 @@
+"""Small models written the way their upstream writes them (never downloaded: built from configs).
+
+Each builder returns ``(model, example_inputs)`` on the CPU with dropout off
+and its blocks' module pattern (``BLOCKS``), so a test can pin
+``BLOCKS:tp=megatron``. The hand-written GPTs read their shapes from the
+tensors (``x.size()``, ``x.shape``), split fused projections by width or by
+``chunk``, and keep their widths in attributes that stay whole under tensor
+parallelism — what a user brings, not what the planner was written around.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB, SEQ, BATCH = 128, 16, 2
+
+
+# ------------------------------------------------------------------ nanoGPT, as its author writes it
+
+
+@dataclass
+class NanoConfig:
+    block_size: int = SEQ
+    vocab_size: int = VOCAB
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 32
+    dropout: float = 0.0
+    bias: bool = True
+    flash: bool = False
+
+
+class NanoCausalSelfAttention(nn.Module):
+    def __init__(self, config: NanoConfig):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = nn.Dropout(config.dropout)
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.dropout = config.dropout
+        self.flash = config.flash
+        if not self.flash:
+            self.register_buffer("bias", torch.tril(torch.ones(config.block_size, config.block_size))
+                                 .view(1, 1, config.block_size, config.block_size))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        if self.flash:
+            y = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=None, dropout_p=self.dropout if self.training else 0, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            att = F.softmax(att, dim=-1)
+            att = self.attn_dropout(att)
+            y = att @ v
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = self.resid_dropout(self.c_proj(y))
+        return y
+
+
+class NanoMLP(nn.Module):
+    def __init__(self, config: NanoConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, config: NanoConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = NanoCausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = NanoMLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's model.py, less generation; ``forward(idx)`` returns every position's logits."""
+
+    def __init__(self, config: NanoConfig, tie: bool = False):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([NanoBlock(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if tie:
+            self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx):
+        device = idx.device
+        b, t = idx.size()
+        assert t <= self.config.block_size, f"Cannot forward sequence of length {t}"
+        pos = torch.arange(0, t, dtype=torch.long, device=device)
+        tok_emb = self.transformer.wte(idx)
+        pos_emb = self.transformer.wpe(pos)
+        x = self.transformer.drop(tok_emb + pos_emb)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        return self.lm_head(x)
+
+
+# ------------------------------------------------------------------ a GPT reading x.shape, chunk(3)
+
+
+class ShapeAttention(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q = q.reshape(b, t, self.heads, c // self.heads).permute(0, 2, 1, 3)
+        k = k.reshape(b, t, self.heads, c // self.heads).permute(0, 2, 1, 3)
+        v = v.reshape(b, t, self.heads, c // self.heads).permute(0, 2, 1, 3)
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+        y = torch.matmul(scores.softmax(dim=-1), v)
+        return self.out(y.permute(0, 2, 1, 3).reshape(b, t, c))
+
+
+class ShapeBlock(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = ShapeAttention(width, heads)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class ShapeGPT(nn.Module):
+    def __init__(self, width: int = 32, heads: int = 4, depth: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.pos = nn.Parameter(torch.randn(SEQ, width) * 0.02)
+        self.blocks = nn.ModuleList([ShapeBlock(width, heads) for _ in range(depth)])
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, idx):
+        x = self.embed(idx) + self.pos[: idx.shape[1]]
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.norm(x))
+
+
+# ------------------------------------------------------------------ Hugging Face, from configs
+
+
+def _ids() -> tuple[torch.Tensor]:
+    return (torch.zeros(BATCH, SEQ, dtype=torch.long),)
+
+
+def _hf(cls_name: str, config_name: str, **cfg) -> Callable[[], tuple[nn.Module, tuple]]:
+    def build() -> tuple[nn.Module, tuple]:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        config = getattr(transformers, config_name)(**cfg)
+        return getattr(transformers, cls_name)(config), _ids()
+    return build
+
+
+_LLAMA_LIKE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+                   tie_word_embeddings=False)
+
+MODELS: dict[str, tuple[Callable[[], tuple[nn.Module, tuple]], str]] = {
+    "nanogpt": (lambda: (NanoGPT(NanoConfig()), _ids()), "transformer.h.*"),
+    "nanogpt_flash": (lambda: (NanoGPT(NanoConfig(flash=True)), _ids()), "transformer.h.*"),
+    "shape_gpt": (lambda: (ShapeGPT(), _ids()), "blocks.*"),
+    "hf_gpt2": (_hf("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                    n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                    tie_word_embeddings=False), "transformer.h.*"),
+    "hf_llama": (_hf("LlamaForCausalLM", "LlamaConfig", **_LLAMA_LIKE), "model.layers.*"),
+    "hf_mistral": (_hf("MistralForCausalLM", "MistralConfig", **_LLAMA_LIKE), "model.layers.*"),
+    "hf_qwen2": (_hf("Qwen2ForCausalLM", "Qwen2Config", **_LLAMA_LIKE), "model.layers.*"),
+    "hf_phi3": (_hf("Phi3ForCausalLM", "Phi3Config", **_LLAMA_LIKE, pad_token_id=0, resid_pdrop=0.0,
+                    embd_pdrop=0.0, attention_dropout=0.0), "model.layers.*"),
+    "hf_neox": (_hf("GPTNeoXForCausalLM", "GPTNeoXConfig", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                    num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.5,
+                    hidden_dropout=0.0, attention_dropout=0.0, use_cache=False, tie_word_embeddings=False),
+                "gpt_neox.layers.*"),
+    "hf_opt": (_hf("OPTForCausalLM", "OPTConfig", vocab_size=VOCAB, hidden_size=32, ffn_dim=64,
+                   num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
+                   dropout=0.0, attention_dropout=0.0, use_cache=False, tie_word_embeddings=False),
+               "model.decoder.layers.*"),
+    "hf_bert": (_hf("BertForMaskedLM", "BertConfig", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                    num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, tie_word_embeddings=False),
+                "bert.encoder.layer.*"),
+}
+
+
+
+
+def _vit() -> tuple[nn.Module, tuple]:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, intermediate_size=64, num_labels=CLASSES,
+                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return transformers.ViTForImageClassification(config), (torch.zeros(BATCH, 3, 16, 16),)
+
+
+CLASSES = 10
+MODELS["hf_vit"] = (_vit, "vit.layers.*")  # an image classifier: one class index per sample
+
+
+def _tied_nanogpt() -> tuple[nn.Module, tuple]:
+    return NanoGPT(NanoConfig(), tie=True), _ids()
+
+
+TIED: dict[str, tuple[Callable[[], tuple[nn.Module, tuple]], str]] = {
+    "nanogpt_tied": (_tied_nanogpt, "transformer.h.*"),
+    "hf_gpt2_tied": (_hf("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                         n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False),
+                     "transformer.h.*"),
+}
+MODELS_ALL = {**MODELS, **TIED}
+
+
+def build(name: str) -> tuple[nn.Module, tuple]:
+    torch.manual_seed(0)
+    return MODELS_ALL[name][0]()
+
+
+__all__ = ["MODELS", "MODELS_ALL", "TIED", "build"]

@@ -1,0 +1,73 @@
+"""Cases for :mod:`distributed`: the zoo's models (:mod:`zoo`) under each strategy, each against one
+process (:func:`equivalence_cases.equivalence`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from equivalence_cases import PP1, Spec, equivalence
+from zoo import CLASSES, MODELS, TIED, build
+
+
+def _builder(name: str) -> Callable:
+    return lambda: build(name)
+
+
+SPECS: dict[str, Spec] = {}
+for _name, (_, _blocks) in MODELS.items():
+    _classes = CLASSES if _name == "hf_vit" else None
+    _tp = f"{_blocks}:tp=megatron"
+    for _kind, _pins, _batch in (
+        ("tp", PP1 + ("dp=1", "tp=2", "zero=0", _tp), 4),
+        ("zero3", PP1 + ("dp=2", "tp=1", "zero=3", "microbatches=1"), 4),
+        ("dp2tp2", PP1 + ("dp=2", "tp=2", "zero=3", "microbatches=1", _tp), 4),
+        ("pp2tp2", ("pp=2", "dp=1", "tp=2", "microbatches=2", "schedule=1f1b", _tp, f"{_blocks}:recompute=on"), 4),
+        ("3d", ("pp=2", "dp=2", "tp=2", "zero=3", "microbatches=2", "schedule=1f1b", "recompute=none", _tp), 8),
+    ):
+        SPECS[f"{_name}/{_kind}"] = Spec(_builder(_name), _pins, _batch, classes=_classes)
+
+for _name, (_, _blocks) in TIED.items():  # tied input/output embeddings split across the stages
+    SPECS[f"{_name}/pp2"] = Spec(_builder(_name), ("pp=2", "dp=1", "tp=1", "microbatches=2", "schedule=1f1b",
+                                                   "recompute=none"), 4)
+    SPECS[f"{_name}/pp2dp2"] = Spec(_builder(_name), ("pp=2", "dp=2", "tp=2", "zero=3", "microbatches=2",
+                                                      "schedule=interleaved_1f1b", "recompute=none",
+                                                      f"{_blocks}:tp=megatron"), 8)
+
+CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}
+
+
+def tp_dropout_masks(rank: int, world_size: int) -> dict[str, Any]:
+    """nanoGPT with dropout 0.1 under tp=2: the ranks of the tp group must draw the same masks where
+    the activation is replicated, so their replicated parameters (LayerNorms, row biases) stay equal."""
+    import torch
+    import torch.distributed as dist
+    from equivalence_cases import plan_for
+    from zoo import NanoConfig, NanoGPT, _ids
+
+    import autopar
+
+    def model() -> tuple:
+        torch.manual_seed(0)
+        return NanoGPT(NanoConfig(dropout=0.1)), _ids()
+
+    spec = Spec(model, PP1 + ("dp=1", "tp=2", "zero=0", "transformer.h.*:tp=megatron"), 4)
+    plan, graph = plan_for(spec, world_size)
+    m, inputs = model()
+    pm = autopar.compile(m, example_inputs=inputs, plan=plan, graph=graph,
+                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 128, (4, 16), generator=g)
+    torch.manual_seed(100 + rank)  # each rank's own stream: the runtime must seed the tp group alike
+    losses = [pm.train_step(x, x) for _ in range(3)]
+    from torch.distributed.tensor import DTensor
+
+    replicated = torch.cat([(p.to_local() if isinstance(p, DTensor) else p).detach().reshape(-1)
+                            for n, p in m.named_parameters() if "ln_" in n or n.endswith("c_proj.bias")])
+    gathered = [torch.empty_like(replicated) for _ in range(world_size)]
+    dist.all_gather(gathered, replicated)
+    return {"spread": max(float((t - gathered[0]).abs().max()) for t in gathered), "losses": losses,
+            "dropout_on": m.training}
+
+
+CASES["tp_dropout_masks"] = tp_dropout_masks
