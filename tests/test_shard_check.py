@@ -153,3 +153,11 @@ def test_a_large_meta_layer_is_checked_on_a_narrower_copy_built_from_its_config(
     copy, mapping = built
     assert mapping[12288] == 384 and sum(p.numel() for p in copy.parameters()) < 10_000_000  # heads 4 wide
     assert math.isclose(copy.attn.c_attn.weight.std().item(), 384 ** -0.5, rel_tol=0.1)
+
+
+def test_a_head_count_that_2_does_not_divide_is_proved_at_the_degrees_that_do() -> None:
+    """GPT-2 XL has 25 heads: tp=2 cannot share them, tp=5 can (and is the only degree ≤ 8 offered)."""
+    attn = zoo.NanoCausalSelfAttention(zoo.NanoConfig(n_embd=20, n_head=5, block_size=8))
+    result = _check(attn, torch.randn(2, 8, 20), ["c_attn"], ["c_proj"], degrees=tuple(range(2, 9)))
+    assert result.ok, result.reason
+    assert result.degrees == (5,) and result.segments == {"c_attn": (20, 20, 20)}

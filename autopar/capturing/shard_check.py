@@ -196,7 +196,8 @@ _WIDTH_WORDS = ("d_model", "n_embd", "hidden", "intermediate", "ffn", "inner", "
                 "head_dim", "kv_channels", "width", "n_inner", "d_kv")
 
 
-def small_copy(module: nn.Module, config: Any, gen: torch.Generator) -> tuple[nn.Module, dict[int, int]] | None:
+def small_copy(module: nn.Module, config: Any, gen: torch.Generator,
+               lengths: dict[int, int] | None = None) -> tuple[nn.Module, dict[int, int]] | None:
     """``module``'s class built again from ``config`` with every width divided by one factor.
 
     Head counts, vocabulary, lengths and layer counts stay; widths (``d_model``,
@@ -222,7 +223,15 @@ def small_copy(module: nn.Module, config: Any, gen: torch.Generator) -> tuple[nn
     factor = max(1, hd // 4)
     if factor == 1 or any(v % factor for v in widths.values()):
         return None
-    small = _with_fields(config, {k: v // factor for k, v in widths.items()})
+    changes = {k: v // factor for k, v in widths.items()}
+    new_of = {v: v // factor for v in widths.values()}  # the inputs' dims map by value: one new size each
+    for old_len, new_len in (lengths or {}).items():
+        new_of.setdefault(old_len, new_len)
+    # a length the inputs are shortened to (the example's sequence) is shortened in the config too,
+    # so buffers sized by it (a rotary table of ``seq_len`` rows) match the shorter inputs
+    changes.update({k: new_of[v] for k, v in fields.items() if isinstance(v, int) and not isinstance(v, bool)
+                    and lengths and v in lengths and k not in changes})
+    small = _with_fields(config, changes)
     sig = inspect.signature(type(module).__init__)
     params = [p for p in list(sig.parameters.values())[1:] if p.default is inspect.Parameter.empty
               and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -238,7 +247,7 @@ def small_copy(module: nn.Module, config: Any, gen: torch.Generator) -> tuple[nn
         built = type(module)(*call)
     except Exception:  # noqa: BLE001 - a constructor we cannot satisfy: no small copy
         return None
-    mapping = {v: v // factor for v in widths.values()}
+    mapping = dict(new_of)
     mapping.setdefault(hd, hd // factor)
     return layer_copy(built, gen), mapping
 
@@ -385,6 +394,7 @@ def _check_style(layer: nn.Module, inputs: tuple, columns: tuple[str, ...], rows
     gen = torch.Generator().manual_seed(seed)
     divisors: set[int] = set()
     tried: list[int] = []
+    first_failure = ""
     worst = 0.0
     todo = [2]
     retries = 0
@@ -400,7 +410,11 @@ def _check_style(layer: nn.Module, inputs: tuple, columns: tuple[str, ...], rows
                     segments[exc.hint[0]] = merged
                     todo.insert(0, tp)
                     continue
-            return CheckResult(False, segments, reason=str(exc))
+            if _indivisible(exc) and not tried and tp < max(FIRST_DEGREES):
+                todo = [next(d for d in FIRST_DEGREES if d > tp)]  # 25 heads: try 3, 5, 7 before giving up
+                first_failure = first_failure or str(exc)
+                continue
+            return CheckResult(False, segments, reason=first_failure or str(exc))
         except Exception as exc:  # noqa: BLE001 - the layer's own code failed on shards
             return CheckResult(False, segments, reason=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
                                if str(exc) else type(exc).__name__)
@@ -412,9 +426,16 @@ def _check_style(layer: nn.Module, inputs: tuple, columns: tuple[str, ...], rows
         for s in segments.values():
             divisors.update(s)
         tried.append(tp)
-        if tp == 2:
+        if len(tried) == 1:
             todo = [d for d in degrees(tuple(sorted(divisors))) if d not in tried]
     return CheckResult(True, segments, tuple(sorted(divisors)), tuple(tried), worst)
+
+
+FIRST_DEGREES = (2, 3, 5, 7)  # the degree the search starts at, until one divides the layer's sizes
+
+
+def _indivisible(exc: NoShardRule) -> bool:
+    return "does not divide" in exc.why or "cannot share exactly" in exc.why
 
 
 def _fresh(inputs: tuple) -> tuple:

@@ -22,11 +22,12 @@ from autopar.capturing import shard_check
 from autopar.capturing.shard_rules import projection_dims
 from autopar.graph import Layer, TPStyle
 
+SHORT_SEQ = 16  # the sequence length a small layer is simulated at when the example's is longer
 DEGREES = tuple(range(2, 9))  # tp stays inside a node (8 GPUs): every degree up to 8 the sizes admit
 
 
 def _degrees(divisors: tuple[int, ...]) -> list[int]:
-    return [t for t in DEGREES[1:] if all(d % t == 0 for d in divisors)]
+    return [t for t in DEGREES if all(d % t == 0 for d in divisors)]
 
 
 def _config(model: nn.Module, module: nn.Module) -> Any:
@@ -55,23 +56,22 @@ def _check(model: nn.Module, module: nn.Module, style: TPStyle, prefix: str, rec
     n_params = sum(p.numel() for p in module.parameters())
     if n_params <= shard_check.MAX_CHECK_PARAMS:
         copy, inputs = shard_check.layer_copy(module, gen), recorded
+        if seq_len and seq_len > SHORT_SEQ:  # attention over a long sequence costs seconds: check a short one
+            short = _check_inputs(copy, cols, rows, shard_check.shrink_inputs(recorded, {seq_len: SHORT_SEQ}))
+            if short is not None and short.ok:
+                return short
     else:
-        built = shard_check.small_copy(module, _config(model, module), gen)
+        lengths = {seq_len: SHORT_SEQ} if seq_len and seq_len > SHORT_SEQ else {}
+        built = shard_check.small_copy(module, _config(model, module), gen, lengths)
         if built is None:
             return shard_check.CheckResult(False, {}, reason=f"too large to simulate ({n_params:,} parameters) "
                                            "and no config to build a narrower copy from")
         copy, mapping = built
-        if seq_len and seq_len > 8:
-            mapping.setdefault(seq_len, 8)
         mapping.setdefault(batch, 1)
         inputs = shard_check.shrink_inputs(recorded, mapping)
-    widths = {}
-    for c in cols:
-        dims = projection_dims(copy.get_submodule(c))
-        if dims is None:
-            return shard_check.CheckResult(False, {}, reason=f"{c} is not a Linear or Conv1D")
-        widths[c] = dims[1]
-    result = shard_check.check_style(copy, shard_check.real_inputs(inputs), cols, rows, widths, _degrees)
+    result = _check_inputs(copy, cols, rows, inputs)
+    if result is None:
+        return shard_check.CheckResult(False, {}, reason="a column projection is not a Linear or Conv1D")
     if result.ok and n_params > shard_check.MAX_CHECK_PARAMS:
         # the copy is narrower: scale its segments back (same fractions of each projection)
         full = {c: projection_dims(module.get_submodule(c))[1] for c in cols}  # type: ignore[index]
@@ -81,6 +81,17 @@ def _check(model: nn.Module, module: nn.Module, style: TPStyle, prefix: str, rec
             segments[c] = tuple(s * factor for s in segs)
         result = dataclasses.replace(result, segments=segments)
     return result
+
+
+def _check_inputs(copy: nn.Module, cols: tuple[str, ...], rows: tuple[str, ...],
+                  inputs: tuple) -> shard_check.CheckResult | None:
+    widths = {}
+    for c in cols:
+        dims = projection_dims(copy.get_submodule(c))
+        if dims is None:
+            return None
+        widths[c] = dims[1]
+    return shard_check.check_style(copy, shard_check.real_inputs(inputs), cols, rows, widths, _degrees)
 
 
 def verify_styles(model: nn.Module, args: tuple, kwargs: dict, layers: list[Layer], batch: int,
