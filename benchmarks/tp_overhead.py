@@ -32,6 +32,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from runtime_overhead import _manual_step  # noqa: E402 - the same hand-written step, timed alike
 
 SEQ, BATCH, VOCAB = 64, 8, 2048
 
@@ -83,20 +86,6 @@ def hand_written(kind: str, model: nn.Module, mesh) -> nn.Module:
         parallelize_module(block, mesh, {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
                                          "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
     return model
-
-
-def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.flatten(0, 1), y.flatten())
-
-
-def _manual_step(model: nn.Module, opt: torch.optim.Optimizer, x, y) -> float:
-    opt.zero_grad(set_to_none=True)
-    loss = _loss(model(x), y)
-    loss.backward()
-    opt.step()
-    total = loss.detach().double()
-    dist.all_reduce(total)
-    return float(total) / dist.get_world_size()
 
 
 def _worker(rank: int, world_size: int, store: str, steps: int, out: str) -> None:

@@ -79,6 +79,17 @@ class PipelineRuntime:
     def has_last(self) -> bool:
         return self.plan.stages - 1 in self.stage_ids
 
+    def _schedule_args(self, inputs: Any, targets: torch.Tensor) -> tuple[tuple, dict[str, Any], list]:
+        """What a schedule call takes on this rank: inputs on the first stage, targets and a list the
+        losses land in on the last."""
+        args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        args = tuple(a.to(self.device) for a in args) if self.has_first else ()
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {}
+        if self.has_last:
+            kwargs = dict(target=targets.to(self.device), losses=losses)
+        return args, kwargs, losses
+
     def step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor | None:
         """One schedule step on this dp rank's shard (microbatches × microbatch size samples).
 
@@ -86,12 +97,7 @@ class PipelineRuntime:
         None elsewhere. Gradients accumulate into ``parameters()`` (the
         caller zeroes them).
         """
-        args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-        args = tuple(a.to(self.device) for a in args) if self.has_first else ()
-        losses: list[torch.Tensor] = []
-        kwargs: dict[str, Any] = {}
-        if self.has_last:
-            kwargs = dict(target=targets.to(self.device), losses=losses)
+        args, kwargs, losses = self._schedule_args(inputs, targets)
         self.schedule.step(*args, return_outputs=False, **kwargs)
         if self.tied is not None:
             self.tied.sum_grads()
@@ -102,12 +108,7 @@ class PipelineRuntime:
     def evaluate(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor | None:
         """Forward only, every microbatch through the stages without gradients: the mean loss over
         this dp rank's shard on ranks holding the last stage, None elsewhere."""
-        args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-        args = tuple(a.to(self.device) for a in args) if self.has_first else ()
-        losses: list[torch.Tensor] = []
-        kwargs: dict[str, Any] = {}
-        if self.has_last:
-            kwargs = dict(target=targets.to(self.device), losses=losses)
+        args, kwargs, losses = self._schedule_args(inputs, targets)
         with torch.no_grad():
             self.schedule.eval(*args, **kwargs)
         if not self.has_last:

@@ -29,6 +29,7 @@ what was checked.
 
 from __future__ import annotations
 
+import abc
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -43,17 +44,20 @@ from autopar.capturing.shard_ops import ELEMENTWISE, RULES, any_tagged, elementw
 # ------------------------------------------------------------------ collectives
 
 
-class Collectives:
-    """How a rank gets its weight shards and combines partial results."""
+class Collectives(abc.ABC):
+    """How a rank gets its weight shards and combines partial results: :class:`SimulatedRank` in one
+    process, ``passes.tensor_parallel.MeshRank`` on a device mesh."""
 
     tp: int
     rank: int
 
+    @abc.abstractmethod
     def column_weight(self, weight: torch.Tensor, dim: int, segments: tuple[int, ...]) -> torch.Tensor:
-        raise NotImplementedError
+        """This rank's share of a column projection's ``weight`` (or bias) along ``dim``."""
 
+    @abc.abstractmethod
     def row_weight(self, weight: torch.Tensor, dim: int) -> torch.Tensor:
-        raise NotImplementedError
+        """This rank's share of a row projection's weight along its input ``dim``."""
 
     def replicated(self, param: torch.Tensor | None) -> torch.Tensor | None:
         """A parameter every rank holds whole (a row projection's bias)."""
@@ -63,9 +67,9 @@ class Collectives:
         """The replicated input of a column projection (its gradient is summed over ranks)."""
         return x
 
+    @abc.abstractmethod
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's partial result of a row projection."""
-        raise NotImplementedError
 
 
 class SimulatedRank(Collectives):
