@@ -48,6 +48,20 @@ class TPStyle:
     ``fwd_allreduce_elems`` / ``bwd_allreduce_elems`` in ``fwd_allreduce_count``
     / ``bwd_allreduce_count`` collectives, and ``fwd_allgather_elems`` (the
     gathered output size) for outputs gathered to every rank.
+
+    Sequence parallelism (Megatron-SP) on the style is offered at the degrees
+    ``sequence`` (simulated exact, and dividing the sequence): the hidden state
+    is shared on its sequence outside the projections, each distinct column
+    input gathered (``sequence_gathers`` all-gathers of
+    ``sequence_gather_elems`` elements per sample in all, kept whole for the
+    projections' backward) and each row output reduce-scattered;
+    ``sequence_grad_sums`` replicated tensors (norm weights, row biases) have
+    their gradients summed over the tp group, ``sequence_grad_sum_elems`` in
+    all. ``sequence_stream_elems`` is the hidden state per sample (what a
+    region's entry and exit gather), and ``sequence_linked`` says the layer's
+    hidden state is its predecessor's output, passed on untouched, so two
+    sequence-parallel neighbours hand over their shares without gathering.
+    ``sequence_refusal`` says why sequence parallelism is not offered.
     """
 
     name: str
@@ -65,6 +79,18 @@ class TPStyle:
     bwd_allreduce_elems: float = 0.0
     bwd_allreduce_count: int = 0
     fwd_allgather_elems: float = 0.0
+    sequence: tuple[int, ...] = ()
+    sequence_refusal: str = ""
+    sequence_linked: bool = False
+    sequence_gathers: int = 0
+    sequence_gather_elems: float = 0.0
+    sequence_grad_sums: int = 0
+    sequence_grad_sum_elems: int = 0
+    sequence_stream_elems: float = 0.0
+
+    def admits_sequence(self, tp: int) -> bool:
+        """Whether sequence parallelism on this style runs exact on ``tp`` ranks."""
+        return tp in self.sequence and self.admits(tp)
 
     def admits(self, tp: int) -> bool:
         """Whether this style can run on ``tp`` ranks (every divisor divisible)."""
@@ -78,11 +104,13 @@ class TPStyle:
                 round(self.sharded_flops_per_sample, 3),
                 round(self.sharded_activation_elems_per_sample, 3),
                 self.fwd_allreduce_elems, self.fwd_allreduce_count, self.bwd_allreduce_elems,
-                self.bwd_allreduce_count, self.fwd_allgather_elems)
+                self.bwd_allreduce_count, self.fwd_allgather_elems, self.sequence,
+                self.sequence_gathers, self.sequence_gather_elems, self.sequence_grad_sums,
+                self.sequence_grad_sum_elems, self.sequence_stream_elems)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for key in ("column", "row", "vocab", "divisors", "checked"):
+        for key in ("column", "row", "vocab", "divisors", "checked", "sequence"):
             d[key] = list(d[key])
         d["segments"] = {k: list(v) for k, v in self.segments.items()}
         return d
@@ -91,7 +119,7 @@ class TPStyle:
     def from_dict(cls, d: dict[str, Any]) -> TPStyle:
         d = dict(d)
         d.pop("heads", None)  # older graphs: head counts, now read from the graph by simulation
-        for key in ("column", "row", "vocab", "divisors", "checked"):
+        for key in ("column", "row", "vocab", "divisors", "checked", "sequence"):
             d[key] = tuple(d.get(key, ()))
         d["segments"] = {k: tuple(v) for k, v in d.get("segments", {}).items()}
         return cls(**d)

@@ -12,7 +12,10 @@ recompute, ``on``/``all`` still mean ``full`` and ``off`` means ``none``.
 A global ``recompute=selective`` applies to the layers that have something to
 keep and leaves the others without recompute (the plan notes them); a
 per-layer one on a layer with nothing to keep is a PinError (planning checks
-it against the graph).
+it against the graph). ``sp=on|off`` (global or per layer) turns sequence
+parallelism on the layers' tensor-parallel styles on or off: a global
+``sp=on`` applies to the layers whose style can take it at the plan's tp; a
+per-layer one on a layer that cannot is a PinError naming the layer.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from autopar.errors import PinError
 from autopar.plan import Recompute
 
 _UNSET: Any = object()
-GLOBAL_KEYS = ("pp", "dp", "tp", "microbatches", "schedule", "chunks", "zero", "recompute")
-LAYER_KEYS = ("stage", "tp", "zero", "recompute")
+GLOBAL_KEYS = ("pp", "dp", "tp", "microbatches", "schedule", "chunks", "zero", "recompute", "sp")
+LAYER_KEYS = ("stage", "tp", "zero", "recompute", "sp")
 _RECOMPUTE = {**dict.fromkeys(("full", "all", "on", "true", "yes", "1"), Recompute.FULL),
               **dict.fromkeys(("none", "off", "false", "no", "0"), Recompute.NONE),
               **dict.fromkeys(("selective", "sac"), Recompute.SELECTIVE)}
@@ -50,6 +53,7 @@ class LayerPin:
     tp: Any = _UNSET  # style name, or None for replicated
     zero: Any = _UNSET
     recompute: Any = _UNSET
+    sp: Any = _UNSET  # sequence parallelism on the layer's tensor-parallel style: True / False
 
     def fields_set(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in LAYER_KEYS if getattr(self, k) is not _UNSET}
@@ -67,6 +71,7 @@ class Pins:
     chunks: int | None = None
     zero: int | None = None
     recompute: Recompute | None = None
+    sp: bool | None = None  # every layer whose style can take it (global), or none
     layers: tuple[LayerPin, ...] = field(default_factory=tuple)
 
     @classmethod
@@ -139,6 +144,9 @@ class Pins:
             if self.zero is not None and "zero" in set_ and set_["zero"] != self.zero:
                 raise PinError(f"pins contradict each other: zero={self.zero} for every layer but "
                                f"{pin.pattern}:zero={set_['zero']}")
+            if self.sp is not None and "sp" in set_ and set_["sp"] != self.sp:
+                raise PinError(f"pins contradict each other: sp={_text(self.sp)} for every layer but "
+                               f"{pin.pattern}:sp={_text(set_['sp'])}")
             if self.recompute is not None and "recompute" in set_ and set_["recompute"] != self.recompute:
                 raise PinError(f"pins contradict each other: recompute={_text(self.recompute)} for "
                                f"every layer but {pin.pattern}:recompute={_text(set_['recompute'])}")
@@ -167,6 +175,8 @@ class Pins:
                 resolved[i].setdefault("zero", self.zero)
             if self.recompute is not None:
                 resolved[i].setdefault("recompute", self.recompute)
+            if self.sp is not None:  # planning applies it where the layer can take it
+                resolved[i]["sp_all"] = self.sp
         stages = [(names[i], r["stage"]) for i, r in enumerate(resolved) if "stage" in r]
         for (a, sa), (b, sb) in zip(stages, stages[1:]):
             if sb < sa:
@@ -217,6 +227,8 @@ def _global_value(key: str, value: str, item: str) -> Any:
         return zero
     if key == "recompute":
         return _recompute(value, item)
+    if key == "sp":
+        return _on_off(value, item)
     try:
         return SCHEDULE_NAMES[value.lower()]
     except KeyError:
@@ -230,4 +242,15 @@ def _layer_value(key: str, value: str, item: str) -> Any:
         return _global_value("zero", value, item)
     if key == "recompute":
         return _recompute(value, item)
+    if key == "sp":
+        return _on_off(value, item)
     return None if value.lower() in ("none", "-", "replicate") else value
+
+
+def _on_off(value: str, item: str) -> bool:
+    text = value.lower()
+    if text in ("on", "true", "1", "yes"):
+        return True
+    if text in ("off", "false", "0", "no"):
+        return False
+    raise PinError(f"pin {item!r}: sp must be on or off, got {value!r}")

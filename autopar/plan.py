@@ -71,13 +71,15 @@ class Recompute(IntEnum):
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """One layer's choices. ``stage`` is the virtual stage (rank = stage mod pp)."""
+    """One layer's choices. ``stage`` is the virtual stage (rank = stage mod pp); ``sp``: sequence
+    parallelism on the layer's tensor-parallel style."""
 
     name: str
     stage: int
     tp: str | None
     zero: int
     recompute: Recompute
+    sp: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", Recompute.of(self.recompute))
@@ -358,6 +360,7 @@ def _plan_from_dict(d: Any, source: str) -> Plan:
                 name=_require(l, "name", str, source), stage=_require(l, "stage", int, source),
                 tp=l.get("tp"), zero=_require(l, "zero", int, source),
                 recompute=_recompute_from(_require(l, "recompute", (bool, str), source), source),
+                sp=_require(l, "sp", bool, source) if "sp" in l else False,  # plans from before: no sp
             )
             for l in _require(d, "layers", list, source)
         )
@@ -481,7 +484,7 @@ def _fold(layers: tuple[LayerPlan, ...]) -> list[tuple[str, LayerPlan, int]]:
 
 
 def _choices(layer: LayerPlan) -> tuple:
-    return (layer.stage, layer.tp, layer.zero, layer.recompute)
+    return (layer.stage, layer.tp, layer.zero, layer.recompute, layer.sp)
 
 
 def _layer_rows(plan: Plan) -> tuple[list[tuple[str, ...]], tuple[str, ...]]:
@@ -491,7 +494,8 @@ def _layer_rows(plan: Plan) -> tuple[list[tuple[str, ...]], tuple[str, ...]]:
     rows = []
     for label, l, _ in _fold(plan.layers):
         where = (str(l.stage), str(l.stage % pp), str(l.stage // pp)) if interleaved else (str(l.stage),)
-        rows.append((label, *where, l.tp or "-", str(l.zero), str(l.recompute)))
+        tp = (l.tp or "-") + ("+sp" if l.sp else "")
+        rows.append((label, *where, tp, str(l.zero), str(l.recompute)))
     header = ("layer", "stage", *(("rank", "chunk") if interleaved else ()), "tp", "zero", "recompute")
     return rows, header
 

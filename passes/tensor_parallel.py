@@ -33,8 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
-from autopar.capturing.shard_check import install_projection_hooks
+from autopar.capturing.shard_check import SEQ_DIM, hidden_input, install_projection_hooks, with_hidden_input
 from autopar.capturing.shard_rules import Collectives, ShardMode, is_conv1d, projection_dims, segment_permutation
 from autopar.errors import LoweringError
 from autopar.graph import Layer, LayerGraph, TPStyle
@@ -101,6 +102,11 @@ def check_tensor_parallel(model: nn.Module, graph: LayerGraph, plan: Plan, tp: i
                 dims[0] if path in style.row else dims[1])  # type: ignore[index]
             if size % tp:
                 raise LoweringError(f"module {path!r}: tp={tp} does not divide its width {size}")
+        lp = next(lp for lp in plan.layers if lp.name == layer.name)
+        if lp.sp and not style.admits_sequence(tp):
+            why = style.sequence_refusal or f"capture proved it at tp={list(style.sequence)}"
+            raise LoweringError(f"layer {layer.name!r}: sequence parallelism does not run at tp={tp} ({why}); "
+                                "plan it with sp=off")
         for path, segs in style.segments.items():
             if any(s % tp for s in segs):
                 raise LoweringError(f"module {path!r}: tp={tp} does not divide its output's segments {list(segs)}")
@@ -138,10 +144,86 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+def _all_gather(x: torch.Tensor, dim: int, group: Any, tp: int) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` (gloo and NCCL gather along dim 0)."""
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((front.shape[0] * tp, *front.shape[1:]))
+    dist.all_gather_single(out, front, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: Any, tp: int) -> torch.Tensor:
+    """The sum of every rank's ``x``, of which this rank keeps its 1/tp along ``dim``."""
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((front.shape[0] // tp, *front.shape[1:]))
+    dist.reduce_scatter_single(out, front, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Megatron-SP's *g*: the sequence gathered forward, the gradient reduce-scattered backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: Any, tp: int) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.tp = dim, group, tp
+        return _all_gather(x, dim, group, tp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter(grad, ctx.dim, ctx.group, ctx.tp), None, None, None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """Megatron-SP's *ḡ*: partial sums reduce-scattered onto the sequence forward, the gradient
+    gathered backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: Any, tp: int) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.tp = dim, group, tp
+        return _reduce_scatter(x, dim, group, tp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather(grad, ctx.dim, ctx.group, ctx.tp), None, None, None
+
+
+class _SplitSequence(torch.autograd.Function):
+    """Entering a sequence-parallel region from a replicated activation: keep this rank's share
+    forward (no communication), gather the gradient's shares backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: Any, tp: int, rank: int) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.tp = dim, group, tp
+        return x.chunk(tp, dim=dim)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather(grad, ctx.dim, ctx.group, ctx.tp), None, None, None, None
+
+
+class _LeaveSequence(torch.autograd.Function):
+    """Leaving a sequence-parallel region: gather the shares forward; every rank's gradient is the
+    whole (replicated) one, of which it keeps its share backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: Any, tp: int, rank: int) -> torch.Tensor:
+        ctx.dim, ctx.tp, ctx.rank = dim, tp, rank
+        return _all_gather(x, dim, group, tp)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.chunk(ctx.tp, dim=ctx.dim)[ctx.rank].contiguous(), None, None, None, None
+
+
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs inside backward (activation checkpointing's recomputation)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class MeshRank(Collectives):
@@ -170,6 +252,21 @@ class MeshRank(Collectives):
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return _ReduceFromTP.apply(partial, self.group)
 
+    def gather_sequence(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return _GatherSequence.apply(x, dim, self.group, self.tp)
+
+    def reduce_scatter_sequence(self, partial: torch.Tensor, dim: int) -> torch.Tensor:
+        return _ScatterSequence.apply(partial, dim, self.group, self.tp)
+
+    def grad_sum(self, x: torch.Tensor) -> torch.Tensor:
+        return _CopyToTP.apply(x, self.group)
+
+    def split_sequence(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return _SplitSequence.apply(x, dim, self.group, self.tp, self.rank)
+
+    def leave_sequence(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return _LeaveSequence.apply(x, dim, self.group, self.tp, self.rank)
+
 
 # ------------------------------------------------------------------ lowering
 
@@ -196,7 +293,33 @@ def _permute(mod: nn.Module, fqn: str, segments: tuple[int, ...], tp: int, resul
         result.permutations[f"{fqn}.{name}"] = Permutation(perm, dim)
 
 
-def _megatron(model: nn.Module, layer: Layer, style: TPStyle, tp_mesh: Any, result: TensorParallelResult) -> None:
+@dataclass(frozen=True)
+class SequenceEnds:
+    """Sequence parallelism on a layer: whether it enters its region (keeps its share of a
+    replicated hidden state) and leaves it (gathers its output's shares); between two
+    sequence-parallel neighbours of one stage whose hidden state passes untouched, neither."""
+
+    enter: bool
+    leave: bool
+
+
+def _sequence_ends(graph: LayerGraph, plan: Plan) -> dict[str, SequenceEnds]:
+    """Each sequence-parallel layer's ends, from the plan's order (a part's layers, in chain order)."""
+    layers, out = list(plan.layers), {}
+
+    def passes(a: Any, b: Any) -> bool:  # a's output share goes straight into b
+        return (a.sp and b.sp and a.stage == b.stage and b.tp is not None
+                and graph.layer(b.name).tp_style(b.tp).sequence_linked)
+
+    for i, lp in enumerate(layers):
+        if lp.sp and lp.tp is not None:
+            out[lp.name] = SequenceEnds(enter=not (i > 0 and passes(layers[i - 1], lp)),
+                                        leave=not (i + 1 < len(layers) and passes(lp, layers[i + 1])))
+    return out
+
+
+def _megatron(model: nn.Module, layer: Layer, style: TPStyle, tp_mesh: Any, result: TensorParallelResult,
+              sequence: SequenceEnds | None = None) -> None:
     from torch.distributed.tensor import Replicate, Shard
 
     tp = tp_mesh.size()
@@ -215,11 +338,16 @@ def _megatron(model: nn.Module, layer: Layer, style: TPStyle, tp_mesh: Any, resu
         raise LoweringError(f"layer {layer.name!r} has no module of its own to run sharded")
     owner = model.get_submodule(layer.module_path)
     install_projection_hooks(owner, style.column, style.row, style.segments, prefix=layer.module_path)
-    _run_sharded(owner, tp_mesh)
+    _run_sharded(owner, tp_mesh, sequence)
 
 
-def _run_sharded(module: nn.Module, tp_mesh: Any) -> None:
-    """Run ``module``'s forward under the sharding rules on this rank of ``tp_mesh``."""
+def _run_sharded(module: nn.Module, tp_mesh: Any, sequence: SequenceEnds | None = None) -> None:
+    """Run ``module``'s forward under the sharding rules on this rank of ``tp_mesh``; with
+    ``sequence``, on its share of the hidden state's sequence.
+
+    A recomputed forward (activation checkpointing re-runs the module in backward, with the
+    inputs it got: already shares) neither splits its input again nor gathers its output,
+    which checkpointing throws away."""
     comm = MeshRank(tp_mesh)
     active: list[ShardMode] = []
 
@@ -227,10 +355,26 @@ def _run_sharded(module: nn.Module, tp_mesh: Any) -> None:
         mode = ShardMode(comm)
         mode.__enter__()
         active.append(mode)
+        if sequence is None:
+            return None
+        found = hidden_input(args, kwargs)
+        if found is None:
+            raise LoweringError(f"{type(mod).__name__}: sequence parallelism found no hidden state to share")
+        where, x = found
+        with torch._C.DisableTorchFunction():
+            share = comm.split_sequence(x, SEQ_DIM) if sequence.enter and not _recomputing() else x
+        mode.enter_sequence(share, SEQ_DIM, share.shape[SEQ_DIM] * comm.tp)
+        return with_hidden_input(args, kwargs, where, share)
 
     def leave(mod, args, kwargs, output):
         if active:
             active.pop().__exit__(None, None, None)
+        if sequence is None or not sequence.leave or _recomputing():
+            return None
+        leaves, spec = pytree.tree_flatten(output)
+        at = next(i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point())
+        leaves[at] = comm.leave_sequence(leaves[at], SEQ_DIM)
+        return pytree.tree_unflatten(leaves, spec)
 
     module.register_forward_pre_hook(enter, with_kwargs=True)
     module.register_forward_hook(leave, with_kwargs=True, always_call=True)
@@ -267,11 +411,12 @@ def apply_tensor_parallel(model: nn.Module, graph: LayerGraph, plan: Plan, tp_me
         return result
     check_tensor_parallel(model, graph, plan, tp)
     vocab: dict[str, object] = {}
+    ends = _sequence_ends(graph, plan)
     for layer, style in _tp_layers(graph, plan):
         if style.vocab:
             vocab.update(_vocab_styles(model, style))
         if style.row:
-            _megatron(model, layer, style, tp_mesh, result)
+            _megatron(model, layer, style, tp_mesh, result, ends.get(layer.name))
         result.layers.append(layer.name)
     if vocab:
         parallelize_module(model, tp_mesh, vocab)

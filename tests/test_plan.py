@@ -30,7 +30,7 @@ def test_json_round_trip_is_exact(plan, tmp_path):
     data = json.loads(path.read_text())
     assert data["schema"] == SCHEMA and list(data)[0] == "schema"
     assert set(data["mesh"]) == {"pp", "dp", "tp"}
-    assert {"name", "stage", "tp", "zero", "recompute"} == set(data["layers"][0])
+    assert {"name", "stage", "tp", "zero", "recompute", "sp"} == set(data["layers"][0])
     assert set(data["predicted"]["breakdown"]) == {
         "compute_s", "bubble_s", "tp_comm_s", "dp_comm_s", "pp_comm_s", "optimizer_s"}
     assert data["solver"]["status"] in ("OPTIMAL", "FEASIBLE") and data["solver"]["wall_s"] >= 0

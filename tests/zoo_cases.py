@@ -27,6 +27,25 @@ for _name, (_, _blocks) in MODELS.items():
     ):
         SPECS[f"{_name}/{_kind}"] = Spec(_builder(_name), _pins, _batch, classes=_classes)
 
+# sequence parallelism on the blocks of the zoo's models whose blocks take it (GPT-2's Conv1D and OPT's
+# flattening MLP included where the simulation proves them; OPT and ViT are refused, see test_zoo)
+SEQUENCE_MODELS = ("nanogpt", "nanogpt_flash", "shape_gpt", "hf_gpt2", "hf_llama", "hf_mistral", "hf_qwen2",
+                   "hf_phi3", "hf_neox", "hf_bert")
+for _name in SEQUENCE_MODELS:
+    _blocks = MODELS[_name][1]
+    _sp = (f"{_blocks}:tp=megatron", f"{_blocks}:sp=on")
+    for _kind, _pins, _batch in (
+        ("sp", PP1 + ("dp=1", "tp=2", "zero=0") + _sp, 4),
+        ("dp2tp2sp", PP1 + ("dp=2", "tp=2", "zero=3", "microbatches=1") + _sp, 4),
+        ("pp2tp2sp", ("pp=2", "dp=1", "tp=2", "microbatches=2", "schedule=1f1b", f"{_blocks}:recompute=selective")
+         + _sp, 4),
+    ):
+        SPECS[f"{_name}/{_kind}"] = Spec(_builder(_name), _pins, _batch)
+# one plan mixing, block by block, sequence parallelism with and without recompute
+SPECS["nanogpt/sp_mixed"] = Spec(_builder("nanogpt"), ("pp=1",
+    "dp=1", "tp=2", "zero=0", "transformer.h.*:tp=megatron", "transformer.h.0:sp=on", "transformer.h.0:recompute=full",
+    "transformer.h.1:sp=off", "transformer.h.1:recompute=selective"), 4)
+
 for _name, (_, _blocks) in TIED.items():  # tied input/output embeddings split across the stages
     SPECS[f"{_name}/pp2"] = Spec(_builder(_name), ("pp=2", "dp=1", "tp=1", "microbatches=2", "schedule=1f1b",
                                                    "recompute=none"), 4)

@@ -45,6 +45,7 @@ MAX_CHECK_PARAMS = 32_000_000  # a layer copy above this is rebuilt narrower fro
 # casts back); a wrong one is off by 1e-2 or more.
 TOLERANCE = 1e-6
 MAX_RETRIES = 6
+SEQ_DIM = 1  # sequence parallelism shares hidden states [batch, sequence, features] on the sequence
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class CheckResult:
     degrees: tuple[int, ...] = ()
     error: float = 0.0
     reason: str = ""
+    copy_segments: dict[str, tuple[int, ...]] | None = None  # ``segments`` at a narrower copy's sizes
 
 
 # ------------------------------------------------------------------ hooks shared with the runtime
@@ -91,11 +93,13 @@ def install_projection_hooks(layer: nn.Module, columns: Iterable[str], rows: Ite
                 if mode is None:
                     raise RuntimeError(f"{proj.path} ran outside its tensor-parallel layer")
                 mode.projections.append(proj)
+                return mode.gather_input(proj, args)
 
             def post(module, args, output, proj=proj):
                 mode = current_mode()
                 if mode is not None and mode.projections:
                     mode.projections.pop()
+                return mode.scatter_output(proj, output) if mode is not None else None
             handles.append(mod.register_forward_pre_hook(pre))
             handles.append(mod.register_forward_hook(post, always_call=True))
     return handles
@@ -131,6 +135,33 @@ def record_inputs(model: nn.Module, args: tuple, kwargs: dict, paths: list[str])
         for h in handles:
             h.remove()
     return seen
+
+
+def record_links(model: nn.Module, args: tuple, kwargs: dict, paths: list[str]) -> set[str]:
+    """The modules of ``paths`` (in chain order) whose hidden state (:func:`hidden_input`) is the very
+    tensor the previous one returned: the model hands it on untouched, so shares of it can pass."""
+    hidden_in: dict[str, Any] = {}
+    out: dict[str, Any] = {}
+    handles = []
+    for path in paths:
+        def pre(module, a, k, path=path):  # noqa: ANN001
+            found = hidden_input(a, k)
+            hidden_in.setdefault(path, found[1] if found else None)
+
+        def post(module, a, k, o, path=path):  # noqa: ANN001
+            leaves = _floating_leaves(o)
+            out.setdefault(path, leaves[0] if leaves else None)
+        mod = model.get_submodule(path)
+        handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mod.register_forward_hook(post, with_kwargs=True))
+    try:
+        with torch.no_grad(), _MetaValues():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return {b for a, b in zip(paths, paths[1:])
+            if hidden_in.get(b) is not None and hidden_in.get(b) is out.get(a)}
 
 
 class _MetaValues(TorchFunctionMode):
@@ -296,10 +327,39 @@ def _rel(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
     return float((a - b).norm() / max(float(b.norm()), floor))
 
 
+@dataclass
+class SequenceStats:
+    """What a sequence-parallel run of a layer did: the column projections each all-gather fed,
+    and the elements of each replicated tensor whose gradient is summed over the tp group."""
+
+    gathers: tuple[tuple[str, ...], ...] = ()
+    grad_sums: tuple[int, ...] = ()
+
+
+def hidden_input(args: tuple, kwargs: dict) -> tuple[int | str, torch.Tensor] | None:
+    """Where a layer's hidden state comes in: its first positional argument if that is a floating
+    tensor, else a ``hidden_states`` keyword (Hugging Face's name); None if neither."""
+    if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+        return 0, args[0]
+    x = kwargs.get("hidden_states")
+    return ("hidden_states", x) if isinstance(x, torch.Tensor) and x.is_floating_point() else None
+
+
+def with_hidden_input(args: tuple, kwargs: dict, where: int | str, x: torch.Tensor) -> tuple[tuple, dict]:
+    if isinstance(where, int):
+        return (x, *args[1:]), kwargs
+    return args, {**kwargs, where: x}
+
+
 def simulate(layer: nn.Module, inputs: tuple, pair_columns: tuple[str, ...], pair_rows: tuple[str, ...],
-             segments: dict[str, tuple[int, ...]], tp: int, gen: torch.Generator) -> tuple[float, set[int]]:
+             segments: dict[str, tuple[int, ...]], tp: int, gen: torch.Generator,
+             sequence: bool = False, stats: SequenceStats | None = None) -> tuple[float, set[int]]:
     """Worst relative error of ``tp`` simulated ranks against the unsharded layer, and the sizes
-    the rules divided by tp. Raises :class:`NoShardRule` where the layer cannot run sharded."""
+    the rules divided by tp. Raises :class:`NoShardRule` where the layer cannot run sharded.
+
+    ``sequence``: sequence parallelism — each rank gets its share of the hidden state's sequence
+    (dim :data:`SEQ_DIM`) and must return its share of the output's; ``stats`` (if given) is
+    filled with what the run gathered and summed."""
     args, kwargs = inputs
     layer.eval()
     leaves = [t for t in _floating_leaves((args, kwargs))]
@@ -310,6 +370,16 @@ def simulate(layer: nn.Module, inputs: tuple, pair_columns: tuple[str, ...], pai
         ref = _first_tensor(layer(*args, **kwargs))
     cot = torch.randn(ref.shape, generator=gen, dtype=ref.dtype)
     ref_grads = torch.autograd.grad((ref * cot).sum(), [*params, *leaves], allow_unused=True)
+    hidden, length = None, 0
+    if sequence:
+        hidden = hidden_input(args, kwargs)
+        if hidden is None or hidden[1].dim() != 3:
+            raise NoShardRule("sequence parallel", "the layer's hidden state (its first tensor argument) is not "
+                              "[batch, sequence, features]")
+        length = int(hidden[1].shape[SEQ_DIM])
+        if length % tp or ref.dim() <= SEQ_DIM or ref.shape[SEQ_DIM] != length:
+            raise NoShardRule("sequence parallel", f"tp={tp} does not divide the sequence ({length}), or the "
+                              "output has another length")
 
     reducer = Reducer(tp)
     outs: list[torch.Tensor | None] = [None] * tp
@@ -320,10 +390,20 @@ def simulate(layer: nn.Module, inputs: tuple, pair_columns: tuple[str, ...], pai
     def rank(r: int) -> None:
         try:
             with ShardMode(SimulatedRank(tp, r, reducer), dropout=False) as mode:
-                outs[r] = _first_tensor(layer(*args, **kwargs))
-            if mode.layout(outs[r]) is not None:
+                a, k = args, kwargs
+                if hidden is not None:
+                    share = mode.enter_sequence(hidden[1].chunk(tp, SEQ_DIM)[r], SEQ_DIM, length)
+                    a, k = with_hidden_input(args, kwargs, hidden[0], share)
+                outs[r] = _first_tensor(layer(*a, **k))
+            lay = mode.layout(outs[r])
+            if hidden is not None and (lay is None or not lay.sequence or lay.dim != SEQ_DIM):
+                raise NoShardRule("output", "sequence parallel: the layer's output is not its share of the sequence")
+            if hidden is None and lay is not None:
                 raise NoShardRule("output", "the layer's output is still sharded (no row projection closes it)")
             divisors.update(mode.divisors)
+            if r == 0 and stats is not None:
+                stats.gathers = tuple(tuple(g) for g in mode.gathers)
+                stats.grad_sums = tuple(mode.grad_sums)
         except BaseException as exc:  # noqa: BLE001 - carried to the caller's thread
             failure.append(exc)
             reducer.abort()
@@ -340,9 +420,14 @@ def simulate(layer: nn.Module, inputs: tuple, pair_columns: tuple[str, ...], pai
     real = [e for e in failure if not isinstance(e, threading.BrokenBarrierError)]
     if real or failure:
         raise (real or failure)[0]
-    total = sum((o * cot).sum() for o in outs) / tp  # type: ignore[operator]
+    if hidden is not None:  # the ranks hold the pieces of one output
+        total = sum((o * c).sum() for o, c in zip(outs, cot.chunk(tp, SEQ_DIM)))  # type: ignore[union-attr]
+        whole = torch.cat(outs, SEQ_DIM)  # type: ignore[arg-type]
+        worst = _rel(whole, ref, 1e-12 * float(ref.detach().norm()) + 1e-300)
+    else:  # every rank holds the whole output
+        total = sum((o * cot).sum() for o in outs) / tp  # type: ignore[operator]
+        worst = max(_rel(o, ref, 1e-12 * float(ref.detach().norm()) + 1e-300) for o in outs)  # type: ignore[arg-type]
     grads = torch.autograd.grad(total, [*params, *leaves], allow_unused=True)
-    worst = max(_rel(o, ref, 1e-12 * float(ref.detach().norm()) + 1e-300) for o in outs)  # type: ignore[arg-type]
     # a tensor whose exact gradient is ~0 is judged against the largest gradient's scale
     floor = TOLERANCE * max((float(g.norm()) for g in ref_grads if g is not None), default=0.0) + 1e-300
     for g, gr in zip(grads, ref_grads):
@@ -431,6 +516,42 @@ def _check_style(layer: nn.Module, inputs: tuple, columns: tuple[str, ...], rows
     return CheckResult(True, segments, tuple(sorted(divisors)), tuple(tried), worst)
 
 
+def check_sequence(layer: nn.Module, recorded: tuple, columns: tuple[str, ...], rows: tuple[str, ...],
+                   segments: dict[str, tuple[int, ...]], degrees: tuple[int, ...], seed: int = 0,
+                   ) -> tuple[tuple[int, ...], SequenceStats, str]:
+    """Sequence parallelism on a proved style: simulated at each of ``degrees`` (the style's), with
+    the sequence lengthened or shortened to a multiple of the degree where it is not one.
+
+    ``recorded``: the layer's inputs as :func:`record_inputs` keeps them (made real here). Returns
+    the degrees it is exact at, what the first run gathered and summed, and why it stopped if it
+    did (empty when every degree passed)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(seed)
+    stats, proved = SequenceStats(), []
+    try:
+        args, kwargs = recorded
+        hidden = hidden_input(args, kwargs)
+        if hidden is None or hidden[1].dim() != 3:
+            return (), stats, "the layer's hidden state (its first tensor argument) is not [batch, sequence, features]"
+        length = int(hidden[1].shape[SEQ_DIM])
+        for tp in degrees:
+            run = recorded if length % tp == 0 else shrink_inputs(recorded, {length: tp * max(1, length // tp)})
+            try:
+                err, _ = simulate(layer, real_inputs(run), columns, rows, segments, tp, gen, sequence=True,
+                                  stats=stats if not proved else None)
+            except NoShardRule as exc:
+                return tuple(proved), stats, str(exc)
+            except Exception as exc:  # noqa: BLE001 - the layer's own code failed on shares of the sequence
+                return tuple(proved), stats, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            if err > TOLERANCE:
+                return tuple(proved), stats, f"simulated tp={tp} differs from one device by {err:.2e} (relative)"
+            proved.append(tp)
+        return tuple(proved), stats, ""
+    finally:
+        torch.set_num_threads(threads)
+
+
 FIRST_DEGREES = (2, 3, 5, 7)  # the degree the search starts at, until one divides the layer's sizes
 
 
@@ -456,5 +577,6 @@ def _is_cache(value: Any) -> bool:
     return type(value).__name__.endswith("Cache")
 
 
-__all__ = ["MAX_CHECK_PARAMS", "CheckResult", "Pair", "check_style", "install_projection_hooks", "layer_copy",
+__all__ = ["MAX_CHECK_PARAMS", "SEQ_DIM", "CheckResult", "Pair", "SequenceStats", "check_sequence", "check_style",
+           "hidden_input", "record_links", "with_hidden_input", "install_projection_hooks", "layer_copy",
            "real_inputs", "record_inputs", "shrink_inputs", "simulate", "small_copy"]

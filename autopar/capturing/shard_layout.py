@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 TAG = "_autopar_shard"  # the attribute a rank's sharded activations carry: (mode key, Sharded)
+SEQUENCE = "<sequence>"  # the ``source`` of a share along the sequence (sequence parallelism)
 
 
 class NoShardRule(Exception):  # noqa: N818 - a reason, raised and caught inside capture
@@ -43,6 +44,11 @@ class Sharded:
     def size(self) -> int:
         return sum(self.segments)
 
+    @property
+    def sequence(self) -> bool:
+        """A share of the sequence (sequence parallelism), not of features or heads."""
+        return self.source == SEQUENCE
+
 
 def segment_indices(segments: Sequence[int], tp: int, rank: int) -> torch.Tensor:
     """Global indices a rank holds along a dimension made of ``segments``."""
@@ -59,4 +65,4 @@ def segment_permutation(segments: Sequence[int], tp: int) -> torch.Tensor:
     return torch.cat([segment_indices(segments, tp, r) for r in range(tp)])
 
 
-__all__ = ["TAG", "NoShardRule", "Sharded", "segment_indices", "segment_permutation"]
+__all__ = ["SEQUENCE", "TAG", "NoShardRule", "Sharded", "segment_indices", "segment_permutation"]

@@ -100,7 +100,7 @@ def elementwise(mode: ShardMode, name, func, args, kwargs):
         if lay is None:
             continue
         at = Sharded(lay.dim + n - t.dim(), lay.segments, lay.source)
-        if where is not None and (where.dim, where.segments) != (at.dim, at.segments):
+        if where is not None and (where.dim, where.segments, where.sequence) != (at.dim, at.segments, at.sequence):
             raise NoShardRule(name, "its sharded inputs are split on different dims or segments")
         where = at
     assert where is not None
@@ -514,9 +514,21 @@ def _sdpa(mode: ShardMode, name, func, args, kwargs):
 
 
 def _dropout(mode: ShardMode, name, func, args, kwargs):
+    """Dropout on a share draws the mask the whole tensor would get (every rank of a tp group
+    draws from the same generator state) and keeps this rank's share of it: the ranks' masks
+    are the pieces of one mask, as on one device, not one piece repeated."""
+    x = args[0]
     if not mode.dropout:
-        return args[0]
-    return elementwise(mode, name, func, args, kwargs)
+        return x
+    p = float(_dim_arg(args, kwargs, 1, "p", 0.5))
+    training = bool(_dim_arg(args, kwargs, 2, "training", True))
+    lay = mode.layout(x)
+    if name != "dropout" or lay is None or not training or p == 0.0:
+        return elementwise(mode, name, func, args, kwargs)
+    full = torch.empty(mode.global_shape(x), dtype=x.dtype, device=x.device)
+    keep = full.bernoulli_(1.0 - p) if p < 1.0 else full.zero_()
+    scale = 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
+    return mode.tag(x * _local_of(mode, keep, lay.dim, lay) * scale, lay)
 
 
 ELEMENTWISE = frozenset("""

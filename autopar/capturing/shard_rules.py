@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from autopar.capturing.shard_layout import TAG, NoShardRule, Sharded, segment_indices, segment_permutation
+from autopar.capturing.shard_layout import SEQUENCE, TAG, NoShardRule, Sharded, segment_indices, segment_permutation
 from autopar.capturing.shard_ops import ELEMENTWISE, RULES, any_tagged, elementwise
 
 # ------------------------------------------------------------------ collectives
@@ -71,6 +71,22 @@ class Collectives(abc.ABC):
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's partial result of a row projection."""
 
+    @abc.abstractmethod
+    def gather_sequence(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Sequence parallelism: every rank's share of ``x`` along ``dim``, concatenated (its
+        gradient is summed and scattered back: a reduce-scatter)."""
+
+    @abc.abstractmethod
+    def reduce_scatter_sequence(self, partial: torch.Tensor, dim: int) -> torch.Tensor:
+        """Sequence parallelism: the sum of every rank's partial result, of which this rank keeps its
+        share along ``dim`` (its gradient is gathered: an all-gather)."""
+
+    def grad_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """A replicated tensor used with this rank's share of an activation: identity forward, its
+        gradient (this rank's part) summed over the tp group backward. In one process the ranks'
+        threads share the tensor and autograd sums their parts already."""
+        return x
+
 
 class SimulatedRank(Collectives):
     """One rank simulated in one process: full weights sliced, partials summed with the
@@ -89,6 +105,12 @@ class SimulatedRank(Collectives):
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return self.reducer.sum(self.rank, partial)
 
+    def gather_sequence(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.cat(self.reducer.exchange(self.rank, x), dim=dim)
+
+    def reduce_scatter_sequence(self, partial: torch.Tensor, dim: int) -> torch.Tensor:
+        return self.reducer.sum(self.rank, partial).chunk(self.tp, dim=dim)[self.rank]
+
 
 class Reducer:
     """A sum across the threads that simulate the ranks of one tp group."""
@@ -96,6 +118,16 @@ class Reducer:
     def __init__(self, tp: int, timeout: float = 60.0):
         self.barrier = threading.Barrier(tp, timeout=timeout)
         self.slots: list[torch.Tensor | None] = [None] * tp
+
+    def exchange(self, rank: int, value: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``value``, in rank order (differentiable: the threads share one graph)."""
+        self.slots[rank] = value
+        self.barrier.wait()
+        parts = list(self.slots)
+        self.barrier.wait()
+        if any(p is None or p.shape != value.shape for p in parts):
+            raise NoShardRule("all-gather", "the ranks' shares differ in shape")
+        return parts  # type: ignore[return-value]
 
     def sum(self, rank: int, partial: torch.Tensor) -> torch.Tensor:
         self.slots[rank] = partial
@@ -153,6 +185,19 @@ class ShardMode(TorchFunctionMode):
 
     ``dropout=False`` turns dropout into the identity (the numerical check:
     no parallel plan reproduces one device's masks).
+
+    Sequence parallelism (Megatron-SP): the layer's hidden-state input arrives
+    as this rank's share of the sequence (:meth:`enter_sequence`), so the code
+    before the first column projection (norms, residuals, dropout) runs on a
+    1/tp share; a column projection's input is gathered (an all-gather, once
+    per input however many projections read it) and a row projection's
+    partial sums are reduce-scattered back onto the sequence, where the
+    layer's output stays.
+
+    Wherever a replicated tensor that needs a gradient meets a share (a norm's
+    weight on a sequence share, a row bias, a per-head norm's weight on head
+    shares), its gradient on this rank is only this rank's part: it is summed
+    over the tp group (:meth:`Collectives.grad_sum`), once per tensor.
     """
 
     def __init__(self, comm: Collectives, dropout: bool = True):
@@ -163,6 +208,19 @@ class ShardMode(TorchFunctionMode):
         self.dropout = dropout
         self.projections: list[Projection] = []
         self.divisors: set[int] = set()
+        self.sequence: Sharded | None = None  # the hidden state's layout under sequence parallelism
+        self.gathers: list[list[str]] = []  # sequence parallelism: the column projections each gather fed
+        self._gathered: dict[int, tuple[torch.Tensor, torch.Tensor, list[str]]] = {}
+        self._summed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.grad_sums: list[int] = []  # elements of each replicated tensor whose gradient is summed
+        self._row_bias: dict[int, torch.Tensor | None] = {}
+
+    def enter_sequence(self, x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+        """Tag ``x``, this rank's share of a hidden state of ``length`` positions along ``dim``."""
+        if length % self.tp:
+            raise NoShardRule("sequence parallel", f"tp={self.tp} does not divide the sequence length ({length})")
+        self.sequence = Sharded(dim, (length,), SEQUENCE)
+        return self.tag(x, self.sequence)
 
     @property
     def projection(self) -> Projection | None:
@@ -224,6 +282,8 @@ class ShardMode(TorchFunctionMode):
             args, kwargs = _no_attention_dropout(args, kwargs)
         if not (any_tagged(self, args) or any_tagged(self, kwargs.values())):
             return func(*args, **kwargs)
+        if name not in _SHAPE_ONLY:
+            args, kwargs = self._sum_replicated_grads(args, kwargs)
         rule = RULES.get(name)
         if rule is None:
             if name in ELEMENTWISE:
@@ -231,6 +291,42 @@ class ShardMode(TorchFunctionMode):
             else:
                 raise NoShardRule(name, "no sharding rule for this op on a sharded activation")
         return rule(self, name, func, args, kwargs)
+
+    def _sum_replicated_grads(self, args, kwargs):
+        """Route every replicated tensor needing a gradient that meets a share through
+        :meth:`Collectives.grad_sum` (see the class docstring)."""
+        def fix(a):
+            if isinstance(a, torch.Tensor) and a.requires_grad and self.layout(a) is None:
+                done = self._summed.get(id(a))
+                if done is None:
+                    done = self._summed[id(a)] = (a, self.comm.grad_sum(a))
+                    self.grad_sums.append(a.numel())
+                return done[1]
+            if isinstance(a, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in a):
+                return type(a)(fix(t) for t in a)
+            return a
+        return tuple(fix(a) for a in args), {k: fix(v) for k, v in kwargs.items()}
+
+    def gather_input(self, proj: Projection, args: tuple) -> tuple | None:
+        """Sequence parallelism, as a column projection module is entered: its input, a share of the
+        sequence, gathered whole (once however many projections read it), so the module's own code
+        (a Conv1D flattens batch and sequence) sees the whole tensor. None: nothing to gather."""
+        x = args[0] if args else None
+        lay = self.layout(x)
+        if proj.role != "column" or lay is None or not lay.sequence:
+            return None
+        done = self._gathered.get(id(x))
+        if done is None:
+            with torch._C.DisableTorchFunction():  # the collective's own ops are not the layer's
+                whole = self.comm.gather_sequence(x, lay.dim)  # type: ignore[arg-type]
+            done = self._gathered[id(x)] = (x, whole, [])  # type: ignore[assignment]
+            self.gathers.append(done[2])
+        done[2].append(proj.path)
+        return (done[1], *args[1:])
+
+    def _was_gathered(self, x: torch.Tensor) -> bool:
+        base = x if x._base is None else x._base
+        return any(whole is x or whole is base for _, whole, _ in self._gathered.values())
 
     # ---------------------------------------------------------------- projections
     def _projection_op(self, name: str, func, args, kwargs):
@@ -253,7 +349,8 @@ class ShardMode(TorchFunctionMode):
                 self.need(s, f"a segment of {proj.path}'s output", proj.path)  # type: ignore[union-attr]
             w = self.comm.column_weight(weight, wdim_out, segs)
             b = self.comm.column_weight(bias, 0, segs) if bias is not None else None
-            xin = self.comm.copy_to(x)
+            # a gathered input's gradient is reduce-scattered by the gather: no second sum
+            xin = x if self._was_gathered(x) else self.comm.copy_to(x)
             y = torch.nn.functional.linear(xin, w, b) if not conv else torch.addmm(b, xin, w)
             return self.tag(y, Sharded(y.dim() - 1, segs, proj.path))  # type: ignore[union-attr]
         lay = self.layout(x)
@@ -263,12 +360,40 @@ class ShardMode(TorchFunctionMode):
                               f"as one block of {width} features")
         w = self.comm.row_weight(weight, wdim_in)
         partial = torch.nn.functional.linear(x, w) if not conv else torch.mm(x, w)
-        y = self.comm.reduce(partial)
         b = self.comm.replicated(bias)
-        return y + b if b is not None else y
+        if self.sequence is None:
+            y = self.comm.reduce(partial)
+            return y + b if b is not None else y
+        # sequence parallelism: the module's output (a Conv1D views its flat result back to
+        # [batch, sequence, features]) is reduce-scattered as the module returns (scatter_output)
+        self._row_bias[id(mod)] = b
+        return partial
+
+    def scatter_output(self, proj: Projection, output: Any) -> Any:
+        """Sequence parallelism, as a row projection module returns: its partial sums reduce-scattered
+        onto this rank's share of the sequence, then its bias added. None: nothing to scatter."""
+        seq = self.sequence
+        if proj.role != "row" or seq is None or not isinstance(output, torch.Tensor):
+            return None
+        if output.dim() <= seq.dim or output.shape[seq.dim] != seq.size:
+            raise NoShardRule(proj.path, f"sequence parallel: its output {tuple(output.shape)} has no sequence "
+                              f"of {seq.size} on dim {seq.dim} to scatter")
+        b = self._row_bias.pop(id(proj.module), None)
+        with torch._C.DisableTorchFunction():  # the collective's own ops are not the layer's
+            y = self.comm.reduce_scatter_sequence(output, seq.dim)
+            if b is not None:
+                if b.requires_grad:
+                    self.grad_sums.append(b.numel())
+                    b = self.comm.grad_sum(b)
+                y = y + b
+        return self.tag(y, seq)
 
 
 _NOT_MINE = object()
+_SHAPE_ONLY = frozenset({"size", "get_shape", "numel", "__len__", "dim", "get_ndim", "get_dtype", "get_device",
+                         "get_requires_grad", "get_is_leaf", "get_grad_fn", "is_floating_point", "is_contiguous",
+                         "element_size", "get_layout", "stride", "get_grad", "get_data", "detach", "detach_",
+                         "requires_grad_"})
 _PROJECTION_OPS = frozenset({"linear", "addmm"})
 _DROPOUTS = frozenset({"dropout", "dropout_", "feature_dropout", "alpha_dropout", "scaled_dot_product_attention"})
 

@@ -49,7 +49,8 @@ def _signature(module: nn.Module, style: TPStyle, prefix: str) -> tuple:
 
 
 def _check(model: nn.Module, module: nn.Module, style: TPStyle, prefix: str, recorded: tuple,
-           batch: int, seq_len: int | None) -> shard_check.CheckResult:
+           batch: int, seq_len: int | None) -> tuple[shard_check.CheckResult, nn.Module | None, tuple]:
+    """The style's simulation, and the layer copy and recorded-form inputs it was proved on."""
     gen = torch.Generator().manual_seed(0)
     cols = tuple(p[len(prefix) + 1:] for p in style.column)
     rows = tuple(p[len(prefix) + 1:] for p in style.row)
@@ -57,21 +58,22 @@ def _check(model: nn.Module, module: nn.Module, style: TPStyle, prefix: str, rec
     if n_params <= shard_check.MAX_CHECK_PARAMS:
         copy, inputs = shard_check.layer_copy(module, gen), recorded
         if seq_len and seq_len > SHORT_SEQ:  # attention over a long sequence costs seconds: check a short one
-            short = _check_inputs(copy, cols, rows, shard_check.shrink_inputs(recorded, {seq_len: SHORT_SEQ}))
+            shrunk = shard_check.shrink_inputs(recorded, {seq_len: SHORT_SEQ})
+            short = _check_inputs(copy, cols, rows, shrunk)
             if short is not None and short.ok:
-                return short
+                return short, copy, shrunk
     else:
         lengths = {seq_len: SHORT_SEQ} if seq_len and seq_len > SHORT_SEQ else {}
         built = shard_check.small_copy(module, _config(model, module), gen, lengths)
         if built is None:
             return shard_check.CheckResult(False, {}, reason=f"too large to simulate ({n_params:,} parameters) "
-                                           "and no config to build a narrower copy from")
+                                           "and no config to build a narrower copy from"), None, recorded
         copy, mapping = built
         mapping.setdefault(batch, 1)
         inputs = shard_check.shrink_inputs(recorded, mapping)
     result = _check_inputs(copy, cols, rows, inputs)
     if result is None:
-        return shard_check.CheckResult(False, {}, reason="a column projection is not a Linear or Conv1D")
+        return shard_check.CheckResult(False, {}, reason="a column projection is not a Linear or Conv1D"), None, inputs
     if result.ok and n_params > shard_check.MAX_CHECK_PARAMS:
         # the copy is narrower: scale its segments back (same fractions of each projection)
         full = {c: projection_dims(module.get_submodule(c))[1] for c in cols}  # type: ignore[index]
@@ -79,8 +81,34 @@ def _check(model: nn.Module, module: nn.Module, style: TPStyle, prefix: str, rec
         for c, segs in result.segments.items():
             factor = full[c] // sum(segs)
             segments[c] = tuple(s * factor for s in segs)
-        result = dataclasses.replace(result, segments=segments)
-    return result
+        result = dataclasses.replace(result, segments=segments, copy_segments=result.segments)
+    return result, copy, inputs
+
+
+def _sequence_fields(model: nn.Module, module: nn.Module, copy: nn.Module, result: shard_check.CheckResult,
+                     cols: tuple[str, ...], rows: tuple[str, ...], used: tuple, recorded: tuple) -> dict[str, Any]:
+    """TPStyle's sequence-parallel fields: simulated on the copy the style was proved on, costed at the
+    model's own sizes (the recorded hidden state's length and width, the projections' widths)."""
+    hidden = shard_check.hidden_input(*recorded)
+    if hidden is None or hidden[1].dim() != 3:
+        return {"sequence_refusal": "the layer's hidden state (its first tensor argument) is not "
+                                    "[batch, sequence, features]"}
+    length, width = int(hidden[1].shape[shard_check.SEQ_DIM]), int(hidden[1].shape[-1])
+    degrees = tuple(d for d in result.degrees if length % d == 0)
+    if not degrees:
+        return {"sequence_refusal": f"no tp degree the style runs at divides the sequence ({length})"}
+    segs = result.copy_segments or result.segments
+    proved, stats, why = shard_check.check_sequence(copy, used, cols, rows, segs, degrees)
+    if not proved:
+        return {"sequence_refusal": why}
+    copy_hidden = shard_check.hidden_input(*used)
+    scale = width / int(copy_hidden[1].shape[-1]) if copy_hidden is not None else 1.0  # type: ignore[index]
+    gathered = sum(projection_dims(module.get_submodule(g[0]))[0] for g in stats.gathers)  # type: ignore[index]
+    return {"sequence": proved, "sequence_refusal": why,
+            "sequence_gathers": len(stats.gathers), "sequence_gather_elems": float(gathered * length),
+            "sequence_grad_sums": len(stats.grad_sums),
+            "sequence_grad_sum_elems": int(round(sum(stats.grad_sums) * scale)),
+            "sequence_stream_elems": float(length * width)}
 
 
 def _check_inputs(copy: nn.Module, cols: tuple[str, ...], rows: tuple[str, ...],
@@ -113,6 +141,7 @@ def verify_styles(model: nn.Module, args: tuple, kwargs: dict, layers: list[Laye
     except Exception as exc:  # noqa: BLE001 - the style cannot be proved, so it is not offered
         recorded, failure = {}, f"running the model's forward to record the layer's inputs failed: " \
                                 f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    linked = _links(model, args, kwargs, layers)
     out = list(layers)
     for members in groups.values():
         first = layers[members[0]]
@@ -123,7 +152,15 @@ def verify_styles(model: nn.Module, args: tuple, kwargs: dict, layers: list[Laye
             result = shard_check.CheckResult(False, {}, reason=failure or "the model's forward never called "
                                              f"{path} as a module")
         else:
-            result = _check(model, model.get_submodule(path), style, path, rec, batch, seq_len)  # type: ignore[arg-type]
+            result, copy, used = _check(model, model.get_submodule(path), style, path, rec, batch, seq_len)  # type: ignore[arg-type]
+        sequence: dict[str, Any] = {}
+        if result.ok and copy is not None:
+            cols = tuple(p[len(path) + 1:] for p in style.column)  # type: ignore[arg-type]
+            rows = tuple(p[len(path) + 1:] for p in style.row)  # type: ignore[arg-type]
+            sequence = _sequence_fields(model, model.get_submodule(path), copy, result, cols, rows, used, rec)  # type: ignore[arg-type]
+        if sequence.get("sequence") and not all(layers[i].module_path in linked for i in members if i - 1 in members):
+            sequence = {"sequence_refusal": "the model does not hand each block's hidden state straight to the next, "
+                                            "so their shares of the sequence cannot pass between them"}
         for i in members:
             layer = layers[i]
             style = next(s for s in layer.tp_styles if s.name == "megatron")
@@ -132,12 +169,23 @@ def verify_styles(model: nn.Module, args: tuple, kwargs: dict, layers: list[Laye
                 proved = dataclasses.replace(
                     style, divisors=tuple(sorted(set(style.divisors) | set(result.divisors))),
                     segments={f"{layer.module_path}.{c}": s for c, s in result.segments.items() if len(s) > 1},
-                    checked=result.degrees)
+                    checked=result.degrees, **sequence,
+                    sequence_linked=bool(sequence.get("sequence")) and layer.module_path in linked)
                 out[i] = dataclasses.replace(layer, tp_styles=(proved, *others))
             else:
                 out[i] = dataclasses.replace(layer, tp_styles=others,
                                              tp_refusal=f"tensor parallelism withdrawn: {result.reason}")
     return out
+
+
+def _links(model: nn.Module, args: tuple, kwargs: dict, layers: list[Layer]) -> set[str]:
+    """Module paths of the layers whose hidden state is their predecessor's output, untouched
+    (:func:`autopar.capturing.shard_check.record_links`); empty if the forward fails."""
+    paths = [l.module_path for l in layers if l.module_path]
+    try:
+        return shard_check.record_links(model, args, kwargs, paths)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - no links known: sequence parallelism gathers at every layer
+        return set()
 
 
 __all__ = ["verify_styles"]

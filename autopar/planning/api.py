@@ -33,6 +33,7 @@ from autopar.plan import (
 )
 from autopar.planning.notes import choice_notes, contract_notes
 from autopar.planning.pricing import Prediction, TrainingSpec
+from autopar.planning.sequence import sequence_regions
 from autopar.planning.solver import RUNNERS_UP, Candidate, Solution, SolverOptions
 from autopar.planning.solver import solve as _solve
 from autopar.units import GiB
@@ -103,7 +104,7 @@ def reprice(graph: LayerGraph, plan: Plan, cluster: str | ClusterSpec | None = N
     config = MeshConfig(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, plan.microbatches,
                         Schedule(ScheduleKind(plan.schedule), plan.chunks))
     stages = tuple(l.stage for l in plan.layers)
-    strategies = tuple(Strategy(l.tp, l.zero, l.recompute) for l in plan.layers)
+    strategies = tuple(Strategy(l.tp, l.zero, l.recompute, l.sp) for l in plan.layers)
     # the data-parallel mode the plan lowers in; a choice the search space leaves out is priced all the same
     mode = contract.mode_of(graph, config.dp, tuple(s.zero for s in strategies), config.pp)
     config = replace(config, data_parallel=mode)
@@ -141,7 +142,7 @@ def build_plan(graph: LayerGraph, solution: Solution, cluster: ClusterSpec,
         ranks=rank_costs(graph, solution),
         pace=pipeline_pace(solution),
     )
-    layers = tuple(LayerPlan(l.name, st, s.tp, s.zero, s.recompute)
+    layers = tuple(LayerPlan(l.name, st, s.tp, s.zero, s.recompute, s.sp)
                    for l, st, s in zip(graph, solution.stages, solution.strategies))
     return Plan(
         fingerprint=graph.fingerprint(), model=graph.model_name, world_size=c.world_size,
@@ -176,10 +177,16 @@ def stage_times(graph: LayerGraph, solution: Solution) -> tuple[StageTime, ...]:
     for i, (stage, strategy) in enumerate(zip(solution.stages, solution.strategies)):
         price = table.prices[i][table.index_of(i, strategy)]
         # pricing's own forward share of the layer (compute and collectives); the rest is backward
-        fwd, _, fwd_tp, _, _ = table._style_part(graph[i], table.runs_as(i, strategy).tp)
+        fwd, _, fwd_tp, _, _ = table._style_part(graph[i], table.runs_as(i, strategy).tp, strategy.sp)
         row = parts[stage]
         row[0], row[1] = row[0] + fwd, row[1] + price.compute_mb_s - fwd
         row[2], row[3] = row[2] + fwd_tp, row[3] + price.tp_comm_mb_s - fwd_tp
+    regions = sequence_regions(table, solution.stages, solution.strategies)
+    for j, region in enumerate(regions):  # on the rank's first stage with a sequence-parallel layer
+        if region:
+            first = next(st for st, s in zip(solution.stages, solution.strategies) if s.sp and c.rank_of_stage(st) == j)
+            parts[first][2] += region / 2  # the exit's all-gather
+            parts[first][3] += region / 2  # the entry's, in backward
     for cut in range(1, len(solution.stages)):
         before, after = solution.stages[cut - 1], solution.stages[cut]
         if before != after:  # as evaluate() prices it: activations forward, gradients back

@@ -48,15 +48,48 @@ def allowed_strategies(table: PriceTable, layer_pins: list[dict[str, Any]]) -> l
         if key in memo:
             allowed.append(memo[key])
             continue
+        sp = _sp_wanted(strategies, pin)
         ks = [k for k, s in enumerate(strategies)
               if pin.get("tp", s.tp) == s.tp and pin.get("zero", s.zero) == s.zero
-              and pin.get("recompute", s.recompute) == s.recompute]
+              and pin.get("recompute", s.recompute) == s.recompute and sp in (None, s.sp)]
         if not ks:  # a pinned choice outside the search space extends this layer's row only
             allowed.append(_pinned_outside_search(table, i, pin))
             continue
         memo[key] = _undominated_alike(table, i, ks)
         allowed.append(memo[key])
     return allowed
+
+
+def _sp_wanted(strategies: list[Strategy], pin: dict[str, Any]) -> bool | None:
+    """The sequence parallelism a layer's pins ask for: its own ``sp`` pin, else a global one where
+    the layer has a sequence-parallel strategy here (a global ``sp=on`` skips the layers that
+    cannot), else free (None)."""
+    if "sp" in pin:
+        return pin["sp"]
+    wanted = pin.get("sp_all")
+    if wanted and not any(s.sp for s in strategies):
+        return None
+    return wanted
+
+
+def check_sp_pins(graph: LayerGraph, pins: Pins) -> None:
+    """A per-layer ``sp=on`` on a layer without a tensor-parallel style that can take sequence
+    parallelism (at the pinned tp, if tp is pinned) is a PinError naming the layer and why."""
+    for pin in pins.layers:
+        if pin.fields_set().get("sp") is not True:
+            continue
+        for layer in graph:
+            if not fnmatch.fnmatchcase(layer.name, pin.pattern):
+                continue
+            styles = [s for s in layer.tp_styles if s.sequence]
+            if not styles:
+                why = next((s.sequence_refusal for s in layer.tp_styles if s.sequence_refusal), "") \
+                    or layer.tp_refusal or "it has no tensor-parallel style with projections"
+                raise PinError(f"pin {pin.pattern}:sp=on: layer {layer.name!r} cannot run sequence parallel: {why}")
+            if pins.tp is not None and not any(s.admits_sequence(pins.tp) for s in styles):
+                degrees = sorted({d for s in styles for d in s.sequence})
+                raise PinError(f"pin {pin.pattern}:sp=on: layer {layer.name!r} runs sequence parallel only at "
+                               f"tp={degrees} (its sequence and sizes divide), not tp={pins.tp}")
 
 
 def _pin_runs_here(table: PriceTable, i: int, pin: dict[str, Any], root_floor: int | None) -> bool:
@@ -90,7 +123,10 @@ def _undominated(table: PriceTable, i: int, ks: list[int]) -> list[int]:
 
     def vector(k: int) -> tuple:
         p = table.prices[i][k]
-        return (p.time_mb_s, p.tail_s, p.state_bytes, p.activation_mb_bytes, table.buffers_needed(i, k).value)
+        # sequence parallelism pays its regions' entries and exits outside the layer's price: it never
+        # stands in for a strategy without it
+        return (p.time_mb_s, p.tail_s, p.state_bytes, p.activation_mb_bytes, table.buffers_needed(i, k).value,
+                int(table.strategies[i][k].sp))
 
     vectors = {k: vector(k) for k in ks}
 
@@ -117,8 +153,11 @@ def _pinned_outside_search(table: PriceTable, i: int, pin: dict[str, Any]) -> li
                            f"(it admits: {', '.join(names) or 'none'}{why})")
         if not layer.tp_style(style).admits(tp) or contract.tied_across_stages(table.graph, i, table.config.pp):
             return []
+    sp = bool(pin.get("sp", False))
+    if sp and (style is None or not layer.tp_style(style).admits_sequence(tp)):
+        return []  # sequence parallelism needs a style that takes it at this tp
     zero = pin.get("zero", contract.offered_zeros(table.graph, i, table.config.data_parallel, table.config.pp)[0])
-    return [table.index_of(i, Strategy(style, zero, pin.get("recompute", False)))]
+    return [table.index_of(i, Strategy(style, zero, pin.get("recompute", False), sp))]
 
 
 def runs_of(table: PriceTable, allowed: list[list[int]], layer_pins: list[dict]) -> list[tuple[int, int]]:

@@ -222,7 +222,9 @@ def _add_rank_terms(model, table, allowed, runs, cuts, counts, units):
         v = model.NewIntVar(0, max(p2p_table), f"p2p_{s}")
         model.AddElement(cuts[s], p2p_table, v)
         sends[s] = v
-    big = sum(units(max(p.time_mb_s for p in ps)) for ps in table.prices) + 2 * sum(p2p_table) + 1
+    regions = sum(units(c.schedule.chunks * max(table.sequence_region_s(i, k) for k in range(len(ps))))
+                  for i, ps in enumerate(table.prices))
+    big = sum(units(max(p.time_mb_s for p in ps)) for ps in table.prices) + 2 * sum(p2p_table) + regions + 1
     T = model.NewIntVar(0, big, "rank_time")
     X = model.NewIntVar(0, 2**50, "tail")
     memory, rank_t = [], []
@@ -241,6 +243,7 @@ def _add_rank_terms(model, table, allowed, runs, cuts, counts, units):
                 t_terms.append(sends[s])
             if c.rank_of_stage(s) == j:
                 t_terms.append(sends[s])
+        t_terms += _sequence_regions(model, table, runs, counts, j, units)
         model.Add(T >= sum(t_terms)).WithName(f"rank_time_{j}")
         rank_t.append(sum(t_terms))
         model.Add(X >= sum(x_terms)).WithName(f"tail_{j}")
@@ -293,6 +296,26 @@ def add_rank_floors(model: cp_model.CpModel, table: PriceTable, allowed: list[li
     return int(slowest) if not math.isinf(slowest) else 0
 
 
+def _sequence_regions(model: cp_model.CpModel, table: PriceTable, runs: list[tuple[int, int]],
+                      counts: dict[tuple[int, int, int], Any], j: int, units: Units) -> list[Any]:
+    """Rank j's sequence-parallel regions (:func:`autopar.planning.sequence.sequence_regions`): per
+    cost class, a boolean forced on by the count of every sequence-parallel strategy of its runs
+    on j, paying one region's entry and exit per model chunk."""
+    chunks = table.config.schedule.chunks
+    by_class: dict[int, list[tuple[Any, int, float]]] = {}
+    for (r, jj, k), var in counts.items():
+        a, b = runs[r]
+        if jj == j and table.strategies[a][k].sp:
+            by_class.setdefault(table.graph.cost_classes[a], []).append((var, b - a, table.sequence_region_s(a, k)))
+    terms: list[Any] = []
+    for cls, users in by_class.items():
+        flag = model.NewBoolVar(f"sequence_region_{j}_{cls}")
+        for var, most, _ in users:
+            model.Add(var <= most * flag)
+        terms.append(units(chunks * max(cost for _, _, cost in users)) * flag)
+    return terms
+
+
 def _zero_buffers(model: cp_model.CpModel, table: PriceTable, runs: list[tuple[int, int]],
                   counts: dict[tuple[int, int, int], Any], j: int) -> Any:
     """FSDP2's reduce-scatter and prefetch buffers on rank j, each held once if any layer there
@@ -329,7 +352,12 @@ def extract(solver: cp_model.CpSolver, built: BuiltModel, table: PriceTable,
         for i in range(cuts[s], cuts[s + 1]):
             stages[i] = s
     strategies: list[Strategy | None] = [None] * len(table.graph)
-    for (r, j, k) in sorted(built.counts):
+    # a run's sequence-parallel layers on a rank first, side by side: one region, as priced
+    def order(rjk: tuple[int, int, int]) -> tuple:
+        r, j, k = rjk
+        return (r, j, not table.strategies[runs[r][0]][k].sp, k)
+
+    for (r, j, k) in sorted(built.counts, key=order):
         a, b = runs[r]
         layers = [i for i in range(a, b) if strategies[i] is None
                   and table.config.rank_of_stage(stages[i]) == j]

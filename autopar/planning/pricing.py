@@ -56,6 +56,13 @@ from autopar.cost_models.memory import Precision, model_state_bytes, optimizer_s
 from autopar.cost_models.pipeline import Schedule, ScheduleKind, in_flight
 from autopar.graph import Layer, LayerGraph
 from autopar.plan import Recompute
+from autopar.planning.sequence import (
+    region_s,
+    sequence_activation_bytes,
+    sequence_comm_s,
+    sequence_input_bytes,
+    sequence_regions,
+)
 
 FP32_BYTES = 4  # the loss, and a bf16 plan's master gradients outside FSDP2, are fp32
 
@@ -76,12 +83,13 @@ class Strategy:
     tp: str | None = None
     zero: int = 0
     recompute: Recompute = Recompute.NONE
+    sp: bool = False  # sequence parallelism on the style (planning/sequence.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recompute", Recompute.of(self.recompute))
 
     def __str__(self) -> str:
-        return f"tp={self.tp or '-'} zero={self.zero} recompute={self.recompute}"
+        return f"tp={self.tp or '-'}{'+sp' if self.sp else ''} zero={self.zero} recompute={self.recompute}"
 
 
 @dataclass(frozen=True, order=True)
@@ -174,7 +182,7 @@ class PriceTable:
         self.dp_group = place_group(config.dp, stride["dp"], cluster.gpus_per_node)
         self.pp_inter_node = cluster.nodes > 1 and stride["pp"] >= cluster.gpus_per_node
         self.engine = config.engine
-        self._style_memo: dict[tuple[int, str | None], tuple[float, float, float, float, float]] = {}
+        self._style_memo: dict[tuple[int, str | None, bool], tuple[float, float, float, float, float]] = {}
 
     @cached_property
     def _rows(self) -> tuple[list[list[Strategy]], list[list[LayerPrice]]]:
@@ -209,8 +217,8 @@ class PriceTable:
         out = []
         for layer, cls in zip(self.graph, self.graph.cost_classes):
             if cls not in memo:
-                styles = {s.tp for s in self._strategies(layer, (0,))}
-                memo[cls] = min(sum(self._style_part(layer, t)[:4]) for t in styles)
+                styles = {(s.tp, s.sp) for s in self._strategies(layer, (0,))}
+                memo[cls] = min(sum(self._style_part(layer, t, sp)[:4]) for t, sp in styles)
             out.append(memo[cls])
         return out
 
@@ -219,11 +227,14 @@ class PriceTable:
 
     def _strategies(self, layer: Layer, zeros: tuple[int, ...]) -> list[Strategy]:
         """What the contract lets this layer run as (styles, ZeRO stages, recompute)."""
-        styles: list[str | None] = [None]
-        if self.config.tp > 1 and contract.tp_applies(self.graph, self.config.pp) \
+        styles: list[tuple[str | None, bool]] = [(None, False)]
+        tp = self.config.tp
+        if tp > 1 and contract.tp_applies(self.graph, self.config.pp) \
                 and not contract.tied_across_stages(self.graph, layer.index, self.config.pp):
-            styles += [s.name for s in layer.tp_styles if s.admits(self.config.tp)]
-        return [Strategy(t, z, r) for t in styles for z in zeros for r in self._recompute_options(layer)]
+            for s in layer.tp_styles:
+                if s.admits(tp):
+                    styles += [(s.name, False)] + ([(s.name, True)] if s.admits_sequence(tp) else [])
+        return [Strategy(t, z, r, sp) for t, sp in styles for z in zeros for r in self._recompute_options(layer)]
 
     def index_of(self, i: int, strategy: Strategy) -> int:
         """Strategy ``strategy``'s index in layer ``i``'s row, pricing it there first if the
@@ -239,7 +250,8 @@ class PriceTable:
         what it is priced as."""
         c = self.config
         zero = contract.effective_zero(self.graph, i, strategy.zero, c.data_parallel, c.dp, c.pp)
-        return Strategy(strategy.tp, zero, contract.recompute_runs_as(self.graph, i, c.pp, strategy.recompute))
+        return Strategy(strategy.tp, zero, contract.recompute_runs_as(self.graph, i, c.pp, strategy.recompute),
+                        strategy.sp)
 
     def buffers_needed(self, i: int, k: int) -> Buffers:
         """The FSDP2 buffers layer ``i`` under strategy ``k`` makes its rank hold (the contract's)."""
@@ -345,10 +357,12 @@ class PriceTable:
         sharded = layer.tp_style(strategy.tp).sharded_params
         return layer.param_count - sharded + math.ceil(sharded / self.config.tp)
 
-    def _style_part(self, layer: Layer, style_name: str | None) -> tuple[float, float, float, float, float]:
-        """What a tensor-parallel style (or none) sets, whatever the ZeRO stage and recompute:
-        forward and backward compute, forward and backward tp communication, saved activations."""
-        key = (id(layer), style_name)
+    def _style_part(self, layer: Layer, style_name: str | None,
+                    sp: bool = False) -> tuple[float, float, float, float, float]:
+        """What a tensor-parallel style (or none; with sequence parallelism or not) sets, whatever the
+        ZeRO stage and recompute: forward and backward compute, forward and backward tp
+        communication, saved activations."""
+        key = (id(layer), style_name, sp)
         if key in self._style_memo:
             return self._style_memo[key]
         c, b = self.config, self.microbatch_size
@@ -372,6 +386,9 @@ class PriceTable:
             overhead = self.cluster.tp_overhead_s  # DTensor's work around each collective
             tp_comm_fwd += overhead * (style.fwd_allreduce_count + (style.fwd_allgather_elems > 0))
             tp_comm_bwd += overhead * style.bwd_allreduce_count
+            if sp:
+                tp_comm_fwd, tp_comm_bwd = sequence_comm_s(style, elem, self.tp_group, self.cluster)
+                acts = sequence_activation_bytes(layer, style, c.tp, self.graph.dtype_bytes)
         device, dtype = self.cluster.device, self.dtype_for_compute
         fwd = compute_time_s(b * flops, device, dtype)
         bwd = compute_time_s(BACKWARD_FLOPS_FACTOR * b * flops, device, dtype)
@@ -382,7 +399,7 @@ class PriceTable:
         """The layer priced as it runs (:meth:`runs_as`)."""
         strategy = self.runs_as(layer.index, strategy)
         c, b, prec, device = self.config, self.microbatch_size, self.prec, self.cluster.device
-        fwd, bwd, tp_comm_fwd, tp_comm_bwd, acts = self._style_part(layer, strategy.tp)
+        fwd, bwd, tp_comm_fwd, tp_comm_bwd, acts = self._style_part(layer, strategy.tp, strategy.sp)
         refwd, kept = self._recompute_part(layer, strategy, fwd, acts)
         compute = fwd + bwd + refwd
         # a recomputed forward issues its collectives again (selective keeps only matmul-class outputs)
@@ -419,7 +436,10 @@ class PriceTable:
         kind = strategy.recompute
         if kind is Recompute.NONE:
             return 0.0, acts
-        base = layer.input_bytes_per_sample + layer.glue_saved_bytes_per_sample
+        inputs = layer.input_bytes_per_sample
+        if strategy.sp:
+            inputs = sequence_input_bytes(layer, layer.tp_style(strategy.tp), self.config.tp, self.graph.dtype_bytes)  # type: ignore[arg-type]
+        base = inputs + layer.glue_saved_bytes_per_sample
         if kind is Recompute.FULL:
             return fwd_s, base
         split = 1 - 1 / self.config.tp if strategy.tp is not None and layer.tp_style(strategy.tp).row else 0.0
@@ -479,6 +499,15 @@ class PriceTable:
         price = self.prices[layer_index][k]
         f = self.in_flight[rank]
         return price.state_bytes + -(-price.activation_mb_bytes * f.numerator // f.denominator)
+
+    def sequence_region_s(self, i: int, k: int) -> float:
+        """Entering and leaving a sequence-parallel region, per microbatch, if layer ``i``'s strategy
+        ``k`` is sequence parallel (:func:`autopar.planning.sequence.region_s`); else 0."""
+        strategy = self.strategies[i][k]
+        if not strategy.sp:
+            return 0.0
+        style = self.graph[i].tp_style(strategy.tp)  # type: ignore[arg-type]
+        return region_s(style, self.prec.activation_bytes * self.microbatch_size, self.tp_group, self.cluster)
 
     def p2p_s(self, cut: int) -> float:
         """One send of the values crossing a cut placed before layer ``cut``, per microbatch."""
@@ -540,6 +569,8 @@ def evaluate(table: PriceTable, stages: tuple[int, ...], strategies: tuple[Strat
         exposed[rank] += price.exposed_comm_s
         opt[rank] += price.optimizer_s
         memory[rank] += table.memory_coefficient(i, k, rank)
+    for j, region in enumerate(sequence_regions(table, stages, strategies)):
+        t_tp[j] += region
     for j in range(pp):
         memory[j] += table.buffer_bytes(buffers[j])
     for cut in range(1, len(stages)):

@@ -78,7 +78,7 @@ from autopar.errors import PinError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
 from autopar.planning.bounds import balanced_step_s, lower_bound_s
-from autopar.planning.choices import allowed_strategies, check_recompute_pins, runs_of
+from autopar.planning.choices import allowed_strategies, check_recompute_pins, check_sp_pins, runs_of
 from autopar.planning.configs import cut_positions, enumerate_configs
 from autopar.planning.infeasible import raise_infeasible
 from autopar.planning.model import SolverOptions, Units, build_model, cp_solver, extract
@@ -183,6 +183,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     budget = cluster.memory_budget_bytes if memory_budget_bytes is None else memory_budget_bytes
     layer_pins = pins.resolve_layers([layer.name for layer in graph])
     check_recompute_pins(graph, pins)
+    check_sp_pins(graph, pins)
     cuts_ok = cut_positions(graph)
     # Configurations in order of a cheap bound (fastest strategy per layer, balanced),
     # priced in full only when that bound could still beat the best plan so far.
