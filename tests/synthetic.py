@@ -30,7 +30,12 @@ def transformer_graph(n_blocks: int = 4, hidden: int = 1024, seq: int = 1024, vo
                            sharded_flops_per_sample=24.0 * s * h * h + 4.0 * s * s * h,
                            sharded_activation_elems_per_sample=(24.0 * s * h + 5.0 * heads * s * s) / dtype_bytes,
                            fwd_allreduce_elems=2 * s * h, fwd_allreduce_count=2,
-                           bwd_allreduce_elems=2 * s * h, bwd_allreduce_count=2),),
+                           bwd_allreduce_elems=2 * s * h, bwd_allreduce_count=2,
+                           # Megatron-SP: the QKV and FC1 inputs gathered (kept whole), two LayerNorms'
+                           # weights and biases and two row biases summed
+                           sequence=tuple(d for d in (2, 4, 8) if s % d == 0 and heads % d == 0),
+                           sequence_linked=True, sequence_gathers=2, sequence_gather_elems=2.0 * s * h,
+                           sequence_grad_sums=6, sequence_grad_sum_elems=6 * h, sequence_stream_elems=1.0 * s * h),),
     )
     blocks = [Layer(f"blocks.{i}", i + 1, module_path=f"blocks.{i}", **block) for i in range(n_blocks)]
     head = Layer(

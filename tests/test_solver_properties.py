@@ -28,7 +28,11 @@ def layer_graphs(draw) -> LayerGraph:
                               sharded_flops_per_sample=flops * draw(st.floats(0, 1)),
                               sharded_activation_elems_per_sample=draw(st.floats(0, 1e7)),
                               fwd_allreduce_elems=draw(st.floats(0, 1e7)), fwd_allreduce_count=2,
-                              bwd_allreduce_elems=draw(st.floats(0, 1e7)), bwd_allreduce_count=2),)
+                              bwd_allreduce_elems=draw(st.floats(0, 1e7)), bwd_allreduce_count=2,
+                              sequence=(2, 4, 8) if draw(st.booleans()) else (), sequence_linked=True,
+                              sequence_gathers=2, sequence_gather_elems=draw(st.floats(0, 1e7)),
+                              sequence_grad_sums=4, sequence_grad_sum_elems=draw(st.integers(0, 10_000)),
+                              sequence_stream_elems=draw(st.floats(0, 1e7))),)
         layers.append(Layer(
             f"layer{i}", i, "Block", flops_per_sample=flops, param_count=params, param_bytes=2 * params,
             activation_bytes_per_sample=draw(st.floats(0, 1e9)),
@@ -64,6 +68,7 @@ def test_every_plan_is_valid_and_fits(graph, preset, world, per_rank, memory_gib
     assert all(q in allowed for q in range(1, len(stages)) if stages[q] != stages[q - 1])
     for layer, s in zip(graph, sol.strategies):
         assert s.tp is None or layer.tp_style(s.tp).admits(c.tp)
+        assert not s.sp or layer.tp_style(s.tp).admits_sequence(c.tp)
     again = evaluate(sol.table, sol.stages, sol.strategies)
     assert again == sol.prediction
     assert max(again.memory_per_rank_bytes) <= cluster.memory_budget_bytes

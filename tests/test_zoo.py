@@ -14,10 +14,17 @@ from __future__ import annotations
 import pytest
 from distributed import check_equivalent, run_cases
 from zoo import MODELS, TIED
+from zoo_cases import SEQUENCE_MODELS
+
+from autopar.plan import Recompute
+
+SEQUENCE_W4 = ("nanogpt", "hf_gpt2", "hf_llama", "hf_phi3", "hf_neox")  # the 2-D and pipeline plans, on five
 
 W2 = ([f"zoo_cases:{m}/{kind}" for m in MODELS for kind in ("tp", "zero3")] + [f"zoo_cases:{m}/pp2" for m in TIED]
-      + ["zoo_cases:tp_dropout_masks"])
-W4 = [f"zoo_cases:{m}/{kind}" for m in MODELS for kind in ("dp2tp2", "pp2tp2")]
+      + ["zoo_cases:tp_dropout_masks"] + [f"zoo_cases:{m}/sp" for m in SEQUENCE_MODELS]
+      + ["zoo_cases:nanogpt/sp_mixed"])
+W4 = ([f"zoo_cases:{m}/{kind}" for m in MODELS for kind in ("dp2tp2", "pp2tp2")]
+      + [f"zoo_cases:{m}/{kind}" for m in SEQUENCE_W4 for kind in ("dp2tp2sp", "pp2tp2sp")])
 W8 = [f"zoo_cases:{m}/3d" for m in ("nanogpt", "hf_llama", "hf_neox")] + [f"zoo_cases:{m}/pp2dp2" for m in TIED]
 
 
@@ -38,7 +45,7 @@ def w8() -> dict[str, dict]:
 
 def _blocks_tensor_parallel(metrics: dict, model: str) -> None:
     pattern = MODELS[model][1].removesuffix(".*")
-    blocks = [(name, tp) for name, tp, _, _ in metrics["layers"] if name.startswith(pattern + ".")]
+    blocks = [(name, tp) for name, tp, *_ in metrics["layers"] if name.startswith(pattern + ".")]
     assert blocks and all(tp == "megatron" for _, tp in blocks), blocks
 
 
@@ -54,7 +61,7 @@ def test_tensor_parallel_blocks_match_one_device(w2: dict, model: str) -> None:
 def test_zero3_matches_one_device(w2: dict, model: str) -> None:
     metrics = w2[f"zoo_cases:{model}/zero3"]
     check_equivalent(metrics)
-    assert metrics["mesh"] == [1, 2, 1] and all(zero == 3 for _, _, zero, _ in metrics["layers"])
+    assert metrics["mesh"] == [1, 2, 1] and all(zero == 3 for _, _, zero, *_ in metrics["layers"])
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -72,8 +79,41 @@ def test_a_pipeline_keeps_tensor_parallelism_and_recompute_inside_its_stages(w4:
     assert metrics["mesh"] == [2, 1, 2] and metrics["schedule"] == "1f1b"
     _blocks_tensor_parallel(metrics, model)
     prefix = MODELS[model][1].removesuffix(".*") + "."
-    assert all(rc for name, _, _, rc in metrics["layers"] if name.startswith(prefix))
+    assert all(rc for name, _, _, rc, _ in metrics["layers"] if name.startswith(prefix))
     assert metrics["tracer"] in ("fx-layers", "export-layers")
+
+
+def _blocks_sequence_parallel(metrics: dict, model: str) -> None:
+    pattern = MODELS[model][1].removesuffix(".*")
+    blocks = [(tp, sp) for name, tp, _, _, sp in metrics["layers"] if name.startswith(pattern + ".")]
+    assert blocks and all(tp == "megatron" and sp for tp, sp in blocks), blocks
+
+
+@pytest.mark.parametrize("model", SEQUENCE_MODELS)
+def test_sequence_parallel_blocks_match_one_device(w2: dict, model: str) -> None:
+    metrics = w2[f"zoo_cases:{model}/sp"]
+    check_equivalent(metrics)
+    assert metrics["mesh"] == [1, 1, 2]
+    _blocks_sequence_parallel(metrics, model)
+
+
+@pytest.mark.parametrize("model", SEQUENCE_W4)
+def test_sequence_parallelism_inside_zero3_and_inside_pipeline_stages_matches_one_device(w4: dict, model: str) -> None:
+    """dp=2 × tp=2 with ZeRO-3, and a 1F1B pipeline of 2 with selective recompute on the blocks: the
+    hidden state crosses the pipeline boundary whole (gathered before it is sent)."""
+    for kind, mesh in (("dp2tp2sp", [1, 2, 2]), ("pp2tp2sp", [2, 1, 2])):
+        metrics = w4[f"zoo_cases:{model}/{kind}"]
+        check_equivalent(metrics)
+        assert metrics["mesh"] == mesh
+        _blocks_sequence_parallel(metrics, model)
+
+
+def test_a_plan_mixing_sequence_parallelism_and_recompute_per_block_matches_one_device(w2: dict) -> None:
+    metrics = w2["zoo_cases:nanogpt/sp_mixed"]
+    check_equivalent(metrics)
+    by_name = {name: (sp, rc) for name, _, _, rc, sp in metrics["layers"]}
+    assert by_name["transformer.h.0"] == (True, Recompute.FULL)
+    assert by_name["transformer.h.1"] == (False, Recompute.SELECTIVE)
 
 
 @pytest.mark.parametrize("model", [c.split(":")[1].split("/")[0] for c in W8 if c.endswith("/3d")])
