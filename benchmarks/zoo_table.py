@@ -1,6 +1,7 @@
 """The model × strategy table: models as their upstream writes them, each plan against one device.
 
     python benchmarks/zoo_table.py [--strategies tp,zero3,dp2tp2,pp2tp2,3d]
+    python benchmarks/zoo_table.py --strategies sp,dp2tp2sp,pp2tp2sp     # sequence parallelism
 
 Runs the test suite's zoo (tests/zoo.py: nanoGPT as its author writes it,
 a GPT reading its shapes from tensors, Hugging Face GPT-2, Llama, Mistral,
@@ -25,19 +26,23 @@ STRATEGIES = {
     "dp2tp2": (4, "dp=2 × tp=2, ZeRO-3"),
     "pp2tp2": (4, "pp=2 × tp=2, 1F1B, recompute"),
     "3d": (8, "pp=2 × dp=2 × tp=2, ZeRO-3"),
+    "sp": (2, "TP=2 + SP on the blocks"),
+    "dp2tp2sp": (4, "dp=2 × tp=2 + SP, ZeRO-3"),
+    "pp2tp2sp": (4, "pp=2 × tp=2 + SP, 1F1B, selective recompute"),
 }
+SEQUENCE = {"sp", "dp2tp2sp", "pp2tp2sp"}
 EXACT = 1e-5
 
 
-def _cell(metrics: dict, blocks: str) -> str:
+def _cell(metrics: dict, blocks: str, sequence: bool) -> str:
     if "error" in metrics:
         return f"✗ {metrics['error'].splitlines()[0][:120]}"
     worst = max(metrics["grad_rel"], metrics["param_rel"], metrics["loss1_rel"])
     if metrics["mesh"][2] > 1:
         prefix = blocks.removesuffix(".*") + "."
-        styles = {tp for name, tp, _, _ in metrics["layers"] if name.startswith(prefix)}
-        if styles != {"megatron"}:
-            return f"✗ blocks ran as {sorted(map(str, styles))}, not tensor-parallel"
+        styles = {(tp, sp) for name, tp, _, _, sp in metrics["layers"] if name.startswith(prefix)}
+        if styles != {("megatron", sequence)}:
+            return f"✗ blocks ran as {sorted(map(str, styles))}, not as planned"
     if worst >= EXACT:
         return f"✗ differs from one device by {worst:.1e} ({metrics['grad_worst']})"
     return f"✓ {worst:.0e}"
@@ -54,15 +59,34 @@ def main() -> None:
     unknown = sorted(set(chosen) - set(STRATEGIES))
     if unknown:
         parser.error(f"unknown strategies {unknown}; choose from {sorted(STRATEGIES)}")
+    from zoo_cases import SPECS
+
     results: dict[str, dict] = {}
     for world in sorted({STRATEGIES[s][0] for s in chosen}):
-        cases = [f"zoo_cases:{m}/{s}" for m in MODELS for s in chosen if STRATEGIES[s][0] == world]
+        cases = [f"zoo_cases:{m}/{s}" for m in MODELS for s in chosen
+                 if STRATEGIES[s][0] == world and f"{m}/{s}" in SPECS]
         results.update(run_cases(world, cases))
     print("| model | " + " | ".join(STRATEGIES[s][1] for s in chosen) + " |")
     print("| --- |" + " --- |" * len(chosen))
     for model, (_, blocks) in MODELS.items():
-        cells = [_cell(results[f"zoo_cases:{model}/{s}"], blocks) for s in chosen]
+        cells = [_cell(results[f"zoo_cases:{model}/{s}"], blocks, s in SEQUENCE)
+                 if f"zoo_cases:{model}/{s}" in results else f"✗ not offered: {_refusal(model)}" for s in chosen]
         print(f"| {model} | " + " | ".join(cells) + " |")
+
+
+def _refusal(model: str) -> str:
+    """Why capture offers no sequence parallelism on the model's blocks."""
+    from zoo import MODELS, build
+
+    from autopar.capturing import capture
+
+    m, inputs = build(model)
+    prefix = MODELS[model][1].removesuffix(".*") + "."
+    for layer in capture(m, inputs):
+        for style in layer.tp_styles:
+            if layer.name.startswith(prefix) and style.sequence_refusal:
+                return style.sequence_refusal[:120]
+    return "no case"
 
 
 if __name__ == "__main__":
