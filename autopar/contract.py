@@ -178,12 +178,18 @@ def recompute_applies(graph: LayerGraph, index: int, pp: int, kind: Recompute = 
     hooked = tp_applies(graph, pp) and graph[index].module_path is not None
     if kind is Recompute.SELECTIVE:
         return hooked and graph[index].selective_saved_bytes_per_sample > 0
+    if kind is Recompute.ALTERNATE_MM:
+        return hooked and graph[index].alternate_saved_bytes_per_sample > 0
     return hooked
 
 
+SEARCHED_RECOMPUTES = (Recompute.NONE, Recompute.FULL, Recompute.SELECTIVE)  # ALTERNATE_MM: when pinned
+
+
 def offered_recomputes(graph: LayerGraph, index: int, pp: int) -> tuple[Recompute, ...]:
-    """The recompute kinds layer ``index`` may take, each of which runs as priced."""
-    return tuple(k for k in Recompute if recompute_applies(graph, index, pp, k))
+    """The recompute kinds the solver searches for layer ``index``, each of which runs as priced
+    (torchtitan's ``ALTERNATE_MM`` runs when pinned)."""
+    return tuple(k for k in SEARCHED_RECOMPUTES if recompute_applies(graph, index, pp, k))
 
 
 def recompute_runs_as(graph: LayerGraph, index: int, pp: int, kind: Recompute | bool) -> Recompute:

@@ -149,7 +149,11 @@ class Layer:
     (those the FLOP counter counts) and ``selective_recompute_bytes_per_sample``
     bytes read and written (``selective_recompute_sharded_bytes_per_sample`` of
     them split over tp). Graphs captured before these were recorded load with
-    zeros: selective recompute is then not offered.
+    zeros: selective recompute is then not offered. The ``alternate_*`` fields
+    are the same figures under torchtitan's op-level policy
+    (:attr:`~autopar.plan.Recompute.ALTERNATE_MM`: fused attention's outputs and
+    every other ``mm`` output kept; the other matmuls re-run, their FLOPs in
+    ``alternate_recompute_flops_per_sample``).
     """
 
     name: str
@@ -173,6 +177,11 @@ class Layer:
     selective_recompute_flops_per_sample: float = 0.0
     selective_recompute_bytes_per_sample: float = 0.0
     selective_recompute_sharded_bytes_per_sample: float = 0.0
+    alternate_saved_bytes_per_sample: float = 0.0
+    alternate_sharded_bytes_per_sample: float = 0.0
+    alternate_recompute_flops_per_sample: float = 0.0
+    alternate_recompute_bytes_per_sample: float = 0.0
+    alternate_recompute_sharded_bytes_per_sample: float = 0.0
     # parameters shared with the model's other end (tied input/output embeddings): under a pipeline the
     # first and last stage each hold them and sum their gradients; ``tied_borrowed`` marks the end
     # that does not own them (its param_count leaves them out; :meth:`LayerGraph.pipeline_view` adds them)
@@ -202,6 +211,9 @@ class Layer:
             round(self.selective_recompute_flops_per_sample, 3),
             round(self.selective_recompute_bytes_per_sample, 3),
             round(self.selective_recompute_sharded_bytes_per_sample, 3),
+            round(self.alternate_saved_bytes_per_sample, 3), round(self.alternate_sharded_bytes_per_sample, 3),
+            round(self.alternate_recompute_flops_per_sample, 3), round(self.alternate_recompute_bytes_per_sample, 3),
+            round(self.alternate_recompute_sharded_bytes_per_sample, 3),
             tuple(s.cost_signature() for s in self.tp_styles),
             len(self.param_names),
         )

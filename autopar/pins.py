@@ -34,7 +34,8 @@ GLOBAL_KEYS = ("pp", "dp", "tp", "microbatches", "schedule", "chunks", "zero", "
 LAYER_KEYS = ("stage", "tp", "zero", "recompute", "sp")
 _RECOMPUTE = {**dict.fromkeys(("full", "all", "on", "true", "yes", "1"), Recompute.FULL),
               **dict.fromkeys(("none", "off", "false", "no", "0"), Recompute.NONE),
-              **dict.fromkeys(("selective", "sac"), Recompute.SELECTIVE)}
+              **dict.fromkeys(("selective", "sac"), Recompute.SELECTIVE),
+              **dict.fromkeys(("alternate_mm", "alternate-mm"), Recompute.ALTERNATE_MM)}
 SCHEDULE_NAMES = {
     "gpipe": ScheduleKind.GPIPE,
     "1f1b": ScheduleKind.ONE_F_ONE_B,
@@ -211,7 +212,7 @@ def _recompute(value: str, item: str) -> Recompute:
     try:
         return _RECOMPUTE[value.lower()]
     except KeyError:
-        raise PinError(f"pin {item!r}: recompute must be none, selective or full (on/off: full/none), "
+        raise PinError(f"pin {item!r}: recompute must be none, selective, alternate_mm or full (on/off: full/none), "
                        f"got {value!r}") from None
 
 

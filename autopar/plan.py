@@ -46,7 +46,10 @@ class Recompute(IntEnum):
 
     ``NONE`` keeps every saved activation; ``SELECTIVE`` checkpoints the layer's
     module with torch's selective policy, keeping the outputs of matmul-class
-    ops and recomputing the rest; ``FULL`` keeps only the module's inputs and
+    ops and recomputing the rest; ``ALTERNATE_MM`` is torchtitan's op-level
+    policy, keeping fused attention's outputs and every other ``mm`` output (the
+    1st, 3rd, …) and recomputing the rest, the other matmuls included (offered
+    when pinned, not searched); ``FULL`` keeps only the module's inputs and
     re-runs its whole forward. FULL is 1 and NONE 0 so that a plan written when
     recompute was a bool, and code that still passes one, mean what they meant.
     """
@@ -54,6 +57,7 @@ class Recompute(IntEnum):
     NONE = 0
     FULL = 1
     SELECTIVE = 2
+    ALTERNATE_MM = 3
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -65,7 +69,8 @@ class Recompute(IntEnum):
             try:
                 return cls[value.upper()]
             except KeyError:
-                raise ValueError(f"recompute must be one of none, selective, full; got {value!r}") from None
+                raise ValueError("recompute must be one of none, selective, alternate_mm, full; "
+                                 f"got {value!r}") from None
         return cls(int(value))
 
 
@@ -406,7 +411,8 @@ def _recompute_from(value: bool | str, source: str) -> Recompute:
     try:
         return Recompute.of(value)
     except ValueError:
-        raise PlanError(f"{source}: a layer's recompute is {value!r}; use none, selective or full") from None
+        raise PlanError(f"{source}: a layer's recompute is {value!r}; use none, selective, alternate_mm "
+                        "or full") from None
 
 
 _INT_FIELDS = {"stage", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes",

@@ -7,16 +7,17 @@ Each published run is priced as the hand-made plan it was (everything pinned:
 FSDP = ZeRO-3 on every layer, pp = tp = 1, one microbatch, the published
 local batch). Activation checkpointing is pinned on the transformer blocks
 only, as torchtitan applies it (``apply_ac`` wraps each of ``model.layers``):
-selective (SAC) as autopar's selective recompute, full as full recompute;
-the embedding, final norm and head recompute nothing.
+selective (SAC) as the policy these runs used, full as full recompute; the
+embedding, final norm and head recompute nothing.
 
-autopar's selective policy keeps every matmul-class output
-(``cost_models.compute.MATMUL_OPS``). torchtitan's op-level policy, the one
-these runs used, keeps attention's output and every *other* ``mm`` output,
-recomputing the rest (``torchtitan/distributed/activation_checkpoint.py``,
-"Saves output of all compute ops, except every second mm"), so it keeps less
-than autopar's policy would on the same block; the memory rows price
-autopar's policy, not torchtitan's.
+torchtitan's op-level SAC keeps attention's output and every *other* ``mm``
+output, recomputing the rest (``torchtitan/distributed/activation_checkpoint.py``,
+"Saves output of all compute ops, except every second mm"). autopar runs that
+policy as ``recompute=alternate_mm`` (``passes/recompute.py``), priced from the
+captured graph like its own selective policy (which keeps every matmul-class
+output), so the SAC rows pin ``alternate_mm``: what is priced is what those
+runs ran. (Priced with autopar's ``selective`` instead, the 8B rows keep
+~19 GiB more activations per GPU than torchtitan's policy does.)
 
 How the presets' ``matmul_efficiency`` was fitted (``--fit``): with the
 half-efficiency overhead fixed, predicted step time is (compute at η) + terms
@@ -56,15 +57,15 @@ class PublishedRun:
     cluster: str
     gpus: int
     local_batch: int
-    recompute: str  # "selective" or "full", on the transformer blocks
+    recompute: str  # "alternate_mm" (torchtitan's op-level SAC) or "full", on the transformer blocks
     tokens_per_s_per_gpu: float
     peak_memory_gib: float | None
 
 
 RUNS = [
-    PublishedRun("Llama 3.1 8B, 8 × H100, FSDP, SAC", "llama3_8b", "h100-96g", 8, 2, "selective", 5762, 82.4),
-    PublishedRun("Llama 3.1 8B, 128 × H100, FSDP, SAC", "llama3_8b", "h100-96g", 128, 2, "selective", 5605, 67.0),
-    PublishedRun("Llama 3.1 8B, 64 × A100, FSDP, SAC", "llama3_8b", "a100-80g", 64, 1, "selective", 2904, None),
+    PublishedRun("Llama 3.1 8B, 8 × H100, FSDP, SAC", "llama3_8b", "h100-96g", 8, 2, "alternate_mm", 5762, 82.4),
+    PublishedRun("Llama 3.1 8B, 128 × H100, FSDP, SAC", "llama3_8b", "h100-96g", 128, 2, "alternate_mm", 5605, 67.0),
+    PublishedRun("Llama 3.1 8B, 64 × A100, FSDP, SAC", "llama3_8b", "a100-80g", 64, 1, "alternate_mm", 2904, None),
     PublishedRun("Llama 3.1 70B, 64 × A100, FSDP, full AC", "llama3_70b", "a100-80g", 64, 1, "full", 331, None),
 ]
 FAMILY = {"h100-96g": "H100", "a100-80g": "A100"}

@@ -46,6 +46,12 @@ MATMUL_OPS = frozenset({
 })
 
 
+# The fused attention kernels among MATMUL_OPS: torchtitan's op-level SAC keeps their outputs and every
+# other ``aten::mm`` output, recomputing the rest (torchtitan/distributed/activation_checkpoint.py,
+# ``_save_list`` and "Saves output of all compute ops, except every second mm").
+FUSED_ATTENTION_OPS = frozenset(op for op in MATMUL_OPS if "attention" in op)
+
+
 def memory_bound_time_s(nbytes: float, device: DeviceSpec) -> float:
     """Time of memory-bound work (elementwise ops, norms, softmax) reading and writing ``nbytes``:
     bytes over the device's memory bandwidth (the roofline's bandwidth side)."""

@@ -7,7 +7,8 @@ with the composable ``checkpoint``; ``selective`` passes it a ``context_fn``
 from ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` whose
 policy keeps the outputs of the matmul-class ops
 (:data:`autopar.cost_models.compute.MATMUL_OPS`, the list capture prices by)
-and recomputes everything else. What stays true: parameter FQNs and
+and recomputes everything else; ``alternate_mm`` passes torchtitan's op-level
+policy (fused attention's outputs and every other ``mm`` output kept). What stays true: parameter FQNs and
 state-dict keys are unchanged (the composable API installs hooks on the module
 instead of wrapping it, unlike ``checkpoint_wrapper``), and the numbers are the
 same — only what autograd keeps between forward and backward changes.
@@ -23,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch.nn as nn
-from autopar.cost_models.compute import MATMUL_OPS
+from autopar.cost_models.compute import FUSED_ATTENTION_OPS, MATMUL_OPS
 
 from autopar.contract import plan_layout
 from autopar.graph import LayerGraph
@@ -42,6 +43,24 @@ def keep_matmul_outputs(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
     if func._schema.name in MATMUL_OPS:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def alternate_context() -> tuple[Any, Any]:
+    """torchtitan's op-level policy for one checkpointed call: keep fused attention's outputs and
+    every other ``aten::mm`` output (the 1st, 3rd, …, counted apart in forward and in the
+    recomputation, so both make the same choices), recompute everything else."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    counts = {False: 0, True: 0}
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        name = func._schema.name
+        if name == "aten::mm":
+            counts[ctx.is_recompute] += 1
+            return CheckpointPolicy.MUST_SAVE if counts[ctx.is_recompute] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if name in FUSED_ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def selective_context() -> tuple[Any, Any]:
@@ -66,6 +85,8 @@ def checkpoint_modules(part: nn.Module, paths: list[str],
         module = part.get_submodule(path)
         if kind is Recompute.SELECTIVE:
             checkpoint(module, context_fn=selective_context)
+        elif kind is Recompute.ALTERNATE_MM:
+            checkpoint(module, context_fn=alternate_context)
         else:
             checkpoint(module)
     return paths

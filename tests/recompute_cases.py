@@ -61,6 +61,8 @@ SPECS: dict[str, Spec] = {
                                               "model.layers.0:recompute=selective",
                                               "model.layers.1:recompute=full",
                                               "model.layers.*:tp=megatron", "model.embed_tokens:tp=vocab"), 4),
+    "hf_llama_alternate_zero3": Spec(hf_llama, ("pp=1", "dp=2", "tp=1", "zero=3", "microbatches=1",
+                                                "model.layers.*:recompute=alternate_mm"), 4),
 }
 
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: _counting(v) for k, v in SPECS.items()}

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from autopar.passes.recompute import apply_recompute, selective_context
+from autopar.passes.recompute import alternate_context, apply_recompute, selective_context
 from distributed import check_equivalent, run_cases
 from torch.distributed._composable import checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -117,6 +117,44 @@ def test_priced_selective_saving_is_what_checkpointing_frees(graph: LayerGraph) 
     assert price.activation_mb_bytes == 2 * kept
 
 
+def test_torchtitans_policy_frees_every_other_mm_output_as_priced() -> None:
+    """torchtitan's op-level SAC (``recompute=alternate_mm``) on a Llama decoder layer: fused
+    attention's outputs and the 1st, 3rd, … ``mm`` outputs kept (q, v, gate, down), the others
+    re-run; what it frees beyond autopar's selective policy is what capture recorded, to the byte,
+    and their FLOPs are re-run."""
+    import zoo
+
+    def llama() -> nn.Module:
+        torch.manual_seed(0)
+        model, _ = zoo.build("hf_llama")
+
+        class Logits(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.inner = model
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return self.inner(x).logits
+        return Logits()
+
+    graph = autopar.capture(*zoo.build("hf_llama"))
+    layer = graph.layer("model.layers.1")
+    x = torch.randint(0, 64, (2, 16))
+    selective, alternate = llama(), llama()
+    checkpoint(selective.inner.model.layers[1], context_fn=selective_context)
+    checkpoint(alternate.inner.model.layers[1], context_fn=alternate_context)
+    freed = kept_for_backward(selective, x) - kept_for_backward(alternate, x)
+    assert freed == 2 * (layer.selective_saved_bytes_per_sample - layer.alternate_saved_bytes_per_sample) > 0
+    # k (kv 16 wide), o (32), up (64): every other of the seven mms, 16 positions × 4 bytes each
+    assert freed == 2 * 16 * 4 * (16 + 32 + 64)
+    assert layer.alternate_recompute_flops_per_sample > layer.selective_recompute_flops_per_sample
+    plan = autopar.solve(graph, 1, cluster="cpu", dtype="fp32", global_batch=2,
+                         pins=["pp=1", "model.layers.*:recompute=alternate_mm"])
+    assert {lp.recompute for lp in plan.layers if lp.name.startswith("model.layers.")} == {Recompute.ALTERNATE_MM}
+    # searched plans never pick it: the solver offers none, selective and full
+    assert Recompute.ALTERNATE_MM not in contract.offered_recomputes(graph, layer.index, 1)
+
+
 def test_a_lowered_mixed_plan_keeps_what_its_prices_say(graph: LayerGraph) -> None:
     """none / selective / full per layer, lowered by the recompute pass: the whole model's
     measured saving against no recompute is the priced one, to the byte."""
@@ -171,7 +209,7 @@ def test_the_contract_offers_selective_only_where_there_is_something_to_keep(gra
         assert {s.recompute for s in row} == set(offered[layer.name])
 
 
-def test_recompute_pins_take_three_kinds_and_the_old_words() -> None:
+def test_recompute_pins_take_the_kinds_and_the_old_words() -> None:
     assert Pins.parse(["recompute=on"]).recompute is Recompute.FULL
     assert Pins.parse(["recompute=all"]).recompute is Recompute.FULL
     assert Pins.parse(["recompute=off"]).recompute is Recompute.NONE
@@ -179,7 +217,8 @@ def test_recompute_pins_take_three_kinds_and_the_old_words() -> None:
     pin = Pins.parse(["blocks.*:recompute=full"]).layers[0]
     assert pin.recompute is Recompute.FULL
     assert Pins.parse(["blocks.*:recompute=selective"]).to_strings() == ["blocks.*:recompute=selective"]
-    with pytest.raises(PinError, match="recompute must be none, selective or full"):
+    assert Pins.parse(["recompute=alternate_mm"]).recompute is Recompute.ALTERNATE_MM
+    with pytest.raises(PinError, match="recompute must be none, selective, alternate_mm or full"):
         Pins.parse(["recompute=some"])
     with pytest.raises(PinError, match="contradict"):
         Pins.parse(["recompute=full", "blocks.0:recompute=selective"]).check_form()
@@ -225,7 +264,7 @@ def test_plans_write_the_kind_and_old_plans_with_bools_still_load(graph: LayerGr
     old = Plan.from_dict(data)
     assert [lp.recompute for lp in old.layers][3:5] == [Recompute.NONE, Recompute.FULL]
     data["layers"][0]["recompute"] = "sometimes"
-    with pytest.raises(PlanError, match="recompute is 'sometimes'; use none, selective or full"):
+    with pytest.raises(PlanError, match="recompute is 'sometimes'; use none, selective, alternate_mm or full"):
         Plan.from_dict(data)
     assert "selective" in plan.summary()
 
@@ -270,7 +309,7 @@ def test_selective_layers_ran_the_selective_policy_and_kept_matmul_outputs(w2: d
         assert w2[case]["policy_asked"] > sum(kept.values()) > 0, case  # other ops were recomputed
         assert set(kept) <= {"aten::mm", "aten::addmm", "aten::_scaled_dot_product_flash_attention_for_cpu"}
     assert w2["full_only"]["policy_asked"] == 0  # full recompute never asks the selective policy
-    mixed = {name: rc for name, _, _, rc in w2["mixed_kinds_zero2"]["layers"]}
+    mixed = {name: rc for name, _, _, rc, _ in w2["mixed_kinds_zero2"]["layers"]}
     assert (mixed["blocks.0"], mixed["blocks.1"], mixed["ln_f"]) == (Recompute.SELECTIVE, Recompute.FULL,
                                                                       Recompute.FULL)
     assert w2["selective_zero3"]["mesh"] == [1, 2, 1] and w2["selective_tp2"]["mesh"] == [1, 1, 2]

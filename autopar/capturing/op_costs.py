@@ -25,7 +25,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autopar.cost_models.compute import MATMUL_OPS
+from autopar.cost_models.compute import FUSED_ATTENTION_OPS, MATMUL_OPS
 from autopar.graph import TPStyle
 
 
@@ -36,6 +36,9 @@ class NodeOpCosts:
     kept: dict[Any, float] = field(default_factory=dict)  # storage key → bytes, matmul-class outputs
     rerun_flops: float = 0.0
     rerun_bytes: float = 0.0
+    fused: dict[Any, float] = field(default_factory=dict)  # fused attention's outputs (kept by both policies)
+    # each matmul-class op in order: (is aten::mm, {storage key: output bytes}, FLOPs, bytes read and written)
+    matmuls: list[tuple[bool, dict[Any, float], float, float]] = field(default_factory=list)
 
     def keep(self, key: Any, nbytes: float) -> None:
         self.kept[key] = float(nbytes)
@@ -67,8 +70,10 @@ class OpRecorder(TorchDispatchMode):
     def keep_fused(self, node: fx.Node, out: torch.Tensor, lse_bytes: float) -> None:
         """Fused attention at ``node``: SAC keeps its output and its log-sum-exp."""
         costs = self.costs.setdefault(node, NodeOpCosts())
-        costs.keep(*self.storage_key(out))
+        key, nbytes = self.storage_key(out)
+        costs.keep(key, nbytes)
         costs.keep(("logsumexp", node), lse_bytes)
+        costs.fused.update({key: float(nbytes), ("logsumexp", node): float(lse_bytes)})
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -82,11 +87,18 @@ class OpRecorder(TorchDispatchMode):
 
     def _charge(self, costs: NodeOpCosts, func: Any, inputs: Any, out: Any, flops: float) -> None:
         outs = _tensors(out)
-        if func._schema.name in MATMUL_OPS:
+        ins = _tensors(inputs)
+        name = func._schema.name
+        if name in MATMUL_OPS:
             for t in outs:
                 costs.keep(*self.storage_key(t))
+            kept = dict(self.storage_key(t) for t in outs)
+            if name in FUSED_ATTENTION_OPS:
+                costs.fused.update(kept)
+            else:
+                moved = float(sum(t.numel() * t.element_size() for t in ins + outs))
+                costs.matmuls.append((name == "aten::mm", kept, float(flops), moved))
             return
-        ins = _tensors(inputs)
         in_keys = {self.storage_key(t)[0] for t in ins}
         if not outs or (not func._schema.is_mutable and all(self.storage_key(t)[0] in in_keys for t in outs)):
             return  # a view or alias: nothing read or written
@@ -103,14 +115,21 @@ class SelectiveCosts:
     recompute_flops: float = 0.0
     recompute_bytes: float = 0.0
     recompute_sharded_bytes: float = 0.0
+    alternate: SelectiveCosts | None = None  # the same under torchtitan's op-level policy
 
     def layer_fields(self) -> dict[str, float]:
-        """As :class:`autopar.graph.Layer`'s ``selective_*_per_sample`` keywords."""
+        """As :class:`autopar.graph.Layer`'s ``selective_*_per_sample`` and ``alternate_*`` keywords."""
+        alt = self.alternate or SelectiveCosts()
         return {"selective_saved_bytes_per_sample": self.saved_bytes,
                 "selective_sharded_bytes_per_sample": self.sharded_bytes,
                 "selective_recompute_flops_per_sample": self.recompute_flops,
                 "selective_recompute_bytes_per_sample": self.recompute_bytes,
-                "selective_recompute_sharded_bytes_per_sample": self.recompute_sharded_bytes}
+                "selective_recompute_sharded_bytes_per_sample": self.recompute_sharded_bytes,
+                "alternate_saved_bytes_per_sample": alt.saved_bytes,
+                "alternate_sharded_bytes_per_sample": alt.sharded_bytes,
+                "alternate_recompute_flops_per_sample": alt.recompute_flops,
+                "alternate_recompute_bytes_per_sample": alt.recompute_bytes,
+                "alternate_recompute_sharded_bytes_per_sample": alt.recompute_sharded_bytes}
 
 
 def between_projections(nodes: list[fx.Node], paths: Callable[[fx.Node], tuple[str, ...]],
@@ -142,15 +161,35 @@ def selective_costs(key: str | None, nodes: Iterable[fx.Node], costs: dict[fx.No
     kept: dict[Any, float] = {}
     kept_sharded: dict[Any, float] = {}
     flops = rerun = rerun_sharded = 0.0
+    # torchtitan's op-level policy: fused attention and the odd-numbered aten::mm calls kept
+    alt_kept: dict[Any, float] = {}
+    alt_sharded: dict[Any, float] = {}
+    alt_flops = alt_rerun = alt_rerun_sharded = 0.0
+    mm_count = 0
     for n in inside:
         c = costs.get(n)
         if c is None:
             continue
         kept.update(c.kept)
+        alt_kept.update(c.fused)
         if n in sharded:
             kept_sharded.update(c.kept)
+            alt_sharded.update(c.fused)
             rerun_sharded += c.rerun_bytes
         flops += c.rerun_flops
         rerun += c.rerun_bytes
+        for is_mm, outs, mm_flops, moved in c.matmuls:
+            mm_count += is_mm
+            if is_mm and mm_count % 2 == 1:
+                alt_kept.update(outs)
+                if n in sharded:
+                    alt_sharded.update(outs)
+                continue
+            alt_flops += mm_flops
+            alt_rerun += moved
+            alt_rerun_sharded += moved if n in sharded else 0.0
+    alternate = SelectiveCosts(sum(alt_kept.values()) / batch, sum(alt_sharded.values()) / batch,
+                               (flops + alt_flops) / batch, (rerun + alt_rerun) / batch,
+                               (rerun_sharded + alt_rerun_sharded) / batch)
     return SelectiveCosts(sum(kept.values()) / batch, sum(kept_sharded.values()) / batch,
-                          flops / batch, rerun / batch, rerun_sharded / batch)
+                          flops / batch, rerun / batch, rerun_sharded / batch, alternate)

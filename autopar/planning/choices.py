@@ -24,14 +24,17 @@ def check_recompute_pins(graph: LayerGraph, pins: Pins) -> None:
     matmul-class op) is a PinError naming the layer; a layer without a module of its own runs
     without recompute and is noted, as for full (:func:`autopar.contract.recompute_applies`)."""
     for pin in pins.layers:
-        if pin.fields_set().get("recompute") is not Recompute.SELECTIVE:
+        kind = pin.fields_set().get("recompute")
+        if kind not in (Recompute.SELECTIVE, Recompute.ALTERNATE_MM):
             continue
         for layer in graph:
-            if (fnmatch.fnmatchcase(layer.name, pin.pattern) and layer.module_path is not None
-                    and layer.selective_saved_bytes_per_sample <= 0):
-                raise PinError(f"pin {pin.pattern}:recompute=selective: layer {layer.name!r} runs no "
-                               "matmul-class op (mm, addmm, bmm, convolution, fused attention), so selective "
-                               "recompute has nothing to keep; pin it recompute=full or none")
+            saved = (layer.selective_saved_bytes_per_sample if kind is Recompute.SELECTIVE
+                     else layer.alternate_saved_bytes_per_sample)
+            if fnmatch.fnmatchcase(layer.name, pin.pattern) and layer.module_path is not None and saved <= 0:
+                ops = ("matmul-class op (mm, addmm, bmm, convolution, fused attention)" if kind is Recompute.SELECTIVE
+                       else "mm or fused attention")
+                raise PinError(f"pin {pin.pattern}:recompute={kind}: layer {layer.name!r} runs no {ops}, so "
+                               f"its policy has nothing to keep; pin it recompute=full or none")
 
 
 def allowed_strategies(table: PriceTable, layer_pins: list[dict[str, Any]]) -> list[list[int]]:

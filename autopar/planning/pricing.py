@@ -443,10 +443,12 @@ class PriceTable:
         if kind is Recompute.FULL:
             return fwd_s, base
         split = 1 - 1 / self.config.tp if strategy.tp is not None and layer.tp_style(strategy.tp).row else 0.0
-        saved = layer.selective_saved_bytes_per_sample - split * layer.selective_sharded_bytes_per_sample
-        moved = layer.selective_recompute_bytes_per_sample - split * layer.selective_recompute_sharded_bytes_per_sample
+        p = "alternate" if kind is Recompute.ALTERNATE_MM else "selective"  # torchtitan's policy, or autopar's
+        saved = getattr(layer, f"{p}_saved_bytes_per_sample") - split * getattr(layer, f"{p}_sharded_bytes_per_sample")
+        moved = (getattr(layer, f"{p}_recompute_bytes_per_sample")
+                 - split * getattr(layer, f"{p}_recompute_sharded_bytes_per_sample"))
         b, device = self.microbatch_size, self.cluster.device
-        rerun = (compute_time_s(b * layer.selective_recompute_flops_per_sample, device, self.dtype_for_compute)
+        rerun = (compute_time_s(b * getattr(layer, f"{p}_recompute_flops_per_sample"), device, self.dtype_for_compute)
                  + memory_bound_time_s(b * moved * self.act_scale, device))
         return rerun, base + saved
 
