@@ -19,6 +19,16 @@ projection's output rows are permuted first so each rank's contiguous shard
 holds its piece of every segment (``[q; k; v]``, GQA-shaped q/k/v, gate/up);
 the permutations are returned so full state dicts can be put back in order.
 
+Sequence parallelism (a layer planned with ``sp``) runs the same forward on
+this rank's share of the hidden state's sequence: Megatron-SP's conjugate
+pairs replace the two all-reduces (an all-gather of each column input, a
+reduce-scatter of each row output), and a region of such layers is entered by
+keeping a share and left by an all-gather (:class:`SequenceEnds`). These are
+autograd functions over ``all_gather_single`` / ``reduce_scatter_single``
+rather than DTensor's ``SequenceParallel`` style for the reason MeshRank's are:
+the code between them is the layer's own, on local tensors, which module-level
+styles cannot place.
+
 Vocab styles (an ``nn.Embedding`` split on its vocabulary, an LM head split
 on its outputs and gathered) use DTensor's ``RowwiseParallel`` /
 ``ColwiseParallel`` directly: no code of the model runs between their
