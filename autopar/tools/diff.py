@@ -19,16 +19,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.errors import PlanError
-from autopar.plan import LayerPlan, Plan
+from autopar.plan import LayerPlan, Plan, Recompute
 from autopar.units import format_bytes, format_flop_rate
 
 _BREAKDOWN = (("compute_s", "compute"), ("bubble_s", "bubble"), ("tp_comm_s", "tp comm"),
               ("dp_comm_s", "dp comm"), ("pp_comm_s", "pp comm"), ("optimizer_s", "optimizer"))
 
 
-def layer_choice(plan: Plan, layer: LayerPlan) -> tuple[int, str | None, int, bool]:
-    """A layer's strategy as it matters: a style means nothing at tp = 1."""
-    return layer.stage, None if plan.mesh.tp == 1 else layer.tp, layer.zero, layer.recompute
+def layer_choice(plan: Plan, layer: LayerPlan) -> tuple[int, str | None, int, Recompute]:
+    """A layer's strategy as it matters: a style (and its sequence parallelism) means nothing at tp = 1."""
+    tp = None if plan.mesh.tp == 1 or layer.tp is None else layer.tp + ("+sp" if layer.sp else "")
+    return layer.stage, tp, layer.zero, layer.recompute
 
 
 def plan_key(plan: Plan) -> tuple:
@@ -175,9 +176,9 @@ def _rows(a: Plan, b: Plan) -> list[Row]:
     return rows
 
 
-def _choice_text(choice: tuple[int, str | None, int, bool]) -> str:
+def _choice_text(choice: tuple[int, str | None, int, Recompute]) -> str:
     stage, tp, zero, recompute = choice
-    return f"stage {stage}, tp {tp or 'none'}, zero {zero}, recompute {'on' if recompute else 'off'}"
+    return f"stage {stage}, tp {tp or 'none'}, zero {zero}, recompute {Recompute.of(recompute)}"
 
 
 def layer_changes(a: Plan, b: Plan) -> list[LayerChange]:

@@ -340,7 +340,7 @@ def draw_memory(plan: Plan) -> Figure:
 
 
 _FIXED = {"ZeRO": {"0": "#c6dbef", "1": "#6baed6", "2": "#2171b5", "3": "#08306b", "- (dp=1)": "#dddddd"},
-          "recompute": {"off": "#dddddd", "on": "#f58518"}}
+          "recompute": {"none": "#dddddd", "selective": "#fdd0a2", "alternate_mm": "#fd8d3c", "full": "#d94801"}}
 
 
 def draw_layers(plan: Plan) -> Figure:
@@ -349,9 +349,10 @@ def draw_layers(plan: Plan) -> Figure:
 
     plt = _pyplot()
     rows = (("stage", [str(l.stage) for l in plan.layers]),
-            ("tp style", [(l.tp or "none") if plan.mesh.tp > 1 else "none" for l in plan.layers]),
+            ("tp style", [(l.tp or "none") + ("+sp" if l.sp and l.tp else "") if plan.mesh.tp > 1 else "none"
+                          for l in plan.layers]),
             ("ZeRO", [str(l.zero) if plan.mesh.dp > 1 else "- (dp=1)" for l in plan.layers]),
-            ("recompute", ["on" if l.recompute else "off" for l in plan.layers]))
+            ("recompute", [str(l.recompute) for l in plan.layers]))
     n = len(plan.layers)
     fig, axes = plt.subplots(len(rows), 1, figsize=(11, 0.6 * len(rows) + 1.1), layout="constrained", sharex=True)
     palette = plt.get_cmap("tab20").colors
