@@ -231,3 +231,15 @@ def test_memory_budget_shrinks_with_sequence_parallelism_on_a_real_capture():
     off = autopar.solve(graph, 2, cluster=cluster, global_batch=4, pins=[*base, "sp=off"])
     on = autopar.solve(graph, 2, cluster=cluster, global_batch=4, pins=[*base, "sp=on"])
     assert max(on.predicted.memory_per_rank_bytes) < max(off.predicted.memory_per_rank_bytes)
+
+
+def test_a_diff_names_the_layers_that_turn_sequence_parallelism_on():
+    from autopar.tools.diff import layer_changes
+
+    graph = transformer_graph(4, 1024, 512, vocab=8192, heads=16)
+    base = ["pp=1", "dp=2", "tp=4", "zero=0", "recompute=none", "microbatches=1", "blocks.*:tp=megatron"]
+    off = autopar.solve(graph, 8, cluster="a100-80g", global_batch=16, pins=[*base, "sp=off"])
+    on = autopar.solve(graph, 8, cluster="a100-80g", global_batch=16, pins=[*base, "sp=on"])
+    changes = layer_changes(off, on)
+    assert [(c.count, c.a, c.b) for c in changes] == [
+        (4, "stage 0, tp megatron, zero 0, recompute none", "stage 0, tp megatron+sp, zero 0, recompute none")]
