@@ -188,7 +188,9 @@ def main() -> int:
     cluster = fitted_cluster(fit, args.dry)
     from gpu_compute import measure as measure_ops  # GEMM shapes, bandwidth, attention
     from gpu_compute import summary as ops_summary
+    from gpu_compute import with_measured_gemms
     compute_ops = measure_ops(args.dry, cluster)
+    cluster = with_measured_gemms(cluster, compute_ops)
     rows, failures = [], []
     for model in DRY_MODELS if args.dry else GPU_MODELS:
         for name, pins in PLANS:
