@@ -106,6 +106,18 @@ def test_layers_without_op_records_or_devices_without_an_op_model_price_by_flops
     assert all(p.compute_mb_s > 0 for row in table.prices[1:-1] for p in row)
 
 
+def test_memory_bound_backward_moves_twice_the_forwards_bytes():
+    from autopar.cost_models.compute import MEMORY_BOUND_BACKWARD_FACTOR
+
+    norm = replace(transformer_graph()[1], flops_per_sample=0.0, tp_styles=(),
+                   ops=(OpRecord(OpKind.MEMORY, count=4, per_sample="", bytes_per_sample=1e6),))
+    times = layer_compute(norm, None, 1, 8, A100.device, "bf16", act_scale=0.5)
+    o = A100.device.op_model
+    fwd = 8 * 1e6 * 0.5 / (A100.device.memory_bandwidth_bytes_s * o.bandwidth_fraction)
+    assert times.fwd_s == pytest.approx(fwd + 4 * o.kernel_overhead_s)
+    assert times.bwd_s == pytest.approx(MEMORY_BOUND_BACKWARD_FACTOR * (fwd + 4 * o.kernel_overhead_s))
+
+
 def test_records_count_identical_kernels_once():
     rec = OpRecord(OpKind.GEMM, count=3, m=128, n=64, k=32)
     assert rec.gemm_flops_per_sample() == 3 * 2 * 128 * 64 * 32
