@@ -108,24 +108,35 @@ class OpKind(StrEnum):
     MEMORY = "memory"
 
 
-SHARD_DIMS = ("n", "k", "batch", "all")
+class SampleDim(StrEnum):
+    """Which dimension of an :class:`OpRecord`'s GEMM grows with the microbatch."""
+
+    M = "m"  # tokens: a linear layer's rows
+    BATCH = "batch"  # batched products: attention's math path, grouped convolutions
+    NONE = ""  # neither: the op's shape is fixed per call
+
+
+class ShardDim(StrEnum):
+    """What a tensor-parallel style divides by the tp degree in an :class:`OpRecord`."""
+
+    N = "n"  # a column projection's outputs
+    K = "k"  # a row projection's inputs
+    BATCH = "batch"  # the heads of batched products between them
+    ALL = "all"  # an attention kernel's or memory-bound op's whole work between them
 
 
 @dataclass(frozen=True)
 class OpRecord:
     """``count`` identical kernels of one layer call, as capture saw them (per sample).
 
-    A GEMM multiplies ``batch`` (m × k) by (k × n) matrices; ``per_sample`` names
-    the dimension that grows with the microbatch (``"m"``: tokens, as a linear
-    layer's; ``"batch"``: as attention's batched products; ``""``: neither) and
-    holds that dimension per sample. Attention and memory-bound records carry
+    A GEMM multiplies ``batch`` (m × k) by (k × n) matrices; ``per_sample``
+    (:class:`SampleDim`) names the dimension that grows with the microbatch, and
+    that dimension is held per sample. Attention and memory-bound records carry
     ``flops_per_sample`` (attention's full T×T work; ``causal`` when masked) and
     ``bytes_per_sample`` (read + written, captured dtype; a memory-bound record
     totals its ``count`` kernels, the others are per kernel). ``shard`` says, per
-    tensor-parallel style, which dimension the style divides by the tp degree:
-    ``"n"`` (column projections), ``"k"`` (row projections), ``"batch"`` (heads
-    between them), ``"all"`` (an attention kernel's or memory-bound op's whole
-    work between them); a style not named leaves the op whole.
+    tensor-parallel style, what the style divides by the tp degree
+    (:class:`ShardDim`); a style not named leaves the op whole.
     """
 
     kind: OpKind
@@ -134,26 +145,28 @@ class OpRecord:
     n: float = 0.0
     k: float = 0.0
     batch: float = 1.0
-    per_sample: str = "m"
+    per_sample: SampleDim = SampleDim.M
     flops_per_sample: float = 0.0
     bytes_per_sample: float = 0.0
     causal: bool = False
-    shard: dict[str, str] = field(default_factory=dict)
+    shard: dict[str, ShardDim] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", OpKind(self.kind))
+        object.__setattr__(self, "per_sample", SampleDim(self.per_sample))
+        object.__setattr__(self, "shard", {k: ShardDim(v) for k, v in self.shard.items()})
 
     def gemm_shape(self, microbatch: int, style: str | None, tp: int) -> tuple[float, float, float, float]:
         """(m, n, k, batch) of one kernel for a microbatch of ``microbatch`` under ``style`` on ``tp`` ranks."""
-        m = self.m * microbatch if self.per_sample == "m" else self.m
-        batch = self.batch * microbatch if self.per_sample == "batch" else self.batch
+        m = self.m * microbatch if self.per_sample is SampleDim.M else self.m
+        batch = self.batch * microbatch if self.per_sample is SampleDim.BATCH else self.batch
         n, k = self.n, self.k
-        dim = self.shard.get(style, "") if style is not None and tp > 1 else ""
-        if dim == "n":
+        dim = self.shard.get(style) if style is not None and tp > 1 else None
+        if dim is ShardDim.N:
             n = math.ceil(n / tp)
-        elif dim == "k":
+        elif dim is ShardDim.K:
             k = math.ceil(k / tp)
-        elif dim == "batch":
+        elif dim is ShardDim.BATCH:
             batch = batch / tp
         return m, n, k, batch
 
@@ -163,19 +176,20 @@ class OpRecord:
 
     def gemm_flops_per_sample(self) -> float:
         """Forward FLOPs per sample of all ``count`` kernels (unsharded)."""
-        scale = self.m if self.per_sample == "m" else self.batch if self.per_sample == "batch" else 0.0
-        rest = self.batch if self.per_sample == "m" else self.m
+        scale = {SampleDim.M: self.m, SampleDim.BATCH: self.batch}.get(self.per_sample, 0.0)
+        rest = self.batch if self.per_sample is SampleDim.M else self.m
         return 2.0 * self.count * scale * rest * self.n * self.k
 
     def signature(self) -> tuple:
         return (self.kind.value, self.count, round(self.m, 3), round(self.n, 3), round(self.k, 3),
-                round(self.batch, 3), self.per_sample, round(self.flops_per_sample, 3),
-                round(self.bytes_per_sample, 3), self.causal, tuple(sorted(self.shard.items())))
+                round(self.batch, 3), self.per_sample.value, round(self.flops_per_sample, 3),
+                round(self.bytes_per_sample, 3), self.causal,
+                tuple(sorted((k, v.value) for k, v in self.shard.items())))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["kind"] = self.kind.value
-        d["shard"] = dict(self.shard)
+        d["kind"], d["per_sample"] = self.kind.value, self.per_sample.value
+        d["shard"] = {k: v.value for k, v in self.shard.items()}
         return d
 
     @classmethod

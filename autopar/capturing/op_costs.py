@@ -34,7 +34,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.cost_models.compute import MATMUL_OPS
-from autopar.graph import OpKind, OpRecord, TPStyle
+from autopar.graph import OpKind, OpRecord, SampleDim, ShardDim, TPStyle
 
 # gathers: they move the rows they pick (twice the output: read, write) and the indices
 _GATHER_OPS = frozenset({"aten::embedding", "aten::index_select", "aten::gather", "aten::index"})
@@ -205,22 +205,22 @@ def is_causal(n: fx.Node) -> bool:
     return flag if isinstance(flag, bool) else False
 
 
-def _per_sample(m: float, batch: float, is_batched: bool, samples: int) -> tuple[float, float, str]:
+def _per_sample(m: float, batch: float, is_batched: bool, samples: int) -> tuple[float, float, SampleDim]:
     """(m, batch, the dimension that carries the samples) with that dimension divided by ``samples``."""
     if is_batched and batch % samples == 0:
-        return m, batch / samples, "batch"
+        return m, batch / samples, SampleDim.BATCH
     if m % samples == 0:
-        return m / samples, batch, "m"
-    return m, batch, ""
+        return m / samples, batch, SampleDim.M
+    return m, batch, SampleDim.NONE
 
 
 def _gemm_shard(paths: tuple[str, ...], node: fx.Node, style: TPStyle, between: set[fx.Node],
-                batched: bool) -> str:
+                batched: bool) -> ShardDim | None:
     if any(p in style.column for p in paths):
-        return "n"
+        return ShardDim.N
     if any(p in style.row for p in paths):
-        return "k"
-    return "batch" if batched and node in between else ""
+        return ShardDim.K
+    return ShardDim.BATCH if batched and node in between else None
 
 
 def layer_ops(nodes: list[fx.Node], costs: dict[fx.Node, NodeOpCosts],
@@ -243,16 +243,17 @@ def layer_ops(nodes: list[fx.Node], costs: dict[fx.Node, NodeOpCosts],
             key = (OpKind.GEMM, m_ps, nn_, k, b_ps, dim, 0.0, 0.0, False, shard)
             found[key] = found.get(key, 0) + 1
         for flops, causal in c.attention:
-            shard = tuple(sorted((s.name, "all") for s in styles if n in between[s.name]))
-            key = (OpKind.ATTENTION, 0.0, 0.0, 0.0, 1.0, "", flops / batch, 0.0, causal, shard)
+            shard = tuple(sorted((s.name, ShardDim.ALL) for s in styles if n in between[s.name]))
+            key = (OpKind.ATTENTION, 0.0, 0.0, 0.0, 1.0, SampleDim.NONE, flops / batch, 0.0, causal, shard)
             found[key] = found.get(key, 0) + 1
         if c.kernels:
-            shard = tuple(sorted((s.name, "all") for s in styles if n in between[s.name]))
+            shard = tuple(sorted((s.name, ShardDim.ALL) for s in styles if n in between[s.name]))
             totals = memory.setdefault(shard, [0.0, 0.0])
             totals[0] += c.rerun_bytes / batch
             totals[1] += c.kernels
     records = [OpRecord(kind, count, m, n_, k, b, dim, flops, nbytes, causal, dict(shard))
                for (kind, m, n_, k, b, dim, flops, nbytes, causal, shard), count in found.items()]
-    records += [OpRecord(OpKind.MEMORY, int(kernels), bytes_per_sample=nbytes, per_sample="", shard=dict(shard))
+    records += [OpRecord(OpKind.MEMORY, int(kernels), bytes_per_sample=nbytes, per_sample=SampleDim.NONE,
+                         shard=dict(shard))
                 for shard, (nbytes, kernels) in memory.items()]
     return tuple(records)
