@@ -74,15 +74,16 @@ def measure(dry: bool, cluster: Any) -> dict[str, Any]:
         g["tflops_s"] = 2.0 * g["m"] * g["n"] * g["k"] / g["seconds"] / 1e12
     try:
         rate, k_half, overhead = fit_gemm(gemms)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 0
         fitted = fit_op_model(Measurements(backend="nccl" if cuda else "gloo", nproc=1, threads=1,
-                                           gemm_shapes=gemms, bandwidth=bandwidth, attention=attention),
-                              spec.memory_bandwidth_bytes_s)
+                                           gemm_shapes=gemms, bandwidth=bandwidth, attention=attention,
+                                           sm_count=sms), spec.memory_bandwidth_bytes_s)
     except CalibrationError as exc:  # a busy host's noise: reported, the rest of the check still runs
         return {"dtype": name, "gemms": gemms, "error": str(exc)}
     ops = fitted[1] if fitted else None
     preset = spec.op_model
     return {
-        "dtype": name, "gemms": gemms,
+        "dtype": name, "gemms": gemms, "sm_count": ops.sm_count if ops else 0,
         "fit": {"rate_flops_s": rate, "efficiency_of_peak": rate / spec.peak_flops(name), "gemm_k_half": k_half,
                 "kernel_overhead_s": overhead},
         "bandwidth": dict(bandwidth, bytes_s=bandwidth["bytes"] / bandwidth["seconds"],

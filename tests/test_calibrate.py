@@ -119,6 +119,8 @@ def test_per_op_probes_give_the_cluster_an_op_model_that_prices_their_own_ops():
     again = ClusterSpec.from_dict(json.loads(json.dumps(c.to_dict())), source="c.json")
     assert again == c
     assert build_cluster(_measurements()).device.op_model is None  # files measured before: the FLOPs model
+    on_gpu = build_cluster(_measurements(backend="nccl", sm_count=132, **probes)).device.op_model
+    assert (on_gpu.sm_count, on_gpu.tile_m, on_gpu.tile_n) == (132, 256, 128)  # the cited cuBLAS tile
     # a CPU host keeps the FLOPs model fitted to whole layers; its per-op fit is recorded, not used
     cpu = _measurements(**probes)
     assert build_cluster(cpu).device.op_model is None

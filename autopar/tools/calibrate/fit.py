@@ -11,7 +11,7 @@ from typing import Any
 
 from autopar.cost_models.communication import Collective, bus_factor, collective_time_s, place_group, ring_steps
 from autopar.cost_models.compute import ATTENTION_BACKWARD_FLOPS_FACTOR, CAUSAL_ATTENTION_RATE, CAUSAL_ATTENTION_WORK
-from autopar.cost_models.hardware import ClusterSpec, DeviceSpec, LinkSpec, OpModel
+from autopar.cost_models.hardware import GEMM_TILE_M, GEMM_TILE_N, ClusterSpec, DeviceSpec, LinkSpec, OpModel
 from autopar.tools.calibrate.errors import CalibrationError
 
 
@@ -33,6 +33,7 @@ class Measurements:
     gemm_shapes: list[dict[str, float]] = field(default_factory=list)  # m, n, k, seconds (fp32)
     bandwidth: dict[str, float] = field(default_factory=dict)  # bytes, seconds of an elementwise add
     attention: dict[str, float] = field(default_factory=dict)  # flops, fwd_s, bwd_s (causal SDPA)
+    sm_count: int = 0  # a GPU's streaming multiprocessors (0: a CPU, no waves of tiles)
     device_memory_bytes: int = 0
     device_name: str = "cpu"
     wall_s: float = 0.0
@@ -133,7 +134,8 @@ def fit_gemm(points: Sequence[dict[str, float]]) -> tuple[float, float, float]:
 def fit_op_model(m: Measurements, memory_bandwidth_bytes_s: float) -> tuple[float, OpModel] | None:
     """``(large-GEMM rate, the op model)`` from the per-op probes; None when they were not run.
 
-    A CPU has no waves of tiles (``sm_count`` 0); attention is timed as the fraction of the
+    A GPU's tiles are the cited cuBLAS tile over its measured SM count (a CPU has no waves,
+    ``sm_count`` 0); attention is timed as the fraction of the
     GEMM rate its forward and backward reach (backward counted as 2.5 × the forward's FLOPs,
     ``cost_models.compute``); the bandwidth as the fraction of ``memory_bandwidth_bytes_s``
     an elementwise add reaches (above 1 where it outruns the optimizer probe that figure is from).
@@ -145,7 +147,8 @@ def fit_op_model(m: Measurements, memory_bandwidth_bytes_s: float) -> tuple[floa
     fwd = att["flops"] / att["fwd_s"] / rate if att else 1.0
     bwd = ATTENTION_BACKWARD_FLOPS_FACTOR * att["flops"] / att["bwd_s"] / rate if att else 1.0
     causal = CAUSAL_ATTENTION_WORK / CAUSAL_ATTENTION_RATE  # the probe is causal: undo what pricing adds
-    ops = OpModel(sm_count=0, tile_m=1, tile_n=1, gemm_k_half=k_half, kernel_overhead_s=overhead,
+    tile_m, tile_n = (GEMM_TILE_M, GEMM_TILE_N) if m.sm_count > 0 else (1, 1)
+    ops = OpModel(sm_count=m.sm_count, tile_m=tile_m, tile_n=tile_n, gemm_k_half=k_half, kernel_overhead_s=overhead,
                   bandwidth_fraction=m.bandwidth["bytes"] / m.bandwidth["seconds"] / memory_bandwidth_bytes_s,
                   attention_fwd=fwd * causal, attention_bwd=bwd * causal)
     return rate, ops

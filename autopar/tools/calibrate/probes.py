@@ -368,6 +368,8 @@ class _Rank:
         m.gemm_flops_s = self.gemm()
         self.say(f"compute per op: {len(self.op_sizes.gemms)} GEMM shapes, an elementwise add, attention")
         m.gemm_shapes, m.bandwidth, m.attention = self.ops()
+        if self.device.type == "cuda":
+            m.sm_count = self.torch.cuda.get_device_properties(self.device).multi_processor_count
         sizes = self.sizes.message_bytes
         self.say(f"collectives: all-reduce, all-gather, reduce-scatter, send/recv, "
                  f"{_size(sizes[0])}…{_size(sizes[-1])}")
