@@ -110,11 +110,11 @@ def test_per_op_probes_give_the_cluster_an_op_model_that_prices_their_own_ops():
     c = build_cluster(_measurements(backend="nccl", **probes))
     d = c.device
     assert d.op_model is not None and d.op_model.sm_count == 0
-    for p in points:  # the fitted model gives back each measured GEMM
-        assert gemm_time_s(p["m"], p["n"], p["k"], 1, d, "fp32") == pytest.approx(p["seconds"], rel=1e-4)
+    for p in points:  # the fitted model gives back each measured (bf16) GEMM
+        assert gemm_time_s(p["m"], p["n"], p["k"], 1, d, "bf16") == pytest.approx(p["seconds"], rel=1e-4)
     assert memory_bound_time_s(3e8, d) == pytest.approx(0.05)
-    assert attention_time_s(1e9, d, "fp32", causal=True) - d.op_model.kernel_overhead_s == pytest.approx(0.04)
-    assert attention_time_s(1e9, d, "fp32", backward=True, causal=True) - d.op_model.kernel_overhead_s \
+    assert attention_time_s(1e9, d, "bf16", causal=True) - d.op_model.kernel_overhead_s == pytest.approx(0.04)
+    assert attention_time_s(1e9, d, "bf16", backward=True, causal=True) - d.op_model.kernel_overhead_s \
         == pytest.approx(0.12)
     again = ClusterSpec.from_dict(json.loads(json.dumps(c.to_dict())), source="c.json")
     assert again == c

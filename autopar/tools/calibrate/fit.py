@@ -211,9 +211,9 @@ def build_cluster(m: Measurements, *, name: str | None = None) -> ClusterSpec:
     # probes 1.4–2.2× too fast (a 2-core host, benchmarks/cpu_op_check.py; README "Compute model");
     # its per-op fit is recorded in the file's calibration.
     if per_op is not None and m.backend == "nccl":
-        gemm_rate, ops = per_op
-        peak = max(fp32, gemm_rate)
-        device = replace(device, peak_flops_fp32=peak, matmul_efficiency=min(1.0, gemm_rate / peak), op_model=ops)
+        gemm_rate, ops = per_op  # measured in bf16, as GPUs train (probes.ops)
+        peak = max(bf16, gemm_rate)
+        device = replace(device, peak_flops_bf16=peak, matmul_efficiency=min(1.0, gemm_rate / peak), op_model=ops)
     cluster = ClusterSpec(
         name or f"{socket.gethostname()}-{m.backend}-x{m.nproc}", device,
         gpus_per_node=m.nproc, nodes=1, intra_node=link, inter_node=link, nics_per_node=1,

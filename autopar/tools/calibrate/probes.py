@@ -161,8 +161,10 @@ class _Rank:
         return GPU_OP_SIZES if self.device.type == "cuda" else CPU_OP_SIZES
 
     def ops(self) -> tuple[list[dict[str, float]], dict[str, float], dict[str, float]]:
-        """The per-op probes (:mod:`autopar.tools.calibrate.op_probes`) in fp32, every rank at once."""
-        torch, sizes, dtype = self.torch, self.op_sizes, self.torch.float32
+        """The per-op probes (:mod:`autopar.tools.calibrate.op_probes`), every rank at once: in bf16 on
+        a GPU (as it trains), in fp32 on a CPU (whose cluster file keeps the FLOPs model)."""
+        torch, sizes = self.torch, self.op_sizes
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
 
         def timer(fn: Callable[[], Any]) -> float:
             return self.mean_over_ranks(self.timed(fn))
