@@ -186,11 +186,8 @@ def main() -> int:
     device = init_group(args.dry)
     fit = compute_fit(args.dry)
     cluster = fitted_cluster(fit, args.dry)
-    from gpu_compute import measure as measure_ops  # GEMM shapes, bandwidth, attention
-    from gpu_compute import summary as ops_summary
-    from gpu_compute import with_measured_gemms
-    compute_ops = measure_ops(args.dry, cluster)
-    cluster = with_measured_gemms(cluster, compute_ops)
+    from gpu_compute import check as check_ops  # per-op compute terms: GEMM shapes, bandwidth, attention
+    compute_ops, cluster = check_ops(args.dry, cluster)
     rows, failures = [], []
     for model in DRY_MODELS if args.dry else GPU_MODELS:
         for name, pins in PLANS:
@@ -214,7 +211,6 @@ def main() -> int:
         print(f"{r['model']:10s} {r['plan']:14s} step {r['measured_step_s']:.4f} s / predicted "
               f"{r['predicted_step_s']:.4f} s ({r['step_ratio']:.2f})   peak {r['measured_peak_bytes'] / 2**20:.1f} "
               f"MiB / predicted {r['predicted_peak_bytes'] / 2**20:.1f} MiB ({r['memory_ratio']:.2f})")
-    print(ops_summary(compute_ops))
     for f in failures:
         print(f"FAILED {f['model']} {f['plan']}: {f['error']}", file=sys.stderr)
     return 1 if failures else 0

@@ -1,6 +1,6 @@
 """The per-op compute terms measured on a lent GPU, beside what the preset prices them at.
 
-Called by ``benchmarks/gpu_check.py`` (``--dry``: on CPU, tiny shapes):
+Called by ``benchmarks/gpu_check.py`` through :func:`check` (``--dry``: on CPU, small shapes):
 
 - a sweep of bf16 GEMM shapes — deep and shallow reductions, a thin m, a shape one tile
   column past a whole wave — each timed and priced by the preset's op model
@@ -17,6 +17,7 @@ nothing here changes a preset.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import replace
 from typing import Any
@@ -106,6 +107,14 @@ def with_measured_gemms(cluster: Any, result: dict[str, Any]) -> Any:
         return cluster
     eta = min(1.0, result["fit"]["efficiency_of_peak"])
     return replace(cluster, device=replace(device, matmul_efficiency=eta))
+
+
+def check(dry: bool, cluster: Any) -> tuple[dict[str, Any], Any]:
+    """What ``gpu_check.py`` calls: measure, print the summary (stderr), and return the results and
+    the cluster its plans are priced on (:func:`with_measured_gemms`)."""
+    result = measure(dry, cluster)
+    print(summary(result), file=sys.stderr, flush=True)
+    return result, with_measured_gemms(cluster, result)
 
 
 def summary(result: dict[str, Any]) -> str:
