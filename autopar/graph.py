@@ -17,9 +17,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from functools import cached_property
 from typing import Any
 
@@ -125,6 +127,104 @@ class TPStyle:
         return cls(**d)
 
 
+class OpKind(StrEnum):
+    """What an :class:`OpRecord` prices: a GEMM by its shape, fused attention by its FLOPs,
+    memory-bound work (norms, softmax, rotary, elementwise, embedding) by the bytes it moves."""
+
+    GEMM = "gemm"
+    ATTENTION = "attention"
+    MEMORY = "memory"
+
+
+class SampleDim(StrEnum):
+    """Which dimension of an :class:`OpRecord`'s GEMM grows with the microbatch."""
+
+    M = "m"  # tokens: a linear layer's rows
+    BATCH = "batch"  # batched products: attention's math path, grouped convolutions
+    NONE = ""  # neither: the op's shape is fixed per call
+
+
+class ShardDim(StrEnum):
+    """What a tensor-parallel style divides by the tp degree in an :class:`OpRecord`."""
+
+    N = "n"  # a column projection's outputs
+    K = "k"  # a row projection's inputs
+    BATCH = "batch"  # the heads of batched products between them
+    ALL = "all"  # an attention kernel's or memory-bound op's whole work between them
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """``count`` identical kernels of one layer call, as capture saw them (per sample).
+
+    A GEMM multiplies ``batch`` (m × k) by (k × n) matrices; ``per_sample``
+    (:class:`SampleDim`) names the dimension that grows with the microbatch, and
+    that dimension is held per sample. Attention and memory-bound records carry
+    ``flops_per_sample`` (attention's full T×T work; ``causal`` when masked) and
+    ``bytes_per_sample`` (read + written, captured dtype; a memory-bound record
+    totals its ``count`` kernels, the others are per kernel). ``shard`` says, per
+    tensor-parallel style, what the style divides by the tp degree
+    (:class:`ShardDim`); a style not named leaves the op whole.
+    """
+
+    kind: OpKind
+    count: int = 1
+    m: float = 0.0
+    n: float = 0.0
+    k: float = 0.0
+    batch: float = 1.0
+    per_sample: SampleDim = SampleDim.M
+    flops_per_sample: float = 0.0
+    bytes_per_sample: float = 0.0
+    causal: bool = False
+    shard: dict[str, ShardDim] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", OpKind(self.kind))
+        object.__setattr__(self, "per_sample", SampleDim(self.per_sample))
+        object.__setattr__(self, "shard", {k: ShardDim(v) for k, v in self.shard.items()})
+
+    def gemm_shape(self, microbatch: int, style: str | None, tp: int) -> tuple[float, float, float, float]:
+        """(m, n, k, batch) of one kernel for a microbatch of ``microbatch`` under ``style`` on ``tp`` ranks."""
+        m = self.m * microbatch if self.per_sample is SampleDim.M else self.m
+        batch = self.batch * microbatch if self.per_sample is SampleDim.BATCH else self.batch
+        n, k = self.n, self.k
+        dim = self.shard.get(style) if style is not None and tp > 1 else None
+        if dim is ShardDim.N:
+            n = math.ceil(n / tp)
+        elif dim is ShardDim.K:
+            k = math.ceil(k / tp)
+        elif dim is ShardDim.BATCH:
+            batch = batch / tp
+        return m, n, k, batch
+
+    def split(self, style: str | None, tp: int) -> float:
+        """The share of this op's work one tp rank does under ``style``."""
+        return 1.0 / tp if style is not None and tp > 1 and self.shard.get(style) else 1.0
+
+    def gemm_flops_per_sample(self) -> float:
+        """Forward FLOPs per sample of all ``count`` kernels (unsharded)."""
+        scale = {SampleDim.M: self.m, SampleDim.BATCH: self.batch}.get(self.per_sample, 0.0)
+        rest = self.batch if self.per_sample is SampleDim.M else self.m
+        return 2.0 * self.count * scale * rest * self.n * self.k
+
+    def signature(self) -> tuple:
+        return (self.kind.value, self.count, round(self.m, 3), round(self.n, 3), round(self.k, 3),
+                round(self.batch, 3), self.per_sample.value, round(self.flops_per_sample, 3),
+                round(self.bytes_per_sample, 3), self.causal,
+                tuple(sorted((k, v.value) for k, v in self.shard.items())))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["kind"], d["per_sample"] = self.kind.value, self.per_sample.value
+        d["shard"] = {k: v.value for k, v in self.shard.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> OpRecord:
+        return cls(**d)
+
+
 @dataclass(frozen=True)
 class Layer:
     """One planning unit of the chain, with its costs per sample.
@@ -189,6 +289,10 @@ class Layer:
     tied_param_count: int = 0
     tied_param_bytes: int = 0
     tied_borrowed: bool = False
+    # the layer call's kernels (GEMM shapes, attention, memory-bound bytes) for the per-op compute
+    # model (cost_models.compute); graphs captured before these were recorded load with none and
+    # price by their FLOPs
+    ops: tuple[OpRecord, ...] = ()
 
     def tp_style(self, name: str) -> TPStyle:
         for style in self.tp_styles:
@@ -216,6 +320,7 @@ class Layer:
             round(self.alternate_recompute_sharded_bytes_per_sample, 3),
             tuple(s.cost_signature() for s in self.tp_styles),
             len(self.param_names),
+            tuple(o.signature() for o in self.ops),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -223,6 +328,7 @@ class Layer:
         d["tp_styles"] = [s.to_dict() for s in self.tp_styles]
         d["param_names"] = list(self.param_names)
         d["tied_params"] = list(self.tied_params)
+        d["ops"] = [o.to_dict() for o in self.ops]
         return d
 
     @classmethod
@@ -231,6 +337,7 @@ class Layer:
         d["tp_styles"] = tuple(TPStyle.from_dict(s) for s in d.get("tp_styles", ()))
         d["param_names"] = tuple(d.get("param_names", ()))
         d["tied_params"] = tuple(d.get("tied_params", ()))
+        d["ops"] = tuple(OpRecord.from_dict(o) for o in d.get("ops", ()))
         return cls(**d)
 
 

@@ -19,13 +19,16 @@ output), so the SAC rows pin ``alternate_mm``: what is priced is what those
 runs ran. (Priced with autopar's ``selective`` instead, the 8B rows keep
 ~19 GiB more activations per GPU than torchtitan's policy does.)
 
-How the presets' ``matmul_efficiency`` was fitted (``--fit``): with the
-half-efficiency overhead fixed, predicted step time is (compute at η) + terms
-that do not depend on η, so η is solved per run by fixed-point iteration to
-reproduce the published tokens/s, and each device family takes the geometric
-mean over its runs (H100: the two 8B runs; A100: 8B and 70B). V100 borrows
-A100's value and H200 H100's (same compute die). No other public figure is
-used for fitting: the rest are kept back to validate the model.
+How the presets' ``matmul_efficiency`` was fitted (``--fit``): the graphs
+carry per-op records, so the runs are priced by the per-op compute model,
+whose only fitted term is η_max (``matmul_efficiency``: the large-GEMM
+efficiency; the GEMM-shape, attention, bandwidth and kernel-overhead terms
+are cited measurements, ``cost_models/hardware.py``). η is solved per run by
+fixed-point iteration to reproduce the published tokens/s, and each device
+family takes the geometric mean over its runs (H100: the two 8B runs; A100:
+8B and 70B). V100 borrows A100's value and H200 H100's (same compute die).
+No other public figure is used for fitting: the rest are kept back to
+validate the model.
 
 :func:`calibration_rows` returns the table's rows (``benchmarks/suite.py``
 puts them in its report).

@@ -9,7 +9,8 @@ Ready for the day a machine with a GPU is lent (nothing here needs more than one
 2. ``autopar calibrate``'s compute fit on this device: forward + backward of
    transformer layers at several widths, in bf16, fitted to the compute
    model (``matmul_efficiency``, ``half_efficiency_flops``), with the
-   device's bf16 GEMM peak measured beside the preset's;
+   device's bf16 GEMM peak measured beside the preset's, and the per-op terms
+   (``benchmarks/gpu_compute.py``: a GEMM-shape sweep, HBM bandwidth, attention);
 3. for several single-device plans — two model sizes, recompute on and off,
    1, 2 and 4 microbatches — ``autopar.compile`` in bf16 (bf16 compute, fp32
    master weights and AdamW state), timed training steps (median after
@@ -185,6 +186,8 @@ def main() -> int:
     device = init_group(args.dry)
     fit = compute_fit(args.dry)
     cluster = fitted_cluster(fit, args.dry)
+    from gpu_compute import check as check_ops  # per-op compute terms: GEMM shapes, bandwidth, attention
+    compute_ops, cluster = check_ops(args.dry, cluster)
     rows, failures = [], []
     for model in DRY_MODELS if args.dry else GPU_MODELS:
         for name, pins in PLANS:
@@ -198,7 +201,7 @@ def main() -> int:
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else f"cpu ({platform.processor()})",
         "torch": torch.__version__, "cluster": cluster.to_dict(),
         "fit": {k: v for k, v in fit.items() if k != "layers"}, "probes": fit["layers"],
-        "plans": rows, "failures": failures,
+        "plans": rows, "failures": failures, "compute_ops": compute_ops,
     }
     dist.destroy_process_group()
     text = json.dumps(result, indent=2, default=float)

@@ -1,19 +1,48 @@
-"""Compute time of a layer call from its FLOPs.
+"""Compute time: of a layer call from its FLOPs, or of one op from its shape or bytes.
 
-time = flops / (peak · η(flops)),  η(flops) = η_max · flops / (flops + flops_½)
+The FLOPs model (layers without per-op records, devices without an ``op_model``):
+
+    time = flops / (peak · η(flops)),  η(flops) = η_max · flops / (flops + flops_½)
 
 which is the same as time = (flops + flops_½) / (peak · η_max): large calls
 reach the device's fitted ``matmul_efficiency`` (η_max), and every call pays a
 fixed overhead worth ``half_efficiency_flops`` of work (kernel launches, thin
 matmuls), which is why tiny microbatches or thin tensor-parallel shards do not
 speed up for free.
+
+The per-op model (a device with an :class:`~.hardware.OpModel`), one kernel at a time:
+
+    GEMM (m × k)·(k × n), ``batch`` of them:
+        time = 2·m·n·k·batch / (peak · η_max · u(m, n, batch) · k / (k + k_½)) + o
+        u = m·n·batch / (waves · SMs · tile_m · tile_n),  waves = ⌈⌈m/tile_m⌉·⌈n/tile_n⌉·batch / SMs⌉
+    fused attention: executed FLOPs / (peak · η_max · a) + o     (a: attention_fwd / attention_bwd)
+    memory-bound:    bytes read + written / (bandwidth · f) + o per kernel
+
+u is tile and wave quantisation (a thin or sharded GEMM leaves SMs idle),
+k / (k + k_½) the ramp of a shallow reduction, o the per-kernel overhead and
+f the achievable share of the memory bandwidth; the presets cite each
+(``cost_models.hardware``) and ``autopar calibrate`` measures them.
 """
 
 from __future__ import annotations
 
+import math
+
 from .hardware import DeviceSpec
 
 BACKWARD_FLOPS_FACTOR = 2.0  # backward = grad wrt inputs + grad wrt weights (2× forward)
+# Backward of a memory-bound op reads the output's gradient and what it saved and writes the
+# input's gradient: about twice the forward's bytes (a stated assumption, the elementwise rule).
+MEMORY_BOUND_BACKWARD_FACTOR = 2.0
+# Fused attention: backward does 2.5× the forward's FLOPs (five GEMMs to two, one recomputed),
+# and a causal mask skips half the blocks; the convention of Dao-AILab/flash-attention's
+# benchmarks/benchmark_flash_attention.py (``flops(..., mode="bwd") = 2.5 × fwd``, causal ÷ 2).
+ATTENTION_BACKWARD_FLOPS_FACTOR = 2.5
+CAUSAL_ATTENTION_WORK = 0.5
+# A causal kernel runs its blocks slower than a full one (the diagonal blocks, uneven work):
+# FlashAttention-2 on A100, batch 1, 4096 tokens, 32 heads: 156.3 TFLOP/s causal (half the FLOPs
+# counted) against 184.0 non-causal (liangan1/GPU_travel, performance/flash-attn/README.md).
+CAUSAL_ATTENTION_RATE = 156.3 / 184.0
 
 
 def efficiency(work_flops: float, device: DeviceSpec) -> float:
@@ -52,7 +81,53 @@ MATMUL_OPS = frozenset({
 FUSED_ATTENTION_OPS = frozenset(op for op in MATMUL_OPS if "attention" in op)
 
 
-def memory_bound_time_s(nbytes: float, device: DeviceSpec) -> float:
-    """Time of memory-bound work (elementwise ops, norms, softmax) reading and writing ``nbytes``:
-    bytes over the device's memory bandwidth (the roofline's bandwidth side)."""
-    return max(nbytes, 0.0) / device.memory_bandwidth_bytes_s
+def memory_bound_time_s(nbytes: float, device: DeviceSpec, kernels: float = 0.0) -> float:
+    """Time of memory-bound work (elementwise ops, norms, softmax) reading and writing ``nbytes``
+    in ``kernels`` kernels: bytes over the bandwidth the device reaches (the roofline's bandwidth
+    side; the op model's achievable fraction of it), plus each kernel's overhead."""
+    ops = device.op_model
+    if ops is None:
+        return max(nbytes, 0.0) / device.memory_bandwidth_bytes_s
+    return (max(nbytes, 0.0) / (device.memory_bandwidth_bytes_s * ops.bandwidth_fraction)
+            + max(kernels, 0.0) * ops.kernel_overhead_s)
+
+
+def gemm_efficiency(m: float, n: float, k: float, batch: float, device: DeviceSpec) -> float:
+    """Fraction of peak one GEMM of ``batch`` (m × k)·(k × n) products reaches (module docstring):
+    η_max, times tile and wave quantisation of its m × n output, times the ramp in k."""
+    if min(m, n, k, batch) <= 0:
+        return 0.0
+    ops = device.op_model
+    if ops is None:
+        return device.matmul_efficiency
+    ramp = k / (k + ops.gemm_k_half)
+    used = 1.0
+    if ops.sm_count > 0:
+        tiles = math.ceil(m / ops.tile_m) * math.ceil(n / ops.tile_n) * math.ceil(batch)
+        waves = math.ceil(tiles / ops.sm_count)
+        used = m * n * batch / (waves * ops.sm_count * ops.tile_m * ops.tile_n)
+    return device.matmul_efficiency * ramp * min(used, 1.0)
+
+
+def gemm_time_s(m: float, n: float, k: float, batch: float, device: DeviceSpec, dtype: str) -> float:
+    """Time of one GEMM kernel: its FLOPs at :func:`gemm_efficiency`, plus the kernel overhead."""
+    eta = gemm_efficiency(m, n, k, batch, device)
+    if eta <= 0:
+        return 0.0
+    overhead = device.op_model.kernel_overhead_s if device.op_model is not None else 0.0
+    return 2.0 * m * n * k * batch / (device.peak_flops(dtype) * eta) + overhead
+
+
+def attention_time_s(flops: float, device: DeviceSpec, dtype: str, *, backward: bool = False,
+                     causal: bool = False) -> float:
+    """Time of one fused attention kernel (forward, or its backward) doing ``flops`` of the
+    forward's counted FLOPs (the full T×T work: causal skips half, at its own rate)."""
+    if flops <= 0:
+        return 0.0
+    ops = device.op_model
+    relative = 1.0 if ops is None else (ops.attention_bwd if backward else ops.attention_fwd)
+    work = flops * (ATTENTION_BACKWARD_FLOPS_FACTOR if backward else 1.0)
+    if causal:
+        work, relative = work * CAUSAL_ATTENTION_WORK, relative * CAUSAL_ATTENTION_RATE
+    overhead = ops.kernel_overhead_s if ops is not None else 0.0
+    return work / (device.peak_flops(dtype) * device.matmul_efficiency * relative) + overhead

@@ -36,6 +36,30 @@ class ClusterError(CostModelError):
 
 
 @dataclass(frozen=True)
+class OpModel:
+    """The device's terms for pricing a layer op by op (``cost_models.compute``), beyond its peak.
+
+    A GEMM runs its output in ``tile_m`` × ``tile_n`` tiles, ``sm_count`` at a
+    time (0: no wave quantisation, as on a CPU), at an efficiency that ramps
+    with the reduction depth k as k / (k + ``gemm_k_half``); every kernel pays
+    ``kernel_overhead_s``; memory-bound ops move their bytes at
+    ``bandwidth_fraction`` of the device's memory bandwidth; fused attention
+    runs at ``attention_fwd`` (forward) and ``attention_bwd`` (backward) of the
+    large-GEMM rate. Presets cite each figure (``cost_models.compute``);
+    ``autopar calibrate`` measures them on its host.
+    """
+
+    sm_count: int
+    tile_m: int
+    tile_n: int
+    gemm_k_half: float
+    kernel_overhead_s: float
+    bandwidth_fraction: float
+    attention_fwd: float
+    attention_bwd: float
+
+
+@dataclass(frozen=True)
 class DeviceSpec:
     """One accelerator (or one CPU process in the ``cpu`` preset).
 
@@ -43,6 +67,10 @@ class DeviceSpec:
     ``matmul_efficiency`` is the fraction of peak a large training layer
     reaches (fitted); ``half_efficiency_flops`` is the work per layer call at
     which efficiency falls to half of that, which makes small microbatches slow.
+    ``op_model``, when set, prices layers captured with per-op records op by op
+    (GEMM shapes, attention kernels, memory-bound bytes; ``matmul_efficiency``
+    is then the large-GEMM efficiency); without it, or for layers without
+    records, the FLOPs model above prices them.
     """
 
     name: str
@@ -52,6 +80,7 @@ class DeviceSpec:
     memory_bandwidth_bytes_s: float
     matmul_efficiency: float
     half_efficiency_flops: float
+    op_model: OpModel | None = None
 
     def peak_flops(self, dtype: str) -> float:
         return self.peak_flops_bf16 if dtype == "bf16" else self.peak_flops_fp32
@@ -196,6 +225,8 @@ class ClusterSpec:
         for level in ("intra_node", "inter_node"):  # no per-kind figures: the field stays out of files
             if not data[level]["collectives"]:
                 del data[level]["collectives"]
+        if data["device"]["op_model"] is None:  # TOML has no null: the field stays out of files
+            del data["device"]["op_model"]
         return data
 
     @classmethod
@@ -250,6 +281,15 @@ def _validate(c: ClusterSpec) -> None:
                                    f"use {', '.join(LINK_KINDS)}")
             positive[f"{level}.collectives.{kind}.bandwidth_bytes_s"] = sub.bandwidth_bytes_s
             non_negative[f"{level}.collectives.{kind}.latency_s"] = sub.latency_s
+    ops = c.device.op_model
+    if ops is not None:
+        for name in ("tile_m", "tile_n", "bandwidth_fraction", "attention_fwd", "attention_bwd"):
+            positive[f"device.op_model.{name}"] = getattr(ops, name)
+        for name in ("sm_count", "gemm_k_half", "kernel_overhead_s"):
+            non_negative[f"device.op_model.{name}"] = getattr(ops, name)
+        if not all(isinstance(v, int) for v in (ops.sm_count, ops.tile_m, ops.tile_n)):
+            raise ClusterError(f"cluster {c.name!r}: device.op_model's sm_count, tile_m and tile_n "
+                               "must be whole numbers")
     for key, value in positive.items():
         if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ClusterError(f"cluster {c.name!r}: {key} must be a positive number, got {value!r}")
@@ -271,7 +311,7 @@ def _validate(c: ClusterSpec) -> None:
         raise ClusterError(f"cluster {c.name!r}: backend must be 'nccl' or 'gloo', got {c.backend!r}")
 
 
-_OPTIONAL_FIELDS = {"collectives"}
+_OPTIONAL_FIELDS = {"collectives", "op_model"}
 
 
 def _section(data: dict[str, Any], key: str, cls: type, source: str) -> Any:
@@ -294,6 +334,8 @@ def _section(data: dict[str, Any], key: str, cls: type, source: str) -> Any:
                                  for k in subs}
     if cls is DeviceSpec:
         kwargs["name"] = str(raw.get("name", data.get("name", "device")))
+        if "op_model" in raw:
+            kwargs["op_model"] = _section(raw, "op_model", OpModel, f"{source}: {key}")
     return cls(**kwargs)
 
 
@@ -336,8 +378,8 @@ def _cluster_from_dict(data: dict[str, Any], source: str) -> ClusterSpec:
 # reproduces them from torchtitan's Llama 3.1 runs (8B FSDP on 8 and 128 H100;
 # 8B and 70B FSDP on 64 A100), geometric mean per family. V100 borrows A100's,
 # H200 H100's (same compute die).
-H100_EFFICIENCY = 0.334
-A100_EFFICIENCY = 0.609
+H100_EFFICIENCY = 0.406
+A100_EFFICIENCY = 0.699
 # Work per layer call at which a GPU reaches half its large-layer efficiency:
 # about a 1024×1024×1024 bf16 GEMM (2 GFLOP). Not fitted; a stated assumption.
 GPU_HALF_EFFICIENCY_FLOPS = 2e9
@@ -350,9 +392,44 @@ _NDR_NIC = LinkSpec(bandwidth_bytes_s=46 * GB, latency_s=20e-6)
 _EDR_NIC = LinkSpec(bandwidth_bytes_s=11 * GB, latency_s=20e-6)
 
 
+# Per-op terms of the GPU presets (cost_models.compute prices with them; README "Compute model"):
+# - GEMM tiles: cuBLAS runs large GEMMs in 256×128 output tiles, one per SM at a time, so a GEMM
+#   whose tiles leave the last wave part-empty loses that part (tile and wave quantisation,
+#   NVIDIA "Matrix Multiplication Background User's Guide", §2.3 and §3,
+#   https://docs.nvidia.com/deeplearning/performance/pdf/Matrix-Multiplication-Background-User-Guide.pdf).
+GEMM_TILE_M, GEMM_TILE_N = 256, 128
+# - SMs per chip (public specifications; the guide's examples use A100's 108).
+SM_COUNT = {"A100": 108, "H100": 132, "H200": 132, "V100": 80}
+# - Reduction depth at which a GEMM reaches half its large-k rate: an 8192×8192×k fp16 GEMM on
+#   an H800 (Hopper, H100's SMs) runs 386 TFLOP/s at k=256 and 766 at k=16384, 0.50 of it
+#   (and 0.82 at k=1024, 0.92 at 2048: k/(k+256) gives 0.80, 0.89); xwhzz/tilelang,
+#   benchmark/matmul/README.md.
+GEMM_K_HALF = 256.0
+# - Achievable HBM bandwidth: a device-to-device copy on an A100 80 GB SXM4 moves 1536 GB/s of
+#   its 2039 (0.75; AnjaliSandip/FastIceFlo, output/EffectiveMemoryThroughput.md).
+GPU_BANDWIDTH_FRACTION = 0.75
+# - Fused attention against a plain GEMM on the same A100: FlashAttention-2 forward runs
+#   180 TFLOP/s non-causal where its two GEMMs alone (softmax disabled) run 220 (0.82;
+#   liangan1/GPU_travel, performance/flash-attn/README.md); its backward runs 124.6 TFLOP/s
+#   where the forward runs 169.3 (head dim 128, non-causal: 0.74 of the forward; apache/tvm,
+#   tl_doc/flash_perf.md), so 0.82 × 0.74 of the GEMM rate.
+ATTENTION_FWD_RELATIVE = 0.82
+ATTENTION_BWD_RELATIVE = 0.82 * 0.74
+# - What every kernel adds, however small: back-to-back asynchronous launches of an empty kernel
+#   peak at about 334,000 a second (3 µs each; http://www.cs.virginia.edu/~mwb7w/cuda_support/kernel_overhead.html).
+GPU_KERNEL_OVERHEAD_S = 1 / 334_000
+
+
+def _op_model(name: str) -> OpModel:
+    return OpModel(sm_count=SM_COUNT[name.split("-")[0]], tile_m=GEMM_TILE_M, tile_n=GEMM_TILE_N,
+                   gemm_k_half=GEMM_K_HALF, kernel_overhead_s=GPU_KERNEL_OVERHEAD_S,
+                   bandwidth_fraction=GPU_BANDWIDTH_FRACTION, attention_fwd=ATTENTION_FWD_RELATIVE,
+                   attention_bwd=ATTENTION_BWD_RELATIVE)
+
+
 def _gpu(name: str, mem_gib: float, bf16: float, fp32: float, hbm: float, eff: float) -> DeviceSpec:
     return DeviceSpec(name, int(mem_gib * GiB), bf16 * 1e12, fp32 * 1e12, hbm * GB, eff,
-                      GPU_HALF_EFFICIENCY_FLOPS)
+                      GPU_HALF_EFFICIENCY_FLOPS, _op_model(name))
 
 
 def _dgx(name: str, device: DeviceSpec, nvlink: LinkSpec, nic: LinkSpec) -> ClusterSpec:

@@ -24,6 +24,7 @@ from autopar.tools.calibrate import (
     check_output_path,
     cluster_document,
     fit_compute,
+    fit_gemm,
     fit_line,
     overlap_fraction,
     write_atomically,
@@ -86,6 +87,45 @@ def test_fit_compute_recovers_rate_and_per_call_overhead():
     rate, half = fit_compute(_measurements().layers)
     assert rate == pytest.approx(50e9, rel=1e-6)
     assert half == pytest.approx(5e6, rel=1e-6)
+
+
+def _gemm_points(rate: float, k_half: float, overhead: float) -> list[dict[str, float]]:
+    shapes = [(256, 256, 32), (256, 256, 512), (512, 512, 64), (512, 512, 512), (16, 512, 512), (768, 768, 768)]
+    return [{"m": m, "n": n, "k": k, "seconds": 2 * m * n * (k + k_half) / rate + overhead} for m, n, k in shapes]
+
+
+def test_fit_gemm_recovers_rate_depth_at_half_rate_and_kernel_overhead():
+    rate, k_half, overhead = fit_gemm(_gemm_points(60e9, 96.0, 20e-6))
+    assert rate == pytest.approx(60e9, rel=1e-6) and k_half == pytest.approx(96.0, rel=1e-4)
+    assert overhead == pytest.approx(20e-6, rel=1e-4)
+    assert fit_gemm(_gemm_points(60e9, 0.0, 20e-6))[1] == pytest.approx(0.0, abs=1e-6)  # kept ≥ 0
+
+
+def test_per_op_probes_give_the_cluster_an_op_model_that_prices_their_own_ops():
+    from autopar.cost_models.compute import attention_time_s, gemm_time_s, memory_bound_time_s
+
+    points = _gemm_points(60e9, 96.0, 20e-6)
+    att = {"flops": 1e9, "fwd_s": 0.04, "bwd_s": 0.12}
+    probes = {"gemm_shapes": points, "bandwidth": {"bytes": 3e8, "seconds": 0.05}, "attention": att}
+    c = build_cluster(_measurements(backend="nccl", **probes))
+    d = c.device
+    assert d.op_model is not None and d.op_model.sm_count == 0
+    for p in points:  # the fitted model gives back each measured (bf16) GEMM
+        assert gemm_time_s(p["m"], p["n"], p["k"], 1, d, "bf16") == pytest.approx(p["seconds"], rel=1e-4)
+    assert memory_bound_time_s(3e8, d) == pytest.approx(0.05)
+    assert attention_time_s(1e9, d, "bf16", causal=True) - d.op_model.kernel_overhead_s == pytest.approx(0.04)
+    assert attention_time_s(1e9, d, "bf16", backward=True, causal=True) - d.op_model.kernel_overhead_s \
+        == pytest.approx(0.12)
+    again = ClusterSpec.from_dict(json.loads(json.dumps(c.to_dict())), source="c.json")
+    assert again == c
+    assert build_cluster(_measurements()).device.op_model is None  # files measured before: the FLOPs model
+    on_gpu = build_cluster(_measurements(backend="nccl", sm_count=132, **probes)).device.op_model
+    assert (on_gpu.sm_count, on_gpu.tile_m, on_gpu.tile_n) == (132, 256, 128)  # the cited cuBLAS tile
+    # a CPU host keeps the FLOPs model fitted to whole layers; its per-op fit is recorded, not used
+    cpu = _measurements(**probes)
+    assert build_cluster(cpu).device.op_model is None
+    recorded = cluster_document(build_cluster(cpu), cpu)["calibration"]["op_model_fit"]
+    assert recorded["gemm_k_half"] == pytest.approx(96.0, rel=1e-4)
 
 
 def test_overlap_fraction_spans_perfect_partial_and_none():

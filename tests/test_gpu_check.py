@@ -23,6 +23,12 @@ def test_the_gpu_check_runs_dry_on_cpu(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["dry"] and result["backend"] == "gloo" and result["world_size"] == 1
     assert not result["failures"]
+    ops = result["compute_ops"]  # benchmarks/gpu_compute.py: GEMM shapes, bandwidth, attention
+    assert len(ops["gemms"]) >= 3 and all(g["seconds"] > 0 and g["predicted_s"] > 0 for g in ops["gemms"])
+    if "fit" in ops:  # on a busy 2-core host the tiny GEMMs' times may not grow with size: said, not fatal
+        assert ops["fit"]["rate_flops_s"] > 0 and ops["bandwidth"]["bytes_s"] > 0 and ops["attention"]["fwd_s"] > 0
+    else:
+        assert "do not grow" in ops["error"]
     assert result["fit"]["rate_flops_s"] > 0 and result["fit"]["gemm_flops_s"]["bf16"] > 0
     rows = result["plans"]
     assert {r["model"] for r in rows} == {"gpt-dry-a", "gpt-dry-b"} and len(rows) == 8

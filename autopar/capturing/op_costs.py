@@ -12,10 +12,18 @@ attention is recorded by capture itself (:meth:`NodeOpCosts.keep`): the
 meta device runs its math decomposition, but GPUs run a fused kernel whose
 outputs (the attention output and its log-sum-exp) are what SAC keeps.
 :func:`selective_costs` sums a layer's nodes inside its module.
+
+The same pass records what the per-op compute model prices
+(:class:`autopar.graph.OpRecord`, :func:`layer_ops`): each GEMM's shape
+(m, n, k, batch), each fused attention kernel's FLOPs, and the memory-bound
+ops' bytes and kernel count, with which of them a tensor-parallel style
+divides (column projections n, row projections k, what lies between them
+its heads or its whole work).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +34,13 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.cost_models.compute import FUSED_ATTENTION_OPS, MATMUL_OPS
-from autopar.graph import TPStyle
+from autopar.graph import OpKind, OpRecord, SampleDim, ShardDim, TPStyle
+
+# gathers: they move the rows they pick (twice the output: read, write) and the indices
+_GATHER_OPS = frozenset({"aten::embedding", "aten::index_select", "aten::gather", "aten::index"})
+# matmul-class ops priced by GEMM shape: schema name → where (m, k) and (k, n) sit in the arguments
+_GEMM_ARGS = {"aten::mm": (0, 1), "aten::_scaled_mm": (0, 1), "aten::addmm": (1, 2),
+              "aten::bmm": (0, 1), "aten::baddbmm": (1, 2)}
 
 
 @dataclass
@@ -35,7 +49,10 @@ class NodeOpCosts:
 
     kept: dict[Any, float] = field(default_factory=dict)  # storage key → bytes, matmul-class outputs
     rerun_flops: float = 0.0
-    rerun_bytes: float = 0.0
+    rerun_bytes: float = 0.0  # also the memory-bound bytes the per-op model prices
+    kernels: int = 0  # memory-bound kernels
+    gemms: list[tuple[float, float, float, float]] = field(default_factory=list)  # (m, n, k, batch), totals
+    attention: list[tuple[float, bool]] = field(default_factory=list)  # (forward FLOPs, causal), totals
     fused: dict[Any, float] = field(default_factory=dict)  # fused attention's outputs (kept by both policies)
     # each matmul-class op in order: (is aten::mm, {storage key: output bytes}, FLOPs, bytes read and written)
     matmuls: list[tuple[bool, dict[Any, float], float, float]] = field(default_factory=list)
@@ -66,6 +83,10 @@ class OpRecorder(TorchDispatchMode):
         for n, c in zip(nodes, costs):
             if c is not None:
                 self.costs[n] = c
+
+    def record_attention(self, node: fx.Node, flops: float, causal: bool) -> None:
+        """A fused attention kernel at ``node`` doing ``flops`` (the full T×T work)."""
+        self.costs.setdefault(node, NodeOpCosts()).attention.append((float(flops), causal))
 
     def keep_fused(self, node: fx.Node, out: torch.Tensor, lse_bytes: float) -> None:
         """Fused attention at ``node``: SAC keeps its output and its log-sum-exp."""
@@ -98,12 +119,34 @@ class OpRecorder(TorchDispatchMode):
             else:
                 moved = float(sum(t.numel() * t.element_size() for t in ins + outs))
                 costs.matmuls.append((name == "aten::mm", kept, float(flops), moved))
+            shape = _gemm_shape(name, inputs[0], outs)
+            if shape is not None:
+                costs.gemms.append(shape)
+            elif flops > 0:  # an attention kernel reached at the ATen level
+                costs.attention.append((float(flops), False))
             return
         in_keys = {self.storage_key(t)[0] for t in ins}
         if not outs or (not func._schema.is_mutable and all(self.storage_key(t)[0] in in_keys for t in outs)):
             return  # a view or alias: nothing read or written
         costs.rerun_flops += float(flops)
+        if func._schema.name in _GATHER_OPS:  # reads the rows it gathers, not the whole table
+            ins = [t for t in ins if not t.is_floating_point()] + outs
         costs.rerun_bytes += float(sum(t.numel() * t.element_size() for t in ins + outs))
+        costs.kernels += 1
+
+
+def _gemm_shape(name: str, args: tuple, outs: list[torch.Tensor]) -> tuple[float, float, float, float] | None:
+    """(m, n, k, batch) of a GEMM-class ATen op; a convolution as its implicit GEMM."""
+    if name in _GEMM_ARGS:
+        a, b = (args[i] for i in _GEMM_ARGS[name])
+        batch = float(a.shape[0]) if a.dim() == 3 else 1.0
+        return float(a.shape[-2]), float(b.shape[-1]), float(a.shape[-1]), batch
+    if name == "aten::convolution" and outs and len(args) > 1:
+        weight, out, groups = args[1], outs[0], int(args[8]) if len(args) > 8 else 1
+        spatial = math.prod(out.shape[2:])
+        return (float(out.shape[0] * spatial), float(weight.shape[0] // groups),
+                float(math.prod(weight.shape[1:])), float(groups))
+    return None
 
 
 @dataclass(frozen=True)
@@ -193,3 +236,63 @@ def selective_costs(key: str | None, nodes: Iterable[fx.Node], costs: dict[fx.No
                                (rerun_sharded + alt_rerun_sharded) / batch)
     return SelectiveCosts(sum(kept.values()) / batch, sum(kept_sharded.values()) / batch,
                           flops / batch, rerun / batch, rerun_sharded / batch, alternate)
+
+
+def is_causal(n: fx.Node) -> bool:
+    """Whether an SDPA node masks causally (``is_causal``, keyword or sixth argument)."""
+    flag = n.kwargs.get("is_causal", n.args[5] if len(n.args) > 5 else False)
+    return flag if isinstance(flag, bool) else False
+
+
+def _per_sample(m: float, batch: float, is_batched: bool, samples: int) -> tuple[float, float, SampleDim]:
+    """(m, batch, the dimension that carries the samples) with that dimension divided by ``samples``."""
+    if is_batched and batch % samples == 0:
+        return m, batch / samples, SampleDim.BATCH
+    if m % samples == 0:
+        return m / samples, batch, SampleDim.M
+    return m, batch, SampleDim.NONE
+
+
+def _gemm_shard(paths: tuple[str, ...], node: fx.Node, style: TPStyle, between: set[fx.Node],
+                batched: bool) -> ShardDim | None:
+    if any(p in style.column for p in paths):
+        return ShardDim.N
+    if any(p in style.row for p in paths):
+        return ShardDim.K
+    return ShardDim.BATCH if batched and node in between else None
+
+
+def layer_ops(nodes: list[fx.Node], costs: dict[fx.Node, NodeOpCosts],
+              paths: Callable[[fx.Node], tuple[str, ...]], styles: tuple[TPStyle, ...],
+              batch: int) -> tuple[OpRecord, ...]:
+    """The layer call's kernels per sample (every node, glue included), identical ones counted once."""
+    between = {s.name: between_projections(nodes, paths, s) for s in styles}
+    found: dict[tuple, int] = {}
+    memory: dict[tuple, list[float]] = {}
+    for n in nodes:
+        c = costs.get(n)
+        if c is None:
+            continue
+        mine = paths(n)
+        for m, nn_, k, b in c.gemms:
+            batched = b > 1  # a batched product (attention's math path, grouped convolutions)
+            m_ps, b_ps, dim = _per_sample(m, b, batched, batch)
+            shard = tuple(sorted((s.name, d) for s in styles
+                                 if (d := _gemm_shard(mine, n, s, between[s.name], batched))))
+            key = (OpKind.GEMM, m_ps, nn_, k, b_ps, dim, 0.0, 0.0, False, shard)
+            found[key] = found.get(key, 0) + 1
+        for flops, causal in c.attention:
+            shard = tuple(sorted((s.name, ShardDim.ALL) for s in styles if n in between[s.name]))
+            key = (OpKind.ATTENTION, 0.0, 0.0, 0.0, 1.0, SampleDim.NONE, flops / batch, 0.0, causal, shard)
+            found[key] = found.get(key, 0) + 1
+        if c.kernels:
+            shard = tuple(sorted((s.name, ShardDim.ALL) for s in styles if n in between[s.name]))
+            totals = memory.setdefault(shard, [0.0, 0.0])
+            totals[0] += c.rerun_bytes / batch
+            totals[1] += c.kernels
+    records = [OpRecord(kind, count, m, n_, k, b, dim, flops, nbytes, causal, dict(shard))
+               for (kind, m, n_, k, b, dim, flops, nbytes, causal, shard), count in found.items()]
+    records += [OpRecord(OpKind.MEMORY, int(kernels), bytes_per_sample=nbytes, per_sample=SampleDim.NONE,
+                         shard=dict(shard))
+                for shard, (nbytes, kernels) in memory.items()]
+    return tuple(records)

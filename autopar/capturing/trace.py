@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.capturing import twins
 from autopar.capturing.export_layers import export_with_layer_calls
-from autopar.capturing.op_costs import OpRecorder, selective_costs
+from autopar.capturing.op_costs import OpRecorder, is_causal, layer_ops, selective_costs
 from autopar.capturing.tp_detect import LayerView, NodeStats, detect_tp_styles
 from autopar.capturing.tp_verify import verify_styles
 from autopar.errors import CaptureError
@@ -324,6 +324,7 @@ class _Meter(fx.Interpreter):
         st.flops = float(self.counter.get_total_flops() - before)
         if _is_sdpa(n) and isinstance(result, torch.Tensor):
             st.flops = _sdpa_flops(n, self)
+            self.ops.record_attention(n, st.flops, is_causal(n))
         for t in pytree.tree_leaves(result):
             if isinstance(t, torch.Tensor):
                 self._note(t)
@@ -576,6 +577,7 @@ def capture(
                 tied_param_count=sum(params[p].numel() for p in tied.get(i, ())),
                 tied_param_bytes=sum(params[p].numel() * params[p].element_size() for p in tied.get(i, ())),
                 tied_borrowed=i == n - 1 and bool(tied.get(i)) and n - 1 != first_owner,
+                ops=layer_ops(nodes, ops, lambda x: stats[x].paths, styles, batch),
             )
         )
     layers = verify_styles(model, args, kwargs, layers, batch, seq_len)

@@ -50,12 +50,13 @@ from functools import cached_property
 from autopar import contract
 from autopar.contract import REPLICATED, Buffers, DataParallelism, Engine
 from autopar.cost_models.communication import Collective, collective_time_s, p2p_time_s, place_group
-from autopar.cost_models.compute import BACKWARD_FLOPS_FACTOR, compute_time_s, memory_bound_time_s
+from autopar.cost_models.compute import compute_time_s, memory_bound_time_s
 from autopar.cost_models.hardware import ClusterSpec, idle_core_speedup
 from autopar.cost_models.memory import Precision, model_state_bytes, optimizer_shard_params, precision
 from autopar.cost_models.pipeline import Schedule, ScheduleKind, in_flight
 from autopar.graph import Layer, LayerGraph
 from autopar.plan import Recompute
+from autopar.planning.layer_compute import layer_compute
 from autopar.planning.sequence import (
     region_s,
     sequence_activation_bytes,
@@ -366,11 +367,10 @@ class PriceTable:
         if key in self._style_memo:
             return self._style_memo[key]
         c, b = self.config, self.microbatch_size
-        flops, acts = layer.flops_per_sample, layer.activation_bytes_per_sample
+        acts = layer.activation_bytes_per_sample
         tp_comm_fwd = tp_comm_bwd = 0.0
         if style_name is not None:
             style = layer.tp_style(style_name)
-            flops -= style.sharded_flops_per_sample * (1 - 1 / c.tp)
             sharded_act = style.sharded_activation_elems_per_sample * self.graph.dtype_bytes
             acts -= sharded_act * (1 - 1 / c.tp)
             elem = self.prec.activation_bytes * b
@@ -389,10 +389,9 @@ class PriceTable:
             if sp:
                 tp_comm_fwd, tp_comm_bwd = sequence_comm_s(style, elem, self.tp_group, self.cluster)
                 acts = sequence_activation_bytes(layer, style, c.tp, self.graph.dtype_bytes)
-        device, dtype = self.cluster.device, self.dtype_for_compute
-        fwd = compute_time_s(b * flops, device, dtype)
-        bwd = compute_time_s(BACKWARD_FLOPS_FACTOR * b * flops, device, dtype)
-        self._style_memo[key] = (fwd, bwd, tp_comm_fwd, tp_comm_bwd, acts)
+        times = layer_compute(layer, style_name, c.tp, b, self.cluster.device, self.dtype_for_compute,
+                              self.act_scale)
+        self._style_memo[key] = (times.fwd_s, times.bwd_s, tp_comm_fwd, tp_comm_bwd, acts)
         return self._style_memo[key]
 
     def _price(self, layer: Layer, strategy: Strategy) -> LayerPrice:

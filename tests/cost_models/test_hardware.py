@@ -17,6 +17,8 @@ def _file_dict(name: str = "a100-80g") -> dict:
 
 
 def _toml_value(v) -> str:
+    if isinstance(v, dict):  # a nested table (device.op_model) as a TOML inline table
+        return "{ " + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + " }"
     return json.dumps(v)  # numbers and strings are written the same way in TOML
 
 

@@ -59,8 +59,10 @@ from autopar.tools.calibrate.fit import (
     build_cluster,
     cluster_document,
     fit_compute,
+    fit_gemm,
     fit_line,
     fit_link,
+    fit_op_model,
     measurements_from_dict,
     overlap_fraction,
 )
@@ -78,8 +80,8 @@ from autopar.units import GiB
 __all__ = [
     "CPU_SIZES", "GPU_SIZES", "CalibrationError", "CalibrationInterrupted", "Measurements",
     "ProbeSizes", "build_cluster", "calibrate", "check_output_path", "cluster_document", "describe",
-    "fit_compute", "fit_line", "fit_link", "measure", "measure_in_process_group", "measurements_from_dict",
-    "overlap_fraction", "probe_sizes", "write_atomically",
+    "fit_compute", "fit_gemm", "fit_line", "fit_link", "fit_op_model", "measure", "measure_in_process_group",
+    "measurements_from_dict", "overlap_fraction", "probe_sizes", "write_atomically",
 ]
 
 
@@ -189,6 +191,11 @@ def describe(cluster: ClusterSpec) -> str:
         f"cluster {cluster.name}: {cluster.gpus_per_node} × {d.name}, backend {cluster.backend}",
         line("compute", f"{d.peak_flops_fp32 / 1e9:.1f} GFLOP/s fp32 peak (GEMM), layers reach "
              f"{d.matmul_efficiency:.2f} of it; per-call overhead worth {d.half_efficiency_flops / 1e6:.2f} MFLOP"),
+        *([line("per op", f"GEMMs at half rate at k = {d.op_model.gemm_k_half:.0f}, "
+                f"{d.op_model.kernel_overhead_s * 1e6:.1f} µs a kernel, elementwise ops at "
+                f"{d.op_model.bandwidth_fraction:.2f} of the bandwidth, attention at "
+                f"{d.op_model.attention_fwd:.2f} / {d.op_model.attention_bwd:.2f} of the GEMM rate")]
+          if d.op_model is not None else []),
         *(per_kind(kind) for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p")),
         line("overlap", f"{cluster.comm_overlap:.2f} of compute hides communication"),
         *([line("host", f"{cluster.cores_per_node} cores shared by the {cluster.gpus_per_node} ranks")]

@@ -6,11 +6,12 @@ import platform
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from autopar.cost_models.communication import Collective, bus_factor, collective_time_s, place_group, ring_steps
-from autopar.cost_models.hardware import ClusterSpec, DeviceSpec, LinkSpec
+from autopar.cost_models.compute import ATTENTION_BACKWARD_FLOPS_FACTOR, CAUSAL_ATTENTION_RATE, CAUSAL_ATTENTION_WORK
+from autopar.cost_models.hardware import GEMM_TILE_M, GEMM_TILE_N, ClusterSpec, DeviceSpec, LinkSpec, OpModel
 from autopar.tools.calibrate.errors import CalibrationError
 
 
@@ -29,6 +30,10 @@ class Measurements:
     optimizer: dict[str, float] = field(default_factory=dict)  # params, seconds
     tensor_parallel: dict[str, float] = field(default_factory=dict)  # tp_s, local_s, bytes
     zero: dict[str, float] = field(default_factory=dict)  # zero_s, local_s, layers, layer_bytes
+    gemm_shapes: list[dict[str, float]] = field(default_factory=list)  # m, n, k, seconds (fp32)
+    bandwidth: dict[str, float] = field(default_factory=dict)  # bytes, seconds of an elementwise add
+    attention: dict[str, float] = field(default_factory=dict)  # flops, fwd_s, bwd_s (causal SDPA)
+    sm_count: int = 0  # a GPU's streaming multiprocessors (0: a CPU, no waves of tiles)
     device_memory_bytes: int = 0
     device_name: str = "cpu"
     wall_s: float = 0.0
@@ -77,6 +82,76 @@ def fit_compute(layers: Sequence[dict[str, Any]]) -> tuple[float, float]:
     slope, intercept = fit_line([3.0 * l["fwd_flops"] for l in layers], [l["seconds"] for l in layers])
     rate = 1.0 / slope
     return rate, intercept * rate / 2.0
+
+
+def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a·x = b for a 3 × 3 system (Gaussian elimination with partial pivoting)."""
+    rows = [list(r) + [v] for r, v in zip(a, b)]
+    for col in range(3):
+        pivot = max(range(col, 3), key=lambda r: abs(rows[r][col]))
+        rows[col], rows[pivot] = rows[pivot], rows[col]
+        if rows[col][col] == 0:
+            raise CalibrationError("the GEMM measurements do not determine the fit; use more shapes")
+        for r in range(col + 1, 3):
+            f = rows[r][col] / rows[col][col]
+            rows[r] = [x - f * y for x, y in zip(rows[r], rows[col])]
+    x = [0.0, 0.0, 0.0]
+    for r in (2, 1, 0):
+        x[r] = (rows[r][3] - sum(rows[r][c] * x[c] for c in range(r + 1, 3))) / rows[r][r]
+    return x
+
+
+def fit_gemm(points: Sequence[dict[str, float]]) -> tuple[float, float, float]:
+    """``(rate FLOP/s, k_½, overhead s)`` of t = 2mnk / (rate · k / (k + k_½)) + overhead.
+
+    That is t = 2mnk · (1/rate) + 2mn · (k_½/rate) + overhead, linear in its three
+    unknowns: fitted by least squares on relative error, each kept ≥ 0 (a negative one
+    is dropped and the rest refitted).
+    """
+    if len(points) < 3:
+        raise CalibrationError("a GEMM fit needs at least three shapes")
+    cols = [[2.0 * p["m"] * p["n"] * p["k"], 2.0 * p["m"] * p["n"], 1.0] for p in points]
+    ys = [p["seconds"] for p in points]
+    keep = [0, 1, 2]
+    while True:
+        xs = [[c[j] for j in keep] for c in cols]
+        w = [1.0 / y ** 2 for y in ys]
+        a = [[sum(wi * x[i] * x[j] for wi, x in zip(w, xs)) for j in range(len(keep))] for i in range(len(keep))]
+        b = [sum(wi * x[i] * y for wi, x, y in zip(w, xs, ys)) for i in range(len(keep))]
+        pad = 3 - len(keep)  # solve the smaller system inside the 3 × 3 solver
+        a = [r + [0.0] * pad for r in a] + [[0.0] * len(keep) + [1.0 if i == j else 0.0 for j in range(pad)]
+                                             for i in range(pad)]
+        sol = dict(zip(keep, _solve3(a, b + [0.0] * pad)))
+        negative = [j for j in keep[1:] if sol[j] < 0]
+        if not negative:
+            break
+        keep.remove(negative[0])
+    if not sol[0] > 0:
+        raise CalibrationError("the GEMM measurements do not grow with size; run again when the host is idle")
+    return 1.0 / sol[0], sol.get(1, 0.0) / sol[0], sol.get(2, 0.0)
+
+
+def fit_op_model(m: Measurements, memory_bandwidth_bytes_s: float) -> tuple[float, OpModel] | None:
+    """``(large-GEMM rate, the op model)`` from the per-op probes; None when they were not run.
+
+    A GPU's tiles are the cited cuBLAS tile over its measured SM count (a CPU has no waves,
+    ``sm_count`` 0); attention is timed as the fraction of the
+    GEMM rate its forward and backward reach (backward counted as 2.5 × the forward's FLOPs,
+    ``cost_models.compute``); the bandwidth as the fraction of ``memory_bandwidth_bytes_s``
+    an elementwise add reaches (above 1 where it outruns the optimizer probe that figure is from).
+    """
+    if not m.gemm_shapes or not m.bandwidth:
+        return None
+    rate, k_half, overhead = fit_gemm(m.gemm_shapes)
+    att = m.attention
+    fwd = att["flops"] / att["fwd_s"] / rate if att else 1.0
+    bwd = ATTENTION_BACKWARD_FLOPS_FACTOR * att["flops"] / att["bwd_s"] / rate if att else 1.0
+    causal = CAUSAL_ATTENTION_WORK / CAUSAL_ATTENTION_RATE  # the probe is causal: undo what pricing adds
+    tile_m, tile_n = (GEMM_TILE_M, GEMM_TILE_N) if m.sm_count > 0 else (1, 1)
+    ops = OpModel(sm_count=m.sm_count, tile_m=tile_m, tile_n=tile_n, gemm_k_half=k_half, kernel_overhead_s=overhead,
+                  bandwidth_fraction=m.bandwidth["bytes"] / m.bandwidth["seconds"] / memory_bandwidth_bytes_s,
+                  attention_fwd=fwd * causal, attention_bwd=bwd * causal)
+    return rate, ops
 
 
 def fit_link(collectives: dict[str, list[tuple[int, float]]], nproc: int) -> tuple[float, float]:
@@ -130,6 +205,15 @@ def build_cluster(m: Measurements, *, name: str | None = None) -> ClusterSpec:
         memory_bandwidth_bytes_s=bytes_touched / seconds,
         matmul_efficiency=min(1.0, rate / fp32), half_efficiency_flops=half,
     )
+    per_op = fit_op_model(m, device.memory_bandwidth_bytes_s)
+    # GPUs price layers with op records op by op, at the GEMMs' own large-k rate. A CPU host keeps
+    # the FLOPs model fitted to whole layers: there, the per-op sum predicted calibrate's own layer
+    # probes 1.4–2.2× too fast (a 2-core host, benchmarks/cpu_op_check.py; README "Compute model");
+    # its per-op fit is recorded in the file's calibration.
+    if per_op is not None and m.backend == "nccl":
+        gemm_rate, ops = per_op  # measured in bf16, as GPUs train (probes.ops)
+        peak = max(bf16, gemm_rate)
+        device = replace(device, peak_flops_bf16=peak, matmul_efficiency=min(1.0, gemm_rate / peak), op_model=ops)
     cluster = ClusterSpec(
         name or f"{socket.gethostname()}-{m.backend}-x{m.nproc}", device,
         gpus_per_node=m.nproc, nodes=1, intra_node=link, inter_node=link, nics_per_node=1,
@@ -172,6 +256,9 @@ def cluster_document(cluster: ClusterSpec, m: Measurements) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "gemm_flops_s": m.gemm_flops_s, "layers": m.layers, "collectives": m.collectives,
         "overlap": m.overlap, "optimizer": m.optimizer, "tensor_parallel": m.tensor_parallel,
-        "zero": m.zero,
+        "zero": m.zero, "gemm_shapes": m.gemm_shapes, "bandwidth": m.bandwidth, "attention": m.attention,
     }
+    per_op = fit_op_model(m, cluster.device.memory_bandwidth_bytes_s)
+    if per_op is not None and cluster.device.op_model is None:  # measured, not used (build_cluster)
+        doc["calibration"]["op_model_fit"] = {"gemm_rate_flops_s": per_op[0], **asdict(per_op[1])}
     return doc

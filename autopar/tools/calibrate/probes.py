@@ -16,6 +16,14 @@ from typing import Any
 
 from autopar.cost_models.communication import Collective, bus_factor
 from autopar.tools.calibrate.fit import Measurements, fit_link
+from autopar.tools.calibrate.op_probes import (
+    CPU_OP_SIZES,
+    GPU_OP_SIZES,
+    OpProbeSizes,
+    attention_times,
+    elementwise_bandwidth,
+    gemm_sweep,
+)
 from autopar.tools.host import cpu_count, threads_per_process
 from autopar.units import KiB, MiB
 
@@ -66,7 +74,7 @@ class _Rank:
         self.rank, self.nproc, self.sizes = rank, nproc, sizes
         self.device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         self.progress = progress
-        self.step, self.steps, self.start = 0, 8, time.perf_counter()
+        self.step, self.steps, self.start = 0, 9, time.perf_counter()
 
     def say(self, what: str) -> None:
         self.step += 1
@@ -147,6 +155,23 @@ class _Rank:
                 seconds = self.mean_over_ranks(self.timed(step))
                 out.append({"kind": kind, "width": width, "fwd_flops": fwd_flops, "seconds": seconds})
         return out
+
+    @property
+    def op_sizes(self) -> OpProbeSizes:
+        return GPU_OP_SIZES if self.device.type == "cuda" else CPU_OP_SIZES
+
+    def ops(self) -> tuple[list[dict[str, float]], dict[str, float], dict[str, float]]:
+        """The per-op probes (:mod:`autopar.tools.calibrate.op_probes`), every rank at once: in bf16 on
+        a GPU (as it trains), in fp32 on a CPU (whose cluster file keeps the FLOPs model)."""
+        torch, sizes = self.torch, self.op_sizes
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+
+        def timer(fn: Callable[[], Any]) -> float:
+            return self.mean_over_ranks(self.timed(fn))
+
+        return (gemm_sweep(torch, self.device, dtype, sizes.gemms, timer),
+                elementwise_bandwidth(torch, self.device, dtype, sizes.elementwise, timer),
+                attention_times(torch, self.device, dtype, sizes.attention, timer))
 
     def gemm(self) -> dict[str, float]:
         torch, n = self.torch, self.sizes.gemm
@@ -343,6 +368,10 @@ class _Rank:
         m.layers = self.repeated(self.layers, self.sizes.rounds)
         self.say(f"compute: {self.sizes.gemm}² GEMM in fp32 and bf16")
         m.gemm_flops_s = self.gemm()
+        self.say(f"compute per op: {len(self.op_sizes.gemms)} GEMM shapes, an elementwise add, attention")
+        m.gemm_shapes, m.bandwidth, m.attention = self.ops()
+        if self.device.type == "cuda":
+            m.sm_count = self.torch.cuda.get_device_properties(self.device).multi_processor_count
         sizes = self.sizes.message_bytes
         self.say(f"collectives: all-reduce, all-gather, reduce-scatter, send/recv, "
                  f"{_size(sizes[0])}…{_size(sizes[-1])}")

@@ -1,0 +1,78 @@
+"""The per-op compute terms, measured: GEMMs of several shapes, an elementwise pass, fused attention.
+
+What ``cost_models.compute`` prices op by op, timed on this device (``autopar
+calibrate`` on every rank at once; ``benchmarks/gpu_compute.py`` on a lent
+GPU): a sweep of GEMM shapes, from which :func:`autopar.tools.calibrate.fit.fit_gemm`
+fits the large-GEMM rate, the reduction depth at half rate and the per-kernel
+overhead; the bytes an elementwise add moves per second; and scaled dot-product
+attention forward and backward, as a fraction of the GEMM rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Timer = Callable[[Callable[[], Any]], float]  # seconds of one call of fn, as the caller measures it
+
+
+@dataclass(frozen=True)
+class OpProbeSizes:
+    """The shapes probed: GEMMs (m, n, k), the elements of the elementwise pass, attention's
+    (batch, heads, sequence, head dim)."""
+
+    gemms: tuple[tuple[int, int, int], ...]
+    elementwise: int
+    attention: tuple[int, int, int, int]
+
+
+CPU_OP_SIZES = OpProbeSizes(
+    gemms=((256, 256, 32), (256, 256, 128), (256, 256, 512), (512, 512, 64), (512, 512, 512),
+           (64, 512, 512), (16, 512, 512), (768, 768, 768)),
+    elementwise=1 << 22, attention=(1, 4, 256, 64))
+GPU_OP_SIZES = OpProbeSizes(
+    gemms=((8192, 8192, 256), (8192, 8192, 1024), (8192, 8192, 4096), (8192, 8192, 8192),
+           (2048, 3072, 8192), (256, 8192, 8192), (16, 8192, 8192), (8448, 8192, 4096)),
+    elementwise=1 << 28, attention=(4, 16, 2048, 128))
+
+
+def gemm_sweep(torch: Any, device: Any, dtype: Any, shapes: Sequence[tuple[int, int, int]],
+               timer: Timer) -> list[dict[str, float]]:
+    """Seconds of one (m × k)·(k × n) product per shape."""
+    out = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        out.append({"m": m, "n": n, "k": k, "seconds": timer(lambda: torch.mm(a, b))})
+    return out
+
+
+def elementwise_bandwidth(torch: Any, device: Any, dtype: Any, elements: int, timer: Timer) -> dict[str, float]:
+    """Bytes an out-of-place add moves (two reads, one write) and its seconds."""
+    x = torch.randn(elements, device=device, dtype=dtype)
+    y = torch.randn(elements, device=device, dtype=dtype)
+    z = torch.empty_like(x)
+    seconds = timer(lambda: torch.add(x, y, out=z))
+    return {"bytes": 3.0 * elements * x.element_size(), "seconds": seconds}
+
+
+def attention_times(torch: Any, device: Any, dtype: Any, shape: tuple[int, int, int, int],
+                    timer: Timer) -> dict[str, float]:
+    """Forward and backward seconds of causal scaled dot-product attention, and its forward FLOPs
+    as capture counts them (the full T×T work)."""
+    import torch.nn.functional as F
+
+    b, h, s, d = shape
+    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.ones(b, h, s, d, device=device, dtype=dtype)
+
+    def forward() -> Any:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    out = forward()  # the backward is timed alone, on a graph kept between runs
+
+    def backward() -> None:
+        out.backward(grad, retain_graph=True)
+
+    return {"flops": 4.0 * b * h * s * s * d, "fwd_s": timer(forward), "bwd_s": timer(backward)}
