@@ -290,7 +290,7 @@ def test_quick_calibration_writes_a_cluster_the_planner_uses(tmp_path):
     run = subprocess.run(_console("calibrate", "--nproc", "2", "--quick", "-o", str(target)),
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert "[8/8] done" in run.stderr and f"cluster written to {target}" in run.stderr
+    assert "[9/9] done" in run.stderr and f"cluster written to {target}" in run.stderr
     cluster = load_cluster(str(target))
     assert cluster.backend == "gloo" and cluster.gpus_per_node == 2
     assert 0 <= cluster.comm_overlap <= 1
