@@ -44,7 +44,7 @@ def test_four_ranks_match_one_device(w4: dict, case: str) -> None:
 def test_plans_are_the_pinned_ones(w2: dict, w4: dict) -> None:
     assert w2["zero2"]["microbatches"] == 2  # accumulation exercised
     assert w2["tp_gpt"]["mesh"] == [1, 1, 2] and w2["dp"]["mesh"] == [1, 2, 1]
-    mixed = {name: (tp, zero, rc) for name, tp, zero, rc in w4["mixed_zero_recompute"]["layers"]}
+    mixed = {name: (tp, zero, rc) for name, tp, zero, rc, _ in w4["mixed_zero_recompute"]["layers"]}
     assert mixed["tok_emb"] == ("vocab", 0, False) and mixed["pos_emb"] == ("vocab", 1, False)
     assert mixed["blocks.0"] == ("megatron", 3, True) and mixed["blocks.1"] == ("megatron", 1, True)
     assert mixed["ln_f"] == (None, 2, True) and mixed["lm_head"] == ("vocab", 3, False)

@@ -165,10 +165,10 @@ def test_meta_model_is_materialised_stage_by_stage(w2: dict) -> None:
 def test_export_captured_model_keeps_recompute_and_tp_inside_its_stages(w2: dict, w4: dict) -> None:
     m = w2["pp_hf_llama_recompute"]
     _check_equivalent(m)
-    assert m["tracer"] == "export-layers" and all(rc for name, _, _, rc in m["layers"] if ".layers." in name)
+    assert m["tracer"] == "export-layers" and all(rc for name, _, _, rc, _ in m["layers"] if ".layers." in name)
     m = w4["pp2_tp2_hf_llama"]
     _check_equivalent(m)
-    assert m["mesh"] == [2, 1, 2] and all(tp == "megatron" for name, tp, _, _ in m["layers"] if ".layers." in name)
+    assert m["mesh"] == [2, 1, 2] and all(tp == "megatron" for name, tp, *_ in m["layers"] if ".layers." in name)
 
 
 @pytest.mark.parametrize("case", W4_EQUIV)
