@@ -16,6 +16,7 @@ from ortools.sat.python import cp_model
 
 from autopar import contract
 from autopar.contract import Buffers
+from autopar.planning import edges
 from autopar.planning.bounds import (
     floor_table,
     group_key,
@@ -216,13 +217,14 @@ def _add_counts(model: cp_model.CpModel, runs: list[tuple[int, int]], allowed: l
 def _add_rank_terms(model, table, allowed, runs, cuts, counts, units):
     """T ≥ every pipeline rank's time t_j, tail X ≥ x_j; the t_j and each rank's memory expression."""
     c = table.config
-    p2p_table = [units(table.p2p_s(q)) for q in range(len(table.graph) + 1)]
+    p2p_tables = {s: [units(table.p2p_s(q, s)) for q in range(len(table.graph) + 1)] for s in range(1, c.stages)}
     sends: dict[int, Any] = {}
-    for s in range(1, c.stages):
+    for s, p2p_table in p2p_tables.items():  # a boundary between nodes sends over the NICs
         v = model.NewIntVar(0, max(p2p_table), f"p2p_{s}")
         model.AddElement(cuts[s], p2p_table, v)
         sends[s] = v
-    big = sum(units(max(p.time_mb_s for p in ps)) for ps in table.prices) + 2 * sum(p2p_table) + 1
+    dearest = [max(col) for col in zip(*p2p_tables.values())] if p2p_tables else [0]
+    big = sum(units(max(p.time_mb_s for p in ps)) for ps in table.prices) + 2 * sum(dearest) + 1
     T = model.NewIntVar(0, big, "rank_time")
     X = model.NewIntVar(0, 2**50, "tail")
     memory, rank_t = [], []
@@ -243,7 +245,7 @@ def _add_rank_terms(model, table, allowed, runs, cuts, counts, units):
                 t_terms.append(sends[s])
         model.Add(T >= sum(t_terms)).WithName(f"rank_time_{j}")
         rank_t.append(sum(t_terms))
-        model.Add(X >= sum(x_terms)).WithName(f"tail_{j}")
+        model.Add(X >= sum(x_terms) + _edge_exposure(model, table, runs, counts, j, units)).WithName(f"tail_{j}")
         memory.append(sum(m_terms) + table.rank_workspace_bytes(j)
                       + _zero_buffers(model, table, runs, counts, j))
     return T, rank_t, X, memory
@@ -308,6 +310,24 @@ def _zero_buffers(model: cp_model.CpModel, table: PriceTable, runs: list[tuple[i
         for var, most in users:
             model.Add(var <= most * flag)
         terms.append(size * flag)
+    return sum(terms)
+
+
+def _edge_exposure(model: cp_model.CpModel, table: PriceTable, runs: list[tuple[int, int]],
+                   counts: dict[tuple[int, int, int], Any], j: int, units: Units) -> Any:
+    """What rank j's first and last FSDP2 unit expose (:mod:`autopar.planning.edges`): a boolean
+    per ZeRO level, forced on by the count of every strategy running a unit at that level or
+    above, each adding its level's increment over the one below."""
+    terms: list[Any] = []
+    for z, extra_s in edges.edge_increments_s(table).items():
+        users = [(var, runs[r][1] - runs[r][0]) for (r, jj, k), var in counts.items()
+                 if jj == j and edges.edge_level(table, runs[r][0], k) >= z]
+        if units(extra_s) <= 0 or not users:
+            continue
+        flag = model.NewBoolVar(f"edge_zero{z}_{j}")
+        for var, most in users:
+            model.Add(var <= most * flag)
+        terms.append(units(extra_s) * flag)
     return sum(terms)
 
 
