@@ -27,12 +27,13 @@ from autopar.planning.solver import SolverOptions, cut_positions, enumerate_conf
 
 
 def _rank_frontier(table: PriceTable, layers: list[int], rank: int, budget: int,
-                   root_zero: int | None = None) -> list[tuple[float, float]]:
+                   root_zero: int | None = None) -> list[tuple[float, float, int]]:
     """Every (time, tail) one rank can reach within budget, by enumerating all strategy combinations.
 
     Memory is the layers' coefficients, the rank's workspace and FSDP2's buffers, held once if
     any layer needs them (a reduce-scatter buffer from ZeRO-1 on, a prefetch buffer for ZeRO-3).
-    The tail adds what the rank's first and last FSDP2 unit expose at its highest ZeRO stage.
+    Each (time, tail) comes with the highest ZeRO stage of the rank's FSDP2 units, at whose level
+    the plan's first and last units are exposed (added once the ranks are combined).
     """
     times, tails = np.zeros(1), np.zeros(1)
     mems, needs = np.full(1, table.rank_workspace_bytes(rank), dtype=np.int64), np.zeros(1, dtype=np.int64)
@@ -57,13 +58,16 @@ def _rank_frontier(table: PriceTable, layers: list[int], rank: int, budget: int,
                                    needs.astype(np.float64), levels.astype(np.float64)], axis=1), axis=0)
         times, tails = rows[:, 0], rows[:, 1]
         mems, needs, levels = rows[:, 2].astype(np.int64), rows[:, 3].astype(np.int64), rows[:, 4].astype(np.int64)
-    tails = tails + np.array([edges.edge_exposed_s(table, int(v)) for v in levels])
     buffers = np.array([table.buffer_bytes(b) for b in contract.Buffers], dtype=np.int64)
     ok = mems + buffers[needs] <= budget
-    front: list[tuple[float, float]] = []  # the objective only grows with either: keep the Pareto set
-    for t, x in sorted(set(zip(times[ok].tolist(), tails[ok].tolist()))):
-        if not front or x < front[-1][1]:
-            front.append((t, x))
+    front: list[tuple[float, float, int]] = []  # the objective only grows with each: a Pareto set per level
+    for level in sorted(set(levels[ok].tolist())):
+        at = ok & (levels == level)
+        kept: list[tuple[float, float, int]] = []
+        for t, x in sorted(set(zip(times[at].tolist(), tails[at].tolist()))):
+            if not kept or x < kept[-1][1]:
+                kept.append((t, x, level))
+        front += kept
     return front
 
 
@@ -90,11 +94,12 @@ def brute_force(graph: LayerGraph, world: int, cluster, training: TrainingSpec, 
             fronts = []
             for j in range(config.pp):
                 layers = [i for i, s in enumerate(stages) if config.rank_of_stage(s) == j]
-                fronts.append([(t + p2p[j], x) for t, x in _rank_frontier(table, layers, j, budget, root_zero)])
+                fronts.append([(t + p2p[j], x, z) for t, x, z in _rank_frontier(table, layers, j, budget, root_zero)])
             if any(not f for f in fronts):
                 continue
             for combo in itertools.product(*fronts):
-                best = min(best, table.step_time_s([t for t, _ in combo], max(x for _, x in combo)))
+                edge = edges.edge_exposed_s(table, max(z for *_, z in combo))
+                best = min(best, table.step_time_s([t for t, *_ in combo], max(x for _, x, _ in combo) + edge))
     return best
 
 

@@ -228,6 +228,7 @@ def _add_rank_terms(model, table, allowed, runs, cuts, counts, units):
     T = model.NewIntVar(0, big, "rank_time")
     X = model.NewIntVar(0, 2**50, "tail")
     memory, rank_t = [], []
+    edge = _edge_exposure(model, table, runs, counts, units)
     for j in range(c.pp):
         t_terms, x_terms, m_terms = [], [], []
         for (r, jj, k), var in counts.items():
@@ -245,7 +246,7 @@ def _add_rank_terms(model, table, allowed, runs, cuts, counts, units):
                 t_terms.append(sends[s])
         model.Add(T >= sum(t_terms)).WithName(f"rank_time_{j}")
         rank_t.append(sum(t_terms))
-        model.Add(X >= sum(x_terms) + _edge_exposure(model, table, runs, counts, j, units)).WithName(f"tail_{j}")
+        model.Add(X >= sum(x_terms) + edge).WithName(f"tail_{j}")
         memory.append(sum(m_terms) + table.rank_workspace_bytes(j)
                       + _zero_buffers(model, table, runs, counts, j))
     return T, rank_t, X, memory
@@ -314,17 +315,18 @@ def _zero_buffers(model: cp_model.CpModel, table: PriceTable, runs: list[tuple[i
 
 
 def _edge_exposure(model: cp_model.CpModel, table: PriceTable, runs: list[tuple[int, int]],
-                   counts: dict[tuple[int, int, int], Any], j: int, units: Units) -> Any:
-    """What rank j's first and last FSDP2 unit expose (:mod:`autopar.planning.edges`): a boolean
-    per ZeRO level, forced on by the count of every strategy running a unit at that level or
-    above, each adding its level's increment over the one below."""
+                   counts: dict[tuple[int, int, int], Any], units: Units) -> Any:
+    """What the first and last FSDP2 unit expose, at the plan's highest ZeRO stage
+    (:mod:`autopar.planning.edges`): a boolean per ZeRO level, forced on by the count of every
+    strategy running a unit at that level or above on any rank, each adding its level's
+    increment over the one below."""
     terms: list[Any] = []
     for z, extra_s in edges.edge_increments_s(table).items():
-        users = [(var, runs[r][1] - runs[r][0]) for (r, jj, k), var in counts.items()
-                 if jj == j and edges.edge_level(table, runs[r][0], k) >= z]
+        users = [(var, runs[r][1] - runs[r][0]) for (r, _, k), var in counts.items()
+                 if edges.edge_level(table, runs[r][0], k) >= z]
         if units(extra_s) <= 0 or not users:
             continue
-        flag = model.NewBoolVar(f"edge_zero{z}_{j}")
+        flag = model.NewBoolVar(f"edge_zero{z}")
         for var, most in users:
             model.Add(var <= most * flag)
         terms.append(units(extra_s) * flag)

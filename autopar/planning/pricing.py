@@ -12,7 +12,8 @@ schedule with v chunks per rank), for pipeline rank j:
            + point-to-point sends at j's stage boundaries
     E_j  = Σ_{layers on j} max(dp_comm − ω · compute, (1 − ω) · dp_comm)       (exposed DP/ZeRO traffic)
            + FSDP2's work around each collective, hooks and buffer copies (never hidden: the host does it)
-           + ω · (the first and last FSDP2 unit's collectives), which no compute hides (planning.edges)
+           + ω · (the first and last FSDP2 unit's collectives at the plan's highest ZeRO stage), which
+             no compute hides (planning.edges)
     step = m · T + w · (S − T) + max_j (E_j + optimizer_j),   T = max_j T_j,  S = Σ_j T_j
 
 The slowest rank paces the m microbatches, and filling and draining the
@@ -558,9 +559,10 @@ def evaluate(table: PriceTable, stages: tuple[int, ...], strategies: tuple[Strat
         exposed[rank] += price.exposed_comm_s
         opt[rank] += price.optimizer_s
         memory[rank] += table.memory_coefficient(i, k, rank)
+    edge = edges.edge_exposed_s(table, max(levels))  # the ends, at the plan's highest ZeRO stage
     for j in range(pp):
         memory[j] += table.buffer_bytes(buffers[j])
-        exposed[j] += edges.edge_exposed_s(table, levels[j])
+        exposed[j] += edge
     for cut in range(1, len(stages)):
         if stages[cut] != stages[cut - 1]:
             send = table.p2p_s(cut, stages[cut])
