@@ -59,7 +59,8 @@ def describe(plan: autopar.Plan) -> str:
     m = plan.mesh
     zeros = sorted({layer.zero for layer in plan.layers})
     recompute = sorted({str(layer.recompute) for layer in plan.layers})
-    return (f"pp={m.pp} dp={m.dp} tp={m.tp} m={plan.microbatches} {plan.schedule.value if hasattr(plan.schedule, 'value') else plan.schedule}, "
+    schedule = getattr(plan.schedule, "value", plan.schedule)
+    return (f"pp={m.pp} dp={m.dp} tp={m.tp} m={plan.microbatches} {schedule}, "
             f"ZeRO {'/'.join(map(str, zeros))}, recompute {'/'.join(recompute)}")
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from fractions import Fraction
 
 import pytest
-
 from autopar.cost_models import (
     PRESETS,
     Collective,
