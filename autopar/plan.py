@@ -507,9 +507,12 @@ def _layer_rows(plan: Plan) -> tuple[list[tuple[str, ...]], tuple[str, ...]]:
 
 
 def _memory_line(plan: Plan) -> str:
-    """Peak memory of each pipeline rank (all the ranks of one pipeline rank hold alike)."""
+    """Peak memory of each pipeline rank (all the ranks of one pipeline rank hold alike), and the
+    budget with what the cluster keeps back from it (unless the budget was given)."""
     p = plan.predicted
     budget = format_bytes(p.memory_budget_bytes)
+    if p.memory_budget_bytes == plan.cluster.memory_budget_bytes:
+        budget += ": " + plan.cluster.memory_budget().describe()
     if len(p.memory_per_rank_bytes) == 1:
         return f"{format_bytes(p.memory_per_rank_bytes[0])}  (budget {budget})"
     return ("  ".join(f"rank {j}: {format_bytes(x)}" for j, x in enumerate(p.memory_per_rank_bytes))

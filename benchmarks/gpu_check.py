@@ -5,7 +5,10 @@
 
 Ready for the day a machine with a GPU is lent (nothing here needs more than one):
 
-1. the NCCL process group at world size 1 (gloo on CPU with ``--dry``);
+1. the NCCL process group at world size 1 (gloo on CPU with ``--dry``), and
+   the memory the planner keeps back, as one GPU shows it (``gpu_memory.py``:
+   CUDA context, a one-rank NCCL communicator, the caching allocator's reserved
+   over allocated under FSDP2, how many FSDP2 units' weights forward holds);
 2. ``autopar calibrate``'s compute fit on this device: forward + backward of
    transformer layers at several widths, in bf16, fitted to the compute
    model (``matmul_efficiency``, ``half_efficiency_flops``), with the
@@ -184,6 +187,9 @@ def main() -> int:
         parser.error("no CUDA device here: run with --dry to check the script on CPU")
     steps = args.steps or (2 if args.dry else 10)
     device = init_group(args.dry)
+    from gpu_memory import memory_terms
+
+    memory = memory_terms(device, args.dry)  # first: before any other collective opens NCCL's buffers
     fit = compute_fit(args.dry)
     cluster = fitted_cluster(fit, args.dry)
     from gpu_compute import check as check_ops  # per-op compute terms: GEMM shapes, bandwidth, attention
@@ -201,7 +207,7 @@ def main() -> int:
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else f"cpu ({platform.processor()})",
         "torch": torch.__version__, "cluster": cluster.to_dict(),
         "fit": {k: v for k, v in fit.items() if k != "layers"}, "probes": fit["layers"],
-        "plans": rows, "failures": failures, "compute_ops": compute_ops,
+        "plans": rows, "failures": failures, "compute_ops": compute_ops, "memory_terms": memory,
     }
     dist.destroy_process_group()
     text = json.dumps(result, indent=2, default=float)
@@ -211,6 +217,7 @@ def main() -> int:
         print(f"{r['model']:10s} {r['plan']:14s} step {r['measured_step_s']:.4f} s / predicted "
               f"{r['predicted_step_s']:.4f} s ({r['step_ratio']:.2f})   peak {r['measured_peak_bytes'] / 2**20:.1f} "
               f"MiB / predicted {r['predicted_peak_bytes'] / 2**20:.1f} MiB ({r['memory_ratio']:.2f})")
+    print("memory terms: " + ", ".join(f"{k} {v}" for k, v in memory.items() if k != "priced"))
     for f in failures:
         print(f"FAILED {f['model']} {f['plan']}: {f['error']}", file=sys.stderr)
     return 1 if failures else 0

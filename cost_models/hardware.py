@@ -109,12 +109,51 @@ class LinkSpec:
 
 
 @dataclass(frozen=True)
+class MemoryBudget:
+    """A device's memory and what is kept back from the planner (see :class:`ClusterSpec`)."""
+
+    device_bytes: int
+    reserve_fraction: float
+    cuda_context_bytes: int
+    nccl_buffer_bytes: int
+    allocator_overhead_fraction: float
+
+    @property
+    def budget_bytes(self) -> int:
+        """What the caching allocator may hand out: allocated × (1 + overhead) fits what is left
+        (0 where the context and NCCL's buffers alone fill the device: every plan is then
+        infeasible, and the solver says by how much)."""
+        left = self.device_bytes * (1.0 - self.reserve_fraction) - self.cuda_context_bytes - self.nccl_buffer_bytes
+        return max(0, int(left / (1.0 + self.allocator_overhead_fraction)))
+
+    def describe(self) -> str:
+        """One line: the budget and each term kept back."""
+        kept = [f"{self.reserve_fraction:.0%} reserve"] if self.reserve_fraction else []
+        kept += [f"{name} {n / GiB:.2f} GiB" for name, n in
+                 (("CUDA context", self.cuda_context_bytes), ("NCCL buffers", self.nccl_buffer_bytes)) if n]
+        if self.allocator_overhead_fraction:
+            kept.append(f"÷ {1 + self.allocator_overhead_fraction:.2f} for the caching allocator")
+        return f"{self.device_bytes / GiB:.1f} GiB device" + (f", less {', '.join(kept)}" if kept else "")
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     """``nodes`` × ``gpus_per_node`` devices and the links between them.
 
-    ``memory_reserve_fraction`` of each device's memory is kept back from the
-    planner's budget for the allocator's fragmentation, the CUDA context and
-    communication buffers (a stated reserve, not a fudge: change it per file).
+    The planner's memory budget is what the caching allocator may hand out
+    (:meth:`memory_budget`): the device's memory less ``memory_reserve_fraction``
+    of it, less ``cuda_context_bytes`` (the CUDA context: driver, kernels) and
+    ``nccl_buffer_bytes`` (NCCL's communicator buffers, allocated outside the
+    caching allocator), divided by 1 + ``allocator_overhead_fraction`` (what the
+    caching allocator reserves beyond what it has allocated). The GPU presets
+    price the three terms from their sources (:data:`CUDA_CONTEXT_BYTES`,
+    :data:`NCCL_BUFFER_BYTES`, :data:`ALLOCATOR_OVERHEAD_FRACTION`) with no flat
+    reserve; the CPU preset keeps its measured flat reserve; a cluster file
+    without the three terms keeps the old flat 10%.
+
+    ``nccl_tuning`` prices collectives with NCCL's own tuning model (per-step
+    ring latencies, tree all-reduce, protocols; :mod:`.communication`), as the
+    GPU presets do.
 
     ``comm_overlap`` is the fraction of compute under which data-parallel
     communication can hide: 1 on GPUs (copy engines and NCCL kernels run
@@ -167,6 +206,10 @@ class ClusterSpec:
     zero_overhead_s: float = 0.0
     latency_per_step: bool = False
     collective_sync_s: float = 0.0
+    nccl_tuning: bool = False
+    cuda_context_bytes: int = 0
+    nccl_buffer_bytes: int = 0
+    allocator_overhead_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -177,7 +220,12 @@ class ClusterSpec:
 
     @property
     def memory_budget_bytes(self) -> int:
-        return int(self.device.memory_bytes * (1.0 - self.memory_reserve_fraction))
+        return self.memory_budget().budget_bytes
+
+    def memory_budget(self) -> MemoryBudget:
+        """How the device's memory splits into what the planner may fill and what it keeps back."""
+        return MemoryBudget(self.device.memory_bytes, self.memory_reserve_fraction, self.cuda_context_bytes,
+                            self.nccl_buffer_bytes, self.allocator_overhead_fraction)
 
     @property
     def nic_bandwidth_per_device(self) -> float:
@@ -270,6 +318,9 @@ def _validate(c: ClusterSpec) -> None:
         "optimizer_dtensor_s": c.optimizer_dtensor_s,
         "zero_overhead_s": c.zero_overhead_s,
         "collective_sync_s": c.collective_sync_s,
+        "cuda_context_bytes": c.cuda_context_bytes,
+        "nccl_buffer_bytes": c.nccl_buffer_bytes,
+        "allocator_overhead_fraction": c.allocator_overhead_fraction,
     }
     for level in ("intra_node", "inter_node"):
         link = getattr(c, level)
@@ -300,8 +351,11 @@ def _validate(c: ClusterSpec) -> None:
         raise ClusterError(f"cluster {c.name!r}: device.matmul_efficiency must be ≤ 1")
     if not 0 <= c.memory_reserve_fraction < 1:
         raise ClusterError(f"cluster {c.name!r}: memory_reserve_fraction must be in [0, 1)")
-    if not isinstance(c.latency_per_step, bool):
-        raise ClusterError(f"cluster {c.name!r}: latency_per_step must be true or false")
+    for flag in ("latency_per_step", "nccl_tuning"):
+        if not isinstance(getattr(c, flag), bool):
+            raise ClusterError(f"cluster {c.name!r}: {flag} must be true or false")
+    if c.allocator_overhead_fraction >= 1:
+        raise ClusterError(f"cluster {c.name!r}: allocator_overhead_fraction must be in [0, 1)")
     if not isinstance(c.cores_per_node, int) or c.cores_per_node < 0:
         raise ClusterError(f"cluster {c.name!r}: cores_per_node must be a whole number ≥ 0, "
                            f"got {c.cores_per_node!r}")
@@ -369,6 +423,10 @@ def _cluster_from_dict(data: dict[str, Any], source: str) -> ClusterSpec:
             zero_overhead_s=data.get("zero_overhead_s", 0.0),
             latency_per_step=data.get("latency_per_step", False),
             collective_sync_s=data.get("collective_sync_s", 0.0),
+            nccl_tuning=data.get("nccl_tuning", False),
+            cuda_context_bytes=data.get("cuda_context_bytes", 0),
+            nccl_buffer_bytes=data.get("nccl_buffer_bytes", 0),
+            allocator_overhead_fraction=data.get("allocator_overhead_fraction", 0.0),
         )
     except TypeError as exc:  # a field of the wrong type reached a comparison
         raise ClusterError(f"{source}: {exc}") from None
@@ -384,12 +442,44 @@ A100_EFFICIENCY = 0.729
 # about a 1024×1024×1024 bf16 GEMM (2 GFLOP). Not fitted; a stated assumption.
 GPU_HALF_EFFICIENCY_FLOPS = 2e9
 
-_NVLINK_A100 = LinkSpec(bandwidth_bytes_s=230 * GB, latency_s=10e-6)
-_NVLINK_H100 = LinkSpec(bandwidth_bytes_s=370 * GB, latency_s=10e-6)
-_NVLINK_V100 = LinkSpec(bandwidth_bytes_s=130 * GB, latency_s=10e-6)
-_HDR_NIC = LinkSpec(bandwidth_bytes_s=24 * GB, latency_s=20e-6)
-_NDR_NIC = LinkSpec(bandwidth_bytes_s=46 * GB, latency_s=20e-6)
-_EDR_NIC = LinkSpec(bandwidth_bytes_s=11 * GB, latency_s=20e-6)
+# Link latencies are NCCL's per ring step (ring/simple hwLat in NVIDIA/nccl src/graph/tuning.cc:
+# 3.4 µs a step over NVLink, 14 µs over the network); collectives add NCCL's base latency and
+# choose ring or tree there (``nccl_tuning``, cost_models/communication.py), point-to-point
+# sends pay one step.
+NVLINK_STEP_LATENCY_S = 3.4e-6
+NET_STEP_LATENCY_S = 14.0e-6
+_NVLINK_A100 = LinkSpec(bandwidth_bytes_s=230 * GB, latency_s=NVLINK_STEP_LATENCY_S)
+_NVLINK_H100 = LinkSpec(bandwidth_bytes_s=370 * GB, latency_s=NVLINK_STEP_LATENCY_S)
+_NVLINK_V100 = LinkSpec(bandwidth_bytes_s=130 * GB, latency_s=NVLINK_STEP_LATENCY_S)
+_HDR_NIC = LinkSpec(bandwidth_bytes_s=24 * GB, latency_s=NET_STEP_LATENCY_S)
+_NDR_NIC = LinkSpec(bandwidth_bytes_s=46 * GB, latency_s=NET_STEP_LATENCY_S)
+_EDR_NIC = LinkSpec(bandwidth_bytes_s=11 * GB, latency_s=NET_STEP_LATENCY_S)
+
+# What a GPU rank keeps outside the planner's tensors (ClusterSpec.memory_budget):
+# - the CUDA context: "around 400MB if CUDA >= 11.7 is used and lazy module loading enabled
+#   (default in PyTorch)" (pytorch/pytorch#109888; ~300 MB in pytorch/pytorch#107667).
+CUDA_CONTEXT_BYTES = 400 * 10**6
+# - NCCL's buffers, allocated by NCCL outside the caching allocator, per communicator: each
+#   channel's ring keeps 2 connections whatever the scale (sjeaugey, NVIDIA/nccl#864 / #986),
+#   each with a FIFO per protocol: Simple NCCL_BUFFSIZE 4 MiB (DEFAULT_BUFFSIZE, src/init.cc),
+#   LL128 120 elements × 640 threads × 8 steps × 8 B = 4.69 MiB, LL 8 lines × 512 threads ×
+#   8 steps × 16 B = 512 KiB (DEFAULT_LL128_BUFFSIZE / DEFAULT_LL_BUFFSIZE, src/init.cc, with
+#   src/include/device.h); up to 32 channels on an NVSwitch node (NCCL_MAX_NCHANNELS; 32
+#   channels per GPU pair seen on 8 × H100 in NVIDIA/nccl#1685). A plan opens one communicator
+#   per mesh axis it splits (pp, dp, tp): three at most, which the budget keeps back.
+NCCL_CONNECTION_BYTES = 4 * 2**20 + 120 * 640 * 8 * 8 + 8 * 512 * 8 * 16
+NCCL_CHANNELS = 32
+NCCL_RING_CONNECTIONS = 2
+NCCL_COMMUNICATORS = 3
+NCCL_BUFFER_BYTES = NCCL_COMMUNICATORS * NCCL_CHANNELS * NCCL_RING_CONNECTIONS * NCCL_CONNECTION_BYTES
+# - the caching allocator's reserved-over-allocated overhead: large blocks are rounded up to
+#   2 MiB and split from cached segments, so memory_reserved exceeds max_memory_allocated by
+#   a share that depends on the allocation pattern (pytorch/pytorch#35901, and
+#   expandable_segments, pytorch/pytorch#96995, which exists to reduce it). FSDP2 avoids
+#   record_stream, so its use is "deterministic and expected" (fully_shard docs). No public
+#   training figure was found: 10% of allocated is a stated assumption that
+#   benchmarks/gpu_check.py measures (reserved / allocated after FSDP2 steps) where a GPU is lent.
+ALLOCATOR_OVERHEAD_FRACTION = 0.10
 
 
 # Per-op terms of the GPU presets (cost_models.compute prices with them; README "Compute model"):
@@ -434,7 +524,10 @@ def _gpu(name: str, mem_gib: float, bf16: float, fp32: float, hbm: float, eff: f
 
 def _dgx(name: str, device: DeviceSpec, nvlink: LinkSpec, nic: LinkSpec) -> ClusterSpec:
     return ClusterSpec(name, device, gpus_per_node=8, nodes=1, intra_node=nvlink,
-                       inter_node=nic, nics_per_node=8)
+                       inter_node=nic, nics_per_node=8, memory_reserve_fraction=0.0,
+                       latency_per_step=True, nccl_tuning=True, cuda_context_bytes=CUDA_CONTEXT_BYTES,
+                       nccl_buffer_bytes=NCCL_BUFFER_BYTES,
+                       allocator_overhead_fraction=ALLOCATOR_OVERHEAD_FRACTION)
 
 
 # The local machine: one gloo process per "device", sharing the host's cores and

@@ -33,6 +33,7 @@ CONFIGS: dict[str, LlamaConfig] = {
     "llama3-8b": LlamaConfig(128256, 8192, 32, 4096, 14336, 32, 8),
     "llama3-70b": LlamaConfig(128256, 8192, 80, 8192, 28672, 64, 8),
     "llama3-405b": LlamaConfig(128256, 8192, 126, 16384, 53248, 128, 8),
+    "llama-7b": LlamaConfig(32000, 2048, 32, 4096, 11008, 32, 32, rope_theta=10000.0, norm_eps=1e-6),  # LLaMA 1
     "llama-tiny": LlamaConfig(128, 32, 2, 64, 128, 4, 2),
 }
 
@@ -152,6 +153,11 @@ def llama3_70b(seq_len: int | None = None, device: str | torch.device = "meta"):
 
 def llama3_405b(seq_len: int | None = None, device: str | torch.device = "meta"):
     return _named("llama3-405b", seq_len, device)
+
+
+def llama_7b(seq_len: int | None = None, device: str | torch.device = "meta"):
+    """LLaMA 7B (Touvron et al. 2023, table 2): 32 layers, width 4096, SwiGLU 11008, 32 heads, 2,048 tokens."""
+    return _named("llama-7b", seq_len, device)
 
 
 def llama_tiny(seq_len: int | None = None, device: str | torch.device = "meta"):

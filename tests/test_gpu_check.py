@@ -37,3 +37,7 @@ def test_the_gpu_check_runs_dry_on_cpu(tmp_path: Path) -> None:
         assert r["dtype"] == "bf16" and r["masters_fp32"]
         assert r["measured_step_s"] > 0 and r["predicted_step_s"] > 0
         assert 0.5 < r["memory_ratio"] < 2.0, r  # the prediction follows what ran, even this small
+    terms = result["memory_terms"]  # on CPU the FSDP2 steps run; the CUDA figures say why they are missing
+    assert terms["priced"]["cuda_context_bytes"] > 0 and terms["priced"]["nccl_buffer_bytes"] > 0
+    assert terms["cuda_context_bytes"] is None and "no CUDA device" in terms["why_none"]
+    assert set(terms) >= {"nccl_world1_bytes", "allocator_overhead", "forward_units_alive"}

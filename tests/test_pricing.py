@@ -86,3 +86,42 @@ def test_fsdp2_overhead_is_priced_per_collective_and_never_hidden():
         assert exposed(strategy, 1e-3) - exposed(strategy, 0.0) == pytest.approx(collectives * 1e-3)
     ddp = Strategy(None, 0, False)
     assert exposed(ddp, 1e-3) == exposed(ddp, 0.0)
+
+
+def _gpu_table(pp: int, dp: int, tp: int, mode: DataParallelism = REPLICATED, m: int = 1) -> PriceTable:
+    graph = transformer_graph(4, 1024, 512, vocab=4096, heads=8)
+    cluster = PRESETS["a100-40g"].for_world_size(pp * dp * tp)
+    schedule = Schedule(ScheduleKind.ONE_F_ONE_B) if pp > 1 else GPIPE
+    return PriceTable(graph, MeshConfig(pp, dp, tp, m, schedule, mode), cluster, TrainingSpec(8 * dp * m))
+
+
+def test_pipeline_sends_cross_nodes_only_between_ranks_on_different_nodes():
+    # 16 GPUs on 2 nodes, dp·tp = 4: pipeline ranks 0, 1 on node 0 and 2, 3 on node 1
+    table = _gpu_table(4, 2, 2, m=4)
+    assert table.boundary_inter_node == (False, False, True, False)
+    cut = 2
+    assert table.p2p_s(cut, 2) > 5 * table.p2p_s(cut, 1)  # over a 24 GB/s NIC, not 230 GB/s NVLink
+    assert table.p2p_s(cut) == table.p2p_s(cut, 1)  # what a bound may count on: the cheapest
+    # the tied ends: rank 0 and rank 3 are on different nodes
+    assert table.pp_inter_node
+    # dp·tp = 8 fills a node: every boundary crosses
+    assert all(_gpu_table(2, 4, 2, m=4).boundary_inter_node[1:])
+
+
+def test_the_first_and_last_fsdp2_unit_show_on_every_sharded_rank():
+    from autopar.planning import edges
+    from autopar.planning.pricing import evaluate
+
+    table = _gpu_table(1, 16, 1, DataParallelism(sharded=True, root_zero=3), m=2)
+    n = len(table.graph)
+    zero3 = evaluate(table, (0,) * n, tuple(Strategy(None, 3) for _ in range(n)))
+    per_layer = sum(table.prices[i][table.index_of(i, Strategy(None, 3))].exposed_comm_s for i in range(n))
+    edge = edges.edge_exposed_s(table, 3)
+    # one unit's ZeRO-3 traffic per step (2 all-gathers and a reduce-scatter per microbatch), all of it shown
+    assert edge == pytest.approx(table.dp_collectives_s(table.largest_unit_params, 3)) and edge > 0
+    assert zero3.dp_comm_s == pytest.approx(per_layer + edge)
+    # ZeRO-1's ends show once a step: less than ZeRO-3's
+    assert 0 < edges.edge_exposed_s(table, 1) < edges.edge_exposed_s(table, 2) < edge
+    # a replicated plan has no FSDP2 unit to expose
+    replicated = _gpu_table(1, 16, 1, m=2)
+    assert edges.edge_level(replicated, 1, 0) == 0

@@ -21,19 +21,23 @@ from autopar import contract
 from autopar.errors import InfeasibleError, PinError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
+from autopar.planning import edges
 from autopar.planning.pricing import PriceTable, TrainingSpec, evaluate
 from autopar.planning.solver import SolverOptions, cut_positions, enumerate_configs, solve
 
 
 def _rank_frontier(table: PriceTable, layers: list[int], rank: int, budget: int,
-                   root_zero: int | None = None) -> list[tuple[float, float]]:
+                   root_zero: int | None = None) -> list[tuple[float, float, int]]:
     """Every (time, tail) one rank can reach within budget, by enumerating all strategy combinations.
 
     Memory is the layers' coefficients, the rank's workspace and FSDP2's buffers, held once if
     any layer needs them (a reduce-scatter buffer from ZeRO-1 on, a prefetch buffer for ZeRO-3).
+    Each (time, tail) comes with the highest ZeRO stage of the rank's FSDP2 units, at whose level
+    the plan's first and last units are exposed (added once the ranks are combined).
     """
     times, tails = np.zeros(1), np.zeros(1)
     mems, needs = np.full(1, table.rank_workspace_bytes(rank), dtype=np.int64), np.zeros(1, dtype=np.int64)
+    levels = np.zeros(1, dtype=np.int64)
     root = contract.wrapping(table.graph, table.config.pp).root
     for i in layers:
         ks = [k for k in range(len(table.strategies[i]))  # every root unit runs at one stage
@@ -43,21 +47,27 @@ def _rank_frontier(table: PriceTable, layers: list[int], rank: int, budget: int,
         m = np.array([table.memory_coefficient(i, k, rank) for k in ks], dtype=np.int64)
         z = np.array([table.strategies[i][k].zero for k in ks])
         b = (z >= 1).astype(np.int64) + (z == 3)
+        e = np.array([edges.edge_level(table, i, k) for k in ks], dtype=np.int64)
         times = np.add.outer(times, t).ravel()
         tails = np.add.outer(tails, x).ravel()
         mems = np.add.outer(mems, m).ravel()
         needs = np.maximum.outer(needs, b).ravel()
+        levels = np.maximum.outer(levels, e).ravel()
         # identical layers make many combinations sum alike: keep each distinct sum once
         rows = np.unique(np.stack([times.round(15), tails.round(15), mems.astype(np.float64),
-                                   needs.astype(np.float64)], axis=1), axis=0)
+                                   needs.astype(np.float64), levels.astype(np.float64)], axis=1), axis=0)
         times, tails = rows[:, 0], rows[:, 1]
-        mems, needs = rows[:, 2].astype(np.int64), rows[:, 3].astype(np.int64)
+        mems, needs, levels = rows[:, 2].astype(np.int64), rows[:, 3].astype(np.int64), rows[:, 4].astype(np.int64)
     buffers = np.array([table.buffer_bytes(b) for b in contract.Buffers], dtype=np.int64)
     ok = mems + buffers[needs] <= budget
-    front: list[tuple[float, float]] = []  # the objective only grows with either: keep the Pareto set
-    for t, x in sorted(set(zip(times[ok].tolist(), tails[ok].tolist()))):
-        if not front or x < front[-1][1]:
-            front.append((t, x))
+    front: list[tuple[float, float, int]] = []  # the objective only grows with each: a Pareto set per level
+    for level in sorted(set(levels[ok].tolist())):
+        at = ok & (levels == level)
+        kept: list[tuple[float, float, int]] = []
+        for t, x in sorted(set(zip(times[at].tolist(), tails[at].tolist()))):
+            if not kept or x < kept[-1][1]:
+                kept.append((t, x, level))
+        front += kept
     return front
 
 
@@ -79,16 +89,17 @@ def brute_force(graph: LayerGraph, world: int, cluster, training: TrainingSpec, 
             stages = [s for s in range(config.stages) for _ in range(bounds[s], bounds[s + 1])]
             p2p = [0.0] * config.pp
             for q in cuts:
-                p2p[config.rank_of_stage(stages[q - 1])] += table.p2p_s(q)
-                p2p[config.rank_of_stage(stages[q])] += table.p2p_s(q)
+                p2p[config.rank_of_stage(stages[q - 1])] += table.p2p_s(q, stages[q])
+                p2p[config.rank_of_stage(stages[q])] += table.p2p_s(q, stages[q])
             fronts = []
             for j in range(config.pp):
                 layers = [i for i, s in enumerate(stages) if config.rank_of_stage(s) == j]
-                fronts.append([(t + p2p[j], x) for t, x in _rank_frontier(table, layers, j, budget, root_zero)])
+                fronts.append([(t + p2p[j], x, z) for t, x, z in _rank_frontier(table, layers, j, budget, root_zero)])
             if any(not f for f in fronts):
                 continue
             for combo in itertools.product(*fronts):
-                best = min(best, table.step_time_s([t for t, _ in combo], max(x for _, x in combo)))
+                edge = edges.edge_exposed_s(table, max(z for *_, z in combo))
+                best = min(best, table.step_time_s([t for t, *_ in combo], max(x for _, x, _ in combo) + edge))
     return best
 
 

@@ -190,8 +190,8 @@ def stage_times(graph: LayerGraph, solution: Solution) -> tuple[StageTime, ...]:
     for cut in range(1, len(solution.stages)):
         before, after = solution.stages[cut - 1], solution.stages[cut]
         if before != after:  # as evaluate() prices it: activations forward, gradients back
-            parts[before][4] += table.p2p_s(cut)
-            parts[after][5] += table.p2p_s(cut)
+            parts[before][4] += table.p2p_s(cut, after)
+            parts[after][5] += table.p2p_s(cut, after)
     stages = tuple(StageTime(s, *row) for s, row in enumerate(parts))
     for j, priced in enumerate(solution.prediction.rank_time_mb_s):
         drawn = sum(st.per_microbatch_s for st in stages if c.rank_of_stage(st.stage) == j)

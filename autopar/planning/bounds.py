@@ -165,8 +165,8 @@ def rank_p2p_floor(table: PriceTable, cuts_ok: list[int], time_of: Any = float) 
     floor = [0.0] * c.pp
     if c.stages <= 1 or not cuts_ok:
         return floor
-    thinnest = min(time_of(table.p2p_s(q)) for q in cuts_ok)
     for s in range(1, c.stages):
+        thinnest = min(time_of(table.p2p_s(q, s)) for q in cuts_ok)
         floor[c.rank_of_stage(s - 1)] += thinnest
         floor[c.rank_of_stage(s)] += thinnest
     return floor

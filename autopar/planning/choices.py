@@ -16,6 +16,7 @@ from autopar.errors import PinError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
 from autopar.plan import Recompute
+from autopar.planning import edges
 from autopar.planning.pricing import PriceTable, Strategy
 
 
@@ -122,14 +123,15 @@ def _undominated_alike(table: PriceTable, i: int, ks: list[int]) -> list[int]:
 
 def _undominated(table: PriceTable, i: int, ks: list[int]) -> list[int]:
     """Drop strategies another one beats or ties on every priced term (time, tail, memory,
-    and the FSDP2 buffers its ZeRO stage makes the rank hold: none, reduce-scatter, + prefetch)."""
+    the FSDP2 buffers its ZeRO stage makes the rank hold: none, reduce-scatter, + prefetch, and
+    the ZeRO stage its rank's first and last unit then expose at, :mod:`autopar.planning.edges`)."""
 
     def vector(k: int) -> tuple:
         p = table.prices[i][k]
         # sequence parallelism pays its regions' entries and exits outside the layer's price: it never
         # stands in for a strategy without it
         return (p.time_mb_s, p.tail_s, p.state_bytes, p.activation_mb_bytes, table.buffers_needed(i, k).value,
-                int(table.strategies[i][k].sp))
+                edges.edge_level(table, i, k), int(table.strategies[i][k].sp))
 
     vectors = {k: vector(k) for k in ks}
 

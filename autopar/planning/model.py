@@ -16,6 +16,7 @@ from ortools.sat.python import cp_model
 
 from autopar import contract
 from autopar.contract import Buffers
+from autopar.planning import edges
 from autopar.planning.bounds import (
     floor_table,
     group_key,
@@ -216,18 +217,20 @@ def _add_counts(model: cp_model.CpModel, runs: list[tuple[int, int]], allowed: l
 def _add_rank_terms(model, table, allowed, runs, cuts, counts, units):
     """T ≥ every pipeline rank's time t_j, tail X ≥ x_j; the t_j and each rank's memory expression."""
     c = table.config
-    p2p_table = [units(table.p2p_s(q)) for q in range(len(table.graph) + 1)]
+    p2p_tables = {s: [units(table.p2p_s(q, s)) for q in range(len(table.graph) + 1)] for s in range(1, c.stages)}
     sends: dict[int, Any] = {}
-    for s in range(1, c.stages):
+    for s, p2p_table in p2p_tables.items():  # a boundary between nodes sends over the NICs
         v = model.NewIntVar(0, max(p2p_table), f"p2p_{s}")
         model.AddElement(cuts[s], p2p_table, v)
         sends[s] = v
+    dearest = [max(col) for col in zip(*p2p_tables.values())] if p2p_tables else [0]
     regions = sum(units(c.schedule.chunks * max(table.sequence_region_s(i, k) for k in range(len(ps))))
                   for i, ps in enumerate(table.prices))
-    big = sum(units(max(p.time_mb_s for p in ps)) for ps in table.prices) + 2 * sum(p2p_table) + regions + 1
+    big = sum(units(max(p.time_mb_s for p in ps)) for ps in table.prices) + 2 * sum(dearest) + regions + 1
     T = model.NewIntVar(0, big, "rank_time")
     X = model.NewIntVar(0, 2**50, "tail")
     memory, rank_t = [], []
+    edge = _edge_exposure(model, table, runs, counts, units)
     for j in range(c.pp):
         t_terms, x_terms, m_terms = [], [], []
         for (r, jj, k), var in counts.items():
@@ -246,7 +249,7 @@ def _add_rank_terms(model, table, allowed, runs, cuts, counts, units):
         t_terms += _sequence_regions(model, table, runs, counts, j, units)
         model.Add(T >= sum(t_terms)).WithName(f"rank_time_{j}")
         rank_t.append(sum(t_terms))
-        model.Add(X >= sum(x_terms)).WithName(f"tail_{j}")
+        model.Add(X >= sum(x_terms) + edge).WithName(f"tail_{j}")
         memory.append(sum(m_terms) + table.rank_workspace_bytes(j)
                       + _zero_buffers(model, table, runs, counts, j))
     return T, rank_t, X, memory
@@ -331,6 +334,25 @@ def _zero_buffers(model: cp_model.CpModel, table: PriceTable, runs: list[tuple[i
         for var, most in users:
             model.Add(var <= most * flag)
         terms.append(size * flag)
+    return sum(terms)
+
+
+def _edge_exposure(model: cp_model.CpModel, table: PriceTable, runs: list[tuple[int, int]],
+                   counts: dict[tuple[int, int, int], Any], units: Units) -> Any:
+    """What the first and last FSDP2 unit expose, at the plan's highest ZeRO stage
+    (:mod:`autopar.planning.edges`): a boolean per ZeRO level, forced on by the count of every
+    strategy running a unit at that level or above on any rank, each adding its level's
+    increment over the one below."""
+    terms: list[Any] = []
+    for z, extra_s in edges.edge_increments_s(table).items():
+        users = [(var, runs[r][1] - runs[r][0]) for (r, _, k), var in counts.items()
+                 if edges.edge_level(table, runs[r][0], k) >= z]
+        if units(extra_s) <= 0 or not users:
+            continue
+        flag = model.NewBoolVar(f"edge_zero{z}")
+        for var, most in users:
+            model.Add(var <= most * flag)
+        terms.append(units(extra_s) * flag)
     return sum(terms)
 
 

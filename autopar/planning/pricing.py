@@ -12,6 +12,8 @@ schedule with v chunks per rank), for pipeline rank j:
            + point-to-point sends at j's stage boundaries
     E_j  = Σ_{layers on j} max(dp_comm − ω · compute, (1 − ω) · dp_comm)       (exposed DP/ZeRO traffic)
            + FSDP2's work around each collective, hooks and buffer copies (never hidden: the host does it)
+           + ω · (the first and last FSDP2 unit's collectives at the plan's highest ZeRO stage), which
+             no compute hides (planning.edges)
     step = m · T + w · (S − T) + max_j (E_j + optimizer_j),   T = max_j T_j,  S = Σ_j T_j
 
 The slowest rank paces the m microbatches, and filling and draining the
@@ -56,6 +58,7 @@ from autopar.cost_models.memory import Precision, model_state_bytes, optimizer_s
 from autopar.cost_models.pipeline import Schedule, ScheduleKind, in_flight
 from autopar.graph import Layer, LayerGraph
 from autopar.plan import Recompute
+from autopar.planning import edges
 from autopar.planning.layer_compute import layer_compute
 from autopar.planning.sequence import (
     region_s,
@@ -181,7 +184,7 @@ class PriceTable:
         stride = {axis: contract.axis_stride(axis, config.dp, config.tp) for axis in contract.MESH_AXES}
         self.tp_group = place_group(config.tp, stride["tp"], cluster.gpus_per_node)
         self.dp_group = place_group(config.dp, stride["dp"], cluster.gpus_per_node)
-        self.pp_inter_node = cluster.nodes > 1 and stride["pp"] >= cluster.gpus_per_node
+        self.pp_inter_node = edges.ranks_inter_node(0, config.pp - 1, self)  # the tied ends' all-reduce
         self.engine = config.engine
         self._style_memo: dict[tuple[int, str | None, bool], tuple[float, float, float, float, float]] = {}
 
@@ -405,7 +408,7 @@ class PriceTable:
         tp_comm = tp_comm_fwd + tp_comm_bwd + (tp_comm_fwd if strategy.recompute else 0.0)
         params = self.effective_params(layer, strategy)
         share = contract.collective_share(self.graph, layer.index, self.engine, c.pp, prec.grad_bytes)
-        dp_comm = self._dp_comm_s(params, strategy.zero, share)
+        dp_comm = self.dp_collectives_s(params, strategy.zero, share)
         fsdp_work = self._zero_overhead_s(params, strategy.zero, share)  # done by the host: never hidden
         fsdp_work += self._tied_sum_s(layer, strategy.zero)
         return LayerPrice(
@@ -464,7 +467,7 @@ class PriceTable:
         passes/tensor_parallel.py): tensor-parallel, or data-parallel on FSDP2 (anything but DDP)."""
         return strategy.tp is not None or self.engine in (Engine.REPLICATE, Engine.FULLY_SHARD)
 
-    def _dp_comm_s(self, params: int, zero: int, share: float = 1.0) -> float:
+    def dp_collectives_s(self, params: int, zero: int, share: float = 1.0) -> float:
         """Per step: the collectives of :func:`autopar.contract.dp_collectives`. ``share``: the
         layer's share of each collective's latency."""
         if self.config.dp <= 1 or params == 0:
@@ -488,7 +491,7 @@ class PriceTable:
 
     def _zero_overhead_s(self, params: int, zero: int, share: float) -> float:
         """Per step: FSDP2's own work around each of its collectives (the cluster's
-        ``zero_overhead_s``; ``share`` as in :meth:`_dp_comm_s`). FSDP2's replicate all-reduces once a
+        ``zero_overhead_s``; ``share`` as in :meth:`dp_collectives_s`). FSDP2's replicate all-reduces once a
         step; DDP's bucketing is C++ beside its all-reduce and left out."""
         c, each = self.config, self.cluster.zero_overhead_s
         if each <= 0 or c.dp <= 1 or params == 0 or self.engine is Engine.DDP:
@@ -510,13 +513,27 @@ class PriceTable:
         style = self.graph[i].tp_style(strategy.tp)  # type: ignore[arg-type]
         return region_s(style, self.prec.activation_bytes * self.microbatch_size, self.tp_group, self.cluster)
 
-    def p2p_s(self, cut: int) -> float:
-        """One send of the values crossing a cut placed before layer ``cut``, per microbatch."""
+    def p2p_s(self, cut: int, stage: int | None = None) -> float:
+        """One send of the values crossing a cut placed before layer ``cut``, per microbatch, into
+        virtual stage ``stage`` (over the NICs where its pipeline rank's node differs from the
+        previous stage's, :func:`autopar.planning.edges.boundary_inter_node`). Without ``stage``,
+        the cheapest boundary of the pipeline's: what a bound may count on."""
         if cut <= 0 or cut >= len(self.graph):
             return 0.0
         nbytes = (self.microbatch_size * self.graph[cut - 1].boundary_bytes_per_sample
                   * self.act_scale)
-        return p2p_time_s(nbytes, inter_node=self.pp_inter_node, cluster=self.cluster)
+        inter = self.boundary_inter_node
+        across = (len(inter) > 1 and all(inter[1:])) if stage is None else inter[stage]
+        return p2p_time_s(nbytes, inter_node=across, cluster=self.cluster)
+
+    @cached_property
+    def boundary_inter_node(self) -> tuple[bool, ...]:
+        """Per virtual stage s ≥ 1, whether the sends from stage s − 1 cross nodes (index 0 unused)."""
+        return (False, *(edges.boundary_inter_node(self, s) for s in range(1, self.config.stages)))
+
+    def p2p_largest_s(self) -> float:
+        """The dearest send of any cut at any boundary (the solver's time unit counts it)."""
+        return max(self.p2p_s(q, s) for q in range(len(self.graph) + 1) for s in range(max(self.config.stages, 1)))
 
 
 @dataclass(frozen=True)
@@ -561,10 +578,12 @@ def evaluate(table: PriceTable, stages: tuple[int, ...], strategies: tuple[Strat
     exposed, opt = [0.0] * pp, [0.0] * pp
     memory = [table.rank_workspace_bytes(j) for j in range(pp)]
     buffers = [Buffers.NONE] * pp
+    levels = [0] * pp  # the highest ZeRO stage of a rank's FSDP2 units: its edge units' exposure
     for i, (stage, strategy) in enumerate(zip(stages, strategies)):
         k = table.index_of(i, strategy)
         price, rank = table.prices[i][k], c.rank_of_stage(stage)
         buffers[rank] = max(buffers[rank], table.buffers_needed(i, k))
+        levels[rank] = max(levels[rank], edges.edge_level(table, i, k))
         t_compute[rank] += price.compute_mb_s
         t_tp[rank] += price.tp_comm_mb_s
         exposed[rank] += price.exposed_comm_s
@@ -572,11 +591,13 @@ def evaluate(table: PriceTable, stages: tuple[int, ...], strategies: tuple[Strat
         memory[rank] += table.memory_coefficient(i, k, rank)
     for j, region in enumerate(sequence_regions(table, stages, strategies)):
         t_tp[j] += region
+    edge = edges.edge_exposed_s(table, max(levels))  # the ends, at the plan's highest ZeRO stage
     for j in range(pp):
         memory[j] += table.buffer_bytes(buffers[j])
+        exposed[j] += edge
     for cut in range(1, len(stages)):
         if stages[cut] != stages[cut - 1]:
-            send = table.p2p_s(cut)
+            send = table.p2p_s(cut, stages[cut])
             t_p2p[c.rank_of_stage(stages[cut - 1])] += send  # forward activations
             t_p2p[c.rank_of_stage(stages[cut])] += send  # backward gradients
     per_mb = [t_compute[j] + t_tp[j] + t_p2p[j] for j in range(pp)]

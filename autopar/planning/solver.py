@@ -33,7 +33,9 @@ Search, in two levels:
      contiguity     cut_{c+1} ≥ cut_c + 1 and stage pins       (_add_cuts)
      counts         cnt via min/max of interval ends          (_add_counts)
      rank time      T ≥ Σ_{c on j} Σ n·t + p2p at j's cuts     (_add_rank_terms)
-     tail           X ≥ Σ_{c on j} Σ n·(exposed dp comm + optimizer)
+     tail           X ≥ Σ_{c on j} Σ n·(exposed dp comm + optimizer) + Σ_z e_z·f_z
+                    f_z ∈ {0,1}: some rank runs an FSDP2 unit at ZeRO ≥ z; e_z what a rank's first
+                    and last unit expose over level z − 1 (planning.edges)      (_edge_exposure)
      memory         Σ n·mem_{r,k,j} + workspace_j + rs·u_j + ag·v_j ≤ budget   (memory_j)
                     u_j, v_j ∈ {0,1}: rank j has a ZeRO ≥ 1 / ZeRO-3 layer (FSDP2's buffers)
      rank floors    (redundant) time of a group of alike layers on j ≥ g_j(their count), the least
@@ -237,7 +239,7 @@ def _solve_config(search: _Search, table: PriceTable, allowed, layer_pins, cuts_
                   time_limit_s: float, options: SolverOptions, *, runner_up: bool = False) -> None:
     runs = runs_of(table, allowed, layer_pins)
     largest = max(max(p.time_mb_s, p.tail_s) for ps in table.prices for p in ps)
-    units = Units(max(largest, max(table.p2p_s(q) for q in range(len(table.graph) + 1))))
+    units = Units(max(largest, table.p2p_largest_s()))
     built = build_model(table, allowed, runs, layer_pins, cuts_ok, budget, units)
     must_beat = search.threshold(table.config)
     if not math.isinf(must_beat):  # prune: only plans that could be kept (with rounding slack)

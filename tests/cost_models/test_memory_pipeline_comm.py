@@ -66,7 +66,9 @@ def test_schedule_rejects_inconsistent_chunks():
 
 
 def test_nccl_tests_bus_bandwidth_factors():
-    cluster = PRESETS["a100-80g"]
+    from dataclasses import replace
+
+    cluster = replace(PRESETS["a100-80g"], nccl_tuning=False, latency_per_step=False)  # plain α-β
     group = place_group(8, 1, 8)
     nbytes = 1e9
     bw = cluster.intra_node.bandwidth_bytes_s
