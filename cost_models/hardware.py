@@ -436,8 +436,8 @@ def _cluster_from_dict(data: dict[str, Any], source: str) -> ClusterSpec:
 # reproduces them from torchtitan's Llama 3.1 runs (8B FSDP on 8 and 128 H100;
 # 8B and 70B FSDP on 64 A100), geometric mean per family. V100 borrows A100's,
 # H200 H100's (same compute die).
-H100_EFFICIENCY = 0.443
-A100_EFFICIENCY = 0.729
+H100_EFFICIENCY = 0.446
+A100_EFFICIENCY = 0.735
 # Work per layer call at which a GPU reaches half its large-layer efficiency:
 # about a 1024×1024×1024 bf16 GEMM (2 GFLOP). Not fitted; a stated assumption.
 GPU_HALF_EFFICIENCY_FLOPS = 2e9
