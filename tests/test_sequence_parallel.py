@@ -117,7 +117,7 @@ def test_sequence_parallel_activations_follow_korthikanti_with_the_gathered_inpu
 
 def test_sequence_parallel_moves_the_all_reduces_bytes_as_gathers_and_scatters():
     base = PRESETS["a100-80g"]
-    free = replace(base, intra_node=replace(base.intra_node, latency_s=0.0, collectives={}),
+    free = replace(base, intra_node=replace(base.intra_node, latency_s=0.0, collectives={}), nccl_tuning=False,
                    collective_sync_s=0.0, tp_overhead_s=0.0).for_world_size(4)  # bandwidth only
     table = PriceTable(transformer_graph(4, 1024, 512, vocab=8192, heads=16),
                        MeshConfig(1, 1, 4, 1, Schedule(ScheduleKind.NONE)), free, TrainingSpec(4))

@@ -31,6 +31,7 @@ from autopar.plan import (
     StageTime,
     TrainingSettings,
 )
+from autopar.planning import edges
 from autopar.planning.notes import choice_notes, contract_notes
 from autopar.planning.pricing import Prediction, TrainingSpec
 from autopar.planning.sequence import sequence_regions
@@ -213,8 +214,10 @@ def rank_costs(graph: LayerGraph, solution: Solution) -> tuple[RankCost, ...]:
     mem = [[0] * 6 for _ in range(c.pp)]  # params, grads, optimizer, activations, buffers, workspace
     tail = [[0.0, 0.0] for _ in range(c.pp)]
     held = [contract.Buffers.NONE] * c.pp
+    level = 0  # the plan's highest ZeRO stage of an FSDP2 unit: what its first and last units expose
     for i, (stage, strategy) in enumerate(zip(solution.stages, solution.strategies)):
         k = table.index_of(i, strategy)
+        level = max(level, edges.edge_level(table, i, k))
         price, rank, runs = table.prices[i][k], c.rank_of_stage(stage), table.runs_as(i, strategy)
         n = table.effective_params(graph[i], runs)
         weights = prec.param_bytes * n if runs.zero < 3 else prec.param_bytes * n // c.dp
@@ -232,6 +235,7 @@ def rank_costs(graph: LayerGraph, solution: Solution) -> tuple[RankCost, ...]:
     for j in range(c.pp):
         mem[j][4] += table.buffer_bytes(held[j])
         mem[j][5] = table.rank_workspace_bytes(j)
+        tail[j][0] += edges.edge_exposed_s(table, level)  # as evaluate() adds it, on every rank
     ranks = tuple(RankCost(*mem[j], *tail[j]) for j in range(c.pp))
     if tuple(r.memory_bytes for r in ranks) != solution.prediction.memory_per_rank_bytes:
         raise RuntimeError(f"memory parts add up to {[r.memory_bytes for r in ranks]}, evaluate() priced "

@@ -52,7 +52,6 @@ from functools import cached_property
 from autopar import contract
 from autopar.contract import REPLICATED, Buffers, DataParallelism, Engine
 from autopar.cost_models.communication import Collective, collective_time_s, p2p_time_s, place_group
-from autopar.cost_models.compute import compute_time_s, memory_bound_time_s
 from autopar.cost_models.hardware import ClusterSpec, idle_core_speedup
 from autopar.cost_models.memory import Precision, model_state_bytes, optimizer_shard_params, precision
 from autopar.cost_models.pipeline import Schedule, ScheduleKind, in_flight
@@ -60,11 +59,11 @@ from autopar.graph import Layer, LayerGraph
 from autopar.plan import Recompute
 from autopar.planning import edges
 from autopar.planning.layer_compute import layer_compute
+from autopar.planning.recompute_price import recompute_part
 from autopar.planning.sequence import (
     region_s,
     sequence_activation_bytes,
     sequence_comm_s,
-    sequence_input_bytes,
     sequence_regions,
 )
 
@@ -402,7 +401,7 @@ class PriceTable:
         strategy = self.runs_as(layer.index, strategy)
         c, b, prec, device = self.config, self.microbatch_size, self.prec, self.cluster.device
         fwd, bwd, tp_comm_fwd, tp_comm_bwd, acts = self._style_part(layer, strategy.tp, strategy.sp)
-        refwd, kept = self._recompute_part(layer, strategy, fwd, acts)
+        refwd, kept = recompute_part(self, layer, strategy, fwd, acts)
         compute = fwd + bwd + refwd
         # a recomputed forward issues its collectives again (selective keeps only matmul-class outputs)
         tp_comm = tp_comm_fwd + tp_comm_bwd + (tp_comm_fwd if strategy.recompute else 0.0)
@@ -425,34 +424,6 @@ class PriceTable:
             + self._master_grad_bytes(params),
             activation_mb_bytes=math.ceil(b * max(kept, 0.0) * self.act_scale),
         )
-
-    def _recompute_part(self, layer: Layer, strategy: Strategy, fwd_s: float, acts: float) -> tuple[float, float]:
-        """(time re-run in backward per microbatch, bytes kept per sample) under the layer's recompute.
-
-        Checkpointing the module keeps its inputs and what its glue ops (outside the
-        module) save. Full re-runs the forward. Selective also keeps the outputs of its
-        matmul-class ops and re-runs the rest: their counted FLOPs, and the bytes they
-        read and write at the device's memory bandwidth. A Megatron style splits over tp
-        what lies between its column and row projections.
-        """
-        kind = strategy.recompute
-        if kind is Recompute.NONE:
-            return 0.0, acts
-        inputs = layer.input_bytes_per_sample
-        if strategy.sp:
-            inputs = sequence_input_bytes(layer, layer.tp_style(strategy.tp), self.config.tp, self.graph.dtype_bytes)  # type: ignore[arg-type]
-        base = inputs + layer.glue_saved_bytes_per_sample
-        if kind is Recompute.FULL:
-            return fwd_s, base
-        split = 1 - 1 / self.config.tp if strategy.tp is not None and layer.tp_style(strategy.tp).row else 0.0
-        p = "alternate" if kind is Recompute.ALTERNATE_MM else "selective"  # torchtitan's policy, or autopar's
-        saved = getattr(layer, f"{p}_saved_bytes_per_sample") - split * getattr(layer, f"{p}_sharded_bytes_per_sample")
-        moved = (getattr(layer, f"{p}_recompute_bytes_per_sample")
-                 - split * getattr(layer, f"{p}_recompute_sharded_bytes_per_sample"))
-        b, device = self.microbatch_size, self.cluster.device
-        rerun = (compute_time_s(b * getattr(layer, f"{p}_recompute_flops_per_sample"), device, self.dtype_for_compute)
-                 + memory_bound_time_s(b * moved * self.act_scale, device))
-        return rerun, base + saved
 
     def _master_grad_bytes(self, params: int) -> int:
         """Where no FSDP2 unit holds a bf16 plan's weights (dp = 1, or DDP), the runtime keeps fp32

@@ -1,0 +1,51 @@
+"""What a layer's recompute costs and keeps: none, full, selective, or torchtitan's alternate-mm policy.
+
+A function of a :class:`~autopar.planning.pricing.PriceTable` (its configuration,
+microbatch, device and dtypes) and a layer under a strategy; pricing calls it for
+every strategy it prices, so the lowering's policies and their prices stay in
+one place each (``passes/recompute.py``, here).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autopar.cost_models.compute import compute_time_s, memory_bound_time_s
+from autopar.graph import Layer
+from autopar.plan import Recompute
+from autopar.planning.sequence import sequence_input_bytes
+
+
+def recompute_part(table: Any, layer: Layer, strategy: Any, fwd_s: float, acts: float) -> tuple[float, float]:
+    """(time re-run in backward per microbatch, bytes kept per sample) under the layer's recompute.
+
+    Checkpointing the module keeps its inputs (with sequence parallelism, this rank's
+    share of the hidden state) and what its glue ops (outside the module) save. Full
+    re-runs the forward. Selective also keeps the outputs of its matmul-class ops and
+    re-runs the rest: their counted FLOPs, and the bytes they read and write at the
+    device's memory bandwidth; torchtitan's ``alternate_mm`` keeps fused attention's and
+    every other ``mm``'s outputs and re-runs the rest, those matmuls included. A
+    Megatron style splits over tp what lies between its column and row projections.
+    """
+    kind = strategy.recompute
+    if kind is Recompute.NONE:
+        return 0.0, acts
+    c = table.config
+    inputs = layer.input_bytes_per_sample
+    if strategy.sp:
+        inputs = sequence_input_bytes(layer, layer.tp_style(strategy.tp), c.tp, table.graph.dtype_bytes)
+    base = inputs + layer.glue_saved_bytes_per_sample
+    if kind is Recompute.FULL:
+        return fwd_s, base
+    split = 1 - 1 / c.tp if strategy.tp is not None and layer.tp_style(strategy.tp).row else 0.0
+    p = "alternate" if kind is Recompute.ALTERNATE_MM else "selective"  # torchtitan's policy, or autopar's
+    saved = getattr(layer, f"{p}_saved_bytes_per_sample") - split * getattr(layer, f"{p}_sharded_bytes_per_sample")
+    moved = (getattr(layer, f"{p}_recompute_bytes_per_sample")
+             - split * getattr(layer, f"{p}_recompute_sharded_bytes_per_sample"))
+    b, device = table.microbatch_size, table.cluster.device
+    rerun = (compute_time_s(b * getattr(layer, f"{p}_recompute_flops_per_sample"), device, table.dtype_for_compute)
+             + memory_bound_time_s(b * moved * table.act_scale, device))
+    return rerun, base + saved
+
+
+__all__ = ["recompute_part"]

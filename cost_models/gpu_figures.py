@@ -1,0 +1,66 @@
+"""The public figures the GPU presets are built from, each with its source.
+
+Numbers only (no cost-model code): :mod:`autopar.cost_models.hardware` builds the
+presets from them, and README's cost-model sections cite the same sources.
+"""
+
+# Link latencies are NCCL's per ring step (ring/simple hwLat in NVIDIA/nccl src/graph/tuning.cc:
+# 3.4 µs a step over NVLink, 14 µs over the network); collectives add NCCL's base latency and
+# choose ring or tree there (``nccl_tuning``, cost_models/communication.py), point-to-point
+# sends pay one step.
+NVLINK_STEP_LATENCY_S = 3.4e-6
+NET_STEP_LATENCY_S = 14.0e-6
+
+# What a GPU rank keeps outside the planner's tensors (ClusterSpec.memory_budget):
+# - the CUDA context: "around 400MB if CUDA >= 11.7 is used and lazy module loading enabled
+#   (default in PyTorch)" (pytorch/pytorch#109888; ~300 MB in pytorch/pytorch#107667).
+CUDA_CONTEXT_BYTES = 400 * 10**6
+# - NCCL's buffers, allocated by NCCL outside the caching allocator, per communicator: each
+#   channel's ring keeps 2 connections whatever the scale (sjeaugey, NVIDIA/nccl#864 / #986),
+#   each with a FIFO per protocol: Simple NCCL_BUFFSIZE 4 MiB (DEFAULT_BUFFSIZE, src/init.cc),
+#   LL128 120 elements × 640 threads × 8 steps × 8 B = 4.69 MiB, LL 8 lines × 512 threads ×
+#   8 steps × 16 B = 512 KiB (DEFAULT_LL128_BUFFSIZE / DEFAULT_LL_BUFFSIZE, src/init.cc, with
+#   src/include/device.h); up to 32 channels on an NVSwitch node (NCCL_MAX_NCHANNELS; 32
+#   channels per GPU pair seen on 8 × H100 in NVIDIA/nccl#1685). A plan opens one communicator
+#   per mesh axis it splits (pp, dp, tp): three at most, which the budget keeps back.
+NCCL_CONNECTION_BYTES = 4 * 2**20 + 120 * 640 * 8 * 8 + 8 * 512 * 8 * 16
+NCCL_CHANNELS = 32
+NCCL_RING_CONNECTIONS = 2
+NCCL_COMMUNICATORS = 3
+NCCL_BUFFER_BYTES = NCCL_COMMUNICATORS * NCCL_CHANNELS * NCCL_RING_CONNECTIONS * NCCL_CONNECTION_BYTES
+# - the caching allocator's reserved-over-allocated overhead: large blocks are rounded up to
+#   2 MiB and split from cached segments, so memory_reserved exceeds max_memory_allocated by
+#   a share that depends on the allocation pattern (pytorch/pytorch#35901, and
+#   expandable_segments, pytorch/pytorch#96995, which exists to reduce it). FSDP2 avoids
+#   record_stream, so its use is "deterministic and expected" (fully_shard docs). No public
+#   training figure was found: 10% of allocated is a stated assumption that
+#   benchmarks/gpu_check.py measures (reserved / allocated after FSDP2 steps) where a GPU is lent.
+ALLOCATOR_OVERHEAD_FRACTION = 0.10
+
+
+# Per-op terms of the GPU presets (cost_models.compute prices with them; README "Compute model"):
+# - GEMM tiles: cuBLAS runs large GEMMs in 256×128 output tiles, one per SM at a time, so a GEMM
+#   whose tiles leave the last wave part-empty loses that part (tile and wave quantisation,
+#   NVIDIA "Matrix Multiplication Background User's Guide", §2.3 and §3,
+#   https://docs.nvidia.com/deeplearning/performance/pdf/Matrix-Multiplication-Background-User-Guide.pdf).
+GEMM_TILE_M, GEMM_TILE_N = 256, 128
+# - SMs per chip (public specifications; the guide's examples use A100's 108).
+SM_COUNT = {"A100": 108, "H100": 132, "H200": 132, "V100": 80}
+# - Reduction depth at which a GEMM reaches half its large-k rate: an 8192×8192×k fp16 GEMM on
+#   an H800 (Hopper, H100's SMs) runs 386 TFLOP/s at k=256 and 766 at k=16384, 0.50 of it
+#   (and 0.82 at k=1024, 0.92 at 2048: k/(k+256) gives 0.80, 0.89); xwhzz/tilelang,
+#   benchmark/matmul/README.md.
+GEMM_K_HALF = 256.0
+# - Achievable HBM bandwidth: a device-to-device copy on an A100 80 GB SXM4 moves 1536 GB/s of
+#   its 2039 (0.75; AnjaliSandip/FastIceFlo, output/EffectiveMemoryThroughput.md).
+GPU_BANDWIDTH_FRACTION = 0.75
+# - Fused attention against a plain GEMM on the same A100: FlashAttention-2 forward runs
+#   180 TFLOP/s non-causal where its two GEMMs alone (softmax disabled) run 220 (0.82;
+#   liangan1/GPU_travel, performance/flash-attn/README.md); its backward runs 124.6 TFLOP/s
+#   where the forward runs 169.3 (head dim 128, non-causal: 0.74 of the forward; apache/tvm,
+#   tl_doc/flash_perf.md), so 0.82 × 0.74 of the GEMM rate.
+ATTENTION_FWD_RELATIVE = 0.82
+ATTENTION_BWD_RELATIVE = 0.82 * 0.74
+# - What every kernel adds, however small: back-to-back asynchronous launches of an empty kernel
+#   peak at about 334,000 a second (3 µs each; http://www.cs.virginia.edu/~mwb7w/cuda_support/kernel_overhead.html).
+GPU_KERNEL_OVERHEAD_S = 1 / 334_000
