@@ -21,7 +21,8 @@ The data is a fixed random "language" every rank can generate alike: global
 batch k is drawn from a generator seeded with k, and each rank keeps its
 data-parallel slice, so the data position is the step count the checkpoint
 holds. ``--simulate-failure STEP`` makes the last rank kill itself (SIGKILL)
-at that step on the first attempt, to watch a restart resume.
+at that step on the first attempt, once the saves already started have finished, to watch a
+restart resume from a known checkpoint.
 """
 
 from __future__ import annotations
@@ -136,8 +137,12 @@ def main() -> None:
     start = time.perf_counter()
     while pm.step < args.steps:
         step = pm.step
-        if step == args.simulate_failure and first_attempt and rank == last_rank:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if step == args.simulate_failure and first_attempt:
+            # the saves already started finish first, so the restart's resume point is known; a save
+            # still being written when a rank really dies is lost, and the one before it is loaded
+            pm.wait_for_checkpoint()
+            if rank == last_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
         x, y = synthetic_batch(step, args.batch_size, cfg)
         lr = pm.optimizer.param_groups[0]["lr"]  # this step's: the scheduler moves it after the step
         t = time.perf_counter()
