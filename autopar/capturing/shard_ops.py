@@ -564,12 +564,16 @@ RULES: dict[str, Callable] = {
 for _passthrough in ("contiguous", "clone", "detach", "to", "float", "half", "bfloat16", "double", "type_as",
                      "requires_grad_", "get_data"):
     RULES[_passthrough] = _passthrough_tagged
-_PASS_NAMES = frozenset({"dim", "get_ndim", "get_dtype", "get_device", "get_requires_grad", "get_is_leaf",
+METADATA_OPS = frozenset({"dim", "get_ndim", "get_dtype", "get_device", "get_requires_grad", "get_is_leaf",
                          "get_grad_fn", "is_floating_point", "is_contiguous", "element_size", "get_layout",
                          "data_ptr", "get_is_cuda", "get_is_meta", "is_complex", "get_names", "get_grad",
                          "stride", "storage_offset", "untyped_storage", "get_itemsize", "get_nbytes"})
-for _n in _PASS_NAMES:
+for _n in METADATA_OPS:
     RULES[_n] = lambda mode, name, func, args, kwargs: func(*args, **kwargs)
 
 
-__all__ = ["ELEMENTWISE", "RULES", "any_tagged", "elementwise", "view_layout"]
+# what reads a tensor's shape or metadata, or detaches it: no gradient flows through these
+NO_GRADIENT_OPS = METADATA_OPS | {"size", "get_shape", "numel", "__len__", "get_data", "detach", "detach_",
+                                  "requires_grad_"}
+
+__all__ = ["ELEMENTWISE", "METADATA_OPS", "NO_GRADIENT_OPS", "RULES", "any_tagged", "elementwise", "view_layout"]

@@ -39,7 +39,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from autopar.capturing.shard_layout import SEQUENCE, TAG, NoShardRule, Sharded, segment_indices, segment_permutation
-from autopar.capturing.shard_ops import ELEMENTWISE, RULES, any_tagged, elementwise
+from autopar.capturing.shard_ops import ELEMENTWISE, NO_GRADIENT_OPS, RULES, any_tagged, elementwise
 
 # ------------------------------------------------------------------ collectives
 
@@ -282,7 +282,7 @@ class ShardMode(TorchFunctionMode):
             args, kwargs = _no_attention_dropout(args, kwargs)
         if not (any_tagged(self, args) or any_tagged(self, kwargs.values())):
             return func(*args, **kwargs)
-        if name not in _SHAPE_ONLY:
+        if name not in NO_GRADIENT_OPS:
             args, kwargs = self._sum_replicated_grads(args, kwargs)
         rule = RULES.get(name)
         if rule is None:
@@ -390,10 +390,6 @@ class ShardMode(TorchFunctionMode):
 
 
 _NOT_MINE = object()
-_SHAPE_ONLY = frozenset({"size", "get_shape", "numel", "__len__", "dim", "get_ndim", "get_dtype", "get_device",
-                         "get_requires_grad", "get_is_leaf", "get_grad_fn", "is_floating_point", "is_contiguous",
-                         "element_size", "get_layout", "stride", "get_grad", "get_data", "detach", "detach_",
-                         "requires_grad_"})
 _PROJECTION_OPS = frozenset({"linear", "addmm"})
 _DROPOUTS = frozenset({"dropout", "dropout_", "feature_dropout", "alpha_dropout", "scaled_dot_product_attention"})
 
