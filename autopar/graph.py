@@ -39,7 +39,7 @@ class TPStyle:
     ``segments`` gives each column projection's output as the blocks the layer
     later splits it into (a fused ``[q; k; v]`` is three; each block is split
     across ranks), and ``checked`` the tp degrees at which capture simulated
-    the style and found it exact (:mod:`autopar.capturing.shard_check`); a
+    the style and found it exact (:mod:`autopar.sharding.check`); a
     style with ``checked`` set admits only those degrees.
 
     Cost figures are per sample, in elements of the captured dtype:

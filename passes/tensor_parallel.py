@@ -7,9 +7,9 @@ FQNs are unchanged; every rank of the tp axis computes the same layer outputs
 as the unsharded model.
 
 A Megatron layer (column projections → row projections) runs its *own*
-forward, unchanged, under :class:`~autopar.capturing.shard_rules.ShardMode`
+forward, unchanged, under :class:`~autopar.sharding.rules.ShardMode`
 — the same rules capture simulated the style with before offering it
-(:mod:`autopar.capturing.shard_check`): shape queries answer globally, views
+(:mod:`autopar.sharding.check`): shape queries answer globally, views
 and splits get their local sizes. Here the mode's backend is
 :class:`MeshRank`: the projections' weights are DTensor shards over the tp
 mesh (``distribute_tensor``: column weights on their output features, row
@@ -45,11 +45,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from autopar.capturing.shard_check import SEQ_DIM, hidden_input, install_projection_hooks, with_hidden_input
-from autopar.capturing.shard_rules import Collectives, ShardMode, is_conv1d, projection_dims, segment_permutation
 from autopar.errors import LoweringError
 from autopar.graph import Layer, LayerGraph, TPStyle
 from autopar.plan import Plan
+from autopar.sharding.check import SEQ_DIM, hidden_input, install_projection_hooks, with_hidden_input
+from autopar.sharding.rules import Collectives, ShardMode, is_conv1d, projection_dims, segment_permutation
 
 
 @dataclass(frozen=True)

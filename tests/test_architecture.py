@@ -32,11 +32,12 @@ LEVELS: dict[str, int] = {
     "autopar.plan": 2,
     "autopar.pins": 2,
     "autopar.contract": 2,
-    "autopar.capturing": 3,
-    "autopar.planning": 3,
-    "autopar.passes": 4,
-    "autopar.runtime": 5,
-    "autopar.tools": 6,
+    "autopar.sharding": 3,
+    "autopar.capturing": 4,
+    "autopar.planning": 4,
+    "autopar.passes": 5,
+    "autopar.runtime": 6,
+    "autopar.tools": 7,
 }
 # The root package is a lazy (PEP 562) export map: it has no level of its own.
 EXEMPT = {"autopar"}

@@ -16,9 +16,9 @@ from autopar.passes.tensor_parallel import check_tensor_parallel
 from autopar.passes.zero import layer_zero_stages
 
 import autopar
-from autopar.capturing.shard_rules import segment_permutation
 from autopar.errors import LaunchError, LoweringError, PlanError
 from autopar.runtime import default_loss
+from autopar.sharding.rules import segment_permutation
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import gpt  # noqa: E402

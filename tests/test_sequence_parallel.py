@@ -15,13 +15,14 @@ from autopar.cost_models.pipeline import Schedule, ScheduleKind
 from synthetic import transformer_graph
 
 import autopar
-from autopar.capturing import capture, shard_check
-from autopar.capturing.shard_rules import SimulatedRank
+from autopar.capturing import capture
 from autopar.errors import LoweringError, PinError
 from autopar.pins import Pins
 from autopar.plan import Plan
 from autopar.planning.pricing import MeshConfig, PriceTable, Strategy, TrainingSpec, evaluate
 from autopar.planning.solver import solve
+from autopar.sharding import check as shard_check
+from autopar.sharding.rules import SimulatedRank
 
 NANO_COLS, NANO_ROWS = ("attn.c_attn", "mlp.c_fc"), ("attn.c_proj", "mlp.c_proj")
 

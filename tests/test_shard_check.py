@@ -18,10 +18,10 @@ import torch.nn.functional as F
 import zoo
 
 import autopar
-from autopar.capturing import shard_check
-from autopar.capturing.shard_layout import NoShardRule, Sharded, segment_permutation
-from autopar.capturing.shard_rules import Reducer, ShardMode, SimulatedRank
 from autopar.errors import PinError
+from autopar.sharding import check as shard_check
+from autopar.sharding.layout import NoShardRule, Sharded, segment_permutation
+from autopar.sharding.rules import Reducer, ShardMode, SimulatedRank
 
 
 def _check(module: nn.Module, x: torch.Tensor, cols, rows, degrees=(4,)):

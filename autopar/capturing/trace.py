@@ -28,10 +28,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from autopar.capturing import twins
 from autopar.capturing.export_layers import export_with_layer_calls
 from autopar.capturing.op_costs import OpRecorder, is_causal, layer_ops, selective_costs
-from autopar.capturing.tp_detect import LayerView, NodeStats, detect_tp_styles
-from autopar.capturing.tp_verify import verify_styles
 from autopar.errors import CaptureError
 from autopar.graph import Layer, LayerGraph
+from autopar.sharding.detect import LayerView, NodeStats, detect_tp_styles
+from autopar.sharding.verify import verify_styles
 
 _SKIP_TARGETS = ("_guards_fn",)
 _INPUT = -1  # layer index of placeholders (values that enter the model)

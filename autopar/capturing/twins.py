@@ -36,7 +36,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
-from autopar.capturing.tp_detect import NodeStats
+from autopar.sharding.detect import NodeStats
 
 _SIMPLE = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
            torch.memory_format, torch.Size, type(Ellipsis))

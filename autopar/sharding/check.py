@@ -3,7 +3,7 @@
 For a layer module and a candidate Megatron style (column and row
 projections), :func:`check_style` runs the layer once unsharded and once per
 simulated tp rank — each rank in its own thread, under the same
-:class:`~autopar.capturing.shard_rules.ShardMode` the runtime uses, its
+:class:`~autopar.sharding.rules.ShardMode` the runtime uses, its
 weights sliced from the full ones and its row projections' partial results
 summed with the other ranks' — and compares every rank's output and the
 gradients of the parameters and inputs with the unsharded run, in float64.
@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from autopar.capturing.shard_rules import NoShardRule, Projection, Reducer, ShardMode, SimulatedRank, current_mode
+from autopar.sharding.rules import NoShardRule, Projection, Reducer, ShardMode, SimulatedRank, current_mode
 
 MAX_CHECK_PARAMS = 32_000_000  # a layer copy above this is rebuilt narrower from the model's config
 # An exact rewrite differs from one device by rounding only: float64 runs agree to ~1e-15, and

@@ -1,10 +1,10 @@
 """The sharding rules, op by op: how each op runs on one rank's share of its inputs.
 
-Each rule takes the active :class:`~autopar.capturing.shard_rules.ShardMode`,
+Each rule takes the active :class:`~autopar.sharding.rules.ShardMode`,
 the op's name, the op and its arguments; it calls the op with local
 arguments (local shapes, split sizes, index ranges) and tags what it returns
 with where the share went. A rule raises
-:class:`~autopar.capturing.shard_layout.NoShardRule` when the op cannot run
+:class:`~autopar.sharding.layout.NoShardRule` when the op cannot run
 exactly on shards.
 """
 
@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from autopar.capturing.shard_layout import TAG, NoShardRule, Sharded, segment_indices
+from autopar.sharding.layout import TAG, NoShardRule, Sharded, segment_indices
 
-ShardMode = Any  # autopar.capturing.shard_rules.ShardMode (which imports this module)
+ShardMode = Any  # autopar.sharding.rules.ShardMode (which imports this module)
 
 
 def any_tagged(mode: ShardMode, values) -> bool:

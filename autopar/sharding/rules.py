@@ -20,7 +20,7 @@ active while the layer's module runs, makes that code right on shards:
   interleave ranks), raises :class:`NoShardRule` naming the op.
 
 The projections themselves go through a :class:`Collectives` backend: in one
-process (:mod:`autopar.capturing.shard_check`) each simulated rank slices its
+process (:mod:`autopar.sharding.check`) each simulated rank slices its
 weights and sums partial results with the other ranks; on a device mesh
 (:mod:`autopar.passes.tensor_parallel`) the weights are DTensor shards and the
 sums are all-reduces. The rules are the same object in both, so what runs is
@@ -38,8 +38,8 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from autopar.capturing.shard_layout import SEQUENCE, TAG, NoShardRule, Sharded, segment_indices, segment_permutation
-from autopar.capturing.shard_ops import ELEMENTWISE, NO_GRADIENT_OPS, RULES, any_tagged, elementwise
+from autopar.sharding.layout import SEQUENCE, TAG, NoShardRule, Sharded, segment_indices, segment_permutation
+from autopar.sharding.ops import ELEMENTWISE, NO_GRADIENT_OPS, RULES, any_tagged, elementwise
 
 # ------------------------------------------------------------------ collectives
 

@@ -1,9 +1,9 @@
 """Offer a Megatron style only once a simulation of its shards has proved it exact.
 
 :func:`verify_styles` takes the captured layers with their *candidate*
-Megatron styles (:mod:`autopar.capturing.tp_detect` finds column → row
+Megatron styles (:mod:`autopar.sharding.detect` finds column → row
 projection groups from the graph) and, for one layer of each group of
-identical layers, runs :func:`autopar.capturing.shard_check.check_style` on a
+identical layers, runs :func:`autopar.sharding.check.check_style` on a
 real copy of the layer's module with the inputs the model's forward gives
 it. A proved style gets its fused projections' segments, the sizes tp must
 divide and the degrees simulated; a failed one is withdrawn and the layer
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autopar.capturing import shard_check
-from autopar.capturing.shard_rules import projection_dims
 from autopar.graph import Layer, TPStyle
+from autopar.sharding import check as shard_check
+from autopar.sharding.rules import projection_dims
 
 SHORT_SEQ = 16  # the sequence length a small layer is simulated at when the example's is longer
 DEGREES = tuple(range(2, 9))  # tp stays inside a node (8 GPUs): every degree up to 8 the sizes admit
@@ -180,7 +180,7 @@ def verify_styles(model: nn.Module, args: tuple, kwargs: dict, layers: list[Laye
 
 def _links(model: nn.Module, args: tuple, kwargs: dict, layers: list[Layer]) -> set[str]:
     """Module paths of the layers whose hidden state is their predecessor's output, untouched
-    (:func:`autopar.capturing.shard_check.record_links`); empty if the forward fails."""
+    (:func:`autopar.sharding.check.record_links`); empty if the forward fails."""
     paths = [l.module_path for l in layers if l.module_path]
     try:
         return shard_check.record_links(model, args, kwargs, paths)  # type: ignore[arg-type]

@@ -10,7 +10,7 @@ whose split we can describe exactly:
   columns' result back to w (row: split input features). This finds a
   *candidate*; whether the layer's code between the projections runs exactly
   on shards, and how a fused projection's output is cut into segments, is
-  decided by simulating it (:mod:`autopar.capturing.tp_verify`).
+  decided by simulating it (:mod:`autopar.sharding.verify`).
 * ``vocab`` — an ``nn.Embedding`` layer (split the vocabulary), or a layer
   ending in an LM-head linear with ``out_features >= 8 * in_features``.
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.capturing.shard_rules import projection_dims
 from autopar.graph import TPStyle
+from autopar.sharding.rules import projection_dims
 
 
 @dataclass
