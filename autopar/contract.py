@@ -9,7 +9,8 @@ and a plan (or one configuration being priced):
 * the **collectives** a unit issues per step and each layer's share of them;
 * the **FSDP2 buffers** a rank holds;
 * whether a layer's **recompute** applies;
-* the **rank layout** (pp-major, tp innermost).
+* the **rank layout**: the mesh's (:mod:`autopar.mesh`: row-major over its declared axes, pp
+  outermost, tp innermost), and how many pipeline ranks share a node.
 
 Torch-free, so the planner and ``autopar show`` never import torch for it.
 
@@ -18,7 +19,7 @@ The rules, with what the runtime showed:
 ``dp = 1``
     No data-parallel engine (:attr:`Engine.NONE`): a layer's ``zero`` is moot.
 every layer ``zero = 0`` (a *replicated* plan)
-    ``pp = tp = 1``: DDP at the root (the composable, DDP-based ``replicate``:
+    dp the only axis above 1: DDP at the root (the composable, DDP-based ``replicate``:
     25 MiB gradient buckets overlapped with backward; FSDP2's replicate at the
     root cost 1.22× its step on gloo). Otherwise one FSDP2 ``replicate`` unit
     per part (the model, or one pipeline stage) holding all its layers: the
@@ -67,11 +68,12 @@ from enum import Enum, IntEnum
 from typing import TYPE_CHECKING
 from weakref import WeakKeyDictionary
 
-from autopar.plan import Recompute
+from autopar.choice import LayerChoice, Recompute
 from autopar.units import MiB
 
 if TYPE_CHECKING:
     from autopar.graph import Layer, LayerGraph
+    from autopar.mesh import Mesh
     from autopar.plan import Plan
 
 DDP_BUCKET_BYTES = 25 * MiB  # DistributedDataParallel's default bucket_cap_mb
@@ -116,15 +118,16 @@ class DataParallelism:
 REPLICATED = DataParallelism()
 
 
-def plan_engine(pp: int, dp: int, tp: int, mode: DataParallelism) -> Engine:
+def plan_engine(mesh: Mesh, mode: DataParallelism) -> Engine:
     """The plan's data-parallel engine: none at dp = 1; DDP or one FSDP2 replicate unit per part
     for a replicated plan; FSDP2 units (:attr:`Engine.FULLY_SHARD`) for a sharded one, where a
-    ZeRO-0 block's own unit is a replicate (:func:`unit_engine`)."""
-    if dp <= 1:
+    ZeRO-0 block's own unit is a replicate (:func:`unit_engine`). DDP only where dp is the one
+    axis above 1: it neither runs inside a pipeline stage nor takes DTensor parameters."""
+    if mesh.dp <= 1:
         return Engine.NONE
     if mode.sharded:
         return Engine.FULLY_SHARD
-    return Engine.DDP if pp == 1 and tp == 1 else Engine.REPLICATE
+    return Engine.DDP if mesh.world_size == mesh.dp else Engine.REPLICATE
 
 
 def unit_engine(zero: int) -> Engine:
@@ -315,19 +318,11 @@ def pipeline_rank(stage: int, pp: int) -> int:
     return stage % pp
 
 
-def pipeline_ranks_per_node(pp: int, dp: int, tp: int, ranks_per_node: int) -> int:
+def pipeline_ranks_per_node(mesh: Mesh, ranks_per_node: int) -> int:
     """How many consecutive pipeline ranks share one node: pipeline neighbours are
-    :func:`axis_stride` ("pp") = dp·tp ranks apart, so a node of g ranks holds g / (dp·tp) of them."""
-    return max(1, min(ranks_per_node, pp * dp * tp) // axis_stride("pp", dp, tp))
-
-
-MESH_AXES = ("pp", "dp", "tp")  # the device mesh's axes, outermost first: pp-major, tp innermost
-
-
-def axis_stride(axis: str, dp: int, tp: int) -> int:
-    """The distance in global ranks between neighbours of a mesh axis (the mesh is row-major
-    over :data:`MESH_AXES`: global rank = (pp_rank · dp + dp_rank) · tp + tp_rank)."""
-    return {"tp": 1, "dp": tp, "pp": dp * tp}[axis]
+    ``mesh.stride("pp")`` ranks apart (every other axis's degrees), so a node of g ranks holds
+    g / stride of them."""
+    return max(1, min(ranks_per_node, mesh.world_size) // mesh.stride("pp"))
 
 
 # ---------------------------------------------------------------- a plan's layout
@@ -366,9 +361,7 @@ class LayerRole:
 class Layout:
     """The contract for one plan: every layer's role and every part's units, innermost first."""
 
-    pp: int
-    dp: int
-    tp: int
+    mesh: Mesh
     mode: DataParallelism
     engine: Engine
     layers: tuple[LayerRole, ...]
@@ -408,11 +401,12 @@ def mode_of(graph: LayerGraph, dp: int, zeros: tuple[int, ...], pp: int) -> Data
     return DataParallelism(True, max(roots + [1]) if roots else 0)
 
 
-def layout(graph: LayerGraph, pp: int, dp: int, tp: int, stages: tuple[int, ...],
-           zeros: tuple[int, ...], recompute: tuple[Recompute | bool, ...]) -> Layout:
+def layout(graph: LayerGraph, mesh: Mesh, stages: tuple[int, ...], choices: tuple[LayerChoice, ...]) -> Layout:
     """Every layer's role and every part's units for an assignment (see the module docstring)."""
+    pp, dp = mesh.pp, mesh.dp
+    zeros = tuple(c.zero for c in choices)
     mode = mode_of(graph, dp, zeros, pp)
-    engine = plan_engine(pp, dp, tp, mode)
+    engine = plan_engine(mesh, mode)
     wrap = wrapping(graph, pp)
     own, root = wrap.own, wrap.root
     index = {layer.name: i for i, layer in enumerate(graph)}
@@ -430,9 +424,9 @@ def layout(graph: LayerGraph, pp: int, dp: int, tp: int, stages: tuple[int, ...]
         has = path is not None and bool(layer.param_count)
         roles.append(LayerRole(layer.name, stages[i], pipeline_rank(stages[i], pp), zero if has else 0,
                                eng if has else Engine.NONE, path if has else None,
-                               recompute_runs_as(graph, i, pp, recompute[i]),
+                               recompute_runs_as(graph, i, pp, choices[i].recompute),
                                buffers_of(zero, has) if eng is not Engine.DDP else Buffers.NONE))
-    return Layout(pp, dp, tp, mode, engine, tuple(roles), units)
+    return Layout(mesh, mode, engine, tuple(roles), units)
 
 
 def _part_units(graph: LayerGraph, members: list[int], zeros: tuple[int, ...], mode: DataParallelism,
@@ -460,5 +454,4 @@ def plan_layout(graph: LayerGraph, plan: Plan) -> Layout:
         graph = graph.pipeline_view()
     by_name = {lp.name: lp for lp in plan.layers}
     lps = [by_name[layer.name] for layer in graph]
-    return layout(graph, plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, tuple(lp.stage for lp in lps),
-                  tuple(lp.zero for lp in lps), tuple(lp.recompute for lp in lps))
+    return layout(graph, plan.mesh, tuple(lp.stage for lp in lps), tuple(lp.choice for lp in lps))

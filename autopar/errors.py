@@ -20,6 +20,10 @@ class PinError(AutoparError):
     """A pin is malformed, names no layer, or contradicts another pin or the world size."""
 
 
+class MeshError(AutoparError):
+    """A mesh names an axis that is not declared, or its degrees are not positive integers."""
+
+
 class PlanError(AutoparError):
     """A plan file is corrupt, of another schema version, or made for another model."""
 

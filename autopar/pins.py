@@ -1,9 +1,10 @@
 """Pins: user constraints that fix part of a plan; the solver fills in the rest.
 
-Global pins are ``KEY=VALUE`` with KEY one of ``pp``, ``dp``, ``tp`` (degrees),
-``microbatches``, ``schedule`` (``gpipe``, ``1f1b``, ``interleaved_1f1b``),
-``chunks`` (model chunks per rank, interleaved only), ``zero`` (0–3, every
-layer) and ``recompute`` (``none``, ``selective`` or ``full``). Per-layer pins
+Global pins are ``KEY=VALUE`` with KEY a mesh axis (``pp``, ``dp``, ``tp``: every
+axis :mod:`autopar.mesh` declares, its degree), ``microbatches``, ``schedule``
+(``gpipe``, ``1f1b``, ``interleaved_1f1b``), ``chunks`` (model chunks per rank,
+interleaved only), ``zero`` (0–3, every layer) and ``recompute`` (``none``,
+``selective`` or ``full``). Per-layer pins
 are ``GLOB:KEY=VALUE`` with KEY one of ``stage``, ``tp`` (a style name or
 ``none``), ``zero`` and ``recompute`` (as the global one), where GLOB is an
 ``fnmatch`` pattern over layer names, e.g. ``blocks.0:stage=0`` or
@@ -25,12 +26,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from autopar import mesh
+from autopar.choice import Recompute
 from autopar.cost_models.pipeline import ScheduleKind
 from autopar.errors import PinError
-from autopar.plan import Recompute
 
 _UNSET: Any = object()
-GLOBAL_KEYS = ("pp", "dp", "tp", "microbatches", "schedule", "chunks", "zero", "recompute", "sp")
+PLAN_KEYS = ("microbatches", "schedule", "chunks", "zero", "recompute", "sp")  # the global keys besides the axes
 LAYER_KEYS = ("stage", "tp", "zero", "recompute", "sp")
 _RECOMPUTE = {**dict.fromkeys(("full", "all", "on", "true", "yes", "1"), Recompute.FULL),
               **dict.fromkeys(("none", "off", "false", "no", "0"), Recompute.NONE),
@@ -62,11 +64,10 @@ class LayerPin:
 
 @dataclass(frozen=True)
 class Pins:
-    """Every pin of a planning request, validated for form (not yet against a model)."""
+    """Every pin of a planning request, validated for form (not yet against a model). ``degrees``:
+    the pinned mesh axes and their degrees, in the order pinned (:meth:`mesh_degrees`)."""
 
-    pp: int | None = None
-    dp: int | None = None
-    tp: int | None = None
+    degrees: tuple[tuple[str, int], ...] = ()
     microbatches: int | None = None
     schedule: ScheduleKind | None = None
     chunks: int | None = None
@@ -102,6 +103,15 @@ class Pins:
             return cls.parse(items)
         return cls.parse(list(pins))
 
+    def mesh_degrees(self) -> dict[str, int]:
+        """The pinned degree of each pinned mesh axis, outermost first."""
+        pinned = dict(self.degrees)
+        return {name: pinned[name] for name in mesh.axis_names() if name in pinned}
+
+    def degree(self, axis: str) -> int | None:
+        """The degree pinned on mesh axis ``axis`` (None if free)."""
+        return dict(self.degrees).get(axis)
+
     def _with(self, item: str) -> Pins:
         if not isinstance(item, str) or "=" not in item:
             raise PinError(f"pin {item!r} is not KEY=VALUE or LAYER_GLOB:KEY=VALUE")
@@ -113,10 +123,12 @@ class Pins:
                 raise PinError(f"pin {item!r}: per-layer key must be one of {', '.join(LAYER_KEYS)}")
             pin = LayerPin(pattern, **{key: _layer_value(key, value, item)})
             return replace(self, layers=self.layers + (pin,))
-        if lhs not in GLOBAL_KEYS:
+        if lhs in mesh.axis_names():
+            return self._with_degree(lhs, _int(value, item, minimum=1), item)
+        if lhs not in PLAN_KEYS:
             raise PinError(
-                f"pin {item!r}: unknown key {lhs!r}; global keys are {', '.join(GLOBAL_KEYS)} "
-                "and per-layer pins are written LAYER_GLOB:KEY=VALUE"
+                f"pin {item!r}: unknown key {lhs!r}; the mesh axes are {', '.join(mesh.axis_names())} and "
+                f"the other global keys {', '.join(PLAN_KEYS)}; per-layer pins are written LAYER_GLOB:KEY=VALUE"
             )
         parsed = _global_value(lhs, value, item)
         old = getattr(self, lhs)
@@ -124,9 +136,22 @@ class Pins:
             raise PinError(f"pins contradict each other: {lhs} pinned to both {_text(old)} and {value}")
         return replace(self, **{lhs: parsed})
 
+    def _with_degree(self, axis: str, degree: int, item: str) -> Pins:
+        """A mesh axis pinned: a degree the axis can run at (an axis not searched runs at 1 only)."""
+        declared = mesh.axis(axis)
+        if degree > 1 and not declared.searched:
+            axes = ", ".join(a.name for a in mesh.AXES if a.searched)
+            raise PinError(f"pin {item!r}: the {axis} axis runs at degree 1 only (it is declared, but nothing "
+                           f"prices or lowers it yet); the axes a pin can set above 1 are {axes}")
+        old = self.degree(axis)
+        if old is not None and old != degree:
+            raise PinError(f"pins contradict each other: {axis} pinned to both {old} and {degree}")
+        return replace(self, degrees=tuple((k, v) for k, v in self.degrees if k != axis) + ((axis, degree),))
+
     def to_strings(self) -> list[str]:
         """The pins written back as CLI strings (recorded in the plan)."""
-        out = [f"{k}={_text(getattr(self, k))}" for k in GLOBAL_KEYS if getattr(self, k) is not None]
+        out = [f"{k}={v}" for k, v in self.mesh_degrees().items()]
+        out += [f"{k}={_text(getattr(self, k))}" for k in PLAN_KEYS if getattr(self, k) is not None]
         for pin in self.layers:
             out += [f"{pin.pattern}:{k}={_text(v)}" for k, v in pin.fields_set().items()]
         return out
@@ -136,10 +161,11 @@ class Pins:
         if self.chunks is not None and self.schedule not in (None, ScheduleKind.INTERLEAVED_1F1B):
             raise PinError(f"pins contradict each other: chunks={self.chunks} needs "
                            f"schedule=interleaved_1f1b, not {self.schedule.value}")
-        if self.pp == 1 and self.schedule not in (None, ScheduleKind.NONE):
+        pp = self.degree("pp")
+        if pp == 1 and self.schedule not in (None, ScheduleKind.NONE):
             raise PinError(f"pins contradict each other: schedule={self.schedule.value} needs pp > 1")
-        if self.pp is not None and self.pp > 1 and self.schedule is ScheduleKind.NONE:
-            raise PinError(f"pins contradict each other: pp={self.pp} needs a pipeline schedule")
+        if pp is not None and pp > 1 and self.schedule is ScheduleKind.NONE:
+            raise PinError(f"pins contradict each other: pp={pp} needs a pipeline schedule")
         for pin in self.layers:
             set_ = pin.fields_set()
             if self.zero is not None and "zero" in set_ and set_["zero"] != self.zero:
@@ -151,8 +177,8 @@ class Pins:
             if self.recompute is not None and "recompute" in set_ and set_["recompute"] != self.recompute:
                 raise PinError(f"pins contradict each other: recompute={_text(self.recompute)} for "
                                f"every layer but {pin.pattern}:recompute={_text(set_['recompute'])}")
-            if self.pp is not None and "stage" in set_:
-                stages = self.pp * (self.chunks or 1)
+            if pp is not None and "stage" in set_:
+                stages = pp * (self.chunks or 1)
                 if set_["stage"] >= stages:
                     raise PinError(f"pin {pin.pattern}:stage={set_['stage']} is outside the "
                                    f"{stages} pipeline stages pinned (stages count from 0)")
@@ -217,7 +243,7 @@ def _recompute(value: str, item: str) -> Recompute:
 
 
 def _global_value(key: str, value: str, item: str) -> Any:
-    if key in ("pp", "dp", "tp", "microbatches"):
+    if key == "microbatches":
         return _int(value, item, minimum=1)
     if key == "chunks":
         return _int(value, item, minimum=2)

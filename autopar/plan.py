@@ -18,76 +18,31 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
-from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
+from autopar.choice import LayerChoice
 from autopar.cost_models.hardware import ClusterSpec, CostModelError
 from autopar.cost_models.pipeline import ScheduleKind
-from autopar.errors import PlanError
+from autopar.errors import MeshError, PlanError
+from autopar.mesh import Mesh
 from autopar.units import device_noun, format_bytes, format_flop_rate
 
 SCHEMA = "autopar.plan/1"
 
 
 @dataclass(frozen=True)
-class Mesh:
-    pp: int
-    dp: int
-    tp: int
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
-
-
-class Recompute(IntEnum):
-    """What a layer recomputes in backward instead of keeping from forward.
-
-    ``NONE`` keeps every saved activation; ``SELECTIVE`` checkpoints the layer's
-    module with torch's selective policy, keeping the outputs of matmul-class
-    ops and recomputing the rest; ``ALTERNATE_MM`` is torchtitan's op-level
-    policy, keeping fused attention's outputs and every other ``mm`` output (the
-    1st, 3rd, …) and recomputing the rest, the other matmuls included (offered
-    when pinned, not searched); ``FULL`` keeps only the module's inputs and
-    re-runs its whole forward. FULL is 1 and NONE 0 so that a plan written when
-    recompute was a bool, and code that still passes one, mean what they meant.
-    """
-
-    NONE = 0
-    FULL = 1
-    SELECTIVE = 2
-    ALTERNATE_MM = 3
-
-    def __str__(self) -> str:
-        return self.name.lower()
-
-    @classmethod
-    def of(cls, value: Recompute | bool | int | str) -> Recompute:
-        """A recompute kind from itself, a bool (True = full), or its name."""
-        if isinstance(value, str):
-            try:
-                return cls[value.upper()]
-            except KeyError:
-                raise ValueError("recompute must be one of none, selective, alternate_mm, full; "
-                                 f"got {value!r}") from None
-        return cls(int(value))
-
-
-@dataclass(frozen=True)
 class LayerPlan:
-    """One layer's choices. ``stage`` is the virtual stage (rank = stage mod pp); ``sp``: sequence
-    parallelism on the layer's tensor-parallel style."""
+    """One layer of a plan: its name, its virtual stage (pipeline rank = stage mod pp) and what it
+    runs as (:class:`~autopar.choice.LayerChoice`)."""
 
     name: str
     stage: int
-    tp: str | None
-    zero: int
-    recompute: Recompute
-    sp: bool = False
+    choice: LayerChoice = LayerChoice()
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "recompute", Recompute.of(self.recompute))
+    def to_dict(self) -> dict[str, Any]:
+        """The layer's entry in a plan file: name, stage and the choice's fields, flat."""
+        return {"name": self.name, "stage": self.stage, **self.choice.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -178,6 +133,7 @@ class RunnerUp:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["mesh"] = self.mesh.to_dict()
         d["schedule"] = self.schedule.value
         for key in ("zero", "memory_per_rank_bytes", "pins"):
             d[key] = list(d[key])
@@ -244,7 +200,8 @@ class Plan:
         d["schedule"] = self.schedule.value
         d["cluster"] = self.cluster.to_dict()
         d["training"] = self.training.to_dict()
-        d["layers"] = [{**asdict(l), "recompute": str(l.recompute)} for l in self.layers]
+        d["mesh"] = self.mesh.to_dict()
+        d["layers"] = [l.to_dict() for l in self.layers]
         d["predicted"]["memory_per_rank_bytes"] = list(self.predicted.memory_per_rank_bytes)
         d["predicted"]["stages"] = [asdict(x) for x in self.predicted.stages]
         d["predicted"]["ranks"] = [asdict(x) for x in self.predicted.ranks]
@@ -358,17 +315,8 @@ def _plan_from_dict(d: Any, source: str) -> Plan:
     if schema != SCHEMA:
         raise PlanError(f"{source} has schema {schema!r}; this autopar reads {SCHEMA!r}")
     try:
-        mesh = Mesh(**{k: _require(_require(d, "mesh", dict, source), k, int, source)
-                       for k in ("pp", "dp", "tp")})
-        layers = tuple(
-            LayerPlan(
-                name=_require(l, "name", str, source), stage=_require(l, "stage", int, source),
-                tp=l.get("tp"), zero=_require(l, "zero", int, source),
-                recompute=_recompute_from(_require(l, "recompute", (bool, str), source), source),
-                sp=_require(l, "sp", bool, source) if "sp" in l else False,  # plans from before: no sp
-            )
-            for l in _require(d, "layers", list, source)
-        )
+        mesh = _mesh_from(_require(d, "mesh", dict, source), source)
+        layers = tuple(_layer_from(l, source) for l in _require(d, "layers", list, source))
         p = _require(d, "predicted", dict, source)
         predicted = Predicted(
             step_time_s=float(_require(p, "step_time_s", (int, float), source)),
@@ -405,14 +353,25 @@ def _plan_from_dict(d: Any, source: str) -> Plan:
     return plan
 
 
-def _recompute_from(value: bool | str, source: str) -> Recompute:
-    """A layer's recompute as the file gives it: a kind's name, or (plans written before
-    selective recompute) a bool, true meaning full."""
+def _mesh_from(raw: dict, source: str) -> Mesh:
+    """The ``mesh`` object: every axis a positive integer; an axis the file leaves out is 1 (a plan
+    written before the axis was declared)."""
     try:
-        return Recompute.of(value)
-    except ValueError:
-        raise PlanError(f"{source}: a layer's recompute is {value!r}; use none, selective, alternate_mm "
-                        "or full") from None
+        return Mesh.from_dict(raw, source)
+    except MeshError as exc:
+        raise PlanError(str(exc)) from None
+
+
+def _layer_from(raw: Any, source: str) -> LayerPlan:
+    """One layer entry: name, stage, and its choice (:meth:`LayerChoice.from_dict`: recompute as a
+    kind's name or, in plans written before selective recompute, a bool meaning full)."""
+    if not isinstance(raw, dict):
+        raise PlanError(f"{source}: a layer is not a JSON object")
+    try:
+        choice = LayerChoice.from_dict(raw, source)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    return LayerPlan(_require(raw, "name", str, source), _require(raw, "stage", int, source), choice)
 
 
 _INT_FIELDS = {"stage", "params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "buffers_bytes",
@@ -435,9 +394,8 @@ def _record(cls: type, raw: Any, source: str) -> Any:
 def _runner_up(r: Any, source: str) -> RunnerUp:
     if not isinstance(r, dict):
         raise PlanError(f"{source}: an entry is not a JSON object")
-    mesh = _require(r, "mesh", dict, source)
     return RunnerUp(
-        mesh=Mesh(**{k: _require(mesh, k, int, source) for k in ("pp", "dp", "tp")}),
+        mesh=_mesh_from(_require(r, "mesh", dict, source), source),
         microbatches=_require(r, "microbatches", int, source),
         schedule=_schedule_from_dict(r, source),
         chunks=_require(r, "chunks", int, source),
@@ -454,12 +412,12 @@ def _runner_up(r: Any, source: str) -> RunnerUp:
 
 def _check_consistent(plan: Plan, source: str) -> None:
     if plan.mesh.world_size != plan.world_size:
-        raise PlanError(f"{source}: mesh {plan.mesh.pp}×{plan.mesh.dp}×{plan.mesh.tp} does not "
-                        f"multiply to world size {plan.world_size}")
+        raise PlanError(f"{source}: mesh {plan.mesh.describe(all_axes=True)} does not multiply to world size "
+                        f"{plan.world_size}")
     stages = [l.stage for l in plan.layers]
     if any(b < a for a, b in zip(stages, stages[1:])) or (stages and max(stages) >= plan.stages):
         raise PlanError(f"{source}: layer stages must be non-decreasing and below {plan.stages}")
-    if any(l.zero not in (0, 1, 2, 3) for l in plan.layers):
+    if any(l.choice.zero not in (0, 1, 2, 3) for l in plan.layers):
         raise PlanError(f"{source}: a layer's zero stage is not 0–3")
     p = plan.predicted
     if p.stages and [s.stage for s in p.stages] != list(range(plan.stages)):
@@ -490,7 +448,7 @@ def _fold(layers: tuple[LayerPlan, ...]) -> list[tuple[str, LayerPlan, int]]:
 
 
 def _choices(layer: LayerPlan) -> tuple:
-    return (layer.stage, layer.tp, layer.zero, layer.recompute, layer.sp)
+    return (layer.stage, layer.choice)
 
 
 def _layer_rows(plan: Plan) -> tuple[list[tuple[str, ...]], tuple[str, ...]]:
@@ -500,8 +458,7 @@ def _layer_rows(plan: Plan) -> tuple[list[tuple[str, ...]], tuple[str, ...]]:
     rows = []
     for label, l, _ in _fold(plan.layers):
         where = (str(l.stage), str(l.stage % pp), str(l.stage // pp)) if interleaved else (str(l.stage),)
-        tp = (l.tp or "-") + ("+sp" if l.sp else "")
-        rows.append((label, *where, tp, str(l.zero), str(l.recompute)))
+        rows.append((label, *where, l.choice.style_text(), str(l.choice.zero), str(l.choice.recompute)))
     header = ("layer", "stage", *(("rank", "chunk") if interleaved else ()), "tp", "zero", "recompute")
     return rows, header
 
@@ -529,7 +486,7 @@ def render_summary(plan: Plan) -> str:
     lines = [
         f"autopar plan — {plan.model} on {plan.world_size} × {plan.cluster.device.name}"
         f" ({plan.cluster.name}, {plan.training.dtype})",
-        f"mesh          pp={m.pp} × dp={m.dp} × tp={m.tp}",
+        f"mesh          {m.describe()}",
         f"batch         {plan.training.global_batch} = dp {m.dp} × {plan.microbatches} microbatches"
         f" × {plan.microbatch_size}   schedule {sched}",
         f"step time     {p.step_time_s:.4g} s   {format_flop_rate(p.tflops_per_gpu * 1e12)} per {noun}{tokens}",

@@ -33,8 +33,10 @@ from autopar.cost_models.hardware import PRESETS, ClusterSpec  # noqa: E402
 from autopar.cost_models.pipeline import Schedule, ScheduleKind  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar.plan import Recompute  # noqa: E402
-from autopar.planning.pricing import MeshConfig, PriceTable, Strategy, TrainingSpec  # noqa: E402
+from autopar.choice import LayerChoice, Recompute  # noqa: E402
+from autopar.mesh import Mesh  # noqa: E402
+from autopar.planning.configuration import Configuration, TrainingSpec  # noqa: E402
+from autopar.planning.pricing import PriceTable  # noqa: E402
 
 SEQ, VOCAB = 2048, 51200
 FLOPS_MODEL_EFFICIENCY = 0.609  # A100's fitted efficiency under the FLOPs model, before per-op records
@@ -74,10 +76,11 @@ def block_tflops(run: ScalingRun, graph: autopar.LayerGraph, cluster: ClusterSpe
     """TFLOP/s per GPU one transformer block's compute runs at under the plan (a microbatch's
     forward, backward and recomputed forward on one tp rank): the compute model alone."""
     block = next(layer for layer in graph if layer.name.startswith("blocks."))
-    config = MeshConfig(run.pp, run.dp, run.tp, run.global_batch // run.dp, Schedule(ScheduleKind.ONE_F_ONE_B))
+    config = Configuration(Mesh(pp=run.pp, dp=run.dp, tp=run.tp), run.global_batch // run.dp,
+                           Schedule(ScheduleKind.ONE_F_ONE_B))
     table = PriceTable(graph, config, cluster, TrainingSpec(run.global_batch))
-    strategy = Strategy(tp="megatron" if run.tp > 1 else None, recompute=Recompute.FULL)
-    price = table.prices[block.index][table.index_of(block.index, strategy)]
+    choice = LayerChoice(tp="megatron" if run.tp > 1 else None, recompute=Recompute.FULL)
+    price = table.prices[block.index][table.index_of(block.index, choice)]
     return 4 * block.flops_per_sample * table.microbatch_size / run.tp / price.compute_mb_s / 1e12
 
 

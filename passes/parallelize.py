@@ -32,10 +32,11 @@ import torch
 import torch.nn as nn
 from autopar.passes.materialise import is_meta, materialise
 
+from autopar.choice import Recompute
 from autopar.contract import Unit
 from autopar.errors import LoweringError
 from autopar.graph import LayerGraph
-from autopar.plan import LayerPlan, Plan, Recompute
+from autopar.plan import LayerPlan, Plan
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class Context:
     graph: LayerGraph
     plan: Plan
     part: Part
-    mesh: Any  # a DeviceMesh with axes (pp, dp, tp), or None in one process
+    mesh: Any  # a DeviceMesh with the plan mesh's axes (autopar.mesh), or None in one process
 
 
 def _fsdp_wrapped(module: nn.Module) -> list[str]:
@@ -88,7 +89,7 @@ def _registry(module: nn.Module) -> dict[str, Any]:
 
 
 def _tp_applies(ctx: Context) -> bool:
-    return ctx.plan.mesh.tp > 1 and any(lp.tp is not None for lp in ctx.part.layers)
+    return ctx.plan.mesh.tp > 1 and any(lp.choice.tp is not None for lp in ctx.part.layers)
 
 
 def _tp_requires(module: nn.Module, ctx: Context) -> str | None:
@@ -108,9 +109,9 @@ def _tp_ensures(module: nn.Module, ctx: Context) -> str | None:
 
     plain = []
     for lp in ctx.part.layers:
-        if lp.tp is None:
+        if lp.choice.tp is None:
             continue
-        style = ctx.graph.layer(lp.name).tp_style(lp.tp)
+        style = ctx.graph.layer(lp.name).tp_style(lp.choice.tp)
         for path in (*style.column, *style.row, *style.vocab):
             weight = getattr(module.get_submodule(path), "weight", None)
             if weight is not None and not isinstance(weight, DTensor):
@@ -141,8 +142,8 @@ def _recompute_kinds(ctx: Context) -> dict[str, Recompute]:
     kinds: dict[str, Recompute] = {}
     for lp in ctx.part.layers:
         path = ctx.graph.layer(lp.name).module_path
-        if path in ctx.part.recompute and lp.recompute:
-            kinds.setdefault(path, lp.recompute)
+        if path in ctx.part.recompute and lp.choice.recompute:
+            kinds.setdefault(path, lp.choice.recompute)
     return kinds
 
 
@@ -225,7 +226,7 @@ def parallelize_part(module: nn.Module, graph: LayerGraph, plan: Plan, part: Par
     it after sharding, so each rank allocates only its shards), run :data:`PASSES`, and give
     DDP replicas the first rank's weights.
 
-    Requires: ``module`` unsharded; ``mesh`` with axes (pp, dp, tp) matching ``plan.mesh``
+    Requires: ``module`` unsharded; ``mesh`` with the axes of ``plan.mesh`` (:meth:`Mesh.dim_names`)
     (None only when the plan is one rank's).
     """
     from autopar.passes.zero import sync_replicas

@@ -122,11 +122,11 @@ def _check_lowerable(split: StageSplit, plan: Plan, model: nn.Module) -> None:
         return
     why = ("its layers are inlined into one traced graph (torch.export capture)" if split.tracer == "export"
            else "FX cannot trace it with each layer kept as one module call")
-    tp = [lp.name for lp in plan.layers if lp.tp is not None]
+    tp = [lp.name for lp in plan.layers if lp.choice.tp is not None]
     if tp and plan.mesh.tp > 1:
         raise LoweringError(f"tensor parallelism inside pipeline stages needs layer modules that are "
                             f"called, but {why}; plan layers {tp[:3]} with tp=none, or use pp=1")
-    rc = [lp.name for lp in plan.layers if lp.recompute]
+    rc = [lp.name for lp in plan.layers if lp.choice.recompute]
     if rc:
         raise LoweringError(f"recompute inside pipeline stages needs layer modules that are called, "
                             f"but {why}; plan layers {rc[:3]} with recompute=off, or use pp=1")

@@ -26,9 +26,10 @@ from typing import Any
 import torch.nn as nn
 from autopar.cost_models.compute import FUSED_ATTENTION_OPS, MATMUL_OPS
 
+from autopar.choice import Recompute
 from autopar.contract import plan_layout
 from autopar.graph import LayerGraph
-from autopar.plan import Plan, Recompute
+from autopar.plan import Plan
 
 
 def recompute_paths(graph: LayerGraph, plan: Plan) -> list[str]:

@@ -73,13 +73,13 @@ def _tp_layers(graph: LayerGraph, plan: Plan) -> list[tuple[Layer, TPStyle]]:
     by_name = {l.name: l for l in graph}
     out = []
     for lp in plan.layers:
-        if lp.tp is None:
+        if lp.choice.tp is None:
             continue
         layer = by_name.get(lp.name)
         if layer is None:
             raise LoweringError(f"the plan names layer {lp.name!r}, which the model does not have")
         try:
-            out.append((layer, layer.tp_style(lp.tp)))
+            out.append((layer, layer.tp_style(lp.choice.tp)))
         except KeyError as exc:
             raise LoweringError(str(exc.args[0])) from None
     return out
@@ -113,7 +113,7 @@ def check_tensor_parallel(model: nn.Module, graph: LayerGraph, plan: Plan, tp: i
             if size % tp:
                 raise LoweringError(f"module {path!r}: tp={tp} does not divide its width {size}")
         lp = next(lp for lp in plan.layers if lp.name == layer.name)
-        if lp.sp and not style.admits_sequence(tp):
+        if lp.choice.sp and not style.admits_sequence(tp):
             why = style.sequence_refusal or f"capture proved it at tp={list(style.sequence)}"
             raise LoweringError(f"layer {layer.name!r}: sequence parallelism does not run at tp={tp} ({why}); "
                                 "plan it with sp=off")
@@ -318,11 +318,11 @@ def _sequence_ends(graph: LayerGraph, plan: Plan) -> dict[str, SequenceEnds]:
     layers, out = list(plan.layers), {}
 
     def passes(a: Any, b: Any) -> bool:  # a's output share goes straight into b
-        return (a.sp and b.sp and a.stage == b.stage and b.tp is not None
-                and graph.layer(b.name).tp_style(b.tp).sequence_linked)
+        return (a.choice.sp and b.choice.sp and a.stage == b.stage and b.choice.tp is not None
+                and graph.layer(b.name).tp_style(b.choice.tp).sequence_linked)
 
     for i, lp in enumerate(layers):
-        if lp.sp and lp.tp is not None:
+        if lp.choice.sp and lp.choice.tp is not None:
             out[lp.name] = SequenceEnds(enter=not (i > 0 and passes(layers[i - 1], lp)),
                                         leave=not (i + 1 < len(layers) and passes(lp, layers[i + 1])))
     return out

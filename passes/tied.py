@@ -51,20 +51,18 @@ class TiedEmbeddings:
     @classmethod
     def build(cls, mesh: Any, pp: int, located: list[tuple[nn.Module, list[str]]]) -> TiedEmbeddings:
         """Every rank calls this (collective: it makes the pair groups for pp > 2)."""
-        grid = mesh.mesh  # (pp, dp, tp) global ranks
+        grid = mesh.mesh.reshape(pp, -1)  # global ranks: pp (the outermost axis) × every other axis's coordinates
         me = dist.get_rank()
         group, src = None, 0
         if pp == 2:
             group = mesh["pp"].get_group()
-            coords = (grid == me).nonzero()[0].tolist()
-            src = int(grid[0, coords[1], coords[2]])
+            src = int(grid[0, (grid == me).nonzero()[0, 1]])
         else:
-            for d in range(grid.shape[1]):
-                for t in range(grid.shape[2]):
-                    pair = [int(grid[0, d, t]), int(grid[pp - 1, d, t])]
-                    g = dist.new_group(pair)
-                    if me in pair:
-                        group, src = g, pair[0]
+            for column in range(grid.shape[1]):
+                pair = [int(grid[0, column]), int(grid[pp - 1, column])]
+                g = dist.new_group(pair)
+                if me in pair:
+                    group, src = g, pair[0]
         ends = [(module, name) for module, names in located for name in names]
         return cls(ends, group if ends else None, src)
 

@@ -184,7 +184,8 @@ def equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
                                    "microbatches": plan.microbatches, "schedule": plan.schedule.value,
                                    "chunks": plan.chunks, "tracer": sgd["tracer"],
                                    "stages": [l.stage for l in plan.layers],
-                                   "layers": [[l.name, l.tp, l.zero, l.recompute, l.sp] for l in plan.layers],
+                                   "layers": [[l.name, l.choice.tp, l.choice.zero, l.choice.recompute, l.choice.sp]
+                                              for l in plan.layers],
                                    "losses": sgd["losses"], "adam_losses": adam["losses"]}
         if rank != 0:
             return metrics

@@ -28,6 +28,8 @@ LEVELS: dict[str, int] = {
     "autopar.errors": 0,
     "autopar.units": 0,
     "autopar.cost_models": 1,
+    "autopar.mesh": 2,
+    "autopar.choice": 2,
     "autopar.graph": 2,
     "autopar.plan": 2,
     "autopar.pins": 2,

@@ -360,7 +360,7 @@ def test_infeasible_compare_numbers_every_row_and_exits_3(capsys):
 def test_mesh_pin_messages_name_the_pins_or_claim_none():
     from autopar.pins import Pins
     from autopar.planning.configs import why_no_config
-    from autopar.planning.pricing import TrainingSpec
+    from autopar.planning.configuration import TrainingSpec
 
     graph = autopar.capture(*load_spec(TINY, device="meta"))
     plain = why_no_config(graph, 7, TrainingSpec(5), Pins(), 3)

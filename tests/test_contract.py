@@ -25,8 +25,11 @@ from autopar.cost_models.pipeline import Schedule
 
 import autopar
 from autopar import contract
+from autopar.choice import LayerChoice
 from autopar.contract import ROOT, Engine
-from autopar.planning.pricing import MeshConfig, PriceTable, Strategy, TrainingSpec
+from autopar.mesh import Mesh
+from autopar.planning.configuration import Configuration, TrainingSpec
+from autopar.planning.pricing import PriceTable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import gpt  # noqa: E402
@@ -116,11 +119,10 @@ def _plan(build, pins):
     return graph, plan
 
 
-def _table(graph, plan) -> tuple[PriceTable, tuple[Strategy, ...]]:
-    strategies = tuple(Strategy(lp.tp, lp.zero, lp.recompute) for lp in plan.layers)
+def _table(graph, plan) -> tuple[PriceTable, tuple[LayerChoice, ...]]:
+    strategies = tuple(LayerChoice(lp.choice.tp, lp.choice.zero, lp.choice.recompute) for lp in plan.layers)
     mode = contract.mode_of(graph, plan.mesh.dp, tuple(s.zero for s in strategies), plan.mesh.pp)
-    config = MeshConfig(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, plan.microbatches,
-                        Schedule(plan.schedule, plan.chunks), mode)
+    config = Configuration(plan.mesh, plan.microbatches, Schedule(plan.schedule, plan.chunks), mode)
     cluster = PRESETS["cpu"].for_world_size(WORLD)
     return PriceTable(graph, config, cluster, TrainingSpec(8, "fp32")), strategies
 
@@ -219,11 +221,10 @@ def test_lowered_modules_are_what_the_contract_and_pricing_say(case: str, fake_g
 
 def test_pure_data_parallel_is_ddp_only_without_pipeline_or_tensor_parallelism() -> None:
     graph, _ = _plan(_gpt, ("pp=1", "dp=4", "tp=1", "zero=0", "microbatches=1"))
-    zeros, stages = (0,) * len(graph), (0,) * len(graph)
-    flags = (False,) * len(graph)
-    assert contract.layout(graph, 1, 4, 1, stages, zeros, flags).engine is Engine.DDP
-    assert contract.layout(graph, 1, 2, 2, stages, zeros, flags).engine is Engine.REPLICATE
-    one = contract.layout(graph, 1, 2, 2, stages, zeros, flags).stage_units(0)
+    choices, stages = (LayerChoice(),) * len(graph), (0,) * len(graph)
+    assert contract.layout(graph, Mesh(dp=4), stages, choices).engine is Engine.DDP
+    assert contract.layout(graph, Mesh(dp=2, tp=2), stages, choices).engine is Engine.REPLICATE
+    one = contract.layout(graph, Mesh(dp=2, tp=2), stages, choices).stage_units(0)
     assert [u.path for u in one] == [ROOT]  # one replicate unit holds every layer
 
 
@@ -241,7 +242,7 @@ def test_a_zero0_block_beside_sharded_ones_is_priced_as_fsdp2_replicate_not_ddp(
     assert price.state_bytes == model_state_bytes(params, 0, 4, table.prec)  # no bucket copy
     ddp = PriceTable(graph, replace(table.config, data_parallel=contract.REPLICATED), table.cluster,
                      table.training)
-    ddp_price = ddp.prices[i][ddp.index_of(i, Strategy(None, 0, False))]
+    ddp_price = ddp.prices[i][ddp.index_of(i, LayerChoice(None, 0, False))]
     assert ddp_price.state_bytes == price.state_bytes + table.prec.grad_bytes * params
 
 
@@ -254,7 +255,7 @@ def test_recompute_is_offered_only_to_layers_with_a_module() -> None:
     assert glue, "the glue model must have a layer without a module"
     table, _ = _table(graph, plan)
     for i in glue:
-        assert not any(s.recompute for s in table.strategies[i])
+        assert not any(s.recompute for s in table.choices[i])
     assert any("recompute asked for" in note for note in plan.notes)
 
 
@@ -263,7 +264,7 @@ def test_root_layers_asking_for_different_stages_run_and_are_priced_at_the_highe
                                "pos_emb:zero=1", "lm_head:zero=3", "blocks.*:zero=2"))
     layout = contract.plan_layout(graph, plan)
     assert layout.role("tok_emb").zero == layout.role("lm_head").zero == 3
-    assert {lp.name: lp.zero for lp in plan.layers}["tok_emb"] == 0  # the plan keeps the pin
+    assert {lp.name: lp.choice.zero for lp in plan.layers}["tok_emb"] == 0  # the plan keeps the pin
     assert any("tok_emb (zero=0)" in note and "root FSDP unit, which runs at ZeRO-3" in note
                for note in plan.notes)
     assert "note: tok_emb (zero=0)" in plan.summary()
@@ -284,7 +285,7 @@ def test_the_solver_offers_only_choices_that_run_as_priced() -> None:
     for config in enumerate_configs(graph, WORLD, cluster, training, Pins()):
         table = PriceTable(graph, config, cluster, training)
         modes.add(config.data_parallel)
-        for i, row in enumerate(table.strategies):
+        for i, row in enumerate(table.choices):
             for s in row:
                 runs = table.runs_as(i, s)
                 assert runs.recompute == s.recompute
@@ -303,7 +304,7 @@ def test_passes_run_in_their_order_and_a_failure_names_the_pass_and_those_before
     assert [p.name for p in PASSES] == ["tensor_parallel", "recompute", "data_parallel"]
     graph, plan = _plan(_gpt, ("pp=1", "dp=4", "tp=1", "zero=3", "microbatches=1", "blocks.*:recompute=on"))
     fake_group(0)
-    mesh = init_device_mesh("cpu", (1, 4, 1), mesh_dim_names=contract.MESH_AXES)
+    mesh = init_device_mesh("cpu", plan.mesh.degrees, mesh_dim_names=plan.mesh.dim_names())
     part = whole_model_part(graph, plan)
     model, _ = _gpt()
     fully_shard(model.blocks[0], mesh=mesh["dp"])  # sharded before recompute could sit inside it

@@ -15,8 +15,10 @@ from synthetic import transformer_graph
 
 import autopar
 from autopar.graph import LayerGraph, OpKind, OpRecord
+from autopar.mesh import Mesh
+from autopar.planning.configuration import Configuration, TrainingSpec
 from autopar.planning.layer_compute import layer_compute, op_flops_per_sample, style_flops_per_sample
-from autopar.planning.pricing import MeshConfig, PriceTable, TrainingSpec
+from autopar.planning.pricing import PriceTable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
@@ -102,7 +104,7 @@ def test_layers_without_op_records_or_devices_without_an_op_model_price_by_flops
     captured = _block(gpt_graph)
     assert layer_compute(captured, None, 1, 2, flat, "bf16").fwd_s == compute_time_s(
         2 * captured.flops_per_sample, flat, "bf16")
-    table = PriceTable(graph, MeshConfig(1, 1, 4, 1, _schedule()), A100, TrainingSpec(8))
+    table = PriceTable(graph, Configuration(Mesh(tp=4), 1, _schedule()), A100, TrainingSpec(8))
     assert all(p.compute_mb_s > 0 for row in table.prices[1:-1] for p in row)
 
 

@@ -65,7 +65,7 @@ def test_tp_that_does_not_divide_heads_is_a_lowering_error(graph) -> None:
 def test_recompute_keeps_names_and_gradients(graph) -> None:
     plan = _plan(graph, 1, "blocks.*:recompute=on", "tok_emb:recompute=off", "pos_emb:recompute=off",
                  "drop:recompute=off", "ln_f:recompute=off", "lm_head:recompute=off")
-    assert [l.recompute for l in plan.layers if l.name.startswith("blocks")] == [True, True]
+    assert [l.choice.recompute for l in plan.layers if l.name.startswith("blocks")] == [True, True]
     model, (x,) = _tiny()
     ref, _ = _tiny()
     names = [n for n, _ in model.named_parameters()]

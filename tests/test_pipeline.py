@@ -22,7 +22,7 @@ from equivalence_cases import gpt_tiny, hf_llama, mlp_small
 
 import autopar
 from autopar.errors import LoweringError
-from autopar.plan import Mesh
+from autopar.mesh import Mesh
 
 W2_EQUIV = ["pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_model_parallel", "pp_hf_llama", "pp_hf_llama_recompute"]
 W2_ERRORS: list[str] = []
@@ -112,7 +112,7 @@ def test_tied_ends_may_be_cut_apart_but_any_other_tie_may_not() -> None:
     graph = autopar.capture(model, inputs)
     flat = autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=8, pins=["pp=1", "tp=1"])
     layers = tuple(replace(l, stage=0 if i < 2 else 1) for i, l in enumerate(flat.layers))
-    cut = replace(flat, mesh=Mesh(2, 1, 1), layers=layers, schedule=ScheduleKind.GPIPE)
+    cut = replace(flat, mesh=Mesh(pp=2), layers=layers, schedule=ScheduleKind.GPIPE)
     with pytest.raises(LoweringError, match="tied"):
         split_model(model, inputs, graph, cut)
 

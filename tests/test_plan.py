@@ -47,7 +47,8 @@ def test_prediction_adds_up(plan):
 
 def test_summary_folds_runs_of_identical_layers(plan):
     text = plan.summary()
-    assert f"pp={plan.mesh.pp} × dp={plan.mesh.dp} × tp={plan.mesh.tp}" in text
+    shown = " × ".join(f"{axis}={degree}" for axis, degree in plan.mesh.items() if degree > 1)
+    assert f"mesh          {shown}\n" in text and plan.mesh.tp == 1 and "tp=1" not in text  # degree 1: not printed
     assert "TFLOP/s per GPU" in text and "memory/rank" in text and "rank 1:" in text
     assert "…" in text  # blocks with the same choices share a row
     assert len(text.splitlines()) < 10 + len(plan.layers)

@@ -69,7 +69,7 @@ def test_even_interleaved_stages_and_plain_pipelines_get_no_stage_note(graph):
 
 def test_a_free_recompute_of_a_norm_is_explained(tiny_gpt):
     plan = autopar.solve(tiny_gpt, 4, cluster="cpu", dtype="fp32", global_batch=8)
-    assert [lp.name for lp in plan.layers if lp.recompute] == ["ln_f"]
+    assert [lp.name for lp in plan.layers if lp.choice.recompute] == ["ln_f"]
     note = _note(plan, "ln_f recomputes")
     assert note is not None and "no block does" in note
     assert "costs the step nothing" in note and "no FLOPs" in note
@@ -96,7 +96,7 @@ def test_a_memory_forced_recompute_of_the_head_gives_its_saving_and_cost(graph):
     off = autopar.solve(graph, 8, cluster="a100-40g", global_batch=64, pins=pins + ["head:recompute=off"])
     budget = (off.predicted.memory_per_rank_bytes[0] - 2**26) / 2**30  # 64 MiB short of fitting
     on = autopar.solve(graph, 8, cluster="a100-40g", global_batch=64, pins=pins, memory_gb=budget)
-    assert [lp.name for lp in on.layers if lp.recompute] == ["head"]
+    assert [lp.name for lp in on.layers if lp.choice.recompute] == ["head"]
     note = _note(on, "head recomputes")
     assert note is not None
     saved = off.predicted.memory_per_rank_bytes[0] - on.predicted.memory_per_rank_bytes[0]

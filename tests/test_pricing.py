@@ -9,9 +9,12 @@ from autopar.cost_models.hardware import PRESETS
 from autopar.cost_models.pipeline import Schedule, ScheduleKind
 from synthetic import transformer_graph
 
+from autopar.choice import LayerChoice
 from autopar.contract import REPLICATED, DataParallelism
 from autopar.graph import LayerGraph
-from autopar.planning.pricing import MeshConfig, PriceTable, Strategy, TrainingSpec
+from autopar.mesh import Mesh
+from autopar.planning.configuration import Configuration, TrainingSpec
+from autopar.planning.pricing import PriceTable
 
 GPIPE = Schedule(ScheduleKind.GPIPE)
 
@@ -20,7 +23,7 @@ def _table(pp: int, dp: int, m: int, *, per_node: int, cores: int, nodes: int = 
     graph = transformer_graph(2, 256, 64, vocab=1024, heads=4)
     cluster = replace(PRESETS["a100-80g"], gpus_per_node=per_node, cores_per_node=cores)
     cluster = cluster.for_world_size(pp * dp, nodes=nodes)
-    return PriceTable(graph, MeshConfig(pp, dp, 1, m, GPIPE), cluster, TrainingSpec(8 * dp * m))
+    return PriceTable(graph, Configuration(Mesh(pp=pp, dp=dp), m, GPIPE), cluster, TrainingSpec(8 * dp * m))
 
 
 def test_devices_of_their_own_pay_the_textbook_bubble():
@@ -57,14 +60,14 @@ def test_dtensor_parameters_cost_the_optimizer_a_dispatch_per_tensor():
                        example_batch=1, dtype_bytes=2, seq_len=64)
     cluster = replace(PRESETS["a100-80g"], gpus_per_node=2).for_world_size(2)
 
-    def optimizer_s(strategy: Strategy, dtensor_s: float) -> float:
+    def optimizer_s(strategy: LayerChoice, dtensor_s: float) -> float:
         # a pure-DP plan is DDP; a plan sharding a block is FSDP2 (autopar.contract)
         mode = DataParallelism(sharded=True, root_zero=3) if strategy.zero else REPLICATED
-        config = MeshConfig(1, 2, 1, 1, Schedule(ScheduleKind.NONE), mode)
+        config = Configuration(Mesh(dp=2), 1, Schedule(ScheduleKind.NONE), mode)
         table = PriceTable(graph, config, replace(cluster, optimizer_dtensor_s=dtensor_s), TrainingSpec(8))
-        return table.prices[1][table.strategies[1].index(strategy)].optimizer_s
+        return table.prices[1][table.choices[1].index(strategy)].optimizer_s
 
-    ddp, fsdp = Strategy(None, 0, False), Strategy(None, 3, False)
+    ddp, fsdp = LayerChoice(None, 0, False), LayerChoice(None, 3, False)
     # DDP keeps plain tensors; FSDP2 shards each of the block's 12 parameters into a DTensor
     assert optimizer_s(ddp, 1e-3) == pytest.approx(optimizer_s(ddp, 0.0))
     assert optimizer_s(fsdp, 1e-3) == pytest.approx(optimizer_s(fsdp, 0.0) + 12e-3)
@@ -74,17 +77,17 @@ def test_fsdp2_overhead_is_priced_per_collective_and_never_hidden():
     graph = transformer_graph(2, 256, 64, vocab=1024, heads=4)
     cluster = replace(PRESETS["a100-80g"], gpus_per_node=2, comm_overlap=1.0).for_world_size(2)
 
-    def exposed(strategy: Strategy, overhead: float) -> float:
+    def exposed(strategy: LayerChoice, overhead: float) -> float:
         mode = DataParallelism(sharded=True, root_zero=3) if strategy.zero else REPLICATED
-        config = MeshConfig(1, 2, 1, 2, Schedule(ScheduleKind.NONE), mode)  # 2 microbatches
+        config = Configuration(Mesh(dp=2), 2, Schedule(ScheduleKind.NONE), mode)  # 2 microbatches
         table = PriceTable(graph, config, replace(cluster, zero_overhead_s=overhead), TrainingSpec(8))
-        return table.prices[1][table.strategies[1].index(strategy)].exposed_comm_s
+        return table.prices[1][table.choices[1].index(strategy)].exposed_comm_s
 
     # a block is its own FSDP2 unit; ZeRO-1: RS + AG a step, ZeRO-2: RS per microbatch + AG, ZeRO-3: 2 AG + RS each
     for zero, collectives in ((1, 2), (2, 2 + 1), (3, 2 * 3)):
-        strategy = Strategy(None, zero, False)
+        strategy = LayerChoice(None, zero, False)
         assert exposed(strategy, 1e-3) - exposed(strategy, 0.0) == pytest.approx(collectives * 1e-3)
-    ddp = Strategy(None, 0, False)
+    ddp = LayerChoice(None, 0, False)
     assert exposed(ddp, 1e-3) == exposed(ddp, 0.0)
 
 
@@ -92,7 +95,8 @@ def _gpu_table(pp: int, dp: int, tp: int, mode: DataParallelism = REPLICATED, m:
     graph = transformer_graph(4, 1024, 512, vocab=4096, heads=8)
     cluster = PRESETS["a100-40g"].for_world_size(pp * dp * tp)
     schedule = Schedule(ScheduleKind.ONE_F_ONE_B) if pp > 1 else GPIPE
-    return PriceTable(graph, MeshConfig(pp, dp, tp, m, schedule, mode), cluster, TrainingSpec(8 * dp * m))
+    config = Configuration(Mesh(pp=pp, dp=dp, tp=tp), m, schedule, mode)
+    return PriceTable(graph, config, cluster, TrainingSpec(8 * dp * m))
 
 
 def test_pipeline_sends_cross_nodes_only_between_ranks_on_different_nodes():
@@ -110,16 +114,16 @@ def test_pipeline_sends_cross_nodes_only_between_ranks_on_different_nodes():
 
 def test_the_first_and_last_fsdp2_unit_show_on_every_sharded_rank():
     from autopar.planning import edges
-    from autopar.planning.pricing import evaluate
+    from autopar.planning.evaluate import evaluate
 
     table = _gpu_table(1, 16, 1, DataParallelism(sharded=True, root_zero=3), m=2)
     n = len(table.graph)
-    zero3 = evaluate(table, (0,) * n, tuple(Strategy(None, 3) for _ in range(n)))
-    per_layer = sum(table.prices[i][table.index_of(i, Strategy(None, 3))].exposed_comm_s for i in range(n))
+    zero3 = evaluate(table, (0,) * n, tuple(LayerChoice(None, 3) for _ in range(n)))
+    per_layer = sum(table.prices[i][table.index_of(i, LayerChoice(None, 3))].exposed_comm_s for i in range(n))
     edge = edges.edge_exposed_s(table, 3)
     # one unit's ZeRO-3 traffic per step (2 all-gathers and a reduce-scatter per microbatch), all of it shown
     assert edge == pytest.approx(table.dp_collectives_s(table.largest_unit_params, 3)) and edge > 0
-    assert zero3.dp_comm_s == pytest.approx(per_layer + edge)
+    assert zero3.breakdown.dp_comm_s == pytest.approx(per_layer + edge)
     # ZeRO-1's ends show once a step: less than ZeRO-3's
     assert 0 < edges.edge_exposed_s(table, 1) < edges.edge_exposed_s(table, 2) < edge
     # a replicated plan has no FSDP2 unit to expose

@@ -29,11 +29,14 @@ from torch.utils._pytree import tree_leaves
 
 import autopar
 from autopar import contract
+from autopar.choice import LayerChoice, Recompute
 from autopar.errors import PinError, PlanError
 from autopar.graph import LayerGraph
+from autopar.mesh import Mesh
 from autopar.pins import Pins
-from autopar.plan import Plan, Recompute
-from autopar.planning.pricing import MeshConfig, PriceTable, Strategy, TrainingSpec
+from autopar.plan import Plan
+from autopar.planning.configuration import Configuration, TrainingSpec
+from autopar.planning.pricing import PriceTable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import gpt  # noqa: E402
@@ -60,7 +63,7 @@ def _solve(graph: LayerGraph, *pins: str, **kwargs: Any) -> Plan:
 
 def _cpu_table(graph: LayerGraph, *, tp: int) -> PriceTable:
     """Prices of one microbatch of 2 samples on the CPU preset, pp = dp = 1."""
-    return PriceTable(graph, MeshConfig(1, 1, tp, 1, Schedule(ScheduleKind.NONE)), PRESETS["cpu"],
+    return PriceTable(graph, Configuration(Mesh(tp=tp), 1, Schedule(ScheduleKind.NONE)), PRESETS["cpu"],
                       TrainingSpec(2, "fp32"))
 
 
@@ -113,7 +116,7 @@ def test_priced_selective_saving_is_what_checkpointing_frees(graph: LayerGraph) 
     assert layer.selective_saved_bytes_per_sample == 10 * h + 4 * 16 * 4
     table = _cpu_table(graph, tp=1)
     i = layer.index
-    price = table.prices[i][table.index_of(i, Strategy(None, 0, Recompute.SELECTIVE))]
+    price = table.prices[i][table.index_of(i, LayerChoice(None, 0, Recompute.SELECTIVE))]
     assert price.activation_mb_bytes == 2 * kept
 
 
@@ -150,7 +153,8 @@ def test_torchtitans_policy_frees_every_other_mm_output_as_priced() -> None:
     assert layer.alternate_recompute_flops_per_sample > layer.selective_recompute_flops_per_sample
     plan = autopar.solve(graph, 1, cluster="cpu", dtype="fp32", global_batch=2,
                          pins=["pp=1", "model.layers.*:recompute=alternate_mm"])
-    assert {lp.recompute for lp in plan.layers if lp.name.startswith("model.layers.")} == {Recompute.ALTERNATE_MM}
+    blocks = {lp.choice.recompute for lp in plan.layers if lp.name.startswith("model.layers.")}
+    assert blocks == {Recompute.ALTERNATE_MM}
     # searched plans never pick it: the solver offers none, selective and full
     assert Recompute.ALTERNATE_MM not in contract.offered_recomputes(graph, layer.index, 1)
 
@@ -162,7 +166,7 @@ def test_a_lowered_mixed_plan_keeps_what_its_prices_say(graph: LayerGraph) -> No
             "blocks.1:recompute=full", "ln_f:recompute=full", "tok_emb:recompute=none",
             "pos_emb:recompute=none", "drop:recompute=none", "lm_head:recompute=selective")
     plan, plain_plan = _solve(graph, *pins), _solve(graph, "dp=1", "tp=1", "zero=0", "recompute=none")
-    assert [lp.recompute for lp in plan.layers] == [Recompute.NONE] * 3 + [
+    assert [lp.choice.recompute for lp in plan.layers] == [Recompute.NONE] * 3 + [
         Recompute.SELECTIVE, Recompute.FULL, Recompute.FULL, Recompute.SELECTIVE]
     lowered, _ = _tiny()
     assert apply_recompute(lowered, graph, plan) == ["blocks.0", "blocks.1", "ln_f", "lm_head"]
@@ -176,9 +180,10 @@ def test_a_lowered_mixed_plan_keeps_what_its_prices_say(graph: LayerGraph) -> No
 def test_selective_costs_less_time_than_full_and_more_than_none(graph: LayerGraph) -> None:
     """Selective re-runs only the module's other ops (priced by the bytes they move at the
     device's memory bandwidth); full re-runs the whole forward, matmuls included."""
-    table = PriceTable(graph, MeshConfig(1, 1, 1, 1, Schedule(ScheduleKind.NONE)), PRESETS["a100-80g"], TrainingSpec(8))
+    config = Configuration(Mesh(), 1, Schedule(ScheduleKind.NONE))
+    table = PriceTable(graph, config, PRESETS["a100-80g"], TrainingSpec(8))
     i = graph.layer("blocks.0").index
-    none, sel, full = [table.prices[i][table.index_of(i, Strategy(None, 0, k))]
+    none, sel, full = [table.prices[i][table.index_of(i, LayerChoice(None, 0, k))]
                        for k in (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)]
     assert none.compute_mb_s < sel.compute_mb_s < full.compute_mb_s
     assert none.activation_mb_bytes > sel.activation_mb_bytes > full.activation_mb_bytes
@@ -191,7 +196,7 @@ def test_tensor_parallel_splits_what_lies_between_the_projections(graph: LayerGr
     h = 16 * 32 * 4
     assert layer.selective_sharded_bytes_per_sample == 3 * h + h + 4 * 16 * 4 + 4 * h
     table = _cpu_table(graph, tp=2)
-    price = table.prices[layer.index][table.index_of(layer.index, Strategy("megatron", 0, Recompute.SELECTIVE))]
+    price = table.prices[layer.index][table.index_of(layer.index, LayerChoice("megatron", 0, Recompute.SELECTIVE))]
     kept = (layer.input_bytes_per_sample + layer.selective_saved_bytes_per_sample
             - layer.selective_sharded_bytes_per_sample / 2)
     assert price.activation_mb_bytes == 2 * kept
@@ -205,7 +210,7 @@ def test_the_contract_offers_selective_only_where_there_is_something_to_keep(gra
     assert offered["blocks.0"] == (Recompute.NONE, Recompute.FULL, Recompute.SELECTIVE)
     assert offered["tok_emb"] == (Recompute.NONE, Recompute.FULL)  # an embedding runs no matmul
     table = _cpu_table(graph, tp=1)
-    for layer, row in zip(graph, table.strategies):
+    for layer, row in zip(graph, table.choices):
         assert {s.recompute for s in row} == set(offered[layer.name])
 
 
@@ -248,7 +253,7 @@ def test_the_solver_takes_selective_where_none_does_not_fit_and_full_is_slower(g
     assert peak["none"] > peak["selective"] > peak["full"]
     budget_gb = (peak["selective"] + (peak["none"] - peak["selective"]) / 4) / 2**30  # half a block's saving
     plan = _solve(graph, *fixed, memory_gb=budget_gb)
-    assert {lp.recompute for lp in plan.layers if lp.name.startswith("blocks")} == {Recompute.SELECTIVE}
+    assert {lp.choice.recompute for lp in plan.layers if lp.name.startswith("blocks")} == {Recompute.SELECTIVE}
 
 
 # ---------------------------------------------------------------- plans and graphs carry the kind
@@ -262,7 +267,7 @@ def test_plans_write_the_kind_and_old_plans_with_bools_still_load(graph: LayerGr
     for layer in data["layers"]:  # a plan written when recompute was a bool
         layer["recompute"] = layer["recompute"] == "full"
     old = Plan.from_dict(data)
-    assert [lp.recompute for lp in old.layers][3:5] == [Recompute.NONE, Recompute.FULL]
+    assert [lp.choice.recompute for lp in old.layers][3:5] == [Recompute.NONE, Recompute.FULL]
     data["layers"][0]["recompute"] = "sometimes"
     with pytest.raises(PlanError, match="recompute is 'sometimes'; use none, selective, alternate_mm or full"):
         Plan.from_dict(data)

@@ -16,10 +16,14 @@ from synthetic import transformer_graph
 
 import autopar
 from autopar.capturing import capture
+from autopar.choice import LayerChoice
 from autopar.errors import LoweringError, PinError
+from autopar.mesh import Mesh
 from autopar.pins import Pins
 from autopar.plan import Plan
-from autopar.planning.pricing import MeshConfig, PriceTable, Strategy, TrainingSpec, evaluate
+from autopar.planning.configuration import Configuration, TrainingSpec
+from autopar.planning.evaluate import evaluate
+from autopar.planning.pricing import PriceTable
 from autopar.planning.solver import solve
 from autopar.sharding import check as shard_check
 from autopar.sharding.rules import SimulatedRank
@@ -101,15 +105,15 @@ def _table(tp: int = 4, pp: int = 1, budget_gib: float | None = None) -> PriceTa
     graph = transformer_graph(4, 1024, 512, vocab=8192, heads=16)
     cluster = PRESETS["a100-80g"].for_world_size(tp * pp)
     sched = Schedule(ScheduleKind.ONE_F_ONE_B if pp > 1 else ScheduleKind.NONE)
-    return PriceTable(graph, MeshConfig(pp, 1, tp, 1, sched), cluster, TrainingSpec(4))
+    return PriceTable(graph, Configuration(Mesh(pp=pp, tp=tp), 1, sched), cluster, TrainingSpec(4))
 
 
 def test_sequence_parallel_activations_follow_korthikanti_with_the_gathered_inputs_kept():
     table = _table(tp=4)
     block = next(l for l in table.graph if l.name == "blocks.0")
     s, h, a, t, b = 512, 1024, 16, 4, 4
-    plain = table._price(block, Strategy("megatron")).activation_mb_bytes
-    sp = table._price(block, Strategy("megatron", sp=True)).activation_mb_bytes
+    plain = table._price(block, LayerChoice("megatron")).activation_mb_bytes
+    sp = table._price(block, LayerChoice("megatron", sp=True)).activation_mb_bytes
     # Korthikanti et al. 2022: sbh(10 + 24/t + 5as/ht) with TP; with SP everything over t, but the
     # runtime keeps the QKV and FC1 inputs (2 × 2sbh) whole for the projections' backward
     assert plain == pytest.approx(b * (10 * s * h + (24 * s * h + 5 * a * s * s) / t), rel=1e-9)
@@ -121,7 +125,7 @@ def test_sequence_parallel_moves_the_all_reduces_bytes_as_gathers_and_scatters()
     free = replace(base, intra_node=replace(base.intra_node, latency_s=0.0, collectives={}), nccl_tuning=False,
                    collective_sync_s=0.0, tp_overhead_s=0.0).for_world_size(4)  # bandwidth only
     table = PriceTable(transformer_graph(4, 1024, 512, vocab=8192, heads=16),
-                       MeshConfig(1, 1, 4, 1, Schedule(ScheduleKind.NONE)), free, TrainingSpec(4))
+                       Configuration(Mesh(tp=4), 1, Schedule(ScheduleKind.NONE)), free, TrainingSpec(4))
     block = next(l for l in table.graph if l.name == "blocks.0")
     plain, sp = (table._style_part(block, "megatron", flag) for flag in (False, True))
     # forward: 2 all-reduces of b·s·h (bf16), against 2 all-gathers + 2 reduce-scatters of the same
@@ -134,11 +138,11 @@ def test_sequence_parallel_moves_the_all_reduces_bytes_as_gathers_and_scatters()
 def test_a_region_is_entered_and_left_once_per_rank_whatever_its_length():
     table = _table(tp=4)
     names = [l.name for l in table.graph]
-    plain = tuple(Strategy("megatron") if n.startswith("blocks.") else Strategy() for n in names)
+    plain = tuple(LayerChoice("megatron") if n.startswith("blocks.") else LayerChoice() for n in names)
     one = tuple(replace(s, sp=n == "blocks.0") for s, n in zip(plain, names))
     every = tuple(replace(s, sp=n.startswith("blocks.")) for s, n in zip(plain, names))
     stages = (0,) * len(names)
-    t_plain, t_one, t_every = (evaluate(table, stages, s).tp_comm_s for s in (plain, one, every))
+    t_plain, t_one, t_every = (evaluate(table, stages, s).breakdown.tp_comm_s for s in (plain, one, every))
     region = table.sequence_region_s(names.index("blocks.0"), table.index_of(names.index("blocks.0"), one[1]))
     assert region > 0
     per_layer = (evaluate(table, stages, one).rank_time_mb_s[0] - evaluate(table, stages, plain).rank_time_mb_s[0])
@@ -151,15 +155,15 @@ def test_the_solver_turns_sequence_parallelism_on_when_memory_needs_it():
     cluster = PRESETS["a100-80g"].for_world_size(8)
     pins = Pins.parse(["pp=1", "dp=1", "tp=8", "microbatches=1", "recompute=none", "blocks.*:tp=megatron"])
     free = solve(graph, 8, cluster, TrainingSpec(8), pins=pins)
-    blocks = [s for l, s in zip(graph, free.strategies) if l.name.startswith("blocks.")]
+    blocks = [s for l, s in zip(graph, free.choices) if l.name.startswith("blocks.")]
     tight = min(free.prediction.memory_per_rank_bytes) - 1
     if not any(s.sp for s in blocks):  # memory was no object: make it one
         pinned = solve(graph, 8, cluster, TrainingSpec(8), pins=Pins.parse([*pins.to_strings(), "sp=on"]))
         assert pinned.prediction.peak_memory_bytes < free.prediction.peak_memory_bytes
         tight = pinned.prediction.peak_memory_bytes
     squeezed = solve(graph, 8, cluster, TrainingSpec(8), pins=pins, memory_budget_bytes=tight)
-    assert any(s.sp for l, s in zip(graph, squeezed.strategies) if l.name.startswith("blocks."))
-    assert evaluate(squeezed.table, squeezed.stages, squeezed.strategies) == squeezed.prediction
+    assert any(s.sp for l, s in zip(graph, squeezed.choices) if l.name.startswith("blocks."))
+    assert evaluate(squeezed.table, squeezed.stages, squeezed.choices) == squeezed.prediction
 
 
 # ---------------------------------------------------------------------------------------------- pins, plans
@@ -195,7 +199,7 @@ def test_a_global_sp_on_applies_where_it_can_and_the_plan_says_so(tmp_path):
     graph = transformer_graph(4, 1024, 512, vocab=8192, heads=16)
     plan = autopar.solve(graph, 8, cluster="a100-80g", global_batch=16,
                          pins=["pp=1", "dp=2", "tp=4", "blocks.*:tp=megatron", "sp=on"])
-    sp = {l.name: l.sp for l in plan.layers}
+    sp = {l.name: l.choice.sp for l in plan.layers}
     assert all(sp[n] for n in sp if n.startswith("blocks.")) and not sp["head"]
     assert "megatron+sp" in plan.summary()
     path = tmp_path / "plan.json"
@@ -205,7 +209,7 @@ def test_a_global_sp_on_applies_where_it_can_and_the_plan_says_so(tmp_path):
     for layer in old["layers"]:
         del layer["sp"]
     path.write_text(json.dumps(old))
-    assert not any(l.sp for l in Plan.load(path, fingerprint=plan.fingerprint).layers)
+    assert not any(l.choice.sp for l in Plan.load(path, fingerprint=plan.fingerprint).layers)
 
 
 def test_lowering_refuses_sequence_parallelism_the_style_does_not_run_at_that_degree():
@@ -215,7 +219,7 @@ def test_lowering_refuses_sequence_parallelism_the_style_does_not_run_at_that_de
     graph = capture(model, inputs)
     plan = autopar.solve(graph, 2, cluster="cpu", global_batch=4,
                          pins=["pp=1", "dp=1", "tp=2", "model.layers.*:tp=megatron", "model.layers.*:sp=on"])
-    assert any(l.sp for l in plan.layers)
+    assert any(l.choice.sp for l in plan.layers)
     check_tensor_parallel(model, graph, plan, 2)
     layers = [replace(l, tp_styles=tuple(replace(s, sequence=()) for s in l.tp_styles)) for l in graph]
     bare = type(graph)(layers, model_name=graph.model_name, example_batch=graph.example_batch,

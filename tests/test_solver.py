@@ -22,7 +22,9 @@ from autopar.errors import InfeasibleError, PinError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
 from autopar.planning import edges
-from autopar.planning.pricing import PriceTable, TrainingSpec, evaluate
+from autopar.planning.configuration import TrainingSpec
+from autopar.planning.evaluate import evaluate
+from autopar.planning.pricing import PriceTable
 from autopar.planning.solver import SolverOptions, cut_positions, enumerate_configs, solve
 
 
@@ -38,14 +40,14 @@ def _rank_frontier(table: PriceTable, layers: list[int], rank: int, budget: int,
     times, tails = np.zeros(1), np.zeros(1)
     mems, needs = np.full(1, table.rank_workspace_bytes(rank), dtype=np.int64), np.zeros(1, dtype=np.int64)
     levels = np.zeros(1, dtype=np.int64)
-    root = contract.wrapping(table.graph, table.config.pp).root
+    root = contract.wrapping(table.graph, table.config.mesh.pp).root
     for i in layers:
-        ks = [k for k in range(len(table.strategies[i]))  # every root unit runs at one stage
-              if root_zero is None or not root[i] or table.strategies[i][k].zero == root_zero]
+        ks = [k for k in range(len(table.choices[i]))  # every root unit runs at one stage
+              if root_zero is None or not root[i] or table.choices[i][k].zero == root_zero]
         t = np.array([table.prices[i][k].time_mb_s for k in ks])
         x = np.array([table.prices[i][k].tail_s for k in ks])
         m = np.array([table.memory_coefficient(i, k, rank) for k in ks], dtype=np.int64)
-        z = np.array([table.strategies[i][k].zero for k in ks])
+        z = np.array([table.choices[i][k].zero for k in ks])
         b = (z >= 1).astype(np.int64) + (z == 3)
         e = np.array([edges.edge_level(table, i, k) for k in ks], dtype=np.int64)
         times = np.add.outer(times, t).ravel()
@@ -87,12 +89,12 @@ def brute_force(graph: LayerGraph, world: int, cluster, training: TrainingSpec, 
         for cuts in itertools.combinations(cuts_ok, config.stages - 1):
             bounds = [0, *cuts, len(graph)]
             stages = [s for s in range(config.stages) for _ in range(bounds[s], bounds[s + 1])]
-            p2p = [0.0] * config.pp
+            p2p = [0.0] * config.mesh.pp
             for q in cuts:
                 p2p[config.rank_of_stage(stages[q - 1])] += table.p2p_s(q, stages[q])
                 p2p[config.rank_of_stage(stages[q])] += table.p2p_s(q, stages[q])
             fronts = []
-            for j in range(config.pp):
+            for j in range(config.mesh.pp):
                 layers = [i for i, s in enumerate(stages) if config.rank_of_stage(s) == j]
                 fronts.append([(t + p2p[j], x, z) for t, x, z in _rank_frontier(table, layers, j, budget, root_zero)])
             if any(not f for f in fronts):
@@ -145,15 +147,15 @@ def test_same_inputs_same_plan():
     cluster = PRESETS["a100-40g"].for_world_size(32)
     runs = [solve(graph, 32, cluster, TrainingSpec(64)) for _ in range(2)]
     assert runs[0].config == runs[1].config
-    assert runs[0].stages == runs[1].stages and runs[0].strategies == runs[1].strategies
+    assert runs[0].stages == runs[1].stages and runs[0].choices == runs[1].choices
 
 
 def test_rediscovers_data_parallel_when_memory_is_ample():
     graph = transformer_graph(4, 512, 256, vocab=8192, heads=8)  # a small model on big GPUs
     cluster = PRESETS["a100-80g"].for_world_size(8)
     solution = solve(graph, 8, cluster, TrainingSpec(64))
-    assert (solution.config.pp, solution.config.tp) == (1, 1)
-    assert solution.config.dp == 8
+    assert (solution.config.mesh.pp, solution.config.mesh.tp) == (1, 1)
+    assert solution.config.mesh.dp == 8
 
 
 def test_shards_when_memory_is_tight():
@@ -161,7 +163,7 @@ def test_shards_when_memory_is_tight():
     cluster = PRESETS["a100-40g"].for_world_size(16)
     solution = solve(graph, 16, cluster, TrainingSpec(32))
     # Plain DP would need 16 bytes per parameter (~80 GB): the plan must shard states.
-    assert any(s.zero >= 1 or s.tp for s in solution.strategies) or solution.config.pp > 1
+    assert any(s.zero >= 1 or s.tp for s in solution.choices) or solution.config.mesh.pp > 1
     assert max(solution.prediction.memory_per_rank_bytes) <= cluster.memory_budget_bytes
 
 
@@ -169,7 +171,7 @@ def test_tensor_parallel_stays_inside_a_node():
     graph = transformer_graph(8, 8192, 2048, vocab=50304, heads=64)
     cluster = PRESETS["a100-80g"].for_world_size(64)
     solution = solve(graph, 64, cluster, TrainingSpec(64))
-    assert cluster.gpus_per_node % solution.config.tp == 0
+    assert cluster.gpus_per_node % solution.config.mesh.tp == 0
 
 
 def test_pins_are_obeyed():
@@ -179,13 +181,13 @@ def test_pins_are_obeyed():
                        "blocks.0:stage=0", "head:recompute=on"])
     solution = solve(graph, 8, cluster, TrainingSpec(16), pins=pins)
     c = solution.config
-    assert (c.pp, c.dp, c.tp, c.microbatches, c.schedule.name) == (2, 2, 2, 4, "1f1b")
+    assert (c.mesh.pp, c.mesh.dp, c.mesh.tp, c.microbatches, c.schedule.name) == (2, 2, 2, 4, "1f1b")
     names = [l.name for l in graph]
-    for name, s in zip(names, solution.strategies):
+    for name, s in zip(names, solution.choices):
         if name.startswith("blocks."):
             assert s.zero == 3
     assert solution.stages[names.index("blocks.0")] == 0
-    assert solution.strategies[names.index("head")].recompute
+    assert solution.choices[names.index("head")].recompute
 
 
 def test_everything_pinned_prices_the_hand_made_plan():
@@ -194,9 +196,9 @@ def test_everything_pinned_prices_the_hand_made_plan():
     pins = Pins.parse(["pp=1", "dp=4", "tp=1", "microbatches=1", "zero=0", "recompute=none"])
     solution = solve(graph, 4, cluster, TrainingSpec(8), pins=pins)
     table = solution.table
-    again = evaluate(table, solution.stages, solution.strategies)
+    again = evaluate(table, solution.stages, solution.choices)
     assert again.step_time_s == solution.prediction.step_time_s
-    assert all(s.zero == 0 and not s.recompute and s.tp is None for s in solution.strategies)
+    assert all(s.zero == 0 and not s.recompute and s.tp is None for s in solution.choices)
 
 
 def test_infeasible_names_memory_and_the_least_that_fits():
@@ -245,9 +247,9 @@ def test_reprice_keeps_every_choice_and_prices_on_another_cluster():
     pinned = [f"pp={plan.mesh.pp}", f"dp={plan.mesh.dp}", f"tp={plan.mesh.tp}",
               f"microbatches={plan.microbatches}", f"schedule={plan.schedule.value}"] + [
         f"{l.name}:stage={l.stage}" for l in plan.layers] + [
-        f"{l.name}:tp={l.tp or 'none'}" for l in plan.layers] + [
-        f"{l.name}:zero={l.zero}" for l in plan.layers] + [
-        f"{l.name}:recompute={'on' if l.recompute else 'off'}" for l in plan.layers]
+        f"{l.name}:tp={l.choice.tp or 'none'}" for l in plan.layers] + [
+        f"{l.name}:zero={l.choice.zero}" for l in plan.layers] + [
+        f"{l.name}:recompute={'on' if l.choice.recompute else 'off'}" for l in plan.layers]
     resolved = autopar.solve(graph, 8, cluster="v100-16g", global_batch=32, pins=pinned, memory_gb=80)
     assert resolved.predicted.step_time_s == pytest.approx(slower.predicted.step_time_s)
     with pytest.raises(PlanError):
@@ -258,7 +260,7 @@ def test_memory_bound_never_exceeds_the_least_peak_a_configuration_reaches():
     from ortools.sat.python import cp_model
 
     from autopar.planning.bounds import memory_lower_bound as _memory_lower_bound
-    from autopar.planning.choices import allowed_strategies as _allowed
+    from autopar.planning.choices import allowed_choices as _allowed
     from autopar.planning.choices import runs_of as _runs
     from autopar.planning.model import Units as _Units
     from autopar.planning.model import build_model as _build_model

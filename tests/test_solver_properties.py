@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from autopar.errors import InfeasibleError
 from autopar.graph import Layer, LayerGraph, TPStyle
-from autopar.planning.pricing import TrainingSpec, evaluate
+from autopar.planning.configuration import TrainingSpec
+from autopar.planning.evaluate import evaluate
 from autopar.planning.solver import SolverOptions, cut_positions, solve
 
 
@@ -58,18 +59,18 @@ def test_every_plan_is_valid_and_fits(graph, preset, world, per_rank, memory_gib
         assert exc.binding == "memory" and exc.min_memory_bytes > cluster.memory_budget_bytes
         return
     c = sol.config
-    assert c.pp * c.dp * c.tp == world
-    assert c.dp * c.microbatches * sol.table.microbatch_size == training.global_batch
-    assert c.tp == 1 or cluster.gpus_per_node % c.tp == 0
+    assert c.mesh.pp * c.mesh.dp * c.mesh.tp == world
+    assert c.mesh.dp * c.microbatches * sol.table.microbatch_size == training.global_batch
+    assert c.mesh.tp == 1 or cluster.gpus_per_node % c.mesh.tp == 0
     stages = list(sol.stages)
     assert stages[0] == 0 and stages[-1] == c.stages - 1
     assert all(b - a in (0, 1) for a, b in zip(stages, stages[1:]))  # contiguous, none skipped
     allowed = set(cut_positions(graph))
     assert all(q in allowed for q in range(1, len(stages)) if stages[q] != stages[q - 1])
-    for layer, s in zip(graph, sol.strategies):
-        assert s.tp is None or layer.tp_style(s.tp).admits(c.tp)
-        assert not s.sp or layer.tp_style(s.tp).admits_sequence(c.tp)
-    again = evaluate(sol.table, sol.stages, sol.strategies)
+    for layer, s in zip(graph, sol.choices):
+        assert s.tp is None or layer.tp_style(s.tp).admits(c.mesh.tp)
+        assert not s.sp or layer.tp_style(s.tp).admits_sequence(c.mesh.tp)
+    again = evaluate(sol.table, sol.stages, sol.choices)
     assert again == sol.prediction
     assert max(again.memory_per_rank_bytes) <= cluster.memory_budget_bytes
     assert sol.status == "OPTIMAL" or sol.gap > 0

@@ -43,7 +43,7 @@ def test_tied_ends_run_replicated_over_tp_in_a_pipeline() -> None:
     graph = autopar.capture(zoo.NanoGPT(zoo.NanoConfig(), tie=True), zoo._ids())
     plan = autopar.solve(graph, 4, cluster="cpu", dtype="fp32", global_batch=4,
                          pins=["pp=2", "tp=2", "microbatches=2", "transformer.h.*:tp=megatron"])
-    styles = {l.name: l.tp for l in plan.layers}
+    styles = {l.name: l.choice.tp for l in plan.layers}
     assert styles["transformer.wte"] is None and styles["lm_head"] is None
     with pytest.raises(PinError):
         autopar.solve(graph, 4, cluster="cpu", dtype="fp32", global_batch=4,

@@ -16,7 +16,7 @@ from distributed import check_equivalent, run_cases
 from zoo import MODELS, TIED
 from zoo_cases import SEQUENCE_MODELS
 
-from autopar.plan import Recompute
+from autopar.choice import Recompute
 
 SEQUENCE_W4 = ("nanogpt", "hf_gpt2", "hf_llama", "hf_phi3", "hf_neox")  # the 2-D and pipeline plans, on five
 

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -19,22 +18,9 @@ from autopar.cost_models.memory import PRECISIONS
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
-from autopar.plan import (
-    Breakdown,
-    LayerPlan,
-    Mesh,
-    Plan,
-    Predicted,
-    RankCost,
-    RunnerUp,
-    SolverReport,
-    StageTime,
-    TrainingSettings,
-)
-from autopar.planning import edges
+from autopar.plan import LayerPlan, Plan, Predicted, RunnerUp, SolverReport, TrainingSettings
+from autopar.planning.configuration import Configuration, TrainingSpec
 from autopar.planning.notes import choice_notes, contract_notes
-from autopar.planning.pricing import Prediction, TrainingSpec
-from autopar.planning.sequence import sequence_regions
 from autopar.planning.solver import RUNNERS_UP, Candidate, Solution, SolverOptions
 from autopar.planning.solver import solve as _solve
 from autopar.units import GiB
@@ -93,8 +79,8 @@ def reprice(graph: LayerGraph, plan: Plan, cluster: str | ClusterSpec | None = N
     ``predicted`` and ``cluster`` are replaced, every choice kept. Raises PlanError if the plan
     was made for another graph; it is not re-solved, so it may not be the best plan there."""
     from autopar.cost_models.pipeline import Schedule, ScheduleKind
-    from autopar.planning.pricing import MeshConfig, PriceTable, Strategy, evaluate
-    from autopar.planning.solver import Solution
+    from autopar.planning.evaluate import evaluate
+    from autopar.planning.pricing import PriceTable
 
     plan.check_fingerprint(graph.fingerprint())
     spec = (plan.cluster if cluster is None
@@ -102,16 +88,14 @@ def reprice(graph: LayerGraph, plan: Plan, cluster: str | ClusterSpec | None = N
     if spec.world_size != plan.world_size:
         spec = spec.for_world_size(plan.world_size)
     training = TrainingSpec(global_batch=plan.training.global_batch, dtype=plan.training.dtype)
-    config = MeshConfig(plan.mesh.pp, plan.mesh.dp, plan.mesh.tp, plan.microbatches,
-                        Schedule(ScheduleKind(plan.schedule), plan.chunks))
     stages = tuple(l.stage for l in plan.layers)
-    strategies = tuple(Strategy(l.tp, l.zero, l.recompute, l.sp) for l in plan.layers)
+    choices = tuple(l.choice for l in plan.layers)
     # the data-parallel mode the plan lowers in; a choice the search space leaves out is priced all the same
-    mode = contract.mode_of(graph, config.dp, tuple(s.zero for s in strategies), config.pp)
-    config = replace(config, data_parallel=mode)
+    mode = contract.mode_of(graph, plan.mesh.dp, tuple(c.zero for c in choices), plan.mesh.pp)
+    config = Configuration(plan.mesh, plan.microbatches, Schedule(ScheduleKind(plan.schedule), plan.chunks), mode)
     table = PriceTable(graph, config, spec, training)
-    prediction = evaluate(table, stages, strategies)
-    solution = Solution(config, stages, strategies, prediction, table, plan.solver.status,
+    prediction = evaluate(table, stages, choices)
+    solution = Solution(config, stages, choices, prediction, table, plan.solver.status,
                         plan.solver.gap, plan.solver.wall_s, plan.solver.configs_considered,
                         plan.solver.configs_solved, memory_budget(spec, memory_gb))
     return build_plan(graph, solution, spec, training, Pins.parse(plan.pins))
@@ -138,16 +122,15 @@ def build_plan(graph: LayerGraph, solution: Solution, cluster: ClusterSpec,
         tokens_per_s_per_gpu=tokens,
         memory_per_rank_bytes=p.memory_per_rank_bytes,
         memory_budget_bytes=solution.memory_budget_bytes,
-        breakdown=_breakdown(p),
-        stages=stage_times(graph, solution),
-        ranks=rank_costs(graph, solution),
-        pace=pipeline_pace(solution),
+        breakdown=p.breakdown,
+        stages=p.stages,
+        ranks=p.ranks,
+        pace=p.pace,
     )
-    layers = tuple(LayerPlan(l.name, st, s.tp, s.zero, s.recompute, s.sp)
-                   for l, st, s in zip(graph, solution.stages, solution.strategies))
+    layers = tuple(LayerPlan(l.name, st, choice) for l, st, choice in zip(graph, solution.stages, solution.choices))
     return Plan(
         fingerprint=graph.fingerprint(), model=graph.model_name, world_size=c.world_size,
-        mesh=Mesh(c.pp, c.dp, c.tp), microbatches=c.microbatches,
+        mesh=c.mesh, microbatches=c.microbatches,
         microbatch_size=solution.table.microbatch_size, schedule=c.schedule.kind,
         chunks=c.schedule.chunks, layers=layers, predicted=predicted,
         solver=SolverReport(solution.status, round(solution.wall_s, 4), solution.gap,
@@ -161,117 +144,24 @@ def build_plan(graph: LayerGraph, solution: Solution, cluster: ClusterSpec,
     )
 
 
-# ---------------------------------------------------------------- where the figures come from
-# What the pictures and `autopar explain` read, taken from the price table at solve time, so they
-# never price anything again. Each is checked against evaluate()'s totals.
-
-
-def _breakdown(p: Prediction) -> Breakdown:
-    return Breakdown(p.compute_s, p.bubble_s, p.tp_comm_s, p.dp_comm_s, p.pp_comm_s, p.optimizer_s)
-
-
-def stage_times(graph: LayerGraph, solution: Solution) -> tuple[StageTime, ...]:
-    """Each virtual stage's forward, backward, tensor-parallel and send time per microbatch, from
-    the layers' prices; a pipeline rank's stages add up to its T_j (``rank_time_mb_s``)."""
-    table, c = solution.table, solution.config
-    parts = [[0.0] * 6 for _ in range(c.stages)]  # fwd, bwd, fwd tp, bwd tp, send fwd, send bwd
-    for i, (stage, strategy) in enumerate(zip(solution.stages, solution.strategies)):
-        price = table.prices[i][table.index_of(i, strategy)]
-        # pricing's own forward share of the layer (compute and collectives); the rest is backward
-        fwd, _, fwd_tp, _, _ = table._style_part(graph[i], table.runs_as(i, strategy).tp, strategy.sp)
-        row = parts[stage]
-        row[0], row[1] = row[0] + fwd, row[1] + price.compute_mb_s - fwd
-        row[2], row[3] = row[2] + fwd_tp, row[3] + price.tp_comm_mb_s - fwd_tp
-    regions = sequence_regions(table, solution.stages, solution.strategies)
-    for j, region in enumerate(regions):  # on the rank's first stage with a sequence-parallel layer
-        if region:
-            first = next(st for st, s in zip(solution.stages, solution.strategies) if s.sp and c.rank_of_stage(st) == j)
-            parts[first][2] += region / 2  # the exit's all-gather
-            parts[first][3] += region / 2  # the entry's, in backward
-    for cut in range(1, len(solution.stages)):
-        before, after = solution.stages[cut - 1], solution.stages[cut]
-        if before != after:  # as evaluate() prices it: activations forward, gradients back
-            parts[before][4] += table.p2p_s(cut, after)
-            parts[after][5] += table.p2p_s(cut, after)
-    stages = tuple(StageTime(s, *row) for s, row in enumerate(parts))
-    for j, priced in enumerate(solution.prediction.rank_time_mb_s):
-        drawn = sum(st.per_microbatch_s for st in stages if c.rank_of_stage(st.stage) == j)
-        if not math.isclose(drawn, priced, rel_tol=1e-9, abs_tol=1e-15):
-            raise RuntimeError(f"stage times of rank {j} add up to {drawn} s, evaluate() priced {priced} s")
-    return stages
-
-
-def rank_costs(graph: LayerGraph, solution: Solution) -> tuple[RankCost, ...]:
-    """Each pipeline rank's memory by kind and its tail, from the layers' prices; the memory adds
-    up to evaluate()'s ``memory_per_rank_bytes`` to the byte.
-
-    A layer's model state (pricing's ``state_bytes``) splits by the ZeRO formulas of
-    :mod:`autopar.cost_models.memory`: weights and gradients whole or 1/dp each (rounded down),
-    optimizer state what is left, so the single rounding of a ZeRO-3 shard lands there; DDP's
-    gradient buckets are buffers.
-    """
-    table, c, prec = solution.table, solution.config, solution.table.prec
-    mem = [[0] * 6 for _ in range(c.pp)]  # params, grads, optimizer, activations, buffers, workspace
-    tail = [[0.0, 0.0] for _ in range(c.pp)]
-    held = [contract.Buffers.NONE] * c.pp
-    level = 0  # the plan's highest ZeRO stage of an FSDP2 unit: what its first and last units expose
-    for i, (stage, strategy) in enumerate(zip(solution.stages, solution.strategies)):
-        k = table.index_of(i, strategy)
-        level = max(level, edges.edge_level(table, i, k))
-        price, rank, runs = table.prices[i][k], c.rank_of_stage(stage), table.runs_as(i, strategy)
-        n = table.effective_params(graph[i], runs)
-        weights = prec.param_bytes * n if runs.zero < 3 else prec.param_bytes * n // c.dp
-        grads = prec.grad_bytes * n if runs.zero < 2 else prec.grad_bytes * n // c.dp
-        buckets = prec.grad_bytes * n if table.engine is contract.Engine.DDP else 0
-        row = mem[rank]
-        row[0] += weights
-        row[1] += grads
-        row[2] += price.state_bytes - weights - grads - buckets
-        row[3] += table.memory_coefficient(i, k, rank) - price.state_bytes
-        row[4] += buckets
-        held[rank] = max(held[rank], table.buffers_needed(i, k))
-        tail[rank][0] += price.exposed_comm_s
-        tail[rank][1] += price.optimizer_s
-    for j in range(c.pp):
-        mem[j][4] += table.buffer_bytes(held[j])
-        mem[j][5] = table.rank_workspace_bytes(j)
-        tail[j][0] += edges.edge_exposed_s(table, level)  # as evaluate() adds it, on every rank
-    ranks = tuple(RankCost(*mem[j], *tail[j]) for j in range(c.pp))
-    if tuple(r.memory_bytes for r in ranks) != solution.prediction.memory_per_rank_bytes:
-        raise RuntimeError(f"memory parts add up to {[r.memory_bytes for r in ranks]}, evaluate() priced "
-                           f"{list(solution.prediction.memory_per_rank_bytes)}")
-    return ranks
-
-
-def pipeline_pace(solution: Solution) -> float:
-    """The priced pipeline over its critical path m·T + w·(S − T): 1 unless ranks that share cores
-    lend them while they wait (``PriceTable.pipeline_s``), which evaluate() scales its breakdown by."""
-    table, per_mb = solution.table, list(solution.prediction.rank_time_mb_s)
-    if not per_mb:
-        return 1.0
-    m, w = solution.config.microbatches, float(table.bubble_weight)
-    chain = m * max(per_mb) + w * (sum(per_mb) - max(per_mb))
-    return table.pipeline_s(per_mb) / chain if chain > 0 else 1.0
-
-
 def runner_up(graph: LayerGraph, candidate: Candidate) -> RunnerUp:
     """A runner-up as the plan records it: its configuration, what its layers do in a few words,
     its prediction, and the pins that fix its configuration."""
     c, p, table = candidate.config, candidate.prediction, candidate.table
-    runs = [table.runs_as(i, s) for i, s in enumerate(candidate.strategies)]
-    zero = sorted({r.zero for l, r in zip(graph, runs) if l.param_count}) if c.dp > 1 else []
-    pins = [f"pp={c.pp}", f"dp={c.dp}", f"tp={c.tp}", f"microbatches={c.microbatches}"]
-    if c.pp > 1:
+    runs = [table.runs_as(i, s) for i, s in enumerate(candidate.choices)]
+    zero = sorted({r.zero for l, r in zip(graph, runs) if l.param_count}) if c.mesh.dp > 1 else []
+    pins = [f"{name}={degree}" for name, degree in c.mesh.items()] + [f"microbatches={c.microbatches}"]
+    if c.mesh.pp > 1:
         pins.append(f"schedule={c.schedule.kind.value}")
     if c.schedule.chunks > 1:
         pins.append(f"chunks={c.schedule.chunks}")
-    if c.dp > 1 and not c.data_parallel.sharded:
+    if c.mesh.dp > 1 and not c.data_parallel.sharded:
         pins.append("zero=0")
     return RunnerUp(
-        mesh=Mesh(c.pp, c.dp, c.tp), microbatches=c.microbatches, schedule=c.schedule.kind,
-        chunks=c.schedule.chunks, data_parallel=str(c.data_parallel) if c.dp > 1 else "none (dp=1)",
+        mesh=c.mesh, microbatches=c.microbatches, schedule=c.schedule.kind,
+        chunks=c.schedule.chunks, data_parallel=str(c.data_parallel) if c.mesh.dp > 1 else "none (dp=1)",
         zero=tuple(zero), recomputed=sum(bool(r.recompute) for r in runs), step_time_s=p.step_time_s,
-        memory_per_rank_bytes=p.memory_per_rank_bytes, breakdown=_breakdown(p), optimal=candidate.optimal,
+        memory_per_rank_bytes=p.memory_per_rank_bytes, breakdown=p.breakdown, optimal=candidate.optimal,
         pins=tuple(pins),
     )
 
@@ -357,7 +247,8 @@ def _plan_key(plan: Plan) -> tuple:
     """What makes two plans the same plan; a tensor-parallel style means nothing at tp=1."""
     tp1 = plan.mesh.tp == 1
     return (plan.mesh, plan.microbatches, plan.microbatch_size, plan.schedule, plan.chunks,
-            tuple((l.name, l.stage, None if tp1 else l.tp, l.zero, l.recompute) for l in plan.layers))
+            tuple((l.name, l.stage, None if tp1 else l.choice.tp, l.choice.zero, l.choice.recompute)
+                  for l in plan.layers))
 
 
 def _mark_collapsed(chosen: BaselineResult, baselines: list[BaselineResult]) -> list[BaselineResult]:

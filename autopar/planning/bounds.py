@@ -43,7 +43,7 @@ def lower_bound_s(table: PriceTable, allowed: list[list[int]], budget: int | Non
     total, slowest = sum(fastest), max(fastest)
     if budget is not None:
         total = _knapsack_bound(table, allowed,
-                                sum(budget - table.rank_workspace_bytes(j) for j in range(c.pp)))
+                                sum(budget - table.rank_workspace_bytes(j) for j in range(c.mesh.pp)))
         slowest = max(slowest, _rank_time_bound_s(table, allowed, budget, cuts_ok or []))
     if cuts_ok and c.stages > 1:
         thinnest = min(cuts_ok, key=lambda q: table.graph[q - 1].boundary_bytes_per_sample)
@@ -58,13 +58,13 @@ def balanced_step_s(table: PriceTable, total: float, slowest_layer: float) -> fl
     if math.isinf(total):  # w = 0 at pp = 1 must not turn "nothing fits" into nan
         return math.inf
     c, w = table.config, float(table.bubble_weight)
-    chain = (c.microbatches - w) * max(total / c.pp, slowest_layer) + w * total
+    chain = (c.microbatches - w) * max(total / c.mesh.pp, slowest_layer) + w * total
     sigma, _ = table.core_sharing
-    return chain if sigma == 1 else max(chain / float(sigma), c.microbatches * total / c.pp)
+    return chain if sigma == 1 else max(chain / float(sigma), c.microbatches * total / c.mesh.pp)
 
 
 def _knapsack_bound(table: PriceTable, allowed: list[list[int]], capacity: int) -> float:
-    rank = min(range(table.config.pp), key=lambda j: table.in_flight[j])
+    rank = min(range(table.config.mesh.pp), key=lambda j: table.in_flight[j])
     rows: dict[tuple, list[int]] = {}
     for i, ks in enumerate(allowed):
         rows.setdefault((table.graph.cost_classes[i], tuple(ks)), []).append(i)
@@ -133,7 +133,7 @@ def layer_groups(table: PriceTable, allowed: list[list[int]]) -> dict[tuple[int,
 def group_key(table: PriceTable, i: int, ks: list[int]) -> tuple:
     """Layers alike for the rank bounds: one cost class and the same strategies (by value: a
     row extended for a pin may give another strategy the same index)."""
-    return table.graph.cost_classes[i], tuple(table.strategies[i][k] for k in ks)
+    return table.graph.cost_classes[i], tuple(table.choices[i][k] for k in ks)
 
 
 def rank_curves(table: PriceTable, i: int, ks: list[int] | tuple[int, ...], budget: int,
@@ -146,7 +146,7 @@ def rank_curves(table: PriceTable, i: int, ks: list[int] | tuple[int, ...], budg
     buffers = [table.buffer_bytes(b) for b in Buffers]
     need = [table.buffers_needed(i, k).value for k in ks]
     curves = []
-    for j in range(c.pp):
+    for j in range(c.mesh.pp):
         room = budget - table.rank_workspace_bytes(j)
         curve = []
         for mode, buffer in enumerate(buffers):
@@ -162,7 +162,7 @@ def rank_p2p_floor(table: PriceTable, cuts_ok: list[int], time_of: Any = float) 
     """Per pipeline rank, the least time its stages' boundaries add (each cut: one send, charged
     to the ranks on both sides), at the thinnest cut allowed."""
     c = table.config
-    floor = [0.0] * c.pp
+    floor = [0.0] * c.mesh.pp
     if c.stages <= 1 or not cuts_ok:
         return floor
     for s in range(1, c.stages):
@@ -282,11 +282,11 @@ def memory_lower_bound(table: PriceTable, allowed: list[list[int]]) -> float:
     """
     c = table.config
     modes = [(table.buffer_bytes(b), b.value) for b in Buffers]
-    workspace = [table.rank_workspace_bytes(j) for j in range(c.pp)]
+    workspace = [table.rank_workspace_bytes(j) for j in range(c.mesh.pp)]
     best = 0.0
     for (i, _), members in layer_groups(table, allowed).items():
         per_rank = []  # per rank: (buffers, least memory of one layer) for each buffer choice
-        for j in range(c.pp):
+        for j in range(c.mesh.pp):
             choices = []
             for buffers, most in modes:
                 fits = [table.memory_coefficient(i, k, j) for k in allowed[i]
@@ -298,5 +298,5 @@ def memory_lower_bound(table: PriceTable, allowed: list[list[int]]) -> float:
         def least_held(j: int, n: int) -> float:
             return workspace[j] + min(buffers + n * least for buffers, least in per_rank[j])
 
-        best = max(best, nth_smallest(least_held, c.pp, len(members)))
+        best = max(best, nth_smallest(least_held, c.mesh.pp, len(members)))
     return best

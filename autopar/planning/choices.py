@@ -12,12 +12,12 @@ import fnmatch
 from typing import Any
 
 from autopar import contract
+from autopar.choice import LayerChoice, Recompute
 from autopar.errors import PinError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
-from autopar.plan import Recompute
 from autopar.planning import edges
-from autopar.planning.pricing import PriceTable, Strategy
+from autopar.planning.pricing import PriceTable
 
 
 def check_recompute_pins(graph: LayerGraph, pins: Pins) -> None:
@@ -38,13 +38,13 @@ def check_recompute_pins(graph: LayerGraph, pins: Pins) -> None:
                                f"its policy has nothing to keep; pin it recompute=full or none")
 
 
-def allowed_strategies(table: PriceTable, layer_pins: list[dict[str, Any]]) -> list[list[int]]:
+def allowed_choices(table: PriceTable, layer_pins: list[dict[str, Any]]) -> list[list[int]]:
     """Indices of each layer's strategies that satisfy its pins."""
     allowed = []
     memo: dict[tuple, list[int]] = {}
     classes = table.graph.cost_classes
-    floor = contract.root_floor(table.graph, [pin.get("zero") for pin in layer_pins], table.config.pp)
-    for i, (strategies, pin) in enumerate(zip(table.strategies, layer_pins)):
+    floor = contract.root_floor(table.graph, [pin.get("zero") for pin in layer_pins], table.config.mesh.pp)
+    for i, (strategies, pin) in enumerate(zip(table.choices, layer_pins)):
         if not _pin_runs_here(table, i, pin, floor):  # the pinned ZeRO stage cannot run in this mode
             allowed.append([])
             continue
@@ -64,7 +64,7 @@ def allowed_strategies(table: PriceTable, layer_pins: list[dict[str, Any]]) -> l
     return allowed
 
 
-def _sp_wanted(strategies: list[Strategy], pin: dict[str, Any]) -> bool | None:
+def _sp_wanted(strategies: list[LayerChoice], pin: dict[str, Any]) -> bool | None:
     """The sequence parallelism a layer's pins ask for: its own ``sp`` pin, else a global one where
     the layer has a sequence-parallel strategy here (a global ``sp=on`` skips the layers that
     cannot), else free (None)."""
@@ -90,10 +90,11 @@ def check_sp_pins(graph: LayerGraph, pins: Pins) -> None:
                 why = next((s.sequence_refusal for s in layer.tp_styles if s.sequence_refusal), "") \
                     or layer.tp_refusal or "it has no tensor-parallel style with projections"
                 raise PinError(f"pin {pin.pattern}:sp=on: layer {layer.name!r} cannot run sequence parallel: {why}")
-            if pins.tp is not None and not any(s.admits_sequence(pins.tp) for s in styles):
+            tp = pins.degree("tp")
+            if tp is not None and not any(s.admits_sequence(tp) for s in styles):
                 degrees = sorted({d for s in styles for d in s.sequence})
                 raise PinError(f"pin {pin.pattern}:sp=on: layer {layer.name!r} runs sequence parallel only at "
-                               f"tp={degrees} (its sequence and sizes divide), not tp={pins.tp}")
+                               f"tp={degrees} (its sequence and sizes divide), not tp={tp}")
 
 
 def _pin_runs_here(table: PriceTable, i: int, pin: dict[str, Any], root_floor: int | None) -> bool:
@@ -102,9 +103,9 @@ def _pin_runs_here(table: PriceTable, i: int, pin: dict[str, Any], root_floor: i
     otherwise (a root-unit layer below its root's stage, recompute on a layer without a
     module) is kept and priced as it runs; the plan notes it."""
     c = table.config
-    if "zero" not in pin or c.dp <= 1:
+    if "zero" not in pin or c.mesh.dp <= 1:
         return True
-    return contract.admits_zero_pin(table.graph, i, pin["zero"], c.data_parallel, c.pp, root_floor=root_floor)
+    return contract.admits_zero_pin(table.graph, i, pin["zero"], c.data_parallel, c.mesh.pp, root_floor=root_floor)
 
 
 def _undominated_alike(table: PriceTable, i: int, ks: list[int]) -> list[int]:
@@ -113,11 +114,11 @@ def _undominated_alike(table: PriceTable, i: int, ks: list[int]) -> list[int]:
     stand in for another's there)."""
     c = table.config
     coupled = (c.data_parallel.sharded and not c.data_parallel.root_zero
-               and contract.wrapping(table.graph, c.pp).root[i])
+               and contract.wrapping(table.graph, c.mesh.pp).root[i])
     if not coupled:
         return _undominated(table, i, ks)
-    zeros = sorted({table.strategies[i][k].zero for k in ks})
-    keep = {k for z in zeros for k in _undominated(table, i, [k for k in ks if table.strategies[i][k].zero == z])}
+    zeros = sorted({table.choices[i][k].zero for k in ks})
+    keep = {k for z in zeros for k in _undominated(table, i, [k for k in ks if table.choices[i][k].zero == z])}
     return [k for k in ks if k in keep]
 
 
@@ -131,7 +132,7 @@ def _undominated(table: PriceTable, i: int, ks: list[int]) -> list[int]:
         # sequence parallelism pays its regions' entries and exits outside the layer's price: it never
         # stands in for a strategy without it
         return (p.time_mb_s, p.tail_s, p.state_bytes, p.activation_mb_bytes, table.buffers_needed(i, k).value,
-                edges.edge_level(table, i, k), int(table.strategies[i][k].sp))
+                edges.edge_level(table, i, k), int(table.choices[i][k].sp))
 
     vectors = {k: vector(k) for k in ks}
 
@@ -148,7 +149,7 @@ def _undominated(table: PriceTable, i: int, ks: list[int]) -> list[int]:
 
 def _pinned_outside_search(table: PriceTable, i: int, pin: dict[str, Any]) -> list[int]:
     """A pinned choice the search space leaves out (e.g. zero>0 at dp=1): add it, or explain."""
-    layer, tp = table.graph[i], table.config.tp
+    layer, tp = table.graph[i], table.config.mesh.tp
     style = pin.get("tp")
     if style is not None:
         names = [s.name for s in layer.tp_styles]
@@ -156,19 +157,19 @@ def _pinned_outside_search(table: PriceTable, i: int, pin: dict[str, Any]) -> li
             why = f"; {layer.tp_refusal}" if layer.tp_refusal and style == "megatron" else ""
             raise PinError(f"layer {layer.name!r} has no tensor-parallel style {style!r} "
                            f"(it admits: {', '.join(names) or 'none'}{why})")
-        if not layer.tp_style(style).admits(tp) or contract.tied_across_stages(table.graph, i, table.config.pp):
+        if not layer.tp_style(style).admits(tp) or contract.tied_across_stages(table.graph, i, table.config.mesh.pp):
             return []
     sp = bool(pin.get("sp", False))
     if sp and (style is None or not layer.tp_style(style).admits_sequence(tp)):
         return []  # sequence parallelism needs a style that takes it at this tp
-    zero = pin.get("zero", contract.offered_zeros(table.graph, i, table.config.data_parallel, table.config.pp)[0])
-    return [table.index_of(i, Strategy(style, zero, pin.get("recompute", False), sp))]
+    zero = pin.get("zero", contract.offered_zeros(table.graph, i, table.config.data_parallel, table.config.mesh.pp)[0])
+    return [table.index_of(i, LayerChoice(style, zero, pin.get("recompute", False), sp))]
 
 
 def runs_of(table: PriceTable, allowed: list[list[int]], layer_pins: list[dict]) -> list[tuple[int, int]]:
     """Maximal runs [a, b) of consecutive layers that price alike and are pinned alike."""
     def key(i: int) -> tuple:
-        return (table.graph.cost_classes[i], id(table.strategies[i]), tuple(allowed[i]), len(table.strategies[i]))
+        return (table.graph.cost_classes[i], id(table.choices[i]), tuple(allowed[i]), len(table.choices[i]))
 
     runs: list[tuple[int, int]] = []
     for i in range(len(table.graph)):

@@ -1,8 +1,9 @@
 """Configurations: every mesh, microbatch count, schedule and data-parallel mode the pins allow.
 
-A configuration (:class:`~autopar.planning.pricing.MeshConfig`) is what one
-CP-SAT model is solved for: pp × dp × tp = world size (tp within a node
-unless pinned), a microbatch count m dividing the per-replica batch, a
+A configuration (:class:`~autopar.planning.configuration.Configuration`) is what one
+CP-SAT model is solved for: a mesh of the declared axes (:func:`autopar.mesh.meshes`:
+degrees multiplying to the world size, each dividing what its axis splits, tp
+within a node unless pinned), a microbatch count m dividing the per-replica batch, a
 schedule (GPipe only where 1F1B cannot run, since under this cost model 1F1B
 has GPipe's time and never more memory; interleaved 1F1B with 2 or 4 chunks
 per rank), and each data-parallel mode the contract offers
@@ -18,8 +19,9 @@ from autopar.cost_models.hardware import ClusterSpec
 from autopar.cost_models.pipeline import Schedule, ScheduleKind
 from autopar.errors import PinError
 from autopar.graph import LayerGraph
+from autopar.mesh import AXES, AxisLimits, meshes
 from autopar.pins import Pins
-from autopar.planning.pricing import MeshConfig, TrainingSpec
+from autopar.planning.configuration import Configuration, TrainingSpec
 
 INTERLEAVED_CHUNKS = (2, 4)
 
@@ -33,38 +35,44 @@ def cut_positions(graph: LayerGraph) -> list[int]:
     return [i + 1 for i, layer in enumerate(graph.layers[:-1]) if layer.can_cut_after]
 
 
+def axis_limits(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: TrainingSpec) -> AxisLimits:
+    """What every mesh axis's degree must divide or stay within for this request."""
+    return AxisLimits(world_size=world_size, global_batch=training.global_batch,
+                      max_stages=len(cut_positions(graph)) + 1, gpus_per_node=cluster.gpus_per_node)
+
+
 def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
-                      training: TrainingSpec, pins: Pins) -> list[MeshConfig]:
+                      training: TrainingSpec, pins: Pins) -> list[Configuration]:
     """Every configuration the pins allow; raises PinError naming why none remain."""
     pins.check_form()
-    pinned = [(k, getattr(pins, k)) for k in ("pp", "dp", "tp") if getattr(pins, k) is not None]
-    product = math.prod(v for _, v in pinned)
-    if world_size % product:
-        names = " × ".join(f"{k}={v}" for k, v in pinned)
-        total = f" = {product}" if len(pinned) > 1 else ""
-        raise PinError(f"world size {world_size} is not a multiple of the pinned {names}{total}")
-    if len(pinned) == 3 and product != world_size:
-        raise PinError(f"pinned pp × dp × tp = {product} but the world size is {world_size}")
-    max_stages = len(cut_positions(graph)) + 1
+    limits = axis_limits(graph, world_size, cluster, training)
+    pinned = pins.mesh_degrees()
+    _check_pinned_mesh(pinned, limits)
     pinned_zeros = [pin.get("zero") for pin in pins.resolve_layers([layer.name for layer in graph])]
-    configs: list[MeshConfig] = []
-    for tp in [pins.tp] if pins.tp else [d for d in _divisors(world_size) if cluster.gpus_per_node % d == 0]:
-        for pp in [pins.pp] if pins.pp else _divisors(world_size // tp):
-            if (world_size // tp) % pp or pp > max_stages:
+    configs: list[Configuration] = []
+    for mesh in meshes(limits, pinned):
+        floor = contract.root_floor(graph, pinned_zeros, mesh.pp)
+        per_replica = training.global_batch // mesh.dp
+        for m in [pins.microbatches] if pins.microbatches else _divisors(per_replica):
+            if per_replica % m:
                 continue
-            dp = world_size // (tp * pp)
-            floor = contract.root_floor(graph, pinned_zeros, pp)
-            if pins.dp not in (None, dp) or training.global_batch % dp:
-                continue
-            per_replica = training.global_batch // dp
-            for m in [pins.microbatches] if pins.microbatches else _divisors(per_replica):
-                if per_replica % m:
-                    continue
-                configs += [MeshConfig(pp, dp, tp, m, s, mode) for s in _schedules(pp, m, max_stages, pins)
-                            for mode in contract.data_parallel_modes(graph, pp, dp, floor)]
+            configs += [Configuration(mesh, m, s, mode) for s in _schedules(mesh.pp, m, limits.max_stages, pins)
+                        for mode in contract.data_parallel_modes(graph, mesh.pp, mesh.dp, floor)]
     if not configs:
-        raise PinError(why_no_config(graph, world_size, training, pins, max_stages))
+        raise PinError(why_no_config(graph, world_size, training, pins, limits.max_stages))
     return configs
+
+
+def _check_pinned_mesh(pinned: dict[str, int], limits: AxisLimits) -> None:
+    """Pinned degrees that cannot multiply into the world, each named."""
+    product = math.prod(pinned.values())
+    if limits.world_size % product:
+        names = " × ".join(f"{k}={v}" for k, v in pinned.items())
+        total = f" = {product}" if len(pinned) > 1 else ""
+        raise PinError(f"world size {limits.world_size} is not a multiple of the pinned {names}{total}")
+    if len(pinned) == len(AXES) and product != limits.world_size:
+        names = " × ".join(pinned)
+        raise PinError(f"pinned {names} = {product} but the world size is {limits.world_size}")
 
 
 def _schedules(pp: int, m: int, max_stages: int, pins: Pins) -> list[Schedule]:
@@ -90,14 +98,16 @@ def _blocked(graph: LayerGraph) -> str:
 
 def why_no_config(graph: LayerGraph, world: int, training: TrainingSpec, pins: Pins, max_stages: int) -> str:
     b = training.global_batch
-    if pins.pp and pins.pp * (pins.chunks or 1) > max_stages:
-        return (f"pp={pins.pp}{f' × chunks={pins.chunks}' if pins.chunks else ''} needs "
-                f"{pins.pp * (pins.chunks or 1)} pipeline stages but the model can be cut into at "
+    pinned = pins.mesh_degrees()
+    pp, dp = pinned.get("pp"), pinned.get("dp")
+    if pp and pp * (pins.chunks or 1) > max_stages:
+        return (f"pp={pp}{f' × chunks={pins.chunks}' if pins.chunks else ''} needs "
+                f"{pp * (pins.chunks or 1)} pipeline stages but the model can be cut into at "
                 f"most {max_stages} (it has {max_stages - 1} places a cut may go)" + _blocked(graph))
-    if pins.dp and b % pins.dp:
-        return f"batch size {b} does not divide over the pinned dp={pins.dp}"
-    if pins.dp and pins.microbatches and b % (pins.dp * pins.microbatches):
-        return (f"batch size {b} does not divide into the pinned dp={pins.dp} × "
+    if dp and b % dp:
+        return f"batch size {b} does not divide over the pinned dp={dp}"
+    if dp and pins.microbatches and b % (dp * pins.microbatches):
+        return (f"batch size {b} does not divide into the pinned dp={dp} × "
                 f"microbatches={pins.microbatches}")
     if pins.microbatches:
         return (f"batch size {b} cannot give microbatches={pins.microbatches} on any data-parallel "
@@ -106,15 +116,15 @@ def why_no_config(graph: LayerGraph, world: int, training: TrainingSpec, pins: P
         return (f"no mesh for world size {world} and batch size {b} can run the pinned schedule "
                 f"({pins.schedule.value if pins.schedule else 'interleaved_1f1b'}); interleaved "
                 "1F1B needs microbatches divisible by pp")
-    mesh = [(k, getattr(pins, k)) for k in ("pp", "dp", "tp") if getattr(pins, k)]
-    if not mesh:
-        return (f"no mesh pp × dp × tp = {world} divides batch size {b}; use a batch size divisible "
+    axes = " × ".join(a.name for a in AXES if a.searched)
+    if not pinned:
+        return (f"no mesh {axes} = {world} divides batch size {b}; use a batch size divisible "
                 "by the data-parallel degree")
-    named = " × ".join(f"{k}={v}" for k, v in mesh)
-    free = [k for k in ("pp", "dp", "tp") if not getattr(pins, k)]
-    if free == ["dp"]:  # pp and tp pinned: dp is what is left of the world size
-        dp = world // (pins.pp * pins.tp)
+    named = " × ".join(f"{k}={v}" for k, v in pinned.items())
+    free = [a.name for a in AXES if a.searched and a.name not in pinned]
+    if free == ["dp"]:  # every other axis pinned: dp is what is left of the world size
+        dp = world // math.prod(pinned.values())
         return (f"the pinned {named} leave dp={dp} for world size {world}, which does not divide batch "
                 f"size {b}; use a batch size divisible by {dp}")
-    return (f"no mesh pp × dp × tp = {world} with the pinned {named} divides batch size {b}; use a "
+    return (f"no mesh {axes} = {world} with the pinned {named} divides batch size {b}; use a "
             "batch size divisible by the data-parallel degree")

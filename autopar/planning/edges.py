@@ -36,7 +36,6 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol
 
-from autopar import contract
 from autopar.contract import Engine
 from autopar.cost_models.hardware import ClusterSpec
 from autopar.graph import LayerGraph
@@ -50,7 +49,7 @@ class PriceTable(Protocol):
     cluster: ClusterSpec
     graph: LayerGraph
     engine: Engine
-    strategies: list[list[Any]]
+    choices: list[list[Any]]
     largest_unit_params: int
 
     def runs_as(self, i: int, strategy: Any) -> Any: ...
@@ -63,15 +62,15 @@ ZERO_LEVELS = (1, 2, 3)  # the FSDP2 stages whose edge units a rank can pay for
 def edge_level(table: PriceTable, i: int, k: int) -> int:
     """The ZeRO stage at which layer ``i`` under strategy ``k`` runs an FSDP2 unit (0: none)."""
     c = table.config
-    if c.dp <= 1 or table.engine is not Engine.FULLY_SHARD or not table.graph[i].param_count:
+    if c.mesh.dp <= 1 or table.engine is not Engine.FULLY_SHARD or not table.graph[i].param_count:
         return 0
-    return table.runs_as(i, table.strategies[i][k]).zero
+    return table.runs_as(i, table.choices[i][k]).zero
 
 
 def edge_unit_params(table: PriceTable) -> int:
     """Parameters per rank of the unit priced at each end (see the module docstring)."""
     params = table.largest_unit_params
-    return math.ceil(params / table.config.tp) if table.config.tp > 1 else params
+    return math.ceil(params / table.config.mesh.tp) if table.config.mesh.tp > 1 else params
 
 
 def edge_exposed_s(table: PriceTable, level: int) -> float:
@@ -89,7 +88,7 @@ def edge_increments_s(table: PriceTable) -> dict[int, float]:
 
 def node_of(pipeline_rank: int, table: PriceTable) -> int:
     """The node holding pipeline rank ``pipeline_rank``'s first device (ranks are pp-major)."""
-    stride = contract.axis_stride("pp", table.config.dp, table.config.tp)
+    stride = table.config.mesh.stride("pp")
     return pipeline_rank * stride // table.cluster.gpus_per_node
 
 

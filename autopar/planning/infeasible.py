@@ -9,8 +9,8 @@ from ortools.sat.python import cp_model
 from autopar.errors import InfeasibleError
 from autopar.planning.bounds import memory_lower_bound
 from autopar.planning.choices import runs_of
+from autopar.planning.configuration import Configuration
 from autopar.planning.model import SolverOptions, Units, build_model, cp_solver
-from autopar.planning.pricing import MeshConfig
 from autopar.units import format_bytes
 
 
@@ -22,7 +22,7 @@ def raise_infeasible(candidates, layer_pins, cuts_ok, budget: int, options: Solv
     reaches the least found (or the time limit ends the search).
     """
     start = time.perf_counter()
-    best: tuple[int, MeshConfig] | None = None
+    best: tuple[int, Configuration] | None = None
     by_memory = sorted(((memory_lower_bound(x[2], x[3]), x) for x in candidates), key=lambda y: y[0])
     for bound, (_, config, table, allowed) in by_memory:
         remaining = options.time_limit_s - (time.perf_counter() - start)

@@ -15,6 +15,7 @@ from typing import Any
 from ortools.sat.python import cp_model
 
 from autopar import contract
+from autopar.choice import LayerChoice
 from autopar.contract import Buffers
 from autopar.planning import edges
 from autopar.planning.bounds import (
@@ -25,7 +26,8 @@ from autopar.planning.bounds import (
     rank_curves,
     rank_p2p_floor,
 )
-from autopar.planning.pricing import MeshConfig, PriceTable, Strategy
+from autopar.planning.configuration import Configuration
+from autopar.planning.pricing import PriceTable
 
 TIME_RESOLUTION = 10**7  # the largest time coefficient of a configuration, in integer units
 
@@ -76,7 +78,7 @@ def build_model(table: PriceTable, allowed: list[list[int]], runs: list[tuple[in
     peak = None
     obj_t, rank_t, obj_x, memory = _add_rank_terms(model, table, allowed, runs, cuts, counts, units)
     objective, scale = None, 1
-    if budget is not None and c.pp > 1:  # one rank: its memory constraint says as much, and faster
+    if budget is not None and c.mesh.pp > 1:  # one rank: its memory constraint says as much, and faster
         model.Add(obj_t >= add_rank_floors(model, table, allowed, runs, counts, budget, cuts_ok, units))
     if budget is None:
         peak = model.NewIntVar(0, 2**60, "peak_memory")
@@ -99,9 +101,9 @@ def _add_sharded_plan(model: cp_model.CpModel, table: PriceTable, runs: list[tup
     """A sharded configuration's plan shards some layer (else it lowers as a replicated plan):
     implied by the root units' ZeRO stage where a root unit holds parameters."""
     c = table.config
-    if not c.data_parallel.sharded or contract.wrapping(table.graph, c.pp).root_params:
+    if not c.data_parallel.sharded or contract.wrapping(table.graph, c.mesh.pp).root_params:
         return
-    sharded = [v for (r, _, k), v in counts.items() if table.strategies[runs[r][0]][k].zero >= 1
+    sharded = [v for (r, _, k), v in counts.items() if table.choices[runs[r][0]][k].zero >= 1
                and table.graph[runs[r][0]].param_count]
     model.Add(sum(sharded) >= 1).WithName("sharded_plan_shards_a_layer")
 
@@ -114,12 +116,12 @@ def _add_root_stage(model: cp_model.CpModel, table: PriceTable, runs: list[tuple
     c = table.config
     if not c.data_parallel.sharded or c.data_parallel.root_zero:
         return
-    root = contract.wrapping(table.graph, c.pp).root
+    root = contract.wrapping(table.graph, c.mesh.pp).root
     users: dict[int, list[tuple[Any, int]]] = {}
     for (r, _, k), var in counts.items():
         a, b = runs[r]
         if root[a]:
-            users.setdefault(table.strategies[a][k].zero, []).append((var, b - a))
+            users.setdefault(table.choices[a][k].zero, []).append((var, b - a))
     if not users:
         return
     flags = {z: model.NewBoolVar(f"root_zero_{z}") for z in sorted(users)}
@@ -174,7 +176,7 @@ def _add_cuts(model: cp_model.CpModel, table: PriceTable, layer_pins: list[dict]
 
 
 def _add_counts(model: cp_model.CpModel, runs: list[tuple[int, int]], allowed: list[list[int]],
-                cuts: list[Any], config: MeshConfig) -> dict[tuple[int, int, int], Any]:
+                cuts: list[Any], config: Configuration) -> dict[tuple[int, int, int], Any]:
     """n_{r,j,k}: layers of run r on pipeline rank j using strategy k.
 
     Costs depend only on what each rank holds, so strategies are counted per
@@ -231,7 +233,7 @@ def _add_rank_terms(model, table, allowed, runs, cuts, counts, units):
     X = model.NewIntVar(0, 2**50, "tail")
     memory, rank_t = [], []
     edge = _edge_exposure(model, table, runs, counts, units)
-    for j in range(c.pp):
+    for j in range(c.mesh.pp):
         t_terms, x_terms, m_terms = [], [], []
         for (r, jj, k), var in counts.items():
             if jj != j:
@@ -308,7 +310,7 @@ def _sequence_regions(model: cp_model.CpModel, table: PriceTable, runs: list[tup
     by_class: dict[int, list[tuple[Any, int, float]]] = {}
     for (r, jj, k), var in counts.items():
         a, b = runs[r]
-        if jj == j and table.strategies[a][k].sp:
+        if jj == j and table.choices[a][k].sp:
             by_class.setdefault(table.graph.cost_classes[a], []).append((var, b - a, table.sequence_region_s(a, k)))
     terms: list[Any] = []
     for cls, users in by_class.items():
@@ -367,24 +369,24 @@ def _hint(model: cp_model.CpModel, table: PriceTable, cuts: list[Any], cuts_ok: 
 
 
 def extract(solver: cp_model.CpSolver, built: BuiltModel, table: PriceTable,
-             runs: list[tuple[int, int]]) -> tuple[tuple[int, ...], tuple[Strategy, ...]]:
+             runs: list[tuple[int, int]]) -> tuple[tuple[int, ...], tuple[LayerChoice, ...]]:
     cuts = [solver.Value(x) if not isinstance(x, int) else x for x in built.cuts]
     stages = [0] * len(table.graph)
     for s in range(len(cuts) - 1):
         for i in range(cuts[s], cuts[s + 1]):
             stages[i] = s
-    strategies: list[Strategy | None] = [None] * len(table.graph)
+    strategies: list[LayerChoice | None] = [None] * len(table.graph)
     # a run's sequence-parallel layers on a rank first, side by side: one region, as priced
     def order(rjk: tuple[int, int, int]) -> tuple:
         r, j, k = rjk
-        return (r, j, not table.strategies[runs[r][0]][k].sp, k)
+        return (r, j, not table.choices[runs[r][0]][k].sp, k)
 
     for (r, j, k) in sorted(built.counts, key=order):
         a, b = runs[r]
         layers = [i for i in range(a, b) if strategies[i] is None
                   and table.config.rank_of_stage(stages[i]) == j]
         for i in layers[:solver.Value(built.counts[(r, j, k)])]:
-            strategies[i] = table.strategies[a][k]
+            strategies[i] = table.choices[a][k]
     return tuple(stages), tuple(strategies)  # type: ignore[arg-type]
 
 

@@ -6,22 +6,22 @@ from __future__ import annotations
 from dataclasses import replace
 
 from autopar import contract
+from autopar.choice import Recompute
 from autopar.graph import LayerGraph
-from autopar.plan import Recompute
-from autopar.planning.pricing import evaluate
+from autopar.planning.evaluate import evaluate
 from autopar.planning.solver import Solution
 
 
 def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
     """Where a layer runs otherwise than its plan entry asks (the contract's rules), say so."""
     table, raised, kept, bare, root = solution.table, [], [], [], 0
-    for i, (layer, s) in enumerate(zip(graph, solution.strategies)):
+    for i, (layer, s) in enumerate(zip(graph, solution.choices)):
         runs = table.runs_as(i, s)
-        if layer.param_count and solution.config.dp > 1 and runs.zero != s.zero:
+        if layer.param_count and solution.config.mesh.dp > 1 and runs.zero != s.zero:
             raised.append(f"{layer.name} (zero={s.zero})")
             root = runs.zero
         if s.recompute and not runs.recompute:
-            (kept if layer.module_path is None or not contract.recompute_applies(graph, i, solution.config.pp)
+            (kept if layer.module_path is None or not contract.recompute_applies(graph, i, solution.config.mesh.pp)
              else bare).append(layer.name)
     notes = []
     if raised:
@@ -72,12 +72,12 @@ def _uneven_stages_note(graph: LayerGraph, solution: Solution) -> str | None:
         per_stage[stage] += bool(graph.repeated[i])
     if max(per_stage) - min(per_stage) <= 1:
         return None
-    per_rank = [sum(per_stage[j::c.pp]) for j in range(c.pp)]
-    times = evaluate(solution.table, solution.stages, solution.strategies).rank_time_mb_s
-    slowest = max(range(c.pp), key=lambda j: times[j])
+    per_rank = [sum(per_stage[j::c.mesh.pp]) for j in range(c.mesh.pp)]
+    times = evaluate(solution.table, solution.stages, solution.choices).rank_time_mb_s
+    slowest = max(range(c.mesh.pp), key=lambda j: times[j])
     held = (f"every pipeline rank's {c.schedule.chunks} chunks add up to {per_rank[0]} blocks"
             if len(set(per_rank)) == 1 else
-            f"pipeline ranks 0–{c.pp - 1} hold {', '.join(map(str, per_rank))} blocks over their chunks")
+            f"pipeline ranks 0–{c.mesh.pp - 1} hold {', '.join(map(str, per_rank))} blocks over their chunks")
     note = (f"stages are uneven ({min(per_stage)}–{max(per_stage)} blocks each): a rank runs its chunks "
             f"in turn and the step is priced from each rank's total, so the cost model balances "
             f"ranks, not stages; {held}, {_seconds(min(times))} to {_seconds(max(times))} a microbatch, "
@@ -92,7 +92,7 @@ def _recompute_note(graph: LayerGraph, solution: Solution) -> str | None:
     rank and costs a step (the plan priced again without it), against the memory budget."""
     from autopar.units import format_bytes
 
-    table, strategies, stages = solution.table, solution.strategies, solution.stages
+    table, strategies, stages = solution.table, solution.choices, solution.stages
     runs = [table.runs_as(i, s).recompute for i, s in enumerate(strategies)]
     recomputed = [i for i, r in enumerate(runs) if r]
     if not recomputed or any(graph.repeated[i] for i in recomputed):

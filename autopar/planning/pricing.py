@@ -1,8 +1,8 @@
-"""Price every strategy of every layer for one mesh configuration.
+"""Price every choice of every layer for one configuration (a mesh, microbatches, schedule, data parallelism).
 
 This module is the one place where the cost models meet the LayerGraph. The
 solver builds its CP-SAT model from a :class:`PriceTable`, and
-:func:`evaluate` prices a complete assignment from the same table, so the
+:func:`~autopar.planning.evaluate.evaluate` prices a complete assignment from the same table, so the
 solver's objective and a plan's reported prediction are the same function.
 
 The step-time model of a configuration (pp × dp × tp mesh, m microbatches,
@@ -45,26 +45,26 @@ and the memory of rank j (integer bytes):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from functools import cached_property
 
 from autopar import contract
-from autopar.contract import REPLICATED, Buffers, DataParallelism, Engine
+from autopar.choice import LayerChoice, Recompute
+from autopar.contract import Buffers, Engine
 from autopar.cost_models.communication import Collective, collective_time_s, p2p_time_s, place_group
 from autopar.cost_models.hardware import ClusterSpec, idle_core_speedup
-from autopar.cost_models.memory import Precision, model_state_bytes, optimizer_shard_params, precision
-from autopar.cost_models.pipeline import Schedule, ScheduleKind, in_flight
+from autopar.cost_models.memory import model_state_bytes, optimizer_shard_params
+from autopar.cost_models.pipeline import ScheduleKind, in_flight
 from autopar.graph import Layer, LayerGraph
-from autopar.plan import Recompute
 from autopar.planning import edges
+from autopar.planning.configuration import Configuration, TrainingSpec
 from autopar.planning.layer_compute import layer_compute
 from autopar.planning.recompute_price import recompute_part
 from autopar.planning.sequence import (
     region_s,
     sequence_activation_bytes,
     sequence_comm_s,
-    sequence_regions,
 )
 
 FP32_BYTES = 4  # the loss, and a bf16 plan's master gradients outside FSDP2, are fp32
@@ -79,80 +79,27 @@ def exposed_comm_s(comm_s: float, compute_s: float, overlap: float) -> float:
 
 
 @dataclass(frozen=True)
-class Strategy:
-    """What one layer does: tensor-parallel style (None = replicated), ZeRO stage, recompute
-    (a :class:`~autopar.plan.Recompute`; a bool means full or none)."""
-
-    tp: str | None = None
-    zero: int = 0
-    recompute: Recompute = Recompute.NONE
-    sp: bool = False  # sequence parallelism on the style (planning/sequence.py)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "recompute", Recompute.of(self.recompute))
-
-    def __str__(self) -> str:
-        return f"tp={self.tp or '-'}{'+sp' if self.sp else ''} zero={self.zero} recompute={self.recompute}"
-
-
-@dataclass(frozen=True, order=True)
-class MeshConfig:
-    """The global choices: mesh degrees, microbatches, pipeline schedule, and how data
-    parallelism runs (:class:`~autopar.contract.DataParallelism`: replicated, or sharded
-    with the root units at one ZeRO stage)."""
-
-    pp: int
-    dp: int
-    tp: int
-    microbatches: int
-    schedule: Schedule = field(compare=False)
-    data_parallel: DataParallelism = REPLICATED
-
-    @property
-    def engine(self) -> Engine:
-        """The plan's data-parallel engine (:func:`autopar.contract.plan_engine`)."""
-        return contract.plan_engine(self.pp, self.dp, self.tp, self.data_parallel)
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
-
-    @property
-    def stages(self) -> int:
-        """Virtual pipeline stages: pp × chunks per rank."""
-        return self.pp * self.schedule.chunks
-
-    def rank_of_stage(self, stage: int) -> int:
-        return contract.pipeline_rank(stage, self.pp)
-
-    def describe(self) -> str:
-        dp = f" {self.data_parallel}" if self.dp > 1 else ""
-        return f"pp={self.pp} dp={self.dp} tp={self.tp} m={self.microbatches} {self.schedule}{dp}"
-
-
-@dataclass(frozen=True)
-class TrainingSpec:
-    """What the plan trains with: global batch (samples per step) and precision."""
-
-    global_batch: int
-    dtype: str = "bf16"
-
-    @property
-    def precision(self) -> Precision:
-        return precision(self.dtype)
-
-
-@dataclass(frozen=True)
 class LayerPrice:
-    """One layer under one strategy: times in seconds, memory in bytes."""
+    """One layer under one choice: times in seconds, memory in bytes, each part kept apart so that
+    one evaluation (:mod:`.evaluate`) gives the step, the stages' times and the ranks' memory by kind."""
 
+    forward_mb_s: float  # forward compute per microbatch
     compute_mb_s: float  # forward + backward (+ recomputed forward) per microbatch
-    tp_comm_mb_s: float  # tensor-parallel collectives per microbatch
+    forward_tp_mb_s: float  # forward tensor-parallel collectives per microbatch
+    tp_comm_mb_s: float  # tensor-parallel collectives per microbatch, forward and backward
     dp_comm_s: float  # data-parallel / ZeRO collectives per step
     exposed_comm_s: float  # the part of dp_comm_s not hidden under the layer's compute
     optimizer_s: float  # optimizer step per step
-    state_bytes: int  # weights + gradients + optimizer state held
+    params_bytes: int  # weights held (whole, or this rank's ZeRO-3 shard)
+    grads_bytes: int  # gradients held (whole, or this rank's ZeRO-2/3 shard)
+    optimizer_bytes: int  # optimizer state held, and a bf16 plan's fp32 master gradients outside FSDP2
+    buckets_bytes: int  # DDP's gradient buckets
     activation_mb_bytes: int  # activations kept per microbatch in flight
+
+    @property
+    def state_bytes(self) -> int:
+        """Weights + gradients + optimizer state + gradient buckets: the layer's memory but its activations."""
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.buckets_bytes
 
     @property
     def time_mb_s(self) -> float:
@@ -165,48 +112,48 @@ class LayerPrice:
 
 
 class PriceTable:
-    """Prices of every admissible strategy of every layer under one :class:`MeshConfig`."""
+    """Prices of every admissible choice of every layer under one :class:`Configuration`."""
 
-    def __init__(self, graph: LayerGraph, config: MeshConfig, cluster: ClusterSpec,
+    def __init__(self, graph: LayerGraph, config: Configuration, cluster: ClusterSpec,
                  training: TrainingSpec):
-        samples = config.dp * config.microbatches
+        samples = config.mesh.dp * config.microbatches
         if training.global_batch % samples:
             raise ValueError(f"global batch {training.global_batch} does not split into "
-                             f"dp={config.dp} × microbatches={config.microbatches}")
-        if config.pp > 1:  # tied embeddings: the last stage holds the first layer's weight too
+                             f"dp={config.mesh.dp} × microbatches={config.microbatches}")
+        if config.mesh.pp > 1:  # tied embeddings: the last stage holds the first layer's weight too
             graph = graph.pipeline_view()
         self.graph, self.config, self.cluster, self.training = graph, config, cluster, training
         self.prec = training.precision
         self.microbatch_size = training.global_batch // samples
         self.act_scale = self.prec.activation_bytes / graph.dtype_bytes
         self.dtype_for_compute = "bf16" if training.dtype == "bf16" else "fp32"
-        stride = {axis: contract.axis_stride(axis, config.dp, config.tp) for axis in contract.MESH_AXES}
-        self.tp_group = place_group(config.tp, stride["tp"], cluster.gpus_per_node)
-        self.dp_group = place_group(config.dp, stride["dp"], cluster.gpus_per_node)
-        self.pp_inter_node = edges.ranks_inter_node(0, config.pp - 1, self)  # the tied ends' all-reduce
+        mesh = config.mesh
+        groups = {name: place_group(degree, mesh.stride(name), cluster.gpus_per_node) for name, degree in mesh.items()}
+        self.tp_group, self.dp_group = groups["tp"], groups["dp"]
+        self.pp_inter_node = edges.ranks_inter_node(0, config.mesh.pp - 1, self)  # the tied ends' all-reduce
         self.engine = config.engine
         self._style_memo: dict[tuple[int, str | None, bool], tuple[float, float, float, float, float]] = {}
 
     @cached_property
-    def _rows(self) -> tuple[list[list[Strategy]], list[list[LayerPrice]]]:
-        """Every layer's strategies and prices, built on first use.
+    def _rows(self) -> tuple[list[list[LayerChoice]], list[list[LayerPrice]]]:
+        """Every layer's choices and prices, built on first use.
 
         Layers of one cost class (the repeated blocks) share one priced row; a row
         is copied before a layer's row is extended (see solver._pinned_outside_search).
         """
-        rows: dict[tuple, tuple[list[Strategy], list[LayerPrice]]] = {}
+        rows: dict[tuple, tuple[list[LayerChoice], list[LayerPrice]]] = {}
         keys = []
         for layer in self.graph:
-            zeros = contract.offered_zeros(self.graph, layer.index, self.config.data_parallel, self.config.pp)
+            zeros = contract.offered_zeros(self.graph, layer.index, self.config.data_parallel, self.config.mesh.pp)
             key = (self.graph.cost_classes[layer.index], zeros, self._recompute_options(layer))
             if key not in rows:
-                strategies = self._strategies(layer, zeros)
-                rows[key] = (strategies, [self._price(layer, s) for s in strategies])
+                choices = self._choices(layer, zeros)
+                rows[key] = (choices, [self._price(layer, s) for s in choices])
             keys.append(key)
         return [rows[k][0] for k in keys], [rows[k][1] for k in keys]
 
     @cached_property
-    def strategies(self) -> list[list[Strategy]]:
+    def choices(self) -> list[list[LayerChoice]]:
         return self._rows[0]
 
     @cached_property
@@ -214,53 +161,53 @@ class PriceTable:
         return self._rows[1]
 
     def fastest_time_mb_s(self) -> list[float]:
-        """Per layer, the least per-microbatch time any strategy could take (no pricing of
+        """Per layer, the least per-microbatch time any choice could take (no pricing of
         ZeRO or memory needed: only the tensor-parallel style sets it)."""
         memo: dict[int, float] = {}
         out = []
         for layer, cls in zip(self.graph, self.graph.cost_classes):
             if cls not in memo:
-                styles = {(s.tp, s.sp) for s in self._strategies(layer, (0,))}
+                styles = {(s.tp, s.sp) for s in self._choices(layer, (0,))}
                 memo[cls] = min(sum(self._style_part(layer, t, sp)[:4]) for t, sp in styles)
             out.append(memo[cls])
         return out
 
     def _recompute_options(self, layer: Layer) -> tuple[Recompute, ...]:
-        return contract.offered_recomputes(self.graph, layer.index, self.config.pp)
+        return contract.offered_recomputes(self.graph, layer.index, self.config.mesh.pp)
 
-    def _strategies(self, layer: Layer, zeros: tuple[int, ...]) -> list[Strategy]:
+    def _choices(self, layer: Layer, zeros: tuple[int, ...]) -> list[LayerChoice]:
         """What the contract lets this layer run as (styles, ZeRO stages, recompute)."""
         styles: list[tuple[str | None, bool]] = [(None, False)]
-        tp = self.config.tp
-        if tp > 1 and contract.tp_applies(self.graph, self.config.pp) \
-                and not contract.tied_across_stages(self.graph, layer.index, self.config.pp):
+        tp = self.config.mesh.tp
+        if tp > 1 and contract.tp_applies(self.graph, self.config.mesh.pp) \
+                and not contract.tied_across_stages(self.graph, layer.index, self.config.mesh.pp):
             for s in layer.tp_styles:
                 if s.admits(tp):
                     styles += [(s.name, False)] + ([(s.name, True)] if s.admits_sequence(tp) else [])
-        return [Strategy(t, z, r, sp) for t, sp in styles for z in zeros for r in self._recompute_options(layer)]
+        return [LayerChoice(t, z, r, sp) for t, sp in styles for z in zeros for r in self._recompute_options(layer)]
 
-    def index_of(self, i: int, strategy: Strategy) -> int:
-        """Strategy ``strategy``'s index in layer ``i``'s row, pricing it there first if the
-        search space leaves it out (a pinned or hand-made choice). Rows are shared between
-        layers that price alike, so the row is copied before it is extended."""
-        if strategy not in self.strategies[i]:
-            self.strategies[i] = [*self.strategies[i], strategy]
-            self.prices[i] = [*self.prices[i], self._price(self.graph[i], strategy)]
-        return self.strategies[i].index(strategy)
+    def index_of(self, i: int, choice: LayerChoice) -> int:
+        """``choice``'s index in layer ``i``'s row, pricing it there first if the search space
+        leaves it out (a pinned or hand-made choice). Rows are shared between layers that
+        price alike, so the row is copied before it is extended."""
+        if choice not in self.choices[i]:
+            self.choices[i] = [*self.choices[i], choice]
+            self.prices[i] = [*self.prices[i], self._price(self.graph[i], choice)]
+        return self.choices[i].index(choice)
 
-    def runs_as(self, i: int, strategy: Strategy) -> Strategy:
-        """What layer ``i`` asking for ``strategy`` runs as (the contract's ZeRO stage and recompute):
+    def runs_as(self, i: int, choice: LayerChoice) -> LayerChoice:
+        """What layer ``i`` asking for ``choice`` runs as (the contract's ZeRO stage and recompute):
         what it is priced as."""
         c = self.config
-        zero = contract.effective_zero(self.graph, i, strategy.zero, c.data_parallel, c.dp, c.pp)
-        return Strategy(strategy.tp, zero, contract.recompute_runs_as(self.graph, i, c.pp, strategy.recompute),
-                        strategy.sp)
+        zero = contract.effective_zero(self.graph, i, choice.zero, c.data_parallel, c.mesh.dp, c.mesh.pp)
+        return replace(choice, zero=zero,
+                       recompute=contract.recompute_runs_as(self.graph, i, c.mesh.pp, choice.recompute))
 
     def buffers_needed(self, i: int, k: int) -> Buffers:
-        """The FSDP2 buffers layer ``i`` under strategy ``k`` makes its rank hold (the contract's)."""
-        if self.config.dp <= 1 or self.engine is Engine.DDP:
+        """The FSDP2 buffers layer ``i`` under choice ``k`` makes its rank hold (the contract's)."""
+        if self.config.mesh.dp <= 1 or self.engine is Engine.DDP:
             return Buffers.NONE
-        zero = self.runs_as(i, self.strategies[i][k]).zero
+        zero = self.runs_as(i, self.choices[i][k]).zero
         return contract.buffers_of(zero, bool(self.graph[i].param_count))
 
     def buffer_bytes(self, buffers: Buffers) -> int:
@@ -272,7 +219,7 @@ class PriceTable:
     def bubble_weight(self) -> Fraction:
         """w in step = m·T + w·(S − T) + X (see the module docstring): 1/v with v chunks per rank."""
         c = self.config
-        return Fraction(0) if c.pp <= 1 else Fraction(1, c.schedule.chunks)
+        return Fraction(0) if c.mesh.pp <= 1 else Fraction(1, c.schedule.chunks)
 
     @cached_property
     def core_sharing(self) -> tuple[Fraction, int]:
@@ -285,9 +232,9 @@ class PriceTable:
         """
         c = self.config
         on_node = min(self.cluster.gpus_per_node, c.world_size)
-        k = math.gcd(contract.pipeline_ranks_per_node(c.pp, c.dp, c.tp, self.cluster.gpus_per_node), c.pp)
+        k = math.gcd(contract.pipeline_ranks_per_node(c.mesh, self.cluster.gpus_per_node), c.mesh.pp)
         sigma = idle_core_speedup(self.cluster, on_node)
-        return (Fraction(1), 1) if c.pp <= 1 or k < 2 or sigma == 1 else (sigma, k)
+        return (Fraction(1), 1) if c.mesh.pp <= 1 or k < 2 or sigma == 1 else (sigma, k)
 
     def pipeline_s(self, per_rank_mb_s: list[float]) -> float:
         """The step before the tail, from each pipeline rank's per-microbatch time.
@@ -313,12 +260,12 @@ class PriceTable:
     @cached_property
     def in_flight(self) -> list[Fraction]:
         c = self.config
-        return [in_flight(c.schedule, c.pp, c.microbatches, j) for j in range(c.pp)]
+        return [in_flight(c.schedule, c.mesh.pp, c.microbatches, j) for j in range(c.mesh.pp)]
 
     @cached_property
     def largest_unit_params(self) -> int:
         """Parameters of the largest FSDP unit (:func:`autopar.contract.largest_unit_params`)."""
-        return contract.wrapping(self.graph, self.config.pp).largest_unit_params
+        return contract.wrapping(self.graph, self.config.mesh.pp).largest_unit_params
 
     @cached_property
     def workspace_bytes(self) -> int:
@@ -338,27 +285,27 @@ class PriceTable:
 
     def rank_workspace_bytes(self, rank: int) -> int:
         """:attr:`workspace_bytes`, and :attr:`loss_bytes` on the last pipeline rank."""
-        return self.workspace_bytes + (self.loss_bytes if rank == self.config.pp - 1 else 0)
+        return self.workspace_bytes + (self.loss_bytes if rank == self.config.mesh.pp - 1 else 0)
 
     @cached_property
     def reduce_scatter_buffer_bytes(self) -> int:
         """A rank with a ZeRO-1/2/3 layer holds two units' unsharded gradients in backward: those
         autograd is producing, and the previous unit's, kept until their reduce-scatter is done
         (FSDP2 overlaps one unit's reduce-scatter with the next unit's backward)."""
-        return 2 * self.prec.grad_bytes * self.largest_unit_params if self.config.dp > 1 else 0
+        return 2 * self.prec.grad_bytes * self.largest_unit_params if self.config.mesh.dp > 1 else 0
 
     @cached_property
     def prefetch_buffer_bytes(self) -> int:
         """A rank with a ZeRO-3 layer gathers the next unit's weights while the current one runs
         (FSDP2's prefetch, forward and backward): a second unit of gathered weights."""
-        return self.prec.param_bytes * self.largest_unit_params if self.config.dp > 1 else 0
+        return self.prec.param_bytes * self.largest_unit_params if self.config.mesh.dp > 1 else 0
 
-    def effective_params(self, layer: Layer, strategy: Strategy) -> int:
+    def effective_params(self, layer: Layer, choice: LayerChoice) -> int:
         """Parameters one rank holds for the layer before ZeRO sharding."""
-        if strategy.tp is None:
+        if choice.tp is None:
             return layer.param_count
-        sharded = layer.tp_style(strategy.tp).sharded_params
-        return layer.param_count - sharded + math.ceil(sharded / self.config.tp)
+        sharded = layer.tp_style(choice.tp).sharded_params
+        return layer.param_count - sharded + math.ceil(sharded / self.config.mesh.tp)
 
     def _style_part(self, layer: Layer, style_name: str | None,
                     sp: bool = False) -> tuple[float, float, float, float, float]:
@@ -374,7 +321,7 @@ class PriceTable:
         if style_name is not None:
             style = layer.tp_style(style_name)
             sharded_act = style.sharded_activation_elems_per_sample * self.graph.dtype_bytes
-            acts -= sharded_act * (1 - 1 / c.tp)
+            acts -= sharded_act * (1 - 1 / c.mesh.tp)
             elem = self.prec.activation_bytes * b
             tp_comm_fwd = collective_time_s(
                 Collective.ALL_REDUCE, style.fwd_allreduce_elems * elem, self.tp_group,
@@ -390,38 +337,45 @@ class PriceTable:
             tp_comm_bwd += overhead * style.bwd_allreduce_count
             if sp:
                 tp_comm_fwd, tp_comm_bwd = sequence_comm_s(style, elem, self.tp_group, self.cluster)
-                acts = sequence_activation_bytes(layer, style, c.tp, self.graph.dtype_bytes)
-        times = layer_compute(layer, style_name, c.tp, b, self.cluster.device, self.dtype_for_compute,
+                acts = sequence_activation_bytes(layer, style, c.mesh.tp, self.graph.dtype_bytes)
+        times = layer_compute(layer, style_name, c.mesh.tp, b, self.cluster.device, self.dtype_for_compute,
                               self.act_scale)
         self._style_memo[key] = (times.fwd_s, times.bwd_s, tp_comm_fwd, tp_comm_bwd, acts)
         return self._style_memo[key]
 
-    def _price(self, layer: Layer, strategy: Strategy) -> LayerPrice:
+    def _price(self, layer: Layer, choice: LayerChoice) -> LayerPrice:
         """The layer priced as it runs (:meth:`runs_as`)."""
-        strategy = self.runs_as(layer.index, strategy)
+        runs = self.runs_as(layer.index, choice)
         c, b, prec, device = self.config, self.microbatch_size, self.prec, self.cluster.device
-        fwd, bwd, tp_comm_fwd, tp_comm_bwd, acts = self._style_part(layer, strategy.tp, strategy.sp)
-        refwd, kept = recompute_part(self, layer, strategy, fwd, acts)
+        fwd, bwd, tp_comm_fwd, tp_comm_bwd, acts = self._style_part(layer, runs.tp, runs.sp)
+        refwd, kept = recompute_part(self, layer, runs, fwd, acts)
         compute = fwd + bwd + refwd
         # a recomputed forward issues its collectives again (selective keeps only matmul-class outputs)
-        tp_comm = tp_comm_fwd + tp_comm_bwd + (tp_comm_fwd if strategy.recompute else 0.0)
-        params = self.effective_params(layer, strategy)
-        share = contract.collective_share(self.graph, layer.index, self.engine, c.pp, prec.grad_bytes)
-        dp_comm = self.dp_collectives_s(params, strategy.zero, share)
-        fsdp_work = self._zero_overhead_s(params, strategy.zero, share)  # done by the host: never hidden
-        fsdp_work += self._tied_sum_s(layer, strategy.zero)
+        tp_comm = tp_comm_fwd + tp_comm_bwd + (tp_comm_fwd if runs.recompute else 0.0)
+        params = self.effective_params(layer, runs)
+        share = contract.collective_share(self.graph, layer.index, self.engine, c.mesh.pp, prec.grad_bytes)
+        dp_comm = self.dp_collectives_s(params, runs.zero, share)
+        fsdp_work = self._zero_overhead_s(params, runs.zero, share)  # done by the host: never hidden
+        fsdp_work += self._tied_sum_s(layer, runs.zero)
+        weights = prec.param_bytes * params if runs.zero < 3 else prec.param_bytes * params // c.mesh.dp
+        grads = prec.grad_bytes * params if runs.zero < 2 else prec.grad_bytes * params // c.mesh.dp
+        buckets = prec.grad_bytes * params if self.engine is Engine.DDP else 0
+        state = model_state_bytes(params, runs.zero, c.mesh.dp, prec) + buckets + self._master_grad_bytes(params)
         return LayerPrice(
+            forward_mb_s=fwd,
             compute_mb_s=compute,
+            forward_tp_mb_s=tp_comm_fwd,
             tp_comm_mb_s=tp_comm,
             dp_comm_s=dp_comm + fsdp_work,
             exposed_comm_s=exposed_comm_s(dp_comm, c.microbatches * compute, self.cluster.comm_overlap)
             + fsdp_work,
-            optimizer_s=optimizer_shard_params(params, strategy.zero, c.dp)
+            optimizer_s=optimizer_shard_params(params, runs.zero, c.mesh.dp)
             * prec.optimizer_bytes_touched / device.memory_bandwidth_bytes_s
-            + (len(layer.param_names) * self.cluster.optimizer_dtensor_s if self._dtensor(strategy) else 0.0),
-            state_bytes=model_state_bytes(params, strategy.zero, c.dp, prec)
-            + (prec.grad_bytes * params if self.engine is Engine.DDP else 0)
-            + self._master_grad_bytes(params),
+            + (len(layer.param_names) * self.cluster.optimizer_dtensor_s if self._dtensor(runs) else 0.0),
+            params_bytes=weights,
+            grads_bytes=grads,
+            optimizer_bytes=state - weights - grads - buckets,  # what the ZeRO formula leaves, rounding included
+            buckets_bytes=buckets,
             activation_mb_bytes=math.ceil(b * max(kept, 0.0) * self.act_scale),
         )
 
@@ -433,15 +387,15 @@ class PriceTable:
             return 0
         return (FP32_BYTES - self.prec.grad_bytes) * params
 
-    def _dtensor(self, strategy: Strategy) -> bool:
+    def _dtensor(self, runs: LayerChoice) -> bool:
         """Whether the layer's parameters are DTensors once lowered (passes/zero.py,
         passes/tensor_parallel.py): tensor-parallel, or data-parallel on FSDP2 (anything but DDP)."""
-        return strategy.tp is not None or self.engine in (Engine.REPLICATE, Engine.FULLY_SHARD)
+        return runs.tp is not None or self.engine in (Engine.REPLICATE, Engine.FULLY_SHARD)
 
     def dp_collectives_s(self, params: int, zero: int, share: float = 1.0) -> float:
         """Per step: the collectives of :func:`autopar.contract.dp_collectives`. ``share``: the
         layer's share of each collective's latency."""
-        if self.config.dp <= 1 or params == 0:
+        if self.config.mesh.dp <= 1 or params == 0:
             return 0.0
         group, cl = self.dp_group, self.cluster
         grads, weights = self.prec.grad_bytes * params, self.prec.param_bytes * params
@@ -454,9 +408,9 @@ class PriceTable:
         """Per step, at each end of tied embeddings split across stages: the all-reduce of the tied
         weight's gradient (this rank's shard of it) between the first and last stage's ranks, after
         the pipeline drains — a two-rank all-reduce moves the shard once each way, priced as one send."""
-        if not contract.tied_across_stages(self.graph, layer.index, self.config.pp):
+        if not contract.tied_across_stages(self.graph, layer.index, self.config.mesh.pp):
             return 0.0
-        shard = self.config.dp if zero >= 1 and self.config.dp > 1 else 1
+        shard = self.config.mesh.dp if zero >= 1 and self.config.mesh.dp > 1 else 1
         nbytes = self.prec.grad_bytes * layer.tied_param_count / shard
         return p2p_time_s(nbytes, inter_node=self.pp_inter_node, cluster=self.cluster)
 
@@ -465,23 +419,27 @@ class PriceTable:
         ``zero_overhead_s``; ``share`` as in :meth:`dp_collectives_s`). FSDP2's replicate all-reduces once a
         step; DDP's bucketing is C++ beside its all-reduce and left out."""
         c, each = self.config, self.cluster.zero_overhead_s
-        if each <= 0 or c.dp <= 1 or params == 0 or self.engine is Engine.DDP:
+        if each <= 0 or c.mesh.dp <= 1 or params == 0 or self.engine is Engine.DDP:
             return 0.0
         return share * each * sum(contract.dp_collectives(zero, c.microbatches))
 
     def memory_coefficient(self, layer_index: int, k: int, rank: int) -> int:
-        """Bytes layer ``layer_index`` under strategy ``k`` adds to pipeline rank ``rank``."""
-        price = self.prices[layer_index][k]
+        """Bytes layer ``layer_index`` under choice ``k`` adds to pipeline rank ``rank``."""
+        return self.prices[layer_index][k].state_bytes + self.activation_bytes(layer_index, k, rank)
+
+    def activation_bytes(self, layer_index: int, k: int, rank: int) -> int:
+        """Activations layer ``layer_index`` under choice ``k`` keeps on pipeline rank ``rank``: one
+        microbatch's times the microbatches in flight there at the peak."""
         f = self.in_flight[rank]
-        return price.state_bytes + -(-price.activation_mb_bytes * f.numerator // f.denominator)
+        return -(-self.prices[layer_index][k].activation_mb_bytes * f.numerator // f.denominator)
 
     def sequence_region_s(self, i: int, k: int) -> float:
-        """Entering and leaving a sequence-parallel region, per microbatch, if layer ``i``'s strategy
+        """Entering and leaving a sequence-parallel region, per microbatch, if layer ``i``'s choice
         ``k`` is sequence parallel (:func:`autopar.planning.sequence.region_s`); else 0."""
-        strategy = self.strategies[i][k]
-        if not strategy.sp:
+        choice = self.choices[i][k]
+        if not choice.sp:
             return 0.0
-        style = self.graph[i].tp_style(strategy.tp)  # type: ignore[arg-type]
+        style = self.graph[i].tp_style(choice.tp)  # type: ignore[arg-type]
         return region_s(style, self.prec.activation_bytes * self.microbatch_size, self.tp_group, self.cluster)
 
     def p2p_s(self, cut: int, stage: int | None = None) -> float:
@@ -505,87 +463,3 @@ class PriceTable:
     def p2p_largest_s(self) -> float:
         """The dearest send of any cut at any boundary (the solver's time unit counts it)."""
         return max(self.p2p_s(q, s) for q in range(len(self.graph) + 1) for s in range(max(self.config.stages, 1)))
-
-
-@dataclass(frozen=True)
-class Assignment:
-    """A complete plan in solver terms: a config, each layer's stage and strategy."""
-
-    config: MeshConfig
-    stages: tuple[int, ...]
-    strategies: tuple[Strategy, ...]
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """Predicted step time (with its breakdown on the critical rank) and memory per rank."""
-
-    step_time_s: float
-    memory_per_rank_bytes: tuple[int, ...]
-    compute_s: float
-    bubble_s: float
-    tp_comm_s: float
-    pp_comm_s: float
-    dp_comm_s: float
-    optimizer_s: float
-    rank_time_mb_s: tuple[float, ...] = ()  # each pipeline rank's T_j per microbatch (sends included)
-
-    @property
-    def peak_memory_bytes(self) -> int:
-        return max(self.memory_per_rank_bytes)
-
-
-def evaluate(table: PriceTable, stages: tuple[int, ...], strategies: tuple[Strategy, ...]) -> Prediction:
-    """Price a complete assignment with the same model the solver optimises.
-
-    Each layer is priced as the contract says it runs (:meth:`PriceTable.runs_as`): a
-    root-unit layer at its root's ZeRO stage, recompute only on a layer with a module. The
-    table's configuration must carry the assignment's data-parallel mode
-    (:func:`autopar.contract.mode_of`).
-    """
-    c = table.config
-    pp = c.pp
-    t_compute, t_tp, t_p2p = [0.0] * pp, [0.0] * pp, [0.0] * pp
-    exposed, opt = [0.0] * pp, [0.0] * pp
-    memory = [table.rank_workspace_bytes(j) for j in range(pp)]
-    buffers = [Buffers.NONE] * pp
-    levels = [0] * pp  # the highest ZeRO stage of a rank's FSDP2 units: its edge units' exposure
-    for i, (stage, strategy) in enumerate(zip(stages, strategies)):
-        k = table.index_of(i, strategy)
-        price, rank = table.prices[i][k], c.rank_of_stage(stage)
-        buffers[rank] = max(buffers[rank], table.buffers_needed(i, k))
-        levels[rank] = max(levels[rank], edges.edge_level(table, i, k))
-        t_compute[rank] += price.compute_mb_s
-        t_tp[rank] += price.tp_comm_mb_s
-        exposed[rank] += price.exposed_comm_s
-        opt[rank] += price.optimizer_s
-        memory[rank] += table.memory_coefficient(i, k, rank)
-    for j, region in enumerate(sequence_regions(table, stages, strategies)):
-        t_tp[j] += region
-    edge = edges.edge_exposed_s(table, max(levels))  # the ends, at the plan's highest ZeRO stage
-    for j in range(pp):
-        memory[j] += table.buffer_bytes(buffers[j])
-        exposed[j] += edge
-    for cut in range(1, len(stages)):
-        if stages[cut] != stages[cut - 1]:
-            send = table.p2p_s(cut, stages[cut])
-            t_p2p[c.rank_of_stage(stages[cut - 1])] += send  # forward activations
-            t_p2p[c.rank_of_stage(stages[cut])] += send  # backward gradients
-    per_mb = [t_compute[j] + t_tp[j] + t_p2p[j] for j in range(pp)]
-    tail = [exposed[j] + opt[j] for j in range(pp)]
-    crit = max(range(pp), key=lambda j: per_mb[j])
-    tail_rank = max(range(pp), key=lambda j: tail[j])
-    m, w = c.microbatches, float(table.bubble_weight)
-    chain, pipeline = m * per_mb[crit] + w * (sum(per_mb) - per_mb[crit]), table.pipeline_s(per_mb)
-    lent = pipeline / chain if chain else 1.0  # < 1 where waiting ranks lend cores
-    return Prediction(
-        step_time_s=pipeline + tail[tail_rank],
-        memory_per_rank_bytes=tuple(memory),
-        compute_s=lent * m * t_compute[crit],
-        bubble_s=lent * w * (sum(per_mb) - per_mb[crit]),
-        tp_comm_s=lent * m * t_tp[crit],
-        pp_comm_s=lent * m * t_p2p[crit],
-        dp_comm_s=exposed[tail_rank],
-        optimizer_s=opt[tail_rank],
-        rank_time_mb_s=tuple(per_mb),
-    )

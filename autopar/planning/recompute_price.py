@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from autopar.choice import Recompute
 from autopar.cost_models.compute import compute_time_s, memory_bound_time_s
 from autopar.graph import Layer
-from autopar.plan import Recompute
 from autopar.planning.sequence import sequence_input_bytes
 
 
@@ -33,11 +33,11 @@ def recompute_part(table: Any, layer: Layer, strategy: Any, fwd_s: float, acts: 
     c = table.config
     inputs = layer.input_bytes_per_sample
     if strategy.sp:
-        inputs = sequence_input_bytes(layer, layer.tp_style(strategy.tp), c.tp, table.graph.dtype_bytes)
+        inputs = sequence_input_bytes(layer, layer.tp_style(strategy.tp), c.mesh.tp, table.graph.dtype_bytes)
     base = inputs + layer.glue_saved_bytes_per_sample
     if kind is Recompute.FULL:
         return fwd_s, base
-    split = 1 - 1 / c.tp if strategy.tp is not None and layer.tp_style(strategy.tp).row else 0.0
+    split = 1 - 1 / c.mesh.tp if strategy.tp is not None and layer.tp_style(strategy.tp).row else 0.0
     p = "alternate" if kind is Recompute.ALTERNATE_MM else "selective"  # torchtitan's policy, or autopar's
     saved = getattr(layer, f"{p}_saved_bytes_per_sample") - split * getattr(layer, f"{p}_sharded_bytes_per_sample")
     moved = (getattr(layer, f"{p}_recompute_bytes_per_sample")

@@ -78,7 +78,7 @@ def sequence_regions(table: Any, stages: tuple[int, ...], strategies: tuple) -> 
     """Per pipeline rank of a :class:`~autopar.planning.pricing.PriceTable`'s configuration, the
     sequence-parallel regions' entries and exits per microbatch: each cost class with a
     sequence-parallel layer on the rank pays one region per model chunk (as the solver prices it)."""
-    c, out = table.config, [0.0] * table.config.pp
+    c, out = table.config, [0.0] * table.config.mesh.pp
     seen: set[tuple[int, int]] = set()
     for i, (stage, strategy) in enumerate(zip(stages, strategies)):
         rank, cls = c.rank_of_stage(stage), table.graph.cost_classes[i]

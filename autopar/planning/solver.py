@@ -80,16 +80,20 @@ from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
 
+from autopar.choice import LayerChoice
 from autopar.cost_models.hardware import ClusterSpec
 from autopar.errors import PinError
 from autopar.graph import LayerGraph
+from autopar.mesh import Mesh
 from autopar.pins import Pins
 from autopar.planning.bounds import balanced_step_s, lower_bound_s
-from autopar.planning.choices import allowed_strategies, check_recompute_pins, check_sp_pins, runs_of
+from autopar.planning.choices import allowed_choices, check_recompute_pins, check_sp_pins, runs_of
 from autopar.planning.configs import cut_positions, enumerate_configs
+from autopar.planning.configuration import Configuration, TrainingSpec
+from autopar.planning.evaluate import Evaluation, evaluate
 from autopar.planning.infeasible import raise_infeasible
 from autopar.planning.model import SolverOptions, Units, build_model, cp_solver, extract
-from autopar.planning.pricing import MeshConfig, Prediction, PriceTable, Strategy, TrainingSpec, evaluate
+from autopar.planning.pricing import PriceTable
 
 __all__ = ["Candidate", "RUNNERS_UP", "Solution", "SolverOptions", "cut_positions", "distinct_key",
            "enumerate_configs", "solve"]
@@ -104,10 +108,10 @@ RUNNER_UP_SHARE = 0.05
 class Candidate:
     """The best assignment the search found for one configuration, priced by :func:`evaluate`."""
 
-    config: MeshConfig
+    config: Configuration
     stages: tuple[int, ...]
-    strategies: tuple[Strategy, ...]
-    prediction: Prediction
+    choices: tuple[LayerChoice, ...]
+    prediction: Evaluation
     table: PriceTable
     optimal: bool = True  # False: CP-SAT's time ran out first (a runner-up's solve is short)
 
@@ -116,20 +120,20 @@ class Candidate:
         return self.prediction.step_time_s
 
 
-def distinct_key(config: MeshConfig) -> tuple[int, int, int, bool]:
+def distinct_key(config: Configuration) -> tuple[Mesh, bool]:
     """What makes two configurations different plans to a reader: the mesh and whether data
     parallelism is sharded (microbatches, schedule and the root's ZeRO stage are details)."""
-    return config.pp, config.dp, config.tp, config.data_parallel.sharded
+    return config.mesh, config.data_parallel.sharded
 
 
 @dataclass
 class Solution:
     """The chosen assignment, its prediction, and how the search went."""
 
-    config: MeshConfig
+    config: Configuration
     stages: tuple[int, ...]
-    strategies: tuple[Strategy, ...]
-    prediction: Prediction
+    choices: tuple[LayerChoice, ...]
+    prediction: Evaluation
     table: PriceTable
     status: str
     gap: float
@@ -166,7 +170,7 @@ class _Search:
         ranked = self.ranked()
         return ranked[self.keep - 1].step_time_s if len(ranked) >= self.keep else math.inf
 
-    def threshold(self, config: MeshConfig) -> float:
+    def threshold(self, config: Configuration) -> float:
         """What a plan of ``config`` must beat to be kept: its own configuration's best, if that
         is among the ``keep`` best, else the cutoff."""
         own = self.kept.get(distinct_key(config))
@@ -206,7 +210,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     search, priced = _Search(keep=1 + max(0, runners_up)), []
     # 1. the chosen plan: every configuration that could beat the best so far, solved in full; those
     #    that cannot (a runner-up at most) wait, so runners-up never take the time the optimum needs
-    later: list[tuple[float, MeshConfig, PriceTable, list[list[int]] | None, float]] = []
+    later: list[tuple[float, Configuration, PriceTable, list[list[int]] | None, float]] = []
     rest = len(candidates)
     for index, (cheap, config, table) in enumerate(candidates):
         best = search.best
@@ -218,7 +222,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
             search.open_bounds += [b for b, *_ in candidates[index:]]
             rest = len(candidates)
             break
-        allowed = allowed_strategies(table, layer_pins)
+        allowed = allowed_choices(table, layer_pins)
         if any(not ks for ks in allowed):
             continue
         priced.append((cheap, config, table, allowed))
@@ -240,7 +244,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
             if remaining <= 0 or cheap >= search.cutoff:
                 break
             if allowed is None:
-                allowed = allowed_strategies(table, layer_pins)
+                allowed = allowed_choices(table, layer_pins)
                 if any(not ks for ks in allowed):
                     continue
                 bound = lower_bound_s(table, allowed, budget, cuts_ok)
@@ -251,7 +255,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     wall = time.perf_counter() - start
     if search.best is None:
         if not priced:
-            degrees = ", ".join(f"tp={t}" for t in sorted({config.tp for _, config, _ in candidates}))
+            degrees = ", ".join(f"tp={t}" for t in sorted({config.mesh.tp for _, config, _ in candidates}))
             raise PinError(f"no configuration the pins allow can run every layer: the pinned tensor-parallel "
                            f"styles admit none of the degrees the pins leave ({degrees}), or the pinned ZeRO "
                            "stages cannot run (inside an export-captured model's pipeline stages every layer "
@@ -261,7 +265,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     step = best.step_time_s
     bound = min([step] + search.open_bounds)
     gap = max(0.0, (step - bound) / step) if step > 0 else 0.0
-    return Solution(best.config, best.stages, best.strategies, best.prediction, best.table,
+    return Solution(best.config, best.stages, best.choices, best.prediction, best.table,
                     "OPTIMAL" if gap <= 1e-9 else "FEASIBLE", gap, wall,
                     len(candidates), search.solved, budget, tuple(runners_up))
 
@@ -279,7 +283,7 @@ def _solve_config(search: _Search, table: PriceTable, allowed, layer_pins, cuts_
         must_beat = min(must_beat, search.best.step_time_s)
     if not math.isinf(must_beat):  # prune: only plans that could be kept (with rounding slack)
         d = built.scale
-        slack = 4 * (len(table.graph) + table.config.stages) * (table.config.microbatches * d + table.config.pp)
+        slack = 4 * (len(table.graph) + table.config.stages) * (table.config.microbatches * d + table.config.mesh.pp)
         built.model.Add(built.objective <= int(must_beat * d / units.unit_s) + slack)
     solver = cp_solver(time_limit_s, options)
     status = solver.Solve(built.model)
@@ -288,9 +292,9 @@ def _solve_config(search: _Search, table: PriceTable, allowed, layer_pins, cuts_
         if status == cp_model.UNKNOWN and not runner_up:
             search.open_bounds.append(lower_bound_s(table, allowed, budget, cuts_ok))
         return False
-    stages, strategies = extract(solver, built, table, runs)
-    prediction = evaluate(table, stages, strategies)
+    stages, choices = extract(solver, built, table, runs)
+    prediction = evaluate(table, stages, choices)
     if status == cp_model.FEASIBLE and not runner_up:  # a runner-up's bound is above the chosen plan's
         search.open_bounds.append(solver.BestObjectiveBound() * units.unit_s / built.scale)
-    search.offer(Candidate(table.config, stages, strategies, prediction, table, status == cp_model.OPTIMAL))
+    search.offer(Candidate(table.config, stages, choices, prediction, table, status == cp_model.OPTIMAL))
     return True

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.contract import MESH_AXES, plan_layout
+from autopar.contract import plan_layout
 from autopar.errors import PlanError
 from autopar.graph import LayerGraph
 from autopar.passes.parallelize import Part, PartResult, parallelize_part
@@ -90,11 +90,12 @@ def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: An
     from autopar.passes.tensor_parallel import check_tensor_parallel
     from autopar.passes.zero import compute_dtype
 
-    device, (pp, dp, tp) = rank_device(), (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp)
+    device, dp = rank_device(), plan.mesh.dp
     # every check that can fail runs before the first collective (the mesh's groups)
-    builder = _pipeline_builder() if pp > 1 else None
-    check_tensor_parallel(model, graph, plan, tp)
-    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=MESH_AXES)  # the contract's layout
+    builder = _pipeline_builder() if plan.mesh.pp > 1 else None
+    check_tensor_parallel(model, graph, plan, plan.mesh.tp)
+    # the plan mesh's axes, outermost first (autopar.mesh: the rank layout pricing assumed)
+    mesh = init_device_mesh(device.type, plan.mesh.degrees, mesh_dim_names=plan.mesh.dim_names())
     dtype = plan_dtype(plan.training.dtype)
     with compute_dtype(dtype):
         if builder is not None:

@@ -135,8 +135,9 @@ class ParallelModel:
 
     def __repr__(self) -> str:
         m, n = self.plan.mesh, self.plan.world_size
-        return (f"ParallelModel({self.plan.model}, {n} rank{'s' * (n != 1)}, pp={m.pp} dp={m.dp} "
-                f"tp={m.tp}, {self.plan.cluster.name}, launched={self.launched})")
+        mesh = f", {m.describe(' ')}" if n > 1 else ""
+        return (f"ParallelModel({self.plan.model}, {n} rank{'s' * (n != 1)}{mesh}, {self.plan.cluster.name}, "
+                f"launched={self.launched})")
 
     @property
     def predicted(self) -> Predicted:
@@ -171,6 +172,10 @@ class ParallelModel:
         """The RNG stream of this rank: its (pp, dp) coordinate, shared by its tp group."""
         mesh = self._require_launch().mesh
         return 0 if mesh is None else mesh["pp"].get_local_rank() * self.plan.mesh.dp + self._dp_rank()
+
+    def _stage_ranks(self) -> int:
+        """The ranks that hold one pipeline stage: every axis's but pp."""
+        return self.plan.world_size // self.plan.mesh.pp
 
     def _device(self) -> torch.device:
         return device() if self.launched else torch.device("cpu")
@@ -223,10 +228,10 @@ class ParallelModel:
 
     def _global_mean(self, loss: torch.Tensor) -> float:
         if dist.is_initialized() and dist.get_world_size() > 1:
-            # each dp group's mean is held by its tp ranks (of the last stage; other
-            # stages hold zeros): the sum over the world / (dp × tp) is the global mean
+            # each dp group's mean is held by every rank of the last stage (other stages hold
+            # zeros): the sum over the world / (the ranks of one stage) is the global mean
             dist.all_reduce(loss)
-            return float(hold(loss)) / (self.plan.mesh.dp * self.plan.mesh.tp)
+            return float(hold(loss)) / self._stage_ranks()
         return float(loss)
 
     def _accumulate(self, lowered: Lowered, inputs: tuple[torch.Tensor, ...],
@@ -260,8 +265,7 @@ class ParallelModel:
 
     def _clip(self) -> None:
         grads = [e.value.grad for e in self.entries if e.value.grad is not None]
-        stage_ranks = self.plan.mesh.dp * self.plan.mesh.tp
-        norm = global_grad_norm(grads, stage_ranks, self.launched)
+        norm = global_grad_norm(grads, self._stage_ranks(), self.launched)
         self.grad_norm = float(norm)
         clip_grads_(grads, float(self.max_grad_norm), norm)
 

@@ -72,7 +72,7 @@ def _owners(pm: Trainable, mine: list[tuple[str, torch.Tensor, Permutation | Non
     if lowered.pp_group is None:
         return [(0, 0, keys)]
     mesh = lowered.mesh
-    first = mesh["dp"].get_local_rank() == 0 and mesh["tp"].get_local_rank() == 0
+    first = all(mesh[name].get_local_rank() == 0 for name in mesh.mesh_dim_names if name != "pp")
     item = (mesh["pp"].get_local_rank(), dist.get_rank(), keys) if first else None
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, item)

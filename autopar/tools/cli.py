@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from autopar.errors import AutoparError, InfeasibleError
+from autopar.mesh import Mesh
 from autopar.units import device_noun, format_bytes, format_flop_rate
 
 if TYPE_CHECKING:
@@ -405,7 +406,7 @@ def _row(result: BaselineResult, chosen_s: float | None) -> dict[str, Any]:
     step = plan.predicted.step_time_s
     return {
         "name": result.name, "fits": True,
-        "mesh": {"pp": plan.mesh.pp, "dp": plan.mesh.dp, "tp": plan.mesh.tp},
+        "mesh": plan.mesh.to_dict(),
         "microbatches": plan.microbatches, "step_time_s": step,
         "tflops_per_gpu": plan.predicted.tflops_per_gpu,
         "peak_memory_bytes": max(plan.predicted.memory_per_rank_bytes, default=0),
@@ -427,7 +428,7 @@ def _cells(row: dict[str, Any], footnote: int | None) -> list[str]:
         fits = f"no (needs {format_bytes(need)}){mark}" if need else f"no{mark}"
         return [row["name"], "-", "-", "-", "-", "-", fits, "-", ""]
     m, ratio = row["mesh"], row["vs_chosen"]
-    return [row["name"], f"{m['pp']}×{m['dp']}×{m['tp']}", str(row["microbatches"]),
+    return [row["name"], Mesh.of(m).describe(" "), str(row["microbatches"]),
             f"{row['step_time_s']:.4g}", format_flop_rate(row["tflops_per_gpu"] * 1e12),
             format_bytes(row["peak_memory_bytes"]), "yes", f"{ratio:.2f}×" if ratio else "-",
             row.get("note", "")]
@@ -436,7 +437,7 @@ def _cells(row: dict[str, Any], footnote: int | None) -> list[str]:
 def render_compare(rows: list[dict[str, Any]], *, device: str = "GPU") -> str:
     """The compare rows as an aligned text table; why each row that does not fit fails, in full,
     as numbered notes below it. ``device`` names what the per-device column counts ("GPU", "rank")."""
-    header = ["strategy", "mesh pp×dp×tp", "microbatches", "step (s)", f"FLOP/s per {device}",
+    header = ["strategy", "mesh", "microbatches", "step (s)", f"FLOP/s per {device}",
               "peak memory/rank", "fits", "vs chosen", "note"]
     notes: list[str] = []
     table = [header]

@@ -18,8 +18,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.choice import Recompute
 from autopar.errors import PlanError
-from autopar.plan import LayerPlan, Plan, Recompute
+from autopar.plan import LayerPlan, Plan
 from autopar.units import format_bytes, format_flop_rate
 
 _BREAKDOWN = (("compute_s", "compute"), ("bubble_s", "bubble"), ("tp_comm_s", "tp comm"),
@@ -28,8 +29,9 @@ _BREAKDOWN = (("compute_s", "compute"), ("bubble_s", "bubble"), ("tp_comm_s", "t
 
 def layer_choice(plan: Plan, layer: LayerPlan) -> tuple[int, str | None, int, Recompute]:
     """A layer's strategy as it matters: a style (and its sequence parallelism) means nothing at tp = 1."""
-    tp = None if plan.mesh.tp == 1 or layer.tp is None else layer.tp + ("+sp" if layer.sp else "")
-    return layer.stage, tp, layer.zero, layer.recompute
+    c = layer.choice
+    tp = None if plan.mesh.tp == 1 or c.tp is None else c.tp + ("+sp" if c.sp else "")
+    return layer.stage, tp, c.zero, c.recompute
 
 
 def plan_key(plan: Plan) -> tuple:
@@ -112,6 +114,11 @@ def diff_plans(a: Plan, b: Plan, a_name: str = "a", b_name: str = "b") -> PlanDi
     return PlanDiff(a_name, b_name, a.model, tuple(_rows(a, b)), tuple(layer_changes(a, b)))
 
 
+def _recomputed(plan: Plan) -> int:
+    """How many layers recompute, whatever the kind."""
+    return sum(bool(l.choice.recompute) for l in plan.layers)
+
+
 def _text_row(label: str, a: Any, b: Any) -> Row:
     return Row(label, str(a), str(b), a != b, "*" if a != b else "")
 
@@ -131,14 +138,12 @@ def _seconds(s: float) -> str:
 def _rows(a: Plan, b: Plan) -> list[Row]:
     pa, pb = a.predicted, b.predicted
 
-    def mesh(p: Plan) -> str:
-        return f"{p.mesh.pp}×{p.mesh.dp}×{p.mesh.tp}"
 
     def sched(p: Plan) -> str:
         return p.schedule.value + (f" × {p.chunks} chunks" if p.chunks > 1 else "")
 
     def zeros(p: Plan) -> str:
-        return ",".join(map(str, sorted({l.zero for l in p.layers}))) if p.mesh.dp > 1 else "- (dp=1)"
+        return ",".join(map(str, sorted({l.choice.zero for l in p.layers}))) if p.mesh.dp > 1 else "- (dp=1)"
 
     def per_rank(p: Plan) -> tuple[int, ...]:
         return p.predicted.memory_per_rank_bytes
@@ -152,11 +157,11 @@ def _rows(a: Plan, b: Plan) -> list[Row]:
         _text_row("dtype", a.training.dtype, b.training.dtype),
         _text_row("global batch", a.training.global_batch, b.training.global_batch),
         _number_row("memory budget", pa.memory_budget_bytes, pb.memory_budget_bytes, format_bytes),
-        _text_row("mesh pp×dp×tp", mesh(a), mesh(b)),
+        _text_row("mesh", a.mesh.describe(), b.mesh.describe()),
         _text_row("schedule", sched(a), sched(b)),
         _text_row("microbatches", f"{a.microbatches} × {a.microbatch_size}", f"{b.microbatches} × {b.microbatch_size}"),
         _text_row("zero stages", zeros(a), zeros(b)),
-        _text_row("layers recomputed", sum(l.recompute for l in a.layers), sum(l.recompute for l in b.layers)),
+        _text_row("layers recomputed", _recomputed(a), _recomputed(b)),
         _number_row("step time", pa.step_time_s, pb.step_time_s, _seconds),
     ]
     rows += [_number_row(f"  {label}", getattr(pa.breakdown, key), getattr(pb.breakdown, key), _seconds)

@@ -28,8 +28,9 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from autopar.errors import AutoparError, InfeasibleError, PinError
+from autopar.mesh import Mesh
 from autopar.pins import Pins
-from autopar.plan import Breakdown, Mesh, Plan, RunnerUp
+from autopar.plan import Breakdown, Plan, RunnerUp
 from autopar.tools.diff import same_plan
 from autopar.units import GiB, format_bytes
 
@@ -72,8 +73,7 @@ class Figures:
         return getattr(self.breakdown, key)
 
     def to_dict(self) -> dict[str, Any]:
-        m = self.mesh
-        return {"mesh": {"pp": m.pp, "dp": m.dp, "tp": m.tp}, "microbatches": self.microbatches,
+        return {"mesh": self.mesh.to_dict(), "microbatches": self.microbatches,
                 "schedule": self.schedule, "data_parallel": self.data_parallel, "step_time_s": self.step_time_s,
                 "breakdown": {k: self.term(k) for k, _ in TERMS},
                 "memory_per_rank_bytes": list(self.memory_per_rank_bytes), "optimal": self.optimal}
@@ -83,7 +83,7 @@ def data_parallel_of(plan: Plan) -> str:
     """How a plan's data parallelism runs, in the words runners-up use."""
     if plan.mesh.dp <= 1:
         return "none (dp=1)"
-    return "replicated" if all(l.zero == 0 for l in plan.layers) else "sharded"
+    return "replicated" if all(l.choice.zero == 0 for l in plan.layers) else "sharded"
 
 
 def _schedule_text(kind: str, chunks: int) -> str:
@@ -126,7 +126,7 @@ class Explanation:
         """How much slower and which term causes it, or which constraint it breaks and by how much."""
         if self.runners_up and cf.figures is not None:  # a runner-up's label says nothing of what it is
             f = cf.figures
-            words = [f"{f.mesh.pp}×{f.mesh.dp}×{f.mesh.tp}", f.data_parallel] + ([f.schedule] if f.mesh.pp > 1 else [])
+            words = [f.mesh.describe(), f.data_parallel] + ([f.schedule] if f.mesh.pp > 1 else [])
             words += [f"{f.microbatches} microbatches"] if f.microbatches > 1 else []
             cf = replace(cf, label=f"{cf.label} ({', '.join(words)})")
         if cf.figures is None:
@@ -245,7 +245,7 @@ def _table(e: Explanation) -> str:
     def row(label: str, cell: Any) -> None:
         rows.append([label] + [cell(f, cf) if f is not None else "-" for _, f, cf in columns])
 
-    row("mesh pp×dp×tp", lambda f, cf: f"{f.mesh.pp}×{f.mesh.dp}×{f.mesh.tp}")
+    row("mesh", lambda f, cf: f.mesh.describe())
     row("data parallel", lambda f, cf: f.data_parallel)
     row("schedule", lambda f, cf: f.schedule)
     row("microbatches", lambda f, cf: str(f.microbatches))

@@ -255,7 +255,7 @@ def _title(plan: Plan) -> str:
     m = plan.mesh
     sched = plan.schedule.value + (f" × {plan.chunks} chunks" if plan.chunks > 1 else "") if m.pp > 1 else "no pipeline"
     count = f"{plan.microbatches} microbatch{'es' if plan.microbatches > 1 else ''}"
-    return f"{plan.model}: pp={m.pp} × dp={m.dp} × tp={m.tp}, {sched}, {count}"
+    return f"{plan.model}: {m.describe()}, {sched}, {count}"
 
 
 def _memory_scale(peak: int, budget: int) -> tuple[float, str, bool]:
@@ -349,10 +349,11 @@ def draw_layers(plan: Plan) -> Figure:
 
     plt = _pyplot()
     rows = (("stage", [str(l.stage) for l in plan.layers]),
-            ("tp style", [(l.tp or "none") + ("+sp" if l.sp and l.tp else "") if plan.mesh.tp > 1 else "none"
+            ("tp style", [(l.choice.tp or "none") + ("+sp" if l.choice.sp and l.choice.tp else "")
+                          if plan.mesh.tp > 1 else "none"
                           for l in plan.layers]),
-            ("ZeRO", [str(l.zero) if plan.mesh.dp > 1 else "- (dp=1)" for l in plan.layers]),
-            ("recompute", [str(l.recompute) for l in plan.layers]))
+            ("ZeRO", [str(l.choice.zero) if plan.mesh.dp > 1 else "- (dp=1)" for l in plan.layers]),
+            ("recompute", [str(l.choice.recompute) for l in plan.layers]))
     n = len(plan.layers)
     fig, axes = plt.subplots(len(rows), 1, figsize=(11, 0.6 * len(rows) + 1.1), layout="constrained", sharex=True)
     palette = plt.get_cmap("tab20").colors

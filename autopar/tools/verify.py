@@ -278,7 +278,7 @@ def compare(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
 
 def plan_warnings(plan: Plan) -> list[str]:
     """What about the plan makes its run say less than it seems to (printed before the result)."""
-    if plan.mesh.tp > 1 and not any(l.tp for l in plan.layers):
+    if plan.mesh.tp > 1 and not any(l.choice.tp for l in plan.layers):
         return [f"the mesh has tp={plan.mesh.tp} but no layer is tensor-parallel: the {plan.mesh.tp} "
                 "ranks of each tp group repeat the same work, so this run checks no tensor "
                 "parallelism; pin a style ('GLOB:tp=megatron') or see `autopar plan`'s layer table "
@@ -293,11 +293,10 @@ def _listed(names: list[str], shown: int = 3) -> str:
 
 def setup_lines(plan: Plan, dropout: list[str], warnings: list[str]) -> list[str]:
     """What ``verify`` is about to run, printed before it starts: the plan, its layers, dropout."""
-    m = plan.mesh
     lines = [plan.summary(), "",
-             f"plan: mesh pp×dp×tp {m.pp}×{m.dp}×{m.tp}, {plan.microbatches} microbatches, global batch "
-             f"{plan.training.global_batch}, zero {sorted({l.zero for l in plan.layers})}, "
-             f"{sum(l.recompute for l in plan.layers)} layers recomputed, priced on {plan.cluster.name}"]
+             f"plan: mesh {plan.mesh.describe()}, {plan.microbatches} microbatches, global batch "
+             f"{plan.training.global_batch}, zero {sorted({l.choice.zero for l in plan.layers})}, "
+             f"{sum(bool(l.choice.recompute) for l in plan.layers)} layers recomputed, priced on {plan.cluster.name}"]
     if dropout:
         lines.append(f"dropout: off on both sides (no parallel plan reproduces one process's masks); "
                      f"{len(dropout)} set to 0: {_listed(dropout)}")

@@ -1,0 +1,111 @@
+"""What one layer runs as: the per-layer choice that pricing, the solver, the plan and the passes share.
+
+:class:`LayerChoice` holds every per-layer field of every axis: the
+tensor-parallel style and its sequence parallelism (tp), the ZeRO stage (dp)
+and the recompute kind. A new axis with a per-layer decision adds one field
+here, with a default that means "as before", and nothing else has to spell
+it: a plan file without the field loads with the default
+(:meth:`LayerChoice.from_dict`).
+
+Where a layer runs (its pipeline stage) and which layer it is are not part of
+the choice: pricing shares one row of choices between every layer of a cost
+class and prices a choice the same on any stage, so the plan's
+:class:`~autopar.plan.LayerPlan` is ``name``, ``stage`` and a choice, and the
+solver's assignment is a stage and a choice per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from enum import IntEnum
+from typing import Any
+
+
+class Recompute(IntEnum):
+    """What a layer recomputes in backward instead of keeping from forward.
+
+    ``NONE`` keeps every saved activation; ``SELECTIVE`` checkpoints the layer's
+    module with torch's selective policy, keeping the outputs of matmul-class
+    ops and recomputing the rest; ``ALTERNATE_MM`` is torchtitan's op-level
+    policy, keeping fused attention's outputs and every other ``mm`` output (the
+    1st, 3rd, …) and recomputing the rest, the other matmuls included (offered
+    when pinned, not searched); ``FULL`` keeps only the module's inputs and
+    re-runs its whole forward. FULL is 1 and NONE 0 so that a plan written when
+    recompute was a bool, and code that still passes one, mean what they meant.
+    """
+
+    NONE = 0
+    FULL = 1
+    SELECTIVE = 2
+    ALTERNATE_MM = 3
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def of(cls, value: Recompute | bool | int | str) -> Recompute:
+        """A recompute kind from itself, a bool (True = full), or its name."""
+        if isinstance(value, str):
+            try:
+                return cls[value.upper()]
+            except KeyError:
+                raise ValueError("recompute must be one of none, selective, alternate_mm, full; "
+                                 f"got {value!r}") from None
+        return cls(int(value))
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """One layer's choices: tensor-parallel style (None = replicated over tp), ZeRO stage over dp,
+    recompute (a :class:`Recompute`; a bool means full or none), and sequence parallelism on the style."""
+
+    tp: str | None = None
+    zero: int = 0
+    recompute: Recompute = Recompute.NONE
+    sp: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", Recompute.of(self.recompute))
+
+    def __str__(self) -> str:
+        return f"tp={self.style_text()} zero={self.zero} recompute={self.recompute}"
+
+    def style_text(self) -> str:
+        """The tensor-parallel style as plans print it: ``megatron+sp``, or ``-`` for none."""
+        return (self.tp or "-") + ("+sp" if self.sp and self.tp else "")
+
+    # ------------------------------------------------------------ JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        """The choice's fields as a plan file writes them inside a layer's entry."""
+        return {"tp": self.tp, "zero": self.zero, "recompute": str(self.recompute), "sp": self.sp}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str) -> LayerChoice:
+        """A layer entry's choice fields, each checked; a field the file leaves out takes its default
+        (``sp`` was added within schema 1). Raises ValueError naming the field."""
+        kinds = {"tp": (str, type(None)), "zero": int, "recompute": (str, bool), "sp": bool}
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in raw:
+                if f.name in REQUIRED_IN_FILE:
+                    raise ValueError(f"{source}: a layer is missing field {f.name!r}")
+                continue
+            value = raw[f.name]
+            if not isinstance(value, kinds[f.name]) or (kinds[f.name] is int and isinstance(value, bool)):
+                raise ValueError(f"{source}: a layer's field {f.name!r} has the wrong type ({type(value).__name__})")
+            values[f.name] = value
+        if "recompute" in values:
+            try:
+                values["recompute"] = Recompute.of(values["recompute"])
+            except ValueError:
+                raise ValueError(f"{source}: a layer's recompute is {values['recompute']!r}; use none, selective, "
+                                 "alternate_mm or full") from None
+        return cls(**values)
+
+
+CHOICE_FIELDS = tuple(f.name for f in fields(LayerChoice))
+# fields every plan file has had; one added later (sp, a new axis's) loads with its default when absent
+REQUIRED_IN_FILE = ("zero", "recompute")
+
+__all__ = ["CHOICE_FIELDS", "LayerChoice", "Recompute"]

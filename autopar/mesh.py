@@ -1,0 +1,276 @@
+"""The device mesh: every parallelism axis, declared once.
+
+An axis is one :class:`MeshAxis` in :data:`AXES`, outermost first. That one
+declaration gives it
+
+* its **degree** in :class:`Mesh` (``mesh.pp``, ``mesh["pp"]``; 1 when not
+  given, so a mesh written before the axis existed means what it meant);
+* its **rank stride**: the mesh is row-major over :data:`AXES`, so the
+  neighbours of an axis are the product of the later axes' degrees apart
+  (:meth:`Mesh.stride`; tp innermost keeps a tensor-parallel group inside
+  a node, pp outermost puts pipeline neighbours furthest apart);
+* its dimension name in ``init_device_mesh`` (:meth:`Mesh.dim_names`), its pin
+  key (``tp=8``) and its key in a plan's ``mesh`` object: all ``name``;
+* its **validation**: the degrees multiply to the world size
+  (:meth:`Mesh.check_world`), and each degree must divide what the axis
+  splits (:meth:`MeshAxis.refusal`, read by the planner's enumeration and by
+  pins); an axis the planner does not search (``searched`` False: declared,
+  not yet priced or lowered) runs at degree 1 only.
+
+An axis of degree 1 costs nothing and prints nothing (:meth:`Mesh.describe`).
+Torch-free: the planner and ``autopar show`` read it without importing torch.
+``docs/extending.md`` says what else a real axis needs (its price, its lowering).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from autopar.errors import MeshError
+
+
+@dataclass(frozen=True)
+class AxisLimits:
+    """What an axis's degree must divide or stay within, for one planning request."""
+
+    world_size: int
+    global_batch: int
+    max_stages: int  # the pipeline stages the model can be cut into
+    gpus_per_node: int
+
+
+@dataclass(frozen=True)
+class MeshAxis:
+    """One parallelism axis. ``name`` is its pin key, its plan-JSON key and its device-mesh dim.
+
+    ``splits`` says in words what a degree > 1 divides; ``check`` returns why a
+    degree cannot run for a request (None if it can); ``searched`` False keeps a
+    declared axis at degree 1 unless something prices and lowers it;
+    ``within_node`` searches only degrees that divide a node (pins may go further).
+    """
+
+    name: str
+    splits: str
+    check: Callable[[int, AxisLimits], str | None] = field(default=lambda degree, limits: None, compare=False)
+    searched: bool = True
+    within_node: bool = False
+
+    def refusal(self, degree: int, limits: AxisLimits) -> str | None:
+        """Why ``degree`` cannot run on this axis for ``limits`` (None when it can)."""
+        if degree == 1:
+            return None
+        if not self.searched:
+            return f"the {self.name} axis runs at degree 1 only (nothing prices or lowers it yet)"
+        if limits.world_size % degree:
+            return f"{self.name}={degree} does not divide the world size {limits.world_size}"
+        return self.check(degree, limits)
+
+    def searched_degrees(self, limits: AxisLimits) -> list[int]:
+        """The degrees the planner tries on its own: each divides the world, runs, and (for an axis
+        searched within a node) divides the node."""
+        if not self.searched:
+            return [1]
+        return [d for d in range(1, limits.world_size + 1)
+                if limits.world_size % d == 0 and self.refusal(d, limits) is None
+                and (not self.within_node or limits.gpus_per_node % d == 0)]
+
+
+def _pp_check(degree: int, limits: AxisLimits) -> str | None:
+    if degree > limits.max_stages:
+        return (f"pp={degree} needs {degree} pipeline stages but the model can be cut into at most "
+                f"{limits.max_stages}")
+    return None
+
+
+def _dp_check(degree: int, limits: AxisLimits) -> str | None:
+    if limits.global_batch % degree:
+        return f"batch size {limits.global_batch} does not divide over dp={degree}"
+    return None
+
+
+# The axes, outermost first (the rank layout: global rank = (pp_rank · dp + dp_rank) · tp + tp_rank).
+AXES: tuple[MeshAxis, ...] = (
+    MeshAxis("pp", "the layers into pipeline stages", _pp_check),
+    MeshAxis("dp", "the global batch", _dp_check),
+    MeshAxis("tp", "each layer's weights and activations (its tensor-parallel style)", within_node=True),
+)
+
+
+def axis_names() -> tuple[str, ...]:
+    return tuple(a.name for a in AXES)
+
+
+def axis(name: str) -> MeshAxis:
+    """The declared axis ``name``; a :class:`MeshError` naming the known axes otherwise."""
+    for a in AXES:
+        if a.name == name:
+            return a
+    raise MeshError(f"unknown mesh axis {name!r}; the mesh axes are {', '.join(axis_names())}")
+
+
+@contextmanager
+def declared(*extra: MeshAxis) -> Iterator[None]:
+    """Declare ``extra`` axes (innermost) for the duration of a block: how a test shows that one
+    declaration carries a new axis through planning, plans, pins and lowering."""
+    global AXES
+    saved = AXES
+    AXES = saved + extra
+    try:
+        yield
+    finally:
+        AXES = saved
+
+
+class Mesh:
+    """The degree of every declared axis; ``Mesh(pp=2, dp=4)`` leaves the others at 1.
+
+    Frozen, hashable and ordered by its degrees outermost first (pp, then dp, then tp).
+    """
+
+    __slots__ = ("_degrees",)
+    _degrees: tuple[tuple[str, int], ...]
+
+    def __init__(self, **degrees: int):
+        names = axis_names()
+        for name, degree in degrees.items():
+            if name not in names:
+                raise MeshError(f"unknown mesh axis {name!r}; the mesh axes are {', '.join(names)}")
+            if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+                raise MeshError(f"mesh axis {name} must be a positive integer, got {degree!r}")
+        object.__setattr__(self, "_degrees", tuple((n, degrees.get(n, 1)) for n in names))
+
+    @classmethod
+    def of(cls, degrees: Mapping[str, int]) -> Mesh:
+        return cls(**dict(degrees))
+
+    # ------------------------------------------------------------ reading
+
+    def __getattr__(self, name: str) -> int:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        for n, degree in self._degrees:
+            if n == name:
+                return degree
+        if name in axis_names():  # declared after this mesh was made
+            return 1
+        raise AttributeError(f"'Mesh' has no attribute {name!r} (mesh axes: {', '.join(axis_names())})")
+
+    def __getitem__(self, name: str) -> int:
+        axis(name)  # an unknown name is a MeshError
+        return getattr(self, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("a Mesh is frozen: build another with Mesh.replace")
+
+    def items(self) -> tuple[tuple[str, int], ...]:
+        """(axis, degree) for every declared axis, outermost first."""
+        return tuple((a.name, getattr(self, a.name)) for a in AXES)
+
+    @property
+    def degrees(self) -> tuple[int, ...]:
+        return tuple(d for _, d in self.items())
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.degrees)
+
+    def replace(self, **degrees: int) -> Mesh:
+        return Mesh(**{**dict(self.items()), **degrees})
+
+    def stride(self, name: str) -> int:
+        """Global ranks between neighbours of axis ``name``: the product of the later axes' degrees."""
+        names = [n for n, _ in self.items()]
+        axis(name)
+        return math.prod(self.degrees[names.index(name) + 1:])
+
+    def dim_names(self) -> tuple[str, ...]:
+        """``init_device_mesh``'s ``mesh_dim_names``, outermost first (shape: :attr:`degrees`)."""
+        return tuple(n for n, _ in self.items())
+
+    def check_world(self, world_size: int, source: str = "the mesh") -> None:
+        if self.world_size != world_size:
+            raise MeshError(f"{source} {self.describe(all_axes=True)} does not multiply to world size {world_size}")
+
+    # ------------------------------------------------------------ text and JSON
+
+    def describe(self, sep: str = " × ", *, all_axes: bool = False) -> str:
+        """``pp=2 × dp=4``: the axes of degree > 1 (every axis with ``all_axes``); one rank: ``1 rank``."""
+        shown = [(n, d) for n, d in self.items() if all_axes or d > 1]
+        return sep.join(f"{n}={d}" for n, d in shown) if shown else "1 rank"
+
+    def to_dict(self) -> dict[str, int]:
+        """The plan file's ``mesh`` object: every declared axis by name."""
+        return dict(self.items())
+
+    @classmethod
+    def from_dict(cls, raw: Any, source: str) -> Mesh:
+        """A mesh from its JSON object; an axis the file leaves out is 1 (a plan written before the
+        axis was declared), an unknown one is a :class:`MeshError` naming the known axes."""
+        if not isinstance(raw, dict):
+            raise MeshError(f"{source}: field 'mesh' is not a JSON object")
+        unknown = sorted(set(raw) - set(axis_names()))
+        if unknown:
+            raise MeshError(f"{source}: mesh axis {', '.join(map(repr, unknown))} is not one this autopar knows "
+                            f"({', '.join(axis_names())}); a newer autopar wrote it")
+        for name, degree in raw.items():
+            if isinstance(degree, bool) or not isinstance(degree, int):
+                raise MeshError(f"{source}: mesh axis {name!r} has the wrong type ({type(degree).__name__})")
+        try:
+            return cls(**raw)
+        except MeshError as exc:
+            raise MeshError(f"{source}: {exc}") from None
+
+    def __repr__(self) -> str:
+        return f"Mesh({', '.join(f'{n}={d}' for n, d in self.items())})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mesh) and self.items() == other.items()
+
+    def __hash__(self) -> int:
+        return hash(self.items())
+
+    def __lt__(self, other: Mesh) -> bool:
+        return self.degrees < other.degrees
+
+    def __le__(self, other: Mesh) -> bool:
+        return self.degrees <= other.degrees
+
+    def __gt__(self, other: Mesh) -> bool:
+        return self.degrees > other.degrees
+
+    def __ge__(self, other: Mesh) -> bool:
+        return self.degrees >= other.degrees
+
+    def __reduce__(self) -> tuple:
+        return (Mesh.of, (dict(self.items()),))
+
+
+def meshes(limits: AxisLimits, pinned: Mapping[str, int]) -> list[Mesh]:
+    """Every mesh of ``limits.world_size`` ranks whose degrees run (:meth:`MeshAxis.refusal`): a pinned
+    axis at its pin, every other one at a degree it searches. Empty when a pin cannot run; the
+    caller says why."""
+    found: list[Mesh] = []
+
+    def extend(i: int, left: int, chosen: dict[str, int]) -> None:
+        if i == len(AXES):
+            if left == 1:
+                found.append(Mesh(**chosen))
+            return
+        a = AXES[i]
+        if a.name in pinned:
+            options = [] if a.refusal(pinned[a.name], limits) else [pinned[a.name]]
+        else:
+            options = a.searched_degrees(limits)
+        for degree in options:
+            if left % degree == 0:
+                extend(i + 1, left // degree, {**chosen, a.name: degree})
+
+    extend(0, limits.world_size, {})
+    return found
+
+
+__all__ = ["AXES", "AxisLimits", "Mesh", "MeshAxis", "MeshError", "axis", "axis_names", "declared", "meshes"]

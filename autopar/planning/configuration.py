@@ -1,0 +1,64 @@
+"""A configuration: the plan-wide choices one CP-SAT model is solved for, and the training it prices.
+
+A :class:`Configuration` is a :class:`~autopar.mesh.Mesh`, a microbatch
+count, a pipeline schedule and how data parallelism runs
+(:class:`~autopar.contract.DataParallelism`); :mod:`.configs` enumerates
+them, :mod:`.pricing` prices every layer's choices under one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar import contract
+from autopar.contract import REPLICATED, DataParallelism, Engine
+from autopar.cost_models.memory import Precision, precision
+from autopar.cost_models.pipeline import Schedule
+from autopar.mesh import Mesh
+
+
+@dataclass(frozen=True, order=True)
+class Configuration:
+    """The global choices: the mesh, microbatches, pipeline schedule, and how data parallelism
+    runs (replicated, or sharded with the root units at one ZeRO stage)."""
+
+    mesh: Mesh
+    microbatches: int
+    schedule: Schedule = field(compare=False)
+    data_parallel: DataParallelism = REPLICATED
+
+    @property
+    def engine(self) -> Engine:
+        """The plan's data-parallel engine (:func:`autopar.contract.plan_engine`)."""
+        return contract.plan_engine(self.mesh, self.data_parallel)
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    @property
+    def stages(self) -> int:
+        """Virtual pipeline stages: pp × chunks per rank."""
+        return self.mesh.pp * self.schedule.chunks
+
+    def rank_of_stage(self, stage: int) -> int:
+        return contract.pipeline_rank(stage, self.mesh.pp)
+
+    def describe(self) -> str:
+        dp = f" {self.data_parallel}" if self.mesh.dp > 1 else ""
+        return f"{self.mesh.describe(' ')} m={self.microbatches} {self.schedule}{dp}"
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """What the plan trains with: global batch (samples per step) and precision."""
+
+    global_batch: int
+    dtype: str = "bf16"
+
+    @property
+    def precision(self) -> Precision:
+        return precision(self.dtype)
+
+
+__all__ = ["Configuration", "TrainingSpec"]
