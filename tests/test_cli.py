@@ -59,7 +59,7 @@ def test_plan_prints_summary(capsys):
     code, out, err = _run(capsys, "plan", *BASE)
     assert code == 0 and err == ""
     assert out.startswith("autopar plan — gpt_tiny on 8 × cpu (cpu, bf16)")
-    for needle in ("mesh          pp=", "step time", "memory/rank", "solver        OPTIMAL", "blocks."):
+    for needle in ("mesh          dp=", "step time", "memory/rank", "solver        OPTIMAL", "blocks."):
         assert needle in out  # the layer table (alike blocks folded into one row)
 
 

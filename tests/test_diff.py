@@ -51,7 +51,7 @@ def test_differences_are_marked_and_layers_folded(flat, piped):
     d = diff_plans(flat, piped, "flat.json", "piped.json")
     assert not d.same
     rows = {r.label.strip(): r for r in d.rows}
-    assert rows["mesh pp×dp×tp"].differs and rows["mesh pp×dp×tp"].b.startswith("4×")
+    assert rows["mesh"].differs and rows["mesh"].b.startswith("pp=4")
     assert not rows["world size"].differs and not rows["cluster"].differs
     step = rows["step time"]
     change = (piped.predicted.step_time_s - flat.predicted.step_time_s) / flat.predicted.step_time_s
@@ -68,7 +68,7 @@ def test_differences_are_marked_and_layers_folded(flat, piped):
 
 def test_a_style_means_nothing_at_tp_1(flat):
     assert flat.mesh.tp == 1
-    styled = replace(flat, layers=tuple(replace(l, tp="megatron") if l.name.startswith("blocks.") else l
+    styled = replace(flat, layers=tuple(replace(l, choice=replace(l.choice, tp="megatron")) if l.name.startswith("blocks.") else l
                                         for l in flat.layers))
     assert diff_plans(flat, styled).same
 

@@ -87,7 +87,8 @@ def _fixed(plan: Plan) -> list[str]:
     pins = [f"pp={m.pp}", f"dp={m.dp}", f"tp={m.tp}", f"microbatches={plan.microbatches}",
             f"schedule={plan.schedule.value}"]
     for lp in plan.layers:
-        pins += [f"{lp.name}:zero={lp.zero}", f"{lp.name}:tp={lp.tp or 'none'}", f"{lp.name}:stage={lp.stage}"]
+        pins += [f"{lp.name}:zero={lp.choice.zero}", f"{lp.name}:tp={lp.choice.tp or 'none'}",
+                 f"{lp.name}:stage={lp.stage}"]
     return pins
 
 
