@@ -10,7 +10,7 @@ device and prices it both ways — op by op with the measured per-op terms
 (``calibration.op_model_fit`` on a CPU host, where the file keeps the FLOPs
 model, or the device's ``op_model``), and by the FLOPs model the file was
 fitted with — beside the measured seconds. It is why a CPU host's cluster
-file keeps the FLOPs model (README "Compute model").
+file keeps the FLOPs model (docs/cost-model.md "Compute model").
 """
 
 from __future__ import annotations

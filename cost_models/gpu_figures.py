@@ -1,7 +1,7 @@
 """The public figures the GPU presets are built from, each with its source.
 
 Numbers only (no cost-model code): :mod:`autopar.cost_models.hardware` builds the
-presets from them, and README's cost-model sections cite the same sources.
+presets from them, and docs/cost-model.md cites the same sources.
 """
 
 # Link latencies are NCCL's per ring step (ring/simple hwLat in NVIDIA/nccl src/graph/tuning.cc:
@@ -38,7 +38,7 @@ NCCL_BUFFER_BYTES = NCCL_COMMUNICATORS * NCCL_CHANNELS * NCCL_RING_CONNECTIONS *
 ALLOCATOR_OVERHEAD_FRACTION = 0.10
 
 
-# Per-op terms of the GPU presets (cost_models.compute prices with them; README "Compute model"):
+# Per-op terms of the GPU presets (cost_models.compute prices with them; docs/cost-model.md "Compute model"):
 # - GEMM tiles: cuBLAS runs large GEMMs in 256×128 output tiles, one per SM at a time, so a GEMM
 #   whose tiles leave the last wave part-empty loses that part (tile and wave quantisation,
 #   NVIDIA "Matrix Multiplication Background User's Guide", §2.3 and §3,

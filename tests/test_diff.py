@@ -68,8 +68,8 @@ def test_differences_are_marked_and_layers_folded(flat, piped):
 
 def test_a_style_means_nothing_at_tp_1(flat):
     assert flat.mesh.tp == 1
-    styled = replace(flat, layers=tuple(replace(l, choice=replace(l.choice, tp="megatron")) if l.name.startswith("blocks.") else l
-                                        for l in flat.layers))
+    styled = replace(flat, layers=tuple(replace(l, choice=replace(l.choice, tp="megatron"))
+                                        if l.name.startswith("blocks.") else l for l in flat.layers))
     assert diff_plans(flat, styled).same
 
 

@@ -30,7 +30,8 @@ Modules, in the order data flows through them:
     (:func:`~autopar.sharding.verify.verify_styles`).
 
 Adding a rule for an op the engine refuses today (the plan's note names it:
-"tensor parallelism withdrawn: no sharding rule for 'OP'"):
+"tensor parallelism withdrawn: OP: no sharding rule for this op on a sharded
+activation"):
 
 1. If the op maps each element to one element (the shares need no
    change), add its name to ``ELEMENTWISE`` in ``ops.py``; if it only reads

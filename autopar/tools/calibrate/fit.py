@@ -208,7 +208,7 @@ def build_cluster(m: Measurements, *, name: str | None = None) -> ClusterSpec:
     per_op = fit_op_model(m, device.memory_bandwidth_bytes_s)
     # GPUs price layers with op records op by op, at the GEMMs' own large-k rate. A CPU host keeps
     # the FLOPs model fitted to whole layers: there, the per-op sum predicted calibrate's own layer
-    # probes 1.4–2.2× too fast (a 2-core host, benchmarks/cpu_op_check.py; README "Compute model");
+    # probes 1.4–2.2× too fast (a 2-core host, benchmarks/cpu_op_check.py; docs/cost-model.md "Compute model");
     # its per-op fit is recorded in the file's calibration.
     if per_op is not None and m.backend == "nccl":
         gemm_rate, ops = per_op  # measured in bf16, as GPUs train (probes.ops)
