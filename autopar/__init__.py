@@ -30,6 +30,7 @@ _EXPORTS: dict[str, str] = {
     "Layer": "autopar.graph", "LayerGraph": "autopar.graph", "TPStyle": "autopar.graph",
     "Pins": "autopar.pins",
     "Plan": "autopar.plan",
+    "Mesh": "autopar.mesh", "MeshError": "autopar.errors", "LayerChoice": "autopar.choice",
     "compile": "autopar.runtime", "ParallelModel": "autopar.runtime",
     "latest_checkpoint": "autopar.runtime",
     "UnknownDeviceWarning": "autopar.runtime.launch",

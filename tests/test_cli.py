@@ -170,6 +170,7 @@ def test_cluster_file_plans(tmp_path, capsys):
     (["--pin", "nosuch.*:zero=1"], ["names no layer"]),
     (["--pin", "dp=8", "--batch-size", "12"], ["12", "dp=8"]),
     (["--pin", "nonsense"], ["KEY=VALUE"]),
+    (["--pin", "ep=2"], ["unknown key 'ep'", "the mesh axes are pp, dp, tp"]),
     (["--memory-gb", "-1"], ["positive"]),
     (["--world-size", "12"], ["not a multiple"]),
     (["--world-size", "eight"], ["invalid int value"]),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from autopar import contract
 from autopar.choice import Recompute
 from autopar.graph import LayerGraph
 from autopar.planning.evaluate import evaluate
@@ -20,9 +19,9 @@ def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
         if layer.param_count and solution.config.mesh.dp > 1 and runs.zero != s.zero:
             raised.append(f"{layer.name} (zero={s.zero})")
             root = runs.zero
-        if s.recompute and not runs.recompute:
-            (kept if layer.module_path is None or not contract.recompute_applies(graph, i, solution.config.mesh.pp)
-             else bare).append(layer.name)
+        if s.recompute and not runs.recompute:  # no recompute at all runs there, or only not this kind
+            hookless = not table.runs_as(i, replace(s, recompute=Recompute.FULL)).recompute
+            (kept if hookless else bare).append(layer.name)
     notes = []
     if raised:
         notes.append(f"{', '.join(raised)}: in the root FSDP unit, which runs at "

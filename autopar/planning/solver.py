@@ -2,8 +2,9 @@
 
 Search, in two levels:
 
-1. **Configurations** (:func:`enumerate_configs`): every mesh pp × dp × tp =
-   world size (tp within a node unless pinned), microbatch count m dividing the
+1. **Configurations** (:func:`enumerate_configs`): every mesh of the declared
+   axes (:mod:`autopar.mesh`: pp × dp × tp = world size, each degree dividing
+   what its axis splits, tp within a node unless pinned), microbatch count m dividing the
    per-replica batch, schedule (GPipe only where 1F1B cannot run, since
    under this cost model 1F1B has GPipe's time and never more memory;
    interleaved 1F1B with 2 or 4 chunks per rank), and data-parallel mode
@@ -53,7 +54,7 @@ bytes already. Runs with 1 worker and a deterministic time limit, so the same
 inputs give the same plan.
 
 Runners-up. The search keeps the best plan of each *distinct configuration*
-(mesh pp × dp × tp and whether data parallelism is sharded; microbatches and
+(the mesh, and whether data parallelism is sharded; microbatches and
 schedule are details within one) until it holds the best ``RUNNERS_UP + 1`` of
 them, so a plan can say what came next without solving again
 (``autopar explain``). Branch and bound then prunes against the last of those
