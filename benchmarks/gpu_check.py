@@ -167,7 +167,7 @@ def run_plan(model: Model, name: str, pins: tuple[str, ...], cluster: Any, devic
     measured_s, predicted_s = statistics.median(times), plan.predicted.step_time_s
     predicted_bytes = plan.predicted.memory_per_rank_bytes[0]
     return {"model": model.name, "plan": name, "pins": list(pins), "microbatches": plan.microbatches,
-            "recompute": sum(bool(lp.recompute) for lp in plan.layers), "dtype": plan.training.dtype,
+            "recompute": sum(bool(lp.choice.recompute) for lp in plan.layers), "dtype": plan.training.dtype,
             "masters_fp32": all(p.dtype == torch.float32 for g_ in pm.optimizer.param_groups for p in g_["params"]),
             "predicted_step_s": predicted_s, "measured_step_s": measured_s,
             "step_ratio": measured_s / predicted_s, "predicted_peak_bytes": predicted_bytes,

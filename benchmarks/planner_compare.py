@@ -57,8 +57,8 @@ def device_need_bytes(allocated: int, cluster) -> int:
 
 def describe(plan: autopar.Plan) -> str:
     m = plan.mesh
-    zeros = sorted({layer.zero for layer in plan.layers})
-    recompute = sorted({str(layer.recompute) for layer in plan.layers})
+    zeros = sorted({layer.choice.zero for layer in plan.layers})
+    recompute = sorted({str(layer.choice.recompute) for layer in plan.layers})
     schedule = getattr(plan.schedule, "value", plan.schedule)
     return (f"pp={m.pp} dp={m.dp} tp={m.tp} m={plan.microbatches} {schedule}, "
             f"ZeRO {'/'.join(map(str, zeros))}, recompute {'/'.join(recompute)}")
