@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import gpt  # noqa: E402
-from autopar.cost_models.hardware import PRESETS, ClusterSpec  # noqa: E402
-from autopar.cost_models.pipeline import Schedule, ScheduleKind  # noqa: E402
 
 import autopar  # noqa: E402
+from autopar.cost_models.hardware import PRESETS, ClusterSpec  # noqa: E402
+from autopar.cost_models.pipeline import Schedule, ScheduleKind  # noqa: E402
 from autopar.plan import Recompute  # noqa: E402
 from autopar.planning.pricing import MeshConfig, PriceTable, Strategy, TrainingSpec  # noqa: E402
 

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+
 from autopar.cost_models.communication import Collective, collective_time_s, place_group
 from autopar.cost_models.hardware import ClusterError, ClusterSpec, load_cluster
-
 from autopar.planning.pricing import exposed_comm_s
 from autopar.tools.calibrate import (
     CalibrationError,

@@ -373,7 +373,6 @@ def test_mesh_pin_messages_name_the_pins_or_claim_none():
 
 def test_flop_rates_keep_three_significant_figures_and_devices_are_named():
     from autopar.cost_models.hardware import PRESETS
-
     from autopar.units import device_noun, format_flop_rate
 
     assert format_flop_rate(189.23e12) == "189 TFLOP/s"

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from autopar.cost_models.hardware import PRESETS
-from autopar.cost_models.memory import model_state_bytes
-from autopar.cost_models.pipeline import Schedule
 
 import autopar
 from autopar import contract
 from autopar.contract import ROOT, Engine
+from autopar.cost_models.hardware import PRESETS
+from autopar.cost_models.memory import model_state_bytes
+from autopar.cost_models.pipeline import Schedule
 from autopar.planning.pricing import MeshConfig, PriceTable, Strategy, TrainingSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -293,11 +293,11 @@ def test_the_solver_offers_only_choices_that_run_as_priced() -> None:
 
 
 def test_passes_run_in_their_order_and_a_failure_names_the_pass_and_those_before(fake_group) -> None:
-    from autopar.passes.parallelize import PASSES, Context, Pass, run_passes
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from autopar.errors import LoweringError
+    from autopar.passes.parallelize import PASSES, Context, Pass, run_passes
     from autopar.runtime.lowering import whole_model_part
 
     assert [p.name for p in PASSES] == ["tensor_parallel", "recompute", "data_parallel"]

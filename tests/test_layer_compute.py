@@ -9,11 +9,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from autopar.cost_models.compute import BACKWARD_FLOPS_FACTOR, compute_time_s, gemm_time_s
-from autopar.cost_models.hardware import PRESETS
 from synthetic import transformer_graph
 
 import autopar
+from autopar.cost_models.compute import BACKWARD_FLOPS_FACTOR, compute_time_s, gemm_time_s
+from autopar.cost_models.hardware import PRESETS
 from autopar.graph import LayerGraph, OpKind, OpRecord
 from autopar.planning.layer_compute import layer_compute, op_flops_per_sample, style_flops_per_sample
 from autopar.planning.pricing import MeshConfig, PriceTable, TrainingSpec

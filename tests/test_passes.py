@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from autopar.passes.recompute import apply_recompute
-from autopar.passes.tensor_parallel import check_tensor_parallel
-from autopar.passes.zero import layer_zero_stages
 
 import autopar
 from autopar.errors import LaunchError, LoweringError, PlanError
+from autopar.passes.recompute import apply_recompute
+from autopar.passes.tensor_parallel import check_tensor_parallel
+from autopar.passes.zero import layer_zero_stages
 from autopar.runtime import default_loss
 from autopar.sharding.rules import segment_permutation
 

@@ -15,10 +15,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from autopar.cost_models.pipeline import ScheduleKind
 from synthetic import transformer_graph
 
 import autopar
+from autopar.cost_models.pipeline import ScheduleKind
 from autopar.errors import PlanError
 from autopar.plan import Plan, StageTime
 from autopar.tools import pictures

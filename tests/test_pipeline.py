@@ -13,15 +13,15 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn as nn
-from autopar.cost_models.pipeline import ScheduleKind
-from autopar.passes.stage_split import split_model
 from distributed import check_equivalent as _check_equivalent
 from distributed import ok as _ok
 from distributed import run_cases
 from equivalence_cases import gpt_tiny, hf_llama, mlp_small
 
 import autopar
+from autopar.cost_models.pipeline import ScheduleKind
 from autopar.errors import LoweringError
+from autopar.passes.stage_split import split_model
 from autopar.plan import Mesh
 
 W2_EQUIV = ["pp_gpipe", "pp_1f1b", "pp_interleaved", "pp_model_parallel", "pp_hf_llama", "pp_hf_llama_recompute"]

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from autopar.cost_models.hardware import PRESETS
-from autopar.cost_models.pipeline import Schedule, ScheduleKind
 from synthetic import transformer_graph
 
 from autopar.contract import REPLICATED, DataParallelism
+from autopar.cost_models.hardware import PRESETS
+from autopar.cost_models.pipeline import Schedule, ScheduleKind
 from autopar.graph import LayerGraph
 from autopar.planning.pricing import MeshConfig, PriceTable, Strategy, TrainingSpec
 

@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from autopar.passes.recompute import alternate_context, apply_recompute, selective_context
 from distributed import check_equivalent, run_cases
 from torch.distributed._composable import checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -31,12 +30,14 @@ import autopar
 from autopar import contract
 from autopar.errors import PinError, PlanError
 from autopar.graph import LayerGraph
+from autopar.passes.recompute import alternate_context, apply_recompute, selective_context
 from autopar.pins import Pins
 from autopar.plan import Plan, Recompute
 from autopar.planning.pricing import MeshConfig, PriceTable, Strategy, TrainingSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import gpt  # noqa: E402
+
 from autopar.cost_models.hardware import PRESETS  # noqa: E402
 from autopar.cost_models.pipeline import Schedule, ScheduleKind  # noqa: E402
 

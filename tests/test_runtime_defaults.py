@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from autopar.cost_models.hardware import PRESETS, preset_for_device
 
 import autopar
+from autopar.cost_models.hardware import PRESETS, preset_for_device
 from autopar.errors import LaunchError
 from autopar.runtime.launch import UnknownDeviceWarning, local_cluster
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn as nn
 import zoo
-from autopar.cost_models.hardware import PRESETS, GiB
-from autopar.cost_models.pipeline import Schedule, ScheduleKind
 from synthetic import transformer_graph
 
 import autopar
 from autopar.capturing import capture
+from autopar.cost_models.hardware import PRESETS, GiB
+from autopar.cost_models.pipeline import Schedule, ScheduleKind
 from autopar.errors import LoweringError, PinError
 from autopar.pins import Pins
 from autopar.plan import Plan

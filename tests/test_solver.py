@@ -14,10 +14,10 @@ import math
 
 import numpy as np
 import pytest
-from autopar.cost_models.hardware import PRESETS, GiB
 from synthetic import transformer_graph
 
 from autopar import contract
+from autopar.cost_models.hardware import PRESETS, GiB
 from autopar.errors import InfeasibleError, PinError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins

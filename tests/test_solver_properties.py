@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from autopar.cost_models.hardware import PRESETS, GiB
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from autopar.cost_models.hardware import PRESETS, GiB
 from autopar.errors import InfeasibleError
 from autopar.graph import Layer, LayerGraph, TPStyle
 from autopar.planning.pricing import TrainingSpec, evaluate
