@@ -20,7 +20,7 @@ from autopar.tools import verify as v
 from autopar.tools.cli import main
 from autopar.tools.spec import load_spec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SPECS = ROOT / "tests" / "verify_specs.py"
 GPT = ROOT / "examples" / "gpt.py"
 

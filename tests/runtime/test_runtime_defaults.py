@@ -21,7 +21,7 @@ from autopar.cost_models.hardware import PRESETS, preset_for_device
 from autopar.errors import LaunchError
 from autopar.runtime.launch import UnknownDeviceWarning, local_cluster
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402
 
 GiB = 2**30

@@ -14,7 +14,7 @@ import autopar
 from autopar.plan import Plan
 from autopar.units import format_bytes
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402
 
 INTERLEAVED = ["pp=2", "schedule=interleaved_1f1b", "chunks=2"]

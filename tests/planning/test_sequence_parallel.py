@@ -1,5 +1,5 @@
 """Sequence parallelism: proved on shares of the sequence before it is offered, priced as it runs, searched
-and pinned. (Parity with one device on the zoo's models, in processes: tests/test_zoo.py.)"""
+and pinned. (Parity with one device on the zoo's models, in processes: tests/runtime/test_zoo.py.)"""
 
 from __future__ import annotations
 

@@ -143,7 +143,7 @@ def test_a_tp_pin_on_a_refused_layer_names_the_layer_and_the_op() -> None:
 
 
 def test_a_large_meta_layer_is_checked_on_a_narrower_copy_built_from_its_config() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
     import gpt
 
     with torch.device("meta"):

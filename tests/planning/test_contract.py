@@ -28,7 +28,7 @@ from autopar.cost_models.memory import model_state_bytes
 from autopar.cost_models.pipeline import Schedule
 from autopar.planning.pricing import MeshConfig, PriceTable, Strategy, TrainingSpec
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402
 
 WORLD = 4

@@ -8,7 +8,7 @@ import pytest
 
 from autopar.tools.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_verify_a_tensor_parallel_plan(capsys: pytest.CaptureFixture) -> None:

@@ -31,7 +31,7 @@ from autopar.tools.calibrate import (
 )
 from autopar.tools.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "gpt.py") + ":gpt_tiny"
 
 

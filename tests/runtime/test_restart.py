@@ -14,7 +14,7 @@ import torch
 
 from autopar.tools.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRAINER = str(ROOT / "examples" / "train_gpt.py")
 RESTART_BUDGET_S = 150  # both launches, the restarted one twice over; ~30 s here
 

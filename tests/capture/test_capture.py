@@ -15,7 +15,7 @@ import torch.nn as nn
 from autopar.capturing import capture
 from autopar.errors import CaptureError
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _example(name: str):

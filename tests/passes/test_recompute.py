@@ -35,7 +35,7 @@ from autopar.pins import Pins
 from autopar.plan import Plan, Recompute
 from autopar.planning.pricing import MeshConfig, PriceTable, Strategy, TrainingSpec
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402
 
 from autopar.cost_models.hardware import PRESETS  # noqa: E402

@@ -25,7 +25,7 @@ from autopar.tools import pictures
 from autopar.tools.cli import main
 from autopar.tools.pictures import Action, schedule_order, timeline
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "gpt.py") + ":gpt_tiny"
 PNG = b"\x89PNG\r\n\x1a\n"
 CASES = {  # pins of plans that exercise each schedule, ZeRO and recompute

@@ -18,7 +18,7 @@ from autopar.graph import LayerGraph, OpKind, OpRecord
 from autopar.planning.layer_compute import layer_compute, op_flops_per_sample, style_flops_per_sample
 from autopar.planning.pricing import MeshConfig, PriceTable, TrainingSpec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 

@@ -20,7 +20,7 @@ from autopar.tools.cli import main
 from autopar.tools.explain import TERMS, explain
 from autopar.units import format_bytes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "gpt.py") + ":gpt_tiny"
 BUDGET_GB = 9.0  # the chosen plan (ZeRO-sharded) fits in it, plain DDP does not (it needs 9.43 GiB at best)
 

@@ -20,7 +20,7 @@ from autopar.passes.zero import layer_zero_stages
 from autopar.runtime import default_loss
 from autopar.sharding.rules import segment_permutation
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402
 
 

@@ -16,7 +16,7 @@ from autopar.plan import SCHEMA, Plan
 from autopar.tools.cli import main
 from autopar.tools.spec import load_spec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "examples" / "gpt.py") + ":gpt_tiny"
 BASE = [TINY, "--world-size", "8", "--cluster", "cpu"]
 
