@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from console import autopar_command, default_sigint
 
 from autopar.cost_models.communication import Collective, collective_time_s, place_group
 from autopar.cost_models.hardware import ClusterError, ClusterSpec, load_cluster
@@ -258,16 +257,11 @@ def test_calibrate_refuses_bad_input_in_one_line(capsys, argv, message):
     assert err.startswith("autopar: error:") and err.count("\n") == 1
 
 
-def _console(*argv: str) -> list[str]:
-    exe = shutil.which("autopar")
-    return ([exe] if exe else [sys.executable, "-m", "autopar.tools.cli"]) + list(argv)
-
-
 def test_interrupted_calibration_says_so_and_writes_nothing(tmp_path):
     target = tmp_path / "cluster.json"
-    proc = subprocess.Popen(_console("calibrate", "--nproc", "2", "-o", str(target)),
+    proc = subprocess.Popen(autopar_command("calibrate", "--nproc", "2", "-o", str(target)),
                             stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=default_sigint)
     try:
         line = ""
         deadline = time.monotonic() + 120
@@ -287,14 +281,14 @@ def test_interrupted_calibration_says_so_and_writes_nothing(tmp_path):
 
 def test_quick_calibration_writes_a_cluster_the_planner_uses(tmp_path):
     target = tmp_path / "cluster.json"
-    run = subprocess.run(_console("calibrate", "--nproc", "2", "--quick", "-o", str(target)),
+    run = subprocess.run(autopar_command("calibrate", "--nproc", "2", "--quick", "-o", str(target)),
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "[9/9] done" in run.stderr and f"cluster written to {target}" in run.stderr
     cluster = load_cluster(str(target))
     assert cluster.backend == "gloo" and cluster.gpus_per_node == 2
     assert 0 <= cluster.comm_overlap <= 1
-    plan = subprocess.run(_console("plan", TINY, "--world-size", "2", "--cluster", str(target),
+    plan = subprocess.run(autopar_command("plan", TINY, "--world-size", "2", "--cluster", str(target),
                                    "--dtype", "fp32", "--json"), capture_output=True, text=True, timeout=120)
     assert plan.returncode == 0, plan.stderr
     assert json.loads(plan.stdout)["cluster"]["name"] == cluster.name

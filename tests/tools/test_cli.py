@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from console import autopar_command
 
 import autopar
 from autopar.errors import PlanError, SpecError
@@ -28,10 +28,8 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def _console(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """The installed console script (``python -m autopar.tools.cli`` where it is not on PATH)."""
-    exe = shutil.which("autopar")
-    cmd = [exe] if exe else [sys.executable, "-m", "autopar.tools.cli"]
-    return subprocess.run(cmd + list(argv), cwd=cwd, capture_output=True, text=True, timeout=120)
+    """This interpreter's installed console script (``python -m autopar.tools.cli`` where it has none)."""
+    return subprocess.run(autopar_command(*argv), cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
 @pytest.fixture(scope="module")
