@@ -1,9 +1,10 @@
 """Pipeline parallelism: stage splitting in-process, and pp > 1 plans against one device.
 
-The distributed cases (:mod:`pipeline_cases`) run in one spawn per world size
-(2, 4, 8 gloo processes). Bars (DESIGN.md, fp32 on CPU): first-step loss and
-gradients, and parameters and losses over 3 SGD-with-momentum steps, within
-1e-5 relative; 3 AdamW steps' losses within 1e-3.
+The distributed cases (:mod:`pipeline_cases`) run in one request per world size
+to the session's rank pools (2, 4, 8 gloo processes), checked on every rank.
+Bars (DESIGN.md, fp32 on CPU): first-step loss and gradients, and parameters and
+losses over 3 SGD-with-momentum steps, within 1e-5 relative; 3 AdamW steps'
+losses within 1e-3.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 from distributed import check_equivalent as _check_equivalent
-from distributed import ok as _ok
-from distributed import run_cases
+from distributed import every_rank
 from equivalence_cases import gpt_tiny, hf_llama, mlp_small
 
 import autopar
@@ -121,26 +121,28 @@ def test_tied_ends_may_be_cut_apart_but_any_other_tie_may_not() -> None:
 
 
 @pytest.fixture(scope="module")
-def w2() -> dict[str, dict]:
-    return run_cases(2, W2_EQUIV + W2_ERRORS + W2_UNITS, module="pipeline_cases")
+def w2(ranks) -> dict[str, dict]:
+    return ranks(2).run(W2_EQUIV + W2_ERRORS + W2_UNITS, module="pipeline_cases")
 
 
 @pytest.fixture(scope="module")
-def w4() -> dict[str, dict]:
-    return run_cases(4, W4_EQUIV + W4_MORE, module="pipeline_cases")
+def w4(ranks) -> dict[str, dict]:
+    return ranks(4).run(W4_EQUIV + W4_MORE, module="pipeline_cases")
 
 
 @pytest.fixture(scope="module")
-def w8() -> dict[str, dict]:
-    return run_cases(8, W8_EQUIV, module="pipeline_cases")
+def w8(ranks) -> dict[str, dict]:
+    return ranks(8).run(W8_EQUIV, module="pipeline_cases")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", W2_EQUIV)
 def test_two_ranks_match_one_device(w2: dict, case: str) -> None:
     _check_equivalent(w2[case])
     assert w2[case]["mesh"] == [2, 1, 1]
 
 
+@pytest.mark.distributed
 def test_pinned_schedules_are_the_ones_run(w2: dict) -> None:
     assert (w2["pp_gpipe"]["schedule"], w2["pp_1f1b"]["schedule"]) == ("gpipe", "1f1b")
     assert (w2["pp_interleaved"]["schedule"], w2["pp_interleaved"]["chunks"]) == ("interleaved_1f1b", 2)
@@ -149,19 +151,26 @@ def test_pinned_schedules_are_the_ones_run(w2: dict) -> None:
     assert w2["pp_hf_llama"]["tracer"] == "export-layers" and w2["pp_1f1b"]["tracer"] == "fx-layers"
 
 
+def _fracs(m: dict) -> list[float]:
+    return [r["local_bytes_frac"] for r in every_rank(m)]
+
+
+@pytest.mark.distributed
 def test_each_pp_rank_holds_its_stages_only(w2: dict, w4: dict, w8: dict) -> None:
-    assert w2["pp_1f1b"]["local_bytes_frac"] == pytest.approx(0.5, abs=0.05)
-    assert w4["pp2_dp2_zero3"]["local_bytes_frac"] == pytest.approx(0.25, abs=0.03)
-    assert w8["pp2_dp2_tp2"]["local_bytes_frac"] == pytest.approx(0.125, abs=0.03)
+    assert _fracs(w2["pp_1f1b"]) == pytest.approx([0.5] * 2, abs=0.05)
+    assert _fracs(w4["pp2_dp2_zero3"]) == pytest.approx([0.25] * 4, abs=0.03)
+    assert _fracs(w8["pp2_dp2_tp2"]) == pytest.approx([0.125] * 8, abs=0.03)
 
 
+@pytest.mark.distributed
 def test_meta_model_is_materialised_stage_by_stage(w2: dict) -> None:
-    m = _ok(w2["meta_pipeline"])
-    assert not m["any_meta"]
-    assert 0.3 < m["local_bytes_frac"] < 0.7  # its own stage only, not the whole model
-    assert all(l == l for l in m["losses"]) and m["losses"][-1] < m["losses"][0]  # finite, learns
+    for m in every_rank(w2["meta_pipeline"]):
+        assert not m["any_meta"]
+        assert 0.3 < m["local_bytes_frac"] < 0.7  # its own stage only, not the whole model
+        assert all(l == l for l in m["losses"]) and m["losses"][-1] < m["losses"][0]  # finite, learns
 
 
+@pytest.mark.distributed
 def test_export_captured_model_keeps_recompute_and_tp_inside_its_stages(w2: dict, w4: dict) -> None:
     m = w2["pp_hf_llama_recompute"]
     _check_equivalent(m)
@@ -171,12 +180,14 @@ def test_export_captured_model_keeps_recompute_and_tp_inside_its_stages(w2: dict
     assert m["mesh"] == [2, 1, 2] and all(tp == "megatron" for name, tp, *_ in m["layers"] if ".layers." in name)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", W4_EQUIV)
 def test_four_ranks_match_one_device(w4: dict, case: str) -> None:
     _check_equivalent(w4[case])
     assert w4[case]["mesh"] == [2, 2, 1]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", W8_EQUIV)
 def test_eight_ranks_match_one_device(w8: dict, case: str) -> None:
     _check_equivalent(w8[case])

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from distributed import check_equivalent, run_cases
+from distributed import check_equivalent, every_rank
 from torch.distributed._composable import checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -295,21 +295,24 @@ CASES = ["selective_zero3", "selective_tp2", "mixed_kinds_zero2", "full_only", "
 
 
 @pytest.fixture(scope="module")
-def w2() -> dict[str, dict]:
-    return run_cases(2, CASES, module="recompute_cases")
+def w2(ranks) -> dict[str, dict]:
+    return ranks(2).run(CASES, module="recompute_cases")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", CASES)
 def test_recompute_plans_match_one_device(w2: dict, case: str) -> None:
     check_equivalent(w2[case])
 
 
+@pytest.mark.distributed
 def test_selective_layers_ran_the_selective_policy_and_kept_matmul_outputs(w2: dict) -> None:
     for case in ("selective_zero3", "selective_tp2", "mixed_kinds_zero2", "hf_llama_selective_tp2"):
-        kept = w2[case]["policy_kept"]
-        assert w2[case]["policy_asked"] > sum(kept.values()) > 0, case  # other ops were recomputed
-        assert set(kept) <= {"aten::mm", "aten::addmm", "aten::_scaled_dot_product_flash_attention_for_cpu"}
-    assert w2["full_only"]["policy_asked"] == 0  # full recompute never asks the selective policy
+        for m in every_rank(w2[case]):
+            kept = m["policy_kept"]
+            assert m["policy_asked"] > sum(kept.values()) > 0, case  # other ops were recomputed
+            assert set(kept) <= {"aten::mm", "aten::addmm", "aten::_scaled_dot_product_flash_attention_for_cpu"}
+    assert all(m["policy_asked"] == 0 for m in every_rank(w2["full_only"]))  # full never asks the policy
     mixed = {name: rc for name, _, _, rc, _ in w2["mixed_kinds_zero2"]["layers"]}
     assert (mixed["blocks.0"], mixed["blocks.1"], mixed["ln_f"]) == (Recompute.SELECTIVE, Recompute.FULL,
                                                                       Recompute.FULL)

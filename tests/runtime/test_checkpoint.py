@@ -2,10 +2,10 @@
 as if never interrupted; visible only when complete; refused, with nothing loaded, when foreign,
 incomplete or damaged.
 
-The resharding pairs run in the shared spawns of :mod:`training_runs` (W = 4 saves, W = 2 loads
-and saves again); W = 4 → W = 1 and the error cases run here, in this process (one rank, no
-process group). Bar: SGD with momentum (its state resharded too), every loss and the final
-parameters within 1e-5 of one process trained without a break.
+The resharding pairs run once a session on the shared rank pools (:mod:`training_runs`: W = 4
+saves, W = 2 loads and saves again), checked on every rank; W = 4 → W = 1 and the error cases run
+here, in this process (one rank, no process group). Bar: SGD with momentum (its state resharded
+too), every loss and the final parameters within 1e-5 of one process trained without a break.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import EXACT, ok
+from distributed import EXACT, every_rank, ok
 from equivalence_cases import gpt_tiny, mlp_small
 from training_cases import BATCH, PLANS, K, batches, loss_rel, reference, sgd, train, worst
-from training_runs import case, shared_dir
 
 import autopar
 from autopar.errors import CheckpointError
@@ -39,19 +38,25 @@ def _no_launch_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(key, raising=False)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("saved, loaded", PAIRS, ids=[p[1] for p in PAIRS])
-def test_a_checkpoint_loads_under_another_plan_and_trains_on_as_one_device(saved: str, loaded: str) -> None:
-    first, then = ok(case("save_" + saved)), ok(case(loaded))
-    assert then["step"] == K and then["extra"] == {"data_position": K, "plan": saved}
-    assert loss_rel(first["losses"], then["ref_losses"][:K]) < EXACT
-    assert then["loss_rel"] < EXACT, (then["losses"], then["ref_losses"])
-    assert then["param_rel"] < EXACT
+def test_a_checkpoint_loads_under_another_plan_and_trains_on_as_one_device(training, saved: str,
+                                                                           loaded: str) -> None:
+    ref_losses = every_rank(training.case(loaded))[0]["ref_losses"]
+    for first in every_rank(training.case("save_" + saved)):
+        assert loss_rel(first["losses"], ref_losses[:K]) < EXACT
+    for then in every_rank(training.case(loaded)):
+        assert then["step"] == K and then["extra"] == {"data_position": K, "plan": saved}
+        assert then["loss_rel"] < EXACT, (then["losses"], then["ref_losses"])
+        assert then["param_rel"] < EXACT
 
 
-def test_an_async_save_holds_the_step_it_was_called_at() -> None:
+@pytest.mark.distributed
+def test_an_async_save_holds_the_step_it_was_called_at(training) -> None:
     # the pipeline's save was asynchronous and a step was trained while it was written: the
     # pairs loading it resume from step K exactly, so the save copied the state first
-    assert ok(case("pp_to_zero1"))["param_rel"] < EXACT and ok(case("pp_to_tp"))["loss_rel"] < EXACT
+    assert all(m["param_rel"] < EXACT for m in every_rank(training.case("pp_to_zero1")))
+    assert all(m["loss_rel"] < EXACT for m in every_rank(training.case("pp_to_tp")))
 
 
 def _compiled(build=gpt_tiny, plan_name: str = "w1", optimizer=sgd, dtype: str = "fp32", **kwargs):
@@ -64,10 +69,11 @@ def _compiled(build=gpt_tiny, plan_name: str = "w1", optimizer=sgd, dtype: str =
     return autopar.compile(model, world_size=1, plan=plan, graph=graph, optimizer=optimizer, **kwargs)
 
 
-def test_four_ranks_to_one_process() -> None:
-    ok(case("save_dp2tp2_w4"))
+@pytest.mark.distributed
+def test_four_ranks_to_one_process(training) -> None:
+    ok(training.case("save_dp2tp2_w4"))
     pm = _compiled()
-    assert pm.load(shared_dir() / "dp2tp2_w4") == {"data_position": K, "plan": "dp2tp2_w4"}
+    assert pm.load(training.dir / "dp2tp2_w4") == {"data_position": K, "plan": "dp2tp2_w4"}
     losses = train(pm, batches(2 * K)[K:])
     ref = reference(2 * K)
     assert loss_rel(losses, ref.losses[K:]) < EXACT

@@ -14,6 +14,8 @@ import torch
 
 from autopar.tools.cli import main
 
+pytestmark = pytest.mark.distributed  # each test launches its own ranks under torchrun: a fresh group
+
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER = str(ROOT / "examples" / "train_gpt.py")
 RESTART_BUDGET_S = 150  # both launches, the restarted one twice over; ~30 s here

@@ -1,8 +1,8 @@
 """The training loop users write: clipping by the global gradient norm, learning-rate schedules,
 evaluation, data-parallel coordinates, bf16 mixed precision as priced, dropout streams.
 
-The distributed cases run in the shared spawns of :mod:`training_runs`; each is compared on rank 0
-with the same training in one process. Bars: clipping, schedules and evaluation 1e-5 relative
+The distributed cases run once a session on the shared rank pools (:mod:`training_runs`); each is
+compared, on every rank, with the same training in one process. Bars: clipping, schedules and evaluation 1e-5 relative
 (fp32, SGD with momentum); bf16 losses within ``BF16_LOSS_TOL`` of the fp32 run of the same plan
 (bf16 compute with fp32 masters, optimizer state and loss: 1e-4 was measured).
 """
@@ -11,45 +11,48 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import EXACT, ok
+from distributed import EXACT, every_rank
 from equivalence_cases import gpt_tiny
 from training_cases import BATCH, BF16_LOSS_TOL, MAX_NORM, PLANS, batches, loss_rel, reference, sgd, warmup, worst
-from training_runs import case
 
 import autopar
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", ["clip_zero3", "clip_tp", "clip_pp"])
-def test_clipping_schedules_and_evaluation_match_one_device(name: str) -> None:
-    m = ok(case(name))
-    assert min(m["ref_norms"]) > MAX_NORM  # every step was clipped
-    assert m["norm_rel"] < EXACT, (m["norms"], m["ref_norms"])
-    assert m["param_rel"] < EXACT
-    assert m["eval_rel"] < EXACT and m["eval_moved"] == 0.0
-    assert m["step"] == 3 and m["lr"] == pytest.approx(0.05)  # the warm-up schedule ran
+def test_clipping_schedules_and_evaluation_match_one_device(training, name: str) -> None:
+    for m in every_rank(training.case(name)):
+        assert min(m["ref_norms"]) > MAX_NORM  # every step was clipped
+        assert m["norm_rel"] < EXACT, (m["norms"], m["ref_norms"])
+        assert m["param_rel"] < EXACT
+        assert m["eval_rel"] < EXACT and m["eval_moved"] == 0.0
+        assert m["step"] == 3 and m["lr"] == pytest.approx(0.05)  # the warm-up schedule ran
 
 
-def test_dp_rank_and_size_feed_a_sampler() -> None:
-    assert ok(case("clip_zero3"))["dp"] == [0, 2]
-    assert ok(case("clip_tp"))["dp"] == [0, 1]
+@pytest.mark.distributed
+def test_dp_rank_and_size_feed_a_sampler(training) -> None:
+    assert [m["dp"] for m in every_rank(training.case("clip_zero3"))] == [[0, 2], [1, 2]]
+    assert [m["dp"] for m in every_rank(training.case("clip_tp"))] == [[0, 1], [0, 1]]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name, masters", [("bf16_zero3", False), ("bf16_ddp", True), ("bf16_tp", True),
                                            ("bf16_pp", True)])
-def test_bf16_computes_in_bf16_and_keeps_fp32_masters(name: str, masters: bool) -> None:
-    m = ok(case(name))
-    assert m["optimized"] == ["torch.float32"] and m["state"] == ["torch.float32"]
-    assert m["compute"] == ["torch.bfloat16"]
-    assert m["masters"] is masters  # FSDP2's sharded fp32 parameters are the masters themselves
-    assert m["module"] == (["torch.bfloat16"] if masters else ["torch.float32"])
-    assert m["loss_rel"] < BF16_LOSS_TOL, (m["losses"], m["fp32_losses"])
-    assert m["losses"] != m["fp32_losses"]  # it did run in bf16
+def test_bf16_computes_in_bf16_and_keeps_fp32_masters(training, name: str, masters: bool) -> None:
+    for m in every_rank(training.case(name)):
+        assert m["optimized"] == ["torch.float32"] and m["state"] == ["torch.float32"]
+        assert m["compute"] == ["torch.bfloat16"]
+        assert m["masters"] is masters  # FSDP2's sharded fp32 parameters are the masters themselves
+        assert m["module"] == (["torch.bfloat16"] if masters else ["torch.float32"])
+        assert m["loss_rel"] < BF16_LOSS_TOL, (m["losses"], m["fp32_losses"])
+        assert m["losses"] != m["fp32_losses"]  # it did run in bf16
 
 
-def test_tensor_parallel_ranks_draw_the_same_dropout_masks() -> None:
-    m = ok(case("dropout_tp"))
-    assert m["tp_losses"][0] == m["tp_losses"][1]
-    assert m["next_step_differs"]  # each step has a stream of its own
+@pytest.mark.distributed
+def test_tensor_parallel_ranks_draw_the_same_dropout_masks(training) -> None:
+    for m in every_rank(training.case("dropout_tp")):  # each rank gathered every rank's loss
+        assert m["tp_losses"][0] == m["tp_losses"][1]
+        assert m["next_step_differs"]  # each step has a stream of its own
 
 
 @pytest.fixture(autouse=True)

@@ -1,8 +1,8 @@
 """Weights in and out as safetensors: Hugging Face checkpoints in under tensor parallelism and ZeRO-3,
 exports that ``from_pretrained`` reads back, fused q/k/v rows in their original order.
 
-The distributed cases run in the shared spawns of :mod:`training_runs`; the error cases here, in
-one process.
+The distributed cases run once a session on the shared rank pools (:mod:`training_runs`), checked
+on every rank; the error cases here, in one process.
 """
 
 from __future__ import annotations
@@ -12,36 +12,40 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import ok
+from distributed import every_rank
 from equivalence_cases import gpt_tiny, hf_llama
 from training_cases import BATCH, PLANS
-from training_runs import case
 
 import autopar
 from autopar.errors import WeightsError
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", ["weights_hf_tp", "weights_hf_zero3", "weights_gpt_tp"])
-def test_weights_in_equal_loading_on_one_process(name: str) -> None:
-    assert ok(case(name))["rel"] == 0.0
+def test_weights_in_equal_loading_on_one_process(training, name: str) -> None:
+    assert [m["rel"] for m in every_rank(training.case(name))] == [0.0, 0.0]
 
 
-def test_each_rank_holds_only_its_shards_of_loaded_weights() -> None:
+@pytest.mark.distributed
+def test_each_rank_holds_only_its_shards_of_loaded_weights(training) -> None:
     model, _ = hf_llama()
     full = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert ok(case("weights_hf_zero3"))["local_bytes"] <= 0.55 * full
-    assert ok(case("weights_hf_tp"))["local_bytes"] <= 0.75 * full  # norms and the head replicated
+    assert all(m["local_bytes"] <= 0.55 * full for m in every_rank(training.case("weights_hf_zero3")))
+    # norms and the head replicated
+    assert all(m["local_bytes"] <= 0.75 * full for m in every_rank(training.case("weights_hf_tp")))
 
 
-def test_an_hf_export_loads_back_with_from_pretrained() -> None:
-    m = ok(case("export_hf"))
-    assert m["rel"] == 0.0
-    assert m["files"] == ["config.json", "model.safetensors"]
+@pytest.mark.distributed
+def test_an_hf_export_loads_back_with_from_pretrained(training) -> None:
+    for m in every_rank(training.case("export_hf")):
+        assert m["rel"] == 0.0
+        assert m["files"] == ["config.json", "model.safetensors"]
 
 
-def test_a_tensor_parallel_export_is_in_the_original_row_order() -> None:
-    m = ok(case("export_gpt_tp"))
-    assert m["rel"] == 0.0 and m["ref_rel"] < 1e-5
+@pytest.mark.distributed
+def test_a_tensor_parallel_export_is_in_the_original_row_order(training) -> None:
+    for m in every_rank(training.case("export_gpt_tp")):
+        assert m["rel"] == 0.0 and m["ref_rel"] < 1e-5
 
 
 @pytest.fixture(autouse=True)

@@ -257,6 +257,7 @@ def test_calibrate_refuses_bad_input_in_one_line(capsys, argv, message):
     assert err.startswith("autopar: error:") and err.count("\n") == 1
 
 
+@pytest.mark.distributed
 def test_interrupted_calibration_says_so_and_writes_nothing(tmp_path):
     target = tmp_path / "cluster.json"
     proc = subprocess.Popen(autopar_command("calibrate", "--nproc", "2", "-o", str(target)),
@@ -279,6 +280,7 @@ def test_interrupted_calibration_says_so_and_writes_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.distributed
 def test_quick_calibration_writes_a_cluster_the_planner_uses(tmp_path):
     target = tmp_path / "cluster.json"
     run = subprocess.run(autopar_command("calibrate", "--nproc", "2", "--quick", "-o", str(target)),

@@ -11,6 +11,7 @@ from autopar.tools.cli import main
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.distributed
 def test_verify_a_tensor_parallel_plan(capsys: pytest.CaptureFixture) -> None:
     code = main(["verify", str(ROOT / "examples/gpt.py") + ":gpt_tiny", "--world-size", "2",
                  "--pin", "pp=1", "--pin", "tp=2", "--pin", "blocks.*:tp=megatron",
@@ -20,6 +21,7 @@ def test_verify_a_tensor_parallel_plan(capsys: pytest.CaptureFixture) -> None:
     assert "mesh pp×dp×tp 1×1×2" in out and "step 2: loss" in out and "OK:" in out
 
 
+@pytest.mark.distributed
 def test_verify_the_solvers_plan_on_a_3d_mesh(capsys: pytest.CaptureFixture) -> None:
     # pp 2 × dp 2 × tp 2 with the solver choosing ZeRO stages and recompute per layer
     # (it mixes ZeRO-0 embeddings with ZeRO-3 blocks in one pipeline stage)
@@ -40,6 +42,7 @@ def test_verify_refuses_a_plan_for_another_world_size(tmp_path: Path, capsys) ->
     assert "is for 4 ranks" in capsys.readouterr().err
 
 
+@pytest.mark.distributed
 def test_run_launches_the_script_on_n_processes(tmp_path: Path) -> None:
     script = tmp_path / "hello.py"
     script.write_text(
@@ -49,6 +52,7 @@ def test_run_launches_the_script_on_n_processes(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != "hello.py") == ["0", "1"]
 
 
+@pytest.mark.distributed
 def test_run_reports_a_failing_script(tmp_path: Path, capsys) -> None:
     script = tmp_path / "fail.py"
     script.write_text("raise SystemExit(3)\n")

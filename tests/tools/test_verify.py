@@ -183,6 +183,7 @@ def test_a_rank_killed_without_a_traceback_is_still_named(tmp_path: Path) -> Non
 # ------------------------------------------------------------------ end to end (gloo, 2 ranks)
 
 
+@pytest.mark.distributed
 def test_verify_opt_with_dropout_reports_same(capsys: pytest.CaptureFixture) -> None:
     code = main(["verify", f"{SPECS}:opt", "--world-size", "2", "--pin", "dp=2", "--steps", "2"])
     out = capsys.readouterr().out
@@ -194,6 +195,7 @@ def test_verify_opt_with_dropout_reports_same(capsys: pytest.CaptureFixture) -> 
     assert "model.decoder.layers.0 … model.decoder.layers.1 (2)" in out  # the per-layer plan
 
 
+@pytest.mark.distributed
 def test_verify_bert_json_with_microbatches_on_the_example_batch(capsys: pytest.CaptureFixture) -> None:
     code = main(["verify", f"{SPECS}:bert", "--world-size", "2", "--pin", "dp=2",
                  "--pin", "microbatches=4", "--steps", "2", "--json"])
@@ -210,6 +212,7 @@ def _crash_line() -> int:
     return next(i for i, line in enumerate(SPECS.read_text().splitlines(), 1) if "# CRASH LINE" in line)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("as_json", [False, True])
 def test_a_crashing_rank_exits_1_with_its_error_and_line(as_json: bool, capsys: pytest.CaptureFixture) -> None:
     code = main(["verify", f"{SPECS}:crashes_on_rank_1", "--world-size", "2", "--pin", "dp=2",
