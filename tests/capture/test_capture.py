@@ -300,7 +300,7 @@ TWIN_CASES = {
     "gpt-6-cpu": (lambda: _example("gpt").gpt(n_layer=6, d_model=64, n_head=4, vocab_size=128, seq_len=32,
                                               device="cpu"), 0),
     "llama-6": (lambda: _example("llama").build(_example("llama").LlamaConfig(128, 32, 6, 64, 128, 4, 2)), 5),
-    "mlp": (lambda: _example("mlp").mlp(), 6),
+    "mlp": (lambda: _example("mlp").mlp(width=256), 6),  # twins do not depend on width: 1024's simulation is slow
     "hf-gpt2-3": (_hf_gpt2_3_layers, 2),
 }
 

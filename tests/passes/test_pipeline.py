@@ -63,9 +63,10 @@ def _llama_example():
 def test_stages_chain_to_the_model(build, pins: list[str]) -> None:
     torch.manual_seed(0)
     model, inputs = build()
-    plan = _plan(autopar.capture(model, inputs), pins)
+    graph = autopar.capture(model, inputs)
+    plan = _plan(graph, pins)
     mb = tuple(t[:1].expand(2, *t.shape[1:]).clone() for t in inputs)
-    split = split_model(model, mb, autopar.capture(model, inputs), plan)
+    split = split_model(model, mb, graph, plan)
     assert len(split.modules) == plan.stages
     ref = model(*mb)
     ref = ref.logits if hasattr(ref, "logits") else ref

@@ -9,6 +9,7 @@ one stage) — and keeps the fastest plan whose every rank fits in the budget.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -24,6 +25,25 @@ from autopar.pins import Pins
 from autopar.planning import edges
 from autopar.planning.pricing import PriceTable, TrainingSpec, evaluate
 from autopar.planning.solver import SolverOptions, cut_positions, enumerate_configs, solve
+
+
+def _distinct_rows(rows: np.ndarray) -> np.ndarray:
+    """Each distinct row once: ``np.unique(rows, axis=0)``'s set, in another order, without its sort of
+    rows as raw bytes (two thirds of this file's time)."""
+    rows = rows[np.lexsort(rows.T[::-1])]
+    repeats = np.zeros(len(rows), dtype=bool)
+    repeats[1:] = (rows[1:] == rows[:-1]).all(axis=1)
+    return rows[~repeats]
+
+
+def _pareto(times: np.ndarray, tails: np.ndarray) -> tuple[list[float], list[float]]:
+    """The (time, tail) pairs no other pair beats on both, fastest first: in order of time (then
+    tail), each pair whose tail is below every tail before it."""
+    order = np.lexsort((tails, times))
+    times, tails = times[order], tails[order]
+    before = np.minimum.accumulate(np.concatenate(([np.inf], tails[:-1])))
+    keep = tails < before
+    return times[keep].tolist(), tails[keep].tolist()
 
 
 def _rank_frontier(table: PriceTable, layers: list[int], rank: int, budget: int,
@@ -54,8 +74,8 @@ def _rank_frontier(table: PriceTable, layers: list[int], rank: int, budget: int,
         needs = np.maximum.outer(needs, b).ravel()
         levels = np.maximum.outer(levels, e).ravel()
         # identical layers make many combinations sum alike: keep each distinct sum once
-        rows = np.unique(np.stack([times.round(15), tails.round(15), mems.astype(np.float64),
-                                   needs.astype(np.float64), levels.astype(np.float64)], axis=1), axis=0)
+        rows = _distinct_rows(np.stack([times.round(15), tails.round(15), mems.astype(np.float64),
+                                        needs.astype(np.float64), levels.astype(np.float64)], axis=1))
         times, tails = rows[:, 0], rows[:, 1]
         mems, needs, levels = rows[:, 2].astype(np.int64), rows[:, 3].astype(np.int64), rows[:, 4].astype(np.int64)
     buffers = np.array([table.buffer_bytes(b) for b in contract.Buffers], dtype=np.int64)
@@ -63,11 +83,7 @@ def _rank_frontier(table: PriceTable, layers: list[int], rank: int, budget: int,
     front: list[tuple[float, float, int]] = []  # the objective only grows with each: a Pareto set per level
     for level in sorted(set(levels[ok].tolist())):
         at = ok & (levels == level)
-        kept: list[tuple[float, float, int]] = []
-        for t, x in sorted(set(zip(times[at].tolist(), tails[at].tolist()))):
-            if not kept or x < kept[-1][1]:
-                kept.append((t, x, level))
-        front += kept
+        front += [(t, x, level) for t, x in zip(*_pareto(times[at], tails[at]))]
     return front
 
 
@@ -84,6 +100,8 @@ def brute_force(graph: LayerGraph, world: int, cluster, training: TrainingSpec, 
     cuts_ok = cut_positions(graph)
     for config, root_zero in _configs_and_root_stages(graph, world, cluster, training):
         table = PriceTable(graph, config, cluster, training)
+        frontier = functools.cache(  # many placements of the cuts give a rank the same layers
+            lambda layers, j: _rank_frontier(table, list(layers), j, budget, root_zero))
         for cuts in itertools.combinations(cuts_ok, config.stages - 1):
             bounds = [0, *cuts, len(graph)]
             stages = [s for s in range(config.stages) for _ in range(bounds[s], bounds[s + 1])]
@@ -94,7 +112,7 @@ def brute_force(graph: LayerGraph, world: int, cluster, training: TrainingSpec, 
             fronts = []
             for j in range(config.pp):
                 layers = [i for i, s in enumerate(stages) if config.rank_of_stage(s) == j]
-                fronts.append([(t + p2p[j], x, z) for t, x, z in _rank_frontier(table, layers, j, budget, root_zero)])
+                fronts.append([(t + p2p[j], x, z) for t, x, z in frontier(tuple(layers), j)])
             if any(not f for f in fronts):
                 continue
             for combo in itertools.product(*fronts):
