@@ -27,6 +27,9 @@ What the pool guarantees, whatever a case does:
   request gave (variables a case or torch set are removed after it); a case that leaves the
   default dtype, the thread count or grad mode changed fails, naming what it left (and the worker
   puts it back);
+- the sub-groups a case's device meshes make stay open (torch keeps meshes by group name), so a
+  worker raises its descriptor limit to the hard one, and the pool starts afresh before a request
+  once a worker has more than half of it open;
 - at the end of the session each worker destroys its process group and exits.
 """
 
@@ -37,6 +40,7 @@ import json
 import os
 import queue
 import random
+import resource
 import signal
 import tempfile
 import time
@@ -50,6 +54,7 @@ STALL_TIMEOUT_S = 300.0  # no case finished on any rank for this long: a hang
 COLLECTIVE_TIMEOUT_S = 120.0  # a collective whose peers never come raises after this
 ERROR_GRACE_S = 15.0  # after one rank's error, how long its peers have to report the same case
 MAX_RESTARTS = 3  # per request: a batch whose cases keep breaking the pool stops trying
+FD_RECYCLE = 0.5  # a worker with more than this share of its descriptor limit open starts afresh
 
 
 # ------------------------------------------------------------------ in each worker
@@ -60,6 +65,8 @@ def _serve(rank: int, world_size: int, store_path: str, inbox: Any, outbox: Any,
     """A worker: join the group, then run each request's cases in order until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C is the parent's: it stops the pool
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # every device mesh a case makes holds sockets
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 65536), hard))
     parent = os.getppid()
     try:
         import torch
@@ -92,7 +99,13 @@ def _serve(rank: int, world_size: int, store_path: str, inbox: Any, outbox: Any,
                 # and not a collective: a case that left the ranks out of step fails itself, not the next
                 store.set(f"autopar-pool/{request}/{k}/{rank}", "1")
                 store.wait([f"autopar-pool/{request}/{k}/{r}" for r in range(world_size)], timedelta(days=1))
-        outbox.put(("done", request, rank))
+        outbox.put(("done", request, rank, _fd_fill()))
+
+
+def _fd_fill() -> float:
+    """The share of its descriptor limit this process has open (0 where /proc cannot say)."""
+    fds = "/proc/self/fd"
+    return len(os.listdir(fds)) / resource.getrlimit(resource.RLIMIT_NOFILE)[0] if os.path.isdir(fds) else 0.0
 
 
 class _State:
@@ -188,16 +201,17 @@ class RankPool:
 
     def __init__(self, world_size: int, *, stall_timeout_s: float = STALL_TIMEOUT_S,
                  collective_timeout_s: float = COLLECTIVE_TIMEOUT_S, start_timeout_s: float = START_TIMEOUT_S,
-                 error_grace_s: float = ERROR_GRACE_S):
+                 error_grace_s: float = ERROR_GRACE_S, fd_recycle: float = FD_RECYCLE):
         self.world_size = world_size
         self.stall_timeout_s, self.collective_timeout_s = stall_timeout_s, collective_timeout_s
-        self.start_timeout_s, self.error_grace_s = start_timeout_s, error_grace_s
+        self.start_timeout_s, self.error_grace_s, self.fd_recycle = start_timeout_s, error_grace_s, fd_recycle
         self.starts = 0  # how many times the workers were spawned (a test reads it)
         self._procs: list[Any] = []
         self._inboxes: list[Any] = []
         self._outbox: Any = None
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._request = 0
+        self.fd_fill = 0.0  # the largest share of its descriptor limit a worker had open after a request
 
     # -------------------------------------------------------------- running cases
 
@@ -260,6 +274,7 @@ class RankPool:
             last = time.monotonic()
             if msg[0] == "done":
                 done.add(msg[2])
+                self.fd_fill = max(self.fd_fill, msg[3])
                 continue
             _, _, rank, name, metrics = msg
             i = at[rank]
@@ -316,9 +331,13 @@ class RankPool:
 
     def _start(self) -> None:
         """Spawn the workers unless they are all alive, and wait until each has joined the group."""
-        if self._procs and all(p.exitcode is None for p in self._procs):
+        alive = bool(self._procs) and all(p.exitcode is None for p in self._procs)
+        if alive and self.fd_fill < self.fd_recycle:
             return
-        self.close(broken=True)  # a worker died between requests: start afresh
+        # a worker died between requests (stop the others at once), or the groups its cases left hold
+        # too many of its descriptors (stop them as at the end)
+        self.close(broken=not alive)
+        self.fd_fill = 0.0
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")

@@ -55,9 +55,18 @@ def leaks_dtype(rank: int, world_size: int) -> dict[str, Any]:
     return {"fine": True}
 
 
+_KEPT: list[Any] = []
+
+
+def leaks_descriptors(rank: int, world_size: int) -> dict[str, Any]:
+    """Keeps 200 descriptors open after it returns, as the groups of a case's device meshes stay open."""
+    _KEPT.extend(open(os.devnull) for _ in range(200))
+    return {"kept": len(_KEPT)}
+
+
 def reads_env(rank: int, world_size: int) -> dict[str, Any]:
     return {"value": os.environ.get("AUTOPAR_POOL_TEST")}
 
 
 CASES = {f.__name__: f for f in (ranks, draws_without_seeding, raises_on_1, hangs_on_1, desyncs, dies_on_1,
-                                 leaks_dtype, reads_env)}
+                                 leaks_dtype, leaks_descriptors, reads_env)}

@@ -74,6 +74,17 @@ def test_a_case_that_leaves_state_behind_fails_and_the_next_starts_clean(pool: R
     assert ok(results["ranks"])["sum"] == 1.0
 
 
+def test_workers_holding_too_many_descriptors_start_afresh_before_the_next_request(pool: RankPool) -> None:
+    pool.run(["ranks"], module="pool_cases")
+    pool.fd_recycle = 1.5 * pool.fd_fill  # what the workers hold after a plain case, and half as much again
+    pids = [p.pid for p in pool.processes]
+    assert [m["kept"] for m in ok(pool.run(["leaks_descriptors"], module="pool_cases")["leaks_descriptors"])["ranks"]] \
+        == [200, 200]
+    assert pool.fd_fill > pool.fd_recycle
+    again = ok(pool.run(["ranks"], module="pool_cases")["ranks"])["ranks"]
+    assert pool.starts == 2 and [m["pid"] for m in again] != pids and pool.fd_fill < pool.fd_recycle
+
+
 def test_closing_stops_every_worker_cleanly(pool: RankPool) -> None:
     pool.run(["ranks"], module="pool_cases")
     processes = pool.processes
