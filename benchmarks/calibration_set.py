@@ -50,9 +50,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import llama  # noqa: E402
-from autopar.cost_models.hardware import PRESETS  # noqa: E402
 
 import autopar  # noqa: E402
+from autopar.cost_models.hardware import PRESETS  # noqa: E402
 
 GiB = 2**30
 

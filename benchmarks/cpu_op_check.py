@@ -21,10 +21,10 @@ from dataclasses import replace
 
 import torch
 import torch.nn as nn
-from autopar.cost_models.compute import compute_time_s
-from autopar.cost_models.hardware import OpModel, load_cluster
 
 import autopar
+from autopar.cost_models.compute import compute_time_s
+from autopar.cost_models.hardware import OpModel, load_cluster
 from autopar.planning.layer_compute import layer_compute
 
 

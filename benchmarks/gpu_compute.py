@@ -49,8 +49,8 @@ def _timer(torch: Any, cuda: bool, reps: int) -> Any:
 def measure(dry: bool, cluster: Any) -> dict[str, Any]:
     """Measure the op probes on this device and set each beside ``cluster``'s preset pricing."""
     import torch
-    from autopar.cost_models.compute import gemm_time_s
 
+    from autopar.cost_models.compute import gemm_time_s
     from autopar.tools.calibrate.errors import CalibrationError
     from autopar.tools.calibrate.fit import Measurements, fit_gemm, fit_op_model
     from autopar.tools.calibrate.op_probes import (

@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import gpt  # noqa: E402
 import llama  # noqa: E402
-from autopar.cost_models.hardware import load_cluster  # noqa: E402
 
 import autopar  # noqa: E402
+from autopar.cost_models.hardware import load_cluster  # noqa: E402
 
 GiB = 2**30
 GB = 1e9

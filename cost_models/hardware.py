@@ -40,7 +40,6 @@ from autopar.cost_models.gpu_figures import (  # noqa: F401 - the figures, impor
     NVLINK_STEP_LATENCY_S,
     SM_COUNT,
 )
-
 from autopar.errors import AutoparError
 from autopar.units import GiB
 

@@ -30,12 +30,12 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from autopar.passes.materialise import is_meta, materialise
 
 from autopar.choice import Recompute
 from autopar.contract import Unit
 from autopar.errors import LoweringError
 from autopar.graph import LayerGraph
+from autopar.passes.materialise import is_meta, materialise
 from autopar.plan import LayerPlan, Plan
 
 

@@ -40,13 +40,13 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from autopar.passes.parallelize import Part, parallelize_part
-from autopar.passes.stage_split import StageSplit, split_model
-from autopar.passes.tied import TiedEmbeddings, tied_locations
 
 from autopar.contract import ROOT, Layout, Unit, plan_layout, unit_engine
 from autopar.errors import BatchError, LoweringError
 from autopar.graph import LayerGraph
+from autopar.passes.parallelize import Part, parallelize_part
+from autopar.passes.stage_split import StageSplit, split_model
+from autopar.passes.tied import TiedEmbeddings, tied_locations
 from autopar.plan import Plan
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -155,8 +155,9 @@ def _checked_loss(loss_fn: LossFn) -> LossFn:
 
 
 def _schedule(plan: Plan, stages: list[Any], loss_fn: LossFn, scale_grads: bool) -> Any:
-    from autopar.cost_models.pipeline import ScheduleKind
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    from autopar.cost_models.pipeline import ScheduleKind
 
     m = plan.microbatches
     if plan.schedule is ScheduleKind.INTERLEAVED_1F1B:

@@ -24,10 +24,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch.nn as nn
-from autopar.cost_models.compute import FUSED_ATTENTION_OPS, MATMUL_OPS
 
 from autopar.choice import Recompute
 from autopar.contract import plan_layout
+from autopar.cost_models.compute import FUSED_ATTENTION_OPS, MATMUL_OPS
 from autopar.graph import LayerGraph
 from autopar.plan import Plan
 

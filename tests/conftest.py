@@ -1,5 +1,49 @@
+"""Shared by every test: the helpers at tests/ import by plain name, and the session's rank pools.
+
+Tests that start processes that form a process group are marked ``distributed`` (pyproject.toml
+registers the marker), so ``pytest -m "not distributed"`` is the quick loop. A test that uses
+the ``ranks`` fixture without the marker is refused at collection.
+"""
+
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-# tests import their shared helpers (synthetic graphs) by plain module name
+import pytest
+
+# tests import their shared helpers (synthetic graphs, cases, the rank pools) by plain module name
 sys.path.insert(0, str(Path(__file__).parent))
+
+from distributed import RankPool, RankPools  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ranks() -> Iterator[Callable[[int], RankPool]]:
+    """``ranks(W)``: the session's pool of W gloo processes, one per world size, shared by every test
+    module (spawned on first use, stopped at the end of the session)."""
+    pools = RankPools()
+    try:
+        yield pools.get
+    finally:
+        pools.close()
+
+
+@pytest.fixture(scope="session")
+def training(ranks: Callable[[int], RankPool]):
+    """The training, checkpoint and weights cases, run once a session (:mod:`training_runs`)."""
+    from training_runs import TrainingRuns
+
+    runs = TrainingRuns(ranks)
+    try:
+        yield runs
+    finally:
+        runs.cleanup()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = [item.nodeid for item in items
+                if "ranks" in getattr(item, "fixturenames", ()) and item.get_closest_marker("distributed") is None]
+    if unmarked:
+        raise pytest.UsageError("these tests use the ranks fixture but are not marked distributed "
+                                "(`pytestmark = pytest.mark.distributed`, or `@pytest.mark.distributed`):\n  "
+                                + "\n  ".join(unmarked))

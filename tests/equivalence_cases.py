@@ -3,9 +3,10 @@
 Every equivalence case builds the same model (seed 0) and global batches
 (seed 1) on each rank, compiles it under a fully pinned plan (rank 0 captures
 and solves; the plan is broadcast), trains 3 SGD-with-momentum steps and 3
-AdamW steps, and on rank 0 compares with the unsharded model trained on the
-whole global batch in-process. Metrics are relative differences
-‖Δ‖/‖ref‖ per tensor (max over tensors) and |Δ|/|ref| for losses.
+AdamW steps, and on every rank compares with the unsharded model trained on
+the whole global batch in-process (by rank 0, which sends it to the others).
+Metrics are relative differences ‖Δ‖/‖ref‖ per tensor (max over tensors) and
+|Δ|/|ref| for losses.
 
 More cases (pipeline plans) register in ``CASES`` the same way.
 """
@@ -173,8 +174,17 @@ def _max_rel(got: dict, ref: dict) -> tuple[float, str]:
     return max(((judged(n), n) for n in ref), default=(0.0, ""))
 
 
+def from_rank0(make: Callable[[], Any]) -> Any:
+    """``make()`` run on rank 0 alone, its result sent to every rank."""
+    box = [make() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
-    """A case: SGD-momentum exactness and AdamW agreement of ``spec`` against one process."""
+    """A case: SGD-momentum exactness and AdamW agreement of ``spec`` against one process, on every
+    rank (rank 0 trains the one-process reference; each rank compares its own losses, full gradients
+    and full parameters with it)."""
 
     def case(rank: int, world_size: int) -> dict[str, Any]:
         plan, graph = plan_for(spec, world_size)
@@ -187,15 +197,14 @@ def equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
                                    "layers": [[l.name, l.choice.tp, l.choice.zero, l.choice.recompute, l.choice.sp]
                                               for l in plan.layers],
                                    "losses": sgd["losses"], "adam_losses": adam["losses"]}
-        if rank != 0:
-            return metrics
-        ref_sgd = run_reference(spec, lambda p: torch.optim.SGD(p, **SGD))
-        ref_adam = run_reference(spec, lambda p: torch.optim.AdamW(p, **ADAMW))
+        ref_sgd, ref_adam_losses = from_rank0(lambda: (
+            run_reference(spec, lambda p: torch.optim.SGD(p, **SGD)),
+            run_reference(spec, lambda p: torch.optim.AdamW(p, **ADAMW))["losses"]))
         metrics["loss1_rel"] = abs(sgd["losses"][0] - ref_sgd["losses"][0]) / abs(ref_sgd["losses"][0])
         metrics["grad_rel"], metrics["grad_worst"] = _max_rel(sgd["grads"], ref_sgd["grads"])
         metrics["sgd_loss_rel"] = max(abs(a - b) / abs(b) for a, b in zip(sgd["losses"], ref_sgd["losses"]))
         metrics["param_rel"], metrics["param_worst"] = _max_rel(sgd["params"], ref_sgd["params"])
-        metrics["adam_loss_rel"] = max(abs(a - b) / abs(b) for a, b in zip(adam["losses"], ref_adam["losses"]))
+        metrics["adam_loss_rel"] = max(abs(a - b) / abs(b) for a, b in zip(adam["losses"], ref_adam_losses))
         metrics["ref_losses"] = ref_sgd["losses"]
         metrics["local_bytes_frac"] = sgd["local_param_bytes"] / ref_sgd["param_bytes"]
         return metrics

@@ -2,7 +2,7 @@
 
 Same protocol and the same case factory as :mod:`equivalence_cases` (model
 seed 0, global batches seeds 1…3, 3 SGD-with-momentum steps and 3 AdamW
-steps, rank 0 compares with the unsharded model).
+steps, every rank compares with the unsharded model).
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import autopar.passes.recompute as recompute_pass
 from equivalence_cases import GPT_TP, Spec, equivalence, gpt_tiny, hf_llama
+
+import autopar.passes.recompute as recompute_pass
 
 _EMBEDDINGS_OFF = ("tok_emb:recompute=none", "pos_emb:recompute=none", "drop:recompute=none",
                    "lm_head:recompute=none")

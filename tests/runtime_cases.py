@@ -52,10 +52,10 @@ def tp_pass(rank: int, world_size: int) -> dict[str, Any]:
 
 def zero_pass(rank: int, world_size: int) -> dict[str, Any]:
     """apply_data_parallel alone: which engine per layer, deferred modules, local shards."""
-    from autopar.passes.zero import apply_data_parallel
     from torch.distributed.fsdp import FSDPModule
 
     from autopar.contract import plan_layout
+    from autopar.passes.zero import apply_data_parallel
 
     plan, graph = plan_for(MIXED, world_size)
     torch.manual_seed(0)

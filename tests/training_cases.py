@@ -2,8 +2,8 @@
 dropout streams, checkpoints saved under one plan and loaded under another, weights in and out.
 
 Every case builds the 2-layer GPT of :mod:`equivalence_cases` (seed 0) and the
-global batches ``BATCHES`` (seeds 100 + k), and rank 0 compares with the same
-model trained in one process (:func:`reference`). Checkpoints and weight files
+global batches ``BATCHES`` (seeds 100 + k), and every rank compares with the same
+model trained in one process (:func:`reference`, trained by rank 0 and sent to the others). Checkpoints and weight files
 live in the directory named by ``$AUTOPAR_TEST_DIR``, which the parent sets,
 so a checkpoint saved by a W = 4 spawn is loaded by a later W = 2 one.
 """
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from equivalence_cases import GPT_TP, Spec, gpt_tiny, hf_llama, make_batch, plan_for, rel
+from equivalence_cases import GPT_TP, Spec, from_rank0, gpt_tiny, hf_llama, make_batch, plan_for, rel
 
 import autopar
 from autopar.plan import Plan
@@ -164,13 +164,9 @@ def load_case(saved: str, name: str) -> Callable[[int, int], dict[str, Any]]:
         step = pm.step
         losses = train(pm, batches(2 * K)[K:])
         params = pm.state_dict(full=True)
-        out: dict[str, Any] = {"losses": losses, "extra": extra, "step": step}
-        if rank == 0:
-            ref = reference(2 * K)
-            out["ref_losses"] = ref.losses
-            out["loss_rel"] = loss_rel(losses, ref.losses[K:])
-            out["param_rel"] = worst(params, ref.params)
-        return out
+        ref = from_rank0(lambda: reference(2 * K))
+        return {"losses": losses, "extra": extra, "step": step, "ref_losses": ref.losses,
+                "loss_rel": loss_rel(losses, ref.losses[K:]), "param_rel": worst(params, ref.params)}
 
     return case
 
@@ -191,16 +187,11 @@ def clip_case(name: str) -> Callable[[int, int], dict[str, Any]]:
         x, y = batches(4)[-1]
         eval_loss = pm.evaluate(pm.local_batch(x), pm.local_batch(y))
         after = pm.state_dict(full=True)
-        out: dict[str, Any] = {"norms": norms, "dp": [pm.dp_rank, pm.dp_size], "step": pm.step,
-                               "lr": pm.optimizer.param_groups[0]["lr"]}
-        if rank == 0:
-            ref = reference(3, clip=MAX_NORM, scheduler=True, evaluate=True)
-            out["ref_norms"] = ref.grad_norms
-            out["norm_rel"] = loss_rel(norms, ref.grad_norms)
-            out["param_rel"] = worst(before, ref.params)
-            out["eval_rel"] = abs(eval_loss - ref.eval_loss) / ref.eval_loss
-            out["eval_moved"] = worst(after, before)
-        return out
+        ref = from_rank0(lambda: reference(3, clip=MAX_NORM, scheduler=True, evaluate=True))
+        return {"norms": norms, "dp": [pm.dp_rank, pm.dp_size], "step": pm.step,
+                "lr": pm.optimizer.param_groups[0]["lr"], "ref_norms": ref.grad_norms,
+                "norm_rel": loss_rel(norms, ref.grad_norms), "param_rel": worst(before, ref.params),
+                "eval_rel": abs(eval_loss - ref.eval_loss) / ref.eval_loss, "eval_moved": worst(after, before)}
 
     return case
 
@@ -215,10 +206,12 @@ def bf16_case(name: str) -> Callable[[int, int], dict[str, Any]]:
         adam = lambda p: torch.optim.AdamW(p, lr=1e-3)  # noqa: E731
         pm = compiled(name, world_size, dtype="bf16", optimizer=adam)
         seen: list[str] = []
-        fc = next(m for n, m in pm.module.named_modules() if n.endswith("mlp.c_fc"))
-        hook = fc.register_forward_hook(lambda _m, _i, out: seen.append(str(out.dtype)))
+        # every block's (a pipeline rank runs only its own stage's blocks)
+        hooks = [m.register_forward_hook(lambda _m, _i, out: seen.append(str(out.dtype)))
+                 for n, m in pm.module.named_modules() if n.endswith("mlp.c_fc")]
         losses = train(pm, batches(3))
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
         fp32 = compiled(name, world_size, optimizer=adam)
         ref = train(fp32, batches(3))
         optimized = {str(p.dtype) for g in pm.optimizer.param_groups for p in g["params"]}
@@ -276,17 +269,13 @@ def weights_in(name: str, build: str) -> Callable[[int, int], dict[str, Any]]:
     def case(rank: int, world_size: int) -> dict[str, Any]:
         if build == "hf":
             pm = _compiled_hf(name, world_size)
-            ref = _hf_reference() if rank == 0 else {}
+            ref = _hf_reference()
         else:
             pm = compiled(name, world_size, model_seed=7, weights=test_dir() / "gpt_in.safetensors")
             from safetensors.torch import load_file
 
-            ref = load_file(str(test_dir() / "gpt_in.safetensors")) if rank == 0 else {}
-        full = pm.state_dict(full=True)
-        out: dict[str, Any] = {"local_bytes": pm.local_param_bytes()}
-        if rank == 0:
-            out["rel"] = worst(full, ref)
-        return out
+            ref = load_file(str(test_dir() / "gpt_in.safetensors"))
+        return {"local_bytes": pm.local_param_bytes(), "rel": worst(pm.state_dict(full=True), ref)}
 
     return case
 
@@ -309,14 +298,12 @@ def export_hf(rank: int, world_size: int) -> dict[str, Any]:
     pm.train_step(pm.local_batch(x), pm.local_batch(x))
     full = pm.state_dict(full=True)
     pm.export(test_dir() / "hf_out")
-    out: dict[str, Any] = {}
-    if rank == 0:
-        from transformers import LlamaForCausalLM
+    dist.barrier()  # every rank reads the export back, whichever wrote it
+    from transformers import LlamaForCausalLM
 
-        back = LlamaForCausalLM.from_pretrained(str(test_dir() / "hf_out"))
-        out["rel"] = worst(back.state_dict(), {k: v for k, v in full.items() if k in back.state_dict()})
-        out["files"] = sorted(p.name for p in (test_dir() / "hf_out").iterdir())
-    return out
+    back = LlamaForCausalLM.from_pretrained(str(test_dir() / "hf_out"))
+    return {"rel": worst(back.state_dict(), {k: v for k, v in full.items() if k in back.state_dict()}),
+            "files": sorted(p.name for p in (test_dir() / "hf_out").iterdir())}
 
 
 def export_gpt_tp(rank: int, world_size: int) -> dict[str, Any]:
@@ -325,14 +312,12 @@ def export_gpt_tp(rank: int, world_size: int) -> dict[str, Any]:
     train(pm, batches(1))
     full = pm.state_dict(full=True)
     pm.export(test_dir() / "gpt_tp.safetensors")
-    out: dict[str, Any] = {}
-    if rank == 0:
-        from safetensors.torch import load_file
+    dist.barrier()  # every rank reads the export back, whichever wrote it
+    from safetensors.torch import load_file
 
-        out["rel"] = worst(load_file(str(test_dir() / "gpt_tp.safetensors")), full)
-        ref = reference(1)
-        out["ref_rel"] = worst(full, ref.params)
-    return out
+    ref = from_rank0(lambda: reference(1))
+    return {"rel": worst(load_file(str(test_dir() / "gpt_tp.safetensors")), full),
+            "ref_rel": worst(full, ref.params)}
 
 
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {

@@ -72,7 +72,7 @@ def _uneven_stages_note(graph: LayerGraph, solution: Solution) -> str | None:
     if max(per_stage) - min(per_stage) <= 1:
         return None
     per_rank = [sum(per_stage[j::c.mesh.pp]) for j in range(c.mesh.pp)]
-    times = evaluate(solution.table, solution.stages, solution.choices).rank_time_mb_s
+    times = solution.prediction.rank_time_mb_s
     slowest = max(range(c.mesh.pp), key=lambda j: times[j])
     held = (f"every pipeline rank's {c.schedule.chunks} chunks add up to {per_rank[0]} blocks"
             if len(set(per_rank)) == 1 else
@@ -97,7 +97,7 @@ def _recompute_note(graph: LayerGraph, solution: Solution) -> str | None:
     if not recomputed or any(graph.repeated[i] for i in recomputed):
         return None
     without = tuple(replace(s, recompute=Recompute.NONE) if r else s for s, r in zip(strategies, runs))
-    now, then = evaluate(table, stages, strategies), evaluate(table, stages, without)
+    now, then = solution.prediction, evaluate(table, stages, without)  # the plan, and it without recompute
     saved = [b - a for a, b in zip(now.memory_per_rank_bytes, then.memory_per_rank_bytes)]
     rank = max(range(len(saved)), key=lambda j: saved[j])
     cost = now.step_time_s - then.step_time_s

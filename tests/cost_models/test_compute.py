@@ -6,6 +6,7 @@ import json
 from dataclasses import replace
 
 import pytest
+
 from autopar.cost_models.compute import (
     ATTENTION_BACKWARD_FLOPS_FACTOR,
     CAUSAL_ATTENTION_RATE,

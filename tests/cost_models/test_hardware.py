@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from autopar.cost_models.hardware import PRESETS, ClusterError, ClusterSpec, CostModelError, GiB, load_cluster
 
 

@@ -6,6 +6,7 @@ import json
 from dataclasses import replace
 
 import pytest
+
 from autopar.cost_models import PRESETS, Collective, collective_time_s, place_group
 from autopar.cost_models.communication import (
     RING_PLATEAU,
@@ -23,7 +24,6 @@ from autopar.cost_models.hardware import (
     ClusterError,
     load_cluster,
 )
-
 from autopar.units import GiB
 
 US = 1e-6

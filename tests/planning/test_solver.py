@@ -1,0 +1,300 @@
+"""The solver finds the cheapest plan of the cost model: checked against brute force.
+
+The brute force shares only the price table and `evaluate` with the solver: it
+enumerates every configuration, every placement of pipeline cuts and every
+strategy (dominated or not) of every layer — where the solver chooses the root
+units' one ZeRO stage, each stage in turn (the contract runs every root unit at
+one stage) — and keeps the fastest plan whose every rank fits in the budget.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import numpy as np
+import pytest
+from synthetic import transformer_graph
+
+from autopar import contract
+from autopar.cost_models.hardware import PRESETS, GiB
+from autopar.errors import InfeasibleError, PinError
+from autopar.graph import LayerGraph
+from autopar.pins import Pins
+from autopar.planning import edges
+from autopar.planning.configuration import TrainingSpec
+from autopar.planning.evaluate import evaluate
+from autopar.planning.pricing import PriceTable
+from autopar.planning.solver import SolverOptions, cut_positions, enumerate_configs, solve
+
+
+def _distinct_rows(rows: np.ndarray) -> np.ndarray:
+    """Each distinct row once: ``np.unique(rows, axis=0)``'s set, in another order, without its sort of
+    rows as raw bytes (two thirds of this file's time)."""
+    rows = rows[np.lexsort(rows.T[::-1])]
+    repeats = np.zeros(len(rows), dtype=bool)
+    repeats[1:] = (rows[1:] == rows[:-1]).all(axis=1)
+    return rows[~repeats]
+
+
+def _pareto(times: np.ndarray, tails: np.ndarray) -> tuple[list[float], list[float]]:
+    """The (time, tail) pairs no other pair beats on both, fastest first: in order of time (then
+    tail), each pair whose tail is below every tail before it."""
+    order = np.lexsort((tails, times))
+    times, tails = times[order], tails[order]
+    before = np.minimum.accumulate(np.concatenate(([np.inf], tails[:-1])))
+    keep = tails < before
+    return times[keep].tolist(), tails[keep].tolist()
+
+
+def _rank_frontier(table: PriceTable, layers: list[int], rank: int, budget: int,
+                   root_zero: int | None = None) -> list[tuple[float, float, int]]:
+    """Every (time, tail) one rank can reach within budget, by enumerating all strategy combinations.
+
+    Memory is the layers' coefficients, the rank's workspace and FSDP2's buffers, held once if
+    any layer needs them (a reduce-scatter buffer from ZeRO-1 on, a prefetch buffer for ZeRO-3).
+    Each (time, tail) comes with the highest ZeRO stage of the rank's FSDP2 units, at whose level
+    the plan's first and last units are exposed (added once the ranks are combined).
+    """
+    times, tails = np.zeros(1), np.zeros(1)
+    mems, needs = np.full(1, table.rank_workspace_bytes(rank), dtype=np.int64), np.zeros(1, dtype=np.int64)
+    levels = np.zeros(1, dtype=np.int64)
+    root = contract.wrapping(table.graph, table.config.mesh.pp).root
+    for i in layers:
+        ks = [k for k in range(len(table.choices[i]))  # every root unit runs at one stage
+              if root_zero is None or not root[i] or table.choices[i][k].zero == root_zero]
+        t = np.array([table.prices[i][k].time_mb_s for k in ks])
+        x = np.array([table.prices[i][k].tail_s for k in ks])
+        m = np.array([table.memory_coefficient(i, k, rank) for k in ks], dtype=np.int64)
+        z = np.array([table.choices[i][k].zero for k in ks])
+        b = (z >= 1).astype(np.int64) + (z == 3)
+        e = np.array([edges.edge_level(table, i, k) for k in ks], dtype=np.int64)
+        times = np.add.outer(times, t).ravel()
+        tails = np.add.outer(tails, x).ravel()
+        mems = np.add.outer(mems, m).ravel()
+        needs = np.maximum.outer(needs, b).ravel()
+        levels = np.maximum.outer(levels, e).ravel()
+        # identical layers make many combinations sum alike: keep each distinct sum once
+        rows = _distinct_rows(np.stack([times.round(15), tails.round(15), mems.astype(np.float64),
+                                        needs.astype(np.float64), levels.astype(np.float64)], axis=1))
+        times, tails = rows[:, 0], rows[:, 1]
+        mems, needs, levels = rows[:, 2].astype(np.int64), rows[:, 3].astype(np.int64), rows[:, 4].astype(np.int64)
+    buffers = np.array([table.buffer_bytes(b) for b in contract.Buffers], dtype=np.int64)
+    ok = mems + buffers[needs] <= budget
+    front: list[tuple[float, float, int]] = []  # the objective only grows with each: a Pareto set per level
+    for level in sorted(set(levels[ok].tolist())):
+        at = ok & (levels == level)
+        front += [(t, x, level) for t, x in zip(*_pareto(times[at], tails[at]))]
+    return front
+
+
+def _configs_and_root_stages(graph: LayerGraph, world: int, cluster, training: TrainingSpec):
+    """Every configuration, and where the solver chooses the root units' one ZeRO stage, each stage."""
+    for config in enumerate_configs(graph, world, cluster, training, Pins()):
+        free = config.data_parallel.sharded and not config.data_parallel.root_zero
+        for root_zero in contract.ROOT_STAGES if free else [None]:
+            yield config, root_zero
+
+
+def brute_force(graph: LayerGraph, world: int, cluster, training: TrainingSpec, budget: int) -> float:
+    best = math.inf
+    cuts_ok = cut_positions(graph)
+    for config, root_zero in _configs_and_root_stages(graph, world, cluster, training):
+        table = PriceTable(graph, config, cluster, training)
+        frontier = functools.cache(  # many placements of the cuts give a rank the same layers
+            lambda layers, j: _rank_frontier(table, list(layers), j, budget, root_zero))
+        for cuts in itertools.combinations(cuts_ok, config.stages - 1):
+            bounds = [0, *cuts, len(graph)]
+            stages = [s for s in range(config.stages) for _ in range(bounds[s], bounds[s + 1])]
+            p2p = [0.0] * config.mesh.pp
+            for q in cuts:
+                p2p[config.rank_of_stage(stages[q - 1])] += table.p2p_s(q, stages[q])
+                p2p[config.rank_of_stage(stages[q])] += table.p2p_s(q, stages[q])
+            fronts = []
+            for j in range(config.mesh.pp):
+                layers = [i for i, s in enumerate(stages) if config.rank_of_stage(s) == j]
+                fronts.append([(t + p2p[j], x, z) for t, x, z in frontier(tuple(layers), j)])
+            if any(not f for f in fronts):
+                continue
+            for combo in itertools.product(*fronts):
+                edge = edges.edge_exposed_s(table, max(z for *_, z in combo))
+                best = min(best, table.step_time_s([t for t, *_ in combo], max(x for _, x, _ in combo) + edge))
+    return best
+
+
+def _tiny_cluster(memory_gib: float, gpus: int = 4, cores: int = 0):
+    c = PRESETS["a100-80g"]
+    from dataclasses import replace
+
+    return replace(c, gpus_per_node=gpus, cores_per_node=cores,
+                   device=replace(c.device, memory_bytes=int(memory_gib * GiB)))
+
+
+CASES = [
+    # (blocks, hidden, seq, world, gpus per node, batch, memory GiB, cores per node)
+    (2, 1024, 512, 2, 2, 4, 80, 0),  # ample memory
+    (2, 2048, 1024, 4, 4, 8, 6, 0),  # tight: needs sharding or recompute
+    (3, 1024, 1024, 4, 2, 8, 3, 0),  # spans two nodes, tight
+    (4, 512, 256, 8, 4, 8, 80, 0),  # six layers, world 8
+    (4, 2048, 2048, 8, 8, 8, 2.5, 0),  # six layers, very tight
+    (4, 512, 256, 8, 8, 8, 80, 2),  # 8 ranks sharing 2 cores: waiting pipeline ranks lend them
+    (3, 1024, 1024, 4, 4, 8, 3, 2),  # 4 ranks sharing 2 cores, tight
+]
+
+
+@pytest.mark.parametrize("blocks,hidden,seq,world,gpus,batch,mem,cores", CASES)
+def test_solver_matches_brute_force(blocks, hidden, seq, world, gpus, batch, mem, cores):
+    graph = transformer_graph(blocks, hidden, seq, vocab=8192, heads=16)
+    cluster = _tiny_cluster(mem, gpus, cores).for_world_size(world)
+    training = TrainingSpec(batch, "bf16")
+    budget = cluster.memory_budget_bytes
+    expected = brute_force(graph, world, cluster, training, budget)
+    if math.isinf(expected):
+        with pytest.raises(InfeasibleError):
+            solve(graph, world, cluster, training)
+        return
+    solution = solve(graph, world, cluster, training, options=SolverOptions(time_limit_s=60))
+    assert solution.status == "OPTIMAL"
+    assert solution.prediction.step_time_s == pytest.approx(expected, rel=1e-5)
+    assert max(solution.prediction.memory_per_rank_bytes) <= budget
+
+
+def test_same_inputs_same_plan():
+    graph = transformer_graph(8, 2048, 1024, vocab=32768, heads=16)
+    cluster = PRESETS["a100-40g"].for_world_size(32)
+    runs = [solve(graph, 32, cluster, TrainingSpec(64)) for _ in range(2)]
+    assert runs[0].config == runs[1].config
+    assert runs[0].stages == runs[1].stages and runs[0].choices == runs[1].choices
+
+
+def test_rediscovers_data_parallel_when_memory_is_ample():
+    graph = transformer_graph(4, 512, 256, vocab=8192, heads=8)  # a small model on big GPUs
+    cluster = PRESETS["a100-80g"].for_world_size(8)
+    solution = solve(graph, 8, cluster, TrainingSpec(64))
+    assert (solution.config.mesh.pp, solution.config.mesh.tp) == (1, 1)
+    assert solution.config.mesh.dp == 8
+
+
+def test_shards_when_memory_is_tight():
+    graph = transformer_graph(24, 4096, 2048, vocab=50304, heads=32)  # ~5B parameters
+    cluster = PRESETS["a100-40g"].for_world_size(16)
+    solution = solve(graph, 16, cluster, TrainingSpec(32))
+    # Plain DP would need 16 bytes per parameter (~80 GB): the plan must shard states.
+    assert any(s.zero >= 1 or s.tp for s in solution.choices) or solution.config.mesh.pp > 1
+    assert max(solution.prediction.memory_per_rank_bytes) <= cluster.memory_budget_bytes
+
+
+def test_tensor_parallel_stays_inside_a_node():
+    graph = transformer_graph(8, 8192, 2048, vocab=50304, heads=64)
+    cluster = PRESETS["a100-80g"].for_world_size(64)
+    solution = solve(graph, 64, cluster, TrainingSpec(64))
+    assert cluster.gpus_per_node % solution.config.mesh.tp == 0
+
+
+def test_pins_are_obeyed():
+    graph = transformer_graph(4, 1024, 512, vocab=8192, heads=16)
+    cluster = PRESETS["a100-80g"].for_world_size(8)
+    pins = Pins.parse(["pp=2", "tp=2", "microbatches=4", "schedule=1f1b", "blocks.*:zero=3",
+                       "blocks.0:stage=0", "head:recompute=on"])
+    solution = solve(graph, 8, cluster, TrainingSpec(16), pins=pins)
+    c = solution.config
+    assert (c.mesh.pp, c.mesh.dp, c.mesh.tp, c.microbatches, c.schedule.name) == (2, 2, 2, 4, "1f1b")
+    names = [l.name for l in graph]
+    for name, s in zip(names, solution.choices):
+        if name.startswith("blocks."):
+            assert s.zero == 3
+    assert solution.stages[names.index("blocks.0")] == 0
+    assert solution.choices[names.index("head")].recompute
+
+
+def test_everything_pinned_prices_the_hand_made_plan():
+    graph = transformer_graph(2, 1024, 512, vocab=8192, heads=16)
+    cluster = PRESETS["a100-80g"].for_world_size(4)
+    pins = Pins.parse(["pp=1", "dp=4", "tp=1", "microbatches=1", "zero=0", "recompute=none"])
+    solution = solve(graph, 4, cluster, TrainingSpec(8), pins=pins)
+    table = solution.table
+    again = evaluate(table, solution.stages, solution.choices)
+    assert again.step_time_s == solution.prediction.step_time_s
+    assert all(s.zero == 0 and not s.recompute and s.tp is None for s in solution.choices)
+
+
+def test_infeasible_names_memory_and_the_least_that_fits():
+    graph = transformer_graph(4, 4096, 2048, vocab=50304, heads=32)
+    cluster = PRESETS["a100-80g"].for_world_size(2)
+    with pytest.raises(InfeasibleError) as err:
+        solve(graph, 2, cluster, TrainingSpec(2), memory_budget_bytes=1 * GiB)
+    assert err.value.binding == "memory"
+    assert err.value.min_memory_bytes > 1 * GiB
+    assert "per rank at best" in str(err.value) and "budget 1.00 GiB" in str(err.value)
+    # and the reported minimum does fit
+    solution = solve(graph, 2, cluster, TrainingSpec(2), memory_budget_bytes=err.value.min_memory_bytes)
+    assert max(solution.prediction.memory_per_rank_bytes) <= err.value.min_memory_bytes
+
+
+@pytest.mark.parametrize("pins,message", [
+    (["tp=3"], "not a multiple"),
+    (["pp=2", "dp=2", "tp=1"], "world size is 8"),
+    (["pp=8"], "pipeline stages"),
+    (["dp=8", "microbatches=3"], "does not divide"),
+    (["nosuch.*:zero=1"], "names no layer"),
+    (["zero=3", "blocks.*:zero=1"], "contradict"),
+    (["blocks.1:stage=0", "blocks.0:stage=1"], "backwards"),
+    (["blocks.0:tp=colwise", "tp=2"], "no tensor-parallel style"),
+    (["pp=1", "schedule=1f1b"], "contradict"),
+])
+def test_bad_pins_are_named(pins, message):
+    graph = transformer_graph(4, 1024, 512, vocab=8192, heads=16)
+    cluster = PRESETS["a100-80g"].for_world_size(8)
+    with pytest.raises(PinError, match=message):
+        solve(graph, 8, cluster, TrainingSpec(16), pins=Pins.parse(pins))
+
+
+def test_reprice_keeps_every_choice_and_prices_on_another_cluster():
+    import autopar
+    from autopar.errors import PlanError
+
+    graph = transformer_graph(4, 1024, 512, vocab=8192, heads=16)
+    plan = autopar.solve(graph, 8, cluster="a100-80g", global_batch=32)
+    same = autopar.reprice(graph, plan)
+    assert same.predicted == plan.predicted and same.layers == plan.layers
+    slower = autopar.reprice(graph, plan, "v100-16g", memory_gb=80)
+    assert (slower.mesh, slower.layers, slower.microbatches) == (plan.mesh, plan.layers, plan.microbatches)
+    assert slower.cluster.name == "v100-16g"
+    assert slower.predicted.step_time_s > plan.predicted.step_time_s  # a slower device
+    pinned = [f"pp={plan.mesh.pp}", f"dp={plan.mesh.dp}", f"tp={plan.mesh.tp}",
+              f"microbatches={plan.microbatches}", f"schedule={plan.schedule.value}"] + [
+        f"{l.name}:stage={l.stage}" for l in plan.layers] + [
+        f"{l.name}:tp={l.choice.tp or 'none'}" for l in plan.layers] + [
+        f"{l.name}:zero={l.choice.zero}" for l in plan.layers] + [
+        f"{l.name}:recompute={'on' if l.choice.recompute else 'off'}" for l in plan.layers]
+    resolved = autopar.solve(graph, 8, cluster="v100-16g", global_batch=32, pins=pinned, memory_gb=80)
+    assert resolved.predicted.step_time_s == pytest.approx(slower.predicted.step_time_s)
+    with pytest.raises(PlanError):
+        autopar.reprice(transformer_graph(2, 1024, 512, vocab=8192, heads=16), plan)
+
+
+def test_memory_bound_never_exceeds_the_least_peak_a_configuration_reaches():
+    from ortools.sat.python import cp_model
+
+    from autopar.planning.bounds import memory_lower_bound as _memory_lower_bound
+    from autopar.planning.choices import allowed_choices as _allowed
+    from autopar.planning.choices import runs_of as _runs
+    from autopar.planning.model import Units as _Units
+    from autopar.planning.model import build_model as _build_model
+    from autopar.planning.model import cp_solver as _solver
+
+    graph = transformer_graph(4, 1024, 1024, vocab=8192, heads=16)
+    cluster, training = _tiny_cluster(2, 4).for_world_size(8), TrainingSpec(8, "bf16")
+    no_pins = [{} for _ in graph]
+    checked = 0
+    for config in enumerate_configs(graph, 8, cluster, training, Pins()):
+        table = PriceTable(graph, config, cluster, training)
+        allowed = _allowed(table, no_pins)
+        built = _build_model(table, allowed, _runs(table, allowed, no_pins), no_pins, cut_positions(graph), None,
+                             _Units(1.0))
+        solver = _solver(10, SolverOptions())
+        assert solver.Solve(built.model) == cp_model.OPTIMAL
+        assert _memory_lower_bound(table, allowed) <= solver.ObjectiveValue(), config.describe()
+        checked += 1
+    assert checked >= 10
