@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import autopar  # noqa: E402
 from autopar.graph import LayerGraph  # noqa: E402
+from autopar.mesh import MeshAxis, declared  # noqa: E402
 from autopar.plan import Plan  # noqa: E402
 from autopar.runtime import default_loss  # noqa: E402
 
@@ -127,7 +128,8 @@ def run_parallel(spec: Spec, plan: Plan, graph: LayerGraph, opt: Callable) -> di
     # example inputs: a pipeline plan traces the model again to split it into stages
     pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=graph, optimizer=opt)
     out: dict[str, Any] = {"losses": [], "local_param_bytes": pm.local_param_bytes(),
-                           "tracer": pm.lowered.pipeline.tracer if pm.lowered.pipeline else None}
+                           "tracer": pm.lowered.pipeline.tracer if pm.lowered.pipeline else None,
+                           "mesh_dims": list(pm.lowered.mesh.mesh_dim_names)}
     for k, (x, y) in enumerate(batches):
         out["losses"].append(pm.train_step(pm.local_batch(x), pm.local_batch(y)))
         if k == 0:
@@ -190,7 +192,7 @@ def equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
         plan, graph = plan_for(spec, world_size)
         sgd = run_parallel(spec, plan, graph, lambda p: torch.optim.SGD(p, **SGD))
         adam = run_parallel(spec, plan, graph, lambda p: torch.optim.AdamW(p, **ADAMW))
-        metrics: dict[str, Any] = {"mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp],
+        metrics: dict[str, Any] = {"mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp], "mesh_dims": sgd["mesh_dims"],
                                    "microbatches": plan.microbatches, "schedule": plan.schedule.value,
                                    "chunks": plan.chunks, "tracer": sgd["tracer"],
                                    "stages": [l.stage for l in plan.layers],
@@ -235,3 +237,19 @@ SPECS: dict[str, Spec] = {
 }
 
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}
+
+# A toy mesh axis, declared through the one mesh type alone (autopar.mesh): at degree 1 it is
+# planned, pinned, sent in the plan and made a dimension of the device mesh, and changes no number.
+TOY_AXIS = MeshAxis("xp", "nothing: a toy axis", searched=False)
+
+
+def _with_toy_axis(case: Callable[[int, int], dict[str, Any]]) -> Callable[[int, int], dict[str, Any]]:
+    def run(rank: int, world_size: int) -> dict[str, Any]:
+        with declared(TOY_AXIS):
+            return case(rank, world_size)
+
+    return run
+
+
+CASES["toy_axis_dp_zero3"] = _with_toy_axis(equivalence(
+    Spec(gpt_tiny, PP1 + ("dp=2", "tp=1", "zero=3", "microbatches=1", "xp=1"), 4)))

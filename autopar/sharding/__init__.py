@@ -45,7 +45,7 @@ activation"):
    "why")``: the style is withdrawn with that reason, never run wrong.
 3. Register it in ``RULES`` under every name the op is called by (the
    ``torch.*`` function, the ``Tensor`` method, the in-place form).
-4. Copy a test from ``tests/test_shard_check.py``: a small module using the
+4. Copy a test from ``tests/sharding/test_shard_check.py``: a small module using the
    op is proved by ``check_style`` (forward and gradients equal to one
    process), and a deliberately wrong variant is refused.
 """

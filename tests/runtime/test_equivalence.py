@@ -14,7 +14,7 @@ from distributed import check_equivalent as _check_equivalent
 
 pytestmark = pytest.mark.distributed
 
-W2_EQUIV = ["dp", "zero1", "zero2", "zero3", "tp_mlp", "tp_gpt", "hf_llama_tp"]
+W2_EQUIV = ["dp", "zero1", "zero2", "zero3", "tp_mlp", "tp_gpt", "hf_llama_tp", "toy_axis_dp_zero3"]
 W2_UNITS = ["runtime_cases:" + c for c in ("tp_pass", "zero_pass", "meta_zero3", "meta_tp", "state_dicts",
                                           "ddp_replicas", "err_world_size", "err_bad_batch",
                                           "err_nonscalar_loss")]
@@ -40,6 +40,17 @@ def test_two_ranks_match_one_device(w2: dict, case: str) -> None:
 def test_four_ranks_match_one_device(w4: dict, case: str) -> None:
     _check_equivalent(w4[case])
     assert w4[case]["mesh"] == [1, 2, 2]
+
+
+def test_a_toy_axis_is_a_dimension_of_the_device_mesh_and_changes_no_number(w2: dict) -> None:
+    """A mesh axis declared through autopar.mesh alone reaches the device mesh (lowering reads the
+    plan's mesh) and, at degree 1, trains exactly as the plan without it."""
+    toy, plain = w2["toy_axis_dp_zero3"], w2["zero3"]
+    for r in every_rank(toy):
+        assert r["mesh_dims"] == ["pp", "dp", "tp", "xp"]
+    for r in every_rank(plain):
+        assert r["mesh_dims"] == ["pp", "dp", "tp"]
+    assert [r["losses"] for r in every_rank(toy)] == [r["losses"] for r in every_rank(plain)]
 
 
 def test_plans_are_the_pinned_ones(w2: dict, w4: dict) -> None:
