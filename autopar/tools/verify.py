@@ -52,6 +52,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -399,11 +400,18 @@ def _is_secondary(exc: BaseException) -> bool:
 
 def _worker(rank: int, world_size: int, tmp: str, spec: str, seq_len: int | None,
             plan_json: str, graph: dict, steps: int) -> None:
+    """One rank of a verify run. Its results are on disk once :func:`_run_rank` returns, so the
+    process leaves with ``os._exit(0)``: an interpreter teardown can still abort in gloo's C++
+    threads ("terminate called without an active exception", seen once in a loaded full-suite
+    run), which would turn a finished run into a dead rank."""
     try:
         _run_rank(rank, world_size, tmp, spec, seq_len, plan_json, graph, steps)
     except BaseException as exc:
         Path(tmp, f"error-{rank}.json").write_text(json.dumps(_failure(rank, exc)))
         raise
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _run_rank(rank: int, world_size: int, tmp: str, spec: str, seq_len: int | None,
