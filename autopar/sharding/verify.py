@@ -1,13 +1,26 @@
-"""Offer a Megatron style only once a simulation of its shards has proved it exact.
+"""Offer a Megatron style only once it is proved exact: numerically on a small copy, by shapes at full size.
 
 :func:`verify_styles` takes the captured layers with their *candidate*
 Megatron styles (:mod:`autopar.sharding.detect` finds column → row
 projection groups from the graph) and, for one layer of each group of
-identical layers, runs :func:`autopar.sharding.check.check_style` on a
-real copy of the layer's module with the inputs the model's forward gives
-it. A proved style gets its fused projections' segments, the sizes tp must
-divide and the degrees simulated; a failed one is withdrawn and the layer
-records why (``Layer.tp_refusal``: the op that stopped it, or the error).
+identical layers, proves the style twice:
+
+* numerically: :func:`autopar.sharding.check.check_style` simulates the
+  shards at tp = 2 … 8 on a real copy of the layer — the module itself when
+  it has at most ``MAX_CHECK_PARAMS`` parameters, else one rebuilt narrower
+  from the model's config, else a narrower copy of the module itself
+  (:mod:`autopar.sharding.narrow`, proved to run the same program with its
+  widths renamed);
+* by shapes: :func:`autopar.sharding.shapes.prove_shapes` runs the same
+  rules at the layer's real size on meta, at every degree up to
+  ``shapes.MAX_DEGREE`` that its real sizes admit (why a proof at the
+  simulated degrees carries to the larger ones: see that module).
+
+A proved style gets its fused projections' segments (at the real size),
+the sizes tp must divide and the degrees proved (``checked``); a failed
+one is withdrawn and the layer records why (``Layer.tp_refusal``: the op
+that stopped it, with "at the layer's real size" when only the real size
+shows it).
 """
 
 from __future__ import annotations
@@ -20,10 +33,12 @@ import torch.nn as nn
 
 from autopar.graph import Layer, TPStyle
 from autopar.sharding import check as shard_check
+from autopar.sharding import narrow, shapes
+from autopar.sharding.layout import NoShardRule
 from autopar.sharding.rules import projection_dims
 
 SHORT_SEQ = 16  # the sequence length a small layer is simulated at when the example's is longer
-DEGREES = tuple(range(2, 9))  # tp stays inside a node (8 GPUs): every degree up to 8 the sizes admit
+DEGREES = tuple(range(2, 9))  # simulated numerically (threads in one process); larger ones by shapes only
 
 
 def _degrees(divisors: tuple[int, ...]) -> list[int]:
@@ -65,12 +80,21 @@ def _check(model: nn.Module, module: nn.Module, style: TPStyle, prefix: str, rec
     else:
         lengths = {seq_len: SHORT_SEQ} if seq_len and seq_len > SHORT_SEQ else {}
         built = shard_check.small_copy(module, _config(model, module), gen, lengths)
-        if built is None:
-            return shard_check.CheckResult(False, {}, reason=f"too large to simulate ({n_params:,} parameters) "
-                                           "and no config to build a narrower copy from"), None, recorded
-        copy, mapping = built
-        mapping.setdefault(batch, 1)
-        inputs = shard_check.shrink_inputs(recorded, mapping)
+        if built is not None:
+            copy, mapping = built
+            mapping.setdefault(batch, 1)
+            inputs = shard_check.shrink_inputs(recorded, mapping)
+        else:  # no config: narrow the module itself (proved to run the same program, widths renamed)
+            hidden = shard_check.hidden_input(*recorded)
+            b, t = (int(hidden[1].shape[0]), int(hidden[1].shape[1])) if hidden is not None and \
+                hidden[1].dim() == 3 else (batch, seq_len)
+            try:
+                narrowed = narrow.narrow_copy(module, recorded, b, t)
+            except narrow.NarrowRefused as exc:
+                return shard_check.CheckResult(False, {}, reason=f"too large to simulate ({n_params:,} parameters) "
+                                               f"and no narrower copy of it runs the same program: {exc}"), \
+                    None, recorded
+            copy, inputs = shard_check.layer_copy(narrowed.module, gen), narrowed.inputs
     result = _check_inputs(copy, cols, rows, inputs)
     if result is None:
         return shard_check.CheckResult(False, {}, reason="a column projection is not a Linear or Conv1D"), None, inputs
@@ -85,6 +109,43 @@ def _check(model: nn.Module, module: nn.Module, style: TPStyle, prefix: str, rec
     return result, copy, inputs
 
 
+def _prove_at_size(module: nn.Module, style: TPStyle, prefix: str, recorded: tuple,
+                   result: shard_check.CheckResult) -> shard_check.CheckResult:
+    """``result`` (the numerical proof) with the degrees the shape proof at the layer's real size
+    admits: the simulated ones it confirms and every larger one up to ``shapes.MAX_DEGREE`` the real
+    sizes admit; withdrawn (naming the op) where a simulated degree fails at the real size."""
+    cols = tuple(p[len(prefix) + 1:] for p in style.column)
+    rows = tuple(p[len(prefix) + 1:] for p in style.row)
+    n_params = sum(p.numel() for p in module.parameters())
+    full = narrow.meta_module(module)
+    inputs = shapes.meta_inputs(recorded)
+
+    def attempt(tp: int) -> tuple[set[int] | None, str, bool]:
+        try:
+            return shapes.prove_shapes(full, inputs, cols, rows, result.segments, tp), "", False
+        except NoShardRule as exc:
+            return None, str(exc), "does not divide" in exc.why or "cannot share exactly" in exc.why
+        except Exception as exc:  # noqa: BLE001 - the layer's own code failed at its real size
+            return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}", False
+
+    first = result.degrees[0]
+    divisors, why, _ = attempt(first)
+    if divisors is None:
+        return dataclasses.replace(result, ok=False, reason=f"{why} (at the layer's real size, {n_params:,} "
+                                   f"parameters, tp={first})")
+    proved = [first]
+    for tp in shapes.degrees_to_try(divisors):
+        if tp == first or (tp <= max(DEGREES) and tp not in result.degrees):
+            continue  # a small degree the numerical proof did not run is not offered
+        found, why, indivisible = attempt(tp)
+        if found is not None:
+            proved.append(tp)
+        elif tp in result.degrees and not indivisible:
+            return dataclasses.replace(result, ok=False, reason=f"{why} (at the layer's real size, {n_params:,} "
+                                       f"parameters, tp={tp})")
+    return dataclasses.replace(result, divisors=tuple(sorted(divisors)), degrees=tuple(sorted(proved)))
+
+
 def _sequence_fields(model: nn.Module, module: nn.Module, copy: nn.Module, result: shard_check.CheckResult,
                      cols: tuple[str, ...], rows: tuple[str, ...], used: tuple, recorded: tuple) -> dict[str, Any]:
     """TPStyle's sequence-parallel fields: simulated on the copy the style was proved on, costed at the
@@ -94,7 +155,7 @@ def _sequence_fields(model: nn.Module, module: nn.Module, copy: nn.Module, resul
         return {"sequence_refusal": "the layer's hidden state (its first tensor argument) is not "
                                     "[batch, sequence, features]"}
     length, width = int(hidden[1].shape[shard_check.SEQ_DIM]), int(hidden[1].shape[-1])
-    degrees = tuple(d for d in result.degrees if length % d == 0)
+    degrees = tuple(d for d in result.degrees if length % d == 0 and d <= max(DEGREES))  # simulated ones
     if not degrees:
         return {"sequence_refusal": f"no tp degree the style runs at divides the sequence ({length})"}
     segs = result.copy_segments or result.segments
@@ -153,6 +214,8 @@ def verify_styles(model: nn.Module, args: tuple, kwargs: dict, layers: list[Laye
                                              f"{path} as a module")
         else:
             result, copy, used = _check(model, model.get_submodule(path), style, path, rec, batch, seq_len)  # type: ignore[arg-type]
+            if result.ok:
+                result = _prove_at_size(model.get_submodule(path), style, path, rec, result)  # type: ignore[arg-type]
         sequence: dict[str, Any] = {}
         if result.ok and copy is not None:
             cols = tuple(p[len(path) + 1:] for p in style.column)  # type: ignore[arg-type]
