@@ -47,6 +47,14 @@ def gpt_tiny() -> tuple[nn.Module, tuple]:
     return gpt.gpt(n_layer=2, d_model=32, n_head=4, vocab_size=256, seq_len=16, device="cpu")
 
 
+def plain_gpt_small() -> tuple[nn.Module, tuple]:
+    """examples/plain_gpt.py's GPT (no config: ``qkv.chunk(3)``, ``reshape(b, t, heads, c // heads)``)."""
+    import plain_gpt
+
+    model = plain_gpt.GPT(vocab=256, width=64, heads=4, layers=2, seq=16)
+    return model, (torch.zeros(2, 16, dtype=torch.long),)
+
+
 def mlp_small() -> tuple[nn.Module, tuple]:
     import mlp
 
@@ -253,3 +261,32 @@ def _with_toy_axis(case: Callable[[int, int], dict[str, Any]]) -> Callable[[int,
 
 CASES["toy_axis_dp_zero3"] = _with_toy_axis(equivalence(
     Spec(gpt_tiny, PP1 + ("dp=2", "tp=1", "zero=3", "microbatches=1", "xp=1"), 4)))
+
+
+def _narrowed(case: Callable[[int, int], dict[str, Any]]) -> Callable[[int, int], dict[str, Any]]:
+    """``case`` with every block over a lowered ``MAX_CHECK_PARAMS``: capture proves its style on a
+    narrower copy of the block's own class (no config) and a shape proof at its real size, and the
+    runtime runs the full-size block. ``narrowed`` counts the copies built (rank 0 captures)."""
+    def run(rank: int, world_size: int) -> dict[str, Any]:
+        from autopar.sharding import check, narrow
+
+        built: list[int] = []
+        real_copy, limit = narrow.narrow_copy, check.MAX_CHECK_PARAMS
+
+        def counted(*a: Any, **k: Any) -> Any:
+            out = real_copy(*a, **k)
+            built.append(out.factor)
+            return out
+        narrow.narrow_copy, check.MAX_CHECK_PARAMS = counted, 1_000  # type: ignore[assignment]
+        try:
+            metrics = case(rank, world_size)
+        finally:
+            narrow.narrow_copy, check.MAX_CHECK_PARAMS = real_copy, limit  # type: ignore[assignment]
+        metrics["narrowed"] = from_rank0(lambda: list(built))
+        return metrics
+
+    return run
+
+
+CASES["tp_plain_gpt_narrowed"] = _narrowed(equivalence(Spec(
+    plain_gpt_small, PP1 + ("dp=1", "tp=2", "zero=0", "blocks.*:tp=megatron", "tok:tp=vocab", "head:tp=vocab"), 4)))

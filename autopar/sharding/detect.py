@@ -12,7 +12,8 @@ whose split we can describe exactly:
   on shards, and how a fused projection's output is cut into segments, is
   decided by simulating it (:mod:`autopar.sharding.verify`).
 * ``vocab`` — an ``nn.Embedding`` layer (split the vocabulary), or a layer
-  ending in an LM-head linear with ``out_features >= 8 * in_features``.
+  ending in an LM-head linear with ``out_features >= 8 * in_features`` or onto
+  an embedding's vocabulary.
 
 Anything we cannot describe exactly is not admitted: a wrong style would make
 the lowering pass compute different numbers than one device.
@@ -259,7 +260,7 @@ def _vocab_head(view: LayerView) -> TPStyle | None:
     if head is None:
         return None
     d_in, d_out = _linear_at(view.model, head)  # type: ignore[misc]
-    if d_out < 8 * d_in:
+    if d_out < 8 * d_in and not _is_vocabulary(view.model, d_out):
         return None
     mod = view.model.get_submodule(head)
     nodes = [n for n in view.nodes if _inside(view.stats[n], head)]
@@ -276,6 +277,12 @@ def _vocab_head(view: LayerView) -> TPStyle | None:
         bwd_allreduce_elems=in_elems / view.batch,
         bwd_allreduce_count=1,
     )
+
+
+def _is_vocabulary(model: nn.Module, width: int) -> bool:
+    """Whether ``width`` is an embedding's vocabulary in ``model``: a head onto it is an LM head
+    however narrow the vocabulary is next to the hidden size (GPT-3: 51,200 onto 12,288)."""
+    return any(isinstance(m, nn.Embedding) and m.num_embeddings == width for m in model.modules())
 
 
 def _linear_at(model: nn.Module, path: str) -> tuple[int, int] | None:

@@ -50,7 +50,8 @@ from torch.overrides import TorchFunctionMode
 HARD_PARAMS = 64_000_000  # a copy above this is refused rather than simulated
 MIN_HEAD = 4  # a narrowed head keeps at least this many features
 MIN_WIDTH = 16  # without heads, the narrowest width kept
-PROBE_BATCH, PROBE_SEQ = 2, 16  # the traces' batch and sequence (meta: any size costs nothing)
+PROBE_BATCH = 2  # the traces' batch (meta: any size costs nothing)
+PROBE_SEQS = (16, 12, 24, 8, 20, 40, 10, 6)  # the traces' sequence: the first that is no width of the layer
 
 
 class NarrowRefused(Exception):  # noqa: N818 - a reason carried to the style's refusal
@@ -150,13 +151,14 @@ def meta_module(module: nn.Module, sizes: dict[int, int] | None = None) -> nn.Mo
     return clone
 
 
-def probe_inputs(recorded: tuple, widths: dict[int, int], batch: int, seq: int | None) -> tuple:
+def probe_inputs(recorded: tuple, widths: dict[int, int], batch: int, seq: int | None,
+                 probe_seq: int | None = None) -> tuple:
     """``recorded`` (args, kwargs) as meta tensors: the last dimension renamed by ``widths`` first
-    (features), the others by batch → :data:`PROBE_BATCH` and sequence → :data:`PROBE_SEQ` first;
+    (features), the others by batch → :data:`PROBE_BATCH` and sequence → ``probe_seq`` first;
     a key/value cache dropped as :func:`autopar.sharding.check.real_inputs` does."""
     lead = {batch: PROBE_BATCH}
-    if seq is not None:
-        lead[seq] = PROBE_SEQ
+    if seq is not None and probe_seq is not None:
+        lead[seq] = probe_seq
 
     def one(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
@@ -209,25 +211,32 @@ def _param_widths(module: nn.Module) -> set[int]:
 def narrow_copy(module: nn.Module, recorded: tuple, batch: int, seq: int | None) -> NarrowCopy:
     """``module`` narrowed (see the module docstring), proved isomorphic to the full layer by
     tracing both; raises :class:`NarrowRefused` with the reason otherwise."""
-    full_in = probe_inputs(recorded, {}, batch, seq)
     full_mod = meta_module(module)
-    try:
-        full = trace(full_mod, full_in)
-    except Exception as exc:  # noqa: BLE001 - the layer's forward does not run on meta
-        raise NarrowRefused(f"its forward does not run on the meta device ({type(exc).__name__}: "
-                            f"{str(exc).splitlines()[0][:120] if str(exc) else ''})") from None
-    splits = head_splits(full)
-    head_widths = sorted({d for _, d in splits})
-    heads = tuple(sorted({h for h, _ in splits}))
     params = _param_widths(module)
-    if head_widths:
-        widths = {s for s in params if any(s % d == 0 for d in head_widths) and s not in heads} | set(head_widths)
-        least, floor = min(head_widths), MIN_HEAD
+    probes = [p for p in PROBE_SEQS if seq is None or p <= seq] + ([seq] if seq is not None else [])
+    for probe in probes:  # the first probe sequence that is no width: a size with one role
+        full_in = probe_inputs(recorded, {}, batch, seq, probe)
+        try:
+            full = trace(full_mod, full_in)
+        except Exception as exc:  # noqa: BLE001 - the layer's forward does not run on meta
+            raise NarrowRefused(f"its forward does not run on the meta device ({type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0][:120] if str(exc) else ''})") from None
+        splits = head_splits(full)
+        head_widths = sorted({d for _, d in splits})
+        heads = tuple(sorted({h for h, _ in splits}))
+        if head_widths:
+            widths = {s for s in params if any(s % d == 0 for d in head_widths) and s not in heads} | set(head_widths)
+            least, floor = min(head_widths), MIN_HEAD
+        else:
+            widths = {s for s in params if s >= MIN_WIDTH}
+            least, floor = (min(widths) if widths else 0), MIN_WIDTH
+        if not widths:
+            raise NarrowRefused("it has no width to narrow")
+        if probe not in widths and PROBE_BATCH not in widths:
+            break
     else:
-        widths = {s for s in params if s >= MIN_WIDTH}
-        least, floor = (min(widths) if widths else 0), MIN_WIDTH
-    if not widths:
-        raise NarrowRefused("it has no width to narrow")
+        raise NarrowRefused(f"its sequence or batch is one of its widths {sorted(widths)}, so a narrower copy "
+                            "cannot tell them apart")
     both = widths & set(heads)
     if both:
         raise NarrowRefused(f"the size {min(both)} is both a width and a head count, so a narrower copy "
@@ -246,7 +255,7 @@ def narrow_copy(module: nn.Module, recorded: tuple, batch: int, seq: int | None)
         small_params = sum(p.numel() for p in small.parameters())
         if small_params > HARD_PARAMS:
             raise NarrowRefused(f"its narrowest copy still has {small_params:,} parameters")
-        small_in = probe_inputs(recorded, sizes, batch, seq)
+        small_in = probe_inputs(recorded, sizes, batch, seq, probe)
         try:
             narrow = trace(small, small_in)
         except Exception as exc:  # noqa: BLE001 - the copy's forward fails: its code does not scale

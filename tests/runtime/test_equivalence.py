@@ -14,7 +14,8 @@ from distributed import check_equivalent as _check_equivalent
 
 pytestmark = pytest.mark.distributed
 
-W2_EQUIV = ["dp", "zero1", "zero2", "zero3", "tp_mlp", "tp_gpt", "hf_llama_tp", "toy_axis_dp_zero3"]
+W2_EQUIV = ["dp", "zero1", "zero2", "zero3", "tp_mlp", "tp_gpt", "hf_llama_tp", "toy_axis_dp_zero3",
+            "tp_plain_gpt_narrowed"]
 W2_UNITS = ["runtime_cases:" + c for c in ("tp_pass", "zero_pass", "meta_zero3", "meta_tp", "state_dicts",
                                           "ddp_replicas", "err_world_size", "err_bad_batch",
                                           "err_nonscalar_loss")]
@@ -51,6 +52,14 @@ def test_a_toy_axis_is_a_dimension_of_the_device_mesh_and_changes_no_number(w2: 
     for r in every_rank(plain):
         assert r["mesh_dims"] == ["pp", "dp", "tp"]
     assert [r["losses"] for r in every_rank(toy)] == [r["losses"] for r in every_rank(plain)]
+
+
+def test_a_block_proved_on_a_narrower_copy_runs_at_full_size(w2: dict) -> None:
+    """A config-less block over the simulation limit is proved on a copy of its own class (a narrow
+    copy per group of twin blocks) and trains at tp=2 as one device does (checked above)."""
+    m = w2["tp_plain_gpt_narrowed"]
+    assert m["narrowed"] and all(f > 1 for f in m["narrowed"])
+    assert [l[1] for l in m["layers"] if l[0].startswith("blocks.")] == ["megatron", "megatron"]
 
 
 def test_plans_are_the_pinned_ones(w2: dict, w4: dict) -> None:
