@@ -97,13 +97,13 @@ def test_gpt_small_flops_params_and_styles(gpt_small_graph):
     assert mega.column == ("blocks.3.attn.c_attn", "blocks.3.mlp.c_fc")
     assert mega.row == ("blocks.3.attn.c_proj", "blocks.3.mlp.c_proj")
     assert mega.segments == {"blocks.3.attn.c_attn": (cfg.d_model,) * 3}  # [q; k; v], read from the split
-    assert mega.checked == (2, 3, 4, 6)  # simulated exact at every degree ≤ 8 (one node) the sizes admit
+    assert mega.checked == (2, 3, 4, 6, 12)  # simulated at 2..8, and 12 (beyond a node) by shapes at full size
     h, s = cfg.d_model, cfg.seq_len
     assert mega.fwd_allreduce_count == 2 and mega.fwd_allreduce_elems == 2 * s * h
     assert mega.bwd_allreduce_count == 2 and mega.bwd_allreduce_elems == 2 * s * h
     # everything but the two LayerNorms and the row biases is sharded
     assert mega.sharded_params == g.layer("blocks.3").param_count - 4 * h - 2 * h
-    assert mega.admits(6) and not mega.admits(8) and not mega.admits(12)
+    assert mega.admits(6) and not mega.admits(8) and mega.admits(12) and not mega.admits(24)  # 12 heads
 
     emb = g.layer("tok_emb").tp_style("vocab")
     assert emb.divisors == (cfg.vocab_size,) and emb.fwd_allreduce_elems == s * h
