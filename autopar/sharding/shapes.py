@@ -59,13 +59,25 @@ class ShapeRank(Collectives):
 
 
 def prove_shapes(module: nn.Module, inputs: tuple, columns: tuple[str, ...], rows: tuple[str, ...],
-                 segments: dict[str, tuple[int, ...]], tp: int) -> set[int]:
+                 segments: dict[str, tuple[int, ...]], tp: int, sequence: bool = False) -> set[int]:
     """Run ``module`` (meta, real size) forward and backward as one of ``tp`` ranks on ``inputs``
     (meta, real shapes); the sizes tp had to divide. Raises :class:`NoShardRule` naming the op
-    whose rule does not hold at this size."""
-    from autopar.sharding.check import _first_tensor, _floating_leaves, _MetaValues, install_projection_hooks
+    whose rule does not hold at this size. ``sequence``: under sequence parallelism (the hidden
+    state comes in, and the output must leave, as this rank's share of the sequence)."""
+    from autopar.sharding.check import (
+        SEQ_DIM,
+        _first_tensor,
+        _floating_leaves,
+        _MetaValues,
+        hidden_input,
+        install_projection_hooks,
+        with_hidden_input,
+    )
 
     args, kwargs = inputs
+    hidden = hidden_input(args, kwargs) if sequence else None
+    if sequence and (hidden is None or hidden[1].dim() != 3):
+        raise NoShardRule("sequence parallel", "the layer's hidden state is not [batch, sequence, features]")
     leaves = _floating_leaves((args, kwargs))
     for t in leaves:
         t.requires_grad_(True)
@@ -73,8 +85,15 @@ def prove_shapes(module: nn.Module, inputs: tuple, columns: tuple[str, ...], row
     handles = install_projection_hooks(module, columns, rows, segments)
     try:
         with _MetaValues(), ShardMode(ShapeRank(tp), dropout=False) as mode:
+            if hidden is not None:
+                length = int(hidden[1].shape[SEQ_DIM])
+                share = mode.enter_sequence(hidden[1].chunk(tp, SEQ_DIM)[0], SEQ_DIM, length)
+                args, kwargs = with_hidden_input(args, kwargs, hidden[0], share)
             out = _first_tensor(module(*args, **kwargs))
-        if mode.layout(out) is not None:
+        lay = mode.layout(out)
+        if hidden is not None and (lay is None or not lay.sequence or lay.dim != SEQ_DIM):
+            raise NoShardRule("output", "sequence parallel: the layer's output is not its share of the sequence")
+        if hidden is None and lay is not None:
             raise NoShardRule("output", "the layer's output is still sharded (no row projection closes it)")
         torch.autograd.grad(out.sum(), [*params, *leaves], allow_unused=True)
     finally:

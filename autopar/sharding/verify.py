@@ -162,6 +162,14 @@ def _sequence_fields(model: nn.Module, module: nn.Module, copy: nn.Module, resul
     proved, stats, why = shard_check.check_sequence(copy, used, cols, rows, segs, degrees)
     if not proved:
         return {"sequence_refusal": why}
+    if not why:  # every simulated degree passed: the larger ones by shapes at the real size
+        full, inputs = narrow.meta_module(module), shapes.meta_inputs(recorded)
+        for tp in (d for d in result.degrees if d > max(DEGREES) and length % d == 0):
+            try:
+                shapes.prove_shapes(full, inputs, cols, rows, result.segments, tp, sequence=True)
+            except Exception:  # noqa: BLE001 - not offered at this degree (the plain style still is)
+                continue
+            proved = (*proved, tp)
     copy_hidden = shard_check.hidden_input(*used)
     scale = width / int(copy_hidden[1].shape[-1]) if copy_hidden is not None else 1.0  # type: ignore[index]
     gathered = sum(projection_dims(module.get_submodule(g[0]))[0] for g in stats.gathers)  # type: ignore[index]

@@ -147,6 +147,7 @@ def test_a_plain_gpt_block_of_100m_parameters_is_proved_at_degrees_beyond_a_node
     assert style.checked == (2, 4, 8, 16, 32)
     assert style.segments["blocks.0.attn.qkv"] == (3072, 3072, 3072)  # the real size's segments
     assert style.admits(32) and not style.admits(64)
+    assert style.sequence == (2, 4, 8, 16, 32)  # sequence parallel too: simulated to 8, by shapes beyond
     assert elapsed < 60, elapsed  # seconds on a busy 2-core machine (float64 simulation of 113M: minutes)
 
 
