@@ -25,9 +25,16 @@ Modules, in the order data flows through them:
 ``check``
     runs a layer unsharded and once per simulated rank and compares outputs
     and gradients (:func:`~autopar.sharding.check.check_style`);
+``narrow``
+    a narrower copy of a large layer's own module with no config, proved to
+    run the same program with its widths renamed
+    (:func:`~autopar.sharding.narrow.narrow_copy`);
+``shapes``
+    the rules run at the layer's real size on meta, at every degree offered
+    (:func:`~autopar.sharding.shapes.prove_shapes`);
 ``verify``
-    offers a candidate style only once ``check`` proved it
-    (:func:`~autopar.sharding.verify.verify_styles`).
+    offers a candidate style only once ``check`` proved it on a copy and
+    ``shapes`` at the real size (:func:`~autopar.sharding.verify.verify_styles`).
 
 Adding a rule for an op the engine refuses today (the plan's note names it:
 "tensor parallelism withdrawn: OP: no sharding rule for this op on a sharded
