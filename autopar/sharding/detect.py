@@ -260,7 +260,7 @@ def _vocab_head(view: LayerView) -> TPStyle | None:
     if head is None:
         return None
     d_in, d_out = _linear_at(view.model, head)  # type: ignore[misc]
-    if d_out < 8 * d_in and not _is_vocabulary(view.model, d_out):
+    if d_out < 8 * d_in and not _is_vocabulary(view.model, view.model.get_submodule(head), d_out):
         return None
     mod = view.model.get_submodule(head)
     nodes = [n for n in view.nodes if _inside(view.stats[n], head)]
@@ -279,10 +279,13 @@ def _vocab_head(view: LayerView) -> TPStyle | None:
     )
 
 
-def _is_vocabulary(model: nn.Module, width: int) -> bool:
+def _is_vocabulary(model: nn.Module, head: nn.Module, width: int) -> bool:
     """Whether ``width`` is an embedding's vocabulary in ``model``: a head onto it is an LM head
-    however narrow the vocabulary is next to the hidden size (GPT-3: 51,200 onto 12,288)."""
-    return any(isinstance(m, nn.Embedding) and m.num_embeddings == width for m in model.modules())
+    however narrow the vocabulary is next to the hidden size (GPT-3: 51,200 onto 12,288). A head
+    tied to the embedding's weight is left to the width rule (that pairing is not proved here)."""
+    weight = getattr(head, "weight", None)
+    return any(isinstance(m, nn.Embedding) and m.num_embeddings == width and m.weight is not weight
+               for m in model.modules())
 
 
 def _linear_at(model: nn.Module, path: str) -> tuple[int, int] | None:
