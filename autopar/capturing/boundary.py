@@ -98,12 +98,30 @@ def send(g: fx.Graph, node: fx.Node, value: Any) -> list[fx.Node]:
     return [g.call_function(leaf, (node, path)) for path in paths]
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: it is sent back to the previous
+    stage, and ``torch.autograd.grad`` may return a strided one (an LSTM's input gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def contiguous_grad(x: torch.Tensor) -> torch.Tensor:
+    """``x``, with the gradient that flows back through it made contiguous."""
+    return _ContiguousGrad.apply(x) if x.requires_grad else x
+
+
 def receive(g: fx.Graph, name: str, value: Any) -> fx.Node:
     """Placeholders of ``g`` for what crosses as ``name`` (holding ``value``), rebuilt into its value."""
     if isinstance(value, torch.Tensor):
-        return g.placeholder(name)
+        return g.call_function(contiguous_grad, (g.placeholder(name),))
     paths, build = flatten(value)
-    inputs = tuple(g.placeholder(f"{name}_{i}") for i in range(len(paths)))
+    inputs = tuple(g.call_function(contiguous_grad, (g.placeholder(f"{name}_{i}"),)) for i in range(len(paths)))
 
     def rebuild(*tensors: torch.Tensor) -> Any:
         return build(iter(tensors))
@@ -177,4 +195,7 @@ def crossing_values(gm: fx.GraphModule, example_inputs: Any, nodes: set[fx.Node]
         return {n: n.meta.get("val", torch.empty(0, device="meta")) for n in nodes}
 
 
-__all__ = ["Unsendable", "check_sendable", "crossing_values", "describe", "flatten", "leaf", "receive", "send"]
+__all__ = [
+    "Unsendable", "check_sendable", "contiguous_grad", "crossing_values", "describe", "flatten", "leaf", "receive",
+    "send",
+]
