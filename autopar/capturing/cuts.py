@@ -116,17 +116,21 @@ def block_buffer_writes(gm: fx.GraphModule, node_layer: dict[fx.Node, int], name
                         cut_ok: list[bool], blocked: dict[int, str]) -> None:
     """Withdraw, in place, every cut between a layer writing a buffer during the step and another
     layer reading it (the reading stage's copy would never be written on its rank)."""
-    for attr in (n for n in gm.graph.nodes if n.op == "get_attr"):
-        users = [u for u in attr.users if u in node_layer]
-        writers = {node_layer[u] for u in users if _writes(u) and u.args and u.args[0] is attr}
+    by_target: dict[str, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            by_target.setdefault(str(n.target), []).append(n)
+    for target, attrs in by_target.items():
+        users = [(a, u) for a in attrs for u in a.users if u in node_layer]
+        writers = {node_layer[u] for a, u in users if _writes(u) and u.args and u.args[0] is a}
         if not writers:
             continue
-        readers = {node_layer[u] for u in users} - writers
+        readers = {node_layer[u] for _, u in users} - writers
         for w in writers:
             for r in readers:
                 for i in range(min(w, r), max(w, r)):
                     if cut_ok[i]:
-                        blocked[i] = (f"a cut after {names[i]} would leave buffer {attr.target}, written by "
+                        blocked[i] = (f"a cut after {names[i]} would leave buffer {target}, written by "
                                       f"{names[w]} during the step, unwritten where {names[r]} reads it")
                     cut_ok[i] = False
 
