@@ -2,6 +2,7 @@
 
     python benchmarks/zoo_table.py [--strategies tp,zero3,dp2tp2,pp2tp2,3d]
     python benchmarks/zoo_table.py --strategies sp,dp2tp2sp,pp2tp2sp     # sequence parallelism
+    python benchmarks/zoo_table.py --strategies pp2cuts                  # pp=2 at every cut offered
 
 Runs the test suite's zoo (tests/zoo.py: nanoGPT as its author writes it,
 a GPT reading its shapes from tensors, Hugging Face GPT-2, Llama, Mistral,
@@ -29,12 +30,28 @@ STRATEGIES = {
     "sp": (2, "TP=2 + SP on the blocks"),
     "dp2tp2sp": (4, "dp=2 × tp=2 + SP, ZeRO-3"),
     "pp2tp2sp": (4, "pp=2 × tp=2 + SP, 1F1B, selective recompute"),
+    "pp2cuts": (2, "pp=2 at every cut offered, 1F1B"),
 }
 SEQUENCE = {"sp", "dp2tp2sp", "pp2tp2sp"}
 EXACT = 1e-5
 
 
+def _cuts_cell(metrics: dict) -> str:
+    """Every cut offered at pp=2: how many match one device, the worst difference, the first failure."""
+    if "error" in metrics:
+        return f"✗ {metrics['error'].splitlines()[0][:120]}"
+    cuts = metrics["cuts"]
+    bad = {c: v for c, v in cuts.items() if isinstance(v, str) or v >= EXACT}
+    if bad:
+        cut, why = next(iter(bad.items()))
+        why = why if isinstance(why, str) else f"differs by {why:.1e}"
+        return f"✗ {len(cuts) - len(bad)}/{len(cuts)} cuts; after {cut}: {why}"
+    return f"✓ {len(cuts)}/{len(cuts)} cuts, {max(cuts.values(), default=0.0):.0e}"
+
+
 def _cell(metrics: dict, blocks: str, sequence: bool) -> str:
+    if "cuts" in metrics:
+        return _cuts_cell(metrics)
     if "error" in metrics:
         return f"✗ {metrics['error'].splitlines()[0][:120]}"
     worst = max(metrics["grad_rel"], metrics["param_rel"], metrics["loss1_rel"])
@@ -59,18 +76,24 @@ def main() -> None:
     unknown = sorted(set(chosen) - set(STRATEGIES))
     if unknown:
         parser.error(f"unknown strategies {unknown}; choose from {sorted(STRATEGIES)}")
+    from cut_matrix_cases import MODELS as CUT_MODELS
     from zoo_cases import SPECS
 
+    def key(m: str, s: str) -> str:
+        return f"cut_matrix_cases:{m}" if s == "pp2cuts" else f"zoo_cases:{m}/{s}"
+
+    rows = {**MODELS, **{m: (None, "") for m in CUT_MODELS if m not in MODELS}} if "pp2cuts" in chosen else MODELS
     results: dict[str, dict] = {}
     for world in sorted({STRATEGIES[s][0] for s in chosen}):
-        cases = [f"zoo_cases:{m}/{s}" for m in MODELS for s in chosen
-                 if STRATEGIES[s][0] == world and f"{m}/{s}" in SPECS]
+        cases = [key(m, s) for m in rows for s in chosen if STRATEGIES[s][0] == world
+                 and (f"{m}/{s}" in SPECS or (s == "pp2cuts" and m in CUT_MODELS))]
         results.update(run_cases(world, cases))
     print("| model | " + " | ".join(STRATEGIES[s][1] for s in chosen) + " |")
     print("| --- |" + " --- |" * len(chosen))
-    for model, (_, blocks) in MODELS.items():
-        cells = [_cell(results[f"zoo_cases:{model}/{s}"], blocks, s in SEQUENCE)
-                 if f"zoo_cases:{model}/{s}" in results else f"✗ not offered: {_refusal(model)}" for s in chosen]
+    for model, (_, blocks) in rows.items():
+        cells = [_cell(results[key(model, s)], blocks, s in SEQUENCE) if key(model, s) in results
+                 else "✗ not offered" if model not in MODELS else f"✗ not offered: {_refusal(model)}"
+                 for s in chosen]
         print(f"| {model} | " + " | ".join(cells) + " |")
 
 

@@ -37,14 +37,15 @@ submodules. The cut here is ~40 lines over the capture's own node→layer map.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
 
 from autopar.capturing import trace_layers
+from autopar.capturing.boundary import check_sendable, crossing_values, receive, send
 from autopar.errors import LoweringError
 from autopar.graph import LayerGraph
 from autopar.plan import Plan
@@ -86,6 +87,10 @@ def _node_stages(gm: fx.GraphModule, node_layer: dict[str, str], plan: Plan) -> 
                 raise LoweringError(f"the model has layer {layer!r}, which the plan does not place: "
                                     "re-plan this model")
             stages[n] = stage_of[layer]
+            src = n.args[0] if n.target is operator.getitem and n.args else None
+            if isinstance(src, fx.Node) and src in stages and isinstance(n.args[1], int) and (
+                    src.op == "call_module" or isinstance(src.meta.get("val"), (tuple, list))):
+                stages[n] = stages[src]  # an element taken from a tuple travels alone, not the tuple
         elif n.op in ("call_function", "call_method", "call_module") and n.users:
             raise LoweringError(f"node {n.name} ({n.target}) belongs to no layer; cannot place it in a stage")
     for n, s in stages.items():
@@ -103,24 +108,21 @@ def _crossings(gm: fx.GraphModule, stages: dict[fx.Node, int], n_stages: int) ->
     for n in stages:
         uses = [n_stages if u is output else stages.get(u, _INPUT_STAGE) for u in n.users]
         last_use[n] = max(uses, default=_INPUT_STAGE)
-    cuts: list[list[fx.Node]] = []
-    for k in range(n_stages - 1):
-        cuts.append([n for n in stages if stages[n] <= k < last_use[n]])
-        for n in cuts[-1]:
-            if "val" in n.meta and not isinstance(n.meta["val"], torch.Tensor):
-                raise LoweringError(f"the cut after stage {k} carries {n.name}, which is not a tensor; "
-                                    "pipeline cuts may only carry tensors: move the cut")
-    return cuts
+    return [[n for n in stages if stages[n] <= k < last_use[n]] for k in range(n_stages - 1)]
 
 
 def _stage_graph(gm: fx.GraphModule, stages: dict[fx.Node, int], k: int, inputs: list[fx.Node],
-                 outputs: list[fx.Node] | None) -> fx.Graph:
-    """Stage k's graph: placeholders for ``inputs``, its own nodes, output ``outputs`` (None: the model's)."""
+                 outputs: list[fx.Node] | None, values: dict[fx.Node, Any]) -> fx.Graph:
+    """Stage k's graph: placeholders for ``inputs`` (a pytree value: one per tensor leaf, rebuilt),
+    its own nodes, output ``outputs`` flattened to their tensor leaves (None: the model's output)."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in inputs:
-        env[n] = g.node_copy(n) if n.op == "placeholder" and k == 0 else g.placeholder(n.name)
-        env[n].meta = dict(n.meta)
+        if n.op == "placeholder" and k == 0:
+            env[n] = g.node_copy(n)
+            env[n].meta = dict(n.meta)
+        else:
+            env[n] = receive(g, n.name, values[n])
 
     def arg(n: fx.Node) -> fx.Node:
         if n not in env and n.op == "get_attr":
@@ -138,9 +140,7 @@ def _stage_graph(gm: fx.GraphModule, stages: dict[fx.Node, int], k: int, inputs:
             out = out[0]
         g.output(out)
     else:
-        # what crosses a cut is sent point-to-point, which needs contiguous tensors (a layer may
-        # return a view: BERT's and OPT's do)
-        sent = [g.call_method("contiguous", (env[n],)) for n in outputs]
+        sent = [t for n in outputs for t in send(g, env[n], values[n])]
         g.output(sent[0] if len(sent) == 1 else tuple(sent))
     g.lint()
     return g
@@ -170,8 +170,8 @@ def split_model(model: nn.Module, example_inputs: Any, graph: LayerGraph, plan: 
 
     ``example_inputs`` are shaped like one microbatch. Raises
     :class:`LoweringError` if a layer has no stage in the plan, a stage uses a
-    later stage's value, a cut carries a non-tensor, or tied parameters span
-    a cut; :class:`CaptureError` if the model cannot be traced.
+    later stage's value, a cut carries a value that cannot be sent (see
+    :mod:`.boundary`), or tied parameters span a cut; :class:`CaptureError` if the model cannot be traced.
     """
     known = {l.name for l in graph}
     if {lp.name for lp in plan.layers} != known:
@@ -180,12 +180,15 @@ def split_model(model: nn.Module, example_inputs: Any, graph: LayerGraph, plan: 
     n_stages = plan.stages
     stages = _node_stages(gm, node_layer, plan)
     cuts = _crossings(gm, stages, n_stages)
+    values = crossing_values(gm, example_inputs, {n for c in cuts for n in c})
+    for k, cut in enumerate(cuts):
+        check_sendable(cut, values, k)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     ins = [placeholders] + cuts
     outs: list[list[fx.Node] | None] = [*cuts, None]
     modules = []
     for k in range(n_stages):
-        g = _stage_graph(gm, stages, k, ins[k], outs[k])
+        g = _stage_graph(gm, stages, k, ins[k], outs[k], values)
         modules.append(fx.GraphModule(gm, g, class_name=f"Stage{k}"))
     tied = {p for layer in graph for p in layer.tied_params} if n_stages > 1 else set()
     _check_parameters(model, modules, tied)

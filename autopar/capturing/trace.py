@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
-import operator
 import traceback
 from collections import Counter
 from typing import Any
@@ -25,7 +24,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopar.capturing import twins
+from autopar.capturing import boundary, cuts, twins
 from autopar.capturing.export_layers import export_with_layer_calls
 from autopar.capturing.op_costs import OpRecorder, is_causal, layer_ops, selective_costs
 from autopar.errors import CaptureError
@@ -34,7 +33,6 @@ from autopar.sharding.detect import LayerView, NodeStats, detect_tp_styles
 from autopar.sharding.verify import verify_styles
 
 _SKIP_TARGETS = ("_guards_fn",)
-_INPUT = -1  # layer index of placeholders (values that enter the model)
 
 
 # --------------------------------------------------------------------------- tracing
@@ -338,6 +336,11 @@ class _Meter(fx.Interpreter):
             st.out_last_dim = int(result.shape[-1]) if result.dim() else None
             st.out_first_dim = int(result.shape[0]) if result.dim() else None
             st.out_floating = result.is_floating_point()
+        elif st.holds_tensor:
+            st.unsendable = boundary.describe(result)
+            leaves = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
+            st.leaf_bytes = sum(t.numel() * t.element_size() for t in leaves)
+            st.leaf_first_dims = tuple(int(t.shape[0]) if t.dim() else None for t in leaves)
         self.current = None
         return result
 
@@ -413,44 +416,6 @@ def _param_owners(
     return owners, users
 
 
-def _crossings(
-    gm: fx.GraphModule, node_layer: dict[fx.Node, int], stats: dict[fx.Node, NodeStats], n_layers: int,
-    batch: int,
-) -> list[tuple[int, set[int], int, bool]]:
-    """Every value that leaves the layer (or input) that made it: (src, consumers, bytes, sendable).
-
-    A tuple consumed through ``getitem`` in another layer crosses element by
-    element, so each consumed element is its own value. A value is sendable
-    between pipeline stages when it is a tensor whose dim 0 is the batch or 1
-    (broadcast over it, like Hugging Face's rotary cos/sin): each microbatch
-    then gets a value of the right shape. A batch-free tensor such as the
-    position ``arange`` of the GPT example broke interleaved 1F1B.
-    """
-    items: dict[tuple[fx.Node, Any], tuple[int, set[int], int, bool]] = {}
-    for user in gm.graph.nodes:
-        if user.op == "output":
-            dst = n_layers
-        elif user in node_layer:
-            dst = node_layer[user]
-        else:
-            continue
-        for src in user.all_input_nodes:
-            if src.op == "get_attr" or (src.op != "placeholder" and src not in node_layer):
-                continue
-            a = node_layer.get(src, _INPUT)
-            if a == dst:
-                continue
-            st = stats.get(src, NodeStats())
-            key: tuple[fx.Node, Any] = (src, None)
-            if not st.is_tensor and user.target is operator.getitem and user.args[0] is src:
-                key, st = (src, user.args[1]), stats.get(user, NodeStats())
-            prev = items.get(key)
-            consumers = prev[1] if prev else set()
-            consumers.add(dst)
-            items[key] = (a, consumers, st.out_bytes, st.is_tensor and st.out_first_dim in (batch, 1))
-    return list(items.values())
-
-
 def _dtype_bytes(model: nn.Module, flat_inputs: list) -> int:
     dtypes = Counter(p.dtype for p in model.parameters() if p.is_floating_point())
     if dtypes:
@@ -477,27 +442,6 @@ def _batch_and_seq(flat_inputs: list) -> tuple[int, int | None]:
         raise CaptureError("example inputs need a tensor with a batch dimension (dim 0)")
     ints = [t for t in tensors if not t.is_floating_point() and not t.is_complex() and t.dim() >= 2]
     return int(tensors[0].shape[0]), (int(ints[0].shape[1]) if ints else None)
-
-
-def _layer_costs(
-    crossings: list[tuple[int, set[int], int, bool]], n_layers: int
-) -> tuple[list[float], list[float], list[bool], dict[tuple[int, int], float]]:
-    """Input bytes per layer, boundary bytes and cuttability after each layer, and edges."""
-    inputs = [0.0] * n_layers
-    boundary = [0.0] * n_layers
-    cut_ok = [i < n_layers - 1 for i in range(n_layers)]
-    edges: dict[tuple[int, int], float] = {}
-    for src, consumers, nbytes, is_tensor in crossings:
-        for dst in consumers:
-            if dst < n_layers:
-                inputs[dst] += nbytes
-                if src >= 0:
-                    edges[(src, dst)] = edges.get((src, dst), 0.0) + nbytes
-        for i in range(max(src, 0), min(max(consumers), n_layers - 1)):
-            boundary[i] += nbytes
-            cut_ok[i] = cut_ok[i] and is_tensor
-    boundary[n_layers - 1] = 0.0
-    return inputs, boundary, cut_ok, edges
 
 
 def capture(
@@ -532,8 +476,9 @@ def capture(
     names = _layer_names(runs)
     owners, users = _param_owners(model, gm, runs, node_layer)
     params = dict(model.named_parameters())
-    inputs, boundary, cut_ok, edges = _layer_costs(_crossings(gm, node_layer, stats, n, batch), n)
-    blocked: dict[int, str] = {}
+    inputs, boundary, cut_ok, edges, blocked = cuts.layer_costs(cuts.crossings(gm, node_layer, stats, n, batch),
+                                                                 n, names)
+    cuts.block_buffer_writes(gm, node_layer, names, cut_ok, blocked)
     tied: dict[int, list[str]] = {}
     first_owner = min(owners.values(), default=0)
     for pname, layers in users.items():

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from autopar.choice import Recompute
 from autopar.graph import LayerGraph
+from autopar.planning.cut_checks import withdrawn_cut_notes
 from autopar.planning.evaluate import evaluate
 from autopar.planning.solver import Solution
 
@@ -32,7 +33,8 @@ def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
     if bare:
         notes.append(f"{', '.join(bare)}: selective recompute asked for, but the layer runs no matmul-class op "
                      "whose output it could keep: runs without recompute")
-    return tuple(notes) + refusal_notes(graph)
+    cut = withdrawn_cut_notes(graph) if solution.config.mesh.pp > 1 else ()
+    return tuple(notes) + refusal_notes(graph) + cut
 
 
 def refusal_notes(graph: LayerGraph) -> tuple[str, ...]:

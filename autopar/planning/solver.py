@@ -91,6 +91,7 @@ from autopar.planning.bounds import balanced_step_s, lower_bound_s
 from autopar.planning.choices import allowed_choices, check_recompute_pins, check_sp_pins, runs_of
 from autopar.planning.configs import cut_positions, enumerate_configs
 from autopar.planning.configuration import Configuration, TrainingSpec
+from autopar.planning.cut_checks import check_stage_pins
 from autopar.planning.evaluate import Evaluation, evaluate
 from autopar.planning.infeasible import raise_infeasible
 from autopar.planning.model import SolverOptions, Units, build_model, cp_solver, extract
@@ -198,6 +199,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     layer_pins = pins.resolve_layers([layer.name for layer in graph])
     check_recompute_pins(graph, pins)
     check_sp_pins(graph, pins)
+    check_stage_pins(graph, layer_pins)
     cuts_ok = cut_positions(graph)
     # Configurations in order of a cheap bound (fastest strategy per layer, balanced),
     # priced in full only when that bound could still beat the best plan so far.

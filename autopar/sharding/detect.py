@@ -45,6 +45,11 @@ class NodeStats:
     out_last_dim: int | None = None
     out_first_dim: int | None = None
     out_floating: bool = False
+    # a tuple, dict, dataclass… : why it cannot cross a pipeline cut ('' when it can), its tensor
+    # leaves' bytes and dims 0
+    unsendable: str = ""
+    leaf_bytes: int = 0
+    leaf_first_dims: tuple[int | None, ...] = ()
 
 
 @dataclass

@@ -1,0 +1,92 @@
+"""Pipeline cases at the cuts other models need (:mod:`distributed`, same protocol as :mod:`pipeline_cases`).
+
+Models the project did not write, built here from small configs: Hugging
+Face Qwen2 cut where its rotary ``(cos, sin)`` tuple crosses, Llama with tied
+input/output embeddings cut right after the embedding, and an LSTM language
+model cut after the embedding and after the LSTM (whose ``(h, (h_n, c_n))``
+output is unpacked in the next layer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from equivalence_cases import Spec, equivalence
+
+import autopar
+
+PP2 = ("pp=2", "dp=1", "tp=1", "zero=0", "recompute=none", "microbatches=2", "schedule=1f1b")
+
+
+def _hf(config: str, model: str, **kw: Any) -> Callable[[], tuple[nn.Module, tuple]]:
+    def build() -> tuple[nn.Module, tuple]:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        cfg = getattr(transformers, config)(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            max_position_embeddings=64, use_cache=False, **kw)
+        return getattr(transformers, model)(cfg), (torch.zeros(4, 16, dtype=torch.long),)
+
+    return build
+
+
+qwen2 = _hf("Qwen2Config", "Qwen2ForCausalLM", tie_word_embeddings=False)
+llama_tied = _hf("LlamaConfig", "LlamaForCausalLM", tie_word_embeddings=True)
+
+
+class LSTMLM(nn.Module):
+    """An LSTM language model as tutorials write it: embedding, a 2-layer LSTM, a linear head."""
+
+    def __init__(self, vocab: int = 128, width: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.lstm = nn.LSTM(width, width, num_layers=2, batch_first=True)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h, _ = self.lstm(self.emb(ids))
+        return self.head(h)
+
+
+def lstm() -> tuple[nn.Module, tuple]:
+    return LSTMLM(), (torch.zeros(4, 16, dtype=torch.long),)
+
+
+def stage_pins(names: list[str], last_of_stage_0: str) -> tuple[str, ...]:
+    """Stage pins putting ``names`` up to ``last_of_stage_0`` on stage 0, the rest on stage 1."""
+    k = names.index(last_of_stage_0)
+    return tuple(f"{n}:stage={0 if i <= k else 1}" for i, n in enumerate(names))
+
+
+HF_LAYERS = ["model.embed_tokens", "model.rotary_emb", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
+LSTM_LAYERS = ["emb", "lstm", "head"]
+
+SPECS: dict[str, Spec] = {
+    "qwen2_rotary_cut": Spec(qwen2, PP2 + stage_pins(HF_LAYERS, "model.rotary_emb"), 8),
+    "llama_tied_embedding_cut": Spec(llama_tied, PP2 + stage_pins(HF_LAYERS, "model.embed_tokens"), 8),
+    "lstm_cut_after_emb": Spec(lstm, PP2 + stage_pins(LSTM_LAYERS, "emb"), 8),
+    "lstm_cut_after_lstm": Spec(lstm, PP2 + stage_pins(LSTM_LAYERS, "lstm"), 8),
+}
+
+
+def qwen2_compile_trains(rank: int, world_size: int) -> dict[str, Any]:
+    """The public API: ``autopar.compile`` of a HF Qwen2 with pp=2 pinned, then three train steps."""
+    torch.manual_seed(0)
+    model, inputs = qwen2()
+    pm = autopar.compile(model, world_size=world_size, example_inputs=inputs, pins=["pp=2"], global_batch=8,
+                         cluster="cpu", dtype="fp32")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 128, (8, 16), generator=g)
+    losses = [float(pm.train_step(pm.local_batch(x), pm.local_batch(x))) for _ in range(3)]
+    return {"losses": losses, "pp": pm.plan.mesh.pp,
+            "cut_after": [l.name for l, n in zip(pm.plan.layers, pm.plan.layers[1:]) if l.stage != n.stage]}
+
+
+CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
+    **{k: equivalence(v) for k, v in SPECS.items()},
+    "qwen2_compile_trains": qwen2_compile_trains,
+}
