@@ -220,13 +220,22 @@ def _owner(model: nn.Module, gm: fx.GraphModule, target: str) -> Any:
     raise _Unsupported(f"no {target} on the model or its export")
 
 
+def _layer_candidates(model: nn.Module) -> set[str]:
+    """Modules that may be layers: the children of the modules capture opens up (its layer keys)."""
+    from autopar.capturing.trace import _expanded_paths
+
+    expanded = _expanded_paths(model)
+    return {p for p, _ in model.named_modules() if p and p not in expanded and p.rpartition(".")[0] in expanded}
+
+
 def export_once_per_kind(model: nn.Module, args: tuple, kwargs: dict, layer_keys: Any,
                          layer_calls: Any) -> tuple[fx.GraphModule, bool] | None:
     """The whole model's export graph, exporting one prefix of its block stack (None: not possible).
 
     ``layer_keys(gm, model)`` names each compute node's layer module (capture's
-    grouping); ``layer_calls(model, args, kwargs, keys)`` says whether the export
-    can keep each layer one module call. Returns the graph module (its
+    grouping); ``layer_calls(model, args, kwargs, keys, exported)`` says whether
+    the export can keep each layer one module call (``exported``: an export
+    that preserved those calls, or None). Returns the graph module (its
     parameters the model's own) and that answer for the prefix model, which
     holds for the whole when its blocks are equal.
     """
@@ -243,11 +252,15 @@ def export_once_per_kind(model: nn.Module, args: tuple, kwargs: dict, layer_keys
         if k >= len(stack):
             return None
         with _prefix(model, path, stack, k):
+            # one export serves both: its graph, and (unflattened) whether each layer stays one call
+            candidates = _layer_candidates(model)
             with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                gm_k = torch.export.export(model, args, kwargs=kwargs, strict=False).module()
-            keys = layer_keys(gm_k, model)
-            calls = layer_calls(model, args, kwargs, {key for key in keys if key})
+                ep = torch.export.export(model, args, kwargs=kwargs, strict=False,
+                                         preserve_module_call_signature=tuple(sorted(candidates)))
+                gm_k = ep.module()
+            keys = {key for key in layer_keys(gm_k, model) if key}
+            calls = layer_calls(model, args, kwargs, keys, ep if keys <= candidates else None)
             graph = _write_stack(gm_k, path, kinds, k, _is_compute)
         targets = {str(n.target) for n in graph.nodes if n.op in ("get_attr", "call_module")}
         gm = fx.GraphModule({t: _owner(model, gm_k, t) for t in targets}, graph, type(model).__name__)

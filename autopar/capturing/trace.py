@@ -88,7 +88,7 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, once_per_kind: bool = Fa
         errors.append(f"symbolic_trace{' in ' + where if where else ''}: {_short(exc)}")
     fast = stack_once.export_once_per_kind(
         model, args, kwargs, lambda g, m: [key for key, _ in _group_layers(g, m)[0]],
-        lambda m, a, kw, keys: export_with_layer_calls(m, a, kw, keys) is not None) if once_per_kind else None
+        lambda m, a, kw, keys, ep: export_with_layer_calls(m, a, kw, keys, ep) is not None) if once_per_kind else None
     if fast is not None:
         fast[0].meta["layer_calls"] = fast[1]
         return fast[0], pytree.tree_leaves((args, kwargs)), "export"
