@@ -78,17 +78,19 @@ def _own_state(flat: nn.Module, model: nn.Module) -> None:
                 module._buffers[attr] = mine[name]
 
 
-def export_with_layer_calls(model: nn.Module, args: tuple, kwargs: dict, layers: set[str]) -> fx.GraphModule | None:
+def export_with_layer_calls(model: nn.Module, args: tuple, kwargs: dict, layers: set[str],
+                            exported: torch.export.ExportedProgram | None = None) -> fx.GraphModule | None:
     """The export graph of ``model`` with every module path in ``layers`` one ``call_module`` of the
     model's own module (its parameters the model's objects); None when torch.export cannot keep
-    those call signatures."""
+    those call signatures. ``exported``: an export of ``model`` already preserving (at least)
+    those call signatures, used instead of exporting again."""
     if not layers:
         return None
     try:
         with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # unflatten's notes on its own get_attr nodes
-            ep = torch.export.export(model, args, kwargs=kwargs, strict=False,
-                                     preserve_module_call_signature=tuple(sorted(layers)))
+            ep = exported if exported is not None else torch.export.export(
+                model, args, kwargs=kwargs, strict=False, preserve_module_call_signature=tuple(sorted(layers)))
             flat = torch.export.unflatten(ep)
         graph = flat.graph
         _inline(flat, graph, layers)

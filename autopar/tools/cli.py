@@ -64,7 +64,8 @@ def _err(message: str) -> None:
 def _add_problem_args(p: argparse.ArgumentParser) -> None:
     """Options shared by ``plan`` and ``compare``: the model, the cluster, the training step."""
     p.add_argument("spec", metavar="SPEC",
-                   help="FILE.py:FUNCTION or MODULE:FUNCTION returning (model, inputs)")
+                   help="FILE.py:FUNCTION or MODULE:FUNCTION returning (model, inputs), or a Hugging Face "
+                        "config.json or model directory")
     p.add_argument("--world-size", type=int, required=True, metavar="N", help="number of devices (ranks)")
     p.add_argument("--cluster", default=None, metavar="NAME|FILE",
                    help="preset name (a100-80g, h100-80g, cpu, …) or a .json/.toml cluster file")
@@ -160,15 +161,25 @@ def _load(args: argparse.Namespace, device: str = "meta") -> tuple[Any, Any]:
     ``meta`` for planning; a spec function without a ``device`` parameter is
     then built under ``torch.device("meta")``, so it allocates nothing.
     """
+    from autopar.tools import hf_spec
     from autopar.tools.spec import load_spec
 
+    if hf_spec.is_config_spec(args.spec):  # a config.json: planning's example batch may be the global one
+        batch = args.batch_size if device == "meta" else None
+        loaded = load_spec(args.spec, seq_len=args.seq_len, device=device, batch=batch)
+        note = hf_spec.describe(args.spec, args.seq_len, batch)
+        if note:
+            sys.stderr.write(note + "\n")
+        return loaded
     return load_spec(args.spec, seq_len=args.seq_len, device=device)
 
 
 def _capture(args: argparse.Namespace, model: Any, inputs: Any) -> LayerGraph:
     from autopar.capturing import capture
+    from autopar.tools import hf_spec
 
-    return capture(model, inputs, name=args.spec.rpartition(":")[2])
+    name = hf_spec.model_name(args.spec) if hf_spec.is_config_spec(args.spec) else args.spec.rpartition(":")[2]
+    return capture(model, inputs, name=name)
 
 
 def _graph(args: argparse.Namespace, device: str = "meta") -> LayerGraph:
@@ -208,7 +219,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_show(args: argparse.Namespace) -> int:
     from autopar.plan import Plan
+    from autopar.tools.hf_spec import is_config_spec
 
+    if is_config_spec(args.plan):
+        raise AutoparError(f"{args.plan} is a model, not a saved plan: plan it first "
+                           f"(autopar plan {args.plan} --world-size N -o plan.json), then show plan.json")
     plan = Plan.load(args.plan)
     if args.html or args.png:  # refused before anything is printed if the plan cannot be drawn
         from autopar.tools import pictures
@@ -334,8 +349,10 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
     from autopar.plan import Plan
     from autopar.tools.explain import explain
+    from autopar.tools.hf_spec import is_config_spec
 
-    if args.spec.endswith(".json") or (":" not in args.spec and Path(args.spec).is_file()):  # a saved plan
+    if not is_config_spec(args.spec) and (args.spec.endswith(".json") or
+                                          (":" not in args.spec and Path(args.spec).is_file())):  # a saved plan
         plan, graph = Plan.load(args.spec), None
         _refuse_problem_options(args, plan)
         if args.why_not:

@@ -1,4 +1,5 @@
-"""Model SPECs for the CLI: ``path/to/file.py:function`` or ``package.module:function``.
+"""Model SPECs for the CLI: ``path/to/file.py:function`` or ``package.module:function``
+(a Hugging Face ``config.json`` or model directory: :mod:`autopar.tools.hf_spec`).
 
 A spec function returns ``(model, example_inputs)``. It may take ``device``
 and ``seq_len``; ``seq_len`` is passed only when given. Where it is built:
@@ -181,12 +182,19 @@ def _check_result(spec: str, result: Any) -> tuple[nn.Module, Any]:
                     "expected a tensor, a tuple/list of inputs or a dict of keyword inputs")
 
 
-def load_spec(spec: str, *, seq_len: int | None = None, device: str = "meta") -> tuple[nn.Module, Any]:
+def load_spec(spec: str, *, seq_len: int | None = None, device: str = "meta",
+              batch: int | None = None) -> tuple[nn.Module, Any]:
     """The ``(model, example_inputs)`` a SPEC names, inputs normalised for :func:`autopar.capture`.
 
     ``device`` is where to build: passed to a spec function that takes it, the
-    default device around one that does not (see the module docstring).
+    default device around one that does not (see the module docstring). A
+    Hugging Face ``config.json`` or model directory is built by
+    :mod:`autopar.tools.hf_spec` (``batch`` sets its example inputs' batch).
     """
+    from autopar.tools import hf_spec
+
+    if hf_spec.is_config_spec(spec):
+        return hf_spec.load_config_spec(spec, seq_len=seq_len, device=device, batch=batch)
     target, func = _split(spec)
     if _is_path(target):
         module = _import_file(spec, Path(target))
