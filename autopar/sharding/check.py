@@ -99,7 +99,14 @@ def install_projection_hooks(layer: nn.Module, columns: Iterable[str], rows: Ite
                 mode = current_mode()
                 if mode is not None and mode.projections:
                     mode.projections.pop()
-                return mode.scatter_output(proj, output) if mode is not None else None
+                if mode is None:
+                    return None
+                if id(module) not in mode.consumed and output is not None:
+                    # what the simulation proves is what the mesh runs: a projection whose weight
+                    # never went through the rules would run whole here and as a shard there
+                    raise NoShardRule(proj.path, "its forward never passed its weight to a projection "
+                                      "form the rules shard (F.linear, addmm, x @ weight.T + bias)")
+                return mode.scatter_output(proj, output)
             handles.append(mod.register_forward_pre_hook(pre))
             handles.append(mod.register_forward_hook(post, always_call=True))
     return handles
@@ -457,6 +464,15 @@ def _merge(segments: tuple[int, ...], cuts: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _in_units(cuts: tuple[int, ...], width: int) -> tuple[int, ...]:
+    """Cuts asked for on a dimension a view made of the projection's output (heads of ``head_dim``
+    features) scaled to the projection's own features."""
+    total = sum(cuts)
+    if total and total != width and width % total == 0:
+        return tuple(c * (width // total) for c in cuts)
+    return cuts
+
+
 def check_style(layer: nn.Module, inputs: tuple, columns: tuple[str, ...], rows: tuple[str, ...],
                 widths: dict[str, int], degrees: Callable[[tuple[int, ...]], list[int]],
                 seed: int = 0) -> CheckResult:
@@ -490,7 +506,7 @@ def _check_style(layer: nn.Module, inputs: tuple, columns: tuple[str, ...], rows
         except NoShardRule as exc:
             if exc.hint is not None and exc.hint[0] in segments and retries < MAX_RETRIES:
                 retries += 1
-                merged = _merge(segments[exc.hint[0]], exc.hint[1])
+                merged = _merge(segments[exc.hint[0]], _in_units(exc.hint[1], sum(segments[exc.hint[0]])))
                 if merged != segments[exc.hint[0]]:
                     segments[exc.hint[0]] = merged
                     todo.insert(0, tp)

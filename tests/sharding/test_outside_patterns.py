@@ -1,0 +1,98 @@
+"""Held-out model families whose tensor-parallel styles used to fail: each is now proved (and what is
+proved is what the mesh runs) or refused with the op named.
+
+Hugging Face classes built from tiny configs (never downloaded), captured as a user would; the
+verdict read from the layer's styles or its ``tp_refusal``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+from autopar.sharding import check as shard_check
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+VOCAB = 128
+
+
+def _ids() -> tuple[torch.Tensor]:
+    return (torch.zeros(2, 8, dtype=torch.long),)
+
+
+def _block(model: nn.Module, name: str):
+    torch.manual_seed(0)
+    return autopar.capture(model, _ids()).layer(name)
+
+
+def _check(module: nn.Module, x: torch.Tensor, cols, rows, degrees=(2,)):
+    gen = torch.Generator().manual_seed(0)
+    copy = shard_check.layer_copy(module, gen)
+    widths = {c: copy.get_submodule(c).out_features for c in cols}
+    inputs = shard_check.real_inputs(((x,), {}))
+    return shard_check.check_style(copy, inputs, tuple(cols), tuple(rows), widths,
+                                   lambda divs: [t for t in degrees if all(d % t == 0 for d in divs)])
+
+
+# ------------------------------------------------------------------ pattern 6: what is proved is what runs
+
+
+class _MatmulLinear(nn.Linear):
+    """Falcon's linear: ``x @ weight.T + bias`` instead of ``F.linear``."""
+
+    def forward(self, x):
+        return x @ self.weight.T + self.bias
+
+
+class _WeightPeek(nn.Linear):
+    """A projection whose forward reads its weight some other way: no rule can shard that."""
+
+    def forward(self, x):
+        return torch.einsum("...i,oi->...o", x, self.weight) + self.bias
+
+
+class _Mlp(nn.Module):
+    def __init__(self, cls: type[nn.Linear]) -> None:
+        super().__init__()
+        self.up, self.down = cls(16, 32), cls(32, 16)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+def test_a_projection_written_as_x_at_weight_t_plus_bias_is_sharded_not_run_whole() -> None:
+    result = _check(_Mlp(_MatmulLinear), torch.randn(2, 6, 16), ["up"], ["down"])
+    assert result.ok, result.reason
+    assert result.divisors == (32,)  # the rule split ``up``: tp must divide its 32 outputs
+
+
+def test_a_projection_that_reads_its_weight_outside_the_rules_is_refused_naming_it() -> None:
+    """Before, such a layer ran each simulated rank whole (right numbers, nothing sharded) and was
+    offered; on the mesh its weight was a shard and the step crashed."""
+    result = _check(_Mlp(_WeightPeek), torch.randn(2, 6, 16), ["up"], ["down"])
+    assert not result.ok
+    assert result.reason.startswith("up: einsum: its forward uses its weight or bias outside")
+
+
+def _falcon(multi_query: bool) -> nn.Module:
+    cfg = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                    multi_query=multi_query, parallel_attn=True, new_decoder_architecture=False,
+                                    alibi=False, use_cache=False, tie_word_embeddings=False, hidden_dropout=0.0,
+                                    attention_dropout=0.0)
+    return transformers.FalconForCausalLM(cfg)
+
+
+def test_falcon_parallel_block_with_multi_query_is_refused_with_the_op_not_offered() -> None:
+    layer = _block(_falcon(True), "transformer.h.0")
+    assert "megatron" not in [s.name for s in layer.tp_styles]
+    assert layer.tp_refusal.startswith("tensor parallelism withdrawn: __getitem__: advanced indexing")
+
+
+def test_falcon_parallel_block_without_multi_query_is_proved_through_its_own_linear() -> None:
+    layer = _block(_falcon(False), "transformer.h.0")
+    style = layer.tp_style("megatron")
+    assert style.checked == (2, 4) and not layer.tp_refusal
