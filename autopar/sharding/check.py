@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from autopar.sharding.rules import NoShardRule, Projection, Reducer, ShardMode, SimulatedRank, current_mode
+from autopar.sharding.rules import OP_ATTR, NoShardRule, Projection, Reducer, ShardMode, SimulatedRank, current_mode
 
 MAX_CHECK_PARAMS = 32_000_000  # a layer copy above this is rebuilt narrower from the model's config
 # An exact rewrite differs from one device by rounding only: float64 runs agree to ~1e-15, and
@@ -517,8 +517,7 @@ def _check_style(layer: nn.Module, inputs: tuple, columns: tuple[str, ...], rows
                 continue
             return CheckResult(False, segments, reason=first_failure or str(exc))
         except Exception as exc:  # noqa: BLE001 - the layer's own code failed on shards
-            return CheckResult(False, segments, reason=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-                               if str(exc) else type(exc).__name__)
+            return CheckResult(False, segments, reason=failed_op(exc))
         if err > TOLERANCE:
             return CheckResult(False, segments, error=err,
                                reason=f"simulated tp={tp} differs from one device by {err:.2e} (relative)")
@@ -559,13 +558,21 @@ def check_sequence(layer: nn.Module, recorded: tuple, columns: tuple[str, ...], 
             except NoShardRule as exc:
                 return tuple(proved), stats, str(exc)
             except Exception as exc:  # noqa: BLE001 - the layer's own code failed on shares of the sequence
-                return tuple(proved), stats, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                return tuple(proved), stats, failed_op(exc)
             if err > TOLERANCE:
                 return tuple(proved), stats, f"simulated tp={tp} differs from one device by {err:.2e} (relative)"
             proved.append(tp)
         return tuple(proved), stats, ""
     finally:
         torch.set_num_threads(threads)
+
+
+def failed_op(exc: BaseException) -> str:
+    """A refusal's reason for an error the layer's own code raised: the op it raised in, then the
+    error (a refusal never goes without the op named)."""
+    what = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}" if str(exc) else type(exc).__name__
+    op = getattr(exc, OP_ATTR, None)
+    return f"{op}: {what}" if op else what
 
 
 FIRST_DEGREES = (2, 3, 5, 7)  # the degree the search starts at, until one divides the layer's sizes

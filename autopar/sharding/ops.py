@@ -425,6 +425,25 @@ def _expand(mode: ShardMode, name, func, args, kwargs):
     return mode.tag(x.expand(local), Sharded(d, lay.segments, lay.source))
 
 
+def _new_tensor(mode: ShardMode, name, func, args, kwargs):
+    """``x.new_empty(shape)`` and kin: a tensor of the same rank whose size on ``x``'s sharded dim is the
+    whole of it is this rank's share there (DeepSeek's MLA fills its keys this way); any other shape
+    owes nothing to the share and is made whole."""
+    x = args[0]
+    lay = mode.layout(x)
+    if name == "new_full":
+        sizes, fill = (args[1] if len(args) > 1 else kwargs["size"]), args[2:]
+    else:
+        sizes, fill = (_target_shape(args, 1) if len(args) > 1 else kwargs["size"]), ()
+    sizes = [int(s) for s in sizes]
+    rest = {k: v for k, v in kwargs.items() if k != "size"}
+    if lay is None or len(sizes) != x.dim() or sizes[lay.dim] != lay.size:
+        return func(x, sizes, *fill, **rest)
+    local = list(sizes)
+    local[lay.dim] = lay.size // mode.tp
+    return mode.tag(func(x, local, *fill, **rest), lay)
+
+
 def _repeat_interleave(mode: ShardMode, name, func, args, kwargs):
     x = args[0]
     lay = mode.layout(x)
@@ -555,6 +574,7 @@ RULES: dict[str, Callable] = {
     "__getitem__": _getitem,
     "expand": _expand, "expand_as": _expand, "repeat": _expand,
     "repeat_interleave": _repeat_interleave,
+    "new_empty": _new_tensor, "new_zeros": _new_tensor, "new_ones": _new_tensor, "new_full": _new_tensor,
     "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _cat,
     "matmul": _matmul, "__matmul__": _matmul, "bmm": _matmul,
     "scaled_dot_product_attention": _sdpa,

@@ -275,6 +275,16 @@ class ShardMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = _name(func)
+        try:
+            return self._dispatch(name, func, args, kwargs)
+        except NoShardRule:
+            raise
+        except Exception as exc:
+            if not hasattr(exc, OP_ATTR):  # the innermost op names the failure (a refusal names its op)
+                setattr(exc, OP_ATTR, name)
+            raise
+
+    def _dispatch(self, name: str, func, args, kwargs):
         if self.projection is not None:
             done = self._projection_op(name, func, args, kwargs)
             if done is not _NOT_MINE:
@@ -434,6 +444,7 @@ class ShardMode(TorchFunctionMode):
 
 
 _NOT_MINE = object()
+OP_ATTR = "_autopar_failed_op"  # set on an exception an op raised under the mode: the op's name
 
 
 def _touches(args, kwargs, tensors: tuple) -> bool:
@@ -462,5 +473,5 @@ def _name(func) -> str:
     return name
 
 
-__all__ = ["Collectives", "NoShardRule", "Projection", "Reducer", "ShardMode", "Sharded", "SimulatedRank",
+__all__ = ["OP_ATTR", "Collectives", "NoShardRule", "Projection", "Reducer", "ShardMode", "Sharded", "SimulatedRank",
            "current_mode", "is_conv1d", "projection_dims", "segment_indices", "segment_permutation"]

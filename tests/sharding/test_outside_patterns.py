@@ -96,3 +96,57 @@ def test_falcon_parallel_block_without_multi_query_is_proved_through_its_own_lin
     layer = _block(_falcon(False), "transformer.h.0")
     style = layer.tp_style("megatron")
     assert style.checked == (2, 4) and not layer.tp_refusal
+
+
+# ------------------------------------------------------------------ pattern 3: multi-head latent attention
+
+
+def _deepseek(dense: int) -> nn.Module:
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        first_k_dense_replace=dense, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=8,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+        topk_group=1, max_position_embeddings=64, use_cache=False, tie_word_embeddings=False)
+    return transformers.DeepseekV3ForCausalLM(cfg)
+
+
+def test_mla_is_sharded_by_heads_after_its_low_rank_up_projections() -> None:
+    layer = _block(_deepseek(1), "model.layers.0")
+    style = layer.tp_style("megatron")
+    attn = "model.layers.0.self_attn"
+    assert style.column[:2] == (f"{attn}.q_b_proj", f"{attn}.kv_b_proj")  # the up-projections
+    assert style.row[0] == f"{attn}.o_proj"
+    assert not {f"{attn}.q_a_proj", f"{attn}.kv_a_proj_with_mqa"} & set(style.column + style.row)  # run whole
+    assert style.checked == (2, 4)
+
+
+def test_a_layer_refused_for_an_error_in_its_own_code_names_the_op() -> None:
+    """DeepSeek's routed experts run a grouped GEMM the float64 simulation cannot: refused, the op named."""
+    layer = _block(_deepseek(1), "model.layers.1")
+    assert "megatron" not in [s.name for s in layer.tp_styles]
+    assert layer.tp_refusal.startswith("tensor parallelism withdrawn: _grouped_mm: RuntimeError")
+
+
+def test_a_layer_with_projections_but_no_group_says_which() -> None:
+    class Chain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):  # two projections side by side: neither reads the other
+            return self.a(x) + self.b(x)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Chain(), Chain()])
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    layer = autopar.capture(Model(), (torch.randn(2, 6, 16),)).layer("blocks.0")
+    assert not layer.tp_styles
+    assert layer.tp_refusal.startswith("tensor parallelism not offered: no column → row projection group covers "
+                                       "blocks.0.a, blocks.0.b")
