@@ -29,6 +29,17 @@ def _hf(cls_name: str, config_name: str, **cfg: Any) -> Callable[[], tuple[nn.Mo
 
 COMMON = dict(vocab_size=VOCAB, use_cache=False, tie_word_embeddings=False)
 MODELS: dict[str, tuple[Callable[[], tuple[nn.Module, tuple]], str]] = {
+    # pattern 1: one key/value head (multi-query) at tp=2: the key/value projections run whole
+    "llama_mqa": (_hf("LlamaForCausalLM", "LlamaConfig", **COMMON, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                      max_position_embeddings=64), "model.layers.*"),
+    "qwen2_mqa": (_hf("Qwen2ForCausalLM", "Qwen2Config", **COMMON, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+                      max_position_embeddings=64), "model.layers.*"),
+    # pattern 2: RMSNorm over the whole query and key projections, its statistics all-reduced
+    "olmo2_qk_norm": (_hf("Olmo2ForCausalLM", "Olmo2Config", **COMMON, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                          max_position_embeddings=64), "model.layers.*"),
     # pattern 3: multi-head latent attention (DeepSeek-V3's dense layers), sharded by heads after
     # the low-rank up-projections
     "deepseek_mla": (_hf("DeepseekV3ForCausalLM", "DeepseekV3Config", **COMMON, hidden_size=32,

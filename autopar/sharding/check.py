@@ -68,6 +68,8 @@ class CheckResult:
     error: float = 0.0
     reason: str = ""
     copy_segments: dict[str, tuple[int, ...]] | None = None  # ``segments`` at a narrower copy's sizes
+    replicated: tuple[str, ...] = ()  # columns proved run whole on every rank (too few key/value heads)
+    statistics: int = 0  # sums over a sharded dimension, all-reduced, per call of the layer
 
 
 # ------------------------------------------------------------------ hooks shared with the runtime
@@ -336,11 +338,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
 
 @dataclass
 class SequenceStats:
-    """What a sequence-parallel run of a layer did: the column projections each all-gather fed,
-    and the elements of each replicated tensor whose gradient is summed over the tp group."""
+    """What a simulated run of a layer did: under sequence parallelism, the column projections each
+    all-gather fed, and the elements of each replicated tensor whose gradient is summed over the tp
+    group; always, how many statistics it all-reduced."""
 
     gathers: tuple[tuple[str, ...], ...] = ()
     grad_sums: tuple[int, ...] = ()
+    statistics: int = 0  # sums over a sharded dimension, all-reduced (a norm over the whole query)
 
 
 def hidden_input(args: tuple, kwargs: dict) -> tuple[int | str, torch.Tensor] | None:
@@ -411,6 +415,7 @@ def simulate(layer: nn.Module, inputs: tuple, pair_columns: tuple[str, ...], pai
             if r == 0 and stats is not None:
                 stats.gathers = tuple(tuple(g) for g in mode.gathers)
                 stats.grad_sums = tuple(mode.grad_sums)
+                stats.statistics = len(mode.stat_reduces)
         except BaseException as exc:  # noqa: BLE001 - carried to the caller's thread
             failure.append(exc)
             reducer.abort()
@@ -499,11 +504,22 @@ def _check_style(layer: nn.Module, inputs: tuple, columns: tuple[str, ...], rows
     worst = 0.0
     todo = [2]
     retries = 0
+    statistics = 0
+    replicated: set[str] = set()  # columns run whole on every rank (key/value heads fewer than tp)
     while todo:
         tp = todo.pop(0)
+        active = tuple(c for c in columns if c not in replicated)
+        stats = SequenceStats()
         try:
-            err, divs = simulate(layer, _fresh(inputs), columns, rows, segments, tp, gen)
+            err, divs = simulate(layer, _fresh(inputs), active, rows,
+                                 {c: s for c, s in segments.items() if c not in replicated}, tp, gen, stats=stats)
         except NoShardRule as exc:
+            fresh = [c for c in exc.replicate if c in segments and c not in replicated]
+            if fresh and not tried and retries < MAX_RETRIES:
+                retries += 1
+                replicated.update(fresh)
+                todo.insert(0, tp)
+                continue
             if exc.hint is not None and exc.hint[0] in segments and retries < MAX_RETRIES:
                 retries += 1
                 merged = _merge(segments[exc.hint[0]], _in_units(exc.hint[1], sum(segments[exc.hint[0]])))
@@ -523,12 +539,16 @@ def _check_style(layer: nn.Module, inputs: tuple, columns: tuple[str, ...], rows
                                reason=f"simulated tp={tp} differs from one device by {err:.2e} (relative)")
         worst = max(worst, err)
         divisors.update(divs)
-        for s in segments.values():
-            divisors.update(s)
+        for c, s in segments.items():
+            if c not in replicated:
+                divisors.update(s)
         tried.append(tp)
         if len(tried) == 1:
+            statistics = stats.statistics
             todo = [d for d in degrees(tuple(sorted(divisors))) if d not in tried]
-    return CheckResult(True, segments, tuple(sorted(divisors)), tuple(tried), worst)
+    return CheckResult(True, {c: s for c, s in segments.items() if c not in replicated}, tuple(sorted(divisors)),
+                       tuple(tried), worst, replicated=tuple(c for c in columns if c in replicated),
+                       statistics=statistics)
 
 
 def check_sequence(layer: nn.Module, recorded: tuple, columns: tuple[str, ...], rows: tuple[str, ...],

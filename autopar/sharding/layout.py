@@ -16,14 +16,19 @@ class NoShardRule(Exception):  # noqa: N818 - a reason, raised and caught inside
 
     ``hint`` carries split points the op asked for along a sharded dimension,
     in global coordinates (a fused projection's segment boundaries), so the
-    checker can retry with those segments.
+    checker can retry with those segments; ``replicate`` names column
+    projections the checker may retry unsharded (key/value projections with
+    fewer heads than the tp degree, run whole on every rank as Megatron-Core
+    and vLLM do).
     """
 
-    def __init__(self, op: str, why: str, hint: tuple[str, tuple[int, ...]] | None = None):
+    def __init__(self, op: str, why: str, hint: tuple[str, tuple[int, ...]] | None = None,
+                 replicate: tuple[str, ...] = ()):
         super().__init__(f"{op}: {why}")
         self.op = op
         self.why = why
         self.hint = hint
+        self.replicate = replicate  # column projections that could run whole instead (too few kv heads)
 
 
 @dataclass(frozen=True)

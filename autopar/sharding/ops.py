@@ -169,11 +169,29 @@ def _reduction(mode: ShardMode, name, func, args, kwargs):
         raise NoShardRule(name, "reduces over every dimension, the sharded one included")
     dims = [_dim(d, x.dim()) for d in (dim if isinstance(dim, (tuple, list)) else [dim])]
     if lay.dim in dims:
-        raise NoShardRule(name, "reduces over the sharded dimension")
+        return _reduce_across(mode, name, x, lay, dims, args, kwargs)
     keep = bool(_dim_arg(args, kwargs, 3 if name == "norm" else 2, "keepdim", False))
     new = lay.dim if keep else lay.dim - sum(1 for d in dims if d < lay.dim)
     out = func(*args, **kwargs)
     return mode.tag(tuple(out) if isinstance(out, tuple) else out, Sharded(new, lay.segments, lay.source))
+
+
+def _reduce_across(mode: ShardMode, name, x: torch.Tensor, lay: Sharded, dims: list[int], args, kwargs):
+    """A sum or mean over the sharded dimension (OLMo2's RMSNorm over the whole query projection):
+    each rank's partial sum, summed over the tp group (an all-reduce), is the whole one, on every
+    rank. Its gradient needs no sum of its own: where the result meets a share again (``x *
+    rsqrt(var)``) its gradient is summed there (:meth:`Collectives.grad_sum`)."""
+    if name not in ("sum", "mean") or lay.sequence:
+        raise NoShardRule(name, "reduces over the sharded dimension")
+    if any(k not in ("dim", "keepdim") for k in kwargs) or len(args) > 3:
+        raise NoShardRule(name, "reduces over the sharded dimension with a dtype or an output")
+    keep = bool(_dim_arg(args, kwargs, 2, "keepdim", False))
+    partial = torch.sum(x, dims, keepdim=keep)
+    if name == "mean":
+        gshape = mode.global_shape(x)
+        partial = partial / math.prod(gshape[d] for d in dims)
+    mode.stat_reduces.append(partial.numel())
+    return mode.comm.reduce(partial)
 
 
 # -- shapes ---------------------------------------------------------------
@@ -514,22 +532,57 @@ def _matmul(mode: ShardMode, name, func, args, kwargs):
 
 
 def _sdpa(mode: ShardMode, name, func, args, kwargs):
-    q, k, v = args[0], args[1], args[2]
-    lays = [mode.layout(t) for t in (q, k, v)]
-    if any(lay is None or lay.dim != t.dim() - 3 for lay, t in zip(lays, (q, k, v))):
-        raise NoShardRule(name, "query, key and value are not all sharded on their head dimension")
+    """Attention on this rank's heads. A key or value left whole (its projection replicated: fewer
+    key/value heads than ranks) is cut to the heads this rank's queries read."""
+    q = args[0]
+    lq = mode.layout(q)
+    if lq is None or lq.dim != q.dim() - 3:
+        raise NoShardRule(name, "the query is not sharded on its head dimension")
+    gqa = bool(kwargs.get("enable_gqa", False))
+    kv = []
+    for t in args[1:3]:
+        lay = mode.layout(t)
+        if lay is None:
+            kv.append(_heads_for(mode, name, t, lq, gqa))
+        elif lay.dim != t.dim() - 3:
+            off = tuple(dict.fromkeys(mode.layout(u).source for u in args[1:3] if mode.layout(u) is not None))
+            raise NoShardRule(name, "query, key and value are not all sharded on their head dimension",
+                              replicate=off)
+        else:
+            kv.append(t)
+    args = (q, *kv, *args[3:])
     mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
     if isinstance(mask, torch.Tensor) and mode.layout(mask) is None:
         j = mask.dim() - 3
         if j >= 0 and mask.shape[j] != 1:
-            if mask.shape[j] != lays[0].size:  # type: ignore[union-attr]
+            if mask.shape[j] != lq.size:
                 raise NoShardRule(name, "a mask whose head dimension does not match the heads")
-            cut = _local_of(mode, mask, j, lays[0])  # type: ignore[arg-type]
+            cut = _local_of(mode, mask, j, lq)
             if len(args) > 3:
                 args = (*args[:3], cut, *args[4:])
             else:
                 kwargs = {**kwargs, "attn_mask": cut}
-    return mode.tag(func(*args, **kwargs), lays[0])  # type: ignore[arg-type]
+    return mode.tag(func(*args, **kwargs), lq)
+
+
+def _heads_for(mode: ShardMode, name: str, t: torch.Tensor, lq: Sharded, gqa: bool) -> torch.Tensor:
+    """The heads of a whole key or value that this rank's query heads attend with: the same heads
+    (one per query head), or under grouped-query attention the groups they belong to."""
+    j = t.dim() - 3
+    heads = t.shape[j]
+    if heads == lq.size:
+        return _local_of(mode, t, j, lq)
+    if not gqa or len(lq.segments) != 1 or lq.size % heads:
+        raise NoShardRule(name, f"a whole key or value of {heads} heads meets {lq.size} query heads")
+    group, local = lq.size // heads, lq.size // mode.tp
+    lo = mode.comm.rank * local
+    if local % group == 0:
+        idx = torch.arange(lo // group, (lo + local) // group)
+    elif group % local == 0:
+        idx = torch.tensor([lo // group])
+    else:
+        raise NoShardRule(name, f"{local} query heads a rank straddle the groups of {group} sharing a key head")
+    return t.index_select(j, idx.to(t.device))
 
 
 def _dropout(mode: ShardMode, name, func, args, kwargs):

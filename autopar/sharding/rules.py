@@ -216,6 +216,7 @@ class ShardMode(TorchFunctionMode):
         self._row_bias: dict[int, torch.Tensor | None] = {}
         self._transposed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight.T) -> (it, weight)
         self._pending_bias: dict[int, torch.Tensor] = {}  # id(module) -> its output awaiting ``+ bias``
+        self.stat_reduces: list[int] = []  # elements of each sum over the sharded dim (all-reduced)
         self.consumed: set[int] = set()  # id() of the projection modules whose weight the rules sharded
 
     def enter_sequence(self, x: torch.Tensor, dim: int, length: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from autopar.graph import Layer, TPStyle
 from autopar.sharding import check as shard_check
+from autopar.sharding.collectives import with_statistics, without_replicated
 from autopar.sharding.rules import projection_dims
 
 SHORT_SEQ = 16  # the sequence length a small layer is simulated at when the example's is longer
@@ -155,7 +156,8 @@ def verify_styles(model: nn.Module, args: tuple, kwargs: dict, layers: list[Laye
             result, copy, used = _check(model, model.get_submodule(path), style, path, rec, batch, seq_len)  # type: ignore[arg-type]
         sequence: dict[str, Any] = {}
         if result.ok and copy is not None:
-            cols = tuple(p[len(path) + 1:] for p in style.column)  # type: ignore[arg-type]
+            cols = tuple(c for c in (p[len(path) + 1:] for p in style.column)  # type: ignore[arg-type]
+                         if c not in result.replicated)
             rows = tuple(p[len(path) + 1:] for p in style.row)  # type: ignore[arg-type]
             sequence = _sequence_fields(model, model.get_submodule(path), copy, result, cols, rows, used, rec)  # type: ignore[arg-type]
         if sequence.get("sequence") and not all(layers[i].module_path in linked for i in members if i - 1 in members):
@@ -166,6 +168,9 @@ def verify_styles(model: nn.Module, args: tuple, kwargs: dict, layers: list[Laye
             style = next(s for s in layer.tp_styles if s.name == "megatron")
             others = tuple(s for s in layer.tp_styles if s.name != "megatron")
             if result.ok:
+                style = without_replicated(style, model.get_submodule(layer.module_path), layer.module_path,  # type: ignore[arg-type]
+                                           result.replicated, seq_len or 1)
+                style = with_statistics(style, result.statistics, seq_len or 1)
                 proved = dataclasses.replace(
                     style, divisors=tuple(sorted(set(style.divisors) | set(result.divisors))),
                     segments={f"{layer.module_path}.{c}": s for c, s in result.segments.items() if len(s) > 1},

@@ -150,3 +150,62 @@ def test_a_layer_with_projections_but_no_group_says_which() -> None:
     assert not layer.tp_styles
     assert layer.tp_refusal.startswith("tensor parallelism not offered: no column → row projection group covers "
                                        "blocks.0.a, blocks.0.b")
+
+
+# ------------------------------------------------------------------ pattern 1: fewer kv heads than tp
+
+
+def _llama(kv_heads: int) -> nn.Module:
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=64,
+                                   use_cache=False, tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def test_one_kv_head_replicates_the_kv_projections_and_prices_them_whole() -> None:
+    layer = _block(_llama(1), "model.layers.0")
+    style = layer.tp_style("megatron")
+    attn = "model.layers.0.self_attn"
+    assert f"{attn}.k_proj" not in style.column and f"{attn}.v_proj" not in style.column
+    assert f"{attn}.q_proj" in style.column and style.checked == (2, 4)
+    sharded = layer.tp_style("megatron").sharded_params
+    every = 32 * 32 * 2 + 32 * 64 * 3  # q, o and the MLP: the kv projections (2 × 32 × 8) stay whole
+    assert sharded == every
+    assert style.bwd_allreduce_count == 2 + 2  # the two row inputs' sums and the two kv gradients
+
+
+def test_as_many_kv_heads_as_tp_keeps_sharding_them() -> None:
+    style = _block(_llama(2), "model.layers.0").tp_style("megatron")
+    assert "model.layers.0.self_attn.k_proj" in style.column and style.checked == (2,)
+
+
+# ------------------------------------------------------------------ pattern 2: a norm over the whole q/k
+
+
+def test_olmo2_norm_over_the_whole_query_is_computed_with_its_statistics_all_reduced() -> None:
+    cfg = transformers.Olmo2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                                   use_cache=False, tie_word_embeddings=False)
+    layer = _block(transformers.Olmo2ForCausalLM(cfg), "model.layers.0")
+    style = layer.tp_style("megatron")
+    assert style.checked == (2, 4), layer.tp_refusal
+    # priced so: q_norm's and k_norm's statistics, one all-reduce each way beside the two pairs'
+    assert (style.fwd_allreduce_count, style.bwd_allreduce_count) == (2 + 2, 2 + 2)
+    assert style.fwd_allreduce_elems == 2 * 8 * 32 + 2 * 8  # two hidden states of 8 tokens, one value a token each
+
+
+class _VarOverHeads(nn.Module):
+    """A variance over the whole query width: not a plain sum, so not all-reduced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.o = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        q = self.q(x)
+        return self.o(q / (q.var(-1, keepdim=True) + 1).sqrt())
+
+
+def test_a_variance_over_the_sharded_dimension_is_still_refused() -> None:
+    result = _check(_VarOverHeads(), torch.randn(2, 6, 16), ["q"], ["o"])
+    assert not result.ok and result.reason.startswith("var: reduces over the sharded dimension")
