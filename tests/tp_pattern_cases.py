@@ -48,6 +48,10 @@ MODELS: dict[str, tuple[Callable[[], tuple[nn.Module, tuple]], str]] = {
                          kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
                          n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
                          max_position_embeddings=64), "model.layers.*"),
+    # pattern 4: ALiBi with a fused query_key_value laid out [heads, 3, head_dim]: each rank's rows are
+    # its heads' q, k, v; the scores' [batch × heads] dim holds every sample's share of the heads
+    "bloom_alibi": (_hf("BloomForCausalLM", "BloomConfig", **COMMON, hidden_size=32, n_layer=2, n_head=4,
+                        hidden_dropout=0.0, attention_dropout=0.0), "transformer.h.*"),
     # pattern 6: Falcon's parallel attention/MLP block, its linears written as x @ W.T + b
     "falcon_parallel": (_hf("FalconForCausalLM", "FalconConfig", **COMMON, hidden_size=32, num_hidden_layers=2,
                             num_attention_heads=4, multi_query=False, parallel_attn=True,

@@ -227,10 +227,13 @@ def view_layout(mode: ShardMode, in_shape: list[int], lay: Sharded, out_shape: l
     c_end = min(k for k in range(d + 1, len(in_shape) + 1) if pin[k] in outs)
     e = max(k for k in range(len(out_shape) + 1) if pout[k] == pin[c])
     e_end = min(k for k in range(len(out_shape) + 1) if pout[k] == pin[c_end])
-    if math.prod(in_shape[c:d]) != 1:
+    outer = math.prod(in_shape[c:d])
+    if outer != 1 and lay.sequence:  # sequence parallelism gathers and scatters one contiguous share
         raise NoShardRule(op, "merges the sharded dimension into an outer one (ranks would interleave)")
     inner = math.prod(in_shape[d + 1:c_end])
-    segments = tuple(s * inner for s in lay.segments)  # the merged group, still segment-contiguous
+    # the merged group, still segment-contiguous: merged into an outer dim (Bloom's [batch, heads]
+    # viewed as batch × heads) every outer index repeats the segments, each split across ranks
+    segments = tuple(s * inner for _ in range(outer) for s in lay.segments)
     group = out_shape[e:e_end]
     if not group:
         raise NoShardRule(op, "drops the sharded dimension")
@@ -531,6 +534,26 @@ def _matmul(mode: ShardMode, name, func, args, kwargs):
     return mode.tag(func(*args, **kwargs), out)
 
 
+def _baddbmm(mode: ShardMode, name, func, args, kwargs):
+    """``beta * input + alpha * (batch1 @ batch2)`` (Bloom's ALiBi scores): the product on shares of
+    the batch dim, a whole ``input`` cut to this rank's share of it."""
+    x = args[0]
+    b1 = args[1] if len(args) > 1 else kwargs["batch1"]
+    b2 = args[2] if len(args) > 2 else kwargs["batch2"]
+    lay = mode.layout(b1)
+    if lay is None or lay.dim != 0 or mode.layout(b2) != lay:
+        raise NoShardRule(name, "its batches are not both sharded alike on the batch dim")
+    lx = mode.layout(x)
+    if lx is None and x.dim() == 3 and x.shape[0] == lay.size:
+        x = _local_of(mode, x, 0, lay)
+    elif lx is None and x.dim() == 3 and x.shape[0] != 1:
+        raise NoShardRule(name, f"an input of batch {x.shape[0]} meets sharded batches of {lay.size}")
+    elif lx is not None and lx != lay:
+        raise NoShardRule(name, "its input is sharded unlike its batches")
+    rest = {k: v for k, v in kwargs.items() if k not in ("batch1", "batch2")}
+    return mode.tag(func(x, b1, b2, *args[3:], **rest), lay)
+
+
 def _sdpa(mode: ShardMode, name, func, args, kwargs):
     """Attention on this rank's heads. A key or value left whole (its projection replicated: fewer
     key/value heads than ranks) is cut to the heads this rank's queries read."""
@@ -629,7 +652,7 @@ RULES: dict[str, Callable] = {
     "repeat_interleave": _repeat_interleave,
     "new_empty": _new_tensor, "new_zeros": _new_tensor, "new_ones": _new_tensor, "new_full": _new_tensor,
     "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _cat,
-    "matmul": _matmul, "__matmul__": _matmul, "bmm": _matmul,
+    "matmul": _matmul, "__matmul__": _matmul, "bmm": _matmul, "baddbmm": _baddbmm,
     "scaled_dot_product_attention": _sdpa,
     "dropout": _dropout, "dropout_": _dropout, "feature_dropout": _dropout,
     **{name: _reduction for name in _REDUCTIONS},

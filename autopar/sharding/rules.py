@@ -329,6 +329,8 @@ class ShardMode(TorchFunctionMode):
         lay = self.layout(x)
         if proj.role != "column" or lay is None or not lay.sequence:
             return None
+        if len(lay.segments) != 1:
+            raise NoShardRule(proj.path, "sequence parallel: its input is not one contiguous share of the sequence")
         done = self._gathered.get(id(x))
         if done is None:
             with torch._C.DisableTorchFunction():  # the collective's own ops are not the layer's

@@ -209,3 +209,42 @@ class _VarOverHeads(nn.Module):
 def test_a_variance_over_the_sharded_dimension_is_still_refused() -> None:
     result = _check(_VarOverHeads(), torch.randn(2, 6, 16), ["q"], ["o"])
     assert not result.ok and result.reason.startswith("var: reduces over the sharded dimension")
+
+
+# ------------------------------------------------------------------ pattern 4: ALiBi, per-head fused qkv
+
+
+def test_bloom_per_head_fused_qkv_and_alibi_scores_are_proved() -> None:
+    cfg = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, use_cache=False,
+                                   tie_word_embeddings=False, hidden_dropout=0.0, attention_dropout=0.0)
+    layer = _block(transformers.BloomForCausalLM(cfg), "transformer.h.0")
+    style = layer.tp_style("megatron")
+    assert style.checked == (2, 4), layer.tp_refusal
+    assert not style.segments  # [heads, 3, head_dim]: a contiguous share is whole heads' q, k and v
+
+
+class _HeadsIntoBatch(nn.Module):
+    """[batch, heads] merged into one dim and scored with a whole per-(batch, head) bias, as Bloom does."""
+
+    def __init__(self, bias_rows: int) -> None:
+        super().__init__()
+        self.q, self.o = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.bias_rows = bias_rows
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, 4, 4).transpose(1, 2).reshape(b * 4, t, 4)
+        bias = torch.arange(self.bias_rows * t, dtype=x.dtype).view(self.bias_rows, 1, t) / 10
+        s = bias.baddbmm(q, q.transpose(1, 2)).softmax(-1)
+        y = torch.bmm(s, q).view(b, 4, t, 4).transpose(1, 2).reshape(b, t, 16)
+        return self.o(y)
+
+
+def test_merging_batch_and_heads_keeps_every_samples_share() -> None:
+    result = _check(_HeadsIntoBatch(2 * 4), torch.randn(2, 6, 16), ["q"], ["o"])
+    assert result.ok and result.error < 1e-12, result.reason
+
+
+def test_a_bias_shared_by_every_batch_and_head_needs_no_cut() -> None:
+    result = _check(_HeadsIntoBatch(1), torch.randn(2, 6, 16), ["q"], ["o"])
+    assert result.ok and result.error < 1e-12, result.reason
