@@ -569,6 +569,10 @@ def _sdpa(mode: ShardMode, name, func, args, kwargs):
             kv.append(_heads_for(mode, name, t, lq, gqa))
         elif lay.dim != t.dim() - 3:
             off = tuple(dict.fromkeys(mode.layout(u).source for u in args[1:3] if mode.layout(u) is not None))
+            if lq.source in off:  # GPTBigCode's multi-query c_attn: q for every head, one k/v head
+                raise NoShardRule(name, f"key and value come from the query's fused projection {lq.source} "
+                                  "with fewer heads than the tp degree; running only part of one projection "
+                                  "whole on every rank is not supported")
             raise NoShardRule(name, "query, key and value are not all sharded on their head dimension",
                               replicate=off)
         else:

@@ -248,3 +248,20 @@ def test_merging_batch_and_heads_keeps_every_samples_share() -> None:
 def test_a_bias_shared_by_every_batch_and_head_needs_no_cut() -> None:
     result = _check(_HeadsIntoBatch(1), torch.randn(2, 6, 16), ["q"], ["o"])
     assert result.ok and result.error < 1e-12, result.reason
+
+
+# ------------------------------------------------------------------ pattern 5: multi-query fused in one c_attn
+
+
+def test_gptbigcode_multi_query_fused_c_attn_is_refused_naming_the_projection() -> None:
+    """q for every head and one shared k/v head in a single projection: the answer would be to run the
+    k/v part whole and shard the q part, which one projection's weight cannot hold as a DTensor shard."""
+    cfg = transformers.GPTBigCodeConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                        multi_query=True, use_cache=False, tie_word_embeddings=False,
+                                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    layer = _block(transformers.GPTBigCodeForCausalLM(cfg), "transformer.h.0")
+    assert "megatron" not in [s.name for s in layer.tp_styles]
+    assert layer.tp_refusal == (
+        "tensor parallelism withdrawn: scaled_dot_product_attention: key and value come from the query's fused "
+        "projection attn.c_attn with fewer heads than the tp degree; running only part of one projection whole "
+        "on every rank is not supported")
