@@ -37,6 +37,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from autopar.sharding.layout import with_cuts
 from autopar.sharding.rules import OP_ATTR, NoShardRule, Projection, Reducer, ShardMode, SimulatedRank, current_mode
 
 MAX_CHECK_PARAMS = 32_000_000  # a layer copy above this is rebuilt narrower from the model's config
@@ -452,32 +453,6 @@ def simulate(layer: nn.Module, inputs: tuple, pair_columns: tuple[str, ...], pai
     return worst, divisors
 
 
-def _merge(segments: tuple[int, ...], cuts: tuple[int, ...]) -> tuple[int, ...]:
-    """Segments whose boundaries are both ``segments``' and the requested pieces'."""
-    bounds, acc = set(), 0
-    for s in segments:
-        acc += s
-        bounds.add(acc)
-    acc = 0
-    for s in cuts:
-        acc += s
-        bounds.add(acc)
-    out, prev = [], 0
-    for b in sorted(bounds):
-        out.append(b - prev)
-        prev = b
-    return tuple(out)
-
-
-def _in_units(cuts: tuple[int, ...], width: int) -> tuple[int, ...]:
-    """Cuts asked for on a dimension a view made of the projection's output (heads of ``head_dim``
-    features) scaled to the projection's own features."""
-    total = sum(cuts)
-    if total and total != width and width % total == 0:
-        return tuple(c * (width // total) for c in cuts)
-    return cuts
-
-
 def check_style(layer: nn.Module, inputs: tuple, columns: tuple[str, ...], rows: tuple[str, ...],
                 widths: dict[str, int], degrees: Callable[[tuple[int, ...]], list[int]],
                 seed: int = 0) -> CheckResult:
@@ -522,7 +497,7 @@ def _check_style(layer: nn.Module, inputs: tuple, columns: tuple[str, ...], rows
                 continue
             if exc.hint is not None and exc.hint[0] in segments and retries < MAX_RETRIES:
                 retries += 1
-                merged = _merge(segments[exc.hint[0]], _in_units(exc.hint[1], sum(segments[exc.hint[0]])))
+                merged = with_cuts(segments[exc.hint[0]], exc.hint[1])
                 if merged != segments[exc.hint[0]]:
                     segments[exc.hint[0]] = merged
                     todo.insert(0, tp)

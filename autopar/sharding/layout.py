@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -70,4 +71,33 @@ def segment_permutation(segments: Sequence[int], tp: int) -> torch.Tensor:
     return torch.cat([segment_indices(segments, tp, r) for r in range(tp)])
 
 
-__all__ = ["SEQUENCE", "TAG", "NoShardRule", "Sharded", "segment_indices", "segment_permutation"]
+def local_of(mode: Any, t: torch.Tensor, dim: int, lay: Sharded) -> torch.Tensor:
+    """This rank's share of a replicated tensor that is full size along a sharded dimension."""
+    idx = segment_indices(lay.segments, mode.tp, mode.comm.rank).to(t.device)
+    return t.index_select(dim, idx)
+
+
+def with_cuts(segments: tuple[int, ...], cuts: tuple[int, ...]) -> tuple[int, ...]:
+    """Segments whose boundaries are both ``segments``' and those of the pieces ``cuts`` an op asked
+    for; cuts made on a view of the projection's output (heads of ``head_dim`` features) are first
+    scaled to the projection's own features."""
+    width, total = sum(segments), sum(cuts)
+    if total and total != width and width % total == 0:
+        cuts = tuple(c * (width // total) for c in cuts)
+    bounds, acc = set(), 0
+    for s in segments:
+        acc += s
+        bounds.add(acc)
+    acc = 0
+    for s in cuts:
+        acc += s
+        bounds.add(acc)
+    out, prev = [], 0
+    for b in sorted(bounds):
+        out.append(b - prev)
+        prev = b
+    return tuple(out)
+
+
+__all__ = ["SEQUENCE", "TAG", "NoShardRule", "Sharded", "local_of", "segment_indices", "segment_permutation",
+           "with_cuts"]

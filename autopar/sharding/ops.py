@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from autopar.sharding.layout import TAG, NoShardRule, Sharded, segment_indices
+from autopar.sharding.attention_ops import baddbmm, matmul, sdpa
+from autopar.sharding.layout import TAG, NoShardRule, Sharded, local_of
 
 ShardMode = Any  # autopar.sharding.rules.ShardMode (which imports this module)
 
@@ -81,12 +82,6 @@ def _broadcast_shape(shapes: list[list[int]]) -> list[int]:
     return out
 
 
-def _local_of(mode: ShardMode, t: torch.Tensor, dim: int, lay: Sharded) -> torch.Tensor:
-    """This rank's share of a replicated tensor that is full size along a sharded dimension."""
-    idx = segment_indices(lay.segments, mode.tp, mode.comm.rank).to(t.device)
-    return t.index_select(dim, idx)
-
-
 def elementwise(mode: ShardMode, name, func, args, kwargs):
     """Broadcasting ops: every sharded input must meet on the same output dim and layout;
     replicated inputs that are full size there are cut to this rank's share."""
@@ -112,7 +107,7 @@ def elementwise(mode: ShardMode, name, func, args, kwargs):
         if j < 0 or a.shape[j] == 1:
             return a
         if a.shape[j] == where.size:
-            return _local_of(mode, a, j, where)
+            return local_of(mode, a, j, where)
         raise NoShardRule(name, f"a replicated input of size {a.shape[j]} meets a sharded dim of {where.size}")
 
     out = func(*[fix(a) for a in args], **{k: fix(v) for k, v in kwargs.items()})
@@ -502,116 +497,6 @@ def _cat(mode: ShardMode, name, func, args, kwargs):
     return mode.tag(func(*args, **kwargs), lays[0])
 
 
-def _matmul(mode: ShardMode, name, func, args, kwargs):
-    a, b = args[0], args[1]
-    la, lb = mode.layout(a), mode.layout(b)
-    if a.dim() < 2 or b.dim() < 2:
-        raise NoShardRule(name, "a vector operand with a sharded activation")
-    n = max(a.dim(), b.dim())
-    out: Sharded | None = None
-    if la is not None:
-        pa = la.dim + n - a.dim()
-        if la.dim == a.dim() - 1:
-            raise NoShardRule(name, "contracts over the sharded dimension outside a row projection")
-        out = Sharded(pa, la.segments, la.source)
-    if lb is not None:
-        pb = lb.dim + n - b.dim()
-        if lb.dim == b.dim() - 2:
-            raise NoShardRule(name, "contracts over the sharded dimension outside a row projection")
-        if out is not None and (out.dim, out.segments) != (pb, lb.segments):
-            raise NoShardRule(name, "its operands are sharded on different dims")
-        out = Sharded(pb, lb.segments, lb.source)
-    assert out is not None
-    if out.dim >= n - 2:  # the m (of a) or n (of b) dim: the other operand must not be sharded there
-        if la is not None and lb is not None:
-            raise NoShardRule(name, "both operands sharded on their free dims")
-    else:  # a batch dim: an unsharded operand must broadcast over it
-        for t, lay in ((a, la), (b, lb)):
-            if lay is None:
-                j = out.dim - (n - t.dim())
-                if j >= 0 and t.shape[j] != 1:
-                    raise NoShardRule(name, "a replicated operand is full size on a sharded batch dim")
-    return mode.tag(func(*args, **kwargs), out)
-
-
-def _baddbmm(mode: ShardMode, name, func, args, kwargs):
-    """``beta * input + alpha * (batch1 @ batch2)`` (Bloom's ALiBi scores): the product on shares of
-    the batch dim, a whole ``input`` cut to this rank's share of it."""
-    x = args[0]
-    b1 = args[1] if len(args) > 1 else kwargs["batch1"]
-    b2 = args[2] if len(args) > 2 else kwargs["batch2"]
-    lay = mode.layout(b1)
-    if lay is None or lay.dim != 0 or mode.layout(b2) != lay:
-        raise NoShardRule(name, "its batches are not both sharded alike on the batch dim")
-    lx = mode.layout(x)
-    if lx is None and x.dim() == 3 and x.shape[0] == lay.size:
-        x = _local_of(mode, x, 0, lay)
-    elif lx is None and x.dim() == 3 and x.shape[0] != 1:
-        raise NoShardRule(name, f"an input of batch {x.shape[0]} meets sharded batches of {lay.size}")
-    elif lx is not None and lx != lay:
-        raise NoShardRule(name, "its input is sharded unlike its batches")
-    rest = {k: v for k, v in kwargs.items() if k not in ("batch1", "batch2")}
-    return mode.tag(func(x, b1, b2, *args[3:], **rest), lay)
-
-
-def _sdpa(mode: ShardMode, name, func, args, kwargs):
-    """Attention on this rank's heads. A key or value left whole (its projection replicated: fewer
-    key/value heads than ranks) is cut to the heads this rank's queries read."""
-    q = args[0]
-    lq = mode.layout(q)
-    if lq is None or lq.dim != q.dim() - 3:
-        raise NoShardRule(name, "the query is not sharded on its head dimension")
-    gqa = bool(kwargs.get("enable_gqa", False))
-    kv = []
-    for t in args[1:3]:
-        lay = mode.layout(t)
-        if lay is None:
-            kv.append(_heads_for(mode, name, t, lq, gqa))
-        elif lay.dim != t.dim() - 3:
-            off = tuple(dict.fromkeys(mode.layout(u).source for u in args[1:3] if mode.layout(u) is not None))
-            if lq.source in off:  # GPTBigCode's multi-query c_attn: q for every head, one k/v head
-                raise NoShardRule(name, f"key and value come from the query's fused projection {lq.source} "
-                                  "with fewer heads than the tp degree; running only part of one projection "
-                                  "whole on every rank is not supported")
-            raise NoShardRule(name, "query, key and value are not all sharded on their head dimension",
-                              replicate=off)
-        else:
-            kv.append(t)
-    args = (q, *kv, *args[3:])
-    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-    if isinstance(mask, torch.Tensor) and mode.layout(mask) is None:
-        j = mask.dim() - 3
-        if j >= 0 and mask.shape[j] != 1:
-            if mask.shape[j] != lq.size:
-                raise NoShardRule(name, "a mask whose head dimension does not match the heads")
-            cut = _local_of(mode, mask, j, lq)
-            if len(args) > 3:
-                args = (*args[:3], cut, *args[4:])
-            else:
-                kwargs = {**kwargs, "attn_mask": cut}
-    return mode.tag(func(*args, **kwargs), lq)
-
-
-def _heads_for(mode: ShardMode, name: str, t: torch.Tensor, lq: Sharded, gqa: bool) -> torch.Tensor:
-    """The heads of a whole key or value that this rank's query heads attend with: the same heads
-    (one per query head), or under grouped-query attention the groups they belong to."""
-    j = t.dim() - 3
-    heads = t.shape[j]
-    if heads == lq.size:
-        return _local_of(mode, t, j, lq)
-    if not gqa or len(lq.segments) != 1 or lq.size % heads:
-        raise NoShardRule(name, f"a whole key or value of {heads} heads meets {lq.size} query heads")
-    group, local = lq.size // heads, lq.size // mode.tp
-    lo = mode.comm.rank * local
-    if local % group == 0:
-        idx = torch.arange(lo // group, (lo + local) // group)
-    elif group % local == 0:
-        idx = torch.tensor([lo // group])
-    else:
-        raise NoShardRule(name, f"{local} query heads a rank straddle the groups of {group} sharing a key head")
-    return t.index_select(j, idx.to(t.device))
-
-
 def _dropout(mode: ShardMode, name, func, args, kwargs):
     """Dropout on a share draws the mask the whole tensor would get (every rank of a tp group
     draws from the same generator state) and keeps this rank's share of it: the ranks' masks
@@ -627,7 +512,7 @@ def _dropout(mode: ShardMode, name, func, args, kwargs):
     full = torch.empty(mode.global_shape(x), dtype=x.dtype, device=x.device)
     keep = full.bernoulli_(1.0 - p) if p < 1.0 else full.zero_()
     scale = 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
-    return mode.tag(x * _local_of(mode, keep, lay.dim, lay) * scale, lay)
+    return mode.tag(x * local_of(mode, keep, lay.dim, lay) * scale, lay)
 
 
 ELEMENTWISE = frozenset("""
@@ -656,8 +541,8 @@ RULES: dict[str, Callable] = {
     "repeat_interleave": _repeat_interleave,
     "new_empty": _new_tensor, "new_zeros": _new_tensor, "new_ones": _new_tensor, "new_full": _new_tensor,
     "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _cat,
-    "matmul": _matmul, "__matmul__": _matmul, "bmm": _matmul, "baddbmm": _baddbmm,
-    "scaled_dot_product_attention": _sdpa,
+    "matmul": matmul, "__matmul__": matmul, "bmm": matmul, "baddbmm": baddbmm,
+    "scaled_dot_product_attention": sdpa,
     "dropout": _dropout, "dropout_": _dropout, "feature_dropout": _dropout,
     **{name: _reduction for name in _REDUCTIONS},
 }
