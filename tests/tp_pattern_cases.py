@@ -54,7 +54,7 @@ MODELS: dict[str, tuple[Callable[[], tuple[nn.Module, tuple]], str]] = {
                         hidden_dropout=0.0, attention_dropout=0.0), "transformer.h.*"),
     # pattern 6: Falcon's parallel attention/MLP block, its linears written as x @ W.T + b
     "falcon_parallel": (_hf("FalconForCausalLM", "FalconConfig", **COMMON, hidden_size=32, num_hidden_layers=2,
-                            num_attention_heads=4, multi_query=False, parallel_attn=True,
+                            num_attention_heads=4, multi_query=False, parallel_attn=True, bias=True,
                             new_decoder_architecture=False, alibi=False, hidden_dropout=0.0,
                             attention_dropout=0.0), "transformer.h.*"),
 }
@@ -63,4 +63,7 @@ SPECS: dict[str, Spec] = {
     name: Spec(build, PP1 + ("dp=1", "tp=2", "zero=0", f"{blocks}:tp=megatron"), 4)
     for name, (build, blocks) in MODELS.items()
 }
+# sequence parallelism where the simulation offers it: the norm's statistics all-reduced on head shares
+SPECS["olmo2_qk_norm/sp"] = Spec(MODELS["olmo2_qk_norm"][0], PP1 + (
+    "dp=1", "tp=2", "zero=0", "model.layers.*:tp=megatron", "model.layers.*:sp=on"), 4)
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}

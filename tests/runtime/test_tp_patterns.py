@@ -20,4 +20,5 @@ def test_two_tp_ranks_match_one_device(w2: dict, case: str) -> None:
     check_equivalent(w2[case])
     for r in every_rank(w2[case]):
         assert r["mesh"] == [1, 1, 2] and r["local_bytes_frac"] < 0.9  # the blocks hold shares
-        assert all(tp == "megatron" for name, tp, *_ in r["layers"] if ".layers." in name or ".h." in name)
+        blocks = [layer for layer in r["layers"] if ".layers." in layer[0] or ".h." in layer[0]]
+        assert blocks and all(tp == "megatron" and sp == case.endswith("/sp") for _, tp, _, _, sp in blocks)
