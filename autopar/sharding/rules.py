@@ -459,6 +459,8 @@ def _touches(args, kwargs, tensors: tuple) -> bool:
             return any(hit(t) for t in a)
         return isinstance(a, torch.Tensor) and id(a) in ids
     return any(hit(a) for a in args) or any(hit(v) for v in kwargs.values())
+
+
 _DROPOUTS = frozenset({"dropout", "dropout_", "feature_dropout", "alpha_dropout", "scaled_dot_product_attention"})
 
 
