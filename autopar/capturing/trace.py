@@ -29,7 +29,7 @@ from autopar.capturing.export_layers import export_with_layer_calls
 from autopar.capturing.op_costs import OpRecorder, is_causal, layer_ops, selective_costs
 from autopar.errors import CaptureError
 from autopar.graph import Layer, LayerGraph
-from autopar.sharding.detect import LayerView, NodeStats, detect_tp_styles
+from autopar.sharding.detect import LayerView, NodeStats, detect_tp_styles, megatron_refusal
 from autopar.sharding.verify import verify_styles
 
 _SKIP_TARGETS = ("_guards_fn",)
@@ -532,6 +532,7 @@ def capture(
                 glue_saved_bytes_per_sample=sum(b for x in nodes if key not in stats[x].paths
                                                 for b, _ in stats[x].saved) / batch if key else 0.0,
                 cut_blocked_by=blocked.get(i, ""),
+                tp_refusal="" if any(s.name == "megatron" for s in styles) else megatron_refusal(view),
                 **sac.layer_fields(),
                 tied_params=tuple(tied.get(i, ())),
                 tied_param_count=sum(params[p].numel() for p in tied.get(i, ())),

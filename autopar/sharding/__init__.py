@@ -14,7 +14,7 @@ Modules, in the order data flows through them:
     :class:`~autopar.sharding.layout.Sharded` (which dimension of an
     activation holds a share, cut into which segments) and
     :class:`~autopar.sharding.layout.NoShardRule`;
-``ops``
+``ops`` (and ``attention_ops``)
     the rules, op by op (:data:`~autopar.sharding.ops.RULES`,
     :data:`~autopar.sharding.ops.ELEMENTWISE`);
 ``rules``

@@ -37,7 +37,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from autopar.sharding.rules import NoShardRule, Projection, Reducer, ShardMode, SimulatedRank, current_mode
+from autopar.sharding.layout import with_cuts
+from autopar.sharding.rules import OP_ATTR, NoShardRule, Projection, Reducer, ShardMode, SimulatedRank, current_mode
 
 MAX_CHECK_PARAMS = 32_000_000  # a layer copy above this is rebuilt narrower from the model's config
 # An exact rewrite differs from one device by rounding only: float64 runs agree to ~1e-15, and
@@ -68,6 +69,8 @@ class CheckResult:
     error: float = 0.0
     reason: str = ""
     copy_segments: dict[str, tuple[int, ...]] | None = None  # ``segments`` at a narrower copy's sizes
+    replicated: tuple[str, ...] = ()  # columns proved run whole on every rank (too few key/value heads)
+    statistics: int = 0  # sums over a sharded dimension, all-reduced, per call of the layer
 
 
 # ------------------------------------------------------------------ hooks shared with the runtime
@@ -99,7 +102,14 @@ def install_projection_hooks(layer: nn.Module, columns: Iterable[str], rows: Ite
                 mode = current_mode()
                 if mode is not None and mode.projections:
                     mode.projections.pop()
-                return mode.scatter_output(proj, output) if mode is not None else None
+                if mode is None:
+                    return None
+                if id(module) not in mode.consumed and output is not None:
+                    # what the simulation proves is what the mesh runs: a projection whose weight
+                    # never went through the rules would run whole here and as a shard there
+                    raise NoShardRule(proj.path, "its forward never passed its weight to a projection "
+                                      "form the rules shard (F.linear, addmm, x @ weight.T + bias)")
+                return mode.scatter_output(proj, output)
             handles.append(mod.register_forward_pre_hook(pre))
             handles.append(mod.register_forward_hook(post, always_call=True))
     return handles
@@ -329,11 +339,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
 
 @dataclass
 class SequenceStats:
-    """What a sequence-parallel run of a layer did: the column projections each all-gather fed,
-    and the elements of each replicated tensor whose gradient is summed over the tp group."""
+    """What a simulated run of a layer did: under sequence parallelism, the column projections each
+    all-gather fed, and the elements of each replicated tensor whose gradient is summed over the tp
+    group; always, how many statistics it all-reduced."""
 
     gathers: tuple[tuple[str, ...], ...] = ()
     grad_sums: tuple[int, ...] = ()
+    statistics: int = 0  # sums over a sharded dimension, all-reduced (a norm over the whole query)
 
 
 def hidden_input(args: tuple, kwargs: dict) -> tuple[int | str, torch.Tensor] | None:
@@ -404,6 +416,7 @@ def simulate(layer: nn.Module, inputs: tuple, pair_columns: tuple[str, ...], pai
             if r == 0 and stats is not None:
                 stats.gathers = tuple(tuple(g) for g in mode.gathers)
                 stats.grad_sums = tuple(mode.grad_sums)
+                stats.statistics = len(mode.stat_reduces)
         except BaseException as exc:  # noqa: BLE001 - carried to the caller's thread
             failure.append(exc)
             reducer.abort()
@@ -440,23 +453,6 @@ def simulate(layer: nn.Module, inputs: tuple, pair_columns: tuple[str, ...], pai
     return worst, divisors
 
 
-def _merge(segments: tuple[int, ...], cuts: tuple[int, ...]) -> tuple[int, ...]:
-    """Segments whose boundaries are both ``segments``' and the requested pieces'."""
-    bounds, acc = set(), 0
-    for s in segments:
-        acc += s
-        bounds.add(acc)
-    acc = 0
-    for s in cuts:
-        acc += s
-        bounds.add(acc)
-    out, prev = [], 0
-    for b in sorted(bounds):
-        out.append(b - prev)
-        prev = b
-    return tuple(out)
-
-
 def check_style(layer: nn.Module, inputs: tuple, columns: tuple[str, ...], rows: tuple[str, ...],
                 widths: dict[str, int], degrees: Callable[[tuple[int, ...]], list[int]],
                 seed: int = 0) -> CheckResult:
@@ -483,14 +479,25 @@ def _check_style(layer: nn.Module, inputs: tuple, columns: tuple[str, ...], rows
     worst = 0.0
     todo = [2]
     retries = 0
+    statistics = 0
+    replicated: set[str] = set()  # columns run whole on every rank (key/value heads fewer than tp)
     while todo:
         tp = todo.pop(0)
+        active = tuple(c for c in columns if c not in replicated)
+        stats = SequenceStats()
         try:
-            err, divs = simulate(layer, _fresh(inputs), columns, rows, segments, tp, gen)
+            err, divs = simulate(layer, _fresh(inputs), active, rows,
+                                 {c: s for c, s in segments.items() if c not in replicated}, tp, gen, stats=stats)
         except NoShardRule as exc:
+            fresh = [c for c in exc.replicate if c in segments and c not in replicated]
+            if fresh and not tried and retries < MAX_RETRIES:
+                retries += 1
+                replicated.update(fresh)
+                todo.insert(0, tp)
+                continue
             if exc.hint is not None and exc.hint[0] in segments and retries < MAX_RETRIES:
                 retries += 1
-                merged = _merge(segments[exc.hint[0]], exc.hint[1])
+                merged = with_cuts(segments[exc.hint[0]], exc.hint[1])
                 if merged != segments[exc.hint[0]]:
                     segments[exc.hint[0]] = merged
                     todo.insert(0, tp)
@@ -501,19 +508,22 @@ def _check_style(layer: nn.Module, inputs: tuple, columns: tuple[str, ...], rows
                 continue
             return CheckResult(False, segments, reason=first_failure or str(exc))
         except Exception as exc:  # noqa: BLE001 - the layer's own code failed on shards
-            return CheckResult(False, segments, reason=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-                               if str(exc) else type(exc).__name__)
+            return CheckResult(False, segments, reason=failed_op(exc))
         if err > TOLERANCE:
             return CheckResult(False, segments, error=err,
                                reason=f"simulated tp={tp} differs from one device by {err:.2e} (relative)")
         worst = max(worst, err)
         divisors.update(divs)
-        for s in segments.values():
-            divisors.update(s)
+        for c, s in segments.items():
+            if c not in replicated:
+                divisors.update(s)
         tried.append(tp)
         if len(tried) == 1:
+            statistics = stats.statistics
             todo = [d for d in degrees(tuple(sorted(divisors))) if d not in tried]
-    return CheckResult(True, segments, tuple(sorted(divisors)), tuple(tried), worst)
+    return CheckResult(True, {c: s for c, s in segments.items() if c not in replicated}, tuple(sorted(divisors)),
+                       tuple(tried), worst, replicated=tuple(c for c in columns if c in replicated),
+                       statistics=statistics)
 
 
 def check_sequence(layer: nn.Module, recorded: tuple, columns: tuple[str, ...], rows: tuple[str, ...],
@@ -543,13 +553,21 @@ def check_sequence(layer: nn.Module, recorded: tuple, columns: tuple[str, ...], 
             except NoShardRule as exc:
                 return tuple(proved), stats, str(exc)
             except Exception as exc:  # noqa: BLE001 - the layer's own code failed on shares of the sequence
-                return tuple(proved), stats, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+                return tuple(proved), stats, failed_op(exc)
             if err > TOLERANCE:
                 return tuple(proved), stats, f"simulated tp={tp} differs from one device by {err:.2e} (relative)"
             proved.append(tp)
         return tuple(proved), stats, ""
     finally:
         torch.set_num_threads(threads)
+
+
+def failed_op(exc: BaseException) -> str:
+    """A refusal's reason for an error the layer's own code raised: the op it raised in, then the
+    error (a refusal never goes without the op named)."""
+    what = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}" if str(exc) else type(exc).__name__
+    op = getattr(exc, OP_ATTR, None)
+    return f"{op}: {what}" if op else what
 
 
 FIRST_DEGREES = (2, 3, 5, 7)  # the degree the search starts at, until one divides the layer's sizes

@@ -174,6 +174,64 @@ def _try_pair(view: LayerView, p_path: str, linears: list[str]) -> _Pair | None:
     )
 
 
+def _try_low_rank(view: LayerView, p_path: str, linears: list[str]) -> _Pair | None:
+    """Multi-head latent attention (DeepSeek-V2/V3): low-rank *down*-projections (``q_a_proj``,
+    ``kv_a_proj_with_mqa``) feed *up*-projections through norms, and the row reads the heads the
+    up-projections made. Megatron-Core shards MLA by heads after the up-projections: those are the
+    columns, the down-projections (and their norms, and the shared rotary key) run whole on every
+    rank. A linear is a down-projection when another non-row linear reads its output; the rest are
+    the columns. The simulation decides whether the code between them runs exactly on shards."""
+    row = linears[-1]
+    p_nodes = [n for n in view.nodes if _inside(view.stats[n], p_path)]
+    in_mod = {lp: [n for n in p_nodes if _inside(view.stats[n], lp)] for lp in linears}
+    if any(not v for v in in_mod.values()):
+        return None
+    lin_nodes = {n for lp in linears for n in in_mod[lp]}
+    outs = {in_mod[lp][-1]: lp for lp in linears[:-1]}
+    down: set[str] = set()
+    for lp in linears[:-1]:
+        todo, seen = list(_external_inputs(in_mod[lp], set(in_mod[lp]), view)), set()
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n in outs:
+                down.add(outs[n])
+            elif n in p_nodes and n not in lin_nodes:
+                todo.extend(n.all_input_nodes)
+    cols = [lp for lp in linears[:-1] if lp not in down]
+    if not down or not cols:
+        return None
+    dims = {lp: linear_dims(view.model.get_submodule(lp)) for lp in linears}
+    col_nodes = {n for c in cols for n in in_mod[c]}
+    row_start = p_nodes.index(in_mod[row][0])
+    if any(p_nodes.index(in_mod[c][-1]) > row_start for c in cols):
+        return None
+    reach = set(col_nodes)  # what depends on a column's output: the sharded part of the layer
+    for n in p_nodes[:row_start]:
+        if n not in reach and any(a in reach for a in n.all_input_nodes):
+            reach.add(n)
+    if any(n in reach for d in down for n in in_mod[d]):
+        return None  # a down-projection reads the heads: not this pattern
+    row_in = _external_inputs(in_mod[row], set(in_mod[row]), view)
+    if not row_in or not row_in <= reach:
+        return None
+    sharded = reach
+    act = sum(b for n in sharded | set(in_mod[row]) for b, prod in view.stats[n].saved if prod in sharded)
+    mods = {lp: view.model.get_submodule(lp) for lp in cols + [row]}
+    return _Pair(
+        path=p_path,
+        columns=cols,
+        row=row,
+        divisors=[dims[c][1] for c in cols],  # type: ignore[index]
+        params=sum(_numel(mods[c]) for c in cols) + _numel(mods[row], skip_bias=True),
+        flops=sum(view.stats[n].flops for n in sharded | set(in_mod[row])),
+        act_elems=act / view.dtype_bytes,
+        allreduce_elems=float(view.stats[in_mod[row][-1]].out_numel),
+    )
+
+
 def _executed_linears(view: LayerView) -> list[str]:
     """Linear-like module paths of the layer, in order of first execution."""
     seen: list[str] = []
@@ -192,9 +250,21 @@ def _executed_linears(view: LayerView) -> list[str]:
 
 def _megatron(view: LayerView) -> TPStyle | None:
     """Find minimal submodules P (deepest first) whose linears form a column→row group."""
+    found, _ = _megatron_or_why(view)
+    return found
+
+
+def megatron_refusal(view: LayerView) -> str:
+    """Why a layer with projections has no Megatron candidate (empty when it has one, or has fewer
+    than two projections): the projections no column → row group covers, named."""
+    found, why = _megatron_or_why(view)
+    return "" if found is not None else why
+
+
+def _megatron_or_why(view: LayerView) -> tuple[TPStyle | None, str]:
     linears = _executed_linears(view)
     if len(linears) < 2 or view.path is None:
-        return None
+        return None, ""
     candidates = {lp.rsplit(".", 1)[0] if "." in lp else "" for lp in linears}
     for lp in linears:  # every ancestor inside the layer is a candidate too
         parts = lp.split(".")
@@ -209,12 +279,15 @@ def _megatron(view: LayerView) -> TPStyle | None:
         mine = [lp for lp in linears if lp.startswith(p_path + ".") and lp not in used]
         if len(mine) < 2:
             continue
-        pair = _try_pair(view, p_path, mine)
+        pair = _try_pair(view, p_path, mine) or _try_low_rank(view, p_path, mine)
         if pair is not None:
             pairs.append(pair)
-            used.update(mine)
+            used.update(mine)  # a low-rank pair's down-projections run whole, unsharded
     if not pairs or len(used) != len(linears):
-        return None
+        left = [lp for lp in linears if lp not in used]
+        return None, ("tensor parallelism not offered: no column → row projection group covers "
+                      f"{', '.join(left[:4])}{' …' if len(left) > 4 else ''} (a group is column projections "
+                      "reading one replicated input, then a row projection mapping their result back to it)")
     pairs.sort(key=lambda p: linears.index(p.columns[0]))
     b = view.batch
     elems = sum(p.allreduce_elems for p in pairs) / b
@@ -230,7 +303,7 @@ def _megatron(view: LayerView) -> TPStyle | None:
         fwd_allreduce_count=len(pairs),
         bwd_allreduce_elems=elems,
         bwd_allreduce_count=len(pairs),
-    )
+    ), ""
 
 
 def _vocab_embedding(view: LayerView) -> TPStyle | None:
@@ -310,4 +383,4 @@ def detect_tp_styles(view: LayerView) -> tuple[TPStyle, ...]:
     return tuple(styles)
 
 
-__all__ = ["NodeStats", "LayerView", "detect_tp_styles", "linear_dims"]
+__all__ = ["NodeStats", "LayerView", "detect_tp_styles", "linear_dims", "megatron_refusal"]

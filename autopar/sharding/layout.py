@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -16,14 +17,19 @@ class NoShardRule(Exception):  # noqa: N818 - a reason, raised and caught inside
 
     ``hint`` carries split points the op asked for along a sharded dimension,
     in global coordinates (a fused projection's segment boundaries), so the
-    checker can retry with those segments.
+    checker can retry with those segments; ``replicate`` names column
+    projections the checker may retry unsharded (key/value projections with
+    fewer heads than the tp degree, run whole on every rank as Megatron-Core
+    and vLLM do).
     """
 
-    def __init__(self, op: str, why: str, hint: tuple[str, tuple[int, ...]] | None = None):
+    def __init__(self, op: str, why: str, hint: tuple[str, tuple[int, ...]] | None = None,
+                 replicate: tuple[str, ...] = ()):
         super().__init__(f"{op}: {why}")
         self.op = op
         self.why = why
         self.hint = hint
+        self.replicate = replicate  # column projections that could run whole instead (too few kv heads)
 
 
 @dataclass(frozen=True)
@@ -65,4 +71,33 @@ def segment_permutation(segments: Sequence[int], tp: int) -> torch.Tensor:
     return torch.cat([segment_indices(segments, tp, r) for r in range(tp)])
 
 
-__all__ = ["SEQUENCE", "TAG", "NoShardRule", "Sharded", "segment_indices", "segment_permutation"]
+def local_of(mode: Any, t: torch.Tensor, dim: int, lay: Sharded) -> torch.Tensor:
+    """This rank's share of a replicated tensor that is full size along a sharded dimension."""
+    idx = segment_indices(lay.segments, mode.tp, mode.comm.rank).to(t.device)
+    return t.index_select(dim, idx)
+
+
+def with_cuts(segments: tuple[int, ...], cuts: tuple[int, ...]) -> tuple[int, ...]:
+    """Segments whose boundaries are both ``segments``' and those of the pieces ``cuts`` an op asked
+    for; cuts made on a view of the projection's output (heads of ``head_dim`` features) are first
+    scaled to the projection's own features."""
+    width, total = sum(segments), sum(cuts)
+    if total and total != width and width % total == 0:
+        cuts = tuple(c * (width // total) for c in cuts)
+    bounds, acc = set(), 0
+    for s in segments:
+        acc += s
+        bounds.add(acc)
+    acc = 0
+    for s in cuts:
+        acc += s
+        bounds.add(acc)
+    out, prev = [], 0
+    for b in sorted(bounds):
+        out.append(b - prev)
+        prev = b
+    return tuple(out)
+
+
+__all__ = ["SEQUENCE", "TAG", "NoShardRule", "Sharded", "local_of", "segment_indices", "segment_permutation",
+           "with_cuts"]

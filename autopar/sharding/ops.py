@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from autopar.sharding.layout import TAG, NoShardRule, Sharded, segment_indices
+from autopar.sharding.attention_ops import baddbmm, matmul, sdpa
+from autopar.sharding.layout import TAG, NoShardRule, Sharded, local_of
 
 ShardMode = Any  # autopar.sharding.rules.ShardMode (which imports this module)
 
@@ -81,12 +82,6 @@ def _broadcast_shape(shapes: list[list[int]]) -> list[int]:
     return out
 
 
-def _local_of(mode: ShardMode, t: torch.Tensor, dim: int, lay: Sharded) -> torch.Tensor:
-    """This rank's share of a replicated tensor that is full size along a sharded dimension."""
-    idx = segment_indices(lay.segments, mode.tp, mode.comm.rank).to(t.device)
-    return t.index_select(dim, idx)
-
-
 def elementwise(mode: ShardMode, name, func, args, kwargs):
     """Broadcasting ops: every sharded input must meet on the same output dim and layout;
     replicated inputs that are full size there are cut to this rank's share."""
@@ -112,7 +107,7 @@ def elementwise(mode: ShardMode, name, func, args, kwargs):
         if j < 0 or a.shape[j] == 1:
             return a
         if a.shape[j] == where.size:
-            return _local_of(mode, a, j, where)
+            return local_of(mode, a, j, where)
         raise NoShardRule(name, f"a replicated input of size {a.shape[j]} meets a sharded dim of {where.size}")
 
     out = func(*[fix(a) for a in args], **{k: fix(v) for k, v in kwargs.items()})
@@ -169,11 +164,29 @@ def _reduction(mode: ShardMode, name, func, args, kwargs):
         raise NoShardRule(name, "reduces over every dimension, the sharded one included")
     dims = [_dim(d, x.dim()) for d in (dim if isinstance(dim, (tuple, list)) else [dim])]
     if lay.dim in dims:
-        raise NoShardRule(name, "reduces over the sharded dimension")
+        return _reduce_across(mode, name, x, lay, dims, args, kwargs)
     keep = bool(_dim_arg(args, kwargs, 3 if name == "norm" else 2, "keepdim", False))
     new = lay.dim if keep else lay.dim - sum(1 for d in dims if d < lay.dim)
     out = func(*args, **kwargs)
     return mode.tag(tuple(out) if isinstance(out, tuple) else out, Sharded(new, lay.segments, lay.source))
+
+
+def _reduce_across(mode: ShardMode, name, x: torch.Tensor, lay: Sharded, dims: list[int], args, kwargs):
+    """A sum or mean over the sharded dimension (OLMo2's RMSNorm over the whole query projection):
+    each rank's partial sum, summed over the tp group (an all-reduce), is the whole one, on every
+    rank. Its gradient needs no sum of its own: where the result meets a share again (``x *
+    rsqrt(var)``) its gradient is summed there (:meth:`Collectives.grad_sum`)."""
+    if name not in ("sum", "mean") or lay.sequence:
+        raise NoShardRule(name, "reduces over the sharded dimension")
+    if any(k not in ("dim", "keepdim") for k in kwargs) or len(args) > 3:
+        raise NoShardRule(name, "reduces over the sharded dimension with a dtype or an output")
+    keep = bool(_dim_arg(args, kwargs, 2, "keepdim", False))
+    partial = torch.sum(x, dims, keepdim=keep)
+    if name == "mean":
+        gshape = mode.global_shape(x)
+        partial = partial / math.prod(gshape[d] for d in dims)
+    mode.stat_reduces.append(partial.numel())
+    return mode.comm.reduce(partial)
 
 
 # -- shapes ---------------------------------------------------------------
@@ -209,10 +222,13 @@ def view_layout(mode: ShardMode, in_shape: list[int], lay: Sharded, out_shape: l
     c_end = min(k for k in range(d + 1, len(in_shape) + 1) if pin[k] in outs)
     e = max(k for k in range(len(out_shape) + 1) if pout[k] == pin[c])
     e_end = min(k for k in range(len(out_shape) + 1) if pout[k] == pin[c_end])
-    if math.prod(in_shape[c:d]) != 1:
+    outer = math.prod(in_shape[c:d])
+    if outer != 1 and lay.sequence:  # sequence parallelism gathers and scatters one contiguous share
         raise NoShardRule(op, "merges the sharded dimension into an outer one (ranks would interleave)")
     inner = math.prod(in_shape[d + 1:c_end])
-    segments = tuple(s * inner for s in lay.segments)  # the merged group, still segment-contiguous
+    # the merged group, still segment-contiguous: merged into an outer dim (Bloom's [batch, heads]
+    # viewed as batch × heads) every outer index repeats the segments, each split across ranks
+    segments = tuple(s * inner for _ in range(outer) for s in lay.segments)
     group = out_shape[e:e_end]
     if not group:
         raise NoShardRule(op, "drops the sharded dimension")
@@ -425,6 +441,25 @@ def _expand(mode: ShardMode, name, func, args, kwargs):
     return mode.tag(x.expand(local), Sharded(d, lay.segments, lay.source))
 
 
+def _new_tensor(mode: ShardMode, name, func, args, kwargs):
+    """``x.new_empty(shape)`` and kin: a tensor of the same rank whose size on ``x``'s sharded dim is the
+    whole of it is this rank's share there (DeepSeek's MLA fills its keys this way); any other shape
+    owes nothing to the share and is made whole."""
+    x = args[0]
+    lay = mode.layout(x)
+    if name == "new_full":
+        sizes, fill = (args[1] if len(args) > 1 else kwargs["size"]), args[2:]
+    else:
+        sizes, fill = (_target_shape(args, 1) if len(args) > 1 else kwargs["size"]), ()
+    sizes = [int(s) for s in sizes]
+    rest = {k: v for k, v in kwargs.items() if k != "size"}
+    if lay is None or len(sizes) != x.dim() or sizes[lay.dim] != lay.size:
+        return func(x, sizes, *fill, **rest)
+    local = list(sizes)
+    local[lay.dim] = lay.size // mode.tp
+    return mode.tag(func(x, local, *fill, **rest), lay)
+
+
 def _repeat_interleave(mode: ShardMode, name, func, args, kwargs):
     x = args[0]
     lay = mode.layout(x)
@@ -462,57 +497,6 @@ def _cat(mode: ShardMode, name, func, args, kwargs):
     return mode.tag(func(*args, **kwargs), lays[0])
 
 
-def _matmul(mode: ShardMode, name, func, args, kwargs):
-    a, b = args[0], args[1]
-    la, lb = mode.layout(a), mode.layout(b)
-    if a.dim() < 2 or b.dim() < 2:
-        raise NoShardRule(name, "a vector operand with a sharded activation")
-    n = max(a.dim(), b.dim())
-    out: Sharded | None = None
-    if la is not None:
-        pa = la.dim + n - a.dim()
-        if la.dim == a.dim() - 1:
-            raise NoShardRule(name, "contracts over the sharded dimension outside a row projection")
-        out = Sharded(pa, la.segments, la.source)
-    if lb is not None:
-        pb = lb.dim + n - b.dim()
-        if lb.dim == b.dim() - 2:
-            raise NoShardRule(name, "contracts over the sharded dimension outside a row projection")
-        if out is not None and (out.dim, out.segments) != (pb, lb.segments):
-            raise NoShardRule(name, "its operands are sharded on different dims")
-        out = Sharded(pb, lb.segments, lb.source)
-    assert out is not None
-    if out.dim >= n - 2:  # the m (of a) or n (of b) dim: the other operand must not be sharded there
-        if la is not None and lb is not None:
-            raise NoShardRule(name, "both operands sharded on their free dims")
-    else:  # a batch dim: an unsharded operand must broadcast over it
-        for t, lay in ((a, la), (b, lb)):
-            if lay is None:
-                j = out.dim - (n - t.dim())
-                if j >= 0 and t.shape[j] != 1:
-                    raise NoShardRule(name, "a replicated operand is full size on a sharded batch dim")
-    return mode.tag(func(*args, **kwargs), out)
-
-
-def _sdpa(mode: ShardMode, name, func, args, kwargs):
-    q, k, v = args[0], args[1], args[2]
-    lays = [mode.layout(t) for t in (q, k, v)]
-    if any(lay is None or lay.dim != t.dim() - 3 for lay, t in zip(lays, (q, k, v))):
-        raise NoShardRule(name, "query, key and value are not all sharded on their head dimension")
-    mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-    if isinstance(mask, torch.Tensor) and mode.layout(mask) is None:
-        j = mask.dim() - 3
-        if j >= 0 and mask.shape[j] != 1:
-            if mask.shape[j] != lays[0].size:  # type: ignore[union-attr]
-                raise NoShardRule(name, "a mask whose head dimension does not match the heads")
-            cut = _local_of(mode, mask, j, lays[0])  # type: ignore[arg-type]
-            if len(args) > 3:
-                args = (*args[:3], cut, *args[4:])
-            else:
-                kwargs = {**kwargs, "attn_mask": cut}
-    return mode.tag(func(*args, **kwargs), lays[0])  # type: ignore[arg-type]
-
-
 def _dropout(mode: ShardMode, name, func, args, kwargs):
     """Dropout on a share draws the mask the whole tensor would get (every rank of a tp group
     draws from the same generator state) and keeps this rank's share of it: the ranks' masks
@@ -528,7 +512,7 @@ def _dropout(mode: ShardMode, name, func, args, kwargs):
     full = torch.empty(mode.global_shape(x), dtype=x.dtype, device=x.device)
     keep = full.bernoulli_(1.0 - p) if p < 1.0 else full.zero_()
     scale = 0.0 if p >= 1.0 else 1.0 / (1.0 - p)
-    return mode.tag(x * _local_of(mode, keep, lay.dim, lay) * scale, lay)
+    return mode.tag(x * local_of(mode, keep, lay.dim, lay) * scale, lay)
 
 
 ELEMENTWISE = frozenset("""
@@ -555,9 +539,10 @@ RULES: dict[str, Callable] = {
     "__getitem__": _getitem,
     "expand": _expand, "expand_as": _expand, "repeat": _expand,
     "repeat_interleave": _repeat_interleave,
+    "new_empty": _new_tensor, "new_zeros": _new_tensor, "new_ones": _new_tensor, "new_full": _new_tensor,
     "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _cat,
-    "matmul": _matmul, "__matmul__": _matmul, "bmm": _matmul,
-    "scaled_dot_product_attention": _sdpa,
+    "matmul": matmul, "__matmul__": matmul, "bmm": matmul, "baddbmm": baddbmm,
+    "scaled_dot_product_attention": sdpa,
     "dropout": _dropout, "dropout_": _dropout, "feature_dropout": _dropout,
     **{name: _reduction for name in _REDUCTIONS},
 }

@@ -214,6 +214,10 @@ class ShardMode(TorchFunctionMode):
         self._summed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.grad_sums: list[int] = []  # elements of each replicated tensor whose gradient is summed
         self._row_bias: dict[int, torch.Tensor | None] = {}
+        self._transposed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(weight.T) -> (it, weight)
+        self._pending_bias: dict[int, torch.Tensor] = {}  # id(module) -> its output awaiting ``+ bias``
+        self.stat_reduces: list[int] = []  # elements of each sum over the sharded dim (all-reduced)
+        self.consumed: set[int] = set()  # id() of the projection modules whose weight the rules sharded
 
     def enter_sequence(self, x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
         """Tag ``x``, this rank's share of a hidden state of ``length`` positions along ``dim``."""
@@ -272,7 +276,17 @@ class ShardMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = _name(func)
-        if self.projection is not None and name in _PROJECTION_OPS:
+        try:
+            return self._dispatch(name, func, args, kwargs)
+        except NoShardRule:
+            raise
+        except Exception as exc:
+            if not hasattr(exc, OP_ATTR):  # the innermost op names the failure (a refusal names its op)
+                setattr(exc, OP_ATTR, name)
+            raise
+
+    def _dispatch(self, name: str, func, args, kwargs):
+        if self.projection is not None:
             done = self._projection_op(name, func, args, kwargs)
             if done is not _NOT_MINE:
                 return done
@@ -315,6 +329,8 @@ class ShardMode(TorchFunctionMode):
         lay = self.layout(x)
         if proj.role != "column" or lay is None or not lay.sequence:
             return None
+        if len(lay.segments) != 1:
+            raise NoShardRule(proj.path, "sequence parallel: its input is not one contiguous share of the sequence")
         done = self._gathered.get(id(x))
         if done is None:
             with torch._C.DisableTorchFunction():  # the collective's own ops are not the layer's
@@ -330,6 +346,10 @@ class ShardMode(TorchFunctionMode):
 
     # ---------------------------------------------------------------- projections
     def _projection_op(self, name: str, func, args, kwargs):
+        """A projection's own op: ``F.linear(x, W, b)``, Conv1D's ``addmm(b, x, W)``, or
+        ``x @ W.T`` then ``+ b`` (Falcon's linear). Any other op touching the projection's weight or
+        bias is refused here, in the simulation and on the mesh alike: the runtime holds those as
+        shards, so code that reads them outside these forms cannot run what was proved."""
         proj = self.projection
         mod = proj.module  # type: ignore[union-attr]
         weight = mod.weight
@@ -338,8 +358,45 @@ class ShardMode(TorchFunctionMode):
             x, bias = args[0], (args[2] if len(args) > 2 else kwargs.get("bias"))
         elif name == "addmm" and conv and len(args) > 2 and args[2] is weight:
             bias, x = args[0], args[1]
+        elif name in ("get_T", "t") and not conv and args and args[0] is weight:
+            out = func(*args, **kwargs)
+            self._transposed[id(out)] = (out, weight)
+            return out
+        elif name in ("matmul", "__matmul__") and len(args) > 1 and id(args[1]) in self._transposed \
+                and self._transposed[id(args[1])][0] is args[1]:
+            x, bias = args[0], None
+            y = self._project(proj, mod, x, None, conv=False)
+            self._pending_bias[id(mod)] = y
+            return y
+        elif name in ("add", "__add__", "__radd__") and len(args) == 2 and mod.bias is not None \
+                and any(a is mod.bias for a in args) and any(a is self._pending_bias.get(id(mod)) for a in args):
+            return self._add_bias(proj, mod, self._pending_bias.pop(id(mod)))
         else:
+            if name not in NO_GRADIENT_OPS and _touches(args, kwargs, (weight, getattr(mod, "bias", None),
+                                                                        *(t for t, _ in self._transposed.values()))):
+                raise NoShardRule(proj.path, f"{name}: its forward uses its weight or bias outside the projection "
+                                  "forms the rules shard (F.linear, addmm, x @ weight.T + bias)")
             return _NOT_MINE
+        return self._project(proj, mod, x, bias, conv)
+
+    def _add_bias(self, proj: Projection, mod: nn.Module, y: torch.Tensor) -> torch.Tensor:
+        """``y + bias`` after ``x @ W.T``, with the bias a rank holds (see :meth:`_project`)."""
+        bias = mod.bias
+        if proj.role == "column":
+            lay = self.layout(y)
+            b = self.comm.column_weight(bias, 0, lay.segments)  # type: ignore[union-attr]
+            return self.tag(y + b, lay)  # type: ignore[arg-type]
+        b = self.comm.replicated(bias)
+        if self.sequence is None:
+            return y + b
+        self._row_bias[id(mod)] = b  # added once the partial sums are reduce-scattered
+        return y
+
+    def _project(self, proj: Projection, mod: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                 conv: bool) -> torch.Tensor:
+        """``x`` through this rank's share of the projection ``mod`` (column or row)."""
+        weight = mod.weight
+        self.consumed.add(id(mod))
         wdim_out, wdim_in = (1, 0) if conv else (0, 1)
         if proj.role == "column":  # type: ignore[union-attr]
             if self.layout(x) is not None:
@@ -390,7 +447,20 @@ class ShardMode(TorchFunctionMode):
 
 
 _NOT_MINE = object()
-_PROJECTION_OPS = frozenset({"linear", "addmm"})
+OP_ATTR = "_autopar_failed_op"  # set on an exception an op raised under the mode: the op's name
+
+
+def _touches(args, kwargs, tensors: tuple) -> bool:
+    """Whether any argument (nested in lists/tuples) is one of ``tensors`` (by identity)."""
+    ids = {id(t) for t in tensors if t is not None}
+
+    def hit(a) -> bool:
+        if isinstance(a, (tuple, list)):
+            return any(hit(t) for t in a)
+        return isinstance(a, torch.Tensor) and id(a) in ids
+    return any(hit(a) for a in args) or any(hit(v) for v in kwargs.values())
+
+
 _DROPOUTS = frozenset({"dropout", "dropout_", "feature_dropout", "alpha_dropout", "scaled_dot_product_attention"})
 
 
@@ -408,5 +478,5 @@ def _name(func) -> str:
     return name
 
 
-__all__ = ["Collectives", "NoShardRule", "Projection", "Reducer", "ShardMode", "Sharded", "SimulatedRank",
+__all__ = ["OP_ATTR", "Collectives", "NoShardRule", "Projection", "Reducer", "ShardMode", "Sharded", "SimulatedRank",
            "current_mode", "is_conv1d", "projection_dims", "segment_indices", "segment_permutation"]

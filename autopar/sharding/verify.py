@@ -34,6 +34,7 @@ import torch.nn as nn
 from autopar.graph import Layer, TPStyle
 from autopar.sharding import check as shard_check
 from autopar.sharding import narrow, shapes
+from autopar.sharding.collectives import with_statistics, without_replicated
 from autopar.sharding.layout import NoShardRule
 from autopar.sharding.rules import projection_dims
 
@@ -114,7 +115,7 @@ def _prove_at_size(module: nn.Module, style: TPStyle, prefix: str, recorded: tup
     """``result`` (the numerical proof) with the degrees the shape proof at the layer's real size
     admits: the simulated ones it confirms and every larger one up to ``shapes.MAX_DEGREE`` the real
     sizes admit; withdrawn (naming the op) where a simulated degree fails at the real size."""
-    cols = tuple(p[len(prefix) + 1:] for p in style.column)
+    cols = tuple(c for c in (p[len(prefix) + 1:] for p in style.column) if c not in result.replicated)
     rows = tuple(p[len(prefix) + 1:] for p in style.row)
     n_params = sum(p.numel() for p in module.parameters())
     full = narrow.meta_module(module)
@@ -226,7 +227,8 @@ def verify_styles(model: nn.Module, args: tuple, kwargs: dict, layers: list[Laye
                 result = _prove_at_size(model.get_submodule(path), style, path, rec, result)  # type: ignore[arg-type]
         sequence: dict[str, Any] = {}
         if result.ok and copy is not None:
-            cols = tuple(p[len(path) + 1:] for p in style.column)  # type: ignore[arg-type]
+            cols = tuple(c for c in (p[len(path) + 1:] for p in style.column)  # type: ignore[arg-type]
+                         if c not in result.replicated)
             rows = tuple(p[len(path) + 1:] for p in style.row)  # type: ignore[arg-type]
             sequence = _sequence_fields(model, model.get_submodule(path), copy, result, cols, rows, used, rec)  # type: ignore[arg-type]
         if sequence.get("sequence") and not all(layers[i].module_path in linked for i in members if i - 1 in members):
@@ -237,6 +239,9 @@ def verify_styles(model: nn.Module, args: tuple, kwargs: dict, layers: list[Laye
             style = next(s for s in layer.tp_styles if s.name == "megatron")
             others = tuple(s for s in layer.tp_styles if s.name != "megatron")
             if result.ok:
+                style = without_replicated(style, model.get_submodule(layer.module_path), layer.module_path,  # type: ignore[arg-type]
+                                           result.replicated, seq_len or 1)
+                style = with_statistics(style, result.statistics, seq_len or 1)
                 proved = dataclasses.replace(
                     style, divisors=tuple(sorted(set(style.divisors) | set(result.divisors))),
                     segments={f"{layer.module_path}.{c}": s for c, s in result.segments.items() if len(s) > 1},

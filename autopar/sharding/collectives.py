@@ -1,0 +1,66 @@
+"""What a proved style adds to its price beyond a Megatron pair's two all-reduces.
+
+**Replicated key/value projections.**
+
+Multi-query and grouped-query attention with fewer key/value heads than the tp degree cannot split
+the key/value projections by heads; Megatron-Core and vLLM replicate them across the tp group
+instead. The simulation (:func:`autopar.sharding.check.check_style`) proves a style that way when
+the attention refuses key/value shares (``NoShardRule.replicate``): those projections leave the
+style's columns, so the runtime leaves their weights whole; the sharding rules hand each rank the
+key/value heads its query heads read, and the gradient of the whole key/value (each rank's part)
+is summed over the tp group where it meets the query's share
+(:meth:`~autopar.sharding.rules.Collectives.grad_sum`).
+
+Priced so: the replicated projections' parameters and FLOPs are no longer divided by tp, and the
+gradient sum is one more all-reduce in backward per replicated projection, of its output's size.
+
+**Statistics over a sharded dimension.** A norm over the whole query or key projection (OLMo2's
+q_norm/k_norm) sums its squares over the heads every rank holds a share of: one all-reduce of one
+value per token in forward, and one in backward where the statistic meets the share again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.nn as nn
+
+from autopar.graph import TPStyle
+from autopar.sharding.rules import projection_dims
+
+
+def without_replicated(style: TPStyle, module: nn.Module, prefix: str, replicated: tuple[str, ...],
+                       tokens_per_sample: int) -> TPStyle:
+    """``style`` with the columns ``replicated`` (paths relative to ``module``, the layer at ``prefix``)
+    run whole: out of ``column`` and the sharded figures, their gradient sums added to backward."""
+    if not replicated:
+        return style
+    full = {f"{prefix}.{c}": module.get_submodule(c) for c in replicated}
+    params = sum(p.numel() for m in full.values() for p in m.parameters(recurse=False))
+    dims = {path: projection_dims(m) for path, m in full.items()}
+    flops = sum(2.0 * d[0] * d[1] * tokens_per_sample for d in dims.values() if d is not None)
+    out_elems = float(sum(d[1] * tokens_per_sample for d in dims.values() if d is not None))
+    kept = tuple(c for c in style.column if c not in full)
+    widths = {projection_dims(module.get_submodule(c[len(prefix) + 1:]))[1] for c in kept}  # type: ignore[index]
+    others = {d for d in style.divisors if d not in {dd[1] for dd in dims.values() if dd is not None}}
+    return dataclasses.replace(
+        style, column=kept, divisors=tuple(sorted(others | widths)),
+        sharded_params=max(0, style.sharded_params - params),
+        sharded_flops_per_sample=max(0.0, style.sharded_flops_per_sample - flops),
+        bwd_allreduce_elems=style.bwd_allreduce_elems + out_elems,
+        bwd_allreduce_count=style.bwd_allreduce_count + len(full))
+
+
+def with_statistics(style: TPStyle, count: int, tokens_per_sample: int) -> TPStyle:
+    """``style`` with ``count`` statistics all-reduced per call (one value per token each)."""
+    if not count:
+        return style
+    elems = float(count * tokens_per_sample)
+    return dataclasses.replace(
+        style, fwd_allreduce_count=style.fwd_allreduce_count + count,
+        fwd_allreduce_elems=style.fwd_allreduce_elems + elems,
+        bwd_allreduce_count=style.bwd_allreduce_count + count,
+        bwd_allreduce_elems=style.bwd_allreduce_elems + elems)
+
+
+__all__ = ["with_statistics", "without_replicated"]
