@@ -181,6 +181,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in rs:
         if r.pinned is None:
             print(f"{r.name} pinned: {r.pinned_reason}")
+        elif r.row.tp > 1:  # a pinned tp on layers that admit no style runs them whole on every tp rank
+            for note in r.pinned.notes:
+                if "withdrawn" in note or "admits" in note:
+                    print(f"{r.name} pinned: {note}")
         if r.free is None:
             print(f"{r.name} free: {r.free_reason}")
         if r.why_not:
