@@ -1,17 +1,22 @@
 """A plain GPT, written as a user writes one, at the sizes of the Megatron-LM paper.
 
-Usage (a size name from ``MEGATRON``, given by the environment):
+Usage: ``megatron`` is one row of the Megatron-LM paper's Table 1 (``MEGATRON_SIZE``, default
+1.7B); ``spec`` is GPT-3 175B unless ``PLAIN_GPT_{WIDTH,HEADS,LAYERS,SEQ,VOCAB}`` say otherwise::
 
     MEGATRON_SIZE=18B autopar plan examples/plain_gpt.py:megatron --world-size 256 \\
         --cluster a100-80g --batch-size 1024 --pin tp=8 --pin pp=1 --pin recompute=full --pin zero=0
+    autopar plan examples/plain_gpt.py:spec --world-size 1024 --cluster a100-80g --batch-size 1536
 
 The model is nanoGPT-like and knows nothing of autopar: no config object, no
 ``device`` argument (autopar builds it under ``torch.device("meta")`` to plan
 it, so a trillion parameters allocate nothing), one fused ``c_attn``
 projection cut in three with ``chunk``, heads from ``reshape(b, t, heads,
 c // heads)``, a 4× GELU MLP, pre-LayerNorm blocks, token + learned position
-embeddings and a tied LM head (Megatron-LM ties the output layer to the word
-embeddings).
+embeddings and an LM head. Megatron-LM ties its output layer to the word
+embeddings, but with pp > 1 the last stage keeps its own copy of them,
+splits it over the vocabulary across tp and all-reduces its gradient with
+the first stage's: an untied head (``tied=False``, what ``megatron`` builds)
+is what runs and what it holds; ``tied=True`` shares the one weight.
 
 Attention comes in two forms. ``"sdpa"`` calls the fused
 ``F.scaled_dot_product_attention`` (flash attention on a GPU: the [s, s]
@@ -72,97 +77,91 @@ MEGATRON: dict[str, MegatronRow] = {
 }
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, block_size: int, attention: str = "materialized"):
+class Attention(nn.Module):
+    def __init__(self, width: int, heads: int, attention: str = "sdpa"):
         super().__init__()
         if attention not in ("sdpa", "materialized"):
             raise ValueError(f"attention must be 'sdpa' or 'materialized', got {attention!r}")
-        self.n_head = n_head
+        self.heads = heads
         self.attention = attention
-        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
-        self.c_proj = nn.Linear(n_embd, n_embd)
-        if attention == "materialized":
-            mask = torch.tril(torch.ones(block_size, block_size, dtype=torch.bool))
-            self.register_buffer("mask", mask.view(1, 1, block_size, block_size), persistent=False)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.size()
-        q, k, v = self.c_attn(x).chunk(3, dim=-1)
-        q = q.reshape(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-        k = k.reshape(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-        v = v.reshape(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q = q.reshape(b, t, self.heads, c // self.heads).transpose(1, 2)
+        k = k.reshape(b, t, self.heads, c // self.heads).transpose(1, 2)
+        v = v.reshape(b, t, self.heads, c // self.heads).transpose(1, 2)
         if self.attention == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
+        else:  # the [b, heads, t, t] scores in memory: scale, causal mask, softmax, then the values
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-            att = att.masked_fill(~self.mask[:, :, :t, :t], float("-inf"))
-            att = F.softmax(att, dim=-1)
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            att = F.softmax(att.masked_fill(~causal, float("-inf")), dim=-1)
             y = att @ v
-        y = y.transpose(1, 2).reshape(b, t, c)
-        return self.c_proj(y)
-
-
-class MLP(nn.Module):
-    def __init__(self, n_embd: int):
-        super().__init__()
-        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
-        self.gelu = nn.GELU()
-        self.c_proj = nn.Linear(4 * n_embd, n_embd)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.gelu(self.c_fc(x)))
+        return self.out(y.transpose(1, 2).reshape(b, t, c))
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, block_size: int, attention: str = "materialized"):
+    def __init__(self, width: int, heads: int, attention: str = "sdpa"):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head, block_size, attention)
-        self.ln_2 = nn.LayerNorm(n_embd)
-        self.mlp = MLP(n_embd)
+        self.ln_1 = nn.LayerNorm(width)
+        self.attn = Attention(width, heads, attention)
+        self.ln_2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.proj = nn.Linear(4 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        x = x + self.mlp(self.ln_2(x))
-        return x
+        return x + self.proj(F.gelu(self.fc(self.ln_2(x))))
 
 
 class GPT(nn.Module):
     """Token ids (b, t) in, logits (b, t, vocab) out."""
 
-    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int,
-                 attention: str = "materialized", tied: bool = True):
+    def __init__(self, vocab: int, width: int, heads: int, layers: int, seq: int,
+                 attention: str = "sdpa", tied: bool = False):
         super().__init__()
-        self.wte = nn.Embedding(vocab_size, n_embd)
-        self.wpe = nn.Embedding(block_size, n_embd)
-        self.h = nn.ModuleList([Block(n_embd, n_head, block_size, attention) for _ in range(n_layer)])
-        self.ln_f = nn.LayerNorm(n_embd)
-        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(seq, width)
+        self.blocks = nn.ModuleList(Block(width, heads, attention) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
         if tied:
-            self.lm_head.weight = self.wte.weight
+            self.head.weight = self.tok.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.size(1), device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.h:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return self.head(self.ln_f(x))
 
 
-def megatron(size: str | None = None, seq_len: int = SEQ_LEN, attention: str = "materialized"):
+def spec():
+    """GPT-3 175B (12288 wide, 96 heads, 96 layers, sequence 2048, vocabulary 51200) unless
+    ``PLAIN_GPT_{WIDTH,HEADS,LAYERS,SEQ,VOCAB}`` say otherwise."""
+    env = {k: int(os.environ.get(f"PLAIN_GPT_{k}", d)) for k, d in
+           (("WIDTH", 12288), ("HEADS", 96), ("LAYERS", 96), ("SEQ", 2048), ("VOCAB", 51200))}
+    model = GPT(env["VOCAB"], env["WIDTH"], env["HEADS"], env["LAYERS"], env["SEQ"])
+    return model, (torch.randint(0, env["VOCAB"], (1, env["SEQ"])),)
+
+
+def megatron(size: str | None = None, seq_len: int = SEQ_LEN, attention: str = "materialized",
+             tied: bool = False):
     """The GPT of one row of the paper's Table 1 (``size``, else ``$MEGATRON_SIZE``, else 1.7B)
     and one sequence of token ids."""
     name = size or os.environ.get("MEGATRON_SIZE", "1.7B")
     if name not in MEGATRON:
         raise ValueError(f"unknown Megatron-LM size {name!r}; one of {', '.join(MEGATRON)}")
     row = MEGATRON[name]
-    model = GPT(VOCAB, seq_len, row.layers, row.heads, row.hidden, attention)
+    model = GPT(VOCAB, row.hidden, row.heads, row.layers, seq_len, attention, tied)
     return model, (torch.randint(0, VOCAB, (1, seq_len)),)
 
 
 def tiny(attention: str = "materialized"):
     """The same GPT, small enough to build and train for real (``autopar verify``)."""
-    model = GPT(256, 32, 2, 4, 64, attention)
+    model = GPT(256, 64, 4, 2, 32, attention)
     return model, (torch.randint(0, 256, (8, 32)),)
 
 
