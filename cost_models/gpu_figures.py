@@ -51,6 +51,24 @@ SM_COUNT = {"A100": 108, "H100": 132, "H200": 132, "V100": 80}
 #   (and 0.82 at k=1024, 0.92 at 2048: k/(k+256) gives 0.80, 0.89); xwhzz/tilelang,
 #   benchmark/matmul/README.md.
 GEMM_K_HALF = 256.0
+#   That ramp is the roofline (Williams, Waterman and Patterson, "Roofline", CACM 2009): a GEMM
+#   writes its m × n output whatever k is, so below k ≈ (FLOP/s reached) / (bytes/s moved) it
+#   spends as long writing as multiplying (2·m·n·k FLOPs against 2·m·n bf16 bytes). On the H800
+#   that is 766 TFLOP/s / (3.35 TB/s × 0.75) ≈ 305, beside the 256 measured. The half point is
+#   thus the chip's ratio of compute to memory bandwidth, not a constant: each preset scales the
+#   H800's 256 by its own peak/bandwidth ratio against the H800's (989 TFLOP/s dense bf16 and
+#   3.35 TB/s HBM3, NVIDIA's H800 SXM5 specifications), ``gemm_k_half``. An A100 (312 TFLOP/s,
+#   2.039 TB/s) thus reaches half rate at k ≈ 133, where a Hopper constant made its attention's
+#   head-dim-deep (k = 64…128) score GEMMs 1.5–2× too slow.
+H800_BF16_FLOPS, H800_HBM_BYTES_S = 989e12, 3.35e12
+
+
+def gemm_k_half(peak_flops: float, bandwidth_bytes_s: float) -> float:
+    """The reduction depth at which a GEMM on a chip with this bf16 peak and memory bandwidth
+    reaches half its large-k rate: the H800's measured 256, scaled by the ratio of ridge points."""
+    return GEMM_K_HALF * (peak_flops / bandwidth_bytes_s) / (H800_BF16_FLOPS / H800_HBM_BYTES_S)
+
+
 # - Achievable HBM bandwidth: a device-to-device copy on an A100 80 GB SXM4 moves 1536 GB/s of
 #   its 2039 (0.75; AnjaliSandip/FastIceFlo, output/EffectiveMemoryThroughput.md).
 GPU_BANDWIDTH_FRACTION = 0.75

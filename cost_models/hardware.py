@@ -39,6 +39,7 @@ from autopar.cost_models.gpu_figures import (  # noqa: F401 - the figures, impor
     NET_STEP_LATENCY_S,
     NVLINK_STEP_LATENCY_S,
     SM_COUNT,
+    gemm_k_half,
 )
 from autopar.errors import AutoparError
 from autopar.units import GiB
@@ -456,7 +457,7 @@ def _cluster_from_dict(data: dict[str, Any], source: str) -> ClusterSpec:
 # 8B and 70B FSDP on 64 A100), geometric mean per family. V100 borrows A100's,
 # H200 H100's (same compute die).
 H100_EFFICIENCY = 0.446
-A100_EFFICIENCY = 0.735
+A100_EFFICIENCY = 0.726
 # Work per layer call at which a GPU reaches half its large-layer efficiency:
 # about a 1024×1024×1024 bf16 GEMM (2 GFLOP). Not fitted; a stated assumption.
 GPU_HALF_EFFICIENCY_FLOPS = 2e9
@@ -469,16 +470,16 @@ _NDR_NIC = LinkSpec(bandwidth_bytes_s=46 * GB, latency_s=NET_STEP_LATENCY_S)
 _EDR_NIC = LinkSpec(bandwidth_bytes_s=11 * GB, latency_s=NET_STEP_LATENCY_S)
 
 
-def _op_model(name: str) -> OpModel:
+def _op_model(name: str, bf16: float, hbm: float) -> OpModel:
     return OpModel(sm_count=SM_COUNT[name.split("-")[0]], tile_m=GEMM_TILE_M, tile_n=GEMM_TILE_N,
-                   gemm_k_half=GEMM_K_HALF, kernel_overhead_s=GPU_KERNEL_OVERHEAD_S,
+                   gemm_k_half=gemm_k_half(bf16 * 1e12, hbm * GB), kernel_overhead_s=GPU_KERNEL_OVERHEAD_S,
                    bandwidth_fraction=GPU_BANDWIDTH_FRACTION, attention_fwd=ATTENTION_FWD_RELATIVE,
                    attention_bwd=ATTENTION_BWD_RELATIVE)
 
 
 def _gpu(name: str, mem_gib: float, bf16: float, fp32: float, hbm: float, eff: float) -> DeviceSpec:
     return DeviceSpec(name, int(mem_gib * GiB), bf16 * 1e12, fp32 * 1e12, hbm * GB, eff,
-                      GPU_HALF_EFFICIENCY_FLOPS, _op_model(name))
+                      GPU_HALF_EFFICIENCY_FLOPS, _op_model(name, bf16, hbm))
 
 
 def _dgx(name: str, device: DeviceSpec, nvlink: LinkSpec, nic: LinkSpec) -> ClusterSpec:

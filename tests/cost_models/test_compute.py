@@ -40,7 +40,7 @@ def test_a_thin_or_sharded_gemm_runs_below_peak_efficiency():
     # a 1T block's column projection split 8 ways on one 2048-token sequence: 600 tiles, 5.6 waves
     sharded = gemm_efficiency(2048, 3 * 25600 // 8, 25600, 1, A100)
     assert sharded < big and sharded == pytest.approx(
-        A100.matmul_efficiency * 25600 / (25600 + GEMM_K_HALF) * 600 / (6 * SM_COUNT["A100"]))
+        A100.matmul_efficiency * 25600 / (25600 + A100.op_model.gemm_k_half) * 600 / (6 * SM_COUNT["A100"]))
 
 
 def test_one_tile_more_than_a_wave_costs_a_whole_wave():
@@ -53,7 +53,17 @@ def test_one_tile_more_than_a_wave_costs_a_whole_wave():
 
 def test_a_shallow_reduction_runs_at_half_rate_at_k_half():
     deep = gemm_efficiency(8192, 8192, 1e9, 1, A100)
-    assert gemm_efficiency(8192, 8192, GEMM_K_HALF, 1, A100) == pytest.approx(deep / 2, rel=1e-6)
+    assert gemm_efficiency(8192, 8192, A100.op_model.gemm_k_half, 1, A100) == pytest.approx(deep / 2, rel=1e-6)
+
+
+def test_the_half_rate_depth_is_the_chips_ridge_point_scaled_from_the_hopper_measurement():
+    # measured 256 on Hopper (989 TFLOP/s, 3.35 TB/s); an A100 (312, 2.039) has a lower ridge
+    h100 = PRESETS["h100-80g"].device.op_model.gemm_k_half
+    assert h100 == pytest.approx(GEMM_K_HALF)
+    assert A100.op_model.gemm_k_half == pytest.approx(256 * (312 / 2.039) / (989 / 3.35), rel=1e-9)
+    # so attention's score GEMM (k = head dim 96) runs faster on an A100 than a Hopper constant said
+    hopper_ramp = replace(A100, op_model=replace(A100.op_model, gemm_k_half=h100))
+    assert gemm_efficiency(2048, 2048, 96, 96, A100) > 1.5 * gemm_efficiency(2048, 2048, 96, 96, hopper_ramp)
 
 
 def test_memory_bound_ops_are_priced_by_their_bytes():
