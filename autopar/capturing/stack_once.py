@@ -3,8 +3,8 @@
 ``torch.export`` of a Hugging Face model costs about 0.15 s per decoder
 block, on meta as on real tensors: Llama 3 70B's 80 blocks took ~20 s of a
 plan. A stack of blocks whose modules are identical up to their index (same
-classes, simple attributes, parameter shapes; the config's ``layer_types``
-entry counted as part of the block) traces to the same ATen ops in the same
+classes, simple attributes, parameter shapes; the block's entry in the
+config's per-block lists, such as ``layer_types``, counted as part of it) traces to the same ATen ops in the same
 order, so the model is exported with the shortest *prefix* of its stack in
 which every kind of block appears after the first block (the first reads the
 embedding, the later ones the block before them: those are the pattern), and
@@ -83,11 +83,13 @@ def _find_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
 
 
 def _kinds(model: nn.Module, stack: nn.ModuleList) -> list[int]:
+    """Each block's kind: its :func:`block_kind` and its entry in every per-block list of the model's
+    config (``layer_types``, ``sliding_window_pattern`` lists, ...), which code may read by index."""
     config = getattr(model, "config", None)
-    types = getattr(config, "layer_types", None)
-    per_layer = list(types) if isinstance(types, (list, tuple)) and len(types) == len(stack) else None
+    lists = sorted((k, v) for k, v in (vars(config).items() if config is not None else ())
+                   if isinstance(v, (list, tuple)) and len(v) == len(stack))
     keys: dict[tuple, int] = {}
-    return [keys.setdefault(block_kind(b, per_layer[i] if per_layer else None), len(keys))
+    return [keys.setdefault(block_kind(b, tuple((k, _value_key(v[i]) or repr(v[i])) for k, v in lists)), len(keys))
             for i, b in enumerate(stack)]
 
 
