@@ -3,12 +3,12 @@
 ``torch.export`` of a Hugging Face model costs about 0.15 s per decoder
 block, on meta as on real tensors: Llama 3 70B's 80 blocks took ~20 s of a
 plan. A stack of blocks whose modules are identical up to their index (same
-classes, simple attributes, parameter shapes; the config's ``layer_types``
-entry counted as part of the block) traces to the same ATen ops in the same
-order, so the model is exported with the shortest *prefix* of its stack that
-holds every kind of block twice-or-after-the-first (the first block reads the
-embedding, the later ones read the block before them), and the graph of the
-whole stack is then written out from it: block ``j`` is a copy of the
+classes, simple attributes, parameter shapes; the block's entry in the
+config's per-block lists, such as ``layer_types``, counted as part of it) traces to the same ATen ops in the same
+order, so the model is exported with the shortest *prefix* of its stack in
+which every kind of block appears after the first block (the first reads the
+embedding, the later ones the block before them: those are the pattern), and
+the graph of the whole stack is then written out from it: block ``j`` is a copy of the
 prefix's block of its kind, its parameters renamed ``stack.j.*``, its input
 the previous block's output, everything else (rotary tables, masks) the
 same values the prefix's blocks read.
@@ -35,6 +35,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.capturing import twins
+from autopar.capturing.export_layers import export_with_layer_calls
 
 # block attributes that only number the block: equal blocks differ in them
 _INDEX_NAMES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number", "block_idx", "idx"})
@@ -82,11 +83,13 @@ def _find_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
 
 
 def _kinds(model: nn.Module, stack: nn.ModuleList) -> list[int]:
+    """Each block's kind: its :func:`block_kind` and its entry in every per-block list of the model's
+    config (``layer_types``, ``sliding_window_pattern`` lists, ...), which code may read by index."""
     config = getattr(model, "config", None)
-    types = getattr(config, "layer_types", None)
-    per_layer = list(types) if isinstance(types, (list, tuple)) and len(types) == len(stack) else None
+    lists = sorted((k, v) for k, v in (vars(config).items() if config is not None else ())
+                   if isinstance(v, (list, tuple)) and len(v) == len(stack))
     keys: dict[tuple, int] = {}
-    return [keys.setdefault(block_kind(b, per_layer[i] if per_layer else None), len(keys))
+    return [keys.setdefault(block_kind(b, tuple((k, _value_key(v[i]) or repr(v[i])) for k, v in lists)), len(keys))
             for i, b in enumerate(stack)]
 
 
@@ -228,18 +231,17 @@ def _layer_candidates(model: nn.Module) -> set[str]:
     return {p for p, _ in model.named_modules() if p and p not in expanded and p.rpartition(".")[0] in expanded}
 
 
-def export_once_per_kind(model: nn.Module, args: tuple, kwargs: dict, layer_keys: Any,
-                         layer_calls: Any) -> tuple[fx.GraphModule, bool] | None:
+def export_once_per_kind(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule | None:
     """The whole model's export graph, exporting one prefix of its block stack (None: not possible).
 
-    ``layer_keys(gm, model)`` names each compute node's layer module (capture's
-    grouping); ``layer_calls(model, args, kwargs, keys, exported)`` says whether
-    the export can keep each layer one module call (``exported``: an export
-    that preserved those calls, or None). Returns the graph module (its
-    parameters the model's own) and that answer for the prefix model, which
-    holds for the whole when its blocks are equal.
+    Its parameters are the model's own; ``meta["layer_calls"]`` says whether
+    the export keeps each of capture's layers one module call (answered for
+    the prefix, which holds for the whole when its blocks are equal).
     """
-    from autopar.capturing.trace import _is_compute
+    from autopar.capturing.trace import _group_layers, _is_compute
+
+    def layer_keys(g: fx.GraphModule) -> list[str | None]:
+        return [key for key, _ in _group_layers(g, model)[0]]
 
     found = _find_stack(model)
     if found is None:
@@ -259,15 +261,16 @@ def export_once_per_kind(model: nn.Module, args: tuple, kwargs: dict, layer_keys
                 ep = torch.export.export(model, args, kwargs=kwargs, strict=False,
                                          preserve_module_call_signature=tuple(sorted(candidates)))
                 gm_k = ep.module()
-            keys = {key for key in layer_keys(gm_k, model) if key}
-            calls = layer_calls(model, args, kwargs, keys, ep if keys <= candidates else None)
+            keys = {key for key in layer_keys(gm_k) if key}
+            calls = export_with_layer_calls(model, args, kwargs, keys, ep if keys <= candidates else None)
             graph = _write_stack(gm_k, path, kinds, k, _is_compute)
         targets = {str(n.target) for n in graph.nodes if n.op in ("get_attr", "call_module")}
         gm = fx.GraphModule({t: _owner(model, gm_k, t) for t in targets}, graph, type(model).__name__)
         expected = [f"{path}.{j}" for j in range(len(stack))]
-        if [key for key in dict.fromkeys(layer_keys(gm, model)) if key and key.startswith(path + ".")] != expected:
+        if [key for key in dict.fromkeys(layer_keys(gm)) if key and key.startswith(path + ".")] != expected:
             return None
-        return gm, calls
+        gm.meta["layer_calls"] = calls is not None
+        return gm
     except Exception:  # noqa: BLE001 - _Unsupported or an export failure: the caller exports the whole model
         return None
 

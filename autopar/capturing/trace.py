@@ -64,12 +64,8 @@ def _short(exc: BaseException) -> str:
 
 def _trace(model: nn.Module, args: tuple, kwargs: dict, once_per_kind: bool = False,
            ) -> tuple[fx.GraphModule, list, str]:
-    """Trace with FX, else export; return the graph module, its flat inputs and the tracer.
-
-    ``once_per_kind`` exports a repeated block stack one block per kind
-    (:mod:`autopar.capturing.stack_once`); its graph module then carries
-    ``meta["layer_calls"]``, whether the export can keep each layer one call.
-    """
+    """Trace with FX, else export (``once_per_kind``: :mod:`~autopar.capturing.stack_once`); return
+    the graph module, its flat inputs and the tracer."""
     names = {id(m): (p or "<root>") for p, m in model.named_modules()}
     errors: list[str] = []
     try:
@@ -84,12 +80,9 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, once_per_kind: bool = Fa
     except Exception as exc:  # noqa: BLE001 - any tracer failure means: try export
         where = _where_failed(exc, names)
         errors.append(f"symbolic_trace{' in ' + where if where else ''}: {_short(exc)}")
-    fast = stack_once.export_once_per_kind(
-        model, args, kwargs, lambda g, m: [key for key, _ in _group_layers(g, m)[0]],
-        lambda m, a, kw, keys, ep: export_with_layer_calls(m, a, kw, keys, ep) is not None) if once_per_kind else None
+    fast = stack_once.export_once_per_kind(model, args, kwargs) if once_per_kind else None
     if fast is not None:
-        fast[0].meta["layer_calls"] = fast[1]
-        return fast[0], pytree.tree_leaves((args, kwargs)), "export"
+        return fast, pytree.tree_leaves((args, kwargs)), "export"
     try:
         # A failed export prints its partial graph to stderr (torch/export/_trace.py);
         # CaptureError says what failed, so that dump is dropped.
@@ -468,9 +461,8 @@ def capture(
 
     ``replay_twins=False`` executes every layer instead of replaying layers
     identical to one already measured (see :mod:`autopar.capturing.twins`); the result
-    is the same, only slower — kept for testing that claim. So does
-    ``trace_once_per_kind=False``: export every block of a repeated stack
-    instead of one per kind (:mod:`autopar.capturing.stack_once`).
+    is the same, only slower — kept for testing that claim; so is ``trace_once_per_kind=False``
+    (export every block of a stack, not one per kind: :mod:`autopar.capturing.stack_once`).
     """
     args, kwargs = _split_inputs(model, example_inputs)
     gm, flat, tracer = _trace(model, args, kwargs, once_per_kind=trace_once_per_kind)
@@ -542,10 +534,9 @@ def capture(
             )
         )
     layers = verify_styles(model, args, kwargs, layers, batch, seq_len)
-    calls = gm.meta.get("layer_calls") if tracer == "export" else False
-    if calls is None:
-        calls = export_with_layer_calls(model, args, kwargs, {k for k, _ in runs if k}) is not None
-    if calls:
+    calls = gm.meta.get("layer_calls") if tracer == "export" else False  # known from stack_once
+    if calls or (calls is None and
+                 export_with_layer_calls(model, args, kwargs, {k for k, _ in runs if k}) is not None):
         tracer = "export-layers"  # pipeline stages can call the layer modules (TP, recompute, FSDP per layer)
     return LayerGraph(
         layers,

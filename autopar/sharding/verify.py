@@ -211,7 +211,7 @@ def verify_styles(model: nn.Module, args: tuple, kwargs: dict, layers: list[Laye
     except Exception as exc:  # noqa: BLE001 - the style cannot be proved, so it is not offered
         recorded, failure = {}, f"running the model's forward to record the layer's inputs failed: " \
                                 f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-    linked = _links(model, args, kwargs, layers)
+    linked: set[str] | None = None  # recorded by a whole forward: only once a style needs it
     out = list(layers)
     for members in groups.values():
         first = layers[members[0]]
@@ -231,6 +231,8 @@ def verify_styles(model: nn.Module, args: tuple, kwargs: dict, layers: list[Laye
                          if c not in result.replicated)
             rows = tuple(p[len(path) + 1:] for p in style.row)  # type: ignore[arg-type]
             sequence = _sequence_fields(model, model.get_submodule(path), copy, result, cols, rows, used, rec)  # type: ignore[arg-type]
+        if sequence.get("sequence") and linked is None:
+            linked = _links(model, args, kwargs, layers)
         if sequence.get("sequence") and not all(layers[i].module_path in linked for i in members if i - 1 in members):
             sequence = {"sequence_refusal": "the model does not hand each block's hidden state straight to the next, "
                                             "so their shares of the sequence cannot pass between them"}
@@ -246,7 +248,7 @@ def verify_styles(model: nn.Module, args: tuple, kwargs: dict, layers: list[Laye
                     style, divisors=tuple(sorted(set(style.divisors) | set(result.divisors))),
                     segments={f"{layer.module_path}.{c}": s for c, s in result.segments.items() if len(s) > 1},
                     checked=result.degrees, **sequence,
-                    sequence_linked=bool(sequence.get("sequence")) and layer.module_path in linked)
+                    sequence_linked=bool(sequence.get("sequence")) and layer.module_path in (linked or ()))
                 out[i] = dataclasses.replace(layer, tp_styles=(proved, *others))
             else:
                 out[i] = dataclasses.replace(layer, tp_styles=others,

@@ -218,10 +218,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from autopar.plan import Plan
     from autopar.tools.hf_spec import is_config_spec
 
-    if is_config_spec(args.plan):
+    if Path(args.plan).exists() and is_config_spec(args.plan):
         raise AutoparError(f"{args.plan} is a model, not a saved plan: plan it first "
                            f"(autopar plan {args.plan} --world-size N -o plan.json), then show plan.json")
     plan = Plan.load(args.plan)
@@ -351,7 +353,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     from autopar.tools.explain import explain
     from autopar.tools.hf_spec import is_config_spec
 
-    if not is_config_spec(args.spec) and (args.spec.endswith(".json") or
+    if not (Path(args.spec).exists() and is_config_spec(args.spec)) and (args.spec.endswith(".json") or
                                           (":" not in args.spec and Path(args.spec).is_file())):  # a saved plan
         plan, graph = Plan.load(args.spec), None
         _refuse_problem_options(args, plan)

@@ -67,6 +67,7 @@ def _transformers() -> Any:
         raise SpecError("a Hugging Face config SPEC needs the transformers package: "
                         "pip install 'transformers>=5'") from exc
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()  # loading a checkpoint: one line of ours, not bars
     return transformers
 
 
