@@ -13,7 +13,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.capturing.export_layers import export_with_layer_calls
-from autopar.capturing.trace import _group_layers, _layer_names, _split_inputs, _trace
+from autopar.capturing.layers import group_layers, layer_names
+from autopar.capturing.trace import _split_inputs, _trace
 
 # --------------------------------------------------------------------------- tracing for lowering
 
@@ -30,13 +31,13 @@ class _LayerTracer(fx.Tracer):
 
 
 def _node_layers(gm: fx.GraphModule, model: nn.Module) -> dict[str, str]:
-    runs, _ = _group_layers(gm, model)
-    return {n.name: name for name, (_, nodes) in zip(_layer_names(runs), runs) for n in nodes}
+    runs, _ = group_layers(gm, model)
+    return {n.name: name for name, (_, nodes) in zip(layer_names(runs), runs) for n in nodes}
 
 
 def _trace_layer_leaves(model: nn.Module, node_layer: dict[str, str], gm: fx.GraphModule) -> fx.GraphModule | None:
     """Re-trace with every layer module a leaf; None unless that yields the same layers in order."""
-    runs, _ = _group_layers(gm, model)
+    runs, _ = group_layers(gm, model)
     leaves = {key for key, _ in runs if key is not None}
     try:
         tracer = _LayerTracer(leaves)
@@ -52,7 +53,7 @@ def _trace_layer_leaves(model: nn.Module, node_layer: dict[str, str], gm: fx.Gra
 def _export_layers(model: nn.Module, args: tuple, kwargs: dict, node_layer: dict[str, str],
                    gm: fx.GraphModule) -> fx.GraphModule | None:
     """The export graph with each layer one call of its module, when the layers come out the same."""
-    runs, _ = _group_layers(gm, model)
+    runs, _ = group_layers(gm, model)
     out = export_with_layer_calls(model, args, kwargs, {key for key, _ in runs if key})
     if out is None or list(dict.fromkeys(_node_layers(out, model).values())) != \
             list(dict.fromkeys(node_layer.values())):

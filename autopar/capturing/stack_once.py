@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from autopar.capturing import twins
 from autopar.capturing.export_layers import export_with_layer_calls
+from autopar.capturing.layers import expanded_paths, group_layers, is_compute
 
 # block attributes that only number the block: equal blocks differ in them
 _INDEX_NAMES = frozenset({"layer_idx", "layer_id", "layer_index", "layer_number", "block_idx", "idx"})
@@ -225,9 +226,7 @@ def _owner(model: nn.Module, gm: fx.GraphModule, target: str) -> Any:
 
 def _layer_candidates(model: nn.Module) -> set[str]:
     """Modules that may be layers: the children of the modules capture opens up (its layer keys)."""
-    from autopar.capturing.trace import _expanded_paths
-
-    expanded = _expanded_paths(model)
+    expanded = expanded_paths(model)
     return {p for p, _ in model.named_modules() if p and p not in expanded and p.rpartition(".")[0] in expanded}
 
 
@@ -238,10 +237,8 @@ def export_once_per_kind(model: nn.Module, args: tuple, kwargs: dict) -> fx.Grap
     the export keeps each of capture's layers one module call (answered for
     the prefix, which holds for the whole when its blocks are equal).
     """
-    from autopar.capturing.trace import _group_layers, _is_compute
-
     def layer_keys(g: fx.GraphModule) -> list[str | None]:
-        return [key for key, _ in _group_layers(g, model)[0]]
+        return [key for key, _ in group_layers(g, model)[0]]
 
     found = _find_stack(model)
     if found is None:
@@ -263,7 +260,7 @@ def export_once_per_kind(model: nn.Module, args: tuple, kwargs: dict) -> fx.Grap
                 gm_k = ep.module()
             keys = {key for key in layer_keys(gm_k) if key}
             calls = export_with_layer_calls(model, args, kwargs, keys, ep if keys <= candidates else None)
-            graph = _write_stack(gm_k, path, kinds, k, _is_compute)
+            graph = _write_stack(gm_k, path, kinds, k, is_compute)
         targets = {str(n.target) for n in graph.nodes if n.op in ("get_attr", "call_module")}
         gm = fx.GraphModule({t: _owner(model, gm_k, t) for t in targets}, graph, type(model).__name__)
         expected = [f"{path}.{j}" for j in range(len(stack))]

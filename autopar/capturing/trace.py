@@ -26,14 +26,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.capturing import boundary, cuts, stack_once, twins
 from autopar.capturing.export_layers import export_with_layer_calls
+from autopar.capturing.layers import group_layers, layer_names
 from autopar.capturing.op_costs import OpRecorder, is_causal, layer_ops, selective_costs
 from autopar.errors import CaptureError
 from autopar.graph import Layer, LayerGraph
 from autopar.sharding.detect import LayerView, NodeStats, detect_tp_styles, megatron_refusal
 from autopar.sharding.verify import verify_styles
-
-_SKIP_TARGETS = ("_guards_fn",)
-
 
 # --------------------------------------------------------------------------- tracing
 
@@ -97,73 +95,6 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, once_per_kind: bool = Fa
 
 
 # --------------------------------------------------------------------------- layers
-
-
-def _expanded_paths(model: nn.Module) -> set[str]:
-    """Modules to open up: the root and every ancestor of a stack of repeated blocks.
-
-    A stack is ≥2 sibling submodules of one class that are either composite
-    (have children of their own, e.g. transformer blocks, ResNet blocks) or
-    held in a ModuleList. Repeated leaves (ln_1/ln_2, fc1/fc2) do not count,
-    so a transformer block stays one layer.
-    """
-    expanded = {""}
-    for path, mod in model.named_modules():
-        counts = Counter(
-            type(child)
-            for _, child in mod.named_children()
-            if isinstance(mod, nn.ModuleList) or next(child.children(), None) is not None
-        )
-        if any(c >= 2 for c in counts.values()):
-            parts = path.split(".") if path else []
-            expanded.update(".".join(parts[:i]) for i in range(len(parts) + 1))
-    return expanded
-
-
-def _is_compute(node: fx.Node) -> bool:
-    return node.op in ("call_function", "call_method", "call_module") and node.target not in _SKIP_TARGETS
-
-
-def _group_layers(
-    gm: fx.GraphModule, model: nn.Module
-) -> tuple[list[tuple[str | None, list[fx.Node]]], dict[fx.Node, int]]:
-    """Runs of consecutive compute nodes with the same layer key; glue joins the next run."""
-    expanded = _expanded_paths(model)
-    compute = [n for n in gm.graph.nodes if _is_compute(n)]
-    keys: list[str | None] = []
-    for n in compute:
-        key = next((p for p in twins.stack_paths(n) if p not in expanded), None)
-        keys.append(key)
-    nxt: str | None = None
-    for i in range(len(keys) - 1, -1, -1):  # glue → following layer
-        if keys[i] is None:
-            keys[i] = nxt
-        else:
-            nxt = keys[i]
-    prev: str | None = None
-    for i, k in enumerate(keys):  # trailing glue → preceding layer
-        if k is None:
-            keys[i] = prev
-        else:
-            prev = k
-    runs: list[tuple[str | None, list[fx.Node]]] = []
-    for n, k in zip(compute, keys):
-        if runs and runs[-1][0] == k:
-            runs[-1][1].append(n)
-        else:
-            runs.append((k, [n]))
-    node_layer = {n: i for i, (_, nodes) in enumerate(runs) for n in nodes}
-    return runs, node_layer
-
-
-def _layer_names(runs: list[tuple[str | None, list[fx.Node]]]) -> list[str]:
-    seen: Counter[str] = Counter()
-    names = []
-    for key, _ in runs:
-        base = key if key is not None else "forward"
-        seen[base] += 1
-        names.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
-    return names
 
 
 # --------------------------------------------------------------------------- measuring
@@ -466,7 +397,7 @@ def capture(
     """
     args, kwargs = _split_inputs(model, example_inputs)
     gm, flat, tracer = _trace(model, args, kwargs, once_per_kind=trace_once_per_kind)
-    runs, node_layer = _group_layers(gm, model)
+    runs, node_layer = group_layers(gm, model)
     if not runs:
         raise CaptureError(f"cannot capture {type(model).__name__}: the traced graph computes nothing")
     try:
@@ -480,7 +411,7 @@ def capture(
     batch, seq_len = _batch_and_seq(flat)
     dtype_bytes = _dtype_bytes(model, flat)
     n = len(runs)
-    names = _layer_names(runs)
+    names = layer_names(runs)
     owners, users = _param_owners(model, gm, runs, node_layer)
     params = dict(model.named_parameters())
     inputs, boundary, cut_ok, edges, blocked = cuts.layer_costs(cuts.crossings(gm, node_layer, stats, n, batch),

@@ -1,0 +1,83 @@
+"""Which graph nodes make up which layer: capture's layer keys, shared by the whole-model trace
+(:mod:`autopar.capturing.trace`) and the once-per-kind export (:mod:`autopar.capturing.stack_once`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch.fx as fx
+import torch.nn as nn
+
+from autopar.capturing import twins
+
+_SKIP_TARGETS = ("_guards_fn",)
+
+
+def expanded_paths(model: nn.Module) -> set[str]:
+    """Modules to open up: the root and every ancestor of a stack of repeated blocks.
+
+    A stack is ≥2 sibling submodules of one class that are either composite
+    (have children of their own, e.g. transformer blocks, ResNet blocks) or
+    held in a ModuleList. Repeated leaves (ln_1/ln_2, fc1/fc2) do not count,
+    so a transformer block stays one layer.
+    """
+    expanded = {""}
+    for path, mod in model.named_modules():
+        counts = Counter(
+            type(child)
+            for _, child in mod.named_children()
+            if isinstance(mod, nn.ModuleList) or next(child.children(), None) is not None
+        )
+        if any(c >= 2 for c in counts.values()):
+            parts = path.split(".") if path else []
+            expanded.update(".".join(parts[:i]) for i in range(len(parts) + 1))
+    return expanded
+
+
+def is_compute(node: fx.Node) -> bool:
+    return node.op in ("call_function", "call_method", "call_module") and node.target not in _SKIP_TARGETS
+
+
+def group_layers(
+    gm: fx.GraphModule, model: nn.Module
+) -> tuple[list[tuple[str | None, list[fx.Node]]], dict[fx.Node, int]]:
+    """Runs of consecutive compute nodes with the same layer key; glue joins the next run."""
+    expanded = expanded_paths(model)
+    compute = [n for n in gm.graph.nodes if is_compute(n)]
+    keys: list[str | None] = []
+    for n in compute:
+        key = next((p for p in twins.stack_paths(n) if p not in expanded), None)
+        keys.append(key)
+    nxt: str | None = None
+    for i in range(len(keys) - 1, -1, -1):  # glue → following layer
+        if keys[i] is None:
+            keys[i] = nxt
+        else:
+            nxt = keys[i]
+    prev: str | None = None
+    for i, k in enumerate(keys):  # trailing glue → preceding layer
+        if k is None:
+            keys[i] = prev
+        else:
+            prev = k
+    runs: list[tuple[str | None, list[fx.Node]]] = []
+    for n, k in zip(compute, keys):
+        if runs and runs[-1][0] == k:
+            runs[-1][1].append(n)
+        else:
+            runs.append((k, [n]))
+    node_layer = {n: i for i, (_, nodes) in enumerate(runs) for n in nodes}
+    return runs, node_layer
+
+
+def layer_names(runs: list[tuple[str | None, list[fx.Node]]]) -> list[str]:
+    seen: Counter[str] = Counter()
+    names = []
+    for key, _ in runs:
+        base = key if key is not None else "forward"
+        seen[base] += 1
+        names.append(base if seen[base] == 1 else f"{base}#{seen[base]}")
+    return names
+
+
+__all__ = ["expanded_paths", "group_layers", "is_compute", "layer_names"]
