@@ -272,6 +272,7 @@ class Layer:
     glue_saved_bytes_per_sample: float = 0.0
     tp_refusal: str = ""  # why no Megatron style is offered, when the graph had a candidate
     cut_blocked_by: str = ""  # why no pipeline cut may follow this layer, when the dataflow allows one
+    recompute_refusal: str = ""  # why recompute is not offered (a BatchNorm's running statistics would move twice)
     selective_saved_bytes_per_sample: float = 0.0
     selective_sharded_bytes_per_sample: float = 0.0
     selective_recompute_flops_per_sample: float = 0.0

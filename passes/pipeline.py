@@ -82,12 +82,16 @@ class PipelineRuntime:
     def _schedule_args(self, inputs: Any, targets: torch.Tensor) -> tuple[tuple, dict[str, Any], list]:
         """What a schedule call takes on this rank: inputs on the first stage, targets and a list the
         losses land in on the last."""
-        args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-        args = tuple(a.to(self.device) for a in args) if self.has_first else ()
-        losses: list[torch.Tensor] = []
+        from autopar import inputs as model_inputs
+
+        args: tuple = ()
         kwargs: dict[str, Any] = {}
+        if self.has_first:  # keyword inputs go to the first stage's forward as keywords, split per microbatch
+            given = model_inputs.to(inputs, self.device)
+            args, kwargs = ((), dict(given)) if isinstance(given, dict) else (tuple(given), {})
+        losses: list[torch.Tensor] = []
         if self.has_last:
-            kwargs = dict(target=targets.to(self.device), losses=losses)
+            kwargs |= dict(target=targets.to(self.device) if targets is not None else None, losses=losses)
         return args, kwargs, losses
 
     def step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor | None:

@@ -28,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autopar.capturing import twins
 from autopar.capturing.export_layers import export_with_layer_calls
 from autopar.capturing.op_costs import OpRecorder, is_causal, layer_ops, selective_costs
+from autopar.capturing.stateful import recompute_refusal
 from autopar.errors import CaptureError
 from autopar.graph import Layer, LayerGraph
 from autopar.sharding.detect import LayerView, NodeStats, detect_tp_styles
@@ -41,11 +42,11 @@ _INPUT = -1  # layer index of placeholders (values that enter the model)
 
 
 def _split_inputs(model: nn.Module, example_inputs: Any) -> tuple[tuple, dict]:
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,), {}
-    return tuple(example_inputs), {}
+    """Positional and keyword inputs, checked against ``forward`` (an input it cannot take is one line)."""
+    from autopar import inputs
+
+    inputs.check_signature(model, example_inputs)
+    return inputs.split(example_inputs)
 
 
 def _where_failed(exc: BaseException, names: dict[int, str]) -> str | None:
@@ -572,6 +573,7 @@ def capture(
                 glue_saved_bytes_per_sample=sum(b for x in nodes if key not in stats[x].paths
                                                 for b, _ in stats[x].saved) / batch if key else 0.0,
                 cut_blocked_by=blocked.get(i, ""),
+                recompute_refusal=recompute_refusal(model, key),
                 **sac.layer_fields(),
                 tied_params=tuple(tied.get(i, ())),
                 tied_param_count=sum(params[p].numel() for p in tied.get(i, ())),

@@ -181,6 +181,13 @@ def _check_result(spec: str, result: Any) -> tuple[nn.Module, Any]:
                     "expected a tensor, a tuple/list of inputs or a dict of keyword inputs")
 
 
+def load_function(spec: str) -> Callable[..., Any]:
+    """The function ``FILE.py:FUNCTION`` or ``MODULE:FUNCTION`` names (``verify --loss``)."""
+    target, func = _split(spec)
+    module = _import_file(spec, Path(target)) if _is_path(target) else _import_module(spec, target)
+    return _function(spec, module, func)
+
+
 def load_spec(spec: str, *, seq_len: int | None = None, device: str = "meta") -> tuple[nn.Module, Any]:
     """The ``(model, example_inputs)`` a SPEC names, inputs normalised for :func:`autopar.capture`.
 
