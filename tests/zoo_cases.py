@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from equivalence_cases import PP1, Spec, equivalence
-from zoo import CLASSES, MODELS, TIED, build
+from zoo import BEYOND, CLASSES, MODELS, TIED, build
 
 
 def _builder(name: str) -> Callable:
@@ -52,6 +52,14 @@ for _name, (_, _blocks) in TIED.items():  # tied input/output embeddings split a
     SPECS[f"{_name}/pp2dp2"] = Spec(_builder(_name), ("pp=2", "dp=2", "tp=2", "zero=3", "microbatches=2",
                                                       "schedule=interleaved_1f1b", "recompute=none",
                                                       f"{_blocks}:tp=megatron"), 8)
+
+# beyond one token tensor in and logits out: keyword inputs, a model's own loss, classifiers, BatchNorm,
+# an LSTM and a state-space model, under ZeRO-3 and plain replicated dp (batches as verify makes them)
+for _name in BEYOND:
+    SPECS[f"{_name}/zero3"] = Spec(_builder(_name), PP1 + ("dp=2", "tp=1", "zero=3", "microbatches=1"), 4,
+                                   synthetic=True)
+    SPECS[f"{_name}/dp2"] = Spec(_builder(_name), PP1 + ("dp=2", "tp=1", "zero=0", "microbatches=1"), 4,
+                                 synthetic=True)
 
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}
 
