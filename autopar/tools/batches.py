@@ -32,14 +32,19 @@ from autopar.errors import AutoparError
 from autopar.runtime.loss import pick_loss, prediction
 
 
-def probe(model: nn.Module, example_inputs: Any) -> Any:
-    """One forward of the example inputs in eval mode without gradients (modes restored after)."""
+def probe(model: nn.Module, example_inputs: Any, *, wrap: bool = True) -> Any:
+    """One forward of the example inputs in eval mode without gradients (modes restored after).
+
+    ``wrap``: the model's own failure becomes one line (bad input, in the CLI's process); a verify
+    rank passes False so the failure keeps its frame (a finding, reported with its line)."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
         with torch.no_grad():
             return model_inputs.call(model, example_inputs)
     except Exception as exc:  # noqa: BLE001 - the model's own failure, on one process
+        if not wrap:
+            raise
         raise AutoparError(f"the model's forward failed on its example inputs "
                            f"({model_inputs.describe(example_inputs)}): {type(exc).__name__}: {exc}") from exc
     finally:

@@ -302,10 +302,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     kwargs = _solve_kwargs(args) if plan is None else {}
     model, inputs = _load(args, device="cpu")
     dropout = v.disable_dropout(model)
+    v.loss_function(args.loss)  # a --loss that does not load, or an output no default loss fits: bad input
+    loss = v.loss_line(model, inputs, args.loss)
     graph = _capture(args, model, inputs)
     warnings = [v.RANDOM_FORWARD] if v.forward_is_random(model, inputs) else []
-    v.loss_function(args.loss)  # a --loss that does not load is bad input, before any process starts
-    loss = v.loss_line(model, inputs, args.loss)
     if plan is not None:
         plan.check_fingerprint(graph.fingerprint())
     else:

@@ -1,6 +1,9 @@
 """Model SPECs for the CLI: ``path/to/file.py:function`` or ``package.module:function``.
 
-A spec function returns ``(model, example_inputs)``. It may take ``device``
+A spec function returns ``(model, example_inputs)``: the inputs one tensor, a
+tuple of positional inputs or a dict of keyword inputs (``input_ids``,
+``attention_mask``, ``decoder_input_ids``, ``labels``, ``pixel_values``…),
+checked against ``forward``'s signature (:func:`autopar.inputs.check_signature`). It may take ``device``
 and ``seq_len``; ``seq_len`` is passed only when given. Where it is built:
 
 - a function that takes ``device`` (or ``**kwargs``) is called with it, and
@@ -201,6 +204,9 @@ def load_spec(spec: str, *, seq_len: int | None = None, device: str = "meta") ->
         module = _import_module(spec, target)
     fn = _function(spec, module, func)
     model, inputs = _check_result(spec, _call(spec, fn, seq_len, device))
+    from autopar.inputs import check_signature
+
+    check_signature(model, inputs)  # an input forward cannot take: one line naming it
     if device == "meta" and not takes_device(fn) and _on_meta(model):
         inputs = _to_meta(inputs)
     return model, inputs

@@ -436,7 +436,7 @@ def _run_rank(rank: int, world_size: int, tmp: str, spec: str, seq_len: int | No
                             rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
     plan = Plan.from_json(plan_json)
     model, inputs = _build(spec, seq_len)
-    output = probe(model, inputs)
+    output = probe(model, inputs, wrap=False)
     batches = [synthetic_batch(model, inputs, plan.training.global_batch, SEED + 1 + k, output)
                for k in range(steps)]
     loss_fn = loss_function(loss)
