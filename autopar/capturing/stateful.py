@@ -28,4 +28,17 @@ def recompute_refusal(model: nn.Module, path: str | None) -> str:
     return ""
 
 
-__all__ = ["recompute_refusal"]
+def batch_norm_channels(model: nn.Module, path: str | None) -> tuple[int, ...]:
+    """The channel count of each BatchNorm (1d/2d/3d) in the layer at ``path``: under dp each
+    all-reduces its batch statistics (:mod:`autopar.runtime.batchnorm`), priced by pricing."""
+    if path is None:
+        return ()
+    try:
+        layer = model.get_submodule(path)
+    except AttributeError:
+        return ()
+    kinds = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+    return tuple(m.num_features for m in layer.modules() if isinstance(m, kinds))
+
+
+__all__ = ["batch_norm_channels", "recompute_refusal"]

@@ -28,7 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autopar.capturing import twins
 from autopar.capturing.export_layers import export_with_layer_calls
 from autopar.capturing.op_costs import OpRecorder, is_causal, layer_ops, selective_costs
-from autopar.capturing.stateful import recompute_refusal
+from autopar.capturing.stateful import batch_norm_channels, recompute_refusal
 from autopar.errors import CaptureError
 from autopar.graph import Layer, LayerGraph
 from autopar.sharding.detect import LayerView, NodeStats, detect_tp_styles
@@ -574,6 +574,7 @@ def capture(
                                                 for b, _ in stats[x].saved) / batch if key else 0.0,
                 cut_blocked_by=blocked.get(i, ""),
                 recompute_refusal=recompute_refusal(model, key),
+                sync_norm_channels=batch_norm_channels(model, key),
                 **sac.layer_fields(),
                 tied_params=tuple(tied.get(i, ())),
                 tied_param_count=sum(params[p].numel() for p in tied.get(i, ())),

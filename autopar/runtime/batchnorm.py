@@ -12,7 +12,8 @@ with autograd's all-reduce (so the backward sums the statistics' gradients
 over the group too: the gradient of the global-batch loss). Running
 statistics move by the global mean and the unbiased global variance, the
 same on every rank. Cost: two all-reduces of C floats per BatchNorm per
-microbatch forward (and two in backward), a few KiB.
+microbatch forward (and two in backward), a few KiB, priced as such
+(``PriceTable._norm_sync_s``, from the layer's ``sync_norm_channels``).
 
 The module keeps its class's parameters, buffers and names (only its class
 changes), so checkpoints, ``state_dict`` and ZeRO see the model as built.
@@ -53,9 +54,8 @@ class _GlobalBatchNorm:
         dims = [0, *range(2, x.dim())]
         shape = [1, -1] + [1] * (x.dim() - 2)
         group = self._autopar_group
-        count = torch.tensor([float(x.numel() // x.shape[1])], dtype=torch.float64, device=x.device)
-        dist.all_reduce(count, group=group)
-        n = float(count.item())
+        # every dp rank holds an equal shard (train_step checks it): the global count needs no collective
+        n = float(x.numel() // x.shape[1] * dist.get_world_size(group))
         mean = _all_reduce(x.sum(dims), group) / n
         centred = x - mean.reshape(shape)
         var = _all_reduce(centred.pow(2).sum(dims), group) / n

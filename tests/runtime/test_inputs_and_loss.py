@@ -79,3 +79,25 @@ def test_no_recompute_is_offered_on_layers_holding_a_batchnorm() -> None:
     for layer in graph.layers:
         kinds = contract.offered_recomputes(graph, layer.index, 1)
         assert (kinds == (Recompute.NONE,)) if layer.name in refused else Recompute.FULL in kinds
+
+
+def test_batchnorm_statistics_all_reduces_are_priced_under_dp_only() -> None:
+    from autopar.choice import LayerChoice
+    from autopar.cost_models.hardware import PRESETS
+    from autopar.cost_models.pipeline import Schedule, ScheduleKind
+    from autopar.mesh import Mesh
+    from autopar.planning.configuration import Configuration, TrainingSpec
+    from autopar.planning.pricing import PriceTable
+
+    model, inputs = build("resnet_bn")
+    graph = autopar.capture(model, inputs)
+    block = next(l for l in graph.layers if l.name == "layer1.0")
+    assert block.sync_norm_channels == (8, 8)
+
+    def forward_s(dp: int, layer=block) -> float:
+        config = Configuration(Mesh(dp=dp), 1, Schedule(ScheduleKind.NONE))
+        table = PriceTable(graph, config, PRESETS["a100-80g"].for_world_size(dp), TrainingSpec(4))
+        return table._price(layer, LayerChoice()).forward_mb_s
+
+    fc = next(l for l in graph.layers if l.name == "fc")
+    assert forward_s(2) > forward_s(1) and forward_s(2, fc) == forward_s(1, fc)
