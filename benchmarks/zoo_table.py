@@ -2,7 +2,7 @@
 
     python benchmarks/zoo_table.py [--strategies tp,zero3,dp2tp2,pp2tp2,3d]
     python benchmarks/zoo_table.py --strategies sp,dp2tp2sp,pp2tp2sp     # sequence parallelism
-    python benchmarks/zoo_table.py --strategies zero3,dp2                # every model, the new ones included
+    python benchmarks/zoo_table.py --strategies zero3,dp2 --models beyond  # keyword inputs, classifiers, BN, LSTM, SSM
 
 Runs the test suite's zoo (tests/zoo.py: nanoGPT as its author writes it,
 a GPT reading its shapes from tensors, Hugging Face GPT-2, Llama, Mistral,
@@ -56,11 +56,20 @@ def _cell(metrics: dict, blocks: str, sequence: bool) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--models", default="all", help="all, beyond (the models of tests/zoo.py's BEYOND), "
+                        "or names separated by commas")
     args = parser.parse_args()
     from distributed import run_cases
     from zoo import BEYOND, MODELS
 
     models = {**MODELS, **BEYOND}
+    if args.models == "beyond":
+        models = dict(BEYOND)
+    elif args.models != "all":
+        unknown_models = sorted(set(args.models.split(",")) - set(models))
+        if unknown_models:
+            parser.error(f"unknown models {unknown_models}; choose from {sorted(models)}")
+        models = {m: models[m] for m in args.models.split(",")}
 
     chosen = [s for s in args.strategies.split(",") if s]
     unknown = sorted(set(chosen) - set(STRATEGIES))
