@@ -90,8 +90,10 @@ class PipelineRuntime:
             given = model_inputs.to(inputs, self.device)
             args, kwargs = ((), dict(given)) if isinstance(given, dict) else (tuple(given), {})
         losses: list[torch.Tensor] = []
-        if self.has_last:
-            kwargs |= dict(target=targets.to(self.device) if targets is not None else None, losses=losses)
+        if self.has_last:  # no targets (the model computes its own loss): an empty marker per microbatch
+            target = (targets.to(self.device) if targets is not None
+                      else torch.zeros(self.plan.microbatches, 0, device=self.device))
+            kwargs |= dict(target=target, losses=losses)
         return args, kwargs, losses
 
     def step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor | None:
@@ -149,7 +151,7 @@ def stage_part(graph: LayerGraph, plan: Plan, layout: Layout, stage: int, layers
 
 def _checked_loss(loss_fn: LossFn) -> LossFn:
     def loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
-        value = loss_fn(output, targets)
+        value = loss_fn(output, None if targets.dim() == 2 and targets.shape[1] == 0 else targets)
         if not isinstance(value, torch.Tensor) or value.dim() != 0:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise BatchError(f"loss_fn must return a scalar tensor (the microbatch mean), got {shape}")

@@ -61,6 +61,18 @@ for _name in BEYOND:
     SPECS[f"{_name}/dp2"] = Spec(_builder(_name), PP1 + ("dp=2", "tp=1", "zero=0", "microbatches=1"), 4,
                                  synthetic=True)
 
+
+
+def _qwen3_mask_only() -> tuple:
+    model, inputs = build("hf_qwen3_padded")
+    inputs.pop("labels")
+    return model, inputs
+
+
+# keyword inputs into a pipeline's first stage; the padding mask reaches the second
+SPECS["hf_qwen3_mask/pp2"] = Spec(_qwen3_mask_only, ("pp=2", "dp=1", "tp=1", "microbatches=2", "schedule=1f1b",
+                                                    "recompute=none"), 4, synthetic=True)
+
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}
 
 

@@ -6,7 +6,8 @@ an MLP-Mixer classifying images, an LSTM language model returning
 ``(logits, hidden)`` and Mamba, each built as its upstream writes it
 (tests/zoo.py ``BEYOND``), under ZeRO-3 and replicated data parallelism on 2
 ranks: first-step loss and gradients, and parameters (BatchNorm's running
-statistics included) after 3 SGD steps within 1e-5 of one device.
+statistics included) after 3 SGD steps within 1e-5 of one device; and Qwen3's
+keyword inputs (ids and padding mask) into the first stage of a 2-stage pipeline.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from zoo import BEYOND
 
 pytestmark = pytest.mark.distributed
 
-CASES = [f"zoo_cases:{m}/zero3" for m in BEYOND] + ["zoo_cases:resnet_bn/dp2", "zoo_cases:hf_qwen3_padded/dp2"]
+CASES = ([f"zoo_cases:{m}/zero3" for m in BEYOND] + ["zoo_cases:resnet_bn/dp2", "zoo_cases:hf_qwen3_padded/dp2"]
+         + ["zoo_cases:hf_qwen3_mask/pp2"])
 
 
 def test_keyword_inputs_own_losses_classifiers_batchnorm_lstm_and_mamba_match_one_device_under_dp(ranks) -> None:
