@@ -273,7 +273,7 @@ class Layer:
     tp_refusal: str = ""  # why no Megatron style is offered, when the graph had a candidate
     cut_blocked_by: str = ""  # why no pipeline cut may follow this layer, when the dataflow allows one
     recompute_refusal: str = ""  # why recompute is not offered (a BatchNorm's running statistics would move twice)
-    # channels of each BatchNorm in the layer: under dp each all-reduces its statistics (runtime/batchnorm.py)
+    # channels of each BatchNorm in the layer: under dp each all-reduces its statistics (passes/batchnorm.py)
     sync_norm_channels: tuple[int, ...] = ()
     selective_saved_bytes_per_sample: float = 0.0
     selective_sharded_bytes_per_sample: float = 0.0

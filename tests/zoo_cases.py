@@ -62,6 +62,10 @@ for _name in BEYOND:
                                  synthetic=True)
 
 
+# BatchNorm inside pipeline stages under dp: one microbatch, so one device's whole-batch statistics
+SPECS["resnet_bn/pp2dp2"] = Spec(_builder("resnet_bn"), ("pp=2", "dp=2", "tp=1", "zero=0", "microbatches=1",
+                                                          "schedule=gpipe", "recompute=none"), 4, synthetic=True)
+
 
 def _qwen3_mask_only() -> tuple:
     model, inputs = build("hf_qwen3_padded")

@@ -30,7 +30,7 @@ def recompute_refusal(model: nn.Module, path: str | None) -> str:
 
 def batch_norm_channels(model: nn.Module, path: str | None) -> tuple[int, ...]:
     """The channel count of each BatchNorm (1d/2d/3d) in the layer at ``path``: under dp each
-    all-reduces its batch statistics (:mod:`autopar.runtime.batchnorm`), priced by pricing."""
+    all-reduces its batch statistics (:mod:`autopar.passes.batchnorm`), priced by pricing."""
     if path is None:
         return ()
     try:

@@ -384,7 +384,7 @@ class PriceTable:
     def _norm_sync_s(self, layer: Layer) -> float:
         """Per microbatch, forward or backward: a BatchNorm under dp all-reduces its per-channel sum
         and sum of squared deviations over the dp group (two all-reduces of C fp32 values each way,
-        runtime/batchnorm.py), blocking the layer's compute."""
+        passes/batchnorm.py), blocking the layer's compute."""
         if self.config.mesh.dp <= 1 or not layer.sync_norm_channels:
             return 0.0
         return sum(2 * collective_time_s(Collective.ALL_REDUCE, FP32_BYTES * c, self.dp_group, self.cluster)

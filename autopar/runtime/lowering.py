@@ -22,9 +22,9 @@ import torch.nn as nn
 from autopar.contract import plan_layout
 from autopar.errors import PlanError
 from autopar.graph import LayerGraph
+from autopar.passes.batchnorm import sync_batch_norms
 from autopar.passes.parallelize import Part, PartResult, parallelize_part
 from autopar.plan import Plan
-from autopar.runtime.batchnorm import sync_batch_norms
 from autopar.runtime.launch import device as rank_device
 from autopar.runtime.precision import plan_dtype
 

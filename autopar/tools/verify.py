@@ -271,7 +271,7 @@ def compare(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
 
 def plan_warnings(plan: Plan, model: nn.Module | None = None) -> list[str]:
     """What about the plan makes its run say less than it seems to (printed before the result)."""
-    from autopar.runtime.batchnorm import batch_norms
+    from autopar.passes.batchnorm import batch_norms
 
     if model is not None and plan.microbatches > 1 and batch_norms(model):
         return [f"the model has BatchNorm and the plan runs {plan.microbatches} microbatches: each "

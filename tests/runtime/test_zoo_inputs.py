@@ -26,3 +26,11 @@ def test_keyword_inputs_own_losses_classifiers_batchnorm_lstm_and_mamba_match_on
     results = ranks(2).run(CASES)
     for case in CASES:
         check_equivalent(results[case])
+
+
+def test_batchnorm_inside_pipeline_stages_under_dp_matches_one_device(ranks) -> None:
+    """pp=2 × dp=2 with one microbatch: the stages' BatchNorms normalise over the dp group's batch, and
+    the pipeline's first-step metadata inference (one more forward) leaves running statistics alone."""
+    (metrics,) = ranks(4).run(["zoo_cases:resnet_bn/pp2dp2"]).values()
+    assert metrics["mesh"] == [2, 2, 1]
+    check_equivalent(metrics)

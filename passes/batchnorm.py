@@ -36,10 +36,26 @@ def batch_norms(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, _BATCH_NORMS)]
 
 
-def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
-    from torch.distributed.nn.functional import all_reduce
+class _SumOverGroup(torch.autograd.Function):
+    """The sum over the group's ranks; its backward sums the gradients the same way (every rank's
+    loss depends on every rank's contribution to a global statistic)."""
 
-    return all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        out = t.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out = grad.clone()
+        dist.all_reduce(out, group=ctx.group)
+        return out, None
+
+
+def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
+    return _SumOverGroup.apply(t, group)
 
 
 class _GlobalBatchNorm:
