@@ -101,3 +101,15 @@ def test_batchnorm_statistics_all_reduces_are_priced_under_dp_only() -> None:
 
     fc = next(l for l in graph.layers if l.name == "fc")
     assert forward_s(2) > forward_s(1) and forward_s(2, fc) == forward_s(1, fc)
+
+
+def test_verify_says_why_batchnorm_with_microbatches_cannot_match_one_process() -> None:
+    from autopar.tools.verify import plan_warnings
+
+    model, inputs = build("resnet_bn")
+    graph = autopar.capture(model, inputs)
+    plans = {m: autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=4,
+                              pins=["pp=1", "dp=2", f"microbatches={m}"]) for m in (1, 2)}
+    (warning,) = plan_warnings(plans[2], model)
+    assert "BatchNorm" in warning and "pin microbatches=1" in warning
+    assert plan_warnings(plans[1], model) == []
