@@ -62,6 +62,10 @@ for _name in BEYOND:
                                  synthetic=True)
 
 
+# keyword inputs (ids, padding mask, labels) under Megatron tensor parallelism on the blocks
+SPECS["hf_qwen3_padded/tp"] = Spec(_builder("hf_qwen3_padded"), PP1 + ("dp=1", "tp=2", "zero=0",
+                                                                      "model.layers.*:tp=megatron"), 4, synthetic=True)
+
 # BatchNorm inside pipeline stages under dp: one microbatch, so one device's whole-batch statistics
 SPECS["resnet_bn/pp2dp2"] = Spec(_builder("resnet_bn"), ("pp=2", "dp=2", "tp=1", "zero=0", "microbatches=1",
                                                           "schedule=gpipe", "recompute=none"), 4, synthetic=True)
