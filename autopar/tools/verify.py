@@ -37,10 +37,12 @@ What is compared, and why each rule is there:
 - **Global batch** defaults to the example inputs' batch, so
   ``--pin microbatches=4`` on a batch-8 example works.
 
-Synthetic batches follow the example inputs: integer inputs become random
-token ids below the first ``nn.Embedding``'s size, with random next-token ids
-as targets; float inputs and targets are standard normal, shaped like the
-inputs (so the default loss is mean squared error).
+Synthetic batches follow the example inputs, keyword or positional
+(:mod:`autopar.tools.batches`: masks keep the example's rows, ``labels`` and
+targets are ids below the output's last dim, token ids below the first
+``nn.Embedding``'s size, floats standard normal), with targets that fit the
+model's output; both sides train with ``--loss`` or the default loss that
+fits (:mod:`autopar.runtime.loss`), named in one line before the run.
 
 A rank that raises is reported as :class:`RankFailedError` with that rank's
 exception and the file and line it came from (the CLI exits 1): a crash in
