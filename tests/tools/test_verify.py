@@ -264,3 +264,8 @@ def test_verify_takes_keyword_inputs_and_a_classifier_and_names_its_loss(capsys:
     assert code == 0, out
     assert "loss: cross-entropy over 10 classes (one class index per sample)" in out
     assert "OK: SAME as one process" in out
+    user = f"{SPECS}:smoothed_cross_entropy"
+    code = main(["verify", f"{SPECS}:resnet_bn", "--world-size", "2", "--pin", "dp=2", "--steps", "2", "--loss", user])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"loss: {user} (given with --loss)" in out and "OK: SAME as one process" in out
