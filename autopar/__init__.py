@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "UnknownDeviceWarning": "autopar.runtime.launch",
     "BatchError": "autopar.errors", "LaunchError": "autopar.errors",
     "LoweringError": "autopar.errors", "CheckpointError": "autopar.errors", "WeightsError": "autopar.errors",
+    "InputsError": "autopar.errors", "LossError": "autopar.errors",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -178,7 +178,7 @@ def recompute_applies(graph: LayerGraph, index: int, pp: int, kind: Recompute = 
     """Whether layer ``index`` can run recompute ``kind`` (see the module docstring); none always can."""
     if kind is Recompute.NONE:
         return True
-    hooked = tp_applies(graph, pp) and graph[index].module_path is not None
+    hooked = tp_applies(graph, pp) and graph[index].module_path is not None and not graph[index].recompute_refusal
     if kind is Recompute.SELECTIVE:
         return hooked and graph[index].selective_saved_bytes_per_sample > 0
     if kind is Recompute.ALTERNATE_MM:

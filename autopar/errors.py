@@ -59,3 +59,11 @@ class CheckpointError(AutoparError):
 
 class WeightsError(AutoparError):
     """A safetensors weights file or directory lacks a parameter, or holds one of another shape."""
+
+
+class InputsError(AutoparError):
+    """Example inputs or a batch do not fit the model's forward signature; the message names the argument."""
+
+
+class LossError(BatchError):
+    """No default loss fits the model's output and the targets: the message asks for a loss function."""

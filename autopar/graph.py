@@ -272,6 +272,9 @@ class Layer:
     glue_saved_bytes_per_sample: float = 0.0
     tp_refusal: str = ""  # why no Megatron style is offered, when the graph had a candidate
     cut_blocked_by: str = ""  # why no pipeline cut may follow this layer, when the dataflow allows one
+    recompute_refusal: str = ""  # why recompute is not offered (a BatchNorm's running statistics would move twice)
+    # channels of each BatchNorm in the layer: under dp each all-reduces its statistics (passes/batchnorm.py)
+    sync_norm_channels: tuple[int, ...] = ()
     selective_saved_bytes_per_sample: float = 0.0
     selective_sharded_bytes_per_sample: float = 0.0
     selective_recompute_flops_per_sample: float = 0.0
@@ -321,6 +324,7 @@ class Layer:
             tuple(s.cost_signature() for s in self.tp_styles),
             len(self.param_names),
             tuple(o.signature() for o in self.ops),
+            self.sync_norm_channels, bool(self.recompute_refusal),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -337,6 +341,7 @@ class Layer:
         d["tp_styles"] = tuple(TPStyle.from_dict(s) for s in d.get("tp_styles", ()))
         d["param_names"] = tuple(d.get("param_names", ()))
         d["tied_params"] = tuple(d.get("tied_params", ()))
+        d["sync_norm_channels"] = tuple(d.get("sync_norm_channels", ()))
         d["ops"] = tuple(OpRecord.from_dict(o) for o in d.get("ops", ()))
         return cls(**d)
 

@@ -44,6 +44,7 @@ import torch.nn as nn
 from autopar.contract import ROOT, Layout, Unit, plan_layout, unit_engine
 from autopar.errors import BatchError, LoweringError
 from autopar.graph import LayerGraph
+from autopar.passes.batchnorm import batch_norms, sync_batch_norms
 from autopar.passes.parallelize import Part, parallelize_part
 from autopar.passes.stage_split import StageSplit, split_model
 from autopar.passes.tied import TiedEmbeddings, tied_locations
@@ -82,12 +83,18 @@ class PipelineRuntime:
     def _schedule_args(self, inputs: Any, targets: torch.Tensor) -> tuple[tuple, dict[str, Any], list]:
         """What a schedule call takes on this rank: inputs on the first stage, targets and a list the
         losses land in on the last."""
-        args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-        args = tuple(a.to(self.device) for a in args) if self.has_first else ()
-        losses: list[torch.Tensor] = []
+        from autopar import inputs as model_inputs
+
+        args: tuple = ()
         kwargs: dict[str, Any] = {}
-        if self.has_last:
-            kwargs = dict(target=targets.to(self.device), losses=losses)
+        if self.has_first:  # keyword inputs go to the first stage's forward as keywords, split per microbatch
+            given = model_inputs.to(inputs, self.device)
+            args, kwargs = ((), dict(given)) if isinstance(given, dict) else (tuple(given), {})
+        losses: list[torch.Tensor] = []
+        if self.has_last:  # no targets (the model computes its own loss): an empty marker per microbatch
+            target = (targets.to(self.device) if targets is not None
+                      else torch.zeros(self.plan.microbatches, 0, device=self.device))
+            kwargs |= dict(target=target, losses=losses)
         return args, kwargs, losses
 
     def step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor | None:
@@ -143,9 +150,27 @@ def stage_part(graph: LayerGraph, plan: Plan, layout: Layout, stage: int, layers
     return Part(stage, layers, units, tuple(layout.recompute_paths(graph, stage)))
 
 
+def _state_keeping_stage(base: type) -> type:
+    """``PipelineStage`` whose first-step metadata inference (one extra forward, on empty tensors
+    past the first stage) leaves the stage's buffers as they were: BatchNorm's running statistics
+    move only with the real microbatches, as on one device."""
+
+    class StateKeepingStage(base):  # type: ignore[misc, valid-type]
+        def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            saved = [(b, b.detach().clone()) for b in self.submod.buffers()]
+            try:
+                return super()._forward_metadata_inference(*args, **kwargs)
+            finally:
+                with torch.no_grad():
+                    for b, value in saved:
+                        b.copy_(value)
+
+    return StateKeepingStage
+
+
 def _checked_loss(loss_fn: LossFn) -> LossFn:
     def loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
-        value = loss_fn(output, targets)
+        value = loss_fn(output, None if targets.dim() == 2 and targets.shape[1] == 0 else targets)
         if not isinstance(value, torch.Tensor) or value.dim() != 0:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise BatchError(f"loss_fn must return a scalar tensor (the microbatch mean), got {shape}")
@@ -204,6 +229,10 @@ def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, pla
         raise LoweringError("pipeline plans need example_inputs to split the model: pass them to compile")
     split = split_model(model, _microbatch_inputs(example_inputs, plan.microbatch_size), graph, plan)
     _check_lowerable(split, plan, model)
+    if plan.mesh.dp > 1 and batch_norms(model) and not any(batch_norms(m) for m in split.modules):
+        raise LoweringError(f"{model.__class__.__name__}'s BatchNorm layers are traced into ops in its pipeline "
+                            "stages, so under dp they would normalise with each rank's shard only: "
+                            "pin pp=1 or dp=1")
     layout = plan_layout(graph, plan)
     pp, pp_rank = plan.mesh.pp, mesh["pp"].get_local_rank()
     stage_ids = list(range(pp_rank, plan.stages, pp))
@@ -214,6 +243,8 @@ def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, pla
     ends = {k: tied_locations(split.modules[k], shared) for k in stage_ids if k in (0, plan.stages - 1)}
     for k in stage_ids:
         part = stage_part(graph, plan, layout, k, split.layers_called)
+        if plan.mesh.dp > 1:  # BatchNorm with the dp group's statistics (as without a pipeline)
+            sync_batch_norms(split.modules[k], mesh["dp"].get_group())
         result = parallelize_part(split.modules[k], graph, plan, part, mesh, device, init_fn)
         perms.update(result.permutations)
         modules.append(result.module)
@@ -222,7 +253,8 @@ def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, pla
     if tied is not None:
         tied.share_weights()
     group = mesh["pp"].get_group()
-    stages = [PipelineStage(mod, k, plan.stages, device, group=group) for mod, k in zip(modules, stage_ids)]
+    stage_cls = _state_keeping_stage(PipelineStage)
+    stages = [stage_cls(mod, k, plan.stages, device, group=group) for mod, k in zip(modules, stage_ids)]
     schedule = _schedule(plan, stages, _checked_loss(loss_fn), scale_grads)
     return PipelineRuntime(plan, modules, stage_ids, schedule, group, device, split.tracer, perms, tied)
 

@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import autopar  # noqa: E402
 from autopar.graph import LayerGraph  # noqa: E402
+from autopar.inputs import call  # noqa: E402
 from autopar.mesh import MeshAxis, declared  # noqa: E402
 from autopar.plan import Plan  # noqa: E402
 from autopar.runtime import default_loss  # noqa: E402
@@ -79,6 +80,7 @@ class Spec:
     global_batch: int
     world_size: int | None = None  # the plan's, when it differs from the launch (error cases)
     classes: int | None = None  # targets are one class index per sample (an image classifier)
+    synthetic: bool = False  # batches as verify makes them (any inputs; targets that fit the output)
 
 
 def make_batch(model_inputs: tuple, model: nn.Module, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,6 +124,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _batches(spec: Spec, inputs: tuple, model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if spec.synthetic:
+        from autopar.tools.batches import probe, synthetic_batch
+
+        output = probe(model, inputs)
+        return [synthetic_batch(model, inputs, spec.global_batch, 1 + k, output) for k in range(STEPS)]
     if spec.classes is not None:
         gens = [torch.Generator().manual_seed(1 + k) for k in range(STEPS)]
         return [(torch.randn((spec.global_batch, *inputs[0].shape[1:]), generator=g),
@@ -155,7 +162,7 @@ def run_reference(spec: Spec, opt: Callable) -> dict[str, Any]:
                                                             for p in model.parameters())}
     for k, (x, y) in enumerate(batches):
         optimizer.zero_grad()
-        loss = default_loss(model(x), y)
+        loss = default_loss(call(model, x), y)
         loss.backward()
         if k == 0:
             # a parameter the forward never uses (BERT's unused MLM bias) has no gradient to compare
@@ -163,6 +170,8 @@ def run_reference(spec: Spec, opt: Callable) -> dict[str, Any]:
         optimizer.step()
         out["losses"].append(loss.item())
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # BatchNorm's running statistics: what one device holds after the steps
+    out["params"] |= {n: b.detach().clone() for n, b in model.named_buffers() if ".running_" in f".{n}"}
     return out
 
 

@@ -60,3 +60,30 @@ class CrashesOnRank1(nn.Module):
 
 def crashes_on_rank_1() -> tuple[nn.Module, tuple[torch.Tensor]]:
     return CrashesOnRank1(), (torch.zeros(4, 8),)
+
+
+def t5_keywords() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A 2+2-layer T5 fed keyword inputs: ``input_ids`` and ``decoder_input_ids`` (issue 23)."""
+    _quiet()
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                   dropout_rate=0.1, use_cache=False, decoder_start_token_id=0, pad_token_id=0)
+    ids = torch.zeros(4, SEQ, dtype=torch.long)
+    return T5ForConditionalGeneration(cfg), {"input_ids": ids, "decoder_input_ids": ids}
+
+
+def resnet_bn() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """A small ResNet with BatchNorm classifying 10 classes (tests/zoo.py), images of 16×16."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from zoo import ResNetSmall
+
+    return ResNetSmall(10), (torch.zeros(4, 3, 16, 16),)
+
+
+def smoothed_cross_entropy(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A user's loss for ``verify --loss``: cross-entropy with label smoothing 0.1."""
+    return nn.functional.cross_entropy(output, targets, label_smoothing=0.1)

@@ -254,7 +254,157 @@ TIED: dict[str, tuple[Callable[[], tuple[nn.Module, tuple]], str]] = {
                          n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False),
                      "transformer.h.*"),
 }
-MODELS_ALL = {**MODELS, **TIED}
+
+
+# ------------------------------------------------------------------ beyond one token tensor in, logits out
+# (issue 23): keyword inputs, a model's own loss, classifiers, and models that are not transformers
+
+
+class BasicBlock(nn.Module):
+    """A ResNet basic block (He et al. 2015, as torchvision writes it): conv-BN-ReLU-conv-BN plus a shortcut."""
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = None
+        if stride != 1 or inplanes != planes:
+            self.downsample = nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride=stride, bias=False),
+                                            nn.BatchNorm2d(planes))
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)
+
+
+class ResNetSmall(nn.Module):
+    """A small ResNet image classifier: stem conv-BN-ReLU, basic blocks, global average pool, fc."""
+
+    def __init__(self, num_classes: int = 10, width: int = 8):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.layer1 = nn.Sequential(BasicBlock(width, width), BasicBlock(width, width))
+        self.layer2 = nn.Sequential(BasicBlock(width, 2 * width, stride=2), BasicBlock(2 * width, 2 * width))
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(2 * width, num_classes)
+
+    def forward(self, x):
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer2(self.layer1(x))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+class MlpBlock(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class MixerBlock(nn.Module):
+    """MLP-Mixer's layer (Tolstikhin et al. 2021): token mixing across patches, then channel mixing."""
+
+    def __init__(self, patches: int, channels: int, tokens_hidden: int, channels_hidden: int):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(channels), nn.LayerNorm(channels)
+        self.token_mixing = MlpBlock(patches, tokens_hidden)
+        self.channel_mixing = MlpBlock(channels, channels_hidden)
+
+    def forward(self, x):
+        x = x + self.token_mixing(self.norm1(x).transpose(1, 2)).transpose(1, 2)
+        return x + self.channel_mixing(self.norm2(x))
+
+
+class MlpMixer(nn.Module):
+    """Per-patch linear embedding (a strided conv), Mixer layers, pre-head LayerNorm, mean pool, head."""
+
+    def __init__(self, num_classes: int = 10, image: int = 16, patch: int = 4, channels: int = 32, depth: int = 2):
+        super().__init__()
+        patches = (image // patch) ** 2
+        self.stem = nn.Conv2d(3, channels, patch, stride=patch)
+        self.blocks = nn.ModuleList([MixerBlock(patches, channels, 2 * patches, 4 * channels) for _ in range(depth)])
+        self.pre_head_norm = nn.LayerNorm(channels)
+        self.head = nn.Linear(channels, num_classes)
+
+    def forward(self, x):
+        x = self.stem(x).flatten(2).transpose(1, 2)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.pre_head_norm(x).mean(dim=1))
+
+
+class LSTMModel(nn.Module):
+    """PyTorch's word-language-model RNN (encoder, LSTM, decoder), batch first; returns (logits, hidden)."""
+
+    def __init__(self, ntoken: int = VOCAB, ninp: int = 32, nhid: int = 32, nlayers: int = 2, dropout: float = 0.0):
+        super().__init__()
+        self.drop = nn.Dropout(dropout)
+        self.encoder = nn.Embedding(ntoken, ninp)
+        self.rnn = nn.LSTM(ninp, nhid, nlayers, dropout=dropout, batch_first=True)
+        self.decoder = nn.Linear(nhid, ntoken)
+        self.nlayers, self.nhid = nlayers, nhid
+
+    def forward(self, input, hidden=None):
+        emb = self.drop(self.encoder(input))
+        output, hidden = self.rnn(emb, hidden)
+        return self.decoder(self.drop(output)), hidden
+
+
+def _images() -> tuple[torch.Tensor]:
+    return (torch.zeros(BATCH, 3, 16, 16),)
+
+
+def _t5() -> tuple[nn.Module, dict]:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                                   num_heads=4, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0,
+                                   pad_token_id=0, tie_word_embeddings=False)
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    return transformers.T5ForConditionalGeneration(config), {"input_ids": ids, "decoder_input_ids": ids}
+
+
+def _qwen3_padded() -> tuple[nn.Module, dict]:
+    """Qwen3 fed a padding mask (the second sample's last quarter padded) and its labels: its own loss."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.Qwen3Config(**_LLAMA_LIKE, head_dim=8, attention_dropout=0.0)
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, -SEQ // 4:] = 0
+    return transformers.Qwen3ForCausalLM(config), {"input_ids": ids, "attention_mask": mask, "labels": ids}
+
+
+def _mamba() -> tuple[nn.Module, tuple]:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2,
+                                      expand=2, conv_kernel=4, use_cache=False, tie_word_embeddings=False)
+    return transformers.MambaForCausalLM(config), _ids()
+
+
+# name -> (builder, blocks pattern): planned and trained under dp and ZeRO-3 (test_zoo_inputs)
+BEYOND: dict[str, tuple[Callable[[], tuple[nn.Module, tuple | dict]], str]] = {
+    "hf_t5": (_t5, "encoder.block.*"),
+    "hf_qwen3_padded": (_qwen3_padded, "model.layers.*"),
+    "resnet_bn": (lambda: (ResNetSmall(CLASSES), _images()), "layer1.*"),
+    "mlp_mixer": (lambda: (MlpMixer(CLASSES), _images()), "blocks.*"),
+    "lstm_lm": (lambda: (LSTMModel(), _ids()), "rnn"),
+    "hf_mamba": (_mamba, "backbone.layers.*"),
+}
+MODELS_ALL = {**MODELS, **TIED, **BEYOND}
 
 
 def build(name: str) -> tuple[nn.Module, tuple]:
@@ -262,4 +412,4 @@ def build(name: str) -> tuple[nn.Module, tuple]:
     return MODELS_ALL[name][0]()
 
 
-__all__ = ["MODELS", "MODELS_ALL", "TIED", "build"]
+__all__ = ["BEYOND", "MODELS", "MODELS_ALL", "TIED", "build"]

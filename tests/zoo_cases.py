@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from equivalence_cases import PP1, Spec, equivalence
-from zoo import CLASSES, MODELS, TIED, build
+from zoo import BEYOND, CLASSES, MODELS, TIED, build
 
 
 def _builder(name: str) -> Callable:
@@ -52,6 +52,34 @@ for _name, (_, _blocks) in TIED.items():  # tied input/output embeddings split a
     SPECS[f"{_name}/pp2dp2"] = Spec(_builder(_name), ("pp=2", "dp=2", "tp=2", "zero=3", "microbatches=2",
                                                       "schedule=interleaved_1f1b", "recompute=none",
                                                       f"{_blocks}:tp=megatron"), 8)
+
+# beyond one token tensor in and logits out: keyword inputs, a model's own loss, classifiers, BatchNorm,
+# an LSTM and a state-space model, under ZeRO-3 and plain replicated dp (batches as verify makes them)
+for _name in BEYOND:
+    SPECS[f"{_name}/zero3"] = Spec(_builder(_name), PP1 + ("dp=2", "tp=1", "zero=3", "microbatches=1"), 4,
+                                   synthetic=True)
+    SPECS[f"{_name}/dp2"] = Spec(_builder(_name), PP1 + ("dp=2", "tp=1", "zero=0", "microbatches=1"), 4,
+                                 synthetic=True)
+
+
+# keyword inputs (ids, padding mask, labels) under Megatron tensor parallelism on the blocks
+SPECS["hf_qwen3_padded/tp"] = Spec(_builder("hf_qwen3_padded"), PP1 + ("dp=1", "tp=2", "zero=0",
+                                                                      "model.layers.*:tp=megatron"), 4, synthetic=True)
+
+# BatchNorm inside pipeline stages under dp: one microbatch, so one device's whole-batch statistics
+SPECS["resnet_bn/pp2dp2"] = Spec(_builder("resnet_bn"), ("pp=2", "dp=2", "tp=1", "zero=0", "microbatches=1",
+                                                          "schedule=gpipe", "recompute=none"), 4, synthetic=True)
+
+
+def _qwen3_mask_only() -> tuple:
+    model, inputs = build("hf_qwen3_padded")
+    inputs.pop("labels")
+    return model, inputs
+
+
+# keyword inputs into a pipeline's first stage; the padding mask reaches the second
+SPECS["hf_qwen3_mask/pp2"] = Spec(_qwen3_mask_only, ("pp=2", "dp=1", "tp=1", "microbatches=2", "schedule=1f1b",
+                                                    "recompute=none"), 4, synthetic=True)
 
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}
 

@@ -28,6 +28,7 @@ from autopar.capturing import boundary, cuts, stack_once, twins
 from autopar.capturing.export_layers import export_with_layer_calls
 from autopar.capturing.layers import group_layers, layer_names
 from autopar.capturing.op_costs import OpRecorder, is_causal, layer_ops, selective_costs
+from autopar.capturing.stateful import batch_norm_channels, recompute_refusal
 from autopar.errors import CaptureError
 from autopar.graph import Layer, LayerGraph
 from autopar.sharding.detect import LayerView, NodeStats, detect_tp_styles, megatron_refusal
@@ -37,11 +38,11 @@ from autopar.sharding.verify import verify_styles
 
 
 def _split_inputs(model: nn.Module, example_inputs: Any) -> tuple[tuple, dict]:
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, torch.Tensor):
-        return (example_inputs,), {}
-    return tuple(example_inputs), {}
+    """Positional and keyword inputs, checked against ``forward`` (an input it cannot take is one line)."""
+    from autopar import inputs
+
+    inputs.check_signature(model, example_inputs)
+    return inputs.split(example_inputs)
 
 
 def _where_failed(exc: BaseException, names: dict[int, str]) -> str | None:
@@ -456,6 +457,8 @@ def capture(
                                                 for b, _ in stats[x].saved) / batch if key else 0.0,
                 cut_blocked_by=blocked.get(i, ""),
                 tp_refusal="" if any(s.name == "megatron" for s in styles) else megatron_refusal(view),
+                recompute_refusal=recompute_refusal(model, key),
+                sync_norm_channels=batch_norm_channels(model, key),
                 **sac.layer_fields(),
                 tied_params=tuple(tied.get(i, ())),
                 tied_param_count=sum(params[p].numel() for p in tied.get(i, ())),

@@ -348,6 +348,8 @@ class PriceTable:
         runs = self.runs_as(layer.index, choice)
         c, b, prec, device = self.config, self.microbatch_size, self.prec, self.cluster.device
         fwd, bwd, tp_comm_fwd, tp_comm_bwd, acts = self._style_part(layer, runs.tp, runs.sp)
+        norm_sync = self._norm_sync_s(layer)
+        fwd, bwd = fwd + norm_sync, bwd + norm_sync
         refwd, kept = recompute_part(self, layer, runs, fwd, acts)
         compute = fwd + bwd + refwd
         # a recomputed forward issues its collectives again (selective keeps only matmul-class outputs)
@@ -378,6 +380,15 @@ class PriceTable:
             buckets_bytes=buckets,
             activation_mb_bytes=math.ceil(b * max(kept, 0.0) * self.act_scale),
         )
+
+    def _norm_sync_s(self, layer: Layer) -> float:
+        """Per microbatch, forward or backward: a BatchNorm under dp all-reduces its per-channel sum
+        and sum of squared deviations over the dp group (two all-reduces of C fp32 values each way,
+        passes/batchnorm.py), blocking the layer's compute."""
+        if self.config.mesh.dp <= 1 or not layer.sync_norm_channels:
+            return 0.0
+        return sum(2 * collective_time_s(Collective.ALL_REDUCE, FP32_BYTES * c, self.dp_group, self.cluster)
+                   for c in layer.sync_norm_channels)
 
     def _master_grad_bytes(self, params: int) -> int:
         """Where no FSDP2 unit holds a bf16 plan's weights (dp = 1, or DDP), the runtime keeps fp32

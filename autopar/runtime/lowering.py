@@ -22,6 +22,7 @@ import torch.nn as nn
 from autopar.contract import plan_layout
 from autopar.errors import PlanError
 from autopar.graph import LayerGraph
+from autopar.passes.batchnorm import sync_batch_norms
 from autopar.passes.parallelize import Part, PartResult, parallelize_part
 from autopar.plan import Plan
 from autopar.runtime.launch import device as rank_device
@@ -104,6 +105,8 @@ def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: An
                               scale_grads=dtype is None or dp > 1)
             return Lowered(runtime.modules, mesh, [None] * len(runtime.modules), runtime.permutations,
                            pipeline=runtime, pp_group=runtime.pp_group)
+        if dp > 1:  # BatchNorm normalises with the whole dp group's batch, as one device would
+            sync_batch_norms(model, mesh["dp"].get_group())
         result = parallelize_part(model, graph, plan, whole_model_part(graph, plan), mesh, device, init_fn)
     return _from_parts([result], mesh)
 

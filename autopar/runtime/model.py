@@ -40,8 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
+from autopar import inputs as model_inputs
 from autopar.errors import BatchError, LaunchError
 from autopar.graph import LayerGraph
 from autopar.plan import Plan, Predicted
@@ -53,11 +53,11 @@ from autopar.runtime.launch import (
     launch_hint,
     resolve_plan,
 )
+from autopar.runtime.loss import default_loss
 from autopar.runtime.lowering import Lowered, gather_parts, lower, lower_local
 from autopar.runtime.precision import MasterWeights, attach_masters, cast_floating, plan_dtype
 from autopar.runtime.state import Entry, full_tensor, param_entries, persistent_buffers
 from autopar.runtime.training import (
-    as_tuple,
     check_batch,
     check_loss,
     clip_grads_,
@@ -67,7 +67,7 @@ from autopar.runtime.training import (
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
-LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, torch.Tensor | None], torch.Tensor]
 
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -75,23 +75,9 @@ def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def default_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the last dim for integer targets (logits), else mean squared error.
-
-    Hugging Face outputs are unwrapped to ``.logits``; a tuple to its first element.
-    """
-    if hasattr(output, "logits"):
-        output = output.logits
-    elif isinstance(output, (tuple, list)):
-        output = output[0]
-    if not targets.is_floating_point():
-        return F.cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1))
-    return F.mse_loss(output, targets)
-
-
 def fp32_loss(loss_fn: LossFn) -> LossFn:
     """``loss_fn`` on the output cast to fp32: a bf16 plan's loss (and its softmax) in full precision."""
-    def loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    def loss(output: Any, targets: torch.Tensor | None) -> torch.Tensor:
         return loss_fn(cast_floating(output, torch.float32), targets)
 
     return loss
@@ -180,32 +166,41 @@ class ParallelModel:
     def _device(self) -> torch.device:
         return device() if self.launched else torch.device("cpu")
 
-    def local_batch(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This dp rank's slice of a global batch (the tp and pp ranks of a dp group share it)."""
+    def local_batch(self, batch: Any) -> Any:
+        """This dp rank's slice of a global batch (the tp and pp ranks of a dp group share it): a tensor,
+        a tuple of positional inputs or a dict of keyword inputs, sliced along dim 0 (None stays None)."""
+        if batch is None:
+            return None
         dp = self.plan.mesh.dp
         expected = dp * self.local_batch_size
-        if tensor.shape[0] != expected:
+        got = model_inputs.batch_size(batch)
+        if got != expected:
             raise BatchError(f"a global batch for this plan has {expected} samples (dp {dp} × "
                              f"microbatches {self.plan.microbatches} × microbatch size "
-                             f"{self.plan.microbatch_size}), got {tensor.shape[0]}")
-        return tensor.chunk(dp)[self._dp_rank()]
+                             f"{self.plan.microbatch_size}), got {got}")
+        if isinstance(batch, torch.Tensor):
+            return batch.chunk(dp)[self._dp_rank()]
+        return model_inputs.shard(batch, dp, self._dp_rank())
 
-    def _check_batch(self, inputs: tuple[torch.Tensor, ...], targets: torch.Tensor,
+    def _check_batch(self, inputs: model_inputs.Inputs, targets: torch.Tensor | None,
                      what: str = "train_step") -> None:
         check_batch(inputs, targets, self.local_batch_size, self.plan.microbatches,
                     self.plan.microbatch_size, what)
 
-    def _loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
+    def _loss(self, output: Any, targets: torch.Tensor | None) -> torch.Tensor:
         if self.plan.training.dtype == "bf16":
             output = cast_floating(output, torch.float32)
         return check_loss(self.loss_fn(output, targets))
 
     # -------------------------------------------------------------- training
 
-    def train_step(self, inputs: Any, targets: torch.Tensor) -> float:
-        """One optimizer step on this rank's shard; returns the global-batch mean loss (same on every rank)."""
+    def train_step(self, inputs: Any, targets: torch.Tensor | None = None) -> float:
+        """One optimizer step on this rank's shard; returns the global-batch mean loss (same on every rank).
+
+        ``inputs``: a tensor, a tuple of positional inputs or a dict of keyword inputs (``input_ids``,
+        ``attention_mask``, ``labels``…); ``targets`` may be None when the model computes its own loss."""
         lowered = self._require_launch()
-        inputs = as_tuple(inputs)
+        inputs = model_inputs.normalise(inputs)
         self._check_batch(inputs, targets)
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
@@ -234,14 +229,14 @@ class ParallelModel:
             return float(hold(loss)) / self._stage_ranks()
         return float(loss)
 
-    def _accumulate(self, lowered: Lowered, inputs: tuple[torch.Tensor, ...],
-                    targets: torch.Tensor) -> torch.Tensor:
+    def _accumulate(self, lowered: Lowered, inputs: model_inputs.Inputs,
+                    targets: torch.Tensor | None) -> torch.Tensor:
         """Gradient accumulation: each microbatch's loss scaled by 1/m, so gradients are the batch mean."""
         from autopar.passes.zero import set_last_microbatch
 
         dev, m = self._device(), self.plan.microbatches
-        xs = [x.to(dev).chunk(m) for x in inputs]
-        ys = targets.to(dev).chunk(m)
+        xs = model_inputs.chunks(model_inputs.to(inputs, dev), m)
+        ys = targets.to(dev).chunk(m) if targets is not None else [None] * m
         total = torch.zeros((), dtype=torch.float64, device=dev)
         for i in range(m):
             for result in lowered.data_parallel:
@@ -249,16 +244,16 @@ class ParallelModel:
                     set_last_microbatch(result, i == m - 1)
             if self.masters is not None:
                 self.masters.ddp_syncing = i == m - 1
-            loss = self._loss(lowered.module(*(x[i] for x in xs)), ys[i])
+            loss = self._loss(model_inputs.call(lowered.module, xs[i]), ys[i])
             (loss / m).backward()
             total += loss.detach().double()
         return total / m
 
-    def _pipeline_step(self, lowered: Lowered, inputs: tuple[torch.Tensor, ...],
-                       targets: torch.Tensor) -> torch.Tensor:
+    def _pipeline_step(self, lowered: Lowered, inputs: model_inputs.Inputs,
+                       targets: torch.Tensor | None) -> torch.Tensor:
         """The pipeline runtime's step: forward and backward of every microbatch, returning
         the mean loss of this rank's shard on last-stage ranks and zero elsewhere."""
-        loss = lowered.pipeline.step(inputs if len(inputs) > 1 else inputs[0], targets)
+        loss = lowered.pipeline.step(_one_or_all(inputs), targets)
         if loss is None:
             return torch.zeros((), dtype=torch.float64, device=device())
         return loss.detach().double().to(device())
@@ -269,11 +264,11 @@ class ParallelModel:
         self.grad_norm = float(norm)
         clip_grads_(grads, float(self.max_grad_norm), norm)
 
-    def evaluate(self, inputs: Any, targets: torch.Tensor) -> float:
+    def evaluate(self, inputs: Any, targets: torch.Tensor | None = None) -> float:
         """The global-batch mean loss of this rank's shard in eval mode, without gradients (every
         rank calls it; the same value on every rank). Pipelines run forward only."""
         lowered = self._require_launch()
-        inputs = as_tuple(inputs)
+        inputs = model_inputs.normalise(inputs)
         self._check_batch(inputs, targets, "evaluate")
         modes = [(m, m.training) for part in lowered.parts for m in part.modules()]
         for part in lowered.parts:
@@ -281,12 +276,13 @@ class ParallelModel:
         try:
             with torch.no_grad():
                 if lowered.pipeline is not None:
-                    loss = lowered.pipeline.evaluate(inputs if len(inputs) > 1 else inputs[0], targets)
+                    loss = lowered.pipeline.evaluate(_one_or_all(inputs), targets)
                     loss = (torch.zeros((), dtype=torch.float64) if loss is None else loss.double()).to(device())
                 else:
                     dev, m = self._device(), self.plan.microbatches
-                    xs, ys = [x.to(dev).chunk(m) for x in inputs], targets.to(dev).chunk(m)
-                    loss = sum(self._loss(lowered.module(*(x[i] for x in xs)), ys[i]).double()
+                    xs = model_inputs.chunks(model_inputs.to(inputs, dev), m)
+                    ys = targets.to(dev).chunk(m) if targets is not None else [None] * m
+                    loss = sum(self._loss(model_inputs.call(lowered.module, xs[i]), ys[i]).double()
                                for i in range(m)) / m
         finally:
             for module, training in modes:
@@ -386,6 +382,11 @@ class ParallelModel:
 
         self.wait_for_checkpoint()
         shutdown()
+
+
+def _one_or_all(inputs: model_inputs.Inputs) -> Any:
+    """What the pipeline runtime takes: one positional input alone, else the tuple or the dict."""
+    return inputs[0] if isinstance(inputs, tuple) and len(inputs) == 1 else inputs
 
 
 def _sharded_state_dict(part: nn.Module, distributed: bool) -> dict[str, Any]:

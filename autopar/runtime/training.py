@@ -101,14 +101,16 @@ def step_rng(seed: int, step: int, stream: int, device: torch.device) -> Iterato
 # ------------------------------------------------------------------ batches and losses
 
 
-def as_tuple(inputs: Any) -> tuple[torch.Tensor, ...]:
-    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-
-
-def check_batch(inputs: tuple[torch.Tensor, ...], targets: torch.Tensor, n: int, microbatches: int,
+def check_batch(inputs: Any, targets: torch.Tensor | None, n: int, microbatches: int,
                 microbatch_size: int, what_takes: str = "train_step") -> None:
-    """Raise :class:`BatchError` unless every input and the targets have ``n`` samples on dim 0."""
-    for what, t in [("inputs", x) for x in inputs] + [("targets", targets)]:
+    """Raise :class:`BatchError` unless the inputs' batch and the targets (when given) have ``n``
+    samples on dim 0 (a positional tuple's every tensor; a dict's first)."""
+    from autopar import inputs as model_inputs
+
+    checked = model_inputs.tensors(inputs)
+    if isinstance(model_inputs.normalise(inputs), dict):
+        checked = [(f"input {k!r}", t) for k, t in checked[:1]]
+    for what, t in checked + ([("targets", targets)] if targets is not None else []):
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != n:
             got = t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else "no batch dim"
             raise BatchError(f"{what_takes} takes this rank's data-parallel shard of {n} samples "

@@ -110,6 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     _add_problem_args(verify)
     verify.add_argument("--plan", default=None, metavar="PLAN.json", help="verify this plan (else solve)")
     verify.add_argument("--steps", type=int, default=3, metavar="K", help="SGD steps to compare")
+    verify.add_argument("--loss", default=None, metavar="FILE.py:FUNCTION",
+                        help="loss_fn(output, targets) for both sides (default: the one that fits the output)")
     verify.set_defaults(dtype="fp32")
     for action in verify._actions:  # verify's global batch defaults to the example inputs' batch
         if action.dest == "batch_size":
@@ -317,6 +319,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     kwargs = _solve_kwargs(args) if plan is None else {}
     model, inputs = _load(args, device="cpu")
     dropout = v.disable_dropout(model)
+    v.loss_function(args.loss)  # a --loss that does not load, or an output no default loss fits: bad input
+    loss = v.loss_line(model, inputs, args.loss)
     graph = _capture(args, model, inputs)
     warnings = [v.RANDOM_FORWARD] if v.forward_is_random(model, inputs) else []
     if plan is not None:
@@ -327,20 +331,21 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         kwargs["cluster"] = kwargs["cluster"] if args.cluster else "cpu"
         kwargs["global_batch"] = args.batch_size or v.example_batch(inputs)
         plan = solve(graph, args.world_size, **kwargs)
-    warnings = v.plan_warnings(plan) + warnings
+    warnings = v.plan_warnings(plan, model) + warnings
     if not args.json:
-        _out("\n".join(v.setup_lines(plan, dropout, warnings)))
+        _out("\n".join(v.setup_lines(plan, dropout, warnings, loss)))
     try:
-        report = v.verify(args.spec, plan.to_json(), graph.to_dict(), steps=args.steps, seq_len=args.seq_len)
+        report = v.verify(args.spec, plan.to_json(), graph.to_dict(), steps=args.steps, seq_len=args.seq_len,
+                          loss=args.loss)
     except v.VerifyFailure as exc:
         if args.json:
-            _out(json.dumps(v.result_json(plan, dropout, warnings, failure=exc), indent=2))
+            _out(json.dumps(v.result_json(plan, dropout, warnings, failure=exc, loss=loss), indent=2))
         elif isinstance(exc, v.RankFailedError) and exc.traceback:
             sys.stderr.write(f"rank {exc.rank}'s traceback:\n{exc.traceback}")
         _err(str(exc))
         return EXIT_FAILED
     if args.json:
-        _out(json.dumps(v.result_json(plan, dropout, warnings, report), indent=2))
+        _out(json.dumps(v.result_json(plan, dropout, warnings, report, loss=loss), indent=2))
     else:
         _out("\n".join(v.result_lines(report)))
     return EXIT_OK if report.ok(v.TOLERANCE) else EXIT_FAILED

@@ -1,7 +1,10 @@
 """Model SPECs for the CLI: ``path/to/file.py:function`` or ``package.module:function``
 (a Hugging Face ``config.json`` or model directory: :mod:`autopar.tools.hf_spec`).
 
-A spec function returns ``(model, example_inputs)``. It may take ``device``
+A spec function returns ``(model, example_inputs)``: the inputs one tensor, a
+tuple of positional inputs or a dict of keyword inputs (``input_ids``,
+``attention_mask``, ``decoder_input_ids``, ``labels``, ``pixel_values``…),
+checked against ``forward``'s signature (:func:`autopar.inputs.check_signature`). It may take ``device``
 and ``seq_len``; ``seq_len`` is passed only when given. Where it is built:
 
 - a function that takes ``device`` (or ``**kwargs``) is called with it, and
@@ -182,6 +185,13 @@ def _check_result(spec: str, result: Any) -> tuple[nn.Module, Any]:
                     "expected a tensor, a tuple/list of inputs or a dict of keyword inputs")
 
 
+def load_function(spec: str) -> Callable[..., Any]:
+    """The function ``FILE.py:FUNCTION`` or ``MODULE:FUNCTION`` names (``verify --loss``)."""
+    target, func = _split(spec)
+    module = _import_file(spec, Path(target)) if _is_path(target) else _import_module(spec, target)
+    return _function(spec, module, func)
+
+
 def load_spec(spec: str, *, seq_len: int | None = None, device: str = "meta",
               batch: int | None = None) -> tuple[nn.Module, Any]:
     """The ``(model, example_inputs)`` a SPEC names, inputs normalised for :func:`autopar.capture`.
@@ -202,6 +212,9 @@ def load_spec(spec: str, *, seq_len: int | None = None, device: str = "meta",
         module = _import_module(spec, target)
     fn = _function(spec, module, func)
     model, inputs = _check_result(spec, _call(spec, fn, seq_len, device))
+    from autopar.inputs import check_signature
+
+    check_signature(model, inputs)  # an input forward cannot take: one line naming it
     if device == "meta" and not takes_device(fn) and _on_meta(model):
         inputs = _to_meta(inputs)
     return model, inputs

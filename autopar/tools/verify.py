@@ -37,10 +37,12 @@ What is compared, and why each rule is there:
 - **Global batch** defaults to the example inputs' batch, so
   ``--pin microbatches=4`` on a batch-8 example works.
 
-Synthetic batches follow the example inputs: integer inputs become random
-token ids below the first ``nn.Embedding``'s size, with random next-token ids
-as targets; float inputs and targets are standard normal, shaped like the
-inputs (so the default loss is mean squared error).
+Synthetic batches follow the example inputs, keyword or positional
+(:mod:`autopar.tools.batches`: masks keep the example's rows, ``labels`` and
+targets are ids below the output's last dim, token ids below the first
+``nn.Embedding``'s size, floats standard normal), with targets that fit the
+model's output; both sides train with ``--loss`` or the default loss that
+fits (:mod:`autopar.runtime.loss`), named in one line before the run.
 
 A rank that raises is reported as :class:`RankFailedError` with that rank's
 exception and the file and line it came from (the CLI exits 1): a crash in
@@ -65,6 +67,9 @@ import torch
 import torch.nn as nn
 
 from autopar.errors import AutoparError
+from autopar.inputs import call, describe
+from autopar.inputs import tensors as model_tensors
+from autopar.tools.batches import loss_line, probe, synthetic_batch  # noqa: F401 - loss_line: the CLI's
 
 if TYPE_CHECKING:
     from autopar.plan import Plan
@@ -184,25 +189,33 @@ def disable_dropout(model: nn.Module) -> list[str]:
     return changed
 
 
-def forward_is_random(model: nn.Module, example_inputs: tuple) -> bool:
+def forward_is_random(model: nn.Module, example_inputs: Any) -> bool:
     """Whether two training-mode forwards of the same batch under different seeds differ.
 
     Run after :func:`disable_dropout`: anything still random (a sampling
     layer, stochastic depth under another name) makes one process and W
-    ranks disagree whatever the plan.
+    ranks disagree whatever the plan. Running statistics (BatchNorm's) are
+    put back afterwards.
     """
+    from autopar.runtime.loss import prediction
+
     x, _ = synthetic_batch(model, example_inputs, example_batch(example_inputs), SEED)
+    saved = {k: b.clone() for k, b in model.named_buffers()}
     outputs = []
-    with torch.no_grad():
-        for seed in (SEED + 101, SEED + 102):
-            torch.manual_seed(seed)
-            try:
-                out = model(x)
-            except Exception as exc:  # noqa: BLE001 - the model's own failure, on one process
-                raise AutoparError(f"the model's forward failed on a synthetic batch shaped like the "
-                                   f"example inputs ({tuple(x.shape)}): {type(exc).__name__}: {exc}") from exc
-            out = getattr(out, "logits", out)
-            outputs.append(out[0] if isinstance(out, (tuple, list)) else out)
+    try:
+        with torch.no_grad():
+            for seed in (SEED + 101, SEED + 102):
+                torch.manual_seed(seed)
+                try:
+                    out = call(model, x)
+                except Exception as exc:  # noqa: BLE001 - the model's own failure, on one process
+                    raise AutoparError(f"the model's forward failed on a synthetic batch shaped like the "
+                                       f"example inputs ({describe(x)}): {type(exc).__name__}: {exc}") from exc
+                outputs.append(prediction(out))
+    finally:
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                b.copy_(saved[k])
     return _rel(outputs[0], outputs[1], 0.0) > 1e-4
 
 
@@ -213,31 +226,12 @@ RANDOM_FORWARD = ("the model's forward is still random with dropout off (two see
 
 def example_batch(example_inputs: Any) -> int:
     """The example inputs' batch (dim 0 of the first tensor): verify's default global batch."""
-    tensors = list(example_inputs.values()) if isinstance(example_inputs, dict) else list(example_inputs)
-    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    tensors = [t for _, t in model_tensors(example_inputs)]
+    first = next(iter(tensors), None)
     if first is None or first.dim() == 0:
         raise AutoparError("verify needs example inputs with a batch dimension; the first input is "
                            f"{'not a tensor' if first is None else 'a 0-d tensor'}")
     return int(first.shape[0])
-
-
-def synthetic_batch(model: nn.Module, example_inputs: tuple, batch: int,
-                    seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A global batch shaped like the example inputs (see the module docstring)."""
-    if isinstance(example_inputs, dict):
-        raise AutoparError("verify feeds the model one positional input; this spec returns keyword "
-                           f"inputs ({', '.join(example_inputs)}): return a tuple instead")
-    g = torch.Generator().manual_seed(seed)
-    ex = example_inputs[0]
-    shape = (batch, *ex.shape[1:])
-    if ex.is_floating_point():
-        return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    if emb is None:
-        raise AutoparError("verify makes token ids for integer inputs and needs an nn.Embedding "
-                           "to know the vocabulary size")
-    vocab = emb.num_embeddings
-    return torch.randint(0, vocab, shape, generator=g), torch.randint(0, vocab, shape, generator=g)
 
 
 # ------------------------------------------------------------------ the comparison
@@ -277,8 +271,14 @@ def compare(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
 # ------------------------------------------------------------------ the plan that ran
 
 
-def plan_warnings(plan: Plan) -> list[str]:
+def plan_warnings(plan: Plan, model: nn.Module | None = None) -> list[str]:
     """What about the plan makes its run say less than it seems to (printed before the result)."""
+    from autopar.passes.batchnorm import batch_norms
+
+    if model is not None and plan.microbatches > 1 and batch_norms(model):
+        return [f"the model has BatchNorm and the plan runs {plan.microbatches} microbatches: each "
+                "normalises over its own microbatch (of every dp rank), one process over the whole batch, "
+                "so the two differ by design; pin microbatches=1 to compare them exactly"]
     if plan.mesh.tp > 1 and not any(l.choice.tp for l in plan.layers):
         return [f"the mesh has tp={plan.mesh.tp} but no layer is tensor-parallel: the {plan.mesh.tp} "
                 "ranks of each tp group repeat the same work, so this run checks no tensor "
@@ -292,7 +292,7 @@ def _listed(names: list[str], shown: int = 3) -> str:
     return ", ".join(names[:shown]) + more
 
 
-def setup_lines(plan: Plan, dropout: list[str], warnings: list[str]) -> list[str]:
+def setup_lines(plan: Plan, dropout: list[str], warnings: list[str], loss: str = "") -> list[str]:
     """What ``verify`` is about to run, printed before it starts: the plan, its layers, dropout."""
     lines = [plan.summary(), "",
              f"plan: mesh {plan.mesh.describe()}, {plan.microbatches} microbatches, global batch "
@@ -303,6 +303,8 @@ def setup_lines(plan: Plan, dropout: list[str], warnings: list[str]) -> list[str
                      f"{len(dropout)} set to 0: {_listed(dropout)}")
     else:
         lines.append("dropout: none in the model")
+    if loss:
+        lines.append(loss)
     return lines + [f"warning: {w}" for w in warnings]
 
 
@@ -325,9 +327,11 @@ def result_lines(report: VerifyReport, tolerance: float = TOLERANCE) -> list[str
 
 
 def result_json(plan: Plan, dropout: list[str], warnings: list[str], report: VerifyReport | None = None,
-                failure: VerifyFailure | None = None, tolerance: float = TOLERANCE) -> dict[str, Any]:
+                failure: VerifyFailure | None = None, tolerance: float = TOLERANCE,
+                loss: str = "") -> dict[str, Any]:
     """``verify --json``: ``result`` is SAME, DIFFERENT or FAILED (a rank crashed or timed out)."""
     out: dict[str, Any] = {"tolerance": tolerance, "floor": FLOOR, "dropout_disabled": dropout,
+                           "loss": loss.removeprefix("loss: "),
                            "warnings": warnings, "plan": plan.to_dict()}
     if report is not None:
         out |= {"result": "SAME" if report.ok(tolerance) else "DIFFERENT", "report": report.to_dict()}
@@ -354,14 +358,12 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
 
 
-def _reference(spec: str, seq_len: int | None, batches: list, steps: int) -> dict[str, Any]:
-    from autopar.runtime import default_loss
-
+def _reference(spec: str, seq_len: int | None, batches: list, steps: int, loss_fn: Any) -> dict[str, Any]:
     model, _ = _build(spec, seq_len)
     opt, losses, grads = _sgd(model.parameters()), [], {}
     for k, (x, y) in enumerate(batches[:steps]):
         opt.zero_grad()
-        loss = default_loss(model(x), y)
+        loss = loss_fn(call(model, x), y)
         loss.backward()
         if k == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -399,13 +401,13 @@ def _is_secondary(exc: BaseException) -> bool:
 
 
 def _worker(rank: int, world_size: int, tmp: str, spec: str, seq_len: int | None,
-            plan_json: str, graph: dict, steps: int) -> None:
+            plan_json: str, graph: dict, steps: int, loss: str | None = None) -> None:
     """One rank of a verify run. Its results are on disk once :func:`_run_rank` returns, so the
     process leaves with ``os._exit(0)``: an interpreter teardown can still abort in gloo's C++
     threads ("terminate called without an active exception", seen once in a loaded full-suite
     run), which would turn a finished run into a dead rank."""
     try:
-        _run_rank(rank, world_size, tmp, spec, seq_len, plan_json, graph, steps)
+        _run_rank(rank, world_size, tmp, spec, seq_len, plan_json, graph, steps, loss)
     except BaseException as exc:
         Path(tmp, f"error-{rank}.json").write_text(json.dumps(_failure(rank, exc)))
         raise
@@ -414,8 +416,16 @@ def _worker(rank: int, world_size: int, tmp: str, spec: str, seq_len: int | None
     os._exit(0)
 
 
+def loss_function(loss: str | None) -> Any:
+    """The loss both sides train with: ``--loss FILE.py:FUNCTION`` (or ``MODULE:FUNCTION``), else the default."""
+    from autopar.runtime.loss import default_loss
+    from autopar.tools.spec import load_function
+
+    return default_loss if loss is None else load_function(loss)
+
+
 def _run_rank(rank: int, world_size: int, tmp: str, spec: str, seq_len: int | None,
-              plan_json: str, graph: dict, steps: int) -> None:
+              plan_json: str, graph: dict, steps: int, loss: str | None = None) -> None:
     import torch.distributed as dist
 
     import autopar
@@ -428,10 +438,12 @@ def _run_rank(rank: int, world_size: int, tmp: str, spec: str, seq_len: int | No
                             rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
     plan = Plan.from_json(plan_json)
     model, inputs = _build(spec, seq_len)
-    batches = [synthetic_batch(model, inputs, plan.training.global_batch, SEED + 1 + k)
+    output = probe(model, inputs, wrap=False)
+    batches = [synthetic_batch(model, inputs, plan.training.global_batch, SEED + 1 + k, output)
                for k in range(steps)]
+    loss_fn = loss_function(loss)
     pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=LayerGraph.from_dict(graph),
-                         optimizer=_sgd)
+                         optimizer=_sgd, loss_fn=loss_fn)
     losses, grads = [], {}
     for k, (x, y) in enumerate(batches):
         losses.append(pm.train_step(pm.local_batch(x), pm.local_batch(y)))
@@ -440,7 +452,7 @@ def _run_rank(rank: int, world_size: int, tmp: str, spec: str, seq_len: int | No
     params = pm.state_dict(full=True)
     dist.destroy_process_group()
     if rank == 0:
-        ref = _reference(spec, seq_len, batches, steps)
+        ref = _reference(spec, seq_len, batches, steps, loss_fn)
         report = VerifyReport(world_size, steps, plan.training.global_batch, losses, ref["losses"],
                               max(abs(a - b) / abs(b) if b else abs(a) for a, b in zip(losses, ref["losses"])),
                               compare(grads, ref["grads"]),
@@ -459,7 +471,7 @@ def _first_failure(tmp: str, fallback: BaseException) -> RankFailedError:
 
 
 def verify(spec: str, plan_json: str, graph: dict, *, steps: int = 3, seq_len: int | None = None,
-           timeout_s: float = 900.0) -> VerifyReport:
+           timeout_s: float = 900.0, loss: str | None = None) -> VerifyReport:
     """Spawn ``plan.world_size`` gloo processes running the plan; return rank 0's comparison.
 
     Raises :class:`RankFailedError` when a rank raises (or dies), and
@@ -471,7 +483,7 @@ def verify(spec: str, plan_json: str, graph: dict, *, steps: int = 3, seq_len: i
 
     world_size = Plan.from_json(plan_json).world_size
     with tempfile.TemporaryDirectory(prefix="autopar-verify-") as tmp:
-        ctx = mp.start_processes(_worker, args=(world_size, tmp, spec, seq_len, plan_json, graph, steps),
+        ctx = mp.start_processes(_worker, args=(world_size, tmp, spec, seq_len, plan_json, graph, steps, loss),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:

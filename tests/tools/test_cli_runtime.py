@@ -59,3 +59,20 @@ def test_run_reports_a_failing_script(tmp_path: Path, capsys) -> None:
     assert main(["run", str(script), "--nproc", "1"]) == 1
     assert "failed" in capsys.readouterr().err
     assert main(["run", str(tmp_path / "missing.py"), "--nproc", "1"]) == 2
+
+
+@pytest.mark.distributed
+def test_run_names_the_default_loss_once(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    script = tmp_path / "classify.py"
+    script.write_text(
+        "import torch, torch.nn as nn, autopar\n"
+        "model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))\n"
+        "pm = autopar.compile(model, example_inputs=(torch.zeros(4, 4),), global_batch=4, dtype='fp32',\n"
+        "                     pins=['dp=2', 'zero=0'])\n"
+        "x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))\n"
+        "for _ in range(2):\n"
+        "    pm.train_step(pm.local_batch(x), pm.local_batch(y))\n"
+        "pm.close()\n")
+    assert main(["run", str(script), "--nproc", "2"]) == 0
+    err = capfd.readouterr().err
+    assert err.count("autopar: default loss: cross-entropy over 3 classes (one class index per sample)") == 1, err

@@ -233,7 +233,39 @@ def test_a_crashing_rank_exits_1_with_its_error_and_line(as_json: bool, capsys: 
 def test_bad_input_to_verify_stays_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["verify", f"{SPECS}:opt", "--world-size", "2", "--steps", "0"]) == 2
     assert "--steps must be at least 1" in capsys.readouterr().err
-    spec = _write(tmp_path, "def kw():\n    return nn.Linear(4, 4), {'input': torch.zeros(2, 4)}\n")
+    spec = _write(tmp_path, "def kw():\n    return nn.Linear(4, 4), {'x': torch.zeros(2, 4)}\n")
     assert main(["verify", spec + ":kw", "--world-size", "2"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "returns keyword inputs" in err
+    assert err.count("\n") == 1 and "input 'x' matches no argument of Linear.forward(input)" in err
+
+
+def test_an_output_no_default_loss_fits_asks_for_a_loss_function(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    spec = _write(tmp_path, "class Pair(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                  "        self.fc = nn.Linear(4, 4)\n    def forward(self, x):\n        return {'a': 3}\n\n"
+                  "def pair():\n    return Pair(), (torch.zeros(2, 4),)\n")
+    assert main(["verify", spec + ":pair", "--world-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no default loss fits" in err and "pass a loss function" in err
+    assert main(["verify", spec + ":pair", "--world-size", "2", "--loss", spec + ":nothing"]) == 2
+    assert "no function 'nothing'" in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+def test_verify_takes_keyword_inputs_and_a_classifier_and_names_its_loss(capsys: pytest.CaptureFixture) -> None:
+    code = main(["verify", f"{SPECS}:t5_keywords", "--world-size", "2", "--pin", "dp=2", "--pin", "zero=3",
+                 "--steps", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "loss: cross-entropy over the last dim (128) at every position" in out
+    assert "OK: SAME as one process" in out
+    code = main(["verify", f"{SPECS}:resnet_bn", "--world-size", "2", "--pin", "dp=2", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "loss: cross-entropy over 10 classes (one class index per sample)" in out
+    assert "OK: SAME as one process" in out
+    user = f"{SPECS}:smoothed_cross_entropy"
+    code = main(["verify", f"{SPECS}:resnet_bn", "--world-size", "2", "--pin", "dp=2", "--steps", "2", "--loss", user])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"loss: {user} (given with --loss)" in out and "OK: SAME as one process" in out

@@ -1,0 +1,40 @@
+"""Models beyond "one token tensor in, logits out" train the numbers one device trains under dp.
+
+T5 fed keyword inputs (``input_ids``, ``decoder_input_ids``), Qwen3 fed a
+padding mask and its labels (its own ``.loss``), a ResNet with BatchNorm and
+an MLP-Mixer classifying images, an LSTM language model returning
+``(logits, hidden)`` and Mamba, each built as its upstream writes it
+(tests/zoo.py ``BEYOND``), under ZeRO-3 and replicated data parallelism on 2
+ranks: first-step loss and gradients, and parameters (BatchNorm's running
+statistics included) after 3 SGD steps within 1e-5 of one device; and Qwen3's
+keyword inputs (ids and padding mask) into the first stage of a 2-stage pipeline, and (with
+its labels) under tensor parallelism on its blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+from distributed import check_equivalent
+from zoo import BEYOND
+
+pytestmark = pytest.mark.distributed
+
+CASES = ([f"zoo_cases:{m}/zero3" for m in BEYOND] + ["zoo_cases:resnet_bn/dp2", "zoo_cases:hf_qwen3_padded/dp2"]
+         + ["zoo_cases:hf_qwen3_mask/pp2", "zoo_cases:hf_qwen3_padded/tp"])
+
+
+def test_keyword_inputs_own_losses_classifiers_batchnorm_lstm_and_mamba_match_one_device_under_dp(ranks) -> None:
+    results = ranks(2).run(CASES)
+    for case in CASES:
+        check_equivalent(results[case])
+    layers = results["zoo_cases:hf_qwen3_padded/tp"]["layers"]
+    blocks = [tp for name, tp, *_ in layers if name.startswith("model.layers.")]
+    assert blocks and set(blocks) == {"megatron"}
+
+
+def test_batchnorm_inside_pipeline_stages_under_dp_matches_one_device(ranks) -> None:
+    """pp=2 × dp=2 with one microbatch: the stages' BatchNorms normalise over the dp group's batch, and
+    the pipeline's first-step metadata inference (one more forward) leaves running statistics alone."""
+    (metrics,) = ranks(4).run(["zoo_cases:resnet_bn/pp2dp2"]).values()
+    assert metrics["mesh"] == [2, 2, 1]
+    check_equivalent(metrics)
