@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 from cut_cases import PP2, llama_tied, lstm, qwen2, stage_pins
-from distributed import check_equivalent
+from distributed import check_equivalent, every_rank
 
 import autopar
 from autopar.capturing.boundary import describe
@@ -132,7 +132,8 @@ W2 = ["qwen2_rotary_cut", "llama_tied_embedding_cut", "lstm_cut_after_emb", "lst
 
 @pytest.fixture(scope="module")
 def w2(ranks) -> dict[str, dict]:
-    return ranks(2).run([*W2, "qwen2_compile_trains"], module="cut_cases")
+    return ranks(2).run([*W2, "qwen2_compile_trains", "meta_qwen2_pipeline", "meta_buffer_refused"],
+                        module="cut_cases")
 
 
 @pytest.mark.distributed
@@ -146,3 +147,18 @@ def test_compile_of_qwen2_with_pp2_trains(w2: dict) -> None:
     m = w2["qwen2_compile_trains"]
     assert m["pp"] == 2 and len(m["cut_after"]) == 1
     assert all(l == l for l in m["losses"]) and m["losses"][-1] < m["losses"][0]
+
+
+@pytest.mark.distributed
+def test_a_meta_built_qwen2_gets_its_real_rotary_tables_on_every_stage(w2: dict) -> None:
+    ranks = every_rank(w2["meta_qwen2_pipeline"])
+    assert sum(r["inv_freq_held"] for r in ranks) >= 1  # the stage holding the rotary embedding
+    for r in ranks:
+        assert r["inv_freq_equal"]  # computed as the model's own __init__ does, not torch.empty
+        assert all(l == l for l in r["losses"]) and r["losses"][-1] < r["losses"][0]
+
+
+@pytest.mark.distributed
+def test_a_buffer_nothing_can_set_is_refused_on_every_rank(w2: dict) -> None:
+    for r in every_rank(w2["meta_buffer_refused"]):
+        assert r["raised"] == "LoweringError" and "buffer gain" in r["message"]
