@@ -120,7 +120,8 @@ def meta_qwen2_pipeline(rank: int, world_size: int) -> dict[str, Any]:
     real, _ = qwen2()
     want = real.model.rotary_emb.inv_freq
     held = [b for mod in pm.lowered.pipeline.modules for n, b in mod.named_buffers() if n.endswith("inv_freq")]
-    return {"losses": losses, "inv_freq_held": len(held), "inv_freq_equal": all(torch.equal(b.cpu(), want) for b in held)}
+    return {"losses": losses, "inv_freq_held": len(held),
+            "inv_freq_equal": all(torch.equal(b.cpu(), want) for b in held)}
 
 
 def meta_buffer_refused(rank: int, world_size: int) -> dict[str, Any]:
