@@ -6,7 +6,11 @@ Plan. Returns one ``torch.fx.GraphModule`` per virtual stage ``0 … pp·chunks�
 stage k's ``forward`` takes the values that cross into it (stage 0: the
 model's inputs, in ``forward``'s order) and returns those that cross out,
 in graph order (one value bare, several as a tuple; the last stage returns
-the model's output, a one-element output unwrapped).
+the model's output, a one-element output unwrapped). A value that is a
+tuple, dict, dataclass or ``ModelOutput`` crosses as its tensor leaves, made
+contiguous, and is rebuilt on the receiving stage
+(:mod:`autopar.capturing.boundary`); an element taken from a layer's tuple
+output travels alone.
 
 What stays true:
 
