@@ -169,6 +169,43 @@ def _check_parameters(model: nn.Module, modules: list[fx.GraphModule], tied: set
                                     "(tied weights?): put every layer using it in one stage")
 
 
+def _canonical_names(model: nn.Module, stage: fx.GraphModule) -> None:
+    """A parameter the stage reads by ``get_attr`` under another of its names (a tied weight that
+    torch.export keeps under its last name, ``lm_head.weight``) is held under the model's first
+    name (``model.embed_tokens.weight``), the one its ``named_parameters()`` gives: verify,
+    checkpoints and exported weights find it there."""
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        first.setdefault(id(p), name)
+    renamed: set[str] = set()
+    for node in stage.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        try:
+            p = stage.get_parameter(node.target)
+        except AttributeError:
+            continue
+        name = first.get(id(p), node.target)
+        if name == node.target:
+            continue
+        owner, _, attr = name.rpartition(".")
+        if owner:
+            try:
+                stage.get_submodule(owner)
+            except AttributeError:
+                stage.add_submodule(owner, nn.Module())
+        (stage.get_submodule(owner) if owner else stage).register_parameter(attr, p)
+        renamed.add(node.target)
+        node.target = name
+    still = {n.target for n in stage.graph.nodes if n.op in ("get_attr", "call_module")}
+    for old in renamed - still:
+        owner, _, attr = old.rpartition(".")
+        if not any(old.startswith(f"{t}.") for t in still):
+            del (stage.get_submodule(owner) if owner else stage)._parameters[attr]
+    if renamed:
+        stage.recompile()
+
+
 def split_model(model: nn.Module, example_inputs: Any, graph: LayerGraph, plan: Plan) -> StageSplit:
     """Trace ``model`` and cut it at the plan's stage boundaries (see the module docstring).
 
@@ -196,6 +233,8 @@ def split_model(model: nn.Module, example_inputs: Any, graph: LayerGraph, plan: 
         modules.append(fx.GraphModule(gm, g, class_name=f"Stage{k}"))
     tied = {p for layer in graph for p in layer.tied_params} if n_stages > 1 else set()
     _check_parameters(model, modules, tied)
+    for mod in modules:
+        _canonical_names(model, mod)
     by_stage: list[list[str]] = [[] for _ in range(n_stages)]
     for lp in plan.layers:
         by_stage[lp.stage].append(lp.name)

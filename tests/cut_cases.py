@@ -36,6 +36,8 @@ def _hf(config: str, model: str, **kw: Any) -> Callable[[], tuple[nn.Module, tup
 
 qwen2 = _hf("Qwen2Config", "Qwen2ForCausalLM", tie_word_embeddings=False)
 llama_tied = _hf("LlamaConfig", "LlamaForCausalLM", tie_word_embeddings=True)
+# Gemma 3 exports only as inlined ATen ops, which read the tied weight under its last name (lm_head.weight)
+gemma3_tied = _hf("Gemma3TextConfig", "Gemma3ForCausalLM", tie_word_embeddings=True, head_dim=16)
 
 
 class LSTMLM(nn.Module):
@@ -68,6 +70,7 @@ LSTM_LAYERS = ["emb", "lstm", "head"]
 SPECS: dict[str, Spec] = {
     "qwen2_rotary_cut": Spec(qwen2, PP2 + stage_pins(HF_LAYERS, "model.rotary_emb"), 8),
     "llama_tied_embedding_cut": Spec(llama_tied, PP2 + stage_pins(HF_LAYERS, "model.embed_tokens"), 8),
+    "gemma3_tied_embedding_cut": Spec(gemma3_tied, PP2 + stage_pins(HF_LAYERS, "model.embed_tokens"), 8),
     "lstm_cut_after_emb": Spec(lstm, PP2 + stage_pins(LSTM_LAYERS, "emb"), 8),
     "lstm_cut_after_lstm": Spec(lstm, PP2 + stage_pins(LSTM_LAYERS, "lstm"), 8),
 }

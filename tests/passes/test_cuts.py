@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn as nn
-from cut_cases import PP2, llama_tied, lstm, qwen2, stage_pins
+from cut_cases import PP2, gemma3_tied, llama_tied, lstm, qwen2, stage_pins
 from distributed import check_equivalent, every_rank
 
 import autopar
@@ -92,6 +92,16 @@ def test_every_offered_cut_chains_to_the_model(build) -> None:
         assert torch.equal(getattr(out, "logits", out), ref), graph.layers[i].name
 
 
+def test_a_tied_weight_is_held_under_the_models_first_name_on_both_ends() -> None:
+    torch.manual_seed(0)
+    model, inputs = gemma3_tied()
+    graph = autopar.capture(model, inputs)
+    split = split_model(model, inputs, graph, _cut_plan(graph, 0))
+    ends = [[n for n, _ in m.named_parameters() if n in ("model.embed_tokens.weight", "lm_head.weight")]
+            for m in split.modules]
+    assert ends == [["model.embed_tokens.weight"], ["model.embed_tokens.weight"]]
+
+
 def test_values_without_a_tensor_form_are_named() -> None:
     assert describe((torch.ones(1), {"a": None, "n": 2})) == ""
     assert describe((torch.ones(1), object())) == "tuple holding a object"
@@ -127,7 +137,8 @@ def test_a_buffer_written_across_a_cut_is_caught_at_plan_time() -> None:
         autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=8, pins=pins)
 
 
-W2 = ["qwen2_rotary_cut", "llama_tied_embedding_cut", "lstm_cut_after_emb", "lstm_cut_after_lstm"]
+W2 = ["qwen2_rotary_cut", "llama_tied_embedding_cut", "gemma3_tied_embedding_cut", "lstm_cut_after_emb",
+      "lstm_cut_after_lstm"]
 
 
 @pytest.fixture(scope="module")
