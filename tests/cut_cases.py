@@ -1,8 +1,8 @@
 """Pipeline cases at the cuts other models need (:mod:`distributed`, same protocol as :mod:`pipeline_cases`).
 
 Models the project did not write, built here from small configs: Hugging
-Face Qwen2 cut where its rotary ``(cos, sin)`` tuple crosses, Llama with tied
-input/output embeddings cut right after the embedding, and an LSTM language
+Face Qwen2 cut where its rotary ``(cos, sin)`` tuple crosses, Llama and Gemma 3
+with tied input/output embeddings cut right after the embedding, and an LSTM language
 model cut after the embedding and after the LSTM (whose ``(h, (h_n, c_n))``
 output is unpacked in the next layer).
 """
