@@ -208,6 +208,40 @@ def _microbatch_inputs(example_inputs: Any, size: int) -> Any:
     return tuple(resize(t) for t in example_inputs)
 
 
+def _hf_init(model: nn.Module) -> Callable[[nn.Module], None]:
+    """Initialise a stage of a Hugging Face model as the model itself does, module by module."""
+    def init(stage: nn.Module) -> None:
+        for module in stage.modules():
+            model._init_weights(module)  # type: ignore[operator]
+
+    return init
+
+
+def _off_meta(gm: Any, device: torch.device) -> None:
+    """Tensors a stage creates on the device the trace saw (``arange(…, device=meta)`` when traced on
+    the meta device: export bakes it in) are created on ``device`` instead."""
+    meta = torch.device("meta")
+    changed = False
+    for node in gm.graph.nodes:
+        if node.kwargs.get("device") in (meta, "meta"):
+            node.kwargs = {**node.kwargs, "device": device}
+            changed = True
+    if changed:
+        gm.recompile()
+
+
+def _agree(failure: str) -> None:
+    """Every rank raises the first rank's failure to lower its stages, or none does: a rank that
+    failed alone would leave the others waiting in the schedule's first exchange."""
+    import torch.distributed as dist
+
+    failures: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    first = next((f for f in failures if f), "")
+    if first:
+        raise LoweringError(first)
+
+
 def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, plan: Plan, mesh: Any,
                    loss_fn: LossFn, device: torch.device,
                    init_fn: Callable[[nn.Module], None] | None = None, *,
@@ -219,8 +253,8 @@ def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, pla
     Raises :class:`LoweringError` (the same on every rank, before any
     collective of its own) for what cannot be lowered. A meta-device model is
     materialised stage by stage after sharding: each rank allocates only its
-    own stages' shards (``init_fn`` on each stage module, else
-    ``reset_parameters()`` per module). ``scale_grads``: whether the schedule
+    own stages' shards (``init_fn`` on each stage module, else a Hugging Face
+    model's own ``_init_weights`` per module, else ``reset_parameters()``). ``scale_grads``: whether the schedule
     divides the stages' gradients by the microbatch count.
     """
     from torch.distributed.pipelining import PipelineStage
@@ -233,6 +267,10 @@ def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, pla
         raise LoweringError(f"{model.__class__.__name__}'s BatchNorm layers are traced into ops in its pipeline "
                             "stages, so under dp they would normalise with each rank's shard only: "
                             "pin pp=1 or dp=1")
+    if init_fn is None and callable(getattr(model, "_init_weights", None)):
+        init_fn = _hf_init(model)  # a Hugging Face model's own initialisation (norms, rotary tables…)
+    for module in split.modules:
+        _off_meta(module, device)
     layout = plan_layout(graph, plan)
     pp, pp_rank = plan.mesh.pp, mesh["pp"].get_local_rank()
     stage_ids = list(range(pp_rank, plan.stages, pp))
@@ -241,13 +279,19 @@ def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, pla
     shared = [model.get_parameter(name) for name in dict.fromkeys(p for l in graph for p in l.tied_params)]
     # tied embeddings: where the first and last stage hold them, found before lowering replaces them
     ends = {k: tied_locations(split.modules[k], shared) for k in stage_ids if k in (0, plan.stages - 1)}
+    failure = ""
     for k in stage_ids:
         part = stage_part(graph, plan, layout, k, split.layers_called)
         if plan.mesh.dp > 1:  # BatchNorm with the dp group's statistics (as without a pipeline)
             sync_batch_norms(split.modules[k], mesh["dp"].get_group())
-        result = parallelize_part(split.modules[k], graph, plan, part, mesh, device, init_fn)
+        try:
+            result = parallelize_part(split.modules[k], graph, plan, part, mesh, device, init_fn)
+        except LoweringError as exc:  # e.g. a buffer of a meta model nothing gives a value: this rank only
+            failure = f"stage {k}: {exc}"
+            break
         perms.update(result.permutations)
         modules.append(result.module)
+    _agree(failure)
     located = [(modules[stage_ids.index(k)], names) for k, names in ends.items()]
     tied = TiedEmbeddings.build(mesh, pp, located) if shared else None
     if tied is not None:

@@ -6,7 +6,11 @@ Plan. Returns one ``torch.fx.GraphModule`` per virtual stage ``0 … pp·chunks�
 stage k's ``forward`` takes the values that cross into it (stage 0: the
 model's inputs, in ``forward``'s order) and returns those that cross out,
 in graph order (one value bare, several as a tuple; the last stage returns
-the model's output, a one-element output unwrapped).
+the model's output, a one-element output unwrapped). A value that is a
+tuple, dict, dataclass or ``ModelOutput`` crosses as its tensor leaves, made
+contiguous, and is rebuilt on the receiving stage
+(:mod:`autopar.capturing.boundary`); an element taken from a layer's tuple
+output travels alone.
 
 What stays true:
 
@@ -165,6 +169,43 @@ def _check_parameters(model: nn.Module, modules: list[fx.GraphModule], tied: set
                                     "(tied weights?): put every layer using it in one stage")
 
 
+def _canonical_names(model: nn.Module, stage: fx.GraphModule) -> None:
+    """A parameter the stage reads by ``get_attr`` under another of its names (a tied weight that
+    torch.export keeps under its last name, ``lm_head.weight``) is held under the model's first
+    name (``model.embed_tokens.weight``), the one its ``named_parameters()`` gives: verify,
+    checkpoints and exported weights find it there."""
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters():
+        first.setdefault(id(p), name)
+    renamed: set[str] = set()
+    for node in stage.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        try:
+            p = stage.get_parameter(node.target)
+        except AttributeError:
+            continue
+        name = first.get(id(p), node.target)
+        if name == node.target:
+            continue
+        owner, _, attr = name.rpartition(".")
+        if owner:
+            try:
+                stage.get_submodule(owner)
+            except AttributeError:
+                stage.add_submodule(owner, nn.Module())
+        (stage.get_submodule(owner) if owner else stage).register_parameter(attr, p)
+        renamed.add(node.target)
+        node.target = name
+    still = {n.target for n in stage.graph.nodes if n.op in ("get_attr", "call_module")}
+    for old in renamed - still:
+        owner, _, attr = old.rpartition(".")
+        if not any(old.startswith(f"{t}.") for t in still):
+            del (stage.get_submodule(owner) if owner else stage)._parameters[attr]
+    if renamed:
+        stage.recompile()
+
+
 def split_model(model: nn.Module, example_inputs: Any, graph: LayerGraph, plan: Plan) -> StageSplit:
     """Trace ``model`` and cut it at the plan's stage boundaries (see the module docstring).
 
@@ -192,6 +233,8 @@ def split_model(model: nn.Module, example_inputs: Any, graph: LayerGraph, plan: 
         modules.append(fx.GraphModule(gm, g, class_name=f"Stage{k}"))
     tied = {p for layer in graph for p in layer.tied_params} if n_stages > 1 else set()
     _check_parameters(model, modules, tied)
+    for mod in modules:
+        _canonical_names(model, mod)
     by_stage: list[list[str]] = [[] for _ in range(n_stages)]
     for lp in plan.layers:
         by_stage[lp.stage].append(lp.name)

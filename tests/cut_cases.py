@@ -1,8 +1,8 @@
 """Pipeline cases at the cuts other models need (:mod:`distributed`, same protocol as :mod:`pipeline_cases`).
 
 Models the project did not write, built here from small configs: Hugging
-Face Qwen2 cut where its rotary ``(cos, sin)`` tuple crosses, Llama with tied
-input/output embeddings cut right after the embedding, and an LSTM language
+Face Qwen2 cut where its rotary ``(cos, sin)`` tuple crosses, Llama and Gemma 3
+with tied input/output embeddings cut right after the embedding, and an LSTM language
 model cut after the embedding and after the LSTM (whose ``(h, (h_n, c_n))``
 output is unpacked in the next layer).
 """
@@ -36,6 +36,8 @@ def _hf(config: str, model: str, **kw: Any) -> Callable[[], tuple[nn.Module, tup
 
 qwen2 = _hf("Qwen2Config", "Qwen2ForCausalLM", tie_word_embeddings=False)
 llama_tied = _hf("LlamaConfig", "LlamaForCausalLM", tie_word_embeddings=True)
+# Gemma 3 exports only as inlined ATen ops, which read the tied weight under its last name (lm_head.weight)
+gemma3_tied = _hf("Gemma3TextConfig", "Gemma3ForCausalLM", tie_word_embeddings=True, head_dim=16)
 
 
 class LSTMLM(nn.Module):
@@ -68,6 +70,7 @@ LSTM_LAYERS = ["emb", "lstm", "head"]
 SPECS: dict[str, Spec] = {
     "qwen2_rotary_cut": Spec(qwen2, PP2 + stage_pins(HF_LAYERS, "model.rotary_emb"), 8),
     "llama_tied_embedding_cut": Spec(llama_tied, PP2 + stage_pins(HF_LAYERS, "model.embed_tokens"), 8),
+    "gemma3_tied_embedding_cut": Spec(gemma3_tied, PP2 + stage_pins(HF_LAYERS, "model.embed_tokens"), 8),
     "lstm_cut_after_emb": Spec(lstm, PP2 + stage_pins(LSTM_LAYERS, "emb"), 8),
     "lstm_cut_after_lstm": Spec(lstm, PP2 + stage_pins(LSTM_LAYERS, "lstm"), 8),
 }
@@ -86,7 +89,59 @@ def qwen2_compile_trains(rank: int, world_size: int) -> dict[str, Any]:
             "cut_after": [l.name for l, n in zip(pm.plan.layers, pm.plan.layers[1:]) if l.stage != n.stage]}
 
 
+class LateBuffer(nn.Module):
+    """Block 1 scales by a buffer set only in ``__init__`` from a Python computation (no config,
+    no ``reset_parameters``): built on meta, nothing can give it its value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(128, 16)
+        self.blocks = nn.ModuleList([nn.Linear(16, 16) for _ in range(2)])
+        self.head = nn.Linear(16, 128)
+        self.register_buffer("gain", torch.linspace(0.5, 1.5, 16), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.blocks[0](self.emb(ids))
+        return self.head(self.blocks[1](h) * self.gain)
+
+
+def _meta(build: Callable[[], tuple[nn.Module, tuple]]) -> tuple[nn.Module, tuple]:
+    with torch.device("meta"):
+        model, _ = build()
+    return model, (torch.zeros(4, 16, dtype=torch.long, device="meta"),)
+
+
+def meta_qwen2_pipeline(rank: int, world_size: int) -> dict[str, Any]:
+    """A meta-built Qwen2 under pp=2: each rank materialises its stage, rotary tables included."""
+    model, inputs = _meta(qwen2)
+    pm = autopar.compile(model, world_size=world_size, example_inputs=inputs, global_batch=8, cluster="cpu",
+                         dtype="fp32", pins=list(PP2) + list(stage_pins(HF_LAYERS, "model.rotary_emb")))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 128, (8, 16), generator=g)
+    losses = [float(pm.train_step(pm.local_batch(x), pm.local_batch(x))) for _ in range(3)]
+    torch.manual_seed(0)
+    real, _ = qwen2()
+    want = real.model.rotary_emb.inv_freq
+    held = [b for mod in pm.lowered.pipeline.modules for n, b in mod.named_buffers() if n.endswith("inv_freq")]
+    return {"losses": losses, "inv_freq_held": len(held),
+            "inv_freq_equal": all(torch.equal(b.cpu(), want) for b in held)}
+
+
+def meta_buffer_refused(rank: int, world_size: int) -> dict[str, Any]:
+    """A meta-built model whose stage-1 buffer nothing can set: every rank gets the same error."""
+    model, inputs = _meta(lambda: (LateBuffer(), None))
+    names = ["emb", "blocks.0", "blocks.1", "head"]
+    try:
+        autopar.compile(model, world_size=world_size, example_inputs=inputs, global_batch=8, cluster="cpu",
+                        dtype="fp32", pins=list(PP2) + list(stage_pins(names, "blocks.0")))
+    except autopar.AutoparError as exc:
+        return {"raised": type(exc).__name__, "message": str(exc)}
+    return {"raised": None}
+
+
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
+    "meta_qwen2_pipeline": meta_qwen2_pipeline,
+    "meta_buffer_refused": meta_buffer_refused,
     **{k: equivalence(v) for k, v in SPECS.items()},
     "qwen2_compile_trains": qwen2_compile_trains,
 }

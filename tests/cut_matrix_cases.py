@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from cut_cases import PP2, lstm, stage_pins
+from cut_cases import PP2, gemma3_tied, lstm, stage_pins
 from equivalence_cases import SGD, Spec, _max_rel, from_rank0, run_parallel, run_reference
 from zoo import CLASSES, MODELS_ALL, build
 
@@ -21,7 +21,7 @@ import autopar
 from autopar.graph import LayerGraph
 from autopar.plan import Plan
 
-EXTRA: dict[str, Callable[[], tuple]] = {"lstm_lm": lstm}
+EXTRA: dict[str, Callable[[], tuple]] = {"lstm_lm": lstm, "hf_gemma3_tied": gemma3_tied}
 
 
 def _builder(name: str) -> Callable[[], tuple]:

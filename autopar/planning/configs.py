@@ -93,7 +93,9 @@ def _schedules(pp: int, m: int, max_stages: int, pins: Pins) -> list[Schedule]:
 
 def _blocked(graph: LayerGraph) -> str:
     reasons = list(dict.fromkeys(l.cut_blocked_by for l in graph if l.cut_blocked_by))
-    return f"; no cut goes where {'; '.join(reasons[:2])}" if reasons else ""
+    ties = [r for r in reasons if not r.startswith("a cut after ")]
+    said = [f"no cut goes where {r}" if r in ties else r for r in reasons[:2]]
+    return f"; {'; '.join(said)}" if said else ""
 
 
 def why_no_config(graph: LayerGraph, world: int, training: TrainingSpec, pins: Pins, max_stages: int) -> str:

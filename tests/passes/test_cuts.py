@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn as nn
-from cut_cases import PP2, llama_tied, lstm, qwen2, stage_pins
-from distributed import check_equivalent
+from cut_cases import PP2, gemma3_tied, llama_tied, lstm, qwen2, stage_pins
+from distributed import check_equivalent, every_rank
 
 import autopar
 from autopar.capturing.boundary import describe
@@ -92,6 +92,16 @@ def test_every_offered_cut_chains_to_the_model(build) -> None:
         assert torch.equal(getattr(out, "logits", out), ref), graph.layers[i].name
 
 
+def test_a_tied_weight_is_held_under_the_models_first_name_on_both_ends() -> None:
+    torch.manual_seed(0)
+    model, inputs = gemma3_tied()
+    graph = autopar.capture(model, inputs)
+    split = split_model(model, inputs, graph, _cut_plan(graph, 0))
+    ends = [[n for n, _ in m.named_parameters() if n in ("model.embed_tokens.weight", "lm_head.weight")]
+            for m in split.modules]
+    assert ends == [["model.embed_tokens.weight"], ["model.embed_tokens.weight"]]
+
+
 def test_values_without_a_tensor_form_are_named() -> None:
     assert describe((torch.ones(1), {"a": None, "n": 2})) == ""
     assert describe((torch.ones(1), object())) == "tuple holding a object"
@@ -127,12 +137,14 @@ def test_a_buffer_written_across_a_cut_is_caught_at_plan_time() -> None:
         autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=8, pins=pins)
 
 
-W2 = ["qwen2_rotary_cut", "llama_tied_embedding_cut", "lstm_cut_after_emb", "lstm_cut_after_lstm"]
+W2 = ["qwen2_rotary_cut", "llama_tied_embedding_cut", "gemma3_tied_embedding_cut", "lstm_cut_after_emb",
+      "lstm_cut_after_lstm"]
 
 
 @pytest.fixture(scope="module")
 def w2(ranks) -> dict[str, dict]:
-    return ranks(2).run([*W2, "qwen2_compile_trains"], module="cut_cases")
+    return ranks(2).run([*W2, "qwen2_compile_trains", "meta_qwen2_pipeline", "meta_buffer_refused"],
+                        module="cut_cases")
 
 
 @pytest.mark.distributed
@@ -146,3 +158,18 @@ def test_compile_of_qwen2_with_pp2_trains(w2: dict) -> None:
     m = w2["qwen2_compile_trains"]
     assert m["pp"] == 2 and len(m["cut_after"]) == 1
     assert all(l == l for l in m["losses"]) and m["losses"][-1] < m["losses"][0]
+
+
+@pytest.mark.distributed
+def test_a_meta_built_qwen2_gets_its_real_rotary_tables_on_every_stage(w2: dict) -> None:
+    ranks = every_rank(w2["meta_qwen2_pipeline"])
+    assert sum(r["inv_freq_held"] for r in ranks) >= 1  # the stage holding the rotary embedding
+    for r in ranks:
+        assert r["inv_freq_equal"]  # computed as the model's own __init__ does, not torch.empty
+        assert all(l == l for l in r["losses"]) and r["losses"][-1] < r["losses"][0]
+
+
+@pytest.mark.distributed
+def test_a_buffer_nothing_can_set_is_refused_on_every_rank(w2: dict) -> None:
+    for r in every_rank(w2["meta_buffer_refused"]):
+        assert r["raised"] == "LoweringError" and "buffer gain" in r["message"]
