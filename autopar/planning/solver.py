@@ -214,15 +214,16 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     # 1. the chosen plan: every configuration that could beat the best so far, solved in full; those
     #    that cannot (a runner-up at most) wait, so runners-up never take the time the optimum needs
     later: list[tuple[float, Configuration, PriceTable, list[list[int]] | None, float]] = []
-    rest = len(candidates)
+    rest, unexamined = len(candidates), 0
     for index, (cheap, config, table) in enumerate(candidates):
         best = search.best
         if cheap >= search.cutoff or (best is not None and cheap >= best.step_time_s):
             rest = index
             break
         remaining = options.time_limit_s - (time.perf_counter() - start)
-        if remaining <= 0:
+        if remaining <= 0 and (priced or search.best is not None):  # else: price one, never blame the pins
             search.open_bounds += [b for b, *_ in candidates[index:]]
+            unexamined = len(candidates) - index
             rest = len(candidates)
             break
         allowed = allowed_choices(table, layer_pins)
@@ -263,7 +264,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
                            f"styles admit none of the degrees the pins leave ({degrees}), or the pinned ZeRO "
                            "stages cannot run (inside an export-captured model's pipeline stages every layer "
                            "is replicated)")
-        raise_infeasible(priced, layer_pins, cuts_ok, budget, options)
+        raise_infeasible(priced, layer_pins, cuts_ok, budget, options, unexamined)
     best, *runners_up = search.ranked()
     step = best.step_time_s
     bound = min([step] + search.open_bounds)

@@ -237,6 +237,13 @@ _WIDTH_WORDS = ("d_model", "n_embd", "hidden", "intermediate", "ffn", "inner", "
                 "head_dim", "kv_channels", "width", "n_inner", "d_kv")
 
 
+def _is_count(key: str) -> bool:
+    """A count, not a width, though its name holds a width word: ``num_hidden_layers`` (Llama's 80
+    layers are no multiple of its narrowing factor, 32, and must not be narrowed either)."""
+    k = key.lower()
+    return k.startswith("num_") or "layers" in k
+
+
 def small_copy(module: nn.Module, config: Any, gen: torch.Generator,
                lengths: dict[int, int] | None = None) -> tuple[nn.Module, dict[int, int]] | None:
     """``module``'s class built again from ``config`` with every width divided by one factor.
@@ -250,7 +257,7 @@ def small_copy(module: nn.Module, config: Any, gen: torch.Generator,
         return None
     fields = _config_fields(config)
     widths = {k: v for k, v in fields.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0
-              and any(w in k.lower() for w in _WIDTH_WORDS)}
+              and any(w in k.lower() for w in _WIDTH_WORDS) and not _is_count(k)}
     heads = [v for k, v in fields.items() if isinstance(v, int) and "head" in k.lower() and "dim" not in k.lower()
              and v > 0]
     if not widths or not heads:

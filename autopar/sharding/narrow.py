@@ -13,7 +13,9 @@ itself instead:
    sizes, view shapes), at a short probe batch and sequence;
 2. find the head split (a ``view``/``reshape`` of a width ``W`` into ``(H, D)``
    with ``H·D = W``) and choose one factor ``f`` dividing every width and
-   every head width, keeping the head count and each head ≥ 4 wide;
+   every head width, keeping the head count and each head ≥ 4 wide (where
+   a head count equals a head width, both are narrowed by ``f`` and the
+   other widths by ``f²``: see :func:`_size_maps`);
 3. deep-copy the module on meta with each parameter and buffer narrowed
    (every dimension equal to a width ``W`` becomes ``W/f``) and every
    integer attribute in the module tree that equals a width rewritten the
@@ -28,7 +30,8 @@ itself instead:
    differ (a width hard-coded in the layer, a branch on the width, an
    attribute the rewrite cannot reach) the copy is refused, naming the op.
 
-Head counts are kept (not narrowed), so every divisibility the tp degree
+Head counts are kept (not narrowed), or narrowed only to one with the same
+divisors among the simulated degrees, so every divisibility the tp degree
 meets in the copy is the real one's; what only the real sizes can show (the
 real sequence, degrees beyond the simulated ones) is the shape proof's job
 (:mod:`autopar.sharding.shapes`).
@@ -51,6 +54,7 @@ HARD_PARAMS = 64_000_000  # a copy above this is refused rather than simulated
 MIN_HEAD = 4  # a narrowed head keeps at least this many features
 MIN_WIDTH = 16  # without heads, the narrowest width kept
 PROBE_BATCH = 2  # the traces' batch (meta: any size costs nothing)
+SIMULATED = tuple(range(2, 9))  # the tp degrees the copy is simulated at (verify.DEGREES)
 PROBE_SEQS = (16, 12, 24, 8, 20, 40, 10, 6)  # the traces' sequence: the first that is no width of the layer
 
 
@@ -232,24 +236,17 @@ def narrow_copy(module: nn.Module, recorded: tuple, batch: int, seq: int | None)
             least, floor = (min(widths) if widths else 0), MIN_WIDTH
         if not widths:
             raise NarrowRefused("it has no width to narrow")
-        if probe not in widths and PROBE_BATCH not in widths:
+        joint = bool(widths & set(heads))  # a head count equal to a width: narrowed with it (see _size_maps)
+        taken = widths | set(heads) if joint else widths
+        if probe not in taken and PROBE_BATCH not in taken:
             break
     else:
         raise NarrowRefused(f"its sequence or batch is one of its widths {sorted(widths)}, so a narrower copy "
                             "cannot tell them apart")
-    both = widths & set(heads)
-    if both:
-        raise NarrowRefused(f"the size {min(both)} is both a width and a head count, so a narrower copy "
-                            "cannot tell them apart")
-    unmapped = {v for op in full for v in (*op.ints, *op.out) if v not in widths}
-    g = math.gcd(*widths)
+    unmapped = {v for op in full for v in (*op.ints, *op.out) if v not in taken}
     n_params = sum(p.numel() for p in module.parameters())
-    for f in _divisors_desc(g):
-        if f == 1 or least // f < floor:
-            continue
-        sizes = {w: w // f for w in widths}
-        clash = set(sizes.values()) & unmapped
-        if clash:
+    for f, sizes in _size_maps(widths, set(head_widths), set(heads), least, floor):
+        if set(sizes.values()) & unmapped or len(set(sizes.values())) < len(sizes):
             continue  # a narrowed size would read as one of the layer's other sizes: try a gentler factor
         small = meta_module(module, sizes)
         small_params = sum(p.numel() for p in small.parameters())
@@ -265,9 +262,47 @@ def narrow_copy(module: nn.Module, recorded: tuple, batch: int, seq: int | None)
         why = isomorphic(full, narrow, sizes)
         if why:
             raise NarrowRefused(f"{why} (a {f}x narrower copy of its {n_params:,} parameters)")
-        return NarrowCopy(small, small_in, sizes, f, heads)
+        return NarrowCopy(small, small_in, sizes, f, tuple(sorted({sizes.get(h, h) for h in heads})))
+    if joint:
+        raise NarrowRefused(f"the size {min(widths & set(heads))} is both a width and a head count, and no factor "
+                            "narrows both alike keeping the head count's divisors up to "
+                            f"{max(SIMULATED)} and each head >= {floor} wide")
     raise NarrowRefused(f"no factor narrows its widths {sorted(widths)} unambiguously (each head kept "
                         f">= {floor} wide)")
+
+
+def _size_maps(widths: set[int], head_widths: set[int], heads: set[int], least: int,
+               floor: int) -> Iterable[tuple[int, dict[int, int]]]:
+    """Candidate size maps full → narrow, narrowest first, each with its factor ``f``.
+
+    Usually head counts are kept and every width is divided by ``f``. Where a head count equals a
+    width (Megatron's 310B and 1T rows: 128 heads of 128, 160 of 160) one integer has two roles, and
+    keeping one while narrowing the other would not be a renaming at all. The map must stay a
+    function, so both are narrowed alike: head counts and head widths by ``f``, every other width
+    (a multiple of heads × head width) by ``f²``. It is still one injective map applied to every
+    integer, so :func:`isomorphic` can check the copy is the same program. Only the tp degrees the
+    copy simulates could change: ``f`` is taken only where every head count keeps exactly the
+    divisors in :data:`SIMULATED` it had (128 → 8 keeps 2, 4, 8), so the degrees proved numerically
+    are the real layer's, and the larger ones stay the shape proof's at the real size."""
+    both = widths & heads
+    if not both:
+        for f in _divisors_desc(math.gcd(*widths)):
+            if f > 1 and least // f >= floor:
+                yield f, {w: w // f for w in widths}
+        return
+    others = widths - head_widths - heads
+    for f in _divisors_desc(math.gcd(*head_widths, *heads)):
+        if f == 1 or least // f < floor or any(w % (f * f) for w in others):
+            continue
+        if any(_simulated_divisors(h // f) != _simulated_divisors(h) for h in heads):
+            continue
+        sizes = {w: w // (f * f) for w in others}
+        sizes.update({d: d // f for d in head_widths | heads})
+        yield f, sizes
+
+
+def _simulated_divisors(n: int) -> tuple[int, ...]:
+    return tuple(t for t in SIMULATED if n % t == 0)
 
 
 def isomorphic(full: list[Op], narrow: list[Op], sizes: dict[int, int]) -> str:

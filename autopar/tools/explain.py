@@ -98,7 +98,7 @@ class Counterfactual:
     pins: tuple[str, ...]  # the pins it adds (a runner-up: those that fix its configuration)
     figures: Figures | None  # None: nothing with these pins fits, or it cannot run
     reason: str = ""  # the solver's reason when there are no figures
-    binding: str = ""  # "memory", "pins" (the solver's binding constraint) or "cannot run"
+    binding: str = ""  # "memory", "pins", "time" (the solver's binding constraint) or "cannot run"
     min_memory_bytes: int | None = None  # the least memory per rank any plan with these pins needs
     same_plan: bool = False  # solved with these pins, the solver returns the chosen plan itself
 
@@ -233,6 +233,8 @@ def _fits(f: Figures | None, cf: Counterfactual | None) -> str:
         return "yes"
     if cf.binding == "memory" and cf.min_memory_bytes is not None:
         return f"no (needs {format_bytes(cf.min_memory_bytes)})"
+    if cf.binding == "time":
+        return "no plan found in the time limit"
     return "cannot run" if cf.binding == "cannot run" else "no (pins conflict)"
 
 

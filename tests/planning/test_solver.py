@@ -298,3 +298,16 @@ def test_memory_bound_never_exceeds_the_least_peak_a_configuration_reaches():
         assert _memory_lower_bound(table, allowed) <= solver.ObjectiveValue(), config.describe()
         checked += 1
     assert checked >= 10
+
+
+def test_a_spent_time_limit_never_blames_pins_that_were_not_given():
+    """Megatron's 1T row without tensor parallelism: bounding its thousand configurations spent the
+    time limit, no solve ran, and the unpinned search said the pins conflict. However short the
+    limit, the least memory is still found for the most promising configuration."""
+    graph = transformer_graph(4, 4096, 2048, vocab=50304, heads=32)
+    cluster = PRESETS["a100-80g"].for_world_size(2)
+    with pytest.raises(InfeasibleError) as err:
+        solve(graph, 2, cluster, TrainingSpec(2), memory_budget_bytes=1 * GiB,
+              options=SolverOptions(time_limit_s=1e-9))
+    assert err.value.binding == "memory", str(err.value)
+    assert "pins" not in str(err.value) and err.value.min_memory_bytes > 1 * GiB

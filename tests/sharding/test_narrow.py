@@ -205,3 +205,31 @@ def test_an_lm_head_onto_the_vocabulary_is_vocab_parallel_however_narrow() -> No
     graph = autopar.capture(model, (idx,))
     head = next(l for l in graph if l.module_path == "head" or l.name.endswith("head"))
     assert any(s.name == "vocab" for s in head.tp_styles)
+
+
+def test_a_head_count_equal_to_the_head_width_is_narrowed_with_it() -> None:
+    """Megatron's 310B row: 128 heads of 128 (16,384 wide), no config. The size 128 has two roles,
+    so both are narrowed alike (128 heads of 128 → 8 of 8, one map for every integer): the copy is
+    the same program renamed, simulated at 2, 4, 8 and proved by shapes at the real size beyond."""
+    with torch.device("meta"):
+        model = plain_gpt.GPT(vocab=512, width=16384, heads=128, layers=1, seq=64)
+        idx = torch.zeros(1, 64, dtype=torch.long)
+    graph = autopar.capture(model, (idx,))
+    style = _megatron(graph, "blocks.0")
+    assert style is not None, graph.layer("blocks.0").tp_refusal
+    assert style.checked == (2, 4, 8, 16, 32, 64, 128)
+    assert style.segments["blocks.0.attn.qkv"] == (16384, 16384, 16384)
+
+
+def test_heads_narrowed_with_their_width_keep_the_degrees_they_admit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """24 heads of 24 (576 wide): narrowing 24 to 12 or 6 would drop tp=3 or 8 from the degrees it
+    admits, and 4 heads of 4 are too thin, so the only map is the identity: refused, saying why."""
+    with torch.device("meta"):
+        block = plain_gpt.Block(576, 24)
+    with pytest.raises(narrow.NarrowRefused, match="both a width and a head count"):
+        narrow.narrow_copy(block, ((torch.empty(1, 32, 576, device="meta"),), {}), 1, 32)
+    graph = _capture_meta(lambda: _Model([plain_gpt.Block(1024, 32) for _ in range(2)], 1024), 32, 1024,
+                          limit=1_000_000, monkeypatch=monkeypatch)
+    style = _megatron(graph, "blocks.0")  # 32 heads of 32: narrowed to 8 of 8, proved up to 32
+    assert style is not None, graph.layer("blocks.0").tp_refusal
+    assert style.checked == (2, 4, 8, 16, 32)

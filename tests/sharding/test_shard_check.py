@@ -155,6 +155,24 @@ def test_a_large_meta_layer_is_checked_on_a_narrower_copy_built_from_its_config(
     assert math.isclose(copy.attn.c_attn.weight.std().item(), 384 ** -0.5, rel_tol=0.1)
 
 
+def test_llama3_70b_decoder_layers_are_proved_on_a_copy_built_from_their_config() -> None:
+    """Llama 3 70B on meta (856M parameters a decoder layer): its config narrows hidden 8192, MLP 28672
+    and head_dim 128 by 32, but not ``num_hidden_layers`` (80, a count though it says "hidden"),
+    which used to refuse the copy and withdraw tensor parallelism from every layer."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import hf_llama
+
+    with torch.device("meta"):
+        model, inputs = hf_llama.llama3_70b(seq_len=64)
+    graph = autopar.capture(model, inputs)
+    layer = graph.layer("model.layers.0")
+    style = next((s for s in layer.tp_styles if s.name == "megatron"), None)
+    assert style is not None, layer.tp_refusal
+    assert style.checked == (2, 4, 8)  # 8 key/value heads
+    assert "model.layers.0.self_attn.q_proj" in style.column and "model.layers.0.mlp.down_proj" in style.row
+
+
 def test_a_head_count_that_2_does_not_divide_is_proved_at_the_degrees_that_do() -> None:
     """GPT-2 XL has 25 heads: tp=2 cannot share them, tp=5 can (and is the only degree ≤ 8 offered)."""
     attn = zoo.NanoCausalSelfAttention(zoo.NanoConfig(n_embd=20, n_head=5, block_size=8))
