@@ -34,6 +34,7 @@ LEVELS: dict[str, int] = {
     "autopar.plan": 2,
     "autopar.pins": 2,
     "autopar.contract": 2,
+    "autopar.inputs": 2,
     "autopar.sharding": 3,
     "autopar.capturing": 4,
     "autopar.planning": 4,
