@@ -173,3 +173,13 @@ def test_a_meta_built_qwen2_gets_its_real_rotary_tables_on_every_stage(w2: dict)
 def test_a_buffer_nothing_can_set_is_refused_on_every_rank(w2: dict) -> None:
     for r in every_rank(w2["meta_buffer_refused"]):
         assert r["raised"] == "LoweringError" and "buffer gain" in r["message"]
+
+
+@pytest.mark.distributed
+def test_inputs_read_only_past_the_cut_arrive_with_their_real_values(ranks) -> None:
+    """Qwen3 computing its own loss from its labels on the second stage, and integer position ids read
+    only past the cut: both train as one device does (the labels once read uninitialised memory there)."""
+    cases = ["qwen3_labels_cut", "late_positions_cut"]
+    results = ranks(2).run(cases, module="cut_cases")
+    for case in cases:
+        check_equivalent(results[case])
