@@ -94,6 +94,15 @@ def qwen3_labels() -> tuple[nn.Module, dict]:
     return build("hf_qwen3_padded")
 
 
+def t5_labels() -> tuple[nn.Module, dict]:
+    """Hugging Face T5 (tests/zoo.py) fed input_ids, decoder_input_ids and labels: one embedding, shared by
+    the encoder, the decoder and the head, and the model's own loss."""
+    from zoo import build
+
+    model, inputs = build("hf_t5")
+    return model, {**inputs, "labels": inputs["input_ids"].clone()}
+
+
 HF_LAYERS = ["model.embed_tokens", "model.rotary_emb", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
 LSTM_LAYERS = ["emb", "lstm", "head"]
 LATE_LAYERS = ["emb", "blocks.0", "blocks.1", "pos", "head"]
@@ -107,6 +116,8 @@ SPECS: dict[str, Spec] = {
     # model inputs read only past the cut cross with their real values: labels (the model's own loss)
     # and integer position ids
     "qwen3_labels_cut": Spec(qwen3_labels, PP2 + stage_pins(HF_LAYERS, "model.layers.0"), 8, synthetic=True),
+    # T5: the cut the planner picks, its shared embedding's readers on the first and last stage
+    "t5_shared_embedding_pp2": Spec(t5_labels, PP2, 8, synthetic=True),
     "late_positions_cut": Spec(late_positions, PP2 + stage_pins(LATE_LAYERS, "blocks.1"), 8, synthetic=True),
 }
 
