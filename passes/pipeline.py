@@ -151,11 +151,20 @@ def stage_part(graph: LayerGraph, plan: Plan, layout: Layout, stage: int, layers
 
 
 def _state_keeping_stage(base: type) -> type:
-    """``PipelineStage`` whose first-step metadata inference (one extra forward, on empty tensors
-    past the first stage) leaves the stage's buffers as they were: BatchNorm's running statistics
-    move only with the real microbatches, as on one device."""
+    """``PipelineStage`` whose first-step metadata inference (one extra forward past the first stage,
+    on inputs made from shapes alone) reads zeros, never uninitialised memory — a stage that computes
+    a loss from labels or indexes with ids the first stage sent would otherwise index with garbage —
+    and leaves the stage's buffers as they were: BatchNorm's running statistics move only with the
+    real microbatches, as on one device. The real microbatches arrive with their real values."""
 
     class StateKeepingStage(base):  # type: ignore[misc, valid-type]
+        def _to_tensor(self, arg: Any) -> torch.Tensor:
+            tensor = super()._to_tensor(arg)
+            if not isinstance(arg, torch.Tensor):  # made from metadata: empty memory until zeroed
+                with torch.no_grad():
+                    tensor.zero_()
+            return tensor
+
         def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
             saved = [(b, b.detach().clone()) for b in self.submod.buffers()]
             try:
@@ -168,8 +177,44 @@ def _state_keeping_stage(base: type) -> type:
     return StateKeepingStage
 
 
-def _checked_loss(loss_fn: LossFn) -> LossFn:
+def _output_form(model: nn.Module, example_inputs: Any) -> Callable[[Any], Any] | None:
+    """What rebuilds the model's own output (a ``ModelOutput`` with its ``.loss``) from the flat tuple of
+    tensors an exported last stage returns, so ``loss_fn`` sees what the model returns as under pp=1;
+    None where the model returns no mapping or dataclass, or its form cannot be found."""
+    import dataclasses
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from autopar.capturing.boundary import Unsendable, flatten
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+            def fake(t: Any) -> Any:
+                return mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+
+            if isinstance(example_inputs, dict):
+                out = model(**{k: fake(v) for k, v in example_inputs.items()})
+            else:
+                out = model(*[fake(v) for v in example_inputs])
+        paths, build = flatten(out)
+    except (Unsendable, Exception):  # noqa: BLE001 - the stage's own output is used as it is
+        return None
+    if not (isinstance(out, dict) or dataclasses.is_dataclass(out)):
+        return None
+
+    def rebuild(output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            output = (output,)
+        if not isinstance(output, (tuple, list)) or len(output) != len(paths):
+            return output
+        return build(iter(output))
+
+    return rebuild
+
+
+def _checked_loss(loss_fn: LossFn, form: Callable[[Any], Any] | None = None) -> LossFn:
     def loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+        output = form(output) if form is not None else output
         value = loss_fn(output, None if targets.dim() == 2 and targets.shape[1] == 0 else targets)
         if not isinstance(value, torch.Tensor) or value.dim() != 0:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
@@ -261,7 +306,9 @@ def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, pla
 
     if example_inputs is None:
         raise LoweringError("pipeline plans need example_inputs to split the model: pass them to compile")
-    split = split_model(model, _microbatch_inputs(example_inputs, plan.microbatch_size), graph, plan)
+    microbatch = _microbatch_inputs(example_inputs, plan.microbatch_size)
+    split = split_model(model, microbatch, graph, plan)
+    form = _output_form(model, microbatch) if split.tracer.startswith("export") else None
     _check_lowerable(split, plan, model)
     if plan.mesh.dp > 1 and batch_norms(model) and not any(batch_norms(m) for m in split.modules):
         raise LoweringError(f"{model.__class__.__name__}'s BatchNorm layers are traced into ops in its pipeline "
@@ -299,7 +346,7 @@ def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, pla
     group = mesh["pp"].get_group()
     stage_cls = _state_keeping_stage(PipelineStage)
     stages = [stage_cls(mod, k, plan.stages, device, group=group) for mod, k in zip(modules, stage_ids)]
-    schedule = _schedule(plan, stages, _checked_loss(loss_fn), scale_grads)
+    schedule = _schedule(plan, stages, _checked_loss(loss_fn, form), scale_grads)
     return PipelineRuntime(plan, modules, stage_ids, schedule, group, device, split.tracer, perms, tied)
 
 

@@ -64,8 +64,48 @@ def stage_pins(names: list[str], last_of_stage_0: str) -> tuple[str, ...]:
     return tuple(f"{n}:stage={0 if i <= k else 1}" for i, n in enumerate(names))
 
 
+class LatePositions(nn.Module):
+    """Token embeddings, two blocks, then position embeddings added just before the head: its integer
+    ``position_ids`` are read only past the cut."""
+
+    def __init__(self, vocab: int = 128, width: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList([nn.Linear(width, width) for _ in range(2)])
+        self.pos = nn.Embedding(vocab, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(input_ids)
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(h + self.pos(position_ids))
+
+
+def late_positions() -> tuple[nn.Module, dict]:
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    return LatePositions(), {"input_ids": ids, "position_ids": ids}
+
+
+def qwen3_labels() -> tuple[nn.Module, dict]:
+    """Hugging Face Qwen3 fed ids, a padding mask and its labels (tests/zoo.py): its own loss."""
+    from zoo import build
+
+    return build("hf_qwen3_padded")
+
+
+def t5_labels() -> tuple[nn.Module, dict]:
+    """Hugging Face T5 (tests/zoo.py) fed input_ids, decoder_input_ids and labels: one embedding, shared by
+    the encoder, the decoder and the head, and the model's own loss."""
+    from zoo import build
+
+    model, inputs = build("hf_t5")
+    return model, {**inputs, "labels": inputs["input_ids"].clone()}
+
+
 HF_LAYERS = ["model.embed_tokens", "model.rotary_emb", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
 LSTM_LAYERS = ["emb", "lstm", "head"]
+LATE_LAYERS = ["emb", "blocks.0", "blocks.1", "pos", "head"]
 
 SPECS: dict[str, Spec] = {
     "qwen2_rotary_cut": Spec(qwen2, PP2 + stage_pins(HF_LAYERS, "model.rotary_emb"), 8),
@@ -73,6 +113,12 @@ SPECS: dict[str, Spec] = {
     "gemma3_tied_embedding_cut": Spec(gemma3_tied, PP2 + stage_pins(HF_LAYERS, "model.embed_tokens"), 8),
     "lstm_cut_after_emb": Spec(lstm, PP2 + stage_pins(LSTM_LAYERS, "emb"), 8),
     "lstm_cut_after_lstm": Spec(lstm, PP2 + stage_pins(LSTM_LAYERS, "lstm"), 8),
+    # model inputs read only past the cut cross with their real values: labels (the model's own loss)
+    # and integer position ids
+    "qwen3_labels_cut": Spec(qwen3_labels, PP2 + stage_pins(HF_LAYERS, "model.layers.0"), 8, synthetic=True),
+    # T5: the cut the planner picks, its shared embedding's readers on the first and last stage
+    "t5_shared_embedding_pp2": Spec(t5_labels, PP2, 8, synthetic=True),
+    "late_positions_cut": Spec(late_positions, PP2 + stage_pins(LATE_LAYERS, "blocks.1"), 8, synthetic=True),
 }
 
 

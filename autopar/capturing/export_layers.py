@@ -62,7 +62,11 @@ def _inline(root: nn.Module, graph: fx.Graph, keep: set[str], prefix: str = "") 
             else:
                 raise ValueError(f"cannot inline {node.target}: its output is used whole")
         graph.erase_node(node)
-        _inline(root, graph, keep)  # the copied nodes may call further modules to inline
+        # the copied nodes may call further modules to inline: one pass over the whole graph inlines
+        # them and every later node (this loop's list holds nodes that pass may erase: T5's decoder
+        # was inlined twice, and its stages fell back to inlined ATen graphs)
+        _inline(root, graph, keep)
+        return
 
 
 def _own_state(flat: nn.Module, model: nn.Module) -> None:

@@ -427,6 +427,22 @@ def capture(
             tied.setdefault(first_owner, []).append(pname)
             tied.setdefault(n - 1, []).append(pname)
             continue
+        middle = sorted(set(layers) - {first_owner, n - 1})
+        if middle and {first_owner, n - 1} <= layers and owners[pname] == first_owner:
+            # read by the input embedding, the head and layers between (T5's shared embedding: its
+            # decoder's too): the two ends hold it as above, and each reader between keeps one stage
+            # with the nearer end, so every reader sits on the first or the last stage
+            tied.setdefault(first_owner, []).append(pname)
+            tied.setdefault(n - 1, []).append(pname)
+            span = (range(first_owner, middle[-1]) if middle[-1] - first_owner <= n - 1 - middle[0]
+                    else range(middle[0], n - 1))
+            for i in span:
+                if cut_ok[i] and i not in blocked:
+                    blocked[i] = (f"{pname} is tied between layers {names[first_owner]}, "
+                                  f"{', '.join(names[j] for j in middle)} and {names[n - 1]}: a tied weight's "
+                                  "readers must sit on the first or the last stage")
+                cut_ok[i] = False
+            continue
         for i in range(min(layers), max(layers)):  # any other tie keeps its layers in one stage
             if cut_ok[i] and i not in blocked:
                 blocked[i] = (f"{pname} is tied between layers "

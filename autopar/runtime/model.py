@@ -464,13 +464,16 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
     if not launched and world_size > 1:
         return ParallelModel(plan, graph, model, None, loss_fn, launched=False)
     dtype = plan_dtype(plan.training.dtype)
+    first: dict[int, str] = {}  # a tied weight under the model's first name, whichever stage module holds it
+    canonical = {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
     if launched:
         lowered = lower(model, graph, plan, example_inputs=example_inputs,
                         loss_fn=fp32_loss(loss_fn) if dtype is not None else loss_fn, init_fn=init_fn)
     else:
         lowered = lower_local(model, graph, plan, init_fn)
     masters = _mixed_precision(lowered, plan)
-    entries = param_entries(lowered.named_parameters(), masters, lowered.permutations)
+    entries = param_entries([(canonical.get(n, n), p) for n, p in lowered.named_parameters()], masters,
+                            lowered.permutations)
     opt = (optimizer or default_optimizer)([e.value for e in entries])
     module = model if lowered.pipeline is not None else lowered.module  # a pipeline's stages: lowered.parts
     pm = ParallelModel(plan, graph, module, opt, loss_fn, launched=launched, lowered=lowered,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn as nn
-from cut_cases import PP2, gemma3_tied, llama_tied, lstm, qwen2, stage_pins
+from cut_cases import PP2, gemma3_tied, llama_tied, lstm, qwen2, stage_pins, t5_labels
 from distributed import check_equivalent, every_rank
 
 import autopar
@@ -173,3 +173,32 @@ def test_a_meta_built_qwen2_gets_its_real_rotary_tables_on_every_stage(w2: dict)
 def test_a_buffer_nothing_can_set_is_refused_on_every_rank(w2: dict) -> None:
     for r in every_rank(w2["meta_buffer_refused"]):
         assert r["raised"] == "LoweringError" and "buffer gain" in r["message"]
+
+
+@pytest.mark.distributed
+def test_inputs_read_only_past_the_cut_arrive_with_their_real_values(ranks) -> None:
+    """Qwen3 computing its own loss from its labels on the second stage, integer position ids read only
+    past the cut, and T5 (its shared embedding on both stages, the encoder's output crossing to the
+    decoder) train as one device does (the labels once read uninitialised memory there)."""
+    cases = ["qwen3_labels_cut", "late_positions_cut", "t5_shared_embedding_pp2"]
+    results = ranks(2).run(cases, module="cut_cases")
+    for case in cases:
+        check_equivalent(results[case])
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_t5s_shared_embedding_keeps_its_readers_on_the_first_and_last_stage(pp: int) -> None:
+    """T5 reads one embedding in its encoder, its decoder and its head: cuts are offered (pp=2 was
+    refused), and every plan puts each reader on the first or the last stage, the only two that
+    hold a tied weight; the cuts withdrawn for it say why."""
+    model, inputs = t5_labels()
+    graph = autopar.capture(model, inputs)
+    readers = ["encoder.embed_tokens", "decoder.embed_tokens", "lm_head"]
+    assert [l.name for l in graph if l.can_cut_after]
+    blocked = [l.cut_blocked_by for l in graph if "shared.weight is tied" in l.cut_blocked_by]
+    assert blocked and "first or the last stage" in blocked[0]
+    plan = autopar.solve(graph, pp, cluster="cpu", dtype="fp32", global_batch=8,
+                         pins=[f"pp={pp}", "dp=1", "tp=1", "zero=0", "recompute=none", "microbatches=2",
+                               "schedule=1f1b" if pp == 2 else "schedule=gpipe"])
+    stage = {lp.name: lp.stage for lp in plan.layers}
+    assert plan.stages == pp and {stage[r] for r in readers} <= {0, pp - 1}
