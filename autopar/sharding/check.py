@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 from autopar.sharding.copies import layer_copy, real_value, shrink_inputs, small_copy
 from autopar.sharding.layout import with_cuts
+from autopar.sharding.replay import replayed_twins
 from autopar.sharding.rules import OP_ATTR, NoShardRule, Projection, Reducer, ShardMode, SimulatedRank, current_mode
 
 MAX_CHECK_PARAMS = 32_000_000  # a layer copy above this is rebuilt narrower from the model's config
@@ -150,6 +151,8 @@ def record_links(model: nn.Module, args: tuple, kwargs: dict, paths: list[str]) 
     hidden_in: dict[str, Any] = {}
     out: dict[str, Any] = {}
     handles = []
+    # twins of the stack are run once per shape: this watches the code between blocks, not in them
+    replay = replayed_twins(model, paths)
     for path in paths:
         def pre(module, a, k, path=path):  # noqa: ANN001
             found = hidden_input(a, k)
@@ -162,7 +165,7 @@ def record_links(model: nn.Module, args: tuple, kwargs: dict, paths: list[str]) 
         handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mod.register_forward_hook(post, with_kwargs=True))
     try:
-        with torch.no_grad(), _MetaValues():
+        with torch.no_grad(), _MetaValues(), replay:
             model(*args, **kwargs)
     finally:
         for h in handles:
