@@ -30,6 +30,8 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from autopar.stacks import Unsupported, find_stack, stack_kinds
+
 _PLAIN = (int, float, bool, str, type(None))
 
 
@@ -77,14 +79,12 @@ def _rebuild(template: tuple, a: tuple, k: dict) -> Any:
 def _stack_kinds(model: nn.Module) -> dict[int, Any]:
     """id(block) → its kind, for the blocks of the model's stack; empty when capture's
     once-per-kind export would not take that stack either."""
-    from autopar.capturing import stack_once
-
-    found = stack_once._find_stack(model)
+    found = find_stack(model)
     if found is None:
         return {}
     try:
-        kinds = stack_once._kinds(model, found[1])
-    except stack_once._Unsupported:
+        kinds = stack_kinds(model, found[1])
+    except Unsupported:
         return {}
     return {id(b): kind for b, kind in zip(found[1], kinds)}
 

@@ -35,6 +35,7 @@ LEVELS: dict[str, int] = {
     "autopar.pins": 2,
     "autopar.contract": 2,
     "autopar.inputs": 2,
+    "autopar.stacks": 2,
     "autopar.sharding": 3,
     "autopar.capturing": 4,
     "autopar.planning": 4,
