@@ -62,18 +62,23 @@ def with_whole(style: TPStyle, module: nn.Module, prefix: str, whole: dict[str, 
     """``style`` with the ``whole`` segments of fused columns (paths relative to the layer at
     ``prefix``) run whole on every rank, priced as the module docstring says."""
     params, flops, elems, count = 0, 0.0, 0.0, 0
+    dropped: set[int] = set()  # a whole column's width is no size tp must divide; its shared segments are
+    kept: set[int] = set()
     for c, idx in whole.items():
         mod = module.get_submodule(c)
         dims = projection_dims(mod)
         if dims is None:
             continue
         width = sum(segments[c][i] for i in idx)
+        dropped.add(dims[1])
+        kept.update(s for i, s in enumerate(segments[c]) if i not in idx)
         params += sum(p.numel() for p in mod.parameters(recurse=False))
         flops += 2.0 * dims[0] * width * tokens_per_sample
         elems += float(width * tokens_per_sample) + (dims[0] + 1) * (dims[1] - width)
         count += len(idx) + 1
     return dataclasses.replace(
         style, whole={f"{prefix}.{c}": i for c, i in whole.items()},
+        divisors=tuple(sorted({d for d in style.divisors if d not in dropped} | kept)),
         sharded_params=max(0, style.sharded_params - params),
         sharded_flops_per_sample=max(0.0, style.sharded_flops_per_sample - flops),
         bwd_allreduce_elems=style.bwd_allreduce_elems + elems,

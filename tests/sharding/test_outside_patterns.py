@@ -263,7 +263,11 @@ def test_gptbigcode_multi_query_fused_c_attn_runs_its_key_value_rows_whole() -> 
     style = next(s for s in layer.tp_styles if s.name == "megatron")
     c_attn = "transformer.h.0.attn.c_attn"
     assert style.segments[c_attn] == (32, 8, 8) and style.whole == {c_attn: (1, 2)}
-    assert 2 in style.checked and 4 in style.checked
+    assert 2 in style.checked and 4 in style.checked and 48 not in style.divisors  # c_attn's width: not split
+    # priced: c_attn held whole (only c_fc and the two row weights are split), three more backward sums
+    # (key, value, and the query rows' weight gradient) beside the two pairs' all-reduces
+    assert style.sharded_params == (32 * 128 + 128) + 128 * 32 + 32 * 32
+    assert style.bwd_allreduce_count == 2 + 3
     assert style.sequence == () and "key/value rows run whole" in style.sequence_refusal
 
 
