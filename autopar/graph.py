@@ -38,7 +38,8 @@ class TPStyle:
     divide (attention heads, key/value heads, FFN width, vocabulary).
     ``segments`` gives each column projection's output as the blocks the layer
     later splits it into (a fused ``[q; k; v]`` is three; each block is split
-    across ranks), and ``checked`` the tp degrees at which capture simulated
+    across ranks; the indices ``whole`` names are run whole on every rank instead,
+    a multi-query projection's key/value rows), and ``checked`` the tp degrees at which capture simulated
     the style and found it exact (:mod:`autopar.sharding.check`); a
     style with ``checked`` set admits only those degrees.
 
@@ -72,6 +73,7 @@ class TPStyle:
     vocab: tuple[str, ...] = ()
     divisors: tuple[int, ...] = ()
     segments: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    whole: dict[str, tuple[int, ...]] = field(default_factory=dict)  # segments run whole (multi-query k/v)
     checked: tuple[int, ...] = ()
     sharded_params: int = 0
     sharded_flops_per_sample: float = 0.0
@@ -115,6 +117,7 @@ class TPStyle:
         for key in ("column", "row", "vocab", "divisors", "checked", "sequence"):
             d[key] = list(d[key])
         d["segments"] = {k: list(v) for k, v in self.segments.items()}
+        d["whole"] = {k: list(v) for k, v in self.whole.items()}
         return d
 
     @classmethod
@@ -124,6 +127,7 @@ class TPStyle:
         for key in ("column", "row", "vocab", "divisors", "checked", "sequence"):
             d[key] = tuple(d.get(key, ()))
         d["segments"] = {k: tuple(v) for k, v in d.get("segments", {}).items()}
+        d["whole"] = {k: tuple(v) for k, v in d.get("whole", {}).items()}
         return cls(**d)
 
 

@@ -110,7 +110,7 @@ def check_tensor_parallel(model: nn.Module, graph: LayerGraph, plan: Plan, tp: i
             dims = projection_dims(mod)
             size = mod.num_embeddings if isinstance(mod, nn.Embedding) else (
                 dims[0] if path in style.row else dims[1])  # type: ignore[index]
-            if size % tp:
+            if size % tp and path not in style.whole:
                 raise LoweringError(f"module {path!r}: tp={tp} does not divide its width {size}")
         lp = next(lp for lp in plan.layers if lp.name == layer.name)
         if lp.choice.sp and not style.admits_sequence(tp):
@@ -118,7 +118,7 @@ def check_tensor_parallel(model: nn.Module, graph: LayerGraph, plan: Plan, tp: i
             raise LoweringError(f"layer {layer.name!r}: sequence parallelism does not run at tp={tp} ({why}); "
                                 "plan it with sp=off")
         for path, segs in style.segments.items():
-            if any(s % tp for s in segs):
+            if any(s % tp for i, s in enumerate(segs) if i not in style.whole.get(path, ())):
                 raise LoweringError(f"module {path!r}: tp={tp} does not divide its output's segments {list(segs)}")
 
 
@@ -335,6 +335,10 @@ def _megatron(model: nn.Module, layer: Layer, style: TPStyle, tp_mesh: Any, resu
     tp = tp_mesh.size()
     for path in style.column:
         mod = _projection(model, path, "column")
+        if path in style.whole:  # held whole on every rank: each rank reads its rows (sharding/whole.py)
+            _shard(mod, "weight", tp_mesh, Replicate())
+            _shard(mod, "bias", tp_mesh, Replicate())
+            continue
         segs = style.segments.get(path)
         if segs is not None:
             _permute(mod, path, segs, tp, result)
@@ -347,7 +351,8 @@ def _megatron(model: nn.Module, layer: Layer, style: TPStyle, tp_mesh: Any, resu
     if layer.module_path is None:
         raise LoweringError(f"layer {layer.name!r} has no module of its own to run sharded")
     owner = model.get_submodule(layer.module_path)
-    install_projection_hooks(owner, style.column, style.row, style.segments, prefix=layer.module_path)
+    install_projection_hooks(owner, style.column, style.row, style.segments, prefix=layer.module_path,
+                             whole=style.whole)
     _run_sharded(owner, tp_mesh, sequence)
 
 

@@ -52,6 +52,11 @@ MODELS: dict[str, tuple[Callable[[], tuple[nn.Module, tuple]], str]] = {
     # its heads' q, k, v; the scores' [batch × heads] dim holds every sample's share of the heads
     "bloom_alibi": (_hf("BloomForCausalLM", "BloomConfig", **COMMON, hidden_size=32, n_layer=2, n_head=4,
                         hidden_dropout=0.0, attention_dropout=0.0), "transformer.h.*"),
+    # pattern 5: multi-query attention fused in one c_attn: each rank its share of the query rows, the
+    # key/value rows whole
+    "gptbigcode_mqa": (_hf("GPTBigCodeForCausalLM", "GPTBigCodeConfig", **COMMON, n_embd=32, n_layer=2, n_head=4,
+                           n_positions=64, multi_query=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+                       "transformer.h.*"),
     # pattern 6: Falcon's parallel attention/MLP block, its linears written as x @ W.T + b
     "falcon_parallel": (_hf("FalconForCausalLM", "FalconConfig", **COMMON, hidden_size=32, num_hidden_layers=2,
                             num_attention_heads=4, multi_query=False, parallel_attn=True, bias=True,

@@ -14,6 +14,9 @@ Modules, in the order data flows through them:
     :class:`~autopar.sharding.layout.Sharded` (which dimension of an
     activation holds a share, cut into which segments) and
     :class:`~autopar.sharding.layout.NoShardRule`;
+``whole``
+    a fused column projection some of whose segments every rank computes in
+    full (GPTBigCode's multi-query key/value rows beside the query's shares);
 ``ops`` (and ``attention_ops``)
     the rules, op by op (:data:`~autopar.sharding.ops.RULES`,
     :data:`~autopar.sharding.ops.ELEMENTWISE`);

@@ -83,9 +83,11 @@ def sdpa(mode: ShardMode, name, func, args, kwargs):
         elif lay.dim != t.dim() - 3:
             off = tuple(dict.fromkeys(mode.layout(u).source for u in args[1:3] if mode.layout(u) is not None))
             if lq.source in off:  # GPTBigCode's multi-query c_attn: q for every head, one k/v head
+                width = sum(mode.layout(u).size for u in args[1:3]  # type: ignore[union-attr]
+                            if mode.layout(u) is not None and mode.layout(u).source == lq.source)  # type: ignore[union-attr]
                 raise NoShardRule(name, f"key and value come from the query's fused projection {lq.source} "
                                   "with fewer heads than the tp degree; running only part of one projection "
-                                  "whole on every rank is not supported")
+                                  "whole on every rank is not supported", whole=(lq.source, width))
             raise NoShardRule(name, "query, key and value are not all sharded on their head dimension",
                               replicate=off)
         else:
@@ -110,6 +112,8 @@ def heads_for(mode: ShardMode, name: str, t: torch.Tensor, lq: Sharded, gqa: boo
     (one per query head), or under grouped-query attention the groups they belong to."""
     j = t.dim() - 3
     heads = t.shape[j]
+    if heads == 1 and j >= 0:  # one head broadcast over every query head (multi-query): all of it, on every rank
+        return t
     if heads == lq.size:
         return local_of(mode, t, j, lq)
     if not gqa or len(lq.segments) != 1 or lq.size % heads:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from autopar.sharding.copies import layer_copy, real_value, shrink_inputs, small
 from autopar.sharding.layout import with_cuts
 from autopar.sharding.replay import replayed_twins
 from autopar.sharding.rules import OP_ATTR, NoShardRule, Projection, Reducer, ShardMode, SimulatedRank, current_mode
+from autopar.sharding.whole import whole_tail
 
 MAX_CHECK_PARAMS = 32_000_000  # a layer copy above this is rebuilt narrower from the model's config
 # An exact rewrite differs from one device by rounding only: float64 runs agree to ~1e-15, and
@@ -69,16 +70,19 @@ class CheckResult:
     copy_segments: dict[str, tuple[int, ...]] | None = None  # ``segments`` at a narrower copy's sizes
     replicated: tuple[str, ...] = ()  # columns proved run whole on every rank (too few key/value heads)
     statistics: int = 0  # sums over a sharded dimension, all-reduced, per call of the layer
+    whole: dict[str, tuple[int, ...]] = field(default_factory=dict)  # a column's segments run whole
 
 
 # ------------------------------------------------------------------ hooks shared with the runtime
 
 
 def install_projection_hooks(layer: nn.Module, columns: Iterable[str], rows: Iterable[str],
-                             segments: dict[str, tuple[int, ...]], prefix: str = "") -> list[Any]:
+                             segments: dict[str, tuple[int, ...]], prefix: str = "",
+                             whole: dict[str, tuple[int, ...]] | None = None) -> list[Any]:
     """Hooks telling the active :class:`ShardMode` which projection runs (paths relative to ``layer``).
 
-    ``prefix`` is stripped from ``columns``/``rows``/``segments`` keys (full model paths)."""
+    ``prefix`` is stripped from ``columns``/``rows``/``segments`` keys (full model paths); ``whole``
+    names a fused column's segments every rank computes in full (:mod:`autopar.sharding.whole`)."""
     handles = []
 
     def rel(p: str) -> str:
@@ -87,7 +91,7 @@ def install_projection_hooks(layer: nn.Module, columns: Iterable[str], rows: Ite
     for role, paths in (("column", columns), ("row", rows)):
         for path in paths:
             mod = layer.get_submodule(rel(path))
-            proj = Projection(mod, path, role, tuple(segments.get(path, ())))
+            proj = Projection(mod, path, role, tuple(segments.get(path, ())), tuple((whole or {}).get(path, ())))
 
             def pre(module, args, proj=proj):
                 mode = current_mode()
@@ -237,7 +241,8 @@ def with_hidden_input(args: tuple, kwargs: dict, where: int | str, x: torch.Tens
 
 def simulate(layer: nn.Module, inputs: tuple, pair_columns: tuple[str, ...], pair_rows: tuple[str, ...],
              segments: dict[str, tuple[int, ...]], tp: int, gen: torch.Generator,
-             sequence: bool = False, stats: SequenceStats | None = None) -> tuple[float, set[int]]:
+             sequence: bool = False, stats: SequenceStats | None = None,
+             whole: dict[str, tuple[int, ...]] | None = None) -> tuple[float, set[int]]:
     """Worst relative error of ``tp`` simulated ranks against the unsharded layer, and the sizes
     the rules divided by tp. Raises :class:`NoShardRule` where the layer cannot run sharded.
 
@@ -269,7 +274,7 @@ def simulate(layer: nn.Module, inputs: tuple, pair_columns: tuple[str, ...], pai
     outs: list[torch.Tensor | None] = [None] * tp
     divisors: set[int] = set()
     failure: list[BaseException] = []
-    handles = install_projection_hooks(layer, pair_columns, pair_rows, segments)
+    handles = install_projection_hooks(layer, pair_columns, pair_rows, segments, whole=whole)
 
     def rank(r: int) -> None:
         try:
@@ -353,14 +358,23 @@ def _check_style(layer: nn.Module, inputs: tuple, columns: tuple[str, ...], rows
     retries = 0
     statistics = 0
     replicated: set[str] = set()  # columns run whole on every rank (key/value heads fewer than tp)
+    whole: dict[str, tuple[int, ...]] = {}  # a fused column's segments run whole (its key/value rows)
     while todo:
         tp = todo.pop(0)
         active = tuple(c for c in columns if c not in replicated)
         stats = SequenceStats()
         try:
             err, divs = simulate(layer, _fresh(inputs), active, rows,
-                                 {c: s for c, s in segments.items() if c not in replicated}, tp, gen, stats=stats)
+                                 {c: s for c, s in segments.items() if c not in replicated}, tp, gen, stats=stats,
+                                 whole=whole)
         except NoShardRule as exc:
+            tail = whole_tail(segments[exc.whole[0]], exc.whole[1]) \
+                if exc.whole is not None and exc.whole[0] in segments and exc.whole[0] not in whole else ()
+            if tail and not tried and retries < MAX_RETRIES:
+                retries += 1
+                whole[exc.whole[0]] = tail  # type: ignore[index]
+                todo.insert(0, tp)
+                continue
             fresh = [c for c in exc.replicate if c in segments and c not in replicated]
             if fresh and not tried and retries < MAX_RETRIES:
                 retries += 1
@@ -388,14 +402,14 @@ def _check_style(layer: nn.Module, inputs: tuple, columns: tuple[str, ...], rows
         divisors.update(divs)
         for c, s in segments.items():
             if c not in replicated:
-                divisors.update(s)
+                divisors.update(x for i, x in enumerate(s) if i not in whole.get(c, ()))
         tried.append(tp)
         if len(tried) == 1:
             statistics = stats.statistics
             todo = [d for d in degrees(tuple(sorted(divisors))) if d not in tried]
     return CheckResult(True, {c: s for c, s in segments.items() if c not in replicated}, tuple(sorted(divisors)),
                        tuple(tried), worst, replicated=tuple(c for c in columns if c in replicated),
-                       statistics=statistics)
+                       statistics=statistics, whole=dict(whole))
 
 
 def check_sequence(layer: nn.Module, recorded: tuple, columns: tuple[str, ...], rows: tuple[str, ...],

@@ -14,6 +14,12 @@ is summed over the tp group where it meets the query's share
 Priced so: the replicated projections' parameters and FLOPs are no longer divided by tp, and the
 gradient sum is one more all-reduce in backward per replicated projection, of its output's size.
 
+**Key/value rows of one fused projection run whole** (GPTBigCode's multi-query ``c_attn``,
+:mod:`autopar.sharding.whole`): the projection's parameters are held whole on every rank; the
+whole rows' FLOPs are not divided by tp; backward all-reduces the whole rows' output (one
+all-reduce per key and value, where they meet the query's share) and the query rows' weight
+gradient (priced per sample, so over-counted by the micro-batch size: a bound, not an estimate).
+
 **Statistics over a sharded dimension.** A norm over the whole query or key projection (OLMo2's
 q_norm/k_norm) sums its squares over the heads every rank holds a share of: one all-reduce of one
 value per token in forward, and one in backward where the statistic meets the share again.
@@ -51,6 +57,34 @@ def without_replicated(style: TPStyle, module: nn.Module, prefix: str, replicate
         bwd_allreduce_count=style.bwd_allreduce_count + len(full))
 
 
+def with_whole(style: TPStyle, module: nn.Module, prefix: str, whole: dict[str, tuple[int, ...]],
+               segments: dict[str, tuple[int, ...]], tokens_per_sample: int) -> TPStyle:
+    """``style`` with the ``whole`` segments of fused columns (paths relative to the layer at
+    ``prefix``) run whole on every rank, priced as the module docstring says."""
+    params, flops, elems, count = 0, 0.0, 0.0, 0
+    dropped: set[int] = set()  # a whole column's width is no size tp must divide; its shared segments are
+    kept: set[int] = set()
+    for c, idx in whole.items():
+        mod = module.get_submodule(c)
+        dims = projection_dims(mod)
+        if dims is None:
+            continue
+        width = sum(segments[c][i] for i in idx)
+        dropped.add(dims[1])
+        kept.update(s for i, s in enumerate(segments[c]) if i not in idx)
+        params += sum(p.numel() for p in mod.parameters(recurse=False))
+        flops += 2.0 * dims[0] * width * tokens_per_sample
+        elems += float(width * tokens_per_sample) + (dims[0] + 1) * (dims[1] - width)
+        count += len(idx) + 1
+    return dataclasses.replace(
+        style, whole={f"{prefix}.{c}": i for c, i in whole.items()},
+        divisors=tuple(sorted({d for d in style.divisors if d not in dropped} | kept)),
+        sharded_params=max(0, style.sharded_params - params),
+        sharded_flops_per_sample=max(0.0, style.sharded_flops_per_sample - flops),
+        bwd_allreduce_elems=style.bwd_allreduce_elems + elems,
+        bwd_allreduce_count=style.bwd_allreduce_count + count)
+
+
 def with_statistics(style: TPStyle, count: int, tokens_per_sample: int) -> TPStyle:
     """``style`` with ``count`` statistics all-reduced per call (one value per token each)."""
     if not count:
@@ -63,4 +97,4 @@ def with_statistics(style: TPStyle, count: int, tokens_per_sample: int) -> TPSty
         bwd_allreduce_elems=style.bwd_allreduce_elems + elems)
 
 
-__all__ = ["with_statistics", "without_replicated"]
+__all__ = ["with_statistics", "with_whole", "without_replicated"]

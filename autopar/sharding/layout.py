@@ -24,12 +24,13 @@ class NoShardRule(Exception):  # noqa: N818 - a reason, raised and caught inside
     """
 
     def __init__(self, op: str, why: str, hint: tuple[str, tuple[int, ...]] | None = None,
-                 replicate: tuple[str, ...] = ()):
+                 replicate: tuple[str, ...] = (), whole: tuple[str, int] | None = None):
         super().__init__(f"{op}: {why}")
         self.op = op
         self.why = why
         self.hint = hint
         self.replicate = replicate  # column projections that could run whole instead (too few kv heads)
+        self.whole = whole  # (fused column, width of its trailing segments that could run whole)
 
 
 @dataclass(frozen=True)
@@ -39,16 +40,23 @@ class Sharded:
     The dimension is the concatenation of ``segments`` (global sizes); each
     segment is split into ``tp`` equal contiguous pieces and a rank holds its
     piece of every segment, in order. ``source`` is the column projection the
-    share started from (for hints).
+    share started from (for hints). ``whole`` indexes segments every rank holds
+    whole (a multi-query projection's key/value rows beside its query's shares):
+    only the rules of :mod:`autopar.sharding.whole` read such a layout.
     """
 
     dim: int
     segments: tuple[int, ...]
     source: str = ""
+    whole: tuple[int, ...] = ()
 
     @property
     def size(self) -> int:
         return sum(self.segments)
+
+    def local(self, tp: int) -> int:
+        """The size a rank holds along ``dim``."""
+        return sum(s if i in self.whole else s // tp for i, s in enumerate(self.segments))
 
     @property
     def sequence(self) -> bool:

@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
+from autopar.sharding import whole
 from autopar.sharding.layout import SEQUENCE, TAG, NoShardRule, Sharded, segment_indices, segment_permutation
 from autopar.sharding.ops import ELEMENTWISE, NO_GRADIENT_OPS, RULES, any_tagged, elementwise
 
@@ -163,6 +164,7 @@ class Projection:
     path: str
     role: str  # "column" or "row"
     segments: tuple[int, ...] = ()
+    whole: tuple[int, ...] = ()  # segments every rank computes in full (:mod:`autopar.sharding.whole`)
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -250,7 +252,7 @@ class ShardMode(TorchFunctionMode):
 
     def tag(self, x: Any, layout: Sharded) -> Any:
         if isinstance(x, torch.Tensor):
-            local = layout.size // self.tp
+            local = layout.local(self.tp)
             if x.dim() <= layout.dim or x.shape[layout.dim] != local:
                 raise NoShardRule("shard bookkeeping", f"expected dim {layout.dim} of size {local}, got "
                                   f"{tuple(x.shape)}")
@@ -299,6 +301,8 @@ class ShardMode(TorchFunctionMode):
         if name not in NO_GRADIENT_OPS:
             args, kwargs = self._sum_replicated_grads(args, kwargs)
         rule = RULES.get(name)
+        if _holds_whole(self, args):
+            rule = whole.rule
         if rule is None:
             if name in ELEMENTWISE:
                 rule = elementwise
@@ -365,6 +369,8 @@ class ShardMode(TorchFunctionMode):
         elif name in ("matmul", "__matmul__") and len(args) > 1 and id(args[1]) in self._transposed \
                 and self._transposed[id(args[1])][0] is args[1]:
             x, bias = args[0], None
+            if proj.whole:  # type: ignore[union-attr]
+                raise NoShardRule(proj.path, "x @ weight.T + bias beside key/value rows run whole is not ruled")  # type: ignore[union-attr]
             y = self._project(proj, mod, x, None, conv=False)
             self._pending_bias[id(mod)] = y
             return y
@@ -398,6 +404,8 @@ class ShardMode(TorchFunctionMode):
         weight = mod.weight
         self.consumed.add(id(mod))
         wdim_out, wdim_in = (1, 0) if conv else (0, 1)
+        if proj.role == "column" and proj.whole:
+            return whole.project(self, proj.path, mod, x, bias, conv, proj.segments, proj.whole)
         if proj.role == "column":  # type: ignore[union-attr]
             if self.layout(x) is not None:
                 raise NoShardRule(proj.path, "a column projection reads an activation that is already sharded")
@@ -448,6 +456,10 @@ class ShardMode(TorchFunctionMode):
 
 _NOT_MINE = object()
 OP_ATTR = "_autopar_failed_op"  # set on an exception an op raised under the mode: the op's name
+
+
+def _holds_whole(mode: ShardMode, args) -> bool:
+    return any(isinstance(a, torch.Tensor) and (lay := mode.layout(a)) is not None and lay.whole for a in args)
 
 
 def _touches(args, kwargs, tensors: tuple) -> bool:

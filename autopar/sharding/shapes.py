@@ -59,7 +59,8 @@ class ShapeRank(Collectives):
 
 
 def prove_shapes(module: nn.Module, inputs: tuple, columns: tuple[str, ...], rows: tuple[str, ...],
-                 segments: dict[str, tuple[int, ...]], tp: int, sequence: bool = False) -> set[int]:
+                 segments: dict[str, tuple[int, ...]], tp: int, sequence: bool = False,
+                 whole: dict[str, tuple[int, ...]] | None = None) -> set[int]:
     """Run ``module`` (meta, real size) forward and backward as one of ``tp`` ranks on ``inputs``
     (meta, real shapes); the sizes tp had to divide. Raises :class:`NoShardRule` naming the op
     whose rule does not hold at this size. ``sequence``: under sequence parallelism (the hidden
@@ -82,7 +83,7 @@ def prove_shapes(module: nn.Module, inputs: tuple, columns: tuple[str, ...], row
     for t in leaves:
         t.requires_grad_(True)
     params = [p for p in module.parameters() if p.requires_grad]
-    handles = install_projection_hooks(module, columns, rows, segments)
+    handles = install_projection_hooks(module, columns, rows, segments, whole=whole)
     try:
         with _MetaValues(), ShardMode(ShapeRank(tp), dropout=False) as mode:
             if hidden is not None:
@@ -99,8 +100,8 @@ def prove_shapes(module: nn.Module, inputs: tuple, columns: tuple[str, ...], row
     finally:
         for h in handles:
             h.remove()
-    for s in segments.values():
-        mode.divisors.update(s)
+    for c, s in segments.items():
+        mode.divisors.update(x for i, x in enumerate(s) if i not in (whole or {}).get(c, ()))
     return set(mode.divisors)
 
 

@@ -34,7 +34,7 @@ import torch.nn as nn
 from autopar.graph import Layer, TPStyle
 from autopar.sharding import check as shard_check
 from autopar.sharding import narrow, shapes
-from autopar.sharding.collectives import with_statistics, without_replicated
+from autopar.sharding.collectives import with_statistics, with_whole, without_replicated
 from autopar.sharding.layout import NoShardRule
 from autopar.sharding.rules import projection_dims
 
@@ -123,7 +123,7 @@ def _prove_at_size(module: nn.Module, style: TPStyle, prefix: str, recorded: tup
 
     def attempt(tp: int) -> tuple[set[int] | None, str, bool]:
         try:
-            return shapes.prove_shapes(full, inputs, cols, rows, result.segments, tp), "", False
+            return shapes.prove_shapes(full, inputs, cols, rows, result.segments, tp, whole=result.whole), "", False
         except NoShardRule as exc:
             return None, str(exc), "does not divide" in exc.why or "cannot share exactly" in exc.why
         except Exception as exc:  # noqa: BLE001 - the layer's own code failed at its real size
@@ -151,6 +151,8 @@ def _sequence_fields(model: nn.Module, module: nn.Module, copy: nn.Module, resul
                      cols: tuple[str, ...], rows: tuple[str, ...], used: tuple, recorded: tuple) -> dict[str, Any]:
     """TPStyle's sequence-parallel fields: simulated on the copy the style was proved on, costed at the
     model's own sizes (the recorded hidden state's length and width, the projections' widths)."""
+    if result.whole:
+        return {"sequence_refusal": "sequence parallelism beside key/value rows run whole is not ruled"}
     hidden = shard_check.hidden_input(*recorded)
     if hidden is None or hidden[1].dim() != 3:
         return {"sequence_refusal": "the layer's hidden state (its first tensor argument) is not "
@@ -244,6 +246,8 @@ def verify_styles(model: nn.Module, args: tuple, kwargs: dict, layers: list[Laye
                 style = without_replicated(style, model.get_submodule(layer.module_path), layer.module_path,  # type: ignore[arg-type]
                                            result.replicated, seq_len or 1)
                 style = with_statistics(style, result.statistics, seq_len or 1)
+                style = with_whole(style, model.get_submodule(layer.module_path), layer.module_path,  # type: ignore[arg-type]
+                                   result.whole, result.segments, seq_len or 1)
                 proved = dataclasses.replace(
                     style, divisors=tuple(sorted(set(style.divisors) | set(result.divisors))),
                     segments={f"{layer.module_path}.{c}": s for c, s in result.segments.items() if len(s) > 1},

@@ -253,15 +253,32 @@ def test_a_bias_shared_by_every_batch_and_head_needs_no_cut() -> None:
 # ------------------------------------------------------------------ pattern 5: multi-query fused in one c_attn
 
 
-def test_gptbigcode_multi_query_fused_c_attn_is_refused_naming_the_projection() -> None:
-    """q for every head and one shared k/v head in a single projection: the answer would be to run the
-    k/v part whole and shard the q part, which one projection's weight cannot hold as a DTensor shard."""
+def test_gptbigcode_multi_query_fused_c_attn_runs_its_key_value_rows_whole() -> None:
+    """q for every head and one shared k/v head in a single projection: each rank computes its share of
+    the q rows and the whole k/v rows (Megatron-Core's and vLLM's answer), proved by simulation."""
     cfg = transformers.GPTBigCodeConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                         multi_query=True, use_cache=False, tie_word_embeddings=False,
                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     layer = _block(transformers.GPTBigCodeForCausalLM(cfg), "transformer.h.0")
-    assert "megatron" not in [s.name for s in layer.tp_styles]
-    assert layer.tp_refusal == (
-        "tensor parallelism withdrawn: scaled_dot_product_attention: key and value come from the query's fused "
-        "projection attn.c_attn with fewer heads than the tp degree; running only part of one projection whole "
-        "on every rank is not supported")
+    style = next(s for s in layer.tp_styles if s.name == "megatron")
+    c_attn = "transformer.h.0.attn.c_attn"
+    assert style.segments[c_attn] == (32, 8, 8) and style.whole == {c_attn: (1, 2)}
+    assert 2 in style.checked and 4 in style.checked and 48 not in style.divisors  # c_attn's width: not split
+    # priced: c_attn held whole (only c_fc and the two row weights are split), three more backward sums
+    # (key, value, and the query rows' weight gradient) beside the two pairs' all-reduces
+    assert style.sharded_params == (32 * 128 + 128) + 128 * 32 + 32 * 32
+    assert style.bwd_allreduce_count == 2 + 3
+    assert style.sequence == () and "key/value rows run whole" in style.sequence_refusal
+
+
+def test_a_whole_segment_that_is_not_the_key_value_rows_is_refused() -> None:
+    """Running the query rows whole instead would give every rank all heads while c_proj reads a share."""
+    cfg = transformers.GPTBigCodeConfig(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64,
+                                        multi_query=True, use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0,
+                                        attn_pdrop=0.0)
+    block = transformers.GPTBigCodeForCausalLM(cfg).double().transformer.h[0]
+    x = torch.randn(2, 8, 32, dtype=torch.float64)
+    sim = shard_check.simulate
+    with pytest.raises(shard_check.NoShardRule):
+        sim(block, ((x,), {}), ("attn.c_attn",), ("attn.c_proj",), {"attn.c_attn": (32, 8, 8)}, 2,
+            torch.Generator().manual_seed(0), whole={"attn.c_attn": (0,)})
