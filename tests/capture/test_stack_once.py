@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import autopar
-from autopar.capturing import capture, stack_once
+from autopar.capturing import capture
+from autopar.stacks import stack_kinds
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -63,9 +64,9 @@ def test_once_per_kind_captures_what_the_whole_export_captures(case: str, monkey
 
 def test_blocks_of_two_kinds_are_told_apart_by_layer_types() -> None:
     model, _ = _build("qwen3_mixed")
-    assert stack_once._kinds(model, model.model.layers) == [0, 1, 0, 1, 0]
+    assert stack_kinds(model, model.model.layers) == [0, 1, 0, 1, 0]
     model, _ = _build("llama")
-    assert stack_once._kinds(model, model.model.layers) == [0] * 5
+    assert stack_kinds(model, model.model.layers) == [0] * 5
 
 
 def test_on_real_tensors_too_and_the_model_is_left_whole() -> None:
