@@ -170,9 +170,11 @@ def _state_keeping_stage(base: type) -> type:
             try:
                 return super()._forward_metadata_inference(*args, **kwargs)
             finally:
-                with torch.no_grad():
-                    for b, value in saved:
-                        b.copy_(value)
+                # through ``.data``: the real forward may already have saved a running statistic
+                # for backward (BatchNorm's backward takes it, training mode reads no value of it);
+                # a tracked copy would bump its version and fail that backward
+                for b, value in saved:
+                    b.data.copy_(value)
 
     return StateKeepingStage
 

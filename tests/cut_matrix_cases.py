@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from cut_cases import PP2, gemma3_tied, lstm, stage_pins
 from equivalence_cases import SGD, Spec, _max_rel, from_rank0, run_parallel, run_reference
-from zoo import CLASSES, MODELS_ALL, build
+from zoo import BEYOND, CLASSES, MODELS_ALL, build
 
 import autopar
 from autopar.graph import LayerGraph
@@ -31,7 +31,13 @@ def _builder(name: str) -> Callable[[], tuple]:
 def every_cut(name: str) -> Callable[[int, int], dict[str, Any]]:
     def case(rank: int, world_size: int) -> dict[str, Any]:
         classes = CLASSES if name == "hf_vit" else None
-        base = Spec(_builder(name), PP2, 4, classes=classes)
+        # the zoo's models beyond token ids in, logits out: batches as verify makes them; BatchNorm
+        # normalises over one microbatch, so those run one (one device's whole-batch statistics)
+        pins = PP2
+        if name == "resnet_bn":
+            pins = tuple("microbatches=1" if p.startswith("microbatches=") else
+                         "schedule=gpipe" if p.startswith("schedule=") else p for p in PP2)
+        base = Spec(_builder(name), pins, 4, classes=classes, synthetic=name in BEYOND)
 
         def plans() -> list[tuple[str, str, str]]:
             torch.manual_seed(0)
@@ -41,7 +47,7 @@ def every_cut(name: str) -> Callable[[int, int], dict[str, Any]]:
             out = []
             for layer in graph.layers[:-1]:
                 if layer.can_cut_after:
-                    pins = list(PP2) + list(stage_pins(names, layer.name))
+                    pins = list(base.pins) + list(stage_pins(names, layer.name))
                     plan = autopar.solve(graph, world_size, cluster="cpu", dtype="fp32", global_batch=4, pins=pins)
                     out.append((layer.name, plan.to_json(), graph.to_dict()))
             return out

@@ -100,11 +100,14 @@ def send(g: fx.Graph, node: fx.Node, value: Any) -> list[fx.Node]:
 
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the gradient contiguous: it is sent back to the previous
-    stage, and ``torch.autograd.grad`` may return a strided one (an LSTM's input gradient)."""
+    stage, and ``torch.autograd.grad`` may return a strided one (an LSTM's input gradient).
+    Forward returns a copy, not a view: a stage may begin with an in-place op on what it
+    received (ResNet's ``ReLU(inplace=True)`` right after a cut), which autograd forbids on a
+    custom Function's view output and on the received leaf itself."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
+        return x.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
