@@ -165,10 +165,12 @@ def rank_p2p_floor(table: PriceTable, cuts_ok: list[int], time_of: Any = float) 
     floor = [0.0] * c.mesh.pp
     if c.stages <= 1 or not cuts_ok:
         return floor
+    # a send's time grows with its bytes over a given link: the thinnest cut is the cheapest at every boundary
+    thinnest = min(cuts_ok, key=lambda q: table.graph[q - 1].boundary_bytes_per_sample)
     for s in range(1, c.stages):
-        thinnest = min(time_of(table.p2p_s(q, s)) for q in cuts_ok)
-        floor[c.rank_of_stage(s - 1)] += thinnest
-        floor[c.rank_of_stage(s)] += thinnest
+        send = time_of(table.p2p_s(thinnest, s))
+        floor[c.rank_of_stage(s - 1)] += send
+        floor[c.rank_of_stage(s)] += send
     return floor
 
 

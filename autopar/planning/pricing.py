@@ -45,7 +45,7 @@ and the memory of rank j (integer bytes):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from functools import cached_property
 
@@ -111,11 +111,25 @@ class LayerPrice:
         return self.exposed_comm_s + self.optimizer_s
 
 
+@dataclass
+class SharedPrices:
+    """What the price tables of one search's configurations share: many repeat a tp degree,
+    microbatch size and tp group, and every one asks each layer's recompute kinds again."""
+
+    # (layer id, style, sp, tp, microbatch, tp group, activation scale, dtype, cluster id) → (the layer,
+    # kept so its id is not reused; the style's forward, backward, forward tp and backward tp
+    # seconds, and saved activation bytes)
+    styles: dict[tuple, tuple[Layer, tuple[float, float, float, float, float]]] = field(default_factory=dict)
+    recomputes: dict[tuple[int, int, int], tuple[Recompute, ...]] = field(default_factory=dict)  # (graph id, layer, pp)
+
+
 class PriceTable:
     """Prices of every admissible choice of every layer under one :class:`Configuration`."""
 
     def __init__(self, graph: LayerGraph, config: Configuration, cluster: ClusterSpec,
-                 training: TrainingSpec):
+                 training: TrainingSpec, shared: SharedPrices | None = None):
+        """``shared``: what one search's tables share (:class:`SharedPrices`); a search passes one
+        to every table it builds."""
         samples = config.mesh.dp * config.microbatches
         if training.global_batch % samples:
             raise ValueError(f"global batch {training.global_batch} does not split into "
@@ -132,7 +146,10 @@ class PriceTable:
         self.tp_group, self.dp_group = groups["tp"], groups["dp"]
         self.pp_inter_node = edges.ranks_inter_node(0, config.mesh.pp - 1, self)  # the tied ends' all-reduce
         self.engine = config.engine
-        self._style_memo: dict[tuple[int, str | None, bool], tuple[float, float, float, float, float]] = {}
+        self._shared = SharedPrices() if shared is None else shared
+        self._style_memo = self._shared.styles
+        self._p2p_memo: dict[tuple[int, int | None], float] = {}
+        self._runs_memo: dict[tuple[int, LayerChoice], LayerChoice] = {}
 
     @cached_property
     def _rows(self) -> tuple[list[list[LayerChoice]], list[list[LayerPrice]]]:
@@ -173,7 +190,11 @@ class PriceTable:
         return out
 
     def _recompute_options(self, layer: Layer) -> tuple[Recompute, ...]:
-        return contract.offered_recomputes(self.graph, layer.index, self.config.mesh.pp)
+        key = (id(self.graph), layer.index, self.config.mesh.pp)
+        memo = self._shared.recomputes
+        if key not in memo:
+            memo[key] = contract.offered_recomputes(self.graph, layer.index, self.config.mesh.pp)
+        return memo[key]
 
     def _choices(self, layer: Layer, zeros: tuple[int, ...]) -> list[LayerChoice]:
         """What the contract lets this layer run as (styles, ZeRO stages, recompute)."""
@@ -198,10 +219,13 @@ class PriceTable:
     def runs_as(self, i: int, choice: LayerChoice) -> LayerChoice:
         """What layer ``i`` asking for ``choice`` runs as (the contract's ZeRO stage and recompute):
         what it is priced as."""
-        c = self.config
-        zero = contract.effective_zero(self.graph, i, choice.zero, c.data_parallel, c.mesh.dp, c.mesh.pp)
-        return replace(choice, zero=zero,
-                       recompute=contract.recompute_runs_as(self.graph, i, c.mesh.pp, choice.recompute))
+        key = (i, choice)
+        if key not in self._runs_memo:
+            c = self.config
+            zero = contract.effective_zero(self.graph, i, choice.zero, c.data_parallel, c.mesh.dp, c.mesh.pp)
+            self._runs_memo[key] = replace(choice, zero=zero, recompute=contract.recompute_runs_as(
+                self.graph, i, c.mesh.pp, choice.recompute))
+        return self._runs_memo[key]
 
     def buffers_needed(self, i: int, k: int) -> Buffers:
         """The FSDP2 buffers layer ``i`` under choice ``k`` makes its rank hold (the contract's)."""
@@ -312,10 +336,11 @@ class PriceTable:
         """What a tensor-parallel style (or none; with sequence parallelism or not) sets, whatever the
         ZeRO stage and recompute: forward and backward compute, forward and backward tp
         communication, saved activations."""
-        key = (id(layer), style_name, sp)
-        if key in self._style_memo:
-            return self._style_memo[key]
         c, b = self.config, self.microbatch_size
+        key = (id(layer), style_name, sp, c.mesh.tp, b, self.tp_group, self.act_scale, self.dtype_for_compute,
+               id(self.cluster))
+        if key in self._style_memo:
+            return self._style_memo[key][1]
         acts = layer.activation_bytes_per_sample
         tp_comm_fwd = tp_comm_bwd = 0.0
         if style_name is not None:
@@ -340,8 +365,9 @@ class PriceTable:
                 acts = sequence_activation_bytes(layer, style, c.mesh.tp, self.graph.dtype_bytes)
         times = layer_compute(layer, style_name, c.mesh.tp, b, self.cluster.device, self.dtype_for_compute,
                               self.act_scale)
-        self._style_memo[key] = (times.fwd_s, times.bwd_s, tp_comm_fwd, tp_comm_bwd, acts)
-        return self._style_memo[key]
+        part = (times.fwd_s, times.bwd_s, tp_comm_fwd, tp_comm_bwd, acts)
+        self._style_memo[key] = (layer, part)  # the layer is kept, so its id is not reused while the memo lives
+        return part
 
     def _price(self, layer: Layer, choice: LayerChoice) -> LayerPrice:
         """The layer priced as it runs (:meth:`runs_as`)."""
@@ -460,11 +486,14 @@ class PriceTable:
         the cheapest boundary of the pipeline's: what a bound may count on."""
         if cut <= 0 or cut >= len(self.graph):
             return 0.0
-        nbytes = (self.microbatch_size * self.graph[cut - 1].boundary_bytes_per_sample
-                  * self.act_scale)
-        inter = self.boundary_inter_node
-        across = (len(inter) > 1 and all(inter[1:])) if stage is None else inter[stage]
-        return p2p_time_s(nbytes, inter_node=across, cluster=self.cluster)
+        key = (cut, stage)
+        if key not in self._p2p_memo:  # the bounds and the model ask for every cut at every boundary
+            nbytes = (self.microbatch_size * self.graph[cut - 1].boundary_bytes_per_sample
+                      * self.act_scale)
+            inter = self.boundary_inter_node
+            across = (len(inter) > 1 and all(inter[1:])) if stage is None else inter[stage]
+            self._p2p_memo[key] = p2p_time_s(nbytes, inter_node=across, cluster=self.cluster)
+        return self._p2p_memo[key]
 
     @cached_property
     def boundary_inter_node(self) -> tuple[bool, ...]:

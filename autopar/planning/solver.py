@@ -95,7 +95,7 @@ from autopar.planning.cut_checks import check_stage_pins
 from autopar.planning.evaluate import Evaluation, evaluate
 from autopar.planning.infeasible import raise_infeasible
 from autopar.planning.model import SolverOptions, Units, build_model, cp_solver, extract
-from autopar.planning.pricing import PriceTable
+from autopar.planning.pricing import PriceTable, SharedPrices
 
 __all__ = ["Candidate", "RUNNERS_UP", "Solution", "SolverOptions", "cut_positions", "distinct_key",
            "enumerate_configs", "solve"]
@@ -203,9 +203,9 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     cuts_ok = cut_positions(graph)
     # Configurations in order of a cheap bound (fastest strategy per layer, balanced),
     # priced in full only when that bound could still beat the best plan so far.
-    candidates = []
+    candidates, shared = [], SharedPrices()
     for config in enumerate_configs(graph, world_size, cluster, training, pins):
-        table = PriceTable(graph, config, cluster, training)
+        table = PriceTable(graph, config, cluster, training, shared)
         fastest = table.fastest_time_mb_s()
         cheap = balanced_step_s(table, sum(fastest), max(fastest))
         candidates.append((cheap, config, table))

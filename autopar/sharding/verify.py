@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from autopar.graph import Layer, TPStyle
 from autopar.sharding import check as shard_check
@@ -64,9 +65,38 @@ def _signature(module: nn.Module, style: TPStyle, prefix: str) -> tuple:
     return (type(module), shapes, tuple(map(rel, style.column)), tuple(map(rel, style.row)))
 
 
+def _short_records(model: nn.Module, args: tuple, kwargs: dict, paths: list[str], batch: int,
+                   seq_len: int | None) -> dict[str, tuple]:
+    """Each layer's inputs recorded from the model's own forward on its example cut to
+    ``SHORT_SEQ`` positions (every input dimension of the sequence's length), for the numerical
+    proof; empty where that cannot be told apart or the model refuses the shorter example.
+
+    Shrinking a layer's recorded inputs maps sizes by value, so where the sequence is as long as
+    a width (Llama 3 70B: 8192 of both) the copy would keep the width's length, and attention
+    over it costs seconds; the model's own forward gives the short inputs with no such clash."""
+    if not seq_len or seq_len <= SHORT_SEQ or batch == seq_len:
+        return {}
+
+    def cut(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        for d, size in enumerate(t.shape):
+            if int(size) == seq_len:
+                t = t.narrow(d, 0, SHORT_SEQ)
+        return t
+
+    short_args, short_kwargs = pytree.tree_map(cut, (args, kwargs))
+    try:
+        return shard_check.record_inputs(model, short_args, short_kwargs, paths)
+    except Exception:  # noqa: BLE001 - the longer records still serve (shrunk by value)
+        return {}
+
+
 def _check(model: nn.Module, module: nn.Module, style: TPStyle, prefix: str, recorded: tuple,
-           batch: int, seq_len: int | None) -> tuple[shard_check.CheckResult, nn.Module | None, tuple]:
-    """The style's simulation, and the layer copy and recorded-form inputs it was proved on."""
+           batch: int, seq_len: int | None,
+           short: tuple | None = None) -> tuple[shard_check.CheckResult, nn.Module | None, tuple]:
+    """The style's simulation, and the layer copy and recorded-form inputs it was proved on
+    (``short``: the layer's inputs recorded at ``SHORT_SEQ`` positions, tried first)."""
     gen = torch.Generator().manual_seed(0)
     cols = tuple(p[len(prefix) + 1:] for p in style.column)
     rows = tuple(p[len(prefix) + 1:] for p in style.row)
@@ -74,13 +104,25 @@ def _check(model: nn.Module, module: nn.Module, style: TPStyle, prefix: str, rec
     if n_params <= shard_check.MAX_CHECK_PARAMS:
         copy, inputs = shard_check.layer_copy(module, gen), recorded
         if seq_len and seq_len > SHORT_SEQ:  # attention over a long sequence costs seconds: check a short one
-            shrunk = shard_check.shrink_inputs(recorded, {seq_len: SHORT_SEQ})
-            short = _check_inputs(copy, cols, rows, shrunk)
-            if short is not None and short.ok:
-                return short, copy, shrunk
+            for shrunk in (short, shard_check.shrink_inputs(recorded, {seq_len: SHORT_SEQ})):
+                if shrunk is None:
+                    continue
+                result = _check_inputs(copy, cols, rows, shrunk)
+                if result is not None and result.ok:
+                    return result, copy, shrunk
     else:
+        config = _config(model, module)
+        if short is not None:
+            built = shard_check.small_copy(module, config, gen, {})
+            if built is not None:
+                copy, mapping = built
+                mapping.setdefault(batch, 1)
+                shrunk = shard_check.shrink_inputs(short, mapping)
+                result = _check_inputs(copy, cols, rows, shrunk)
+                if result is not None and result.ok:
+                    return _scaled_segments(module, cols, result), copy, shrunk
         lengths = {seq_len: SHORT_SEQ} if seq_len and seq_len > SHORT_SEQ else {}
-        built = shard_check.small_copy(module, _config(model, module), gen, lengths)
+        built = shard_check.small_copy(module, config, gen, lengths)
         if built is not None:
             copy, mapping = built
             mapping.setdefault(batch, 1)
@@ -100,14 +142,20 @@ def _check(model: nn.Module, module: nn.Module, style: TPStyle, prefix: str, rec
     if result is None:
         return shard_check.CheckResult(False, {}, reason="a column projection is not a Linear or Conv1D"), None, inputs
     if result.ok and n_params > shard_check.MAX_CHECK_PARAMS:
-        # the copy is narrower: scale its segments back (same fractions of each projection)
-        full = {c: projection_dims(module.get_submodule(c))[1] for c in cols}  # type: ignore[index]
-        segments = {}
-        for c, segs in result.segments.items():
-            factor = full[c] // sum(segs)
-            segments[c] = tuple(s * factor for s in segs)
-        result = dataclasses.replace(result, segments=segments, copy_segments=result.segments)
+        result = _scaled_segments(module, cols, result)
     return result, copy, inputs
+
+
+def _scaled_segments(module: nn.Module, cols: tuple[str, ...],
+                     result: shard_check.CheckResult) -> shard_check.CheckResult:
+    """``result`` proved on a narrower copy, with its segments scaled back to the module's own
+    widths (the same fractions of each projection)."""
+    full = {c: projection_dims(module.get_submodule(c))[1] for c in cols}  # type: ignore[index]
+    segments = {}
+    for c, segs in result.segments.items():
+        factor = full[c] // sum(segs)
+        segments[c] = tuple(s * factor for s in segs)
+    return dataclasses.replace(result, segments=segments, copy_segments=result.segments)
 
 
 def _prove_at_size(module: nn.Module, style: TPStyle, prefix: str, recorded: tuple,
@@ -213,6 +261,7 @@ def verify_styles(model: nn.Module, args: tuple, kwargs: dict, layers: list[Laye
     except Exception as exc:  # noqa: BLE001 - the style cannot be proved, so it is not offered
         recorded, failure = {}, f"running the model's forward to record the layer's inputs failed: " \
                                 f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    short = _short_records(model, args, kwargs, firsts, batch, seq_len) if recorded else {}
     linked: set[str] | None = None  # recorded by a whole forward: only once a style needs it
     out = list(layers)
     for members in groups.values():
@@ -224,7 +273,8 @@ def verify_styles(model: nn.Module, args: tuple, kwargs: dict, layers: list[Laye
             result = shard_check.CheckResult(False, {}, reason=failure or "the model's forward never called "
                                              f"{path} as a module")
         else:
-            result, copy, used = _check(model, model.get_submodule(path), style, path, rec, batch, seq_len)  # type: ignore[arg-type]
+            result, copy, used = _check(model, model.get_submodule(path), style, path, rec, batch, seq_len,  # type: ignore[arg-type]
+                                        short.get(path))  # type: ignore[arg-type]
             if result.ok:
                 result = _prove_at_size(model.get_submodule(path), style, path, rec, result)  # type: ignore[arg-type]
         sequence: dict[str, Any] = {}
