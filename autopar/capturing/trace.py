@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autopar.capturing import boundary, cuts, stack_once, twins
 from autopar.capturing.export_layers import export_with_layer_calls
 from autopar.capturing.layers import group_layers, layer_names
-from autopar.capturing.op_costs import OpRecorder, is_causal, layer_ops, selective_costs
+from autopar.capturing.op_costs import OpRecorder, extra_flop_rules, is_causal, layer_ops, selective_costs
 from autopar.capturing.stateful import batch_norm_channels, recompute_refusal
 from autopar.errors import CaptureError
 from autopar.graph import Layer, LayerGraph
@@ -216,7 +216,7 @@ class _Meter(fx.Interpreter):
         self.producer: dict[Any, fx.Node] = {}
         self.keep: list[torch.Tensor] = []
         self.current: fx.Node | None = None
-        self.counter = FlopCounterMode(display=False)
+        self.counter = FlopCounterMode(display=False, custom_mapping=extra_flop_rules())
         # every save attempt per node, (storage key, bytes, producer), for twin replay
         self.events: dict[fx.Node, list[twins.Event]] = {}
         self.twins = _TwinLayers(runs, node_layer) if replay else None
