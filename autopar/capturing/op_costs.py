@@ -101,6 +101,7 @@ class NodeOpCosts:
     # each matmul-class op in order: (is aten::mm, {storage key: output bytes}, FLOPs, bytes read and written)
     matmuls: list[tuple[bool, dict[Any, float], float, float]] = field(default_factory=list)
     unpriced: set[str] = field(default_factory=set)  # compute-like ops no FLOP rule counts (schema names)
+    op_names: set[str] = field(default_factory=set)  # every ATen op the node ran (schema names)
 
     def keep(self, key: Any, nbytes: float) -> None:
         self.kept[key] = float(nbytes)
@@ -155,6 +156,7 @@ class OpRecorder(TorchDispatchMode):
         outs = _tensors(out)
         ins = _tensors(inputs)
         name = func._schema.name
+        costs.op_names.add(name)
         if flops <= 0 and _looks_like_compute(func, outs):
             costs.unpriced.add(name)
         if name in MATMUL_OPS:
