@@ -12,6 +12,7 @@ from that one measured run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import io
 import traceback
@@ -538,6 +539,10 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, name: str | None, repl
             )
         )
     layers = verify_styles(model, args, kwargs, layers, batch, seq_len)
+    if stand_in:  # a block run as a stand-in is not the layer's program: no style is proved on it
+        layers = [dataclasses.replace(l, tp_styles=(), tp_refusal=f"tensor parallelism withdrawn: "
+                                      f"{l.moe[0].module_path} is traced whole (its routing loop cannot run "
+                                      "on the meta device)") if l.moe else l for l in layers]
     calls = gm.meta.get("layer_calls") if tracer == "export" else False  # known from stack_once
     if calls or (calls is None and
                  export_with_layer_calls(model, args, kwargs, {k for k, _ in runs if k}) is not None):

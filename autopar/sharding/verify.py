@@ -64,6 +64,14 @@ def _signature(module: nn.Module, style: TPStyle, prefix: str) -> tuple:
     return (type(module), shapes, tuple(map(rel, style.column)), tuple(map(rel, style.row)))
 
 
+def _lacks(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return True
+    return False
+
+
 def _check(model: nn.Module, module: nn.Module, style: TPStyle, prefix: str, recorded: tuple,
            batch: int, seq_len: int | None) -> tuple[shard_check.CheckResult, nn.Module | None, tuple]:
     """The style's simulation, and the layer copy and recorded-form inputs it was proved on."""
@@ -96,6 +104,10 @@ def _check(model: nn.Module, module: nn.Module, style: TPStyle, prefix: str, rec
                                                f"and no narrower copy of it runs the same program: {exc}"), \
                     None, recorded
             copy, inputs = shard_check.layer_copy(narrowed.module, gen), narrowed.inputs
+    missing = [p for p in cols + rows if _lacks(copy, p)]
+    if missing:  # e.g. a copy of DeepSeek-V3's decoder class built at a dense layer's index: not this layer
+        return shard_check.CheckResult(False, {}, reason=f"too large to simulate ({n_params:,} parameters) and "
+                                       f"the narrower copy of its class has no {missing[0]}"), None, recorded
     result = _check_inputs(copy, cols, rows, inputs)
     if result is None:
         return shard_check.CheckResult(False, {}, reason="a column projection is not a Linear or Conv1D"), None, inputs
