@@ -436,11 +436,14 @@ def capture(
     with moe.static_hf_experts(model) as hf_static:
         try:
             return _capture(model, args, kwargs, name, replay_twins, trace_once_per_kind, blocks, hf_static)
-        except CaptureError:
+        except CaptureError as first:
             if not blocks:
                 raise
-        return _capture(model, args, kwargs, name, replay_twins, trace_once_per_kind, blocks, hf_static,
-                        stand_in=True)
+            try:
+                return _capture(model, args, kwargs, name, replay_twins, trace_once_per_kind, blocks, hf_static,
+                                stand_in=True)
+            except CaptureError:
+                raise first from None  # the model's own failure, not the stand-in's
 
 
 def _capture(model: nn.Module, args: tuple, kwargs: dict, name: str | None, replay_twins: bool,
