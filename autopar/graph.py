@@ -27,6 +27,8 @@ from typing import Any
 
 import networkx as nx
 
+from autopar.moe import MoEFacts
+
 
 @dataclass(frozen=True)
 class TPStyle:
@@ -300,6 +302,10 @@ class Layer:
     # model (cost_models.compute); graphs captured before these were recorded load with none and
     # price by their FLOPs
     ops: tuple[OpRecord, ...] = ()
+    # the layer's mixture-of-experts blocks (autopar.moe), and the compute-like ops no FLOP rule counted
+    # (their work is not in flops_per_sample: the plan's notes name them)
+    moe: tuple[MoEFacts, ...] = ()
+    unpriced_ops: tuple[str, ...] = ()
 
     def tp_style(self, name: str) -> TPStyle:
         for style in self.tp_styles:
@@ -329,6 +335,7 @@ class Layer:
             len(self.param_names),
             tuple(o.signature() for o in self.ops),
             self.sync_norm_channels, bool(self.recompute_refusal),
+            tuple(m.signature() for m in self.moe), self.unpriced_ops,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -337,6 +344,8 @@ class Layer:
         d["param_names"] = list(self.param_names)
         d["tied_params"] = list(self.tied_params)
         d["ops"] = [o.to_dict() for o in self.ops]
+        d["moe"] = [m.to_dict() for m in self.moe]
+        d["unpriced_ops"] = list(self.unpriced_ops)
         return d
 
     @classmethod
@@ -347,6 +356,8 @@ class Layer:
         d["tied_params"] = tuple(d.get("tied_params", ()))
         d["sync_norm_channels"] = tuple(d.get("sync_norm_channels", ()))
         d["ops"] = tuple(OpRecord.from_dict(o) for o in d.get("ops", ()))
+        d["moe"] = tuple(MoEFacts.from_dict(m) for m in d.get("moe", ()))
+        d["unpriced_ops"] = tuple(d.get("unpriced_ops", ()))
         return cls(**d)
 
 

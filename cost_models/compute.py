@@ -68,6 +68,9 @@ def compute_time_s(flops: float, device: DeviceSpec, dtype: str) -> float:
 # (linear, matmul) never reach a dispatch mode: they arrive as mm/addmm/bmm.
 MATMUL_OPS = frozenset({
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
+    # the grouped GEMM of mixture-of-experts layers, and Hugging Face's stand-in for it while
+    # exporting weights not in bf16 (transformers/integrations/moe.py): eager runs the former
+    "aten::_grouped_mm", "transformers::grouped_mm_fallback",
     "aten::convolution",
     "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
     "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",

@@ -9,6 +9,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.capturing import twins
+from autopar.capturing.moe import find_blocks
 
 _SKIP_TARGETS = ("_guards_fn",)
 
@@ -19,10 +20,14 @@ def expanded_paths(model: nn.Module) -> set[str]:
     A stack is ≥2 sibling submodules of one class that are either composite
     (have children of their own, e.g. transformer blocks, ResNet blocks) or
     held in a ModuleList. Repeated leaves (ln_1/ln_2, fc1/fc2) do not count,
-    so a transformer block stays one layer.
+    so a transformer block stays one layer; nor do an MoE block's experts
+    (:mod:`autopar.capturing.moe`): the block is one layer with its router.
     """
     expanded = {""}
+    experts = {b.experts_path for b in find_blocks(model)}
     for path, mod in model.named_modules():
+        if path in experts:
+            continue
         counts = Counter(
             type(child)
             for _, child in mod.named_children()

@@ -19,11 +19,21 @@ The same pass records what the per-op compute model prices
 ops' bytes and kernel count, with which of them a tensor-parallel style
 divides (column projections n, row projections k, what lies between them
 its heads or its whole work).
+
+FLOP rules torch's counter lacks are added here (:data:`EXTRA_FLOP_RULES`):
+``aten::_grouped_mm``, the grouped GEMM of mixture-of-experts layers
+(Hugging Face's ``grouped_mm`` experts, torchtitan's MoE). Its shapes are
+static — every routed (token, expert) row is one row of the grouped operand —
+so the count is exact whatever the routing. An op that looks like compute
+(a matmul, convolution or attention by name, or any op outside ATen and
+prims) that no rule counts is recorded in :attr:`NodeOpCosts.unpriced`:
+the plan's notes name it, rather than pricing it silently as nothing.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +51,40 @@ _GATHER_OPS = frozenset({"aten::embedding", "aten::index_select", "aten::gather"
 # matmul-class ops priced by GEMM shape: schema name → where (m, k) and (k, n) sit in the arguments
 _GEMM_ARGS = {"aten::mm": (0, 1), "aten::_scaled_mm": (0, 1), "aten::addmm": (1, 2),
               "aten::bmm": (0, 1), "aten::baddbmm": (1, 2)}
+# ATen ops whose name says they multiply matrices, convolve or attend: with no FLOP rule, unpriced
+_COMPUTE_NAME = re.compile(r"(mm|matmul|conv|attention|linear|einsum|gemm)", re.IGNORECASE)
+_NO_COMPUTE_NAMESPACES = frozenset({"aten", "prims", "profiler"})
+
+
+def grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """FLOPs of ``aten::_grouped_mm(mat_a, mat_b, offs)``, every group together.
+
+    Its four forms (torch/nn/functional.py ``grouped_mm``): 2-D × 3-D, the
+    groups jagged along the rows of ``mat_a`` ([M, K] × [G, K, N] → [M, N]);
+    3-D × 2-D, jagged along N; 3-D × 3-D, a plain batch; 2-D × 2-D, jagged
+    along the contraction (the weight gradient, → [G, M, N]). Each row, column
+    or contraction index belongs to exactly one group, so the work is 2 · M · K · N
+    over the whole operands, however the offsets split them.
+    """
+    out = tuple(out_shape)
+    if len(a_shape) == 2 and len(b_shape) == 2:  # jagged K: [M, K] × [K, N] split along K
+        return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+    return 2 * math.prod(out) * a_shape[-1]
+
+
+# Hugging Face's stand-in for aten::_grouped_mm (transformers/integrations/moe.py): the same
+# (input [S, K], weight [E, K, N], offs) signature, run while exporting with weights not in bf16
+_HF_GROUPED_MM = "grouped_mm_fallback"
+GROUPED_MM_OPS = frozenset({"aten::_grouped_mm", f"transformers::{_HF_GROUPED_MM}"})
+
+
+def extra_flop_rules() -> dict[Any, Callable[..., int]]:
+    """FLOP rules for torch's ``FlopCounterMode(custom_mapping=...)``: the grouped GEMMs (HF's
+    stand-in only once transformers has registered it)."""
+    rules: dict[Any, Callable[..., int]] = {torch.ops.aten._grouped_mm: grouped_mm_flops}
+    if hasattr(torch.ops.transformers, _HF_GROUPED_MM):
+        rules[getattr(torch.ops.transformers, _HF_GROUPED_MM)] = grouped_mm_flops
+    return rules
 
 
 @dataclass
@@ -56,6 +100,8 @@ class NodeOpCosts:
     fused: dict[Any, float] = field(default_factory=dict)  # fused attention's outputs (kept by both policies)
     # each matmul-class op in order: (is aten::mm, {storage key: output bytes}, FLOPs, bytes read and written)
     matmuls: list[tuple[bool, dict[Any, float], float, float]] = field(default_factory=list)
+    unpriced: set[str] = field(default_factory=set)  # compute-like ops no FLOP rule counts (schema names)
+    op_names: set[str] = field(default_factory=set)  # every ATen op the node ran (schema names)
 
     def keep(self, key: Any, nbytes: float) -> None:
         self.kept[key] = float(nbytes)
@@ -110,6 +156,9 @@ class OpRecorder(TorchDispatchMode):
         outs = _tensors(out)
         ins = _tensors(inputs)
         name = func._schema.name
+        costs.op_names.add(name)
+        if flops <= 0 and _looks_like_compute(func, outs):
+            costs.unpriced.add(name)
         if name in MATMUL_OPS:
             for t in outs:
                 costs.keep(*self.storage_key(t))
@@ -135,8 +184,27 @@ class OpRecorder(TorchDispatchMode):
         costs.kernels += 1
 
 
+def _looks_like_compute(func: Any, outs: list[torch.Tensor]) -> bool:
+    """Whether an op with no counted FLOPs should have had some: a floating-point result of an op
+    outside ATen and prims (a custom kernel: nothing says what it costs), or of an ATen op named like
+    a matmul, convolution or attention (torch's counter has rules for those it knows)."""
+    if not any(t.is_floating_point() for t in outs):
+        return False
+    namespace, _, op = func._schema.name.partition("::")
+    if namespace not in _NO_COMPUTE_NAMESPACES:
+        return True
+    return namespace == "aten" and bool(_COMPUTE_NAME.search(op)) and not op.endswith("_backward")
+
+
 def _gemm_shape(name: str, args: tuple, outs: list[torch.Tensor]) -> tuple[float, float, float, float] | None:
-    """(m, n, k, batch) of a GEMM-class ATen op; a convolution as its implicit GEMM."""
+    """(m, n, k, batch) of a GEMM-class ATen op; a convolution as its implicit GEMM; a grouped GEMM
+    as one GEMM of all its rows (its groups are experts holding thousands of rows each at training
+    sizes, so tile quantisation per group is not modelled)."""
+    if name in GROUPED_MM_OPS and outs:
+        a, b, out = args[0], args[1], outs[0]
+        if a.dim() == 2 and b.dim() == 2:  # jagged K: G products [M, K_g] × [K_g, N]
+            return float(a.shape[0]), float(b.shape[-1]), float(a.shape[1]), 1.0
+        return float(math.prod(out.shape[:-1])), float(out.shape[-1]), float(a.shape[-1]), 1.0
     if name in _GEMM_ARGS:
         a, b = (args[i] for i in _GEMM_ARGS[name])
         batch = float(a.shape[0]) if a.dim() == 3 else 1.0

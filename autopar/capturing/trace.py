@@ -12,6 +12,7 @@ from that one measured run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import io
 import traceback
@@ -24,10 +25,10 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopar.capturing import boundary, cuts, stack_once, twins
+from autopar.capturing import boundary, cuts, moe, op_costs, stack_once, twins
 from autopar.capturing.export_layers import export_with_layer_calls
 from autopar.capturing.layers import group_layers, layer_names
-from autopar.capturing.op_costs import OpRecorder, is_causal, layer_ops, selective_costs
+from autopar.capturing.op_costs import OpRecorder, extra_flop_rules, is_causal, layer_ops, selective_costs
 from autopar.capturing.stateful import batch_norm_channels, recompute_refusal
 from autopar.errors import CaptureError
 from autopar.graph import Layer, LayerGraph
@@ -59,6 +60,29 @@ def _short(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".strip().splitlines()
     line = text[0] if text else type(exc).__name__
     return line if len(line) <= 200 else line[:197] + "..."
+
+
+class _LeafTracer(fx.Tracer):
+    """FX with the given modules kept whole (MoE blocks whose routing loop no tracer can follow)."""
+
+    def __init__(self, leaves: set[str]):
+        super().__init__()
+        self.leaves = leaves
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
+
+
+def _leaf_trace(model: nn.Module, args: tuple, kwargs: dict, leaves: set[str]) -> tuple[fx.GraphModule, list, str]:
+    """FX with the MoE blocks ``leaves`` kept whole (their routing loop cannot run on meta)."""
+    try:
+        gm = fx.GraphModule(model, _LeafTracer(leaves).trace(model))
+    except Exception as exc:  # noqa: BLE001
+        raise CaptureError(f"cannot capture {type(model).__name__}: symbolic_trace with its MoE blocks "
+                           f"kept whole: {_short(exc)}") from exc
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return gm, list(bound.arguments.values()), "fx"
 
 
 def _trace(model: nn.Module, args: tuple, kwargs: dict, once_per_kind: bool = False,
@@ -208,15 +232,16 @@ class _Meter(fx.Interpreter):
     """
 
     def __init__(self, gm: fx.GraphModule, state_keys: set[int], runs: list[tuple[str | None, list[fx.Node]]],
-                 node_layer: dict[fx.Node, int], replay: bool = True):
+                 node_layer: dict[fx.Node, int], replay: bool = True, stand_ins: dict | None = None):
         super().__init__(gm, garbage_collect_values=True)
+        self.stand_ins = stand_ins or {}  # MoE block path → moe.Block, run by moe.stand_in on meta
         self.stats: dict[fx.Node, NodeStats] = {}
         self.state_keys = state_keys
         self.seen: set[Any] = set()
         self.producer: dict[Any, fx.Node] = {}
         self.keep: list[torch.Tensor] = []
         self.current: fx.Node | None = None
-        self.counter = FlopCounterMode(display=False)
+        self.counter = FlopCounterMode(display=False, custom_mapping=extra_flop_rules())
         # every save attempt per node, (storage key, bytes, producer), for twin replay
         self.events: dict[fx.Node, list[twins.Event]] = {}
         self.twins = _TwinLayers(runs, node_layer) if replay else None
@@ -254,6 +279,11 @@ class _Meter(fx.Interpreter):
         before = self.counter.get_total_flops()
         if _is_sdpa(n):
             result = self._run_sdpa(n)
+        elif n.op == "call_module" and n.target in self.stand_ins:
+            args, _ = self.fetch_args_kwargs_from_env(n)
+            block = self.stand_ins[n.target]
+            result = (moe.stand_in(self.module.get_submodule(n.target), block, args[0])
+                      if args[0].is_meta else super().run_node(n))
         else:
             result = super().run_node(n)
         st.flops = float(self.counter.get_total_flops() - before)
@@ -395,14 +425,40 @@ def capture(
     identical to one already measured (see :mod:`autopar.capturing.twins`); the result
     is the same, only slower — kept for testing that claim; so is ``trace_once_per_kind=False``
     (export every block of a stack, not one per kind: :mod:`autopar.capturing.stack_once`).
+
+    Mixture-of-experts blocks (:mod:`autopar.capturing.moe`) are recorded on their layers
+    (``Layer.moe``); Hugging Face's eager experts are captured through HF's ``grouped_mm`` path, and
+    where the graph cannot run a block's routing loop on the example inputs, the blocks are traced
+    whole and run as a balanced stand-in.
     """
     args, kwargs = _split_inputs(model, example_inputs)
-    gm, flat, tracer = _trace(model, args, kwargs, once_per_kind=trace_once_per_kind)
+    blocks = moe.find_blocks(model)
+    with moe.static_hf_experts(model) as hf_static:
+        try:
+            return _capture(model, args, kwargs, name, replay_twins, trace_once_per_kind, blocks, hf_static)
+        except CaptureError as first:
+            if not blocks:
+                raise
+            try:
+                return _capture(model, args, kwargs, name, replay_twins, trace_once_per_kind, blocks, hf_static,
+                                stand_in=True)
+            except CaptureError:
+                raise first from None  # the model's own failure, not the stand-in's
+
+
+def _capture(model: nn.Module, args: tuple, kwargs: dict, name: str | None, replay_twins: bool,
+             trace_once_per_kind: bool, blocks: list[moe.Block], hf_static: set[str],
+             stand_in: bool = False) -> LayerGraph:
+    if stand_in:
+        gm, flat, tracer = _leaf_trace(model, args, kwargs, {b.path for b in blocks})
+    else:
+        gm, flat, tracer = _trace(model, args, kwargs, once_per_kind=trace_once_per_kind)
     runs, node_layer = group_layers(gm, model)
     if not runs:
         raise CaptureError(f"cannot capture {type(model).__name__}: the traced graph computes nothing")
     try:
-        meter = _Meter(gm, _state_keys(model, gm), runs, node_layer, replay=replay_twins)
+        meter = _Meter(gm, _state_keys(model, gm), runs, node_layer, replay=replay_twins,
+                       stand_ins={b.path: b for b in blocks} if stand_in else None)
         stats, ops = meter.measure(flat), meter.ops.costs
     except Exception as exc:  # noqa: BLE001
         raise CaptureError(
@@ -481,9 +537,15 @@ def capture(
                 tied_param_bytes=sum(params[p].numel() * params[p].element_size() for p in tied.get(i, ())),
                 tied_borrowed=i == n - 1 and bool(tied.get(i)) and n - 1 != first_owner,
                 ops=layer_ops(nodes, ops, lambda x: stats[x].paths, styles, batch),
+                moe=_moe_facts(key, nodes, stats, ops, blocks, hf_static, stand_in, batch),
+                unpriced_ops=tuple(sorted({op for x in nodes if x in ops for op in ops[x].unpriced})),
             )
         )
     layers = verify_styles(model, args, kwargs, layers, batch, seq_len)
+    if stand_in:  # a block run as a stand-in is not the layer's program: no style is proved on it
+        layers = [dataclasses.replace(l, tp_styles=(), tp_refusal=f"tensor parallelism withdrawn: "
+                                      f"{l.moe[0].module_path} is traced whole (its routing loop cannot run "
+                                      "on the meta device)") if l.moe else l for l in layers]
     calls = gm.meta.get("layer_calls") if tracer == "export" else False  # known from stack_once
     if calls or (calls is None and
                  export_with_layer_calls(model, args, kwargs, {k for k, _ in runs if k}) is not None):
@@ -498,6 +560,26 @@ def capture(
         seq_len=seq_len,
         output_bytes_per_sample=_output_bytes(gm, stats) / batch,
     )
+
+
+def _moe_facts(key: str | None, nodes: list[fx.Node], stats: dict[fx.Node, NodeStats], ops: dict,
+               blocks: list[moe.Block], hf_static: set[str], stand_in: bool, batch: int) -> tuple:
+    """The MoE blocks inside layer ``key``, with how their dispatch was captured and what their
+    routed experts saved for backward."""
+    facts = []
+    for b in blocks:
+        if key is None or not (b.path == key or b.path.startswith(key + ".")):
+            continue
+        under = b.path if stand_in else b.experts_path  # a stand-in is one node: the whole block
+        inside = [x for x in nodes if any(p == under or p.startswith(under + ".") for p in stats[x].paths)]
+        grouped = any(g in op_costs.GROUPED_MM_OPS for x in inside if x in ops for g in ops[x].op_names)
+        dispatch = (moe.Dispatch.STAND_IN if stand_in else moe.Dispatch.GROUPED if grouped
+                    else moe.Dispatch.CAPACITY if b.capacity_factor is not None else moe.Dispatch.LOOP)
+        if b.experts_path in hf_static:
+            dispatch = moe.Dispatch.HF_EAGER
+        saved = sum(nb for x in inside for nb, _ in stats[x].saved) / batch
+        facts.append(b.facts(dispatch, saved))
+    return tuple(facts)
 
 
 __all__ = ["capture"]

@@ -4,9 +4,11 @@ a reader may not guess, said in the price table's own figures (``Plan.notes``)."
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from autopar.choice import Recompute
 from autopar.graph import LayerGraph
+from autopar.moe import Dispatch
 from autopar.planning.cut_checks import withdrawn_cut_notes
 from autopar.planning.evaluate import evaluate
 from autopar.planning.solver import Solution
@@ -34,7 +36,55 @@ def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
         notes.append(f"{', '.join(bare)}: selective recompute asked for, but the layer runs no matmul-class op "
                      "whose output it could keep: runs without recompute")
     cut = withdrawn_cut_notes(graph) if solution.config.mesh.pp > 1 else ()
-    return tuple(notes) + refusal_notes(graph) + cut
+    return tuple(notes) + refusal_notes(graph) + cut + moe_notes(graph) + unpriced_notes(graph)
+
+
+def _runs(graph: LayerGraph, key) -> list[tuple[list[str], Any]]:
+    """Runs of consecutive layers with an equal, non-empty ``key(layer)``."""
+    runs: list[tuple[list[str], Any]] = []
+    for layer in graph:
+        value = key(layer)
+        if not value:
+            continue
+        if runs and runs[-1][1] == value:
+            runs[-1][0].append(layer.name)
+        else:
+            runs.append(([layer.name], value))
+    return runs
+
+
+def _who(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} … {names[-1]} ({len(names)})"
+
+
+def moe_notes(graph: LayerGraph) -> tuple[str, ...]:
+    """Each run of mixture-of-experts layers: what capture read of the block and how it is priced."""
+    notes = []
+    def unplaced(layer):  # the facts but where they sit: equal blocks of consecutive layers fold into one note
+        return tuple(replace(f, module_path="", experts_path="") for f in layer.moe)
+
+    for names, facts in _runs(graph, unplaced):
+        for f in facts:
+            note = (f"{_who(names)}: mixture of experts, {f.describe()}; priced at top-{f.top_k} experts "
+                    f"+ router{' + shared experts' if f.shared_params else ''} per token "
+                    f"({f.flops_per_token / 1e9:.3g} GFLOP forward), every expert's {f.routed_params:,} "
+                    "parameters held with their gradients and optimizer state")
+            if f.dispatch is Dispatch.STAND_IN:
+                note += ("; its routing loop cannot run on the meta device: the block is traced whole and "
+                         "priced from its structure, a balanced step (the router, each expert on "
+                         "tokens × top-k / experts rows), so tensor parallelism is not offered on it")
+            elif f.dispatch is Dispatch.HF_EAGER:
+                note += ("; HF's eager loop over the experts is data-dependent: captured through HF's "
+                         "grouped_mm path, the same function of the same weights")
+            notes.append(note)
+    return tuple(notes)
+
+
+def unpriced_notes(graph: LayerGraph) -> tuple[str, ...]:
+    """Layers running compute-like ops no FLOP rule counts: their work is missing from the price."""
+    return tuple(f"{_who(names)}: {', '.join(ops)} has no FLOP rule: its compute is not in the price "
+                 "(the layer is priced as if the op were free)"
+                 for names, ops in _runs(graph, lambda l: l.unpriced_ops))
 
 
 def refusal_notes(graph: LayerGraph) -> tuple[str, ...]:

@@ -92,6 +92,14 @@ def _short_records(model: nn.Module, args: tuple, kwargs: dict, paths: list[str]
         return {}
 
 
+def _lacks(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return True
+    return False
+
+
 def _check(model: nn.Module, module: nn.Module, style: TPStyle, prefix: str, recorded: tuple,
            batch: int, seq_len: int | None,
            short: tuple | None = None) -> tuple[shard_check.CheckResult, nn.Module | None, tuple]:
@@ -114,7 +122,7 @@ def _check(model: nn.Module, module: nn.Module, style: TPStyle, prefix: str, rec
         config = _config(model, module)
         if short is not None:
             built = shard_check.small_copy(module, config, gen, {})
-            if built is not None:
+            if built is not None and not any(_lacks(built[0], p) for p in cols + rows):
                 copy, mapping = built
                 mapping.setdefault(batch, 1)
                 shrunk = shard_check.shrink_inputs(short, mapping)
@@ -138,6 +146,10 @@ def _check(model: nn.Module, module: nn.Module, style: TPStyle, prefix: str, rec
                                                f"and no narrower copy of it runs the same program: {exc}"), \
                     None, recorded
             copy, inputs = shard_check.layer_copy(narrowed.module, gen), narrowed.inputs
+    missing = [p for p in cols + rows if _lacks(copy, p)]
+    if missing:  # e.g. a copy of DeepSeek-V3's decoder class built at a dense layer's index: not this layer
+        return shard_check.CheckResult(False, {}, reason=f"too large to simulate ({n_params:,} parameters) and "
+                                       f"the narrower copy of its class has no {missing[0]}"), None, recorded
     result = _check_inputs(copy, cols, rows, inputs)
     if result is None:
         return shard_check.CheckResult(False, {}, reason="a column projection is not a Linear or Conv1D"), None, inputs

@@ -31,6 +31,7 @@ LEVELS: dict[str, int] = {
     "autopar.mesh": 2,
     "autopar.choice": 2,
     "autopar.graph": 2,
+    "autopar.moe": 2,
     "autopar.plan": 2,
     "autopar.pins": 2,
     "autopar.contract": 2,

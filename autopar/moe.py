@@ -1,0 +1,142 @@
+"""What a mixture-of-experts layer is, in one record the pricing and the contract read (:class:`MoEFacts`).
+
+Capture recognises an MoE block by its structure (``autopar.capturing.moe``):
+a router — a weight with one row per expert — beside the experts, held either
+as 3-D parameters whose first dim is the expert (Hugging Face 5.x
+``*Experts``: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) or as an
+``nn.ModuleList`` of identical modules. What it reads is kept here, per
+layer, so that every price of the layer (its FLOPs per token, its memory, and
+— once there is an ``ep`` axis — its all-to-all volume and its experts' share
+per rank) is read from one place.
+
+A routed token costs top-k experts' FLOPs plus the router's and the shared
+experts'; every expert's parameters, gradients and optimizer state are held
+(``routed_params`` of them, all in the layer's ``param_count``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from typing import Any
+
+# Load-imbalance margin on the routed activations of one rank when the experts are split over ranks
+# and routing is dropless (no capacity): a rank's experts receive a share of the tokens that varies from
+# step to step, and the step's memory must hold the largest share, not the mean. 1.25 is the training
+# capacity factor of the Switch Transformer (Fedus et al. 2022, JMLR, §2.2 and Table 1: 1.0–1.25 kept
+# quality while dropping few tokens), i.e. the imbalance a trained router with an auxiliary
+# load-balancing loss is held to.
+DEFAULT_IMBALANCE_MARGIN = 1.25
+
+
+class RouterKind(StrEnum):
+    """How a router scores experts and picks its top-k (read from the router module)."""
+
+    SOFTMAX_TOPK = "softmax top-k"  # Mixtral, Qwen2/3-MoE, Switch, GShard: softmax over experts, top-k
+    SIGMOID_GROUPED = "sigmoid + bias, group-limited top-k"  # DeepSeek-V3: correction bias, n_group/topk_group
+    UNREAD = "top-k (scoring not read)"  # a router module autopar does not know: its top-k is still read
+
+
+class ExpertLayout(StrEnum):
+    """How the experts' weights are held."""
+
+    FUSED = "3-D parameters"  # [E, ...] per weight: grouped GEMM, a loop over the expert dim or one-hot einsum
+    MODULE_LIST = "module list"  # nn.ModuleList of E identical modules
+
+
+class Dispatch(StrEnum):
+    """How the captured graph moves tokens to experts, as far as capture could see it run."""
+
+    GROUPED = "grouped GEMM"  # rows sorted by expert, one grouped GEMM per projection (static shapes)
+    # Hugging Face's eager loop over the experts hit, captured through HF's own grouped_mm path (the same
+    # function of the same weights, with static shapes); the eager loop is what runs
+    HF_EAGER = "eager loop, captured as HF's grouped GEMM"
+    CAPACITY = "fixed capacity"  # one-hot dispatch/combine einsums into [E, capacity, H] buffers (GShard, Switch)
+    LOOP = "per-expert loop"  # a data-dependent loop, measured on real example inputs
+    STAND_IN = "stand-in"  # a data-dependent loop on the meta device: the block priced from its structure
+
+
+@dataclass(frozen=True)
+class MoEFacts:
+    """One mixture-of-experts block of a layer, as capture read it.
+
+    ``expert_params`` is one routed expert's parameter count and
+    ``expert_flops_per_token`` its forward FLOPs for one token it receives
+    (2 × its matrix parameters: each weight element is one multiply-add per
+    row). ``routed_activation_bytes_per_sample`` is what the routed experts
+    save for backward, per sample, as captured (dropless routing: every routed
+    row exactly once; fixed capacity: the capacity-sized buffers the model
+    allocates).
+    """
+
+    module_path: str
+    experts_path: str
+    num_experts: int
+    top_k: int
+    expert_params: int
+    expert_flops_per_token: float
+    router_params: int
+    router: RouterKind
+    layout: ExpertLayout
+    dispatch: Dispatch
+    shared_params: int = 0
+    shared_flops_per_token: float = 0.0
+    capacity_factor: float | None = None
+    routed_activation_bytes_per_sample: float = 0.0
+
+    @property
+    def routed_params(self) -> int:
+        """Every routed expert's parameters (held in full at ep = 1)."""
+        return self.num_experts * self.expert_params
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token's forward reads: its top-k experts, the shared experts, the router."""
+        return self.top_k * self.expert_params + self.shared_params + self.router_params
+
+    @property
+    def flops_per_token(self) -> float:
+        """Forward FLOPs of the block per token: top-k experts, the shared experts and the router's scores."""
+        return (self.top_k * self.expert_flops_per_token + self.shared_flops_per_token
+                + 2.0 * self.router_params)
+
+    def activation_margin(self, ep: int = 1) -> float:
+        """The factor on ``routed_activation_bytes_per_sample`` one rank must hold at expert-parallel
+        degree ``ep``.
+
+        1.0 when a rank holds every expert (``ep`` = 1): dropless routing sends
+        every token to exactly top-k experts, so the rows the experts process
+        add up to tokens × top-k whatever the balance. 1.0 also with a
+        capacity factor: the capacity-sized buffers are the model's own, and
+        capture measured them. Otherwise :data:`DEFAULT_IMBALANCE_MARGIN`: a
+        rank's share of the experts receives a share of the tokens that
+        varies with the routing.
+        """
+        if ep <= 1 or self.capacity_factor is not None:
+            return 1.0
+        return DEFAULT_IMBALANCE_MARGIN
+
+    def describe(self) -> str:
+        """One line for the plan: the experts, their top-k, the router and how dispatch was captured."""
+        shared = f" + shared experts ({self.shared_params:,} parameters)" if self.shared_params else ""
+        cap = f", capacity factor {self.capacity_factor:g}" if self.capacity_factor is not None else ""
+        return (f"{self.num_experts} experts ({self.layout}, {self.expert_params:,} parameters each), "
+                f"top-{self.top_k}{shared}, router {self.router}{cap}, dispatch: {self.dispatch}")
+
+    def signature(self) -> tuple:
+        return (self.num_experts, self.top_k, self.expert_params, round(self.expert_flops_per_token, 3),
+                self.shared_params, self.capacity_factor, self.dispatch.value,
+                round(self.routed_activation_bytes_per_sample, 3))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MoEFacts:
+        d = dict(d)
+        d["router"], d["layout"], d["dispatch"] = (RouterKind(d["router"]), ExpertLayout(d["layout"]),
+                                                   Dispatch(d["dispatch"]))
+        return cls(**d)
+
+
+__all__ = ["DEFAULT_IMBALANCE_MARGIN", "Dispatch", "ExpertLayout", "MoEFacts", "RouterKind"]
