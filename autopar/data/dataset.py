@@ -111,6 +111,13 @@ class PackedDataset:
     def _vocab_hint(self) -> str:
         return "tokenize it with the model's tokenizer, or build the model with a larger vocabulary"
 
+    def require_batch(self, global_batch: int) -> None:
+        """Raise DataError unless the data holds at least one global batch of samples."""
+        if self.num_samples < global_batch:
+            raise DataError(f"data file {self.identity.path} holds {self.num_samples:,} samples of "
+                            f"{self.seq_len}+1 tokens, fewer than one global batch of {global_batch}: "
+                            "use more data, shorter sequences or a smaller batch")
+
     def __len__(self) -> int:
         return self.num_samples
 

@@ -72,6 +72,7 @@ class DataLoader:
     def __init__(self, dataset: PackedDataset, global_batch: int, *, dp_rank: int = 0, dp_size: int = 1,
                  seed: int = 0, shuffle: bool = True, step: int = 0, prefetch: int = 2, hashes: bool = False):
         self.dataset = dataset
+        dataset.require_batch(global_batch)
         self.sampler = GlobalSampler(len(dataset), global_batch, seed, shuffle)
         shard(torch.arange(global_batch), dp_rank, dp_size)  # the batch splits into the dp shares
         self.dp_rank, self.dp_size, self.prefetch, self.hashes = dp_rank, dp_size, prefetch, hashes

@@ -91,8 +91,9 @@ class GlobalSampler:
 
 
 def shard(indices: torch.Tensor, dp_rank: int, dp_size: int) -> torch.Tensor:
-    """Share ``dp_rank`` of ``dp_size`` equal contiguous shares of ``indices`` (as ``local_batch`` cuts)."""
-    n = indices.numel()
+    """Share ``dp_rank`` of ``dp_size`` equal contiguous shares of ``indices`` along dim 0 (as
+    ``local_batch`` cuts a global batch)."""
+    n = indices.shape[0]
     if dp_size < 1 or not 0 <= dp_rank < dp_size:
         raise DataError(f"data-parallel rank {dp_rank} of {dp_size} does not exist")
     if n % dp_size:

@@ -88,10 +88,11 @@ def test_a_loader_reads_ahead_each_ranks_share_and_resumes_from_its_state(tokens
         windows = data.windows(one.sampler.global_indices(b.step))
         assert torch.equal(b.inputs, windows[:, :-1]) and b.tokens_hash == tokens_hash(windows)
     # dp = 2 for 5 steps, then its state continues on one rank: the same samples as the uninterrupted run
-    ranks = [DataLoader(data, 8, dp_rank=r, dp_size=2, prefetch=3) for r in range(2)]
+    ranks = [DataLoader(data, 8, dp_rank=r, dp_size=2, prefetch=3, hashes=r == 0) for r in range(2)]
     for k in range(5):
-        got = torch.cat([next(loader).inputs for loader in ranks])
-        assert torch.equal(got, full[k].inputs)
+        shares = [next(loader) for loader in ranks]
+        assert torch.equal(torch.cat([b.inputs for b in shares]), full[k].inputs)
+        assert shares[0].tokens_hash == full[k].tokens_hash and shares[1].tokens_hash is None
     state = ranks[0].state_dict()
     assert state == ranks[1].state_dict()
     assert state["step"] == 5 and state["dataset"]["path"] == str(tokens_bin.resolve())
@@ -135,7 +136,7 @@ def test_a_data_state_from_other_data_or_another_order_is_refused_naming_both(tm
     ("odd_bytes", "not a whole number of uint16 tokens"),
     ("wrong_dtype", "holds token id 65,537, beyond the model's vocabulary of 50,304 (uint32): was it written as"),
     ("text_vocab", "holds token id 195, beyond the model's vocabulary of 128 (text:bytes)"),
-    ("too_few_samples", "fewer than one global batch of 8"),
+    ("too_few_samples", "holds 4 samples of 10+1 tokens, fewer than one global batch of 8"),
 ])
 def test_bad_input_is_one_typed_line(tmp_path: Path, how: str, message: str) -> None:
     path = tmp_path / "d.bin"
