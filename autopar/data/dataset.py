@@ -131,11 +131,8 @@ class PackedDataset:
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_samples):
             raise IndexError(f"sample indices must lie in [0, {self.num_samples}), got "
                              f"{int(idx.min())}..{int(idx.max())}")
-        s = self.seq_len
-        out = np.empty((idx.numel(), s + 1), dtype=np.int64)
-        for row, i in enumerate(idx.tolist()):
-            out[row] = self.tokens[i * s: i * s + s + 1]
-        return torch.from_numpy(out)
+        starts = idx.numpy()[:, None] * self.seq_len  # one gather: (n, seq_len + 1) positions
+        return torch.from_numpy(np.asarray(self.tokens[starts + np.arange(self.seq_len + 1)], dtype=np.int64))
 
     def batch(self, indices: torch.Tensor | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets of the samples at ``indices``, each ``(n, seq_len)`` int64."""
