@@ -37,6 +37,7 @@ _EXPORTS: dict[str, str] = {
     "BatchError": "autopar.errors", "LaunchError": "autopar.errors",
     "LoweringError": "autopar.errors", "CheckpointError": "autopar.errors", "WeightsError": "autopar.errors",
     "InputsError": "autopar.errors", "LossError": "autopar.errors",
+    "DataError": "autopar.errors", "MetricsError": "autopar.errors",
 }
 __all__ = sorted(_EXPORTS)
 

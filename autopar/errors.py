@@ -67,3 +67,12 @@ class InputsError(AutoparError):
 
 class LossError(BatchError):
     """No default loss fits the model's output and the targets: the message asks for a loss function."""
+
+
+class DataError(AutoparError):
+    """A data file is missing, too short for one sequence, or holds token ids the model's vocabulary
+    cannot take; or a checkpoint's data position belongs to another dataset or batch."""
+
+
+class MetricsError(AutoparError):
+    """A metrics output cannot be made (TensorBoard asked for without its package, an unwritable file)."""

@@ -203,6 +203,15 @@ def _error_text(failure: Any) -> str:
     return "" if message.startswith("To enable traceback") or message.startswith("Signal ") else message
 
 
+def bad_input_only(failures: dict[int, Any]) -> bool:
+    """Every rank that failed of itself exited with code 2 (bad input, as autopar's own commands
+    report it); the others were stopped by the launcher."""
+    import signal
+
+    own = [f.exitcode for f in failures.values() if f.exitcode != -signal.SIGTERM]
+    return bool(own) and all(code == 2 for code in own)
+
+
 def describe_failures(script: str, failures: dict[int, Any], nproc: int) -> str:
     """One line naming every failed rank, the first to fail first: its exit code or the signal that
     ended it, and its error (the exception's type and message, when the rank recorded one).

@@ -12,7 +12,8 @@
 
 Exit codes: 0 done; 1 ``verify`` found a difference above 1e-5 or one of its
 ranks crashed (that rank's error and file:line on stderr), or a ``run``
-process failed; 2 bad input (one ``autopar: error: …`` line on stderr, no
+process failed; 2 bad input (also a ``run`` whose failed ranks all exited with 2, the
+script's own bad-input code) (one ``autopar: error: …`` line on stderr, no
 traceback); 3 no feasible plan; 130 interrupted (``calibrate`` then writes
 nothing). Torch is imported only by commands that
 capture a model, so ``show`` starts in a fraction of a second.
@@ -285,7 +286,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from autopar.runtime.launch import describe_failures
+    from autopar.runtime.launch import bad_input_only, describe_failures
 
     # every rank runs the script through autopar.runtime.entry: its error is recorded for the
     # report below, and its process groups are shut down before the interpreter finalizes.
@@ -297,7 +298,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                        str(args.max_restarts), "-m", "autopar.runtime.entry", args.script, *args.args])
     except ChildFailedError as exc:
         _err(describe_failures(args.script, exc.failures, args.nproc))
-        return EXIT_FAILED
+        return EXIT_BAD_INPUT if bad_input_only(exc.failures) else EXIT_FAILED
     return EXIT_OK
 
 

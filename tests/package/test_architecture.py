@@ -41,6 +41,7 @@ LEVELS: dict[str, int] = {
     "autopar.capturing": 4,
     "autopar.planning": 4,
     "autopar.passes": 5,
+    "autopar.data": 5,  # feeds the runtime; imports nothing above the errors
     "autopar.runtime": 6,
     "autopar.tools": 7,
 }

@@ -1,11 +1,13 @@
 """``autopar run`` end to end: a rank killed mid-run is restarted and resumes from the newest checkpoint
-to the weights of a run never interrupted; a failing launch names every failed rank and why.
+to the weights of a run never interrupted, on the same samples (the metrics files' tokens hashes); a
+failing launch names every failed rank and why.
 
 Each launch starts real processes under torchrun (a few seconds each on 2 cores).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -27,16 +29,22 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
-def test_a_killed_rank_restarts_and_finishes_with_the_uninterrupted_weights(
+def _reports(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_killed_rank_restarts_and_finishes_with_the_uninterrupted_weights_and_samples(
         tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
-    common = ["--steps", "9", "--checkpoint-every", "3", "--batch-size", "8"]
+    text = tmp_path / "corpus.txt"  # text read as bytes: 80 windows of 32 + 1, shuffled by --seed
+    text.write_text("".join(f"{k}: {k * k} is the square of {k}, {k ** 3} its cube\n" for k in range(80)))
+    common = ["--steps", "9", "--checkpoint-every", "3", "--batch-size", "8", "--data", str(text), "--seed", "3"]
     start = time.monotonic()
     assert main(["run", TRAINER, "--nproc", "2", "--", *common, "--checkpoint-dir", str(tmp_path / "a"),
-                 "--export", str(tmp_path / "a-final")]) == 0
+                 "--export", str(tmp_path / "a-final"), "--metrics-file", str(tmp_path / "a.jsonl")]) == 0
     capfd.readouterr()
     assert main(["run", TRAINER, "--nproc", "2", "--max-restarts", "1", "--", *common,
-                 "--checkpoint-dir", str(tmp_path / "b"), "--simulate-failure", "5",
-                 "--async-checkpoint", "--export", str(tmp_path / "b-final")]) == 0
+                 "--checkpoint-dir", str(tmp_path / "b"), "--simulate-failure", "5", "--async-checkpoint",
+                 "--export", str(tmp_path / "b-final"), "--metrics-file", str(tmp_path / "b.jsonl")]) == 0
     out = capfd.readouterr()
     assert time.monotonic() - start < RESTART_BUDGET_S
     assert "resumed from" in out.out and "step-00000003 at step 3" in out.out  # step 5's rank died
@@ -44,6 +52,12 @@ def test_a_killed_rank_restarts_and_finishes_with_the_uninterrupted_weights(
     a, b = _weights(tmp_path / "a-final"), _weights(tmp_path / "b-final")
     assert sorted(a) == sorted(b)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # the same samples step by step: none repeated, none skipped (steps 3 and 4, trained before the
+    # kill and again after the restart, are reported once, by the run that went on)
+    ra, rb = _reports(tmp_path / "a.jsonl"), _reports(tmp_path / "b.jsonl")
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(9))
+    assert [r["tokens_hash"] for r in rb] == [r["tokens_hash"] for r in ra] and len({r["tokens_hash"] for r in ra}) == 9
+    assert [r["loss"] for r in rb] == [r["loss"] for r in ra]
 
 
 def test_a_failed_launch_names_each_rank_its_exit_and_its_error(tmp_path: Path,

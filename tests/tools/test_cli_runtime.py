@@ -76,3 +76,22 @@ def test_run_names_the_default_loss_once(tmp_path: Path, capfd: pytest.CaptureFi
     assert main(["run", str(script), "--nproc", "2"]) == 0
     err = capfd.readouterr().err
     assert err.count("autopar: default loss: cross-entropy over 3 classes (one class index per sample)") == 1, err
+
+
+@pytest.mark.distributed
+def test_the_trainers_bad_data_is_one_line_and_exit_2_through_run(tmp_path: Path,
+                                                                  capfd: pytest.CaptureFixture) -> None:
+    trainer = str(ROOT / "examples" / "train_gpt.py")
+    assert main(["run", trainer, "--nproc", "1", "--", "--data", str(tmp_path / "missing.txt")]) == 2
+    err = capfd.readouterr().err
+    assert f"train_gpt.py: error: data file {tmp_path / 'missing.txt'} does not exist\n" in err
+    assert err.strip().splitlines()[-1].startswith("autopar: error: ") and "exited with code 2" in err
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("the first corpus, " * 200)
+    b.write_text("and another one, " * 200)
+    common = ["--steps", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1"]
+    assert main(["run", trainer, "--nproc", "1", "--", "--data", str(a), *common]) == 0
+    capfd.readouterr()
+    assert main(["run", trainer, "--nproc", "1", "--", "--data", str(b), *common]) == 2
+    line = next(x for x in capfd.readouterr().err.splitlines() if x.startswith("train_gpt.py: error: "))
+    assert f"was trained on {a} (" in line and f"this run reads {b} (" in line
