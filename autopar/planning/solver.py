@@ -101,9 +101,14 @@ __all__ = ["Candidate", "RUNNERS_UP", "Solution", "SolverOptions", "cut_position
            "enumerate_configs", "solve"]
 
 RUNNERS_UP = 3  # distinct configurations a plan records after its own: enough to see what came next
-RUNNER_UP_SOLVE_S = 0.25  # CP-SAT deterministic seconds for a configuration that can only be a runner-up
-# the most wall time the runners-up may take after the chosen plan is proved, as a share of the time limit
-RUNNER_UP_SHARE = 0.05
+# CP-SAT deterministic seconds for a configuration that can only be a runner-up, and the most wall time
+# the runners-up may take after the chosen plan is proved, as a share of the time limit. Runners-up say
+# what came next; one not proved best for its mesh says so (Candidate.optimal). At 0.25 s and 5% they
+# took more time than finding and proving the chosen plan (Llama 3 70B × 512: 1.9 of 2.4 s of CP-SAT),
+# and at 0.1 s and 3% the first two runners-up of Llama 3 70B × 512 and GPT-3 175B × 1,024 kept their
+# meshes and step times (to 0.1%), the third another mesh, 2-3% slower
+RUNNER_UP_SOLVE_S = 0.1
+RUNNER_UP_SHARE = 0.03
 
 
 @dataclass(frozen=True)
