@@ -9,6 +9,13 @@ declaration gives it
   neighbours of an axis are the product of the later axes' degrees apart
   (:meth:`Mesh.stride`; tp innermost keeps a tensor-parallel group inside
   a node, pp outermost puts pipeline neighbours furthest apart);
+* or, for a **folded** axis (``folds``: ``ep`` folds into ``dp``), no ranks of
+  its own: it splits the ranks of the axis it folds into, innermost — an
+  ``ep`` group is ``ep`` neighbouring ranks of one dp group, as torchtitan
+  and Megatron-Core's "parallel folding" lay experts out — so it does not
+  multiply the world size, is no dimension of the device mesh
+  (:meth:`Mesh.dim_names`), its degree must divide its host's, and its
+  stride is its host's;
 * its dimension name in ``init_device_mesh`` (:meth:`Mesh.dim_names`), its pin
   key (``tp=8``) and its key in a plan's ``mesh`` object: all ``name``;
 * its **validation**: the degrees multiply to the world size
@@ -41,6 +48,8 @@ class AxisLimits:
     global_batch: int
     max_stages: int  # the pipeline stages the model can be cut into
     gpus_per_node: int
+    experts: tuple[int, ...] = ()  # the expert count of each mixture-of-experts block (autopar.moe)
+    layers: int = 0  # the layers of the model (named when an ep pin finds no experts)
 
 
 @dataclass(frozen=True)
@@ -50,7 +59,8 @@ class MeshAxis:
     ``splits`` says in words what a degree > 1 divides; ``check`` returns why a
     degree cannot run for a request (None if it can); ``searched`` False keeps a
     declared axis at degree 1 unless something prices and lowers it;
-    ``within_node`` searches only degrees that divide a node (pins may go further).
+    ``within_node`` searches only degrees that divide a node (pins may go further);
+    ``folds`` names the axis whose ranks a folded axis borrows (see the module docstring).
     """
 
     name: str
@@ -58,13 +68,15 @@ class MeshAxis:
     check: Callable[[int, AxisLimits], str | None] = field(default=lambda degree, limits: None, compare=False)
     searched: bool = True
     within_node: bool = False
+    folds: str | None = None
+    pending: str = "nothing prices or lowers it yet"  # why an axis not searched runs at degree 1 only
 
     def refusal(self, degree: int, limits: AxisLimits) -> str | None:
         """Why ``degree`` cannot run on this axis for ``limits`` (None when it can)."""
         if degree == 1:
             return None
         if not self.searched:
-            return f"the {self.name} axis runs at degree 1 only (nothing prices or lowers it yet)"
+            return f"the {self.name} axis runs at degree 1 only ({self.pending})"
         if limits.world_size % degree:
             return f"{self.name}={degree} does not divide the world size {limits.world_size}"
         return self.check(degree, limits)
@@ -92,10 +104,27 @@ def _dp_check(degree: int, limits: AxisLimits) -> str | None:
     return None
 
 
-# The axes, outermost first (the rank layout: global rank = (pp_rank · dp + dp_rank) · tp + tp_rank).
+def _ep_check(degree: int, limits: AxisLimits) -> str | None:
+    if not limits.experts:
+        return (f"ep={degree} shards the experts of mixture-of-experts layers, but none of this model's "
+                f"{limits.layers} layers has experts")
+    wrong = sorted({e for e in limits.experts if e % degree})
+    if wrong:
+        counts = ", ".join(f"{e} experts in {limits.experts.count(e)} of {len(limits.experts)} "
+                           f"mixture-of-experts blocks" for e in wrong)
+        return f"ep={degree} does not divide the number of experts ({counts})"
+    return None
+
+
+# The axes, outermost first (the rank layout: global rank = (pp_rank · dp + dp_rank) · tp + tp_rank;
+# ep folds into dp: an ep group is ep consecutive dp ranks).
 AXES: tuple[MeshAxis, ...] = (
     MeshAxis("pp", "the layers into pipeline stages", _pp_check),
     MeshAxis("dp", "the global batch", _dp_check),
+    # searched=False until its price is in (autopar.planning.pricing); lowered by passes/expert_parallel.py
+    MeshAxis("ep", "the experts of mixture-of-experts layers, over ranks borrowed from dp", _ep_check,
+             searched=False, folds="dp",
+             pending="passes/expert_parallel.py lowers it, but nothing prices it yet"),
     MeshAxis("tp", "each layer's weights and activations (its tensor-parallel style)", within_node=True),
 )
 
@@ -128,7 +157,7 @@ def declared(*extra: MeshAxis) -> Iterator[None]:
 class Mesh:
     """The degree of every declared axis; ``Mesh(pp=2, dp=4)`` leaves the others at 1.
 
-    Frozen, hashable and ordered by its degrees outermost first (pp, then dp, then tp).
+    Frozen, hashable and ordered by its degrees outermost first (pp, then dp, then ep, then tp).
     """
 
     __slots__ = ("_degrees",)
@@ -142,6 +171,10 @@ class Mesh:
             if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
                 raise MeshError(f"mesh axis {name} must be a positive integer, got {degree!r}")
         object.__setattr__(self, "_degrees", tuple((n, degrees.get(n, 1)) for n in names))
+        for a in AXES:
+            if a.folds is not None and getattr(self, a.folds) % getattr(self, a.name):
+                raise MeshError(f"{a.name}={getattr(self, a.name)} must divide {a.folds}={getattr(self, a.folds)} "
+                                f"({a.name} borrows its ranks from {a.folds})")
 
     @classmethod
     def of(cls, degrees: Mapping[str, int]) -> Mesh:
@@ -170,9 +203,14 @@ class Mesh:
         """(axis, degree) for every declared axis, outermost first."""
         return tuple((a.name, getattr(self, a.name)) for a in AXES)
 
+    def grid(self) -> tuple[tuple[str, int], ...]:
+        """(axis, degree) for the axes that own ranks (every axis but the folded ones), outermost first."""
+        return tuple((a.name, getattr(self, a.name)) for a in AXES if a.folds is None)
+
     @property
     def degrees(self) -> tuple[int, ...]:
-        return tuple(d for _, d in self.items())
+        """The device mesh's shape: the degrees of the axes that own ranks (:meth:`grid`)."""
+        return tuple(d for _, d in self.grid())
 
     @property
     def world_size(self) -> int:
@@ -182,14 +220,15 @@ class Mesh:
         return Mesh(**{**dict(self.items()), **degrees})
 
     def stride(self, name: str) -> int:
-        """Global ranks between neighbours of axis ``name``: the product of the later axes' degrees."""
-        names = [n for n, _ in self.items()]
-        axis(name)
-        return math.prod(self.degrees[names.index(name) + 1:])
+        """Global ranks between neighbours of axis ``name``: the product of the later axes' degrees
+        (a folded axis's neighbours are its host's)."""
+        host = axis(name).folds or name
+        names = [n for n, _ in self.grid()]
+        return math.prod(self.degrees[names.index(host) + 1:])
 
     def dim_names(self) -> tuple[str, ...]:
         """``init_device_mesh``'s ``mesh_dim_names``, outermost first (shape: :attr:`degrees`)."""
-        return tuple(n for n, _ in self.items())
+        return tuple(n for n, _ in self.grid())
 
     def check_world(self, world_size: int, source: str = "the mesh") -> None:
         if self.world_size != world_size:
@@ -227,6 +266,9 @@ class Mesh:
     def __repr__(self) -> str:
         return f"Mesh({', '.join(f'{n}={d}' for n, d in self.items())})"
 
+    def _order(self) -> tuple[int, ...]:
+        return tuple(d for _, d in self.items())
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Mesh) and self.items() == other.items()
 
@@ -234,16 +276,16 @@ class Mesh:
         return hash(self.items())
 
     def __lt__(self, other: Mesh) -> bool:
-        return self.degrees < other.degrees
+        return self._order() < other._order()
 
     def __le__(self, other: Mesh) -> bool:
-        return self.degrees <= other.degrees
+        return self._order() <= other._order()
 
     def __gt__(self, other: Mesh) -> bool:
-        return self.degrees > other.degrees
+        return self._order() > other._order()
 
     def __ge__(self, other: Mesh) -> bool:
-        return self.degrees >= other.degrees
+        return self._order() >= other._order()
 
     def __reduce__(self) -> tuple:
         return (Mesh.of, (dict(self.items()),))
@@ -266,7 +308,10 @@ def meshes(limits: AxisLimits, pinned: Mapping[str, int]) -> list[Mesh]:
         else:
             options = a.searched_degrees(limits)
         for degree in options:
-            if left % degree == 0:
+            if a.folds is not None:  # borrows its host's ranks: divides the host, consumes none
+                if chosen[a.folds] % degree == 0:
+                    extend(i + 1, left, {**chosen, a.name: degree})
+            elif left % degree == 0:
                 extend(i + 1, left // degree, {**chosen, a.name: degree})
 
     extend(0, limits.world_size, {})

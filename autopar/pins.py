@@ -141,8 +141,8 @@ class Pins:
         declared = mesh.axis(axis)
         if degree > 1 and not declared.searched:
             axes = ", ".join(a.name for a in mesh.AXES if a.searched)
-            raise PinError(f"pin {item!r}: the {axis} axis runs at degree 1 only (it is declared, but nothing "
-                           f"prices or lowers it yet); the axes a pin can set above 1 are {axes}")
+            raise PinError(f"pin {item!r}: the {axis} axis runs at degree 1 only (it is declared, but "
+                           f"{declared.pending}); the axes a pin can set above 1 are {axes}")
         old = self.degree(axis)
         if old is not None and old != degree:
             raise PinError(f"pins contradict each other: {axis} pinned to both {old} and {degree}")

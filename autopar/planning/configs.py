@@ -20,6 +20,7 @@ from autopar.cost_models.pipeline import Schedule, ScheduleKind
 from autopar.errors import PinError
 from autopar.graph import LayerGraph
 from autopar.mesh import AXES, AxisLimits, meshes
+from autopar.mesh import axis as mesh_axis
 from autopar.pins import Pins
 from autopar.planning.configuration import Configuration, TrainingSpec
 
@@ -38,7 +39,8 @@ def cut_positions(graph: LayerGraph) -> list[int]:
 def axis_limits(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: TrainingSpec) -> AxisLimits:
     """What every mesh axis's degree must divide or stay within for this request."""
     return AxisLimits(world_size=world_size, global_batch=training.global_batch,
-                      max_stages=len(cut_positions(graph)) + 1, gpus_per_node=cluster.gpus_per_node)
+                      max_stages=len(cut_positions(graph)) + 1, gpus_per_node=cluster.gpus_per_node,
+                      experts=tuple(m.num_experts for layer in graph for m in layer.moe), layers=len(graph))
 
 
 def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
@@ -64,13 +66,21 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
 
 
 def _check_pinned_mesh(pinned: dict[str, int], limits: AxisLimits) -> None:
-    """Pinned degrees that cannot multiply into the world, each named."""
+    """Pinned degrees that cannot multiply into the world, each named (a folded axis, ep, borrows
+    its host's ranks: it must divide its host's pin and multiplies nothing)."""
+    for a in AXES:
+        if a.folds is not None and a.name in pinned and a.folds in pinned and pinned[a.folds] % pinned[a.name]:
+            raise PinError(f"the pinned {a.name}={pinned[a.name]} does not divide the pinned "
+                           f"{a.folds}={pinned[a.folds]} ({a.name} borrows its ranks from {a.folds})")
+        if a.folds is not None and a.name in pinned and (why := a.refusal(pinned[a.name], limits)):
+            raise PinError(f"pin {a.name}={pinned[a.name]}: {why}")
+    pinned = {k: v for k, v in pinned.items() if mesh_axis(k).folds is None}
     product = math.prod(pinned.values())
     if limits.world_size % product:
         names = " × ".join(f"{k}={v}" for k, v in pinned.items())
         total = f" = {product}" if len(pinned) > 1 else ""
         raise PinError(f"world size {limits.world_size} is not a multiple of the pinned {names}{total}")
-    if len(pinned) == len(AXES) and product != limits.world_size:
+    if len(pinned) == sum(a.folds is None for a in AXES) and product != limits.world_size:
         names = " × ".join(pinned)
         raise PinError(f"pinned {names} = {product} but the world size is {limits.world_size}")
 
@@ -108,6 +118,9 @@ def why_no_config(graph: LayerGraph, world: int, training: TrainingSpec, pins: P
                 f"most {max_stages} (it has {max_stages - 1} places a cut may go)" + _blocked(graph))
     if dp and b % dp:
         return f"batch size {b} does not divide over the pinned dp={dp}"
+    if (ep := pinned.get("ep", 1)) > 1:
+        return (f"no mesh for world size {world} and batch size {b} has a data-parallel degree that the "
+                f"pinned ep={ep} divides (ep borrows its ranks from dp)")
     if dp and pins.microbatches and b % (dp * pins.microbatches):
         return (f"batch size {b} does not divide into the pinned dp={dp} × "
                 f"microbatches={pins.microbatches}")
@@ -123,9 +136,9 @@ def why_no_config(graph: LayerGraph, world: int, training: TrainingSpec, pins: P
         return (f"no mesh {axes} = {world} divides batch size {b}; use a batch size divisible "
                 "by the data-parallel degree")
     named = " × ".join(f"{k}={v}" for k, v in pinned.items())
-    free = [a.name for a in AXES if a.searched and a.name not in pinned]
+    free = [a.name for a in AXES if a.searched and a.name not in pinned and a.folds is None]
     if free == ["dp"]:  # every other axis pinned: dp is what is left of the world size
-        dp = world // math.prod(pinned.values())
+        dp = world // math.prod(v for k, v in pinned.items() if mesh_axis(k).folds is None)
         return (f"the pinned {named} leave dp={dp} for world size {world}, which does not divide batch "
                 f"size {b}; use a batch size divisible by {dp}")
     return (f"no mesh {axes} = {world} with the pinned {named} divides batch size {b}; use a "
