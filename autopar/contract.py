@@ -19,7 +19,7 @@ The rules, with what the runtime showed:
 ``dp = 1``
     No data-parallel engine (:attr:`Engine.NONE`): a layer's ``zero`` is moot.
 every layer ``zero = 0`` (a *replicated* plan)
-    dp the only axis above 1: DDP at the root (the composable, DDP-based ``replicate``:
+    dp the only axis above 1 (ep at 1): DDP at the root (the composable, DDP-based ``replicate``:
     25 MiB gradient buckets overlapped with backward; FSDP2's replicate at the
     root cost 1.22× its step on gloo). Otherwise one FSDP2 ``replicate`` unit
     per part (the model, or one pipeline stage) holding all its layers: the
@@ -122,12 +122,14 @@ def plan_engine(mesh: Mesh, mode: DataParallelism) -> Engine:
     """The plan's data-parallel engine: none at dp = 1; DDP or one FSDP2 replicate unit per part
     for a replicated plan; FSDP2 units (:attr:`Engine.FULLY_SHARD`) for a sharded one, where a
     ZeRO-0 block's own unit is a replicate (:func:`unit_engine`). DDP only where dp is the one
-    axis above 1: it neither runs inside a pipeline stage nor takes DTensor parameters."""
+    axis above 1: it neither runs inside a pipeline stage nor takes DTensor parameters (tp's,
+    or ep's experts: the composable DDP's TP hooks turn every DTensor parameter of the root into
+    a plain one after each forward, the experts it was told to ignore included)."""
     if mesh.dp <= 1:
         return Engine.NONE
     if mode.sharded:
         return Engine.FULLY_SHARD
-    return Engine.DDP if mesh.world_size == mesh.dp else Engine.REPLICATE
+    return Engine.DDP if mesh.world_size == mesh.dp and mesh.ep == 1 else Engine.REPLICATE
 
 
 def unit_engine(zero: int) -> Engine:

@@ -11,9 +11,14 @@ The order is data (:data:`PASSES`) and matters (torchtitan's):
 
 1. **tensor parallel** first: it swaps weights for DTensors, which FSDP2
    must then shard over dp as a 2-D layout;
-2. **recompute** next, so its hooks sit inside FSDP's gather/free hooks and
+2. **expert parallel** (ep > 1): the experts' weights become DTensors on the
+   (edp, ep) mesh and their forward routes tokens with all-to-all; before
+   recompute, so a recomputed block reruns the same dispatch, and before
+   data parallel, which must leave the expert weights out (they are reduced
+   over the expert-data-parallel group, ``passes/expert_parallel.py``);
+3. **recompute** next, so its hooks sit inside FSDP's gather/free hooks and
    a recomputed forward still finds its parameters;
-3. **data parallel** (ZeRO / replicate / DDP) last, wrapping the final
+4. **data parallel** (ZeRO / replicate / DDP) last, wrapping the final
    parameters and every module call outermost.
 
 Each :class:`Pass` states what it requires and ensures, checked in code like
@@ -60,6 +65,7 @@ class PartResult:
     applied: list[str] = field(default_factory=list)
     permutations: dict[str, Any] = field(default_factory=dict)  # passes.tensor_parallel.Permutation by FQN
     data_parallel: Any = None  # passes.zero.DataParallelResult, when dp > 1
+    experts: Any = None  # passes.expert_parallel.ExpertParallelResult, when ep > 1
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,41 @@ def _tp_ensures(module: nn.Module, ctx: Context) -> str | None:
     return f"weights left unsharded: {plain[:3]}" if plain else None
 
 
+def _ep_applies(ctx: Context) -> bool:
+    from autopar.passes.expert_parallel import moe_blocks
+
+    return ctx.plan.mesh.ep > 1 and bool(moe_blocks(ctx.graph, ctx.plan))
+
+
+def _ep_requires(module: nn.Module, ctx: Context) -> str | None:
+    from autopar.passes.expert_parallel import check_expert_parallel
+
+    wrapped = _fsdp_wrapped(module)
+    if wrapped:
+        return f"modules already data-parallel: {wrapped[:3]}"
+    try:
+        check_expert_parallel(module, ctx.graph, ctx.plan)
+    except LoweringError as exc:
+        return str(exc)
+    return None
+
+
+def _ep_run(module: nn.Module, ctx: Context, result: PartResult) -> None:
+    from autopar.passes.expert_parallel import apply_expert_parallel
+
+    result.experts = apply_expert_parallel(module, ctx.graph, ctx.plan, ctx.mesh)
+
+
+def _ep_ensures(module: nn.Module, ctx: Context) -> str | None:
+    from torch.distributed.tensor import DTensor
+
+    from autopar.passes.expert_parallel import moe_blocks
+
+    whole = [m.experts_path for _, m in moe_blocks(ctx.graph, ctx.plan)
+             if not all(isinstance(p, DTensor) for p in module.get_submodule(m.experts_path).parameters())]
+    return f"experts left unsharded: {whole[:3]}" if whole else None
+
+
 def _rc_applies(ctx: Context) -> bool:
     return bool(ctx.part.recompute)
 
@@ -164,7 +205,8 @@ def _dp_requires(module: nn.Module, ctx: Context) -> str | None:
 def _dp_run(module: nn.Module, ctx: Context, result: PartResult) -> None:
     from autopar.passes.zero import apply_data_parallel
 
-    result.data_parallel = apply_data_parallel(module, ctx.part.units, ctx.mesh["dp"])
+    ignored = result.experts.modules if result.experts is not None else ()
+    result.data_parallel = apply_data_parallel(module, ctx.part.units, ctx.mesh["dp"], ignored=ignored)
 
 
 def _dp_ensures(module: nn.Module, ctx: Context) -> str | None:
@@ -189,6 +231,7 @@ class Pass:
 
 PASSES: tuple[Pass, ...] = (
     Pass("tensor_parallel", _tp_applies, _tp_requires, _tp_run, _tp_ensures),
+    Pass("expert_parallel", _ep_applies, _ep_requires, _ep_run, _ep_ensures),
     Pass("recompute", _rc_applies, _rc_requires, _rc_run, _rc_ensures),
     Pass("data_parallel", _dp_applies, _dp_requires, _dp_run, _dp_ensures),
 )
@@ -240,6 +283,10 @@ def parallelize_part(module: nn.Module, graph: LayerGraph, plan: Plan, part: Par
         materialise(module, device, init_fn)
     if result.data_parallel is not None:
         sync_replicas(result.data_parallel, mesh["dp"])
+    if result.experts is not None:
+        from autopar.passes.expert_parallel import sync_expert_replicas
+
+        sync_expert_replicas(result.experts)
     return result
 
 

@@ -99,7 +99,8 @@ def layer_zero_stages(graph: LayerGraph, plan: Plan) -> tuple[dict[str, int], in
     return owned, root
 
 
-def _wrap(module: nn.Module, unit: Unit, dp_mesh, dtype: torch.dtype | None) -> None:
+def _wrap(module: nn.Module, unit: Unit, dp_mesh, dtype: torch.dtype | None,
+          ignored: tuple[nn.Module, ...] = ()) -> None:
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import fully_shard
 
@@ -116,17 +117,25 @@ def _wrap(module: nn.Module, unit: Unit, dp_mesh, dtype: torch.dtype | None) -> 
 
         # bf16: gradients as views of the buckets, so the bf16 gradients cost no second copy
         # (the fp32 all-reduce hook is the runtime's: it needs the master weights)
+        # (never under ep: its DTensor experts would be localised by DDP's TP hooks; the contract
+        # gives ep plans FSDP2's replicate)
         ddp_replicate(module, device_mesh=dp_mesh, init_sync=False, gradient_as_bucket_view=dtype is not None)
-    elif unit.engine is Engine.REPLICATE:
-        replicate(module, mesh=dp_mesh, mp_policy=mixed_precision_policy(dtype))
+        return
+    inside = {p for m in ignored for p in m.parameters()} & set(module.parameters())
+    if unit.engine is Engine.REPLICATE:
+        replicate(module, mesh=dp_mesh, mp_policy=mixed_precision_policy(dtype), ignored_params=inside or None)
     else:
         fully_shard(module, mesh=dp_mesh, reshard_after_forward=(unit.zero == 3),
-                    mp_policy=mixed_precision_policy(dtype))
+                    mp_policy=mixed_precision_policy(dtype), ignored_params=inside or None)
 
 
 def apply_data_parallel(part: nn.Module, units: tuple[Unit, ...], dp_mesh, *,
-                        param_dtype: torch.dtype | None = None) -> DataParallelResult:
+                        param_dtype: torch.dtype | None = None,
+                        ignored: tuple[nn.Module, ...] | list[nn.Module] = ()) -> DataParallelResult:
     """Wrap each of the part's ``units`` (innermost first, the root last) over ``dp_mesh``.
+
+    ``ignored`` modules' parameters stay out of every unit: the experts under ep, which
+    ``passes/expert_parallel.py`` reduces over their expert-data-parallel group instead.
 
     ``param_dtype`` (default: :func:`compute_dtype`'s) is the compute dtype of a bf16 plan.
     Requires: tensor parallelism and recompute already applied (FSDP2 must see the
@@ -142,7 +151,7 @@ def apply_data_parallel(part: nn.Module, units: tuple[Unit, ...], dp_mesh, *,
         except AttributeError:
             raise LoweringError(f"the contract gives module {unit.path!r} an FSDP unit, but this "
                                 "part of the model has no such module") from None
-        _wrap(module, unit, dp_mesh, dtype)
+        _wrap(module, unit, dp_mesh, dtype, tuple(ignored))
         result.zero_by_path[unit.path] = unit.zero
         if unit.deferred:
             result.deferred.append(module)
@@ -161,11 +170,14 @@ def sync_replicas(result: DataParallelResult, dp_mesh) -> None:
 
     if result.ddp is None:
         return
+    from torch.distributed.tensor import DTensor
+
     group = dp_mesh.get_group()
     src = dist.get_global_rank(group, 0)
     with torch.no_grad():
         for t in [*result.ddp.parameters(), *result.ddp.buffers()]:
-            dist.broadcast(t, src=src, group=group)
+            if not isinstance(t, DTensor):  # DDP holds no DTensor but the experts it leaves out (ep)
+                dist.broadcast(t, src=src, group=group)
 
 
 def set_last_microbatch(result: DataParallelResult, last: bool) -> None:

@@ -13,6 +13,7 @@ More cases (pipeline plans) register in ``CASES`` the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,6 +82,7 @@ class Spec:
     world_size: int | None = None  # the plan's, when it differs from the launch (error cases)
     classes: int | None = None  # targets are one class index per sample (an image classifier)
     synthetic: bool = False  # batches as verify makes them (any inputs; targets that fit the output)
+    ep: int = 1  # expert-parallel degree set on the solved plan (ep is not searched: no pin sets it yet)
 
 
 def make_batch(model_inputs: tuple, model: nn.Module, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,6 +114,8 @@ def plan_for(spec: Spec, world_size: int) -> tuple[Plan, LayerGraph]:
         graph = autopar.capture(model, inputs)
         plan = autopar.solve(graph, spec.world_size or world_size, cluster="cpu", dtype="fp32",
                              pins=list(spec.pins), global_batch=spec.global_batch)
+        if spec.ep > 1:
+            plan = dataclasses.replace(plan, mesh=plan.mesh.replace(ep=spec.ep))
         box[0] = (plan.to_json(), graph.to_dict())
     dist.broadcast_object_list(box, src=0)
     return Plan.from_json(box[0][0]), LayerGraph.from_dict(box[0][1])
@@ -209,7 +213,8 @@ def equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
         plan, graph = plan_for(spec, world_size)
         sgd = run_parallel(spec, plan, graph, lambda p: torch.optim.SGD(p, **SGD))
         adam = run_parallel(spec, plan, graph, lambda p: torch.optim.AdamW(p, **ADAMW))
-        metrics: dict[str, Any] = {"mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp], "mesh_dims": sgd["mesh_dims"],
+        metrics: dict[str, Any] = {"mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp], "ep": plan.mesh.ep,
+                                   "mesh_dims": sgd["mesh_dims"],
                                    "microbatches": plan.microbatches, "schedule": plan.schedule.value,
                                    "chunks": plan.chunks, "tracer": sgd["tracer"],
                                    "stages": [l.stage for l in plan.layers],

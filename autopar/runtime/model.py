@@ -44,6 +44,7 @@ import torch.nn as nn
 from autopar import inputs as model_inputs
 from autopar.errors import BatchError, LaunchError
 from autopar.graph import LayerGraph
+from autopar.passes.expert_parallel import reduce_expert_grads
 from autopar.plan import Plan, Predicted
 from autopar.runtime.launch import (
     check_world,
@@ -209,6 +210,8 @@ class ParallelModel:
                 loss = self._pipeline_step(lowered, inputs, targets)
             else:
                 loss = self._accumulate(lowered, inputs, targets)
+        for experts in lowered.experts:  # ep: expert gradients reduced over their edp group
+            reduce_expert_grads(experts)
         if self.masters is not None:
             self.masters.drop_param_grads()
         if self.max_grad_norm is not None:

@@ -1,0 +1,265 @@
+"""Expert parallelism: each MoE block's experts sharded on their expert dim over an ``ep`` group.
+
+Takes one part of the model (the whole model; pipelines are refused), the plan
+and the device mesh, and returns an :class:`ExpertParallelResult`. What stays
+true: parameter FQNs are unchanged (an expert weight keeps its name and its
+global shape ``[E, …]`` as a DTensor), and after
+:func:`reduce_expert_grads` every expert gradient is the mean over the whole
+dp group, as one device would compute it.
+
+**Layout** (torchtitan's and Megatron-Core's "parallel folding"): ``ep``
+borrows its ranks from ``dp`` — the device mesh stays (pp, dp, tp) for the
+dense layers, and the dp axis is unflattened into (``edp``, ``ep``) for the
+experts (:func:`expert_mesh`; ep innermost, so an ep group is ep neighbouring
+dp ranks, which is where pricing places it, :meth:`autopar.mesh.Mesh.stride`).
+Rank ``i`` of an ep group holds experts ``[i·E/ep, (i+1)·E/ep)``, as a
+DTensor on that 2-D mesh placed (Replicate, Shard(0)): the runtime's full
+state dict, gradient norm and checkpoints read it as any other DTensor.
+
+**Forward** of an experts module (Hugging Face 5.x fused ``*Experts``,
+called as ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``
+by Mixtral's, Qwen2-MoE's and DeepSeek-V3's blocks): the router runs
+replicated, on this rank's own tokens, exactly as written (fp32 scores where
+the model computes them so). The T·k routed rows are sorted by expert, their
+per-expert counts exchanged (one small all-to-all), the rows dispatched to
+the rank holding their expert with ``torch.distributed.nn.functional.
+all_to_all_single`` (autograd: its backward is the reverse all-to-all), run
+through the local experts as Hugging Face's eager path runs one expert
+(``act(x·W_gate) * (x·W_up)`` then ``·W_down``), sent back by the reverse
+all-to-all, weighted by the router's top-k weights and summed per token
+(``index_add``), as the eager path does. Routing is decided before any
+dispatch, by the replicated router on the same tokens one device would see,
+so ep changes no routing decision.
+
+**Gradients.** The data-parallel engines must not average expert gradients
+over dp: ranks of one ep group hold *different* experts, so DDP's or FSDP2's
+average over the whole dp group would mix them. The exact route is to
+leave the expert weights out of the dp engine (``ignored_modules`` for the
+composable DDP, ``ignored_params`` for FSDP2's ``replicate``/``fully_shard``)
+and reduce them here, once per step after the last microbatch
+(:func:`reduce_expert_grads`): rank q's expert gradient already sums, through
+the all-to-all's backward, the contributions of every token of its ep group,
+so a sum over the expert-data-parallel group (the dp/ep ranks holding the
+same experts) adds the rest of dp, and dividing by dp gives the global-batch
+mean each rank's loss (its own mean) stands for. ZeRO/FSDP2 sharding of the
+experts over the edp group is left for later: an MoE layer at zero > 0 is
+refused under ep (:func:`check_expert_parallel`), so nothing runs that
+pricing would describe otherwise.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autopar.errors import LoweringError
+from autopar.graph import LayerGraph
+from autopar.moe import ExpertLayout, MoEFacts
+from autopar.plan import Plan
+
+_FUSED = ("gate_up_proj", "down_proj")  # HF 5.x *Experts: [E, 2I, H] and [E, H, I]
+_EXPERT_MESHES: dict[tuple[int, int], Any] = {}
+
+
+@dataclass
+class ExpertParallelResult:
+    """The experts this part shards: their modules, their DTensor weights, the groups they reduce over."""
+
+    modules: list[nn.Module] = field(default_factory=list)
+    params: list[nn.Parameter] = field(default_factory=list)
+    edp_group: Any = None
+    dp: int = 1
+
+
+def moe_blocks(graph: LayerGraph, plan: Plan) -> list[tuple[str, MoEFacts]]:
+    """(layer name, block) for every MoE block of the plan's layers."""
+    return [(lp.name, m) for lp in plan.layers for m in graph.layer(lp.name).moe]
+
+
+def _refusal(model: nn.Module, name: str, facts: MoEFacts, ep: int, zero: int) -> str | None:
+    if facts.num_experts % ep:
+        return f"layer {name!r}: ep={ep} does not divide its {facts.num_experts} experts"
+    if zero > 0:
+        return (f"layer {name!r}: ep with ZeRO-{zero} on an MoE layer is not lowered yet (its experts would "
+                "need FSDP2 over the expert-data-parallel group); pin zero=0 on it")
+    if facts.layout is not ExpertLayout.FUSED:
+        return (f"layer {name!r}: its experts are a {facts.layout}, called from the block's own loop; ep "
+                "lowers Hugging Face's fused *Experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) only")
+    try:
+        experts = model.get_submodule(facts.experts_path)
+    except AttributeError:
+        return f"layer {name!r}: no experts module {facts.experts_path!r} in the model"
+    own = dict(experts.named_parameters(recurse=False))
+    shapes = {k: tuple(v.shape) for k, v in own.items()}
+    e = facts.num_experts
+    if (set(own) != set(_FUSED) or not callable(getattr(experts, "act_fn", None))
+            or own["gate_up_proj"].dim() != 3 or own["down_proj"].dim() != 3
+            or own["gate_up_proj"].shape[0] != e or own["down_proj"].shape[0] != e
+            or own["gate_up_proj"].shape[1] != 2 * own["down_proj"].shape[2]
+            or own["gate_up_proj"].shape[2] != own["down_proj"].shape[1]
+            or getattr(experts, "is_transposed", False) or not getattr(experts, "has_gate", True)
+            or getattr(experts, "has_bias", False) or getattr(experts, "has_post_expert_norm", False)
+            or not getattr(experts, "is_concatenated", True)):
+        return (f"layer {name!r}: experts {facts.experts_path!r} ({type(experts).__name__}, parameters "
+                f"{shapes}) are not Hugging Face's fused gate_up_proj [E, 2I, H] / down_proj [E, H, I] with "
+                "an act_fn, the one layout ep lowers")
+    return None
+
+
+def check_expert_parallel(model: nn.Module, graph: LayerGraph, plan: Plan) -> None:
+    """Raise a :class:`LoweringError` naming every reason ``plan``'s ep cannot run on ``model`` (before any
+    collective)."""
+    ep = plan.mesh.ep
+    if ep <= 1:
+        return
+    blocks = moe_blocks(graph, plan)
+    if not blocks:
+        raise LoweringError(f"ep={ep} shards experts, but none of the model's {len(graph)} layers has any")
+    if plan.mesh.pp > 1:
+        raise LoweringError(f"ep={ep} with pp={plan.mesh.pp} is not lowered yet (pipeline stages are traced "
+                            "graphs, and the experts' forward is replaced on the module)")
+    if plan.training.dtype != "fp32":
+        raise LoweringError(f"ep={ep} runs in fp32 plans only for now (its experts stay outside the dp "
+                            "engine's mixed-precision policy); this plan is " + plan.training.dtype)
+    zeros = {lp.name: lp.choice.zero for lp in plan.layers}
+    problems = [why for name, facts in blocks
+                if (why := _refusal(model, name, facts, ep, zeros[name] if plan.mesh.dp > 1 else 0))]
+    if problems:
+        raise LoweringError("; ".join(problems[:3]))
+
+
+def expert_mesh(mesh: Any, ep: int) -> Any:
+    """The dp axis of ``mesh`` unflattened into (``edp``, ``ep``), ep innermost (a collective on first
+    call: every rank calls it, for the same mesh, before any part is lowered; cached after)."""
+    key = (id(mesh), ep)
+    if key not in _EXPERT_MESHES:
+        dp = mesh["dp"]
+        _EXPERT_MESHES[key] = dp._unflatten(0, (dp.size() // ep, ep), ("edp", "ep"))
+    return _EXPERT_MESHES[key]
+
+
+def _shard(experts: nn.Module, emesh: Any) -> list[nn.Parameter]:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    ep, rank = emesh["ep"].size(), emesh["ep"].get_local_rank()
+    made = []
+    for name in _FUSED:
+        full = getattr(experts, name)
+        local = full.detach().chunk(ep, dim=0)[rank].clone()
+        param = nn.Parameter(DTensor.from_local(local, emesh, [Replicate(), Shard(0)], run_check=False),
+                             requires_grad=full.requires_grad)
+        setattr(experts, name, param)
+        made.append(param)
+    return made
+
+
+def apply_expert_parallel(module: nn.Module, graph: LayerGraph, plan: Plan, mesh: Any) -> ExpertParallelResult:
+    """Shard the experts of every MoE block of ``module``'s layers over ``mesh``'s ep groups and route
+    their tokens with all-to-all (see the module docstring).
+
+    Requires: :func:`check_expert_parallel` passed; ``module`` unsharded (its expert weights whole).
+    """
+    ep = plan.mesh.ep
+    emesh = expert_mesh(mesh, ep)
+    result = ExpertParallelResult(edp_group=emesh["edp"].get_group() if emesh["edp"].size() > 1 else None,
+                                  dp=plan.mesh.dp)
+    for _, facts in moe_blocks(graph, plan):
+        experts = module.get_submodule(facts.experts_path)
+        result.params += _shard(experts, emesh)
+        experts._autopar_ep = (emesh["ep"].get_group(), ep, emesh["ep"].get_local_rank())
+        experts.forward = types.MethodType(_ep_forward, experts)
+        result.modules.append(experts)
+    return result
+
+
+def _all_to_all(rows: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+    from torch.distributed.nn.functional import all_to_all_single
+
+    out = rows.new_empty((sum(recv), *rows.shape[1:]))
+    return all_to_all_single(out, rows.contiguous(), recv, send, group=group)
+
+
+def _local_experts(experts: nn.Module, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows grouped by local expert (``counts`` each) through their experts, as HF's eager path runs one."""
+    gate_up, down = experts.gate_up_proj.to_local(), experts.down_proj.to_local()
+    outs = []
+    for e, piece in enumerate(rows.split(counts)):
+        if not counts[e]:
+            continue
+        gate_up_out = nn.functional.linear(piece, gate_up[e])
+        if hasattr(experts, "_apply_gate"):  # HF's own gating (default: act(gate) * up of the two halves)
+            gated = experts._apply_gate(gate_up_out)
+        else:
+            gate, up = gate_up_out.chunk(2, dim=-1)
+            gated = experts.act_fn(gate) * up
+        outs.append(nn.functional.linear(gated, down[e]))
+    if not outs:  # no rows for any local expert: keep the weights in the graph (zero gradient)
+        return rows.new_zeros((0, rows.shape[-1])) + 0.0 * (gate_up.sum() + down.sum())
+    return torch.cat(outs)
+
+
+def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts' forward under ep: dispatch, local experts, combine (the module docstring)."""
+    import torch.distributed as dist
+
+    group, ep, _ = self._autopar_ep
+    e_total = self.gate_up_proj.shape[0]
+    per_rank = e_total // ep
+    k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # rows sorted by expert: by destination rank, then expert
+    token = order // k
+    counts = torch.bincount(flat, minlength=e_total)
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)  # [source rank, local expert] row counts
+    send = counts.view(ep, per_rank).sum(1).tolist()
+    by_source = received.view(ep, per_rank)
+    recv = by_source.sum(1).tolist()
+    rows = _all_to_all(hidden_states[token], send, recv, group)
+    # received rows come grouped by source rank, then by expert: regroup by local expert
+    local_id = torch.repeat_interleave(torch.arange(per_rank, device=rows.device).repeat(ep), by_source.reshape(-1))
+    regroup = torch.argsort(local_id, stable=True)
+    out = _local_experts(self, rows[regroup], by_source.sum(0).tolist())
+    out = out[torch.argsort(regroup)]
+    back = _all_to_all(out, recv, send, group)
+    weighted = back * top_k_weights.reshape(-1)[order, None]
+    final = torch.zeros_like(hidden_states)
+    return final.index_add(0, token, weighted.to(final.dtype))
+
+
+def sync_expert_replicas(result: ExpertParallelResult) -> None:
+    """Broadcast each expert shard from the first rank of its expert-data-parallel group (a collective):
+    a model materialised from the meta device draws its shards rank by rank; the edp ranks must agree."""
+    import torch.distributed as dist
+
+    if result.edp_group is None:
+        return
+    src = dist.get_global_rank(result.edp_group, 0)
+    with torch.no_grad():
+        for p in result.params:
+            dist.broadcast(p.to_local(), src=src, group=result.edp_group)
+
+
+def reduce_expert_grads(result: ExpertParallelResult) -> None:
+    """Every expert gradient the mean over dp: summed over the expert-data-parallel group, divided by dp
+    (after the step's last backward; a collective over each edp group)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    for p in result.params:
+        if p.grad is None:  # no token reached this rank's experts: a zero gradient, still reduced
+            p.grad = DTensor.from_local(torch.zeros_like(p.to_local()), p.device_mesh, p.placements,
+                                        run_check=False)
+        local = p.grad.to_local()
+        if result.edp_group is not None:
+            dist.all_reduce(local, group=result.edp_group)
+        local.div_(result.dp)
+
+
+__all__ = ["ExpertParallelResult", "apply_expert_parallel", "check_expert_parallel", "expert_mesh",
+           "moe_blocks", "reduce_expert_grads", "sync_expert_replicas"]

@@ -1,0 +1,58 @@
+"""Expert-parallel cases for :mod:`distributed`: tiny Hugging Face MoE models trained under ep against one process.
+
+Each case is an :func:`equivalence_cases.equivalence` case (3 SGD-with-momentum steps and 3 AdamW
+steps, losses, first-step gradients and final parameters against the unsharded model on the whole
+global batch) on a plan solved with dp pinned and ``ep`` set on the solved plan (ep is not searched
+yet, so no pin sets it). Routing decisions cannot flip between the two runs: the weights are seeded
+(seed 0), the routers score in fp32 (Mixtral's and Qwen2-MoE's ``*TopKRouter`` take the softmax of
+``logits.float()``), every rank runs the router on the very tokens the one-process run routes
+(ep only moves rows after the top-k is taken), and the fp32 forward of one step differs from the
+reference only by summation order (~1e-7 relative), far below any gap between two top-k scores
+of random Gaussian weights at these sizes (the parity bar of 1e-5 would catch a flip: a flipped
+token sends its rows through another expert).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from equivalence_cases import Spec, equivalence
+
+COMMON = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=64, use_cache=False, tie_word_embeddings=False)
+TOKENS = (torch.zeros(2, 16, dtype=torch.long),)
+
+
+def hf_mixtral() -> tuple[nn.Module, tuple]:
+    import transformers
+
+    cfg = transformers.MixtralConfig(**COMMON, intermediate_size=64, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2)
+    return transformers.MixtralForCausalLM(cfg), TOKENS
+
+
+def hf_qwen2_moe() -> tuple[nn.Module, tuple]:
+    import transformers
+
+    cfg = transformers.Qwen2MoeConfig(**COMMON, intermediate_size=64, moe_intermediate_size=16,
+                                      shared_expert_intermediate_size=32, num_key_value_heads=2, num_experts=4,
+                                      num_experts_per_tok=2)
+    return transformers.Qwen2MoeForCausalLM(cfg), TOKENS
+
+
+PLAIN = ("pp=1", "tp=1", "recompute=none", "zero=0")
+
+SPECS: dict[str, Spec] = {
+    "ep2_mixtral": Spec(hf_mixtral, PLAIN + ("dp=2", "microbatches=1"), 4, ep=2),
+    "ep2_qwen2_moe": Spec(hf_qwen2_moe, PLAIN + ("dp=2", "microbatches=2"), 4, ep=2),
+    "ep2_dp4_mixtral": Spec(hf_mixtral, PLAIN + ("dp=4", "microbatches=1"), 8, ep=2),
+    "ep2_dp2_tp2_qwen2_moe": Spec(hf_qwen2_moe, ("pp=1", "tp=2", "recompute=none", "zero=0", "dp=2",
+                                                 "microbatches=1", "model.layers.*:tp=megatron"), 4, ep=2),
+}
+
+CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}
+SPECS["dbg_dp2_mixtral"] = Spec(hf_mixtral, PLAIN + ("dp=2", "microbatches=1"), 4)
+CASES["dbg_dp2_mixtral"] = equivalence(SPECS["dbg_dp2_mixtral"])
