@@ -49,10 +49,9 @@ SPECS: dict[str, Spec] = {
     "ep2_mixtral": Spec(hf_mixtral, PLAIN + ("dp=2", "microbatches=1"), 4, ep=2),
     "ep2_qwen2_moe": Spec(hf_qwen2_moe, PLAIN + ("dp=2", "microbatches=2"), 4, ep=2),
     "ep2_dp4_mixtral": Spec(hf_mixtral, PLAIN + ("dp=4", "microbatches=1"), 8, ep=2),
-    "ep2_dp2_tp2_qwen2_moe": Spec(hf_qwen2_moe, ("pp=1", "tp=2", "recompute=none", "zero=0", "dp=2",
-                                                 "microbatches=1", "model.layers.*:tp=megatron"), 4, ep=2),
+    # an MoE block takes no tensor-parallel style yet: tp=2 shards what takes one (embedding, head)
+    "ep2_dp2_tp2_qwen2_moe": Spec(hf_qwen2_moe, PLAIN[:1] + ("tp=2", "recompute=none", "zero=0", "dp=2",
+                                                             "microbatches=1"), 4, ep=2),
 }
 
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}
-SPECS["dbg_dp2_mixtral"] = Spec(hf_mixtral, PLAIN + ("dp=2", "microbatches=1"), 4)
-CASES["dbg_dp2_mixtral"] = equivalence(SPECS["dbg_dp2_mixtral"])

@@ -1,0 +1,96 @@
+"""What ep refuses before any collective (passes/expert_parallel.check_expert_parallel), and the contract's
+engine under ep: no process group needed."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import autopar
+from autopar.contract import REPLICATED, Engine, plan_engine
+from autopar.errors import LoweringError
+from autopar.mesh import Mesh
+from autopar.passes.expert_parallel import check_expert_parallel
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "examples"))
+import moe_cases  # noqa: E402
+
+
+def _examples_moe():
+    spec = importlib.util.spec_from_file_location("autopar_examples_moe_ep", ROOT / "examples" / "moe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _plan(model, inputs, ep: int, pins: tuple[str, ...] = ("zero=0",), dtype: str = "fp32"):
+    graph = autopar.capture(model, inputs)
+    plan = autopar.solve(graph, 2, cluster="cpu", dtype=dtype, global_batch=4,
+                         pins=["pp=1", "dp=2", "tp=1", "recompute=none", "microbatches=1", *pins])
+    return dataclasses.replace(plan, mesh=plan.mesh.replace(ep=ep)), graph
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    torch.manual_seed(0)
+    return moe_cases.hf_mixtral()
+
+
+def test_hf_fused_experts_pass_the_checks(mixtral) -> None:
+    plan, graph = _plan(*mixtral, ep=2)
+    check_expert_parallel(mixtral[0], graph, plan)  # raises nothing
+    check_expert_parallel(mixtral[0], graph, dataclasses.replace(plan, mesh=Mesh(dp=4, ep=4), world_size=4))
+
+
+def test_ep_not_dividing_the_experts_names_the_layer(mixtral) -> None:
+    plan, graph = _plan(*mixtral, ep=1)
+    plan = dataclasses.replace(plan, mesh=Mesh(dp=6, ep=3), world_size=6)
+    with pytest.raises(LoweringError, match=r"layer 'model.layers.0': ep=3 does not divide its 4 experts"):
+        check_expert_parallel(mixtral[0], graph, plan)
+
+
+def test_ep_with_zero_on_an_moe_layer_is_refused_with_the_reason(mixtral) -> None:
+    plan, graph = _plan(*mixtral, ep=2, pins=("zero=3",))
+    with pytest.raises(LoweringError, match=r"'model.layers.0': ep with ZeRO-3 on an MoE layer is not lowered yet"):
+        check_expert_parallel(mixtral[0], graph, plan)
+
+
+def test_ep_runs_in_fp32_plans_only(mixtral) -> None:
+    plan, graph = _plan(*mixtral, ep=2, dtype="bf16")
+    with pytest.raises(LoweringError, match="fp32 plans only"):
+        check_expert_parallel(mixtral[0], graph, plan)
+
+
+def test_hand_written_experts_are_refused_naming_their_layout() -> None:
+    moe = _examples_moe()
+    loop = moe.loop_moe_tiny()
+    plan, graph = _plan(*loop, ep=2)
+    with pytest.raises(LoweringError, match=r"experts are a module list, called from the block's own loop"):
+        check_expert_parallel(loop[0], graph, plan)
+    capacity = moe.capacity_moe_tiny()
+    plan, graph = _plan(*capacity, ep=2)
+    with pytest.raises(LoweringError, match=r"are not Hugging Face's fused gate_up_proj"):
+        check_expert_parallel(capacity[0], graph, plan)
+
+
+def test_ep_on_a_model_without_experts_names_its_layers() -> None:
+    import gpt
+
+    model, inputs = gpt.gpt(n_layer=2, d_model=32, n_head=4, vocab_size=64, seq_len=16, device="cpu")
+    plan, graph = _plan(model, inputs, ep=2)
+    with pytest.raises(LoweringError, match=rf"ep=2 shards experts, but none of the model's {len(graph)} layers"):
+        check_expert_parallel(model, graph, plan)
+
+
+def test_an_ep_plan_runs_on_fsdp2_replicate_not_ddp() -> None:
+    """The composable DDP localises every DTensor parameter of its root after each forward, the
+    experts it was told to ignore included: an ep plan's replicated engine is FSDP2's replicate."""
+    assert plan_engine(Mesh(dp=2), REPLICATED) is Engine.DDP
+    assert plan_engine(Mesh(dp=2, ep=2), REPLICATED) is Engine.REPLICATE
