@@ -1,8 +1,9 @@
 """Communication: α-β collectives and point-to-point on a placed process group.
 
 Time ≈ α + bytes · factor / busbw (nccl-tests' bus-bandwidth convention):
-all-reduce factor 2(n−1)/n, all-gather and reduce-scatter (n−1)/n, where
-``bytes`` is the full (unsharded) buffer. A group inside one node runs at the
+all-reduce factor 2(n−1)/n, all-gather, reduce-scatter and all-to-all
+(n−1)/n, where ``bytes`` is the full (unsharded) buffer — for an all-to-all,
+what one rank sends and receives (nccl-tests' ``alltoall_perf`` convention). A group inside one node runs at the
 NVLink bus bandwidth. A group that spans nodes with ``local`` members per node
 is limited by the NICs those members drive at once (each device's share of
 its node's NICs), and never faster than NVLink: busbw = min(intra, local · nic).
@@ -40,6 +41,7 @@ class Collective(Enum):
     ALL_REDUCE = "all_reduce"
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,27 @@ def nccl_time_s(kind: Collective, nbytes: float, group: GroupPlacement, cluster:
     return min(options)
 
 
+def all_to_all_time_s(nbytes: float, group: GroupPlacement, cluster: ClusterSpec, *, count: float = 1) -> float:
+    """Time of ``count`` all-to-alls in which each rank sends ``nbytes`` in all (1/n of it to each rank,
+    itself included, so (n−1)/n of it moves).
+
+    The n − 1 sends of an all-to-all go out together (NCCL groups them: ``ncclGroupStart`` around its
+    sends and receives), so its fixed cost is one send's latency and the wait for the slowest rank
+    (``collective_sync_s``). A rank's bytes for ranks of its own node move over NVLink, those for
+    the other nodes' (n − local)/n over its own share of its node's NICs, both at once: the slower
+    of the two paces it. No ring passes a rank's data through the others, so unlike a ring
+    collective the NICs' share per rank is not multiplied by the members per node.
+    """
+    if group.size <= 1 or nbytes <= 0:
+        return 0.0
+    n, local = group.size, group.local
+    intra = nbytes * (local - 1) / n / cluster.intra_node.for_kind("all_to_all").bandwidth_bytes_s
+    inter = nbytes * (n - local) / n / cluster.nic_bandwidth_for("all_to_all") if group.spans_nodes else 0.0
+    link = cluster.inter_node if group.spans_nodes else cluster.intra_node
+    alpha = link.for_kind("p2p").latency_s + cluster.collective_sync_s
+    return count * alpha + max(intra, inter)
+
+
 def collective_time_s(
     kind: Collective, nbytes: float, group: GroupPlacement, cluster: ClusterSpec, *, count: float = 1
 ) -> float:
@@ -184,6 +207,8 @@ def collective_time_s(
     """
     if group.size <= 1 or nbytes <= 0:
         return 0.0
+    if kind is Collective.ALL_TO_ALL:
+        return all_to_all_time_s(nbytes, group, cluster, count=count)
     if cluster.nccl_tuning:
         return nccl_time_s(kind, nbytes, group, cluster, count)[0] + count * cluster.collective_sync_s
     bw = bus_bandwidth(group, cluster, kind.value)

@@ -41,10 +41,15 @@ and reduce them here, once per step after the last microbatch
 the all-to-all's backward, the contributions of every token of its ep group,
 so a sum over the expert-data-parallel group (the dp/ep ranks holding the
 same experts) adds the rest of dp, and dividing by dp gives the global-batch
-mean each rank's loss (its own mean) stands for. ZeRO/FSDP2 sharding of the
-experts over the edp group is left for later: an MoE layer at zero > 0 is
-refused under ep (:func:`check_expert_parallel`), so nothing runs that
-pricing would describe otherwise.
+mean each rank's loss (its own mean) stands for. An MoE layer at ZeRO ≥ 1
+runs its dense weights (router, shared experts, attention) at that stage
+over dp and keeps its experts whole on each edp rank (FSDP2 ignores them):
+ZeRO of the experts over the edp group is left for later, and pricing
+prices them so (``planning/pricing.py``, experts at ZeRO-0 over edp). The
+plan's replicated engine under ep is FSDP2's ``replicate``, never the
+composable DDP (:func:`autopar.contract.plan_engine`): DDP's TP hooks turn
+every DTensor parameter of its root into a plain tensor after each forward,
+the ignored experts included.
 """
 
 from __future__ import annotations
@@ -80,12 +85,9 @@ def moe_blocks(graph: LayerGraph, plan: Plan) -> list[tuple[str, MoEFacts]]:
     return [(lp.name, m) for lp in plan.layers for m in graph.layer(lp.name).moe]
 
 
-def _refusal(model: nn.Module, name: str, facts: MoEFacts, ep: int, zero: int) -> str | None:
+def _refusal(model: nn.Module, name: str, facts: MoEFacts, ep: int) -> str | None:
     if facts.num_experts % ep:
         return f"layer {name!r}: ep={ep} does not divide its {facts.num_experts} experts"
-    if zero > 0:
-        return (f"layer {name!r}: ep with ZeRO-{zero} on an MoE layer is not lowered yet (its experts would "
-                "need FSDP2 over the expert-data-parallel group); pin zero=0 on it")
     if facts.layout is not ExpertLayout.FUSED:
         return (f"layer {name!r}: its experts are a {facts.layout}, called from the block's own loop; ep "
                 "lowers Hugging Face's fused *Experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) only")
@@ -125,9 +127,7 @@ def check_expert_parallel(model: nn.Module, graph: LayerGraph, plan: Plan) -> No
     if plan.training.dtype != "fp32":
         raise LoweringError(f"ep={ep} runs in fp32 plans only for now (its experts stay outside the dp "
                             "engine's mixed-precision policy); this plan is " + plan.training.dtype)
-    zeros = {lp.name: lp.choice.zero for lp in plan.layers}
-    problems = [why for name, facts in blocks
-                if (why := _refusal(model, name, facts, ep, zeros[name] if plan.mesh.dp > 1 else 0))]
+    problems = [why for name, facts in blocks if (why := _refusal(model, name, facts, ep))]
     if problems:
         raise LoweringError("; ".join(problems[:3]))
 

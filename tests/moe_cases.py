@@ -48,6 +48,11 @@ PLAIN = ("pp=1", "tp=1", "recompute=none", "zero=0")
 SPECS: dict[str, Spec] = {
     "ep2_mixtral": Spec(hf_mixtral, PLAIN + ("dp=2", "microbatches=1"), 4, ep=2),
     "ep2_qwen2_moe": Spec(hf_qwen2_moe, PLAIN + ("dp=2", "microbatches=2"), 4, ep=2),
+    # ZeRO on an MoE layer shards its dense weights over dp; its experts stay whole per edp rank
+    "ep2_zero3_mixtral": Spec(hf_mixtral, ("pp=1", "tp=1", "recompute=none", "zero=3", "dp=2", "microbatches=2"),
+                              4, ep=2),
+    "ep2_zero1_qwen2_moe": Spec(hf_qwen2_moe, ("pp=1", "tp=1", "recompute=none", "zero=1", "dp=2",
+                                               "microbatches=2"), 4, ep=2),
     "ep2_dp4_mixtral": Spec(hf_mixtral, PLAIN + ("dp=4", "microbatches=1"), 8, ep=2),
     # an MoE block takes no tensor-parallel style yet: tp=2 shards what takes one (embedding, head)
     "ep2_dp2_tp2_qwen2_moe": Spec(hf_qwen2_moe, PLAIN[:1] + ("tp=2", "recompute=none", "zero=0", "dp=2",

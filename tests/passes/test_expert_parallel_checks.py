@@ -56,12 +56,6 @@ def test_ep_not_dividing_the_experts_names_the_layer(mixtral) -> None:
         check_expert_parallel(mixtral[0], graph, plan)
 
 
-def test_ep_with_zero_on_an_moe_layer_is_refused_with_the_reason(mixtral) -> None:
-    plan, graph = _plan(*mixtral, ep=2, pins=("zero=3",))
-    with pytest.raises(LoweringError, match=r"'model.layers.0': ep with ZeRO-3 on an MoE layer is not lowered yet"):
-        check_expert_parallel(mixtral[0], graph, plan)
-
-
 def test_ep_runs_in_fp32_plans_only(mixtral) -> None:
     plan, graph = _plan(*mixtral, ep=2, dtype="bf16")
     with pytest.raises(LoweringError, match="fp32 plans only"):
