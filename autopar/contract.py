@@ -132,6 +132,15 @@ def plan_engine(mesh: Mesh, mode: DataParallelism) -> Engine:
     return Engine.DDP if mesh.world_size == mesh.dp and mesh.ep == 1 else Engine.REPLICATE
 
 
+def ep_refusal(mesh: Mesh) -> str | None:
+    """Why ``mesh``'s expert parallelism cannot run (None when it can): ep lowers on the whole model only,
+    whose experts modules it reroutes (``passes/expert_parallel.py``); a pipeline stage is a traced graph."""
+    if mesh.ep > 1 and mesh.pp > 1:
+        return (f"ep={mesh.ep} with pp={mesh.pp} is not lowered yet (pipeline stages are traced graphs; "
+                "ep reroutes the experts modules of the whole model)")
+    return None
+
+
 def unit_engine(zero: int) -> Engine:
     return Engine.FULLY_SHARD if zero >= 1 else Engine.REPLICATE
 

@@ -121,10 +121,9 @@ def _ep_check(degree: int, limits: AxisLimits) -> str | None:
 AXES: tuple[MeshAxis, ...] = (
     MeshAxis("pp", "the layers into pipeline stages", _pp_check),
     MeshAxis("dp", "the global batch", _dp_check),
-    # searched=False until its price is in (autopar.planning.pricing); lowered by passes/expert_parallel.py
+    # lowered by passes/expert_parallel.py, priced by autopar.planning.pricing (experts, all-to-all, edp)
     MeshAxis("ep", "the experts of mixture-of-experts layers, over ranks borrowed from dp", _ep_check,
-             searched=False, folds="dp",
-             pending="passes/expert_parallel.py lowers it, but nothing prices it yet"),
+             folds="dp"),
     MeshAxis("tp", "each layer's weights and activations (its tensor-parallel style)", within_node=True),
 )
 

@@ -61,6 +61,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from autopar.contract import ep_refusal
 from autopar.errors import LoweringError
 from autopar.graph import LayerGraph
 from autopar.moe import ExpertLayout, MoEFacts
@@ -121,12 +122,8 @@ def check_expert_parallel(model: nn.Module, graph: LayerGraph, plan: Plan) -> No
     blocks = moe_blocks(graph, plan)
     if not blocks:
         raise LoweringError(f"ep={ep} shards experts, but none of the model's {len(graph)} layers has any")
-    if plan.mesh.pp > 1:
-        raise LoweringError(f"ep={ep} with pp={plan.mesh.pp} is not lowered yet (pipeline stages are traced "
-                            "graphs, and the experts' forward is replaced on the module)")
-    if plan.training.dtype != "fp32":
-        raise LoweringError(f"ep={ep} runs in fp32 plans only for now (its experts stay outside the dp "
-                            "engine's mixed-precision policy); this plan is " + plan.training.dtype)
+    if why := ep_refusal(plan.mesh):
+        raise LoweringError(why)
     problems = [why for name, facts in blocks if (why := _refusal(model, name, facts, ep))]
     if problems:
         raise LoweringError("; ".join(problems[:3]))
@@ -185,7 +182,9 @@ def _all_to_all(rows: torch.Tensor, send: list[int], recv: list[int], group: Any
 
 def _local_experts(experts: nn.Module, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Rows grouped by local expert (``counts`` each) through their experts, as HF's eager path runs one."""
-    gate_up, down = experts.gate_up_proj.to_local(), experts.down_proj.to_local()
+    # a bf16 plan: the experts stay fp32 (FSDP2's policy does not reach them), computed on bf16 copies
+    # whose gradients autograd casts back to fp32, as FSDP2's MixedPrecisionPolicy does for the rest
+    gate_up, down = experts.gate_up_proj.to_local().to(rows.dtype), experts.down_proj.to_local().to(rows.dtype)
     outs = []
     for e, piece in enumerate(rows.split(counts)):
         if not counts[e]:

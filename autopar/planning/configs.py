@@ -19,7 +19,7 @@ from autopar.cost_models.hardware import ClusterSpec
 from autopar.cost_models.pipeline import Schedule, ScheduleKind
 from autopar.errors import PinError
 from autopar.graph import LayerGraph
-from autopar.mesh import AXES, AxisLimits, meshes
+from autopar.mesh import AXES, AxisLimits, Mesh, meshes
 from autopar.mesh import axis as mesh_axis
 from autopar.pins import Pins
 from autopar.planning.configuration import Configuration, TrainingSpec
@@ -53,6 +53,8 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
     pinned_zeros = [pin.get("zero") for pin in pins.resolve_layers([layer.name for layer in graph])]
     configs: list[Configuration] = []
     for mesh in meshes(limits, pinned):
+        if contract.ep_refusal(mesh):
+            continue
         floor = contract.root_floor(graph, pinned_zeros, mesh.pp)
         per_replica = training.global_batch // mesh.dp
         for m in [pins.microbatches] if pins.microbatches else _divisors(per_replica):
@@ -118,7 +120,9 @@ def why_no_config(graph: LayerGraph, world: int, training: TrainingSpec, pins: P
                 f"most {max_stages} (it has {max_stages - 1} places a cut may go)" + _blocked(graph))
     if dp and b % dp:
         return f"batch size {b} does not divide over the pinned dp={dp}"
-    if (ep := pinned.get("ep", 1)) > 1:
+    if (ep := pinned.get("ep", 1)) > 1 and (why := contract.ep_refusal(Mesh(pp=pp or 1, dp=ep, ep=ep))):
+        return why
+    if ep > 1:
         return (f"no mesh for world size {world} and batch size {b} has a data-parallel degree that the "
                 f"pinned ep={ep} divides (ep borrows its ranks from dp)")
     if dp and pins.microbatches and b % (dp * pins.microbatches):

@@ -40,6 +40,19 @@ and the memory of rank j (integer bytes):
 
     M_j  = Σ model_states(zero, dp, tp) + Σ ⌈activations per microbatch · in_flight(j)⌉ + workspace
            + (the loss's output-sized tensors, last rank) + (FSDP2's buffers if j has ZeRO layers)
+
+Expert parallelism (``ep`` > 1, folded into dp; ``passes/expert_parallel.py``): an MoE layer's
+routed experts (``MoEFacts.routed_params``) are split over the ep group and left out of the dp
+engine — a rank holds 1/ep of them with their gradients and optimizer state whole (ZeRO-0 over the
+expert-data-parallel group of dp/ep ranks, whatever the layer's ZeRO stage, which applies to its
+dense weights), and all-reduces their gradients over that group once a step after the backward
+(never hidden: the runtime issues it after the last microbatch). Per microbatch each block moves
+its tokens' top-k rows (the layer's boundary, b·s·H, times top-k) to their experts and back with
+two all-to-alls forward and two backward, plus the per-expert row counts forward (the all-to-alls
+are on the critical path, counted with the layer's tensor-parallel collectives: ``tp_comm_mb_s``;
+a recomputed forward issues its two again), and its routed activations carry the load-imbalance
+margin of :meth:`autopar.moe.MoEFacts.activation_margin`. Expert compute is priced at balanced
+routing (top-k rows a token, the captured FLOPs).
 """
 
 from __future__ import annotations
@@ -143,7 +156,9 @@ class PriceTable:
         self.dtype_for_compute = "bf16" if training.dtype == "bf16" else "fp32"
         mesh = config.mesh
         groups = {name: place_group(degree, mesh.stride(name), cluster.gpus_per_node) for name, degree in mesh.items()}
-        self.tp_group, self.dp_group = groups["tp"], groups["dp"]
+        self.tp_group, self.dp_group, self.ep_group = groups["tp"], groups["dp"], groups["ep"]
+        # the expert-data-parallel group: the dp ranks holding the same experts, ep apart in dp
+        self.edp_group = place_group(mesh.dp // mesh.ep, mesh.stride("dp") * mesh.ep, cluster.gpus_per_node)
         self.pp_inter_node = edges.ranks_inter_node(0, config.mesh.pp - 1, self)  # the tied ends' all-reduce
         self.engine = config.engine
         self._shared = SharedPrices() if shared is None else shared
@@ -374,6 +389,9 @@ class PriceTable:
         runs = self.runs_as(layer.index, choice)
         c, b, prec, device = self.config, self.microbatch_size, self.prec, self.cluster.device
         fwd, bwd, tp_comm_fwd, tp_comm_bwd, acts = self._style_part(layer, runs.tp, runs.sp)
+        a2a_fwd, a2a_bwd = self.expert_dispatch_s(layer)
+        tp_comm_fwd, tp_comm_bwd = tp_comm_fwd + a2a_fwd, tp_comm_bwd + a2a_bwd
+        acts += self._imbalance_bytes(layer)
         norm_sync = self._norm_sync_s(layer)
         fwd, bwd = fwd + norm_sync, bwd + norm_sync
         refwd, kept = recompute_part(self, layer, runs, fwd, acts)
@@ -381,14 +399,20 @@ class PriceTable:
         # a recomputed forward issues its collectives again (selective keeps only matmul-class outputs)
         tp_comm = tp_comm_fwd + tp_comm_bwd + (tp_comm_fwd if runs.recompute else 0.0)
         params = self.effective_params(layer, runs)
+        experts = self.local_expert_params(layer)  # ep: this rank's experts, outside the dp engine
+        dense = params - self.split_expert_params(layer)
         share = contract.collective_share(self.graph, layer.index, self.engine, c.mesh.pp, prec.grad_bytes)
-        dp_comm = self.dp_collectives_s(params, runs.zero, share)
-        fsdp_work = self._zero_overhead_s(params, runs.zero, share)  # done by the host: never hidden
-        fsdp_work += self._tied_sum_s(layer, runs.zero)
-        weights = prec.param_bytes * params if runs.zero < 3 else prec.param_bytes * params // c.mesh.dp
-        grads = prec.grad_bytes * params if runs.zero < 2 else prec.grad_bytes * params // c.mesh.dp
+        dp_comm = self.dp_collectives_s(dense, runs.zero, share)
+        fsdp_work = self._zero_overhead_s(dense, runs.zero, share)  # done by the host: never hidden
+        fsdp_work += self._tied_sum_s(layer, runs.zero) + self.expert_sync_s(layer)
+        weights = prec.param_bytes * (dense if runs.zero < 3 else dense // c.mesh.dp) + prec.param_bytes * experts
+        grads = prec.grad_bytes * (dense if runs.zero < 2 else dense // c.mesh.dp) + prec.grad_bytes * experts
+        # the experts' gradients are fp32 whatever the plan's dtype (fp32 weights computed on bf16 copies)
+        expert_grads = max(FP32_BYTES - prec.grad_bytes, 0) * experts
+        grads += expert_grads
         buckets = prec.grad_bytes * params if self.engine is Engine.DDP else 0
-        state = model_state_bytes(params, runs.zero, c.mesh.dp, prec) + buckets + self._master_grad_bytes(params)
+        state = (model_state_bytes(dense, runs.zero, c.mesh.dp, prec) + model_state_bytes(experts, 0, 1, prec)
+                 + expert_grads + buckets + self._master_grad_bytes(params))
         return LayerPrice(
             forward_mb_s=fwd,
             compute_mb_s=compute,
@@ -397,7 +421,7 @@ class PriceTable:
             dp_comm_s=dp_comm + fsdp_work,
             exposed_comm_s=exposed_comm_s(dp_comm, c.microbatches * compute, self.cluster.comm_overlap)
             + fsdp_work,
-            optimizer_s=optimizer_shard_params(params, runs.zero, c.mesh.dp)
+            optimizer_s=(optimizer_shard_params(dense, runs.zero, c.mesh.dp) + experts)
             * prec.optimizer_bytes_touched / device.memory_bandwidth_bytes_s
             + (len(layer.param_names) * self.cluster.optimizer_dtensor_s if self._dtensor(runs) else 0.0),
             params_bytes=weights,
@@ -406,6 +430,45 @@ class PriceTable:
             buckets_bytes=buckets,
             activation_mb_bytes=math.ceil(b * max(kept, 0.0) * self.act_scale),
         )
+
+    def split_expert_params(self, layer: Layer) -> int:
+        """The layer's routed-expert parameters that ep splits (0 at ep = 1)."""
+        return sum(m.routed_params for m in layer.moe) if self.config.mesh.ep > 1 else 0
+
+    def local_expert_params(self, layer: Layer) -> int:
+        """This rank's share of :meth:`split_expert_params`: 1/ep of every block's experts."""
+        return self.split_expert_params(layer) // self.config.mesh.ep
+
+    def expert_dispatch_s(self, layer: Layer) -> tuple[float, float]:
+        """Per microbatch under ep, (forward, backward): each MoE block's dispatch and combine
+        all-to-alls (a rank sends its tokens' top-k rows, b · the layer's boundary bytes a sample
+        × top-k, each way) and, forward, the all-to-all of its per-expert row counts (int64);
+        the backward runs the two all-to-alls in reverse."""
+        if self.config.mesh.ep <= 1 or not layer.moe:
+            return 0.0, 0.0
+        tokens_bytes = self.microbatch_size * layer.boundary_bytes_per_sample * self.act_scale
+        fwd = bwd = 0.0
+        for m in layer.moe:
+            rows = collective_time_s(Collective.ALL_TO_ALL, tokens_bytes * m.top_k, self.ep_group, self.cluster)
+            fwd += 2 * rows + collective_time_s(Collective.ALL_TO_ALL, 8 * m.num_experts, self.ep_group,
+                                                self.cluster)
+            bwd += 2 * rows
+        return fwd, bwd
+
+    def expert_sync_s(self, layer: Layer) -> float:
+        """Per step under ep: the all-reduce of this rank's expert gradients over the expert-data-parallel
+        group, one per expert weight (unbucketed, after the backward: never hidden)."""
+        experts = self.local_expert_params(layer)
+        if not experts:
+            return 0.0
+        return collective_time_s(Collective.ALL_REDUCE, self.prec.grad_bytes * experts, self.edp_group,
+                                 self.cluster, count=2 * len(layer.moe))  # gate_up_proj and down_proj
+
+    def _imbalance_bytes(self, layer: Layer) -> float:
+        """Activation bytes per sample the routed experts of one rank may hold beyond the balanced share
+        under ep (:meth:`autopar.moe.MoEFacts.activation_margin`, minus the share already counted)."""
+        ep = self.config.mesh.ep
+        return sum(m.routed_activation_bytes_per_sample * (m.activation_margin(ep) - 1.0) for m in layer.moe)
 
     def _norm_sync_s(self, layer: Layer) -> float:
         """Per microbatch, forward or backward: a BatchNorm under dp all-reduces its per-channel sum
