@@ -1,0 +1,112 @@
+"""Expert parallelism in autopar.planning.pricing, figure by figure: ep divides the routed experts'
+memory, adds its all-to-alls to the layer's per-microbatch collectives and the experts' all-reduce over
+the expert-data-parallel group to its exposed traffic, and nothing at ep = 1."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from synthetic import transformer_graph
+
+from autopar.choice import LayerChoice
+from autopar.contract import REPLICATED, DataParallelism
+from autopar.cost_models.communication import Collective, all_to_all_time_s, collective_time_s, place_group
+from autopar.cost_models.hardware import PRESETS
+from autopar.cost_models.pipeline import Schedule, ScheduleKind
+from autopar.graph import LayerGraph
+from autopar.mesh import Mesh
+from autopar.moe import Dispatch, ExpertLayout, MoEFacts, RouterKind
+from autopar.planning.configuration import Configuration, TrainingSpec
+from autopar.planning.pricing import PriceTable
+
+E, K, EXPERT = 8, 2, 3 * 256 * 512  # experts, top-k, one expert's parameters (H=256, I=512)
+
+
+def _moe_graph() -> LayerGraph:
+    base = transformer_graph(2, 256, 64, vocab=1024, heads=4)
+    facts = MoEFacts("blocks.0.mlp", "blocks.0.mlp.experts", E, K, EXPERT, 2.0 * EXPERT, 256 * E,
+                     RouterKind.SOFTMAX_TOPK, ExpertLayout.FUSED, Dispatch.GROUPED,
+                     routed_activation_bytes_per_sample=1000.0)
+    layers = [replace(l, moe=(facts,), param_count=l.param_count + E * EXPERT) if l.name == "blocks.0" else l
+              for l in base]
+    return LayerGraph(layers, model_name="moe", example_batch=1, dtype_bytes=base.dtype_bytes, seq_len=64)
+
+
+def _price(ep: int, dp: int = 4, zero: int = 0, per_node: int = 8, world: int | None = None):
+    graph = _moe_graph()
+    cluster = replace(PRESETS["h100-80g"], gpus_per_node=per_node).for_world_size(world or dp)
+    mode = DataParallelism(sharded=True, root_zero=3) if zero else REPLICATED
+    table = PriceTable(graph, Configuration(Mesh(dp=dp, ep=ep), 1, Schedule(ScheduleKind.NONE), mode), cluster,
+                       TrainingSpec(8 * dp, dtype="fp32"))
+    i = next(l.index for l in graph if l.moe)
+    return table, graph[i], table.prices[i][table.choices[i].index(LayerChoice(None, zero, False))]
+
+
+def test_ep_holds_one_ep_th_of_the_experts_with_their_whole_state() -> None:
+    _, _, one = _price(1)
+    table, layer, two = _price(2)
+    routed = E * EXPERT
+    assert table.local_expert_params(layer) == routed // 2
+    # fp32 Adam: 4 (weights) + 4 (grads) + 8 (moments) bytes a parameter; half the experts leave the rank
+    # (ep = 1 runs on DDP, whose buckets ep's FSDP2 replicate does not have)
+    assert two.buckets_bytes == 0 and one.buckets_bytes > 0
+    assert (one.state_bytes - one.buckets_bytes) - two.state_bytes == 16 * routed // 2
+    assert one.params_bytes - two.params_bytes == 4 * routed // 2
+
+
+def test_ep_adds_dispatch_and_combine_all_to_alls_forward_and_backward() -> None:
+    table, layer, two = _price(2)
+    _, _, one = _price(1)
+    rows = table.microbatch_size * layer.boundary_bytes_per_sample * table.act_scale * K
+    a2a = all_to_all_time_s(rows, table.ep_group, table.cluster)
+    counts = all_to_all_time_s(8 * E, table.ep_group, table.cluster)
+    assert a2a > 0 and table.ep_group.size == 2
+    assert two.forward_tp_mb_s - one.forward_tp_mb_s == pytest.approx(2 * a2a + counts)
+    assert two.tp_comm_mb_s - one.tp_comm_mb_s == pytest.approx(4 * a2a + counts)
+
+
+def test_expert_gradients_reduce_over_the_edp_group_only_and_are_never_hidden() -> None:
+    table, layer, two = _price(2, dp=4)
+    assert (table.edp_group.size, table.ep_group.size) == (2, 2)
+    sync = collective_time_s(Collective.ALL_REDUCE, 4 * E * EXPERT // 2, table.edp_group, table.cluster, count=2)
+    assert table.expert_sync_s(layer) == pytest.approx(sync) and sync > 0
+    # ep = dp: every dp rank holds other experts, there is no one to reduce with
+    full, layer_full, _ = _price(4, dp=4)
+    assert full.edp_group.size == 1 and full.expert_sync_s(layer_full) == 0.0
+
+
+def test_ep_groups_are_neighbouring_dp_ranks_and_the_edp_group_spans_them() -> None:
+    # 16 ranks, 8 a node: ep=8 groups sit in one node, the edp pairs cross it
+    table, _, _ = _price(8, dp=16, world=16)
+    assert table.ep_group == place_group(8, 1, 8) and not table.ep_group.spans_nodes
+    assert table.edp_group.spans_nodes and table.edp_group.size == 2
+
+
+def test_an_all_to_all_moves_n_minus_1_over_n_of_the_bytes_over_nvlink_or_the_nic_share() -> None:
+    cluster = PRESETS["h100-80g"].for_world_size(16)
+    inside, across = place_group(8, 1, 8), place_group(4, 4, 8)  # 4 ranks, 2 a node
+    nbytes = 64e6
+    intra = cluster.intra_node.for_kind("all_to_all").bandwidth_bytes_s
+    alpha = cluster.intra_node.for_kind("p2p").latency_s + cluster.collective_sync_s
+    assert all_to_all_time_s(nbytes, inside, cluster) == pytest.approx(alpha + nbytes * 7 / 8 / intra)
+    alpha = cluster.inter_node.for_kind("p2p").latency_s + cluster.collective_sync_s
+    nic = cluster.nic_bandwidth_for("all_to_all")
+    assert all_to_all_time_s(nbytes, across, cluster) == pytest.approx(
+        alpha + max(nbytes * 1 / 4 / intra, nbytes * 2 / 4 / nic))
+    assert collective_time_s(Collective.ALL_TO_ALL, nbytes, inside, cluster) == all_to_all_time_s(nbytes, inside, cluster)
+
+
+def test_routed_activations_carry_the_imbalance_margin_under_ep_only() -> None:
+    _, _, one = _price(1)
+    table, _, two = _price(2)
+    # margin 1.25 on 1000 bytes a sample of routed activations, microbatch of 8 samples (in the plan's dtype)
+    assert two.activation_mb_bytes - one.activation_mb_bytes == pytest.approx(8 * 1000 * 0.25 * table.act_scale,
+                                                                              abs=1)
+
+
+def test_zero_shards_the_dense_weights_and_leaves_the_experts_whole_per_edp_rank() -> None:
+    table, layer, z3 = _price(2, dp=4, zero=3)
+    routed = E * EXPERT
+    dense = layer.param_count - routed
+    assert z3.params_bytes == 4 * (dense // 4) + 4 * routed // 2
