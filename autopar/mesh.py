@@ -50,6 +50,7 @@ class AxisLimits:
     gpus_per_node: int
     experts: tuple[int, ...] = ()  # the expert count of each mixture-of-experts block (autopar.moe)
     layers: int = 0  # the layers of the model (named when an ep pin finds no experts)
+    expert_refusal: str = ""  # why ep cannot split some MoE block ("" when it can split them all)
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,8 @@ def _ep_check(degree: int, limits: AxisLimits) -> str | None:
     if not limits.experts:
         return (f"ep={degree} shards the experts of mixture-of-experts layers, but none of this model's "
                 f"{limits.layers} layers has experts")
+    if limits.expert_refusal:
+        return f"ep={degree} cannot split every mixture-of-experts block: {limits.expert_refusal}"
     wrong = sorted({e for e in limits.experts if e % degree})
     if wrong:
         counts = ", ".join(f"{e} experts in {limits.experts.count(e)} of {len(limits.experts)} "

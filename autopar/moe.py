@@ -100,6 +100,18 @@ class MoEFacts:
         return (self.top_k * self.expert_flops_per_token + self.shared_flops_per_token
                 + 2.0 * self.router_params)
 
+    @property
+    def ep_refusal(self) -> str:
+        """Why expert parallelism cannot split this block ("" when it can): ``passes/expert_parallel.py``
+        reroutes an experts module of its own holding 3-D weights (Hugging Face's fused ``*Experts``);
+        a module list driven by the block's own loop, or expert weights held by the block itself,
+        are not rerouted."""
+        if self.layout is not ExpertLayout.FUSED:
+            return f"{self.module_path}: its experts are a {self.layout} driven by the block's own loop"
+        if self.experts_path == self.module_path:
+            return f"{self.module_path}: its expert weights are the block's own (no experts module to reroute)"
+        return ""
+
     def activation_margin(self, ep: int = 1) -> float:
         """The factor on ``routed_activation_bytes_per_sample`` one rank must hold at expert-parallel
         degree ``ep``.

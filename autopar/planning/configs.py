@@ -40,7 +40,8 @@ def axis_limits(graph: LayerGraph, world_size: int, cluster: ClusterSpec, traini
     """What every mesh axis's degree must divide or stay within for this request."""
     return AxisLimits(world_size=world_size, global_batch=training.global_batch,
                       max_stages=len(cut_positions(graph)) + 1, gpus_per_node=cluster.gpus_per_node,
-                      experts=tuple(m.num_experts for layer in graph for m in layer.moe), layers=len(graph))
+                      experts=tuple(m.num_experts for layer in graph for m in layer.moe), layers=len(graph),
+                      expert_refusal=next((m.ep_refusal for layer in graph for m in layer.moe if m.ep_refusal), ""))
 
 
 def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,

@@ -56,12 +56,6 @@ def test_ep_not_dividing_the_experts_names_the_layer(mixtral) -> None:
         check_expert_parallel(mixtral[0], graph, plan)
 
 
-def test_ep_runs_in_fp32_plans_only(mixtral) -> None:
-    plan, graph = _plan(*mixtral, ep=2, dtype="bf16")
-    with pytest.raises(LoweringError, match="fp32 plans only"):
-        check_expert_parallel(mixtral[0], graph, plan)
-
-
 def test_hand_written_experts_are_refused_naming_their_layout() -> None:
     moe = _examples_moe()
     loop = moe.loop_moe_tiny()
@@ -88,3 +82,27 @@ def test_an_ep_plan_runs_on_fsdp2_replicate_not_ddp() -> None:
     experts it was told to ignore included: an ep plan's replicated engine is FSDP2's replicate."""
     assert plan_engine(Mesh(dp=2), REPLICATED) is Engine.DDP
     assert plan_engine(Mesh(dp=2, ep=2), REPLICATED) is Engine.REPLICATE
+
+
+def test_ep_pins_the_planner_refuses_in_one_line_naming_the_blocks(mixtral) -> None:
+    from autopar.errors import PinError
+
+    graph = autopar.capture(*mixtral)
+    with pytest.raises(PinError, match=r"ep=3 does not divide the number of experts \(4 experts in 2 of 2 "
+                                       r"mixture-of-experts blocks\)"):
+        autopar.solve(graph, 6, cluster="cpu", global_batch=6, pins=["ep=3"])
+    with pytest.raises(PinError, match=r"the pinned ep=4 does not divide the pinned dp=2"):
+        autopar.solve(graph, 2, cluster="cpu", global_batch=4, pins=["dp=2", "ep=4"])
+    with pytest.raises(PinError, match=r"ep=2 with pp=2 is not lowered yet"):
+        autopar.solve(graph, 4, cluster="cpu", global_batch=4, pins=["ep=2", "pp=2"])
+    capacity = _examples_moe().capacity_moe_tiny()
+    with pytest.raises(PinError, match=r"cannot split every mixture-of-experts block: blocks.0.moe: its expert "
+                                       r"weights are the block's own"):
+        autopar.solve(autopar.capture(*capacity), 2, cluster="cpu", global_batch=4, pins=["ep=2"])
+
+
+def test_the_planner_offers_ep_where_it_runs_and_prices_it(mixtral) -> None:
+    graph = autopar.capture(*mixtral)
+    plan = autopar.solve(graph, 4, cluster="cpu", global_batch=8, dtype="fp32", pins=["ep=2", "tp=1"])
+    assert plan.mesh.ep == 2 and plan.mesh.dp % 2 == 0 and plan.mesh.pp == 1
+    assert "ep=2" in plan.summary().splitlines()[1]

@@ -94,7 +94,8 @@ def test_an_all_to_all_moves_n_minus_1_over_n_of_the_bytes_over_nvlink_or_the_ni
     nic = cluster.nic_bandwidth_for("all_to_all")
     assert all_to_all_time_s(nbytes, across, cluster) == pytest.approx(
         alpha + max(nbytes * 1 / 4 / intra, nbytes * 2 / 4 / nic))
-    assert collective_time_s(Collective.ALL_TO_ALL, nbytes, inside, cluster) == all_to_all_time_s(nbytes, inside, cluster)
+    assert collective_time_s(Collective.ALL_TO_ALL, nbytes, inside, cluster) == all_to_all_time_s(nbytes, inside,
+                                                                                                  cluster)
 
 
 def test_routed_activations_carry_the_imbalance_margin_under_ep_only() -> None:

@@ -137,3 +137,27 @@ def test_a_toy_axis_lowers_and_trains_in_one_process() -> None:
 
 def _sgd(params):
     return torch.optim.SGD(params, lr=0.1)
+
+
+def test_ep_folds_into_dp_it_borrows_ranks_and_multiplies_nothing() -> None:
+    mesh = Mesh(pp=2, dp=4, ep=2, tp=2)
+    assert mesh.world_size == 16 and mesh.degrees == (2, 4, 2) and mesh.dim_names() == ("pp", "dp", "tp")
+    assert mesh.stride("ep") == mesh.stride("dp") == 2  # an ep group: ep neighbouring dp ranks
+    assert mesh.describe() == "pp=2 × dp=4 × ep=2 × tp=2" and mesh.to_dict()["ep"] == 2
+    assert Mesh(dp=4, ep=2) != Mesh(dp=4) and Mesh(dp=4) < Mesh(dp=4, ep=2)
+    with pytest.raises(MeshError, match=r"ep=4 must divide dp=2 \(ep borrows its ranks from dp\)"):
+        Mesh(dp=2, ep=4)
+
+
+def test_ep_checks_the_experts_it_splits() -> None:
+    ep = dict((a.name, a) for a in AXES)["ep"]
+    moe = AxisLimits(world_size=16, global_batch=16, max_stages=4, gpus_per_node=8, experts=(8, 8, 6), layers=5)
+    assert ep.refusal(2, moe) is None
+    assert ep.refusal(4, moe) == ("ep=4 does not divide the number of experts (6 experts in 1 of 3 "
+                                  "mixture-of-experts blocks)")
+    dense = AxisLimits(world_size=16, global_batch=16, max_stages=4, gpus_per_node=8, layers=5)
+    assert "none of this model's 5 layers has experts" in ep.refusal(2, dense)
+    found = meshes(moe, {})
+    assert Mesh(dp=16, ep=2) in found and Mesh(dp=2, ep=2, tp=8) in found
+    assert all(m.world_size == 16 and m.dp % m.ep == 0 for m in found)
+    assert meshes(moe, {"ep": 2, "dp": 1}) == []  # ep must divide dp
