@@ -136,7 +136,7 @@ def why_no_config(graph: LayerGraph, world: int, training: TrainingSpec, pins: P
         return (f"no mesh for world size {world} and batch size {b} can run the pinned schedule "
                 f"({pins.schedule.value if pins.schedule else 'interleaved_1f1b'}); interleaved "
                 "1F1B needs microbatches divisible by pp")
-    axes = " × ".join(a.name for a in AXES if a.searched)
+    axes = " × ".join(a.name for a in AXES if a.searched and a.folds is None)  # ep multiplies nothing
     if not pinned:
         return (f"no mesh {axes} = {world} divides batch size {b}; use a batch size divisible "
                 "by the data-parallel degree")

@@ -98,7 +98,7 @@ def test_a_toy_axis_declared_once_is_planned_saved_pinned_and_loaded(graph, tmp_
         again = autopar.solve(graph, 8, cluster="a100-40g", global_batch=16, pins=pins, runners_up=0)
         assert again.mesh == plan.runners_up[0].mesh
         with pytest.raises(PinError, match=r"the xp axis runs at degree 1 only .*; the axes a pin can set above 1 "
-                                           r"are pp, dp, tp$"):
+                                           r"are pp, dp, ep, tp$"):
             Pins.parse(["xp=2"])
         # a plan written before the axis was declared loads with it at degree 1
         del data["mesh"]["xp"]

@@ -22,7 +22,7 @@ import moe_cases  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
-W2 = ["ep2_mixtral", "ep2_qwen2_moe", "ep2_zero3_mixtral", "ep2_zero1_qwen2_moe"]
+W2 = ["ep2_mixtral", "ep2_qwen2_moe", "ep2_zero3_mixtral", "ep2_zero1_qwen2_moe", "ep2_bf16_mixtral"]
 W4 = ["ep2_dp4_mixtral", "ep2_dp2_tp2_qwen2_moe"]
 
 
@@ -47,7 +47,7 @@ def _expected_local_fraction(case: str) -> float:
     return (dense + experts / spec.ep) / total
 
 
-@pytest.mark.parametrize("case", W2)
+@pytest.mark.parametrize("case", W2[:-1])
 def test_ep2_on_two_ranks_matches_one_device(w2: dict, case: str) -> None:
     check_equivalent(w2[case])
     for r in every_rank(w2[case]):
@@ -64,3 +64,10 @@ def test_ep2_folded_into_dp_on_four_ranks_matches_one_device(w4: dict, case: str
         assert r["ep"] == 2 and r["mesh"] in ([1, 4, 1], [1, 2, 2])
         if r["mesh"] == [1, 4, 1]:  # tp shards the embedding and head too when it is 2
             assert r["local_bytes_frac"] == pytest.approx(_expected_local_fraction(case), rel=1e-9)
+
+
+def test_ep2_in_bf16_trains_as_the_dp_engine_does(w2: dict) -> None:
+    """bf16: ep=2 against ep=1 of the same plan (no exactness bar in bf16; measured 1.4e-5 and 1.0e-2)."""
+    for r in every_rank(w2["ep2_bf16_mixtral"]):
+        assert r["loss_rel"] < 1e-4, r
+        assert r["grad_rel"] < 5e-2, r
