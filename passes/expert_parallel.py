@@ -68,7 +68,7 @@ from autopar.moe import ExpertLayout, MoEFacts
 from autopar.plan import Plan
 
 _FUSED = ("gate_up_proj", "down_proj")  # HF 5.x *Experts: [E, 2I, H] and [E, H, I]
-_EXPERT_MESHES: dict[tuple[int, int], Any] = {}
+_EXPERT_MESHES: dict[tuple[int, int], tuple[Any, Any]] = {}  # (id(mesh), ep) -> (mesh, its (edp, ep) mesh)
 
 
 @dataclass
@@ -133,10 +133,11 @@ def expert_mesh(mesh: Any, ep: int) -> Any:
     """The dp axis of ``mesh`` unflattened into (``edp``, ``ep``), ep innermost (a collective on first
     call: every rank calls it, for the same mesh, before any part is lowered; cached after)."""
     key = (id(mesh), ep)
-    if key not in _EXPERT_MESHES:
+    cached = _EXPERT_MESHES.get(key)
+    if cached is None or cached[0] is not mesh:  # the mesh itself is kept, so its id is not reused
         dp = mesh["dp"]
-        _EXPERT_MESHES[key] = dp._unflatten(0, (dp.size() // ep, ep), ("edp", "ep"))
-    return _EXPERT_MESHES[key]
+        cached = _EXPERT_MESHES[key] = (mesh, dp._unflatten(0, (dp.size() // ep, ep), ("edp", "ep")))
+    return cached[1]
 
 
 def _shard(experts: nn.Module, emesh: Any) -> list[nn.Parameter]:
