@@ -36,7 +36,8 @@ def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
         notes.append(f"{', '.join(bare)}: selective recompute asked for, but the layer runs no matmul-class op "
                      "whose output it could keep: runs without recompute")
     cut = withdrawn_cut_notes(graph) if solution.config.mesh.pp > 1 else ()
-    return tuple(notes) + refusal_notes(graph) + cut + moe_notes(graph) + unpriced_notes(graph)
+    moe = moe_notes(graph, solution.config.mesh.ep, solution.config.mesh.dp)
+    return tuple(notes) + refusal_notes(graph) + cut + moe + unpriced_notes(graph)
 
 
 def _runs(graph: LayerGraph, key) -> list[tuple[list[str], Any]]:
@@ -57,8 +58,18 @@ def _who(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{names[0]} … {names[-1]} ({len(names)})"
 
 
-def moe_notes(graph: LayerGraph) -> tuple[str, ...]:
-    """Each run of mixture-of-experts layers: what capture read of the block and how it is priced."""
+def _held(f, ep: int, dp: int) -> str:
+    if ep <= 1:
+        return f"every expert's {f.routed_params:,} parameters held with their gradients and optimizer state"
+    return (f"1/{ep} of the experts' {f.routed_params:,} parameters held per rank (ep={ep}), with their "
+            f"gradients and optimizer state whole over the {dp // ep} ranks of the expert-data-parallel group "
+            "whatever the layer's ZeRO stage (which shards its dense weights), tokens dispatched and combined "
+            "by all-to-all (counted in the tp comm line)")
+
+
+def moe_notes(graph: LayerGraph, ep: int = 1, dp: int = 1) -> tuple[str, ...]:
+    """Each run of mixture-of-experts layers: what capture read of the block and how it is priced (at
+    expert-parallel degree ``ep`` over ``dp``)."""
     notes = []
     def unplaced(layer):  # the facts but where they sit: equal blocks of consecutive layers fold into one note
         return tuple(replace(f, module_path="", experts_path="") for f in layer.moe)
@@ -67,8 +78,7 @@ def moe_notes(graph: LayerGraph) -> tuple[str, ...]:
         for f in facts:
             note = (f"{_who(names)}: mixture of experts, {f.describe()}; priced at top-{f.top_k} experts "
                     f"+ router{' + shared experts' if f.shared_params else ''} per token "
-                    f"({f.flops_per_token / 1e9:.3g} GFLOP forward), every expert's {f.routed_params:,} "
-                    "parameters held with their gradients and optimizer state")
+                    f"({f.flops_per_token / 1e9:.3g} GFLOP forward), {_held(f, ep, dp)}")
             if f.dispatch is Dispatch.STAND_IN:
                 note += ("; its routing loop cannot run on the meta device: the block is traced whole and "
                          "priced from its structure, a balanced step (the router, each expert on "

@@ -106,3 +106,4 @@ def test_the_planner_offers_ep_where_it_runs_and_prices_it(mixtral) -> None:
     plan = autopar.solve(graph, 4, cluster="cpu", global_batch=8, dtype="fp32", pins=["ep=2", "tp=1"])
     assert plan.mesh.ep == 2 and plan.mesh.dp % 2 == 0 and plan.mesh.pp == 1
     assert "ep=2" in plan.summary().splitlines()[1]
+    assert "1/2 of the experts' 24,576 parameters held per rank (ep=2)" in plan.summary()
