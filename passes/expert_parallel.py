@@ -42,10 +42,16 @@ the all-to-all's backward, the contributions of every token of its ep group,
 so a sum over the expert-data-parallel group (the dp/ep ranks holding the
 same experts) adds the rest of dp, and dividing by dp gives the global-batch
 mean each rank's loss (its own mean) stands for. An MoE layer at ZeRO ≥ 1
-runs its dense weights (router, shared experts, attention) at that stage
-over dp and keeps its experts whole on each edp rank (FSDP2 ignores them):
-ZeRO of the experts over the edp group is left for later, and pricing
-prices them so (``planning/pricing.py``, experts at ZeRO-0 over edp). The
+(with an edp group of 2 or more) runs its dense weights (router, shared
+experts, attention) at that stage over dp, and its experts module becomes
+an FSDP2 unit of its own over the edp group (:func:`shard_experts`, called
+by the data-parallel pass, innermost): FSDP2 shards the ep DTensors 2-D
+over (edp, ep) as it does tensor-parallel weights over (dp, tp), and
+averages their gradients over edp; the experts' forward scales their
+weights' gradient by 1/ep on the way (``_ScaleGrad``), so that average is
+the mean over dp (gloo has no pre-multiplied sum for FSDP2's own divide
+factor). ZeRO-1 there runs as ZeRO-2 (the unit reduce-scatters every
+microbatch), and is priced so (``planning/pricing.py``). The
 plan's replicated engine under ep is FSDP2's ``replicate``, never the
 composable DDP (:func:`autopar.contract.plan_engine`): DDP's TP hooks turn
 every DTensor parameter of its root into a plain tensor after each forward,
@@ -76,7 +82,9 @@ class ExpertParallelResult:
     """The experts this part shards: their modules, their DTensor weights, the groups they reduce over."""
 
     modules: list[nn.Module] = field(default_factory=list)
-    params: list[nn.Parameter] = field(default_factory=list)
+    params: list[nn.Parameter] = field(default_factory=list)  # outside any FSDP2 unit: reduced here
+    sharded: list[tuple[nn.Module, int]] = field(default_factory=list)  # (experts, ZeRO stage) FSDP2 shards
+    edp_mesh: Any = None
     edp_group: Any = None
     dp: int = 1
 
@@ -141,14 +149,14 @@ def expert_mesh(mesh: Any, ep: int) -> Any:
 
 
 def _shard(experts: nn.Module, emesh: Any) -> list[nn.Parameter]:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Shard
 
     ep, rank = emesh["ep"].size(), emesh["ep"].get_local_rank()
     made = []
     for name in _FUSED:
         full = getattr(experts, name)
         local = full.detach().chunk(ep, dim=0)[rank].clone()
-        param = nn.Parameter(DTensor.from_local(local, emesh, [Replicate(), Shard(0)], run_check=False),
+        param = nn.Parameter(DTensor.from_local(local, emesh["ep"], [Shard(0)], run_check=False),
                              requires_grad=full.requires_grad)
         setattr(experts, name, param)
         made.append(param)
@@ -163,15 +171,63 @@ def apply_expert_parallel(module: nn.Module, graph: LayerGraph, plan: Plan, mesh
     """
     ep = plan.mesh.ep
     emesh = expert_mesh(mesh, ep)
-    result = ExpertParallelResult(edp_group=emesh["edp"].get_group() if emesh["edp"].size() > 1 else None,
-                                  dp=plan.mesh.dp)
-    for _, facts in moe_blocks(graph, plan):
+    edp = emesh["edp"].size()
+    result = ExpertParallelResult(edp_group=emesh["edp"].get_group() if edp > 1 else None, dp=plan.mesh.dp,
+                                  edp_mesh=emesh["edp"])
+    zeros = expert_zeros(graph, plan)
+    for name, facts in moe_blocks(graph, plan):
         experts = module.get_submodule(facts.experts_path)
-        result.params += _shard(experts, emesh)
-        experts._autopar_ep = (emesh["ep"].get_group(), ep, emesh["ep"].get_local_rank())
+        made = _shard(experts, emesh)
+        sharded = zeros[name] >= 1 and edp > 1
+        # FSDP2 over edp averages a gradient over its edp ranks; the weights' gradient scaled by 1/ep on the
+        # way makes that the mean over dp (each rank's experts already sum their ep group's tokens)
+        experts._autopar_ep = (emesh["ep"].get_group(), ep, emesh["ep"].get_local_rank(),
+                               1.0 / ep if sharded else None)
         experts.forward = types.MethodType(_ep_forward, experts)
+        if sharded:  # FSDP2 wraps it in the data-parallel pass (after recompute): shard_experts
+            result.sharded.append((experts, zeros[name]))
+        else:
+            result.params += made
         result.modules.append(experts)
     return result
+
+
+def expert_zeros(graph: LayerGraph, plan: Plan) -> dict[str, int]:
+    """The ZeRO stage each MoE layer runs at (the contract's): its experts take it over the edp group."""
+    from autopar.contract import effective_zero, mode_of
+
+    pp, dp = plan.mesh.pp, plan.mesh.dp
+    mode = mode_of(graph, dp, tuple(lp.choice.zero for lp in plan.layers), pp)
+    return {lp.name: effective_zero(graph, graph.layer(lp.name).index, lp.choice.zero, mode, dp, pp)
+            for lp in plan.layers if graph.layer(lp.name).moe}
+
+
+def shard_experts(result: ExpertParallelResult, dtype: torch.dtype | None) -> None:
+    """Each experts module of a layer at ZeRO ≥ 1 an FSDP2 unit of its own over the edp group (the data-parallel
+    pass calls it, innermost first, before the contract's units): ZeRO-3 reshards after forward; ZeRO-1 and
+    -2 keep the gathered weights and reduce-scatter every microbatch (priced so: ``planning/pricing.py``).
+    Its weights are DTensors on the ep mesh, so FSDP2 shards them 2-D over (edp, ep), as it does a
+    tensor-parallel weight over (dp, tp)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from autopar.passes.zero import mixed_precision_policy
+
+    for experts, zero in result.sharded:
+        fully_shard(experts, mesh=result.edp_mesh, reshard_after_forward=(zero == 3),
+                    mp_policy=mixed_precision_policy(dtype))
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale`` backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
 
 
 def _all_to_all(rows: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
@@ -186,6 +242,9 @@ def _local_experts(experts: nn.Module, rows: torch.Tensor, counts: list[int]) ->
     # a bf16 plan: the experts stay fp32 (FSDP2's policy does not reach them), computed on bf16 copies
     # whose gradients autograd casts back to fp32, as FSDP2's MixedPrecisionPolicy does for the rest
     gate_up, down = experts.gate_up_proj.to_local().to(rows.dtype), experts.down_proj.to_local().to(rows.dtype)
+    scale = experts._autopar_ep[3]
+    if scale is not None:
+        gate_up, down = _ScaleGrad.apply(gate_up, scale), _ScaleGrad.apply(down, scale)
     outs = []
     for e, piece in enumerate(rows.split(counts)):
         if not counts[e]:
@@ -207,7 +266,7 @@ def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch
     """The experts' forward under ep: dispatch, local experts, combine (the module docstring)."""
     import torch.distributed as dist
 
-    group, ep, _ = self._autopar_ep
+    group, ep, _, _ = self._autopar_ep
     e_total = self.gate_up_proj.shape[0]
     per_rank = e_total // ep
     k = top_k_index.shape[-1]
@@ -262,4 +321,4 @@ def reduce_expert_grads(result: ExpertParallelResult) -> None:
 
 
 __all__ = ["ExpertParallelResult", "apply_expert_parallel", "check_expert_parallel", "expert_mesh",
-           "moe_blocks", "reduce_expert_grads", "sync_expert_replicas"]
+           "expert_zeros", "moe_blocks", "reduce_expert_grads", "shard_experts", "sync_expert_replicas"]

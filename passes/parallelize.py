@@ -205,8 +205,10 @@ def _dp_requires(module: nn.Module, ctx: Context) -> str | None:
 def _dp_run(module: nn.Module, ctx: Context, result: PartResult) -> None:
     from autopar.passes.zero import apply_data_parallel
 
-    ignored = result.experts.modules if result.experts is not None else ()
-    result.data_parallel = apply_data_parallel(module, ctx.part.units, ctx.mesh["dp"], ignored=ignored)
+    experts = result.experts
+    ignored = [m for m in experts.modules if m not in {e for e, _ in experts.sharded}] if experts else ()
+    result.data_parallel = apply_data_parallel(module, ctx.part.units, ctx.mesh["dp"], ignored=ignored,
+                                               experts=experts)
 
 
 def _dp_ensures(module: nn.Module, ctx: Context) -> str | None:

@@ -131,11 +131,14 @@ def _wrap(module: nn.Module, unit: Unit, dp_mesh, dtype: torch.dtype | None,
 
 def apply_data_parallel(part: nn.Module, units: tuple[Unit, ...], dp_mesh, *,
                         param_dtype: torch.dtype | None = None,
-                        ignored: tuple[nn.Module, ...] | list[nn.Module] = ()) -> DataParallelResult:
+                        ignored: tuple[nn.Module, ...] | list[nn.Module] = (),
+                        experts=None) -> DataParallelResult:
     """Wrap each of the part's ``units`` (innermost first, the root last) over ``dp_mesh``.
 
-    ``ignored`` modules' parameters stay out of every unit: the experts under ep, which
-    ``passes/expert_parallel.py`` reduces over their expert-data-parallel group instead.
+    ``ignored`` modules' parameters stay out of every unit: the experts under ep at ZeRO-0, which
+    ``passes/expert_parallel.py`` reduces over their expert-data-parallel group instead; ``experts``
+    (a ``passes.expert_parallel.ExpertParallelResult``) has its ZeRO ≥ 1 experts wrapped first, as
+    units of their own over that group.
 
     ``param_dtype`` (default: :func:`compute_dtype`'s) is the compute dtype of a bf16 plan.
     Requires: tensor parallelism and recompute already applied (FSDP2 must see the
@@ -144,6 +147,10 @@ def apply_data_parallel(part: nn.Module, units: tuple[Unit, ...], dp_mesh, *,
     """
     dtype = param_dtype if param_dtype is not None else _COMPUTE_DTYPE.get()
     dtype = None if dtype == torch.float32 else dtype
+    if experts is not None:  # ep: experts at ZeRO ≥ 1 are units of their own over edp, innermost
+        from autopar.passes.expert_parallel import shard_experts
+
+        shard_experts(experts, dtype)
     result = DataParallelResult(param_dtype=dtype)
     for unit in units:
         try:

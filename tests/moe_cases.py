@@ -58,6 +58,11 @@ SPECS: dict[str, Spec] = {
     "ep2_zero1_qwen2_moe": Spec(hf_qwen2_moe, ("pp=1", "tp=1", "recompute=none", "zero=1", "dp=2",
                                                "microbatches=2"), 4, ep=2),
     "ep2_dp4_mixtral": Spec(hf_mixtral, PLAIN + ("dp=4", "microbatches=1"), 8, ep=2),
+    # ep=2 × edp=2 at ZeRO ≥ 1: the experts an FSDP2 unit of their own over edp (2-D (edp, ep) shards)
+    "ep2_dp4_zero3_mixtral": Spec(hf_mixtral, ("pp=1", "tp=1", "recompute=none", "zero=3", "dp=4",
+                                               "microbatches=2"), 8, ep=2),
+    "ep2_dp4_zero1_qwen2_moe": Spec(hf_qwen2_moe, ("pp=1", "tp=1", "recompute=none", "zero=1", "dp=4",
+                                                   "microbatches=2"), 8, ep=2),
     # an MoE block takes no tensor-parallel style yet: tp=2 shards what takes one (embedding, head)
     "ep2_dp2_tp2_qwen2_moe": Spec(hf_qwen2_moe, PLAIN[:1] + ("tp=2", "recompute=none", "zero=0", "dp=2",
                                                              "microbatches=1"), 4, ep=2),

@@ -43,10 +43,11 @@ and the memory of rank j (integer bytes):
 
 Expert parallelism (``ep`` > 1, folded into dp; ``passes/expert_parallel.py``): an MoE layer's
 routed experts (``MoEFacts.routed_params``) are split over the ep group and left out of the dp
-engine — a rank holds 1/ep of them with their gradients and optimizer state whole (ZeRO-0 over the
-expert-data-parallel group of dp/ep ranks, whatever the layer's ZeRO stage, which applies to its
-dense weights), and all-reduces their gradients over that group once a step after the backward
-(never hidden: the runtime issues it after the last microbatch). Per microbatch each block moves
+engine — a rank holds 1/ep of them. At the layer's ZeRO-0 they are whole over the
+expert-data-parallel (edp) group of dp/ep ranks and their gradients all-reduced over it once a
+step after the backward (never hidden: the runtime issues it after the last microbatch); at
+ZeRO ≥ 1 the experts module is an FSDP2 unit of its own over edp at that stage (ZeRO-1 runs as
+ZeRO-2 there), priced like any unit over the edp group (:meth:`PriceTable.expert_zero`). Per microbatch each block moves
 its tokens' top-k rows (the layer's boundary, b·s·H, times top-k) to their experts and back with
 two all-to-alls forward and two backward, plus the per-expert row counts forward (the all-to-alls
 are on the critical path, counted with the layer's tensor-parallel collectives: ``tp_comm_mb_s``;
@@ -401,17 +402,22 @@ class PriceTable:
         params = self.effective_params(layer, runs)
         experts = self.local_expert_params(layer)  # ep: this rank's experts, outside the dp engine
         dense = params - self.split_expert_params(layer)
+        ez, edp = self.expert_zero(layer, runs.zero), self.edp_group.size  # the experts' ZeRO over edp
         share = contract.collective_share(self.graph, layer.index, self.engine, c.mesh.pp, prec.grad_bytes)
-        dp_comm = self.dp_collectives_s(dense, runs.zero, share)
+        dp_comm = self.dp_collectives_s(dense, runs.zero, share) + self.expert_collectives_s(experts, ez)
         fsdp_work = self._zero_overhead_s(dense, runs.zero, share)  # done by the host: never hidden
-        fsdp_work += self._tied_sum_s(layer, runs.zero) + self.expert_sync_s(layer)
-        weights = prec.param_bytes * (dense if runs.zero < 3 else dense // c.mesh.dp) + prec.param_bytes * experts
-        grads = prec.grad_bytes * (dense if runs.zero < 2 else dense // c.mesh.dp) + prec.grad_bytes * experts
-        # the experts' gradients are fp32 whatever the plan's dtype (fp32 weights computed on bf16 copies)
-        expert_grads = max(FP32_BYTES - prec.grad_bytes, 0) * experts
+        fsdp_work += self._tied_sum_s(layer, runs.zero) + (self.expert_sync_s(layer) if ez == 0 else 0.0)
+        if ez:  # FSDP2's own work around each of the experts unit's collectives
+            fsdp_work += self.cluster.zero_overhead_s * sum(contract.dp_collectives(ez, c.microbatches))
+        weights = (prec.param_bytes * (dense if runs.zero < 3 else dense // c.mesh.dp)
+                   + prec.param_bytes * (experts if ez < 3 else experts // edp))
+        grads = (prec.grad_bytes * (dense if runs.zero < 2 else dense // c.mesh.dp)
+                 + prec.grad_bytes * (experts if ez < 2 else experts // edp))
+        # outside FSDP2 the experts' gradients are fp32 whatever the plan's dtype (fp32 weights on bf16 copies)
+        expert_grads = max(FP32_BYTES - prec.grad_bytes, 0) * experts if ez == 0 else 0
         grads += expert_grads
         buckets = prec.grad_bytes * params if self.engine is Engine.DDP else 0
-        state = (model_state_bytes(dense, runs.zero, c.mesh.dp, prec) + model_state_bytes(experts, 0, 1, prec)
+        state = (model_state_bytes(dense, runs.zero, c.mesh.dp, prec) + model_state_bytes(experts, ez, edp, prec)
                  + expert_grads + buckets + self._master_grad_bytes(params))
         return LayerPrice(
             forward_mb_s=fwd,
@@ -421,7 +427,8 @@ class PriceTable:
             dp_comm_s=dp_comm + fsdp_work,
             exposed_comm_s=exposed_comm_s(dp_comm, c.microbatches * compute, self.cluster.comm_overlap)
             + fsdp_work,
-            optimizer_s=(optimizer_shard_params(dense, runs.zero, c.mesh.dp) + experts)
+            optimizer_s=(optimizer_shard_params(dense, runs.zero, c.mesh.dp)
+                         + optimizer_shard_params(experts, ez, edp))
             * prec.optimizer_bytes_touched / device.memory_bandwidth_bytes_s
             + (len(layer.param_names) * self.cluster.optimizer_dtensor_s if self._dtensor(runs) else 0.0),
             params_bytes=weights,
@@ -438,6 +445,25 @@ class PriceTable:
     def local_expert_params(self, layer: Layer) -> int:
         """This rank's share of :meth:`split_expert_params`: 1/ep of every block's experts."""
         return self.split_expert_params(layer) // self.config.mesh.ep
+
+    def expert_zero(self, layer: Layer, zero: int) -> int:
+        """The ZeRO stage this rank's experts run at over the edp group (``passes/expert_parallel.py``): the
+        layer's, where there are experts split by ep and an edp group to shard over, else 0; ZeRO-1
+        runs as ZeRO-2 there (the experts' FSDP2 unit reduce-scatters every microbatch)."""
+        if not zero or not self.local_expert_params(layer) or self.edp_group.size <= 1:
+            return 0
+        return max(zero, 2)
+
+    def expert_collectives_s(self, experts: int, zero: int) -> float:
+        """Per step: the experts' FSDP2 collectives over the edp group at ``zero`` ≥ 1 (the experts module is a
+        unit of its own: its whole latency)."""
+        if not zero or not experts:
+            return 0.0
+        group, cl = self.edp_group, self.cluster
+        grads, weights = self.prec.grad_bytes * experts, self.prec.param_bytes * experts
+        _, reduce_scatter, all_gather = contract.dp_collectives(zero, self.config.microbatches)
+        return (reduce_scatter * collective_time_s(Collective.REDUCE_SCATTER, grads, group, cl)
+                + all_gather * collective_time_s(Collective.ALL_GATHER, weights, group, cl))
 
     def expert_dispatch_s(self, layer: Layer) -> tuple[float, float]:
         """Per microbatch under ep, (forward, backward): each MoE block's dispatch and combine

@@ -36,7 +36,7 @@ def _moe_graph() -> LayerGraph:
 def _price(ep: int, dp: int = 4, zero: int = 0, per_node: int = 8, world: int | None = None):
     graph = _moe_graph()
     cluster = replace(PRESETS["h100-80g"], gpus_per_node=per_node).for_world_size(world or dp)
-    mode = DataParallelism(sharded=True, root_zero=3) if zero else REPLICATED
+    mode = DataParallelism(sharded=True, root_zero=zero) if zero else REPLICATED
     table = PriceTable(graph, Configuration(Mesh(dp=dp, ep=ep), 1, Schedule(ScheduleKind.NONE), mode), cluster,
                        TrainingSpec(8 * dp, dtype="fp32"))
     i = next(l.index for l in graph if l.moe)
@@ -106,8 +106,17 @@ def test_routed_activations_carry_the_imbalance_margin_under_ep_only() -> None:
                                                                               abs=1)
 
 
-def test_zero_shards_the_dense_weights_and_leaves_the_experts_whole_per_edp_rank() -> None:
+def test_zero_shards_the_dense_weights_over_dp_and_the_experts_over_edp() -> None:
     table, layer, z3 = _price(2, dp=4, zero=3)
     routed = E * EXPERT
     dense = layer.param_count - routed
-    assert z3.params_bytes == 4 * (dense // 4) + 4 * routed // 2
+    assert table.expert_zero(layer, 3) == 3 and table.edp_group.size == 2
+    assert z3.params_bytes == 4 * (dense // 4) + 4 * (routed // 2 // 2)
+    # ZeRO-1: the experts' own FSDP2 unit reduce-scatters every microbatch, so it runs (and is priced) as ZeRO-2
+    table, layer, z1 = _price(2, dp=4, zero=1)
+    assert table.expert_zero(layer, 1) == 2
+    assert z1.params_bytes == 4 * dense + 4 * (routed // 2)
+    assert z1.grads_bytes == 4 * dense + 4 * (routed // 2 // 2)
+    # no edp group to shard over (ep = dp): the experts stay whole, whatever the layer's stage
+    table, layer, _ = _price(4, dp=4, zero=3)
+    assert table.expert_zero(layer, 3) == 0
