@@ -304,8 +304,18 @@ class PriceTable:
 
     @cached_property
     def largest_unit_params(self) -> int:
-        """Parameters of the largest FSDP unit (:func:`autopar.contract.largest_unit_params`)."""
-        return contract.wrapping(self.graph, self.config.mesh.pp).largest_unit_params
+        """Parameters of the largest FSDP unit (:func:`autopar.contract.largest_unit_params`). Under ep an MoE
+        layer's split experts leave its unit: they are a unit of their own holding this rank's 1/ep of them
+        (``passes/expert_parallel.py``), or outside FSDP2 at ZeRO-0 (counted as a unit all the same: an
+        upper bound)."""
+        w = contract.wrapping(self.graph, self.config.mesh.pp)
+        if self.config.mesh.ep <= 1:
+            return w.largest_unit_params
+        dense = [layer.param_count - self.split_expert_params(layer) for layer in self.graph]
+        units = [d for d, own in zip(dense, w.own) if own]
+        units.append(sum(d for d, root in zip(dense, w.root) if root))  # ep runs at pp = 1: one root unit
+        units += [self.local_expert_params(layer) for layer in self.graph if layer.moe]
+        return max(units)
 
     @cached_property
     def workspace_bytes(self) -> int:

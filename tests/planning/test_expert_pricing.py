@@ -120,3 +120,19 @@ def test_zero_shards_the_dense_weights_over_dp_and_the_experts_over_edp() -> Non
     # no edp group to shard over (ep = dp): the experts stay whole, whatever the layer's stage
     table, layer, _ = _price(4, dp=4, zero=3)
     assert table.expert_zero(layer, 3) == 0
+
+
+def test_under_ep_the_experts_leave_their_layer_s_fsdp_unit() -> None:
+    """FSDP2's buffers and workspace are sized by the largest unit: under ep an MoE layer's unit holds its
+    dense weights, and its experts are a unit of this rank's 1/ep of them."""
+    one, layer, _ = _price(1, zero=3)
+    two, _, _ = _price(2, zero=3)
+    routed = E * EXPERT
+    assert one.largest_unit_params >= layer.param_count  # the experts in their layer's unit
+    from autopar.contract import wrapping
+
+    w = wrapping(two.graph, 1)
+    dense = [l.param_count - (routed if l.moe else 0) for l in two.graph]
+    units = [d for d, own in zip(dense, w.own) if own] + [sum(d for d, r in zip(dense, w.root) if r), routed // 2]
+    assert two.largest_unit_params == max(units)
+    assert two.largest_unit_params < one.largest_unit_params
