@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopar.capturing import boundary, cuts, moe, op_costs, stack_once, twins
+from autopar.capturing import boundary, cuts, hf_masks, moe, op_costs, stack_once, twins
 from autopar.capturing.export_layers import export_with_layer_calls
 from autopar.capturing.layers import group_layers, layer_names
 from autopar.capturing.op_costs import OpRecorder, extra_flop_rules, is_causal, layer_ops, selective_costs
@@ -426,6 +426,9 @@ def capture(
     is the same, only slower — kept for testing that claim; so is ``trace_once_per_kind=False``
     (export every block of a stack, not one per kind: :mod:`autopar.capturing.stack_once`).
 
+    Hugging Face's causal masks are traced as eager mode runs them (SDPA's ``is_causal``, no S × S
+    tensor: :mod:`autopar.capturing.hf_masks`).
+
     Mixture-of-experts blocks (:mod:`autopar.capturing.moe`) are recorded on their layers
     (``Layer.moe``); Hugging Face's eager experts are captured through HF's ``grouped_mm`` path, and
     where the graph cannot run a block's routing loop on the example inputs, the blocks are traced
@@ -433,7 +436,7 @@ def capture(
     """
     args, kwargs = _split_inputs(model, example_inputs)
     blocks = moe.find_blocks(model)
-    with moe.static_hf_experts(model) as hf_static:
+    with moe.static_hf_experts(model) as hf_static, hf_masks.eager_causal_masks(model, args, kwargs):
         try:
             return _capture(model, args, kwargs, name, replay_twins, trace_once_per_kind, blocks, hf_static)
         except CaptureError as first:
