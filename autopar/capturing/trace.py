@@ -312,19 +312,30 @@ class _Meter(fx.Interpreter):
         return result
 
     def _run_sdpa(self, n: fx.Node) -> Any:
-        """SDPA as a fused kernel saves q, k, v, out and logsumexp, not the T×T matrix.
+        """SDPA as a fused kernel saves q, k, v, out and logsumexp, not the T×T matrix, and an
+        explicit ``attn_mask`` (T×T) as its bias.
 
-        The meta (and CPU) math path would save the attention probabilities;
-        GPUs run flash/efficient attention, so price those.
+        The meta math path would save the attention probabilities; GPUs run
+        flash/efficient attention, and CPU (torch 2.13, no dropout) its own flash
+        kernel, which save these (checked with saved-tensor hooks on CPU).
         """
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             result = super().run_node(n)
         if not isinstance(result, torch.Tensor) or not result.requires_grad:
             return result
-        args, _ = self.fetch_args_kwargs_from_env(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
         for t in [*args[:3], result]:
             if isinstance(t, torch.Tensor):
                 self._pack(t)
+        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+            # the kernels save a boolean mask as an additive bias in q's dtype, a new tensor per call
+            # (CPU's flash kernel, checked on torch 2.13; CUDA's memory-efficient kernel likewise)
+            bias_bytes = float(mask.numel() * args[0].element_size())
+            self.stats[n].saved.append((bias_bytes, n))
+            self.events.setdefault(n, []).append((None, bias_bytes, n))
+        elif isinstance(mask, torch.Tensor):
+            self._pack(mask)  # a float mask is saved as given (shared storages counted once)
         lse_bytes = result.numel() // max(int(result.shape[-1]), 1) * 4
         self.stats[n].saved.append((float(lse_bytes), n))
         self.ops.keep_fused(n, result, lse_bytes)  # selective recompute keeps the kernel's outputs

@@ -65,3 +65,56 @@ def test_stage_trace_runs_sdpa_causal_and_matches_eager():
     masks = [n for n in gm.graph.nodes for v in [n.meta.get("val")]
              if isinstance(v, torch.Tensor) and v.dtype == torch.bool and v.dim() == 4]
     assert not masks, f"{tracer} graph still builds a mask: {[n.name for n in masks]}"
+
+
+class _MaskedAttention(torch.nn.Module):
+    """Hand-written SDPA with an explicit boolean causal mask."""
+
+    def __init__(self, width: int = 64, heads: int = 4):
+        super().__init__()
+        self.heads, self.qkv = heads, torch.nn.Linear(width, 3 * width)
+
+    def forward(self, x):
+        b, s, w = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, w)
+
+
+class _Twice(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_MaskedAttention(), _MaskedAttention()])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _saved_on_cpu(module, x) -> int:
+    """Bytes autograd saves for ``module(x)`` on CPU, each storage once (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(x)
+    del out
+    return sum(seen.values())
+
+
+def test_a_boolean_mask_is_saved_as_a_bias_per_call_as_cpu_runs_it():
+    torch.manual_seed(0)
+    model, x = _Twice(), torch.randn(1, 128, 64, requires_grad=True)
+    graph = capture(model, (x,))
+    priced = sum(l.activation_bytes_per_sample for l in graph.layers)
+    measured = _saved_on_cpu(model, x)
+    assert priced == pytest.approx(measured, rel=0.01)
+    block = [l for l in graph.layers if l.name == "blocks.1"][0]
+    assert block.activation_bytes_per_sample >= 128 * 128 * 4  # the fp32 bias of the 128 × 128 mask
