@@ -78,7 +78,8 @@ class _MaskedAttention(torch.nn.Module):
         b, s, w = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
         mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, w)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return out.transpose(1, 2).reshape(b, s, w)
 
 
 class _Twice(torch.nn.Module):
