@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -69,9 +70,13 @@ def eager_causal_masks(model: Any, args: tuple, kwargs: dict) -> Iterator[None]:
     so no packed sequences (``find_packed_sequence_indices`` is None), and the causal mask is
     skipped (``_ignore_causal_mask_sdpa``, as :func:`_eager_skip` decides it).
     """
+    # a Hugging Face model has imported transformers already; any other model must not pay for it
+    if "transformers" not in sys.modules:
+        yield
+        return
     try:
         from transformers import masking_utils
-    except Exception:  # noqa: BLE001 - no transformers (or a broken one): nothing to change
+    except Exception:  # noqa: BLE001 - a broken transformers: nothing to change
         yield
         return
     names = ("_ignore_causal_mask_sdpa", "find_packed_sequence_indices")
