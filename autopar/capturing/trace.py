@@ -32,7 +32,7 @@ from autopar.capturing.op_costs import OpRecorder, extra_flop_rules, is_causal, 
 from autopar.capturing.stateful import batch_norm_channels, recompute_refusal
 from autopar.errors import CaptureError
 from autopar.graph import Layer, LayerGraph
-from autopar.sharding.detect import LayerView, NodeStats, detect_tp_styles, megatron_refusal
+from autopar.sharding.detect import LayerView, NodeStats, detect_tp_styles, embedding_tables, megatron_refusal
 from autopar.sharding.verify import verify_styles
 
 # --------------------------------------------------------------------------- tracing
@@ -519,9 +519,10 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, name: str | None, repl
                               f"{', '.join(names[j] for j in sorted(layers))}, which must share a stage")
             cut_ok[i] = False
     layers = []
+    tables = embedding_tables(model)
     for i, (key, nodes) in enumerate(runs):
         mine = [p for p, owner in owners.items() if owner == i]
-        view = LayerView(model, key, nodes, stats, batch, dtype_bytes)
+        view = LayerView(model, key, nodes, stats, batch, dtype_bytes, tables)
         styles = detect_tp_styles(view)
         sac = selective_costs(key, nodes, ops, lambda x: stats[x].paths, styles, batch)
         layers.append(

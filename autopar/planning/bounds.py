@@ -241,6 +241,16 @@ def _least_integer_time(front: list[tuple[int, float]], room: int, n: int) -> fl
     if len(front) == 2:
         fast = min(n, (room - n * m_small) // (m_fast - m_small))
         return fast * t_fast + (n - fast) * t_small
+    if len(front) == 3:  # the usual frontier, with the two-strategy case inlined (bounds call it ~10⁵ times)
+        (m_mid, t_mid), span = front[1], m_fast - m_small
+        best = math.inf
+        for x in range(n + 1):
+            left, k = room - x * m_mid, n - x
+            if left < k * m_small:
+                break
+            fast = k if k * m_fast <= left else min(k, (left - k * m_small) // span)
+            best = min(best, x * t_mid + fast * t_fast + (k - fast) * t_small)
+        return best
     (m_mid, t_mid), rest = front[1], [front[0], *front[2:]]
     best = math.inf
     for x in range(n + 1):
