@@ -162,8 +162,9 @@ class Mesh:
     Frozen, hashable and ordered by its degrees outermost first (pp, then dp, then ep, then tp).
     """
 
-    __slots__ = ("_degrees",)
+    __slots__ = ("_degrees", "_by_name")
     _degrees: tuple[tuple[str, int], ...]
+    _by_name: dict[str, int]  # the same, for reading a degree by name (the solver reads millions)
 
     def __init__(self, **degrees: int):
         names = axis_names()
@@ -173,6 +174,7 @@ class Mesh:
             if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
                 raise MeshError(f"mesh axis {name} must be a positive integer, got {degree!r}")
         object.__setattr__(self, "_degrees", tuple((n, degrees.get(n, 1)) for n in names))
+        object.__setattr__(self, "_by_name", dict(self._degrees))
         for a in AXES:
             if a.folds is not None and getattr(self, a.folds) % getattr(self, a.name):
                 raise MeshError(f"{a.name}={getattr(self, a.name)} must divide {a.folds}={getattr(self, a.folds)} "
@@ -187,9 +189,9 @@ class Mesh:
     def __getattr__(self, name: str) -> int:
         if name.startswith("_"):
             raise AttributeError(name)
-        for n, degree in self._degrees:
-            if n == name:
-                return degree
+        degree = self._by_name.get(name)
+        if degree is not None:
+            return degree
         if name in axis_names():  # declared after this mesh was made
             return 1
         raise AttributeError(f"'Mesh' has no attribute {name!r} (mesh axes: {', '.join(axis_names())})")

@@ -13,6 +13,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.capturing.export_layers import export_with_layer_calls
+from autopar.capturing.hf_masks import eager_causal_masks
 from autopar.capturing.layers import group_layers, layer_names
 from autopar.capturing.trace import _split_inputs, _trace
 
@@ -77,6 +78,11 @@ def trace_layers(model: nn.Module, example_inputs: tuple | dict | torch.Tensor,
     objects under their original FQNs. Raises :class:`~autopar.errors.CaptureError` like capture.
     """
     args, kwargs = _split_inputs(model, example_inputs)
+    with eager_causal_masks(model, args, kwargs):  # Hugging Face's causal masks as capture traced them
+        return _trace_layers(model, args, kwargs)
+
+
+def _trace_layers(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, dict[str, str], str]:
     gm, _, tracer = _trace(model, args, kwargs)
     node_layer = _node_layers(gm, model)
     if tracer == "fx":

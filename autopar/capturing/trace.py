@@ -25,14 +25,14 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopar.capturing import boundary, cuts, moe, op_costs, stack_once, twins
+from autopar.capturing import boundary, cuts, hf_masks, moe, op_costs, stack_once, twins
 from autopar.capturing.export_layers import export_with_layer_calls
 from autopar.capturing.layers import group_layers, layer_names
 from autopar.capturing.op_costs import OpRecorder, extra_flop_rules, is_causal, layer_ops, selective_costs
 from autopar.capturing.stateful import batch_norm_channels, recompute_refusal
 from autopar.errors import CaptureError
 from autopar.graph import Layer, LayerGraph
-from autopar.sharding.detect import LayerView, NodeStats, detect_tp_styles, megatron_refusal
+from autopar.sharding.detect import LayerView, NodeStats, detect_tp_styles, embedding_tables, megatron_refusal
 from autopar.sharding.verify import verify_styles
 
 # --------------------------------------------------------------------------- tracing
@@ -312,19 +312,30 @@ class _Meter(fx.Interpreter):
         return result
 
     def _run_sdpa(self, n: fx.Node) -> Any:
-        """SDPA as a fused kernel saves q, k, v, out and logsumexp, not the T×T matrix.
+        """SDPA as a fused kernel saves q, k, v, out and logsumexp, not the T×T matrix, and an
+        explicit ``attn_mask`` (T×T) as its bias.
 
-        The meta (and CPU) math path would save the attention probabilities;
-        GPUs run flash/efficient attention, so price those.
+        The meta math path would save the attention probabilities; GPUs run
+        flash/efficient attention, and CPU (torch 2.13, no dropout) its own flash
+        kernel, which save these (checked with saved-tensor hooks on CPU).
         """
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             result = super().run_node(n)
         if not isinstance(result, torch.Tensor) or not result.requires_grad:
             return result
-        args, _ = self.fetch_args_kwargs_from_env(n)
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
         for t in [*args[:3], result]:
             if isinstance(t, torch.Tensor):
                 self._pack(t)
+        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+            # the kernels save a boolean mask as an additive bias in q's dtype, a new tensor per call
+            # (CPU's flash kernel, checked on torch 2.13; CUDA's memory-efficient kernel likewise)
+            bias_bytes = float(mask.numel() * args[0].element_size())
+            self.stats[n].saved.append((bias_bytes, n))
+            self.events.setdefault(n, []).append((None, bias_bytes, n))
+        elif isinstance(mask, torch.Tensor):
+            self._pack(mask)  # a float mask is saved as given (shared storages counted once)
         lse_bytes = result.numel() // max(int(result.shape[-1]), 1) * 4
         self.stats[n].saved.append((float(lse_bytes), n))
         self.ops.keep_fused(n, result, lse_bytes)  # selective recompute keeps the kernel's outputs
@@ -426,6 +437,9 @@ def capture(
     is the same, only slower — kept for testing that claim; so is ``trace_once_per_kind=False``
     (export every block of a stack, not one per kind: :mod:`autopar.capturing.stack_once`).
 
+    Hugging Face's causal masks are traced as eager mode runs them (SDPA's ``is_causal``, no S × S
+    tensor: :mod:`autopar.capturing.hf_masks`).
+
     Mixture-of-experts blocks (:mod:`autopar.capturing.moe`) are recorded on their layers
     (``Layer.moe``); Hugging Face's eager experts are captured through HF's ``grouped_mm`` path, and
     where the graph cannot run a block's routing loop on the example inputs, the blocks are traced
@@ -433,7 +447,7 @@ def capture(
     """
     args, kwargs = _split_inputs(model, example_inputs)
     blocks = moe.find_blocks(model)
-    with moe.static_hf_experts(model) as hf_static:
+    with moe.static_hf_experts(model) as hf_static, hf_masks.eager_causal_masks(model, args, kwargs):
         try:
             return _capture(model, args, kwargs, name, replay_twins, trace_once_per_kind, blocks, hf_static)
         except CaptureError as first:
@@ -505,9 +519,10 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, name: str | None, repl
                               f"{', '.join(names[j] for j in sorted(layers))}, which must share a stage")
             cut_ok[i] = False
     layers = []
+    tables = embedding_tables(model)
     for i, (key, nodes) in enumerate(runs):
         mine = [p for p, owner in owners.items() if owner == i]
-        view = LayerView(model, key, nodes, stats, batch, dtype_bytes)
+        view = LayerView(model, key, nodes, stats, batch, dtype_bytes, tables)
         styles = detect_tp_styles(view)
         sac = selective_costs(key, nodes, ops, lambda x: stats[x].paths, styles, batch)
         layers.append(

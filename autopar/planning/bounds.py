@@ -22,7 +22,7 @@ EXACT_WORK = 4096  # most count combinations tried for one rank's least time (be
 
 
 def lower_bound_s(table: PriceTable, allowed: list[list[int]], budget: int | None = None,
-                  cuts_ok: list[int] | None = None) -> float:
+                  cuts_ok: list[int] | None = None, enough: float = math.inf) -> float:
     """Step time no plan of this configuration can beat (``inf``: none fits in memory).
 
     Every rank's time is at least the average over ranks of the layers' summed
@@ -30,7 +30,9 @@ def lower_bound_s(table: PriceTable, allowed: list[list[int]], budget: int | Non
     (each layer counted at its smallest in-flight multiplier). The best such
     sum is bounded by the Lagrangian dual of that knapsack, max over λ ≥ 0 of
     Σ_l min_k (t_lk + λ·mem_lk) − λ·capacity, found by bisection on λ. The
-    slowest rank is also bounded rank by rank (:func:`_rank_time_bound_s`).
+    slowest rank is also bounded rank by rank (:func:`_rank_time_bound_s`), unless the bound
+    without it is already ``enough`` to rule the configuration out (it then returns that weaker
+    bound: the rank by rank one costs most of a search's bounding time).
     """
     c = table.config
     memo: dict[tuple, float] = {}
@@ -41,14 +43,18 @@ def lower_bound_s(table: PriceTable, allowed: list[list[int]], budget: int | Non
             memo[key] = min(table.prices[i][k].time_mb_s for k in ks)
         fastest.append(memo[key])
     total, slowest = sum(fastest), max(fastest)
+    sends = 0.0
+    if cuts_ok and c.stages > 1:
+        thinnest = min(cuts_ok, key=lambda q: table.graph[q - 1].boundary_bytes_per_sample)
+        sends = 2 * (c.stages - 1) * table.p2p_s(thinnest)  # p2p time grows with bytes
     if budget is not None:
         total = _knapsack_bound(table, allowed,
                                 sum(budget - table.rank_workspace_bytes(j) for j in range(c.mesh.pp)))
+        weaker = balanced_step_s(table, total + sends, slowest)
+        if weaker >= enough:
+            return weaker
         slowest = max(slowest, _rank_time_bound_s(table, allowed, budget, cuts_ok or []))
-    if cuts_ok and c.stages > 1:
-        thinnest = min(cuts_ok, key=lambda q: table.graph[q - 1].boundary_bytes_per_sample)
-        total += 2 * (c.stages - 1) * table.p2p_s(thinnest)  # p2p time grows with bytes
-    return balanced_step_s(table, total, slowest)
+    return balanced_step_s(table, total + sends, slowest)
 
 
 def balanced_step_s(table: PriceTable, total: float, slowest_layer: float) -> float:
@@ -235,6 +241,16 @@ def _least_integer_time(front: list[tuple[int, float]], room: int, n: int) -> fl
     if len(front) == 2:
         fast = min(n, (room - n * m_small) // (m_fast - m_small))
         return fast * t_fast + (n - fast) * t_small
+    if len(front) == 3:  # the usual frontier, with the two-strategy case inlined (bounds call it ~10⁵ times)
+        (m_mid, t_mid), span = front[1], m_fast - m_small
+        best = math.inf
+        for x in range(n + 1):
+            left, k = room - x * m_mid, n - x
+            if left < k * m_small:
+                break
+            fast = k if k * m_fast <= left else min(k, (left - k * m_small) // span)
+            best = min(best, x * t_mid + fast * t_fast + (k - fast) * t_small)
+        return best
     (m_mid, t_mid), rest = front[1], [front[0], *front[2:]]
     best = math.inf
     for x in range(n + 1):

@@ -135,6 +135,7 @@ class SharedPrices:
     # seconds, and saved activation bytes)
     styles: dict[tuple, tuple[Layer, tuple[float, float, float, float, float]]] = field(default_factory=dict)
     recomputes: dict[tuple[int, int, int], tuple[Recompute, ...]] = field(default_factory=dict)  # (graph id, layer, pp)
+    dp_collectives: dict[tuple, float] = field(default_factory=dict)  # PriceTable.dp_collectives_s's arguments
 
 
 class PriceTable:
@@ -533,6 +534,13 @@ class PriceTable:
         layer's share of each collective's latency."""
         if self.config.mesh.dp <= 1 or params == 0:
             return 0.0
+        key = (params, zero, share, self.dp_group, self.config.microbatches, self.prec, id(self.cluster))
+        memo = self._shared.dp_collectives
+        if key not in memo:
+            memo[key] = self._dp_collectives_s(params, zero, share)
+        return memo[key]
+
+    def _dp_collectives_s(self, params: int, zero: int, share: float) -> float:
         group, cl = self.dp_group, self.cluster
         grads, weights = self.prec.grad_bytes * params, self.prec.param_bytes * params
         all_reduce, reduce_scatter, all_gather = contract.dp_collectives(zero, self.config.microbatches)

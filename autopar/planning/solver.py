@@ -235,7 +235,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
         if any(not ks for ks in allowed):
             continue
         priced.append((cheap, config, table, allowed))
-        bound = lower_bound_s(table, allowed, budget, cuts_ok)
+        bound = lower_bound_s(table, allowed, budget, cuts_ok, enough=search.threshold(config))
         if math.isinf(bound) or bound >= search.threshold(config):
             continue
         if best is not None and bound >= best.step_time_s:  # cannot be chosen: a runner-up at most
@@ -256,7 +256,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
                 allowed = allowed_choices(table, layer_pins)
                 if any(not ks for ks in allowed):
                     continue
-                bound = lower_bound_s(table, allowed, budget, cuts_ok)
+                bound = lower_bound_s(table, allowed, budget, cuts_ok, enough=search.threshold(config))
             if math.isinf(bound) or bound >= search.threshold(config):
                 continue
             _solve_config(search, table, allowed, layer_pins, cuts_ok, budget,

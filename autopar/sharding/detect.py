@@ -62,6 +62,14 @@ class LayerView:
     stats: dict[fx.Node, NodeStats]
     batch: int
     dtype_bytes: int
+    # the model's embedding tables as (vocabulary, id of the weight), read once for all its layers
+    # (:func:`embedding_tables`); None: read from ``model`` when needed
+    embeddings: tuple[tuple[int, int], ...] | None = None
+
+
+def embedding_tables(model: nn.Module) -> tuple[tuple[int, int], ...]:
+    """(vocabulary, id of the weight) of every ``nn.Embedding`` in ``model``."""
+    return tuple((m.num_embeddings, id(m.weight)) for m in model.modules() if isinstance(m, nn.Embedding))
 
 
 def linear_dims(mod: nn.Module) -> tuple[int, int] | None:
@@ -338,7 +346,8 @@ def _vocab_head(view: LayerView) -> TPStyle | None:
     if head is None:
         return None
     d_in, d_out = _linear_at(view.model, head)  # type: ignore[misc]
-    if d_out < 8 * d_in and not _is_vocabulary(view.model, view.model.get_submodule(head), d_out):
+    tables = view.embeddings if view.embeddings is not None else embedding_tables(view.model)
+    if d_out < 8 * d_in and not _is_vocabulary(tables, view.model.get_submodule(head), d_out):
         return None
     mod = view.model.get_submodule(head)
     nodes = [n for n in view.nodes if _inside(view.stats[n], head)]
@@ -357,13 +366,12 @@ def _vocab_head(view: LayerView) -> TPStyle | None:
     )
 
 
-def _is_vocabulary(model: nn.Module, head: nn.Module, width: int) -> bool:
+def _is_vocabulary(tables: tuple[tuple[int, int], ...], head: nn.Module, width: int) -> bool:
     """Whether ``width`` is an embedding's vocabulary in ``model``: a head onto it is an LM head
     however narrow the vocabulary is next to the hidden size (GPT-3: 51,200 onto 12,288). A head
     tied to the embedding's weight is left to the width rule (that pairing is not proved here)."""
     weight = getattr(head, "weight", None)
-    return any(isinstance(m, nn.Embedding) and m.num_embeddings == width and m.weight is not weight
-               for m in model.modules())
+    return any(vocabulary == width and table != id(weight) for vocabulary, table in tables)
 
 
 def _linear_at(model: nn.Module, path: str) -> tuple[int, int] | None:
@@ -383,4 +391,4 @@ def detect_tp_styles(view: LayerView) -> tuple[TPStyle, ...]:
     return tuple(styles)
 
 
-__all__ = ["NodeStats", "LayerView", "detect_tp_styles", "linear_dims", "megatron_refusal"]
+__all__ = ["NodeStats", "LayerView", "detect_tp_styles", "embedding_tables", "linear_dims", "megatron_refusal"]
