@@ -44,7 +44,7 @@ same experts) adds the rest of dp, and dividing by dp gives the global-batch
 mean each rank's loss (its own mean) stands for. An MoE layer at ZeRO ≥ 1
 (with an edp group of 2 or more) runs its dense weights (router, shared
 experts, attention) at that stage over dp, and its experts module becomes
-an FSDP2 unit of its own over the edp group (:func:`shard_experts`, called
+an FSDP2 unit of its own over the edp group (``passes.zero.shard_experts``, called
 by the data-parallel pass, innermost): FSDP2 shards the ep DTensors 2-D
 over (edp, ep) as it does tensor-parallel weights over (dp, tp), and
 averages their gradients over edp; the experts' forward scales their
@@ -202,21 +202,6 @@ def expert_zeros(graph: LayerGraph, plan: Plan) -> dict[str, int]:
             for lp in plan.layers if graph.layer(lp.name).moe}
 
 
-def shard_experts(result: ExpertParallelResult, dtype: torch.dtype | None) -> None:
-    """Each experts module of a layer at ZeRO ≥ 1 an FSDP2 unit of its own over the edp group (the data-parallel
-    pass calls it, innermost first, before the contract's units): ZeRO-3 reshards after forward; ZeRO-1 and
-    -2 keep the gathered weights and reduce-scatter every microbatch (priced so: ``planning/pricing.py``).
-    Its weights are DTensors on the ep mesh, so FSDP2 shards them 2-D over (edp, ep), as it does a
-    tensor-parallel weight over (dp, tp)."""
-    from torch.distributed.fsdp import fully_shard
-
-    from autopar.passes.zero import mixed_precision_policy
-
-    for experts, zero in result.sharded:
-        fully_shard(experts, mesh=result.edp_mesh, reshard_after_forward=(zero == 3),
-                    mp_policy=mixed_precision_policy(dtype))
-
-
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; the gradient times ``scale`` backward."""
 
@@ -321,4 +306,4 @@ def reduce_expert_grads(result: ExpertParallelResult) -> None:
 
 
 __all__ = ["ExpertParallelResult", "apply_expert_parallel", "check_expert_parallel", "expert_mesh",
-           "expert_zeros", "moe_blocks", "reduce_expert_grads", "shard_experts", "sync_expert_replicas"]
+           "expert_zeros", "moe_blocks", "reduce_expert_grads", "sync_expert_replicas"]

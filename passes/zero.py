@@ -43,6 +43,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -148,8 +149,6 @@ def apply_data_parallel(part: nn.Module, units: tuple[Unit, ...], dp_mesh, *,
     dtype = param_dtype if param_dtype is not None else _COMPUTE_DTYPE.get()
     dtype = None if dtype == torch.float32 else dtype
     if experts is not None:  # ep: experts at ZeRO ≥ 1 are units of their own over edp, innermost
-        from autopar.passes.expert_parallel import shard_experts
-
         shard_experts(experts, dtype)
     result = DataParallelResult(param_dtype=dtype)
     for unit in units:
@@ -165,6 +164,19 @@ def apply_data_parallel(part: nn.Module, units: tuple[Unit, ...], dp_mesh, *,
         if unit.engine is Engine.DDP:
             result.ddp = module
     return result
+
+
+def shard_experts(experts: Any, dtype: torch.dtype | None) -> None:
+    """Each experts module of a layer at ZeRO ≥ 1 an FSDP2 unit of its own over the edp group
+    (``experts``: a ``passes.expert_parallel.ExpertParallelResult``; called innermost first, before
+    the contract's units): ZeRO-3 reshards after forward; ZeRO-1 and -2 keep the gathered weights and
+    reduce-scatter every microbatch (priced so: ``planning/pricing.py``). Its weights are DTensors on
+    the ep mesh, so FSDP2 shards them 2-D over (edp, ep), as it does a tensor-parallel weight over (dp, tp)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module, zero in experts.sharded:
+        fully_shard(module, mesh=experts.edp_mesh, reshard_after_forward=(zero == 3),
+                    mp_policy=mixed_precision_policy(dtype))
 
 
 def sync_replicas(result: DataParallelResult, dp_mesh) -> None:

@@ -59,7 +59,7 @@ routing (top-k rows a token, the captured FLOPs).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from functools import cached_property
 
@@ -80,6 +80,7 @@ from autopar.planning.sequence import (
     sequence_activation_bytes,
     sequence_comm_s,
 )
+from autopar.planning.shared_prices import SharedPrices
 
 FP32_BYTES = 4  # the loss, and a bf16 plan's master gradients outside FSDP2, are fp32
 
@@ -123,19 +124,6 @@ class LayerPrice:
     def tail_s(self) -> float:
         """What the layer adds after the pipeline drains: exposed DP traffic and its optimizer step."""
         return self.exposed_comm_s + self.optimizer_s
-
-
-@dataclass
-class SharedPrices:
-    """What the price tables of one search's configurations share: many repeat a tp degree,
-    microbatch size and tp group, and every one asks each layer's recompute kinds again."""
-
-    # (layer id, style, sp, tp, microbatch, tp group, activation scale, dtype, cluster id) → (the layer,
-    # kept so its id is not reused; the style's forward, backward, forward tp and backward tp
-    # seconds, and saved activation bytes)
-    styles: dict[tuple, tuple[Layer, tuple[float, float, float, float, float]]] = field(default_factory=dict)
-    recomputes: dict[tuple[int, int, int], tuple[Recompute, ...]] = field(default_factory=dict)  # (graph id, layer, pp)
-    dp_collectives: dict[tuple, float] = field(default_factory=dict)  # PriceTable.dp_collectives_s's arguments
 
 
 class PriceTable:

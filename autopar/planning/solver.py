@@ -95,7 +95,8 @@ from autopar.planning.cut_checks import check_stage_pins
 from autopar.planning.evaluate import Evaluation, evaluate
 from autopar.planning.infeasible import raise_infeasible
 from autopar.planning.model import SolverOptions, Units, build_model, cp_solver, extract
-from autopar.planning.pricing import PriceTable, SharedPrices
+from autopar.planning.pricing import PriceTable
+from autopar.planning.shared_prices import SharedPrices
 
 __all__ = ["Candidate", "RUNNERS_UP", "Solution", "SolverOptions", "cut_positions", "distinct_key",
            "enumerate_configs", "solve"]

@@ -1,0 +1,29 @@
+"""What the price tables of one search share (:class:`SharedPrices`).
+
+A search prices hundreds of configurations; many repeat a tp degree, a
+microbatch size and a tp group, and every one asks each layer's recompute
+kinds again. One :class:`SharedPrices` per search, handed to every
+:class:`~autopar.planning.pricing.PriceTable` it builds, keeps those answers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar.choice import Recompute
+from autopar.graph import Layer
+
+
+@dataclass
+class SharedPrices:
+    """Prices and answers a search's tables share, each keyed by everything it depends on."""
+
+    # (layer id, style, sp, tp, microbatch, tp group, activation scale, dtype, cluster id) → (the layer,
+    # kept so its id is not reused; the style's forward, backward, forward tp and backward tp
+    # seconds, and saved activation bytes)
+    styles: dict[tuple, tuple[Layer, tuple[float, float, float, float, float]]] = field(default_factory=dict)
+    recomputes: dict[tuple[int, int, int], tuple[Recompute, ...]] = field(default_factory=dict)  # (graph id, layer, pp)
+    dp_collectives: dict[tuple, float] = field(default_factory=dict)  # PriceTable.dp_collectives_s's arguments
+
+
+__all__ = ["SharedPrices"]
