@@ -74,7 +74,6 @@ from autopar.moe import ExpertLayout, MoEFacts
 from autopar.plan import Plan
 
 _FUSED = ("gate_up_proj", "down_proj")  # HF 5.x *Experts: [E, 2I, H] and [E, H, I]
-_EXPERT_MESHES: dict[tuple[int, int], tuple[Any, Any]] = {}  # (id(mesh), ep) -> (mesh, its (edp, ep) mesh)
 
 
 @dataclass
@@ -140,12 +139,13 @@ def check_expert_parallel(model: nn.Module, graph: LayerGraph, plan: Plan) -> No
 def expert_mesh(mesh: Any, ep: int) -> Any:
     """The dp axis of ``mesh`` unflattened into (``edp``, ``ep``), ep innermost (a collective on first
     call: every rank calls it, for the same mesh, before any part is lowered; cached after)."""
-    key = (id(mesh), ep)
-    cached = _EXPERT_MESHES.get(key)
-    if cached is None or cached[0] is not mesh:  # the mesh itself is kept, so its id is not reused
+    # cached on the mesh itself: a module-level cache kept every mesh, and with it every process group
+    # its sub-meshes made, alive after the job (or test case) that made it had ended
+    cache = mesh.__dict__.setdefault("_autopar_expert_meshes", {})
+    if ep not in cache:
         dp = mesh["dp"]
-        cached = _EXPERT_MESHES[key] = (mesh, dp._unflatten(0, (dp.size() // ep, ep), ("edp", "ep")))
-    return cached[1]
+        cache[ep] = dp._unflatten(0, (dp.size() // ep, ep), ("edp", "ep"))
+    return cache[ep]
 
 
 def _shard(experts: nn.Module, emesh: Any) -> list[nn.Parameter]:
