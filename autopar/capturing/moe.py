@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from autopar.errors import CaptureError
 from autopar.moe import Dispatch, ExpertLayout, MoEFacts, RouterKind
 
 __all__ = ["Block", "Dispatch", "find_blocks", "stand_in", "static_hf_experts"]
@@ -212,7 +213,10 @@ def stand_in(module: nn.Module, block: Block, hidden: torch.Tensor) -> torch.Ten
     routed = flat.repeat_interleave(block.top_k, dim=0)
     experts = module.get_submodule(block.experts_path[len(block.path) + 1:] if block.path else block.experts_path)
     if block.layout is not ExpertLayout.MODULE_LIST:
-        raise NotImplementedError(f"{block.experts_path}: 3-D experts whose routing could not be traced")
+        # a stand-in runs each expert as a module; 3-D weights are called by the block's own code, which
+        # could not be traced: capture then reports the model's own failure (trace.capture)
+        raise CaptureError(f"{block.experts_path}: its 3-D experts are run by routing code no tracer could "
+                           "follow, and a stand-in can call experts only as modules")
     outs, start = [], 0
     for e, share in enumerate(shares):
         if share:
