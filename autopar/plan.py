@@ -55,6 +55,16 @@ class Breakdown:
     dp_comm_s: float
     pp_comm_s: float
     optimizer_s: float
+    ep_comm_s: float = 0.0  # the experts' dispatch and combine all-to-alls (0 in plans written before ep)
+
+
+# The breakdown's terms in the order every table and picture shows them: (field, short label, long label).
+BREAKDOWN_TERMS: tuple[tuple[str, str, str], ...] = (
+    ("compute_s", "compute", "compute"), ("bubble_s", "bubble", "pipeline bubble"),
+    ("tp_comm_s", "tp comm", "tensor-parallel communication"),
+    ("ep_comm_s", "ep comm", "expert-parallel all-to-all"),
+    ("dp_comm_s", "dp comm", "data-parallel communication"), ("pp_comm_s", "pp comm", "pipeline communication"),
+    ("optimizer_s", "optimizer", "optimizer step"))
 
 
 @dataclass(frozen=True)
@@ -491,7 +501,8 @@ def render_summary(plan: Plan) -> str:
         f" × {plan.microbatch_size}   schedule {sched}",
         f"step time     {p.step_time_s:.4g} s   {format_flop_rate(p.tflops_per_gpu * 1e12)} per {noun}{tokens}",
         f"  breakdown   compute {b.compute_s:.4g} s · bubble {b.bubble_s:.4g} s · tp {b.tp_comm_s:.4g} s"
-        f" · dp {b.dp_comm_s:.4g} s · pp {b.pp_comm_s:.4g} s · optimizer {b.optimizer_s:.4g} s",
+        + (f" · ep all-to-all {b.ep_comm_s:.4g} s" if m.ep > 1 else "")
+        + f" · dp {b.dp_comm_s:.4g} s · pp {b.pp_comm_s:.4g} s · optimizer {b.optimizer_s:.4g} s",
         "memory/rank   " + _memory_line(plan),
         f"solver        {plan.solver.status}{gap} in {plan.solver.wall_s:.2f} s"
         f" ({plan.solver.configs_solved} of {plan.solver.configs_considered} configurations solved)",

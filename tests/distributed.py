@@ -29,12 +29,14 @@ What the pool guarantees, whatever a case does:
   puts it back);
 - the sub-groups a case's device meshes make stay open (torch keeps meshes by group name), so a
   worker raises its descriptor limit to the hard one, and the pool starts afresh before a request
-  once a worker has more than half of it open;
+  once a worker has more than half of it open, or more than ``THREAD_RECYCLE`` threads (each gloo
+  group keeps its own);
 - at the end of the session each worker destroys its process group and exits.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -55,6 +57,7 @@ COLLECTIVE_TIMEOUT_S = 120.0  # a collective whose peers never come raises after
 ERROR_GRACE_S = 15.0  # after one rank's error, how long its peers have to report the same case
 MAX_RESTARTS = 3  # per request: a batch whose cases keep breaking the pool stops trying
 FD_RECYCLE = 0.5  # a worker with more than this share of its descriptor limit open starts afresh
+THREAD_RECYCLE = 96  # ... or with more threads than this (gloo's, of the groups its cases left open)
 
 
 # ------------------------------------------------------------------ in each worker
@@ -94,18 +97,65 @@ def _serve(rank: int, world_size: int, store_path: str, inbox: Any, outbox: Any,
         _, request, module, cases, env = command
         with _environment(env):
             for k, name in enumerate(cases):
+                groups = _groups()
                 outbox.put(("case", request, rank, name, _run_case(name, module, rank, world_size, fresh)))
                 # no rank starts the next case before every rank has finished this one, through the store
                 # and not a collective: a case that left the ranks out of step fails itself, not the next
                 store.set(f"autopar-pool/{request}/{k}/{rank}", "1")
                 store.wait([f"autopar-pool/{request}/{k}/{r}" for r in range(world_size)], timedelta(days=1))
-        outbox.put(("done", request, rank, _fd_fill()))
+                _close_groups(_groups() - groups)
+        outbox.put(("done", request, rank, _fd_fill(), _threads()))
+
+
+def _groups() -> set[Any]:
+    """The process groups this process has open, the default one among them."""
+    from torch.distributed import distributed_c10d
+
+    return set(distributed_c10d._world.pg_map)
+
+
+def _close_groups(groups: set[Any]) -> None:
+    """Destroy the groups a case made (every rank has finished it), closing their sockets and gloo
+    threads: left open, hundreds of threads a worker slow every later case on two cores.
+
+    DTensor caches sharding and redistribution plans by value (in Python and in C++), and two meshes of one shape are
+    equal, so a later case's plan could come back holding this case's mesh and its destroyed groups;
+    those caches are emptied first. Where this torch lacks one, the groups are left open (and the
+    pool's recycle rule bounds them)."""
+    if not groups:
+        return
+    import torch
+    import torch.distributed as dist
+
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._collective_utils import MeshTopoInfo
+        from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        caches = [propagator.propagate_op_sharding, propagator._propagate_tensor_meta_cached,
+                  _gen_transform_infos, MeshTopoInfo.build_from_mesh]
+        clears = [c.cache_clear for c in caches] + [torch._C._clear_DTensor_sharding_propagator_cache]
+    except (ImportError, AttributeError):
+        return
+    for clear in clears:
+        clear()
+    for group in groups:
+        dist.destroy_process_group(group)
+    gc.collect()  # a group's threads stop when its last reference goes: the case's model and meshes, in cycles
 
 
 def _fd_fill() -> float:
     """The share of its descriptor limit this process has open (0 where /proc cannot say)."""
     fds = "/proc/self/fd"
     return len(os.listdir(fds)) / resource.getrlimit(resource.RLIMIT_NOFILE)[0] if os.path.isdir(fds) else 0.0
+
+
+def _threads() -> int:
+    """How many threads this process has (0 where /proc cannot say): each gloo group a case's meshes
+    leave open keeps two or more alive."""
+    tasks = "/proc/self/task"
+    return len(os.listdir(tasks)) if os.path.isdir(tasks) else 0
 
 
 class _State:
@@ -201,10 +251,12 @@ class RankPool:
 
     def __init__(self, world_size: int, *, stall_timeout_s: float = STALL_TIMEOUT_S,
                  collective_timeout_s: float = COLLECTIVE_TIMEOUT_S, start_timeout_s: float = START_TIMEOUT_S,
-                 error_grace_s: float = ERROR_GRACE_S, fd_recycle: float = FD_RECYCLE):
+                 error_grace_s: float = ERROR_GRACE_S, fd_recycle: float = FD_RECYCLE,
+                 thread_recycle: int = THREAD_RECYCLE):
         self.world_size = world_size
         self.stall_timeout_s, self.collective_timeout_s = stall_timeout_s, collective_timeout_s
         self.start_timeout_s, self.error_grace_s, self.fd_recycle = start_timeout_s, error_grace_s, fd_recycle
+        self.thread_recycle = thread_recycle
         self.starts = 0  # how many times the workers were spawned (a test reads it)
         self._procs: list[Any] = []
         self._inboxes: list[Any] = []
@@ -212,6 +264,7 @@ class RankPool:
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._request = 0
         self.fd_fill = 0.0  # the largest share of its descriptor limit a worker had open after a request
+        self.threads = 0  # the most threads a worker had after a request
 
     # -------------------------------------------------------------- running cases
 
@@ -274,7 +327,7 @@ class RankPool:
             last = time.monotonic()
             if msg[0] == "done":
                 done.add(msg[2])
-                self.fd_fill = max(self.fd_fill, msg[3])
+                self.fd_fill, self.threads = max(self.fd_fill, msg[3]), max(self.threads, msg[4])
                 continue
             _, _, rank, name, metrics = msg
             i = at[rank]
@@ -332,12 +385,13 @@ class RankPool:
     def _start(self) -> None:
         """Spawn the workers unless they are all alive, and wait until each has joined the group."""
         alive = bool(self._procs) and all(p.exitcode is None for p in self._procs)
-        if alive and self.fd_fill < self.fd_recycle:
+        if alive and self.fd_fill < self.fd_recycle and self.threads <= self.thread_recycle:
             return
         # a worker died between requests (stop the others at once), or the groups its cases left hold
-        # too many of its descriptors (stop them as at the end)
+        # too many of its descriptors or threads (stop them as at the end): hundreds of idle gloo
+        # threads a worker on two cores slow every later case
         self.close(broken=not alive)
-        self.fd_fill = 0.0
+        self.fd_fill, self.threads = 0.0, 0
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")

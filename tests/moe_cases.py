@@ -102,3 +102,53 @@ def bf16_against_ep1(rank: int, world_size: int) -> dict[str, Any]:
 
 
 CASES["ep2_bf16_mixtral"] = bf16_against_ep1
+
+
+def resume_across_ep(rank: int, world_size: int) -> dict[str, Any]:
+    """Two SGD-with-momentum steps under ep=2 × dp=4, saved (DCP) and exported (safetensors); the
+    checkpoint restored under ep=1 and ep=4 trains a third step as the ep=2 run does (weights and
+    momentum both mapped: the experts are DTensors sharded over ep), and the exported weights load
+    under ep=4 as they were."""
+    import tempfile
+
+    spec = SPECS["ep2_dp4_mixtral"]
+    torch.manual_seed(0)
+    model, inputs = spec.build()
+    plan, graph = ec.plan_for(spec, world_size)
+    batches = ec._batches(spec, inputs, model)
+    where = ec.from_rank0(lambda: tempfile.mkdtemp(prefix="autopar-ep-resume-"))
+
+    def at(ep: int, seed: int) -> Any:
+        torch.manual_seed(seed)  # another start than the saved run's: loading must set every weight
+        fresh, _ = spec.build()
+        return autopar.compile(fresh, example_inputs=inputs, graph=graph,
+                               plan=dataclasses.replace(plan, mesh=plan.mesh.replace(ep=ep)),
+                               optimizer=lambda p: torch.optim.SGD(p, **ec.SGD))
+
+    def step(pm: Any, k: int) -> float:
+        x, y = batches[k]
+        return pm.train_step(pm.local_batch(x), pm.local_batch(y))
+
+    saved = at(2, 0)
+    for k in range(2):
+        step(saved, k)
+    saved.save(f"{where}/dcp", extra={"ep": 2})
+    saved.export(f"{where}/weights.safetensors")
+    weights = {n: v.clone() for n, v in saved.state_dict(full=True).items()}  # replicated ones alias the live weights
+    third = step(saved, 2)
+    after = saved.state_dict(full=True)
+    out: dict[str, Any] = {}
+    for ep in (1, 4):
+        pm = at(ep, 1)
+        out[f"extra_ep{ep}"] = pm.load(f"{where}/dcp")
+        out[f"loaded_rel_ep{ep}"] = max(ec.rel(v, weights[n]) for n, v in pm.state_dict(full=True).items())
+        out[f"loss_rel_ep{ep}"] = abs(step(pm, 2) - third) / abs(third)
+        out[f"param_rel_ep{ep}"] = max(ec.rel(v, after[n]) for n, v in pm.state_dict(full=True).items())
+    pm = at(4, 1)
+    pm.load_weights(f"{where}/weights.safetensors")
+    out["weights_rel_ep4"] = max(ec.rel(v, weights[n]) for n, v in pm.state_dict(full=True).items())
+    out["local_bytes_ep4"], out["local_bytes_ep2"] = pm.local_param_bytes(), saved.local_param_bytes()
+    return out
+
+
+CASES["resume_across_ep"] = resume_across_ep

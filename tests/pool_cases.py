@@ -64,9 +64,39 @@ def leaks_descriptors(rank: int, world_size: int) -> dict[str, Any]:
     return {"kept": len(_KEPT)}
 
 
+def leaks_threads(rank: int, world_size: int) -> dict[str, Any]:
+    """Keeps 100 idle threads alive after it returns."""
+    import threading
+
+    never = threading.Event()
+    for _ in range(100):
+        t = threading.Thread(target=never.wait, daemon=True)
+        t.start()
+        _KEPT.append(t)
+    return {"threads": threading.active_count()}
+
+
+def meshes(rank: int, world_size: int) -> dict[str, Any]:
+    """Builds a 2-D device mesh (its size-1 dimension makes a group on each rank), runs a DTensor
+    all-reduce on it, and says how many groups this process has open."""
+    from torch.distributed import distributed_c10d
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("pp", "dp"))
+    x = distribute_tensor(torch.arange(4.0 * world_size).reshape(world_size, 4), mesh, [Replicate(), Shard(0)])
+    return {"sum": float(x.sum().full_tensor()), "groups": len(distributed_c10d._world.pg_map)}
+
+
+def counts_groups(rank: int, world_size: int) -> dict[str, Any]:
+    from torch.distributed import distributed_c10d
+
+    return {"groups": len(distributed_c10d._world.pg_map)}
+
+
 def reads_env(rank: int, world_size: int) -> dict[str, Any]:
     return {"value": os.environ.get("AUTOPAR_POOL_TEST")}
 
 
 CASES = {f.__name__: f for f in (ranks, draws_without_seeding, raises_on_1, hangs_on_1, desyncs, dies_on_1,
-                                 leaks_dtype, leaks_descriptors, reads_env)}
+                                 leaks_dtype, leaks_descriptors, leaks_threads, meshes, counts_groups, reads_env)}

@@ -101,7 +101,7 @@ class LayerPrice:
     forward_mb_s: float  # forward compute per microbatch
     compute_mb_s: float  # forward + backward (+ recomputed forward) per microbatch
     forward_tp_mb_s: float  # forward tensor-parallel collectives per microbatch
-    tp_comm_mb_s: float  # tensor-parallel collectives per microbatch, forward and backward
+    tp_comm_mb_s: float  # tensor-parallel collectives per microbatch, forward and backward (ep's among them)
     dp_comm_s: float  # data-parallel / ZeRO collectives per step
     exposed_comm_s: float  # the part of dp_comm_s not hidden under the layer's compute
     optimizer_s: float  # optimizer step per step
@@ -110,6 +110,7 @@ class LayerPrice:
     optimizer_bytes: int  # optimizer state held, and a bf16 plan's fp32 master gradients outside FSDP2
     buckets_bytes: int  # DDP's gradient buckets
     activation_mb_bytes: int  # activations kept per microbatch in flight
+    ep_comm_mb_s: float = 0.0  # the part of tp_comm_mb_s that is the experts' all-to-alls under ep
 
     @property
     def state_bytes(self) -> int:
@@ -398,6 +399,7 @@ class PriceTable:
         compute = fwd + bwd + refwd
         # a recomputed forward issues its collectives again (selective keeps only matmul-class outputs)
         tp_comm = tp_comm_fwd + tp_comm_bwd + (tp_comm_fwd if runs.recompute else 0.0)
+        ep_comm = a2a_fwd + a2a_bwd + (a2a_fwd if runs.recompute else 0.0)
         params = self.effective_params(layer, runs)
         experts = self.local_expert_params(layer)  # ep: this rank's experts, outside the dp engine
         dense = params - self.split_expert_params(layer)
@@ -435,6 +437,7 @@ class PriceTable:
             optimizer_bytes=state - weights - grads - buckets,  # what the ZeRO formula leaves, rounding included
             buckets_bytes=buckets,
             activation_mb_bytes=math.ceil(b * max(kept, 0.0) * self.act_scale),
+            ep_comm_mb_s=ep_comm,
         )
 
     def split_expert_params(self, layer: Layer) -> int:
@@ -471,14 +474,10 @@ class PriceTable:
         the backward runs the two all-to-alls in reverse."""
         if self.config.mesh.ep <= 1 or not layer.moe:
             return 0.0, 0.0
-        tokens_bytes = self.microbatch_size * layer.boundary_bytes_per_sample * self.act_scale
-        fwd = bwd = 0.0
-        for m in layer.moe:
-            rows = collective_time_s(Collective.ALL_TO_ALL, tokens_bytes * m.top_k, self.ep_group, self.cluster)
-            fwd += 2 * rows + collective_time_s(Collective.ALL_TO_ALL, 8 * m.num_experts, self.ep_group,
-                                                self.cluster)
-            bwd += 2 * rows
-        return fwd, bwd
+        tokens_bytes, g = self.microbatch_size * layer.boundary_bytes_per_sample * self.act_scale, self.ep_group
+        rows = sum(collective_time_s(Collective.ALL_TO_ALL, tokens_bytes * m.top_k, g, self.cluster) for m in layer.moe)
+        counts = sum(collective_time_s(Collective.ALL_TO_ALL, 8 * m.num_experts, g, self.cluster) for m in layer.moe)
+        return 2 * rows + counts, 2 * rows
 
     def expert_sync_s(self, layer: Layer) -> float:
         """Per step under ep: the all-reduce of this rank's expert gradients over the expert-data-parallel

@@ -20,11 +20,8 @@ from typing import Any
 
 from autopar.choice import Recompute
 from autopar.errors import PlanError
-from autopar.plan import LayerPlan, Plan
+from autopar.plan import BREAKDOWN_TERMS, LayerPlan, Plan
 from autopar.units import format_bytes, format_flop_rate
-
-_BREAKDOWN = (("compute_s", "compute"), ("bubble_s", "bubble"), ("tp_comm_s", "tp comm"),
-              ("dp_comm_s", "dp comm"), ("pp_comm_s", "pp comm"), ("optimizer_s", "optimizer"))
 
 
 def layer_choice(plan: Plan, layer: LayerPlan) -> tuple[int, str | None, int, Recompute]:
@@ -165,7 +162,8 @@ def _rows(a: Plan, b: Plan) -> list[Row]:
         _number_row("step time", pa.step_time_s, pb.step_time_s, _seconds),
     ]
     rows += [_number_row(f"  {label}", getattr(pa.breakdown, key), getattr(pb.breakdown, key), _seconds)
-             for key, label in _BREAKDOWN]
+             for key, label, _ in BREAKDOWN_TERMS
+             if key != "ep_comm_s" or pa.breakdown.ep_comm_s or pb.breakdown.ep_comm_s]
     rows += [
         _number_row("FLOP/s per device", pa.tflops_per_gpu, pb.tflops_per_gpu, lambda x: format_flop_rate(x * 1e12)),
         _number_row("tokens/s per device", pa.tokens_per_s_per_gpu, pb.tokens_per_s_per_gpu, lambda x: f"{x:,.0f}"),

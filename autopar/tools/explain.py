@@ -30,19 +30,15 @@ from typing import TYPE_CHECKING, Any
 from autopar.errors import AutoparError, InfeasibleError, PinError
 from autopar.mesh import Mesh
 from autopar.pins import Pins
-from autopar.plan import Breakdown, Plan, RunnerUp
+from autopar.plan import BREAKDOWN_TERMS, Breakdown, Plan, RunnerUp
 from autopar.tools.diff import same_plan
 from autopar.units import GiB, format_bytes
 
 if TYPE_CHECKING:
     from autopar.graph import LayerGraph
 
-TERMS: tuple[tuple[str, str], ...] = (
-    ("compute_s", "compute"), ("bubble_s", "pipeline bubble"), ("tp_comm_s", "tensor-parallel communication"),
-    ("dp_comm_s", "data-parallel communication"), ("pp_comm_s", "pipeline communication"),
-    ("optimizer_s", "optimizer step"))
-SHORT = {"compute_s": "compute", "bubble_s": "bubble", "tp_comm_s": "tp comm", "dp_comm_s": "dp comm",
-         "pp_comm_s": "pp comm", "optimizer_s": "optimizer"}
+TERMS: tuple[tuple[str, str], ...] = tuple((key, words) for key, _, words in BREAKDOWN_TERMS)
+SHORT = {key: short for key, short, _ in BREAKDOWN_TERMS}
 
 
 @dataclass(frozen=True)
@@ -253,6 +249,8 @@ def _table(e: Explanation) -> str:
     row("microbatches", lambda f, cf: str(f.microbatches))
     row("step time", lambda f, cf: _with_delta(f.step_time_s, c.step_time_s, cf))
     for key, _ in TERMS:
+        if key == "ep_comm_s" and not any(f is not None and f.term(key) for _, f, _ in columns):
+            continue  # no plan here runs experts over ep
         row(f"  {SHORT[key]}", lambda f, cf, key=key: _with_delta(f.term(key), c.term(key), cf))
     row("peak memory/rank", lambda f, cf: format_bytes(max(f.memory_per_rank_bytes)))
     if any(f is not None and len(f.memory_per_rank_bytes) > 1 for _, f, _ in columns):

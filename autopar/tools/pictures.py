@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from autopar.cost_models.pipeline import ScheduleKind
 from autopar.errors import AutoparError, PlanError
-from autopar.plan import Plan
+from autopar.plan import BREAKDOWN_TERMS, Plan
 from autopar.units import GiB, MiB, format_bytes
 
 if TYPE_CHECKING:
@@ -391,13 +391,13 @@ def _dark(colour: Any) -> bool:
 def draw_comparison(plans: list[tuple[str, Plan]]) -> Figure:
     """Step time split into the plan breakdown's terms, and peak memory against the budget, per row."""
     plt = _pyplot()
-    terms = (("compute_s", "compute"), ("bubble_s", "bubble"), ("tp_comm_s", "tp"), ("dp_comm_s", "dp"),
-             ("pp_comm_s", "pp"), ("optimizer_s", "optimizer"))
+    terms = [(key, label.removesuffix(" comm")) for key, label, _ in BREAKDOWN_TERMS
+             if key != "ep_comm_s" or any(p.predicted.breakdown.ep_comm_s for _, p in plans)]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 0.6 + 0.45 * len(plans)), layout="constrained",
                                       sharey=True)
     ys = list(range(len(plans)))[::-1]
     at = [0.0] * len(plans)
-    for (key, label), colour in zip(terms, MEMORY_COLOURS):
+    for (key, label), colour in zip(terms, (*MEMORY_COLOURS, "#54a24b")):
         widths = [getattr(p.predicted.breakdown, key) for _, p in plans]
         left.barh(ys, widths, left=at, color=colour, label=label)
         at = [a + w for a, w in zip(at, widths)]

@@ -41,34 +41,28 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attenti
               max_position_embeddings=64, use_cache=False, tie_word_embeddings=False)
 
 
-def _mixtral(impl: str = "grouped_mm") -> nn.Module:
-    cfg = transformers.MixtralConfig(**COMMON, intermediate_size=64, num_key_value_heads=2, num_local_experts=4,
-                                     num_experts_per_tok=2)
+def _hf_moe(config_cls: type, model_cls: type, impl: str, **config: object) -> nn.Module:
     torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(cfg)
+    model = model_cls(config_cls(**COMMON, intermediate_size=64, **config))
     model.config._experts_implementation = impl
     return model
+
+
+def _mixtral(impl: str = "grouped_mm") -> nn.Module:
+    return _hf_moe(transformers.MixtralConfig, transformers.MixtralForCausalLM, impl, num_key_value_heads=2,
+                   num_local_experts=4, num_experts_per_tok=2)
 
 
 def _qwen2_moe(impl: str = "grouped_mm") -> nn.Module:
-    cfg = transformers.Qwen2MoeConfig(**COMMON, intermediate_size=64, moe_intermediate_size=16,
-                                      shared_expert_intermediate_size=32, num_key_value_heads=2, num_experts=4,
-                                      num_experts_per_tok=2)
-    torch.manual_seed(0)
-    model = transformers.Qwen2MoeForCausalLM(cfg)
-    model.config._experts_implementation = impl
-    return model
+    return _hf_moe(transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM, impl, moe_intermediate_size=16,
+                   shared_expert_intermediate_size=32, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
 
 
 def _deepseek(impl: str = "grouped_mm") -> nn.Module:
-    cfg = transformers.DeepseekV3Config(**COMMON, intermediate_size=64, moe_intermediate_size=16,
-                                        first_k_dense_replace=1, num_key_value_heads=4, q_lora_rank=16,
-                                        kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
-                                        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1)
-    torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(cfg)
-    model.config._experts_implementation = impl
-    return model
+    return _hf_moe(transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, impl, moe_intermediate_size=16,
+                   first_k_dense_replace=1, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=8,
+                   qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=8,
+                   num_experts_per_tok=2, n_group=2, topk_group=1)
 
 
 def _tokens() -> torch.Tensor:

@@ -85,6 +85,24 @@ def test_workers_holding_too_many_descriptors_start_afresh_before_the_next_reque
     assert pool.starts == 2 and [m["pid"] for m in again] != pids and pool.fd_fill < pool.fd_recycle
 
 
+def test_workers_holding_too_many_threads_start_afresh_before_the_next_request(pool: RankPool) -> None:
+    pool.run(["ranks"], module="pool_cases")
+    pool.thread_recycle = pool.threads + 50
+    pids = [p.pid for p in pool.processes]
+    ok(pool.run(["leaks_threads"], module="pool_cases")["leaks_threads"])
+    assert pool.threads > pool.thread_recycle
+    again = ok(pool.run(["ranks"], module="pool_cases")["ranks"])["ranks"]
+    assert pool.starts == 2 and [m["pid"] for m in again] != pids and pool.threads < pool.thread_recycle
+
+
+def test_the_groups_a_case_made_are_closed_and_the_next_case_builds_its_own(pool: RankPool) -> None:
+    results = pool.run(["meshes", "counts_groups", "meshes", "counts_groups"], module="pool_cases")
+    first = ok(results["meshes"])  # the same name twice: the second run's results
+    assert first["sum"] == 28.0 and first["groups"] > 1  # the mesh's own group beside the default one
+    assert [m["groups"] for m in ok(results["counts_groups"])["ranks"]] == [1, 1]  # only the default is left
+    assert pool.starts == 1
+
+
 def test_closing_stops_every_worker_cleanly(pool: RankPool) -> None:
     pool.run(["ranks"], module="pool_cases")
     processes = pool.processes

@@ -17,7 +17,9 @@ from autopar.cost_models.pipeline import Schedule, ScheduleKind
 from autopar.graph import LayerGraph
 from autopar.mesh import Mesh
 from autopar.moe import Dispatch, ExpertLayout, MoEFacts, RouterKind
+from autopar.plan import BREAKDOWN_TERMS
 from autopar.planning.configuration import Configuration, TrainingSpec
+from autopar.planning.evaluate import evaluate
 from autopar.planning.pricing import PriceTable
 
 E, K, EXPERT = 8, 2, 3 * 256 * 512  # experts, top-k, one expert's parameters (H=256, I=512)
@@ -64,6 +66,18 @@ def test_ep_adds_dispatch_and_combine_all_to_alls_forward_and_backward() -> None
     assert a2a > 0 and table.ep_group.size == 2
     assert two.forward_tp_mb_s - one.forward_tp_mb_s == pytest.approx(2 * a2a + counts)
     assert two.tp_comm_mb_s - one.tp_comm_mb_s == pytest.approx(4 * a2a + counts)
+    assert two.ep_comm_mb_s == pytest.approx(4 * a2a + counts) and one.ep_comm_mb_s == 0.0  # its own line
+
+
+def test_the_step_breakdown_shows_the_all_to_alls_apart_from_the_tensor_parallel_collectives() -> None:
+    table, _, _ = _price(2)
+    choices = tuple(LayerChoice(None, 0, False) for _ in table.graph)
+    step = evaluate(table, (0,) * len(choices), choices)
+    b = step.breakdown
+    ep = table.config.microbatches * sum(table.prices[i][table.index_of(i, c)].ep_comm_mb_s
+                                         for i, c in enumerate(choices))
+    assert b.ep_comm_s == pytest.approx(ep) and ep > 0 and b.tp_comm_s == pytest.approx(0.0, abs=1e-12)
+    assert sum(getattr(b, key) for key, _, _ in BREAKDOWN_TERMS) == pytest.approx(step.step_time_s)
 
 
 def test_expert_gradients_reduce_over_the_edp_group_only_and_are_never_hidden() -> None:

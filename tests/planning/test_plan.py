@@ -9,7 +9,7 @@ from synthetic import transformer_graph
 
 import autopar
 from autopar.errors import PlanError
-from autopar.plan import SCHEMA, Plan
+from autopar.plan import BREAKDOWN_TERMS, SCHEMA, Plan
 
 
 @pytest.fixture(scope="module")
@@ -32,14 +32,22 @@ def test_json_round_trip_is_exact(plan, tmp_path):
     assert set(data["mesh"]) == {"pp", "dp", "ep", "tp"}
     assert {"name", "stage", "tp", "zero", "recompute", "sp"} == set(data["layers"][0])
     assert set(data["predicted"]["breakdown"]) == {
-        "compute_s", "bubble_s", "tp_comm_s", "dp_comm_s", "pp_comm_s", "optimizer_s"}
+        "compute_s", "bubble_s", "tp_comm_s", "ep_comm_s", "dp_comm_s", "pp_comm_s", "optimizer_s"}
     assert data["solver"]["status"] in ("OPTIMAL", "FEASIBLE") and data["solver"]["wall_s"] >= 0
     assert data["pins"] == ["pp=2"]
 
 
+def test_a_plan_written_before_the_ep_line_loads_with_no_all_to_all(plan):
+    data = json.loads(plan.to_json())
+    for breakdown in [data["predicted"]["breakdown"]] + [r["breakdown"] for r in data["runners_up"]]:
+        del breakdown["ep_comm_s"]
+    again = Plan.from_json(json.dumps(data))
+    assert again.predicted.breakdown == plan.predicted.breakdown and again.predicted.breakdown.ep_comm_s == 0.0
+
+
 def test_prediction_adds_up(plan):
     b = plan.predicted.breakdown
-    parts = b.compute_s + b.bubble_s + b.tp_comm_s + b.dp_comm_s + b.pp_comm_s + b.optimizer_s
+    parts = sum(getattr(b, key) for key, _, _ in BREAKDOWN_TERMS)
     assert parts == pytest.approx(plan.predicted.step_time_s, rel=1e-9)
     assert len(plan.predicted.memory_per_rank_bytes) == plan.mesh.pp
     assert plan.training.global_batch == plan.mesh.dp * plan.microbatches * plan.microbatch_size

@@ -1,7 +1,7 @@
 """Expert parallelism (ep, folded into dp) against one process, on gloo: tiny Hugging Face Mixtral and
 Qwen2-MoE trained 3 steps under ep=2 (W=2, with ZeRO-0, ZeRO-1 and ZeRO-3 on the dense weights),
 ep=2 × edp=2 (W=4; at ZeRO-1 and ZeRO-3 the experts are an FSDP2 unit of their own over edp) and ep=2
-beside tp=2 (W=4).
+beside tp=2 (W=4); a checkpoint and exported weights of ep=2 restored under ep=1 and ep=4.
 
 Bars (DESIGN.md, fp32 on CPU): first-step loss and gradients, SGD losses and parameters within 1e-5
 relative per tensor; AdamW losses within 1e-3. Routing decisions stay identical across the runs (seeded
@@ -34,7 +34,7 @@ def w2(ranks) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def w4(ranks) -> dict[str, dict]:
-    return ranks(4).run(W4, module="moe_cases")
+    return ranks(4).run(W4 + ["resume_across_ep"], module="moe_cases")
 
 
 def _expected_local_fraction(case: str) -> float:
@@ -74,3 +74,13 @@ def test_ep2_in_bf16_trains_as_the_dp_engine_does(w2: dict) -> None:
     for r in every_rank(w2["ep2_bf16_mixtral"]):
         assert r["loss_rel"] < 1e-4, r
         assert r["grad_rel"] < 5e-2, r
+
+
+def test_a_checkpoint_saved_under_ep2_resumes_under_ep1_and_ep4_and_its_weights_load_under_ep4(w4: dict) -> None:
+    for r in every_rank(w4["resume_across_ep"]):
+        assert "error" not in r, r.get("traceback")
+        for ep in (1, 4):
+            assert r[f"extra_ep{ep}"] == {"ep": 2}
+            assert r[f"loaded_rel_ep{ep}"] == 0.0  # the very weights, however the experts are split
+            assert r[f"loss_rel_ep{ep}"] < 1e-5 and r[f"param_rel_ep{ep}"] < 1e-5  # momentum came across too
+        assert r["weights_rel_ep4"] == 0.0 and r["local_bytes_ep4"] < r["local_bytes_ep2"]
