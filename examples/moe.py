@@ -145,6 +145,7 @@ def capacity_moe_tiny(device: str = "cpu", batch: int = 2, seq: int = 16):
 def _hf(model_class: str, config_class: str, seq_len: int, **fields):
     import transformers
 
+    transformers.logging.set_verbosity_error()  # a config built by hand names no attention kernel: HF says so
     config = getattr(transformers, config_class)(use_cache=False, **fields)
     with torch.device("meta"):
         model = getattr(transformers, model_class)(config)

@@ -47,7 +47,20 @@ def hf_qwen2_moe() -> tuple[nn.Module, tuple]:
     return transformers.Qwen2MoeForCausalLM(cfg), TOKENS
 
 
+def hf_deepseek_v3() -> tuple[nn.Module, tuple]:
+    """DeepSeek-V3's shape in small: a dense first layer, then 8 routed experts (sigmoid scores, grouped
+    top-k: 2 groups, 1 kept) beside a shared expert, MLA attention."""
+    import transformers
+
+    cfg = transformers.DeepseekV3Config(**COMMON, intermediate_size=64, moe_intermediate_size=16,
+                                        first_k_dense_replace=1, num_key_value_heads=4, q_lora_rank=16,
+                                        kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                                        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1)
+    return transformers.DeepseekV3ForCausalLM(cfg), TOKENS
+
+
 PLAIN = ("pp=1", "tp=1", "recompute=none", "zero=0")
+BLOCKS_TP = "model.layers.*:tp=megatron"
 
 SPECS: dict[str, Spec] = {
     "ep2_mixtral": Spec(hf_mixtral, PLAIN + ("dp=2", "microbatches=1"), 4, ep=2),
@@ -57,15 +70,25 @@ SPECS: dict[str, Spec] = {
                               4, ep=2),
     "ep2_zero1_qwen2_moe": Spec(hf_qwen2_moe, ("pp=1", "tp=1", "recompute=none", "zero=1", "dp=2",
                                                "microbatches=2"), 4, ep=2),
+    "ep2_deepseek_v3": Spec(hf_deepseek_v3, PLAIN + ("dp=2", "microbatches=2"), 4, ep=2),
     "ep2_dp4_mixtral": Spec(hf_mixtral, PLAIN + ("dp=4", "microbatches=1"), 8, ep=2),
     # ep=2 × edp=2 at ZeRO ≥ 1: the experts an FSDP2 unit of their own over edp (2-D (edp, ep) shards)
     "ep2_dp4_zero3_mixtral": Spec(hf_mixtral, ("pp=1", "tp=1", "recompute=none", "zero=3", "dp=4",
                                                "microbatches=2"), 8, ep=2),
     "ep2_dp4_zero1_qwen2_moe": Spec(hf_qwen2_moe, ("pp=1", "tp=1", "recompute=none", "zero=1", "dp=4",
                                                    "microbatches=2"), 8, ep=2),
-    # an MoE block takes no tensor-parallel style yet: tp=2 shards what takes one (embedding, head)
+    # Qwen2-MoE's block takes no tensor-parallel style (its shared expert's [H → 1] gate is in no column → row
+    # group): tp=2 shards what takes one (embedding, head)
     "ep2_dp2_tp2_qwen2_moe": Spec(hf_qwen2_moe, PLAIN[:1] + ("tp=2", "recompute=none", "zero=0", "dp=2",
                                                              "microbatches=1"), 4, ep=2),
+    # Mixtral's and DeepSeek-V3's blocks take one: attention (and DeepSeek's shared expert) split over tp,
+    # the router and the routed experts replicated over tp (split over ep beside it)
+    "tp2_mixtral": Spec(hf_mixtral, PLAIN[:1] + ("tp=2", "recompute=none", "zero=0", "dp=1", "microbatches=2",
+                                                 BLOCKS_TP), 4),
+    "ep2_dp2_tp2_mixtral": Spec(hf_mixtral, PLAIN[:1] + ("tp=2", "recompute=none", "zero=0", "dp=2",
+                                                         "microbatches=1", BLOCKS_TP), 4, ep=2),
+    "ep2_dp2_tp2_deepseek_v3": Spec(hf_deepseek_v3, PLAIN[:1] + ("tp=2", "recompute=none", "zero=0", "dp=2",
+                                                                 "microbatches=1", BLOCKS_TP), 4, ep=2),
 }
 
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}

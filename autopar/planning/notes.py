@@ -62,9 +62,10 @@ def _held(f, ep: int, dp: int) -> str:
     if ep <= 1:
         return f"every expert's {f.routed_params:,} parameters held with their gradients and optimizer state"
     return (f"1/{ep} of the experts' {f.routed_params:,} parameters held per rank (ep={ep}), with their "
-            f"gradients and optimizer state whole over the {dp // ep} ranks of the expert-data-parallel group "
-            "whatever the layer's ZeRO stage (which shards its dense weights), tokens dispatched and combined "
-            "by all-to-all (counted in the tp comm line)")
+            f"gradients and optimizer state: whole over the {dp // ep} ranks of the expert-data-parallel group "
+            "where the layer is at ZeRO-0, an FSDP2 unit of their own sharded over those ranks at ZeRO 1-3 (the "
+            "layer's stage shards its dense weights over dp), tokens dispatched and combined by all-to-all (the "
+            "breakdown's ep all-to-all line)")
 
 
 def moe_notes(graph: LayerGraph, ep: int = 1, dp: int = 1) -> tuple[str, ...]:

@@ -297,6 +297,8 @@ class ShardMode(TorchFunctionMode):
                 return args[0]
             args, kwargs = _no_attention_dropout(args, kwargs)
         if not (any_tagged(self, args) or any_tagged(self, kwargs.values())):
+            if name in _GROUPED_MM and _float64_grouped(args, kwargs):
+                return _grouped_mm_by_group(*args, **kwargs)
             return func(*args, **kwargs)
         if name not in NO_GRADIENT_OPS:
             args, kwargs = self._sum_replicated_grads(args, kwargs)
@@ -480,6 +482,34 @@ def _no_attention_dropout(args, kwargs):
     if len(args) > 4:
         return (*args[:4], 0.0, *args[5:]), kwargs
     return args, {**kwargs, "dropout_p": 0.0}
+
+
+_GROUPED_MM = ("grouped_mm", "_grouped_mm")
+
+
+def _float64_grouped(args: tuple, kwargs: dict) -> bool:
+    """A 2-D × 3-D grouped matmul with offsets (an MoE block's experts, as Hugging Face calls it) that the
+    kernel would refuse here: in float64 (the numerical check), or on meta (the shape proof at the real
+    size: the meta kernel takes bf16 only)."""
+    a, b = (list(args) + [None, None])[:2]
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == 2 and b.dim() == 3
+            and (a.is_meta or a.dtype == b.dtype == torch.float64)
+            and kwargs.get("offs", args[2] if len(args) > 2 else None) is not None and kwargs.get("bias") is None)
+
+
+def _grouped_mm_by_group(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
+    """``grouped_mm`` one matmul per group, where the check runs it and the kernel will not: the same sum
+    of products (rows ``offs[g-1]:offs[g]`` of ``a`` times ``b[g]``; rows past the last offset zeros, as
+    the kernel leaves them), only unfused. On meta, where no offset can be read, ``a @ b[0]``: the
+    output's shape and dtype. The experts it computes are replicated, never split by a tensor-parallel
+    style (their tensors carry no shard tag, or this path is not taken)."""
+    if a.is_meta:
+        return a @ b[0]
+    ends = [int(e) for e in offs.tolist()]
+    starts = [0] + ends[:-1]
+    parts = [a[s:e] @ b[g] for g, (s, e) in enumerate(zip(starts, ends))]
+    parts.append(a.new_zeros(a.shape[0] - ends[-1], b.shape[-1]))
+    return torch.cat(parts)
 
 
 def _name(func) -> str:

@@ -150,6 +150,23 @@ def _gpt_moe_forward_flops(cfg: dict, moe_cfg: dict, tokens: int, seq: int, rout
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_an_hf_moe_block_splits_its_attention_over_tp_and_keeps_its_experts_whole(device) -> None:
+    """The proof runs the grouped GEMM one matmul per expert in float64 and by shape on meta (the kernels
+    refuse both); the style's split FLOPs and weights are the attention's alone."""
+    model = _mixtral()
+    if device == "meta":
+        model = model.to("meta")
+    layer = capture(model, (_tokens().to(device),)).layer("model.layers.0")
+    style = {s.name: s for s in layer.tp_styles}["megatron"]
+    attention = sum(p.numel() for p in model.model.layers[0].self_attn.parameters())
+    assert style.sharded_params == attention and not layer.tp_refusal
+    assert all(".self_attn." in p for p in style.column + style.row)
+    tokens = T  # per sample: q, o (H × H), k, v (H × H/2), QKᵀ and AV (2 · T · H each), 2 FLOPs a multiply-add
+    assert style.sharded_flops_per_sample == 2 * tokens * (2 * 32 * 32 + 2 * 32 * 16) + 2 * 2 * tokens * tokens * 32
+    assert style.sharded_flops_per_sample < layer.flops_per_sample / 3  # the experts' FLOPs are not split
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_module_list_loop_moe_priced_at_top_k_experts_per_token(device) -> None:
     ex = _examples_moe()
     model, inputs = ex.loop_moe_tiny(device)

@@ -1,7 +1,9 @@
-"""Expert parallelism (ep, folded into dp) against one process, on gloo: tiny Hugging Face Mixtral and
-Qwen2-MoE trained 3 steps under ep=2 (W=2, with ZeRO-0, ZeRO-1 and ZeRO-3 on the dense weights),
-ep=2 × edp=2 (W=4; at ZeRO-1 and ZeRO-3 the experts are an FSDP2 unit of their own over edp) and ep=2
-beside tp=2 (W=4); a checkpoint and exported weights of ep=2 restored under ep=1 and ep=4.
+"""Expert parallelism (ep, folded into dp) against one process, on gloo: tiny Hugging Face Mixtral,
+Qwen2-MoE and DeepSeek-V3 (sigmoid grouped routing, shared expert, MLA) trained 3 steps under ep=2
+(W=2, with ZeRO-0, ZeRO-1 and ZeRO-3 on the dense weights), ep=2 × edp=2 (W=4; at ZeRO-1 and ZeRO-3
+the experts are an FSDP2 unit of their own over edp) and ep=2 beside tp=2 (W=4: Mixtral's and
+DeepSeek-V3's attention split over tp); a checkpoint and exported weights of ep=2 restored under
+ep=1 and ep=4.
 
 Bars (DESIGN.md, fp32 on CPU): first-step loss and gradients, SGD losses and parameters within 1e-5
 relative per tensor; AdamW losses within 1e-3. Routing decisions stay identical across the runs (seeded
@@ -23,13 +25,15 @@ import moe_cases  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
-W2 = ["ep2_mixtral", "ep2_qwen2_moe", "ep2_zero3_mixtral", "ep2_zero1_qwen2_moe", "ep2_bf16_mixtral"]
-W4 = ["ep2_dp4_mixtral", "ep2_dp2_tp2_qwen2_moe", "ep2_dp4_zero3_mixtral", "ep2_dp4_zero1_qwen2_moe"]
+W2 = ["ep2_mixtral", "ep2_qwen2_moe", "ep2_deepseek_v3", "ep2_zero3_mixtral", "ep2_zero1_qwen2_moe",
+      "ep2_bf16_mixtral"]
+W4 = ["ep2_dp4_mixtral", "ep2_dp2_tp2_qwen2_moe", "ep2_dp4_zero3_mixtral", "ep2_dp4_zero1_qwen2_moe",
+      "ep2_dp2_tp2_mixtral", "ep2_dp2_tp2_deepseek_v3"]
 
 
 @pytest.fixture(scope="module")
 def w2(ranks) -> dict[str, dict]:
-    return ranks(2).run(W2, module="moe_cases")
+    return ranks(2).run(W2 + ["tp2_mixtral"], module="moe_cases")
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +71,16 @@ def test_ep2_folded_into_dp_on_four_ranks_matches_one_device(w4: dict, case: str
             assert r["local_bytes_frac"] == pytest.approx(0.25, rel=1e-9)
         elif r["mesh"] == [1, 4, 1] and "zero=0" in moe_cases.SPECS[case].pins:  # tp=2 shards the head too
             assert r["local_bytes_frac"] == pytest.approx(_expected_local_fraction(case), rel=1e-9)
+
+
+def test_tensor_parallel_attention_in_an_moe_block_matches_one_device(w2: dict, w4: dict) -> None:
+    """The block's megatron style splits attention (and DeepSeek's shared expert) over tp; the routed
+    experts stay whole per tp rank, split over ep where ep > 1."""
+    check_equivalent(w2["tp2_mixtral"])
+    for r in every_rank(w2["tp2_mixtral"]):
+        assert r["mesh"] == [1, 1, 2] and 0.9 < r["local_bytes_frac"] < 1.0  # attention is ~5% of the weights
+    for case in ("ep2_dp2_tp2_mixtral", "ep2_dp2_tp2_deepseek_v3"):
+        check_equivalent(w4[case])
 
 
 def test_ep2_in_bf16_trains_as_the_dp_engine_does(w2: dict) -> None:

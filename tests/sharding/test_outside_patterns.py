@@ -120,11 +120,41 @@ def test_mla_is_sharded_by_heads_after_its_low_rank_up_projections() -> None:
     assert style.checked == (2, 4)
 
 
-def test_a_layer_refused_for_an_error_in_its_own_code_names_the_op() -> None:
-    """DeepSeek's routed experts run a grouped GEMM the float64 simulation cannot: refused, the op named."""
+def test_deepseek_moe_block_splits_attention_and_shared_expert_and_keeps_routed_experts_whole() -> None:
+    """The routed experts' grouped GEMM has no float64 kernel: the proof runs it one matmul per expert."""
     layer = _block(_deepseek(1), "model.layers.1")
+    style = layer.tp_style("megatron")
+    mlp = "model.layers.1.mlp"
+    assert f"{mlp}.shared_experts.gate_proj" in style.column and f"{mlp}.shared_experts.down_proj" in style.row
+    assert not any(".experts." in p or p.endswith(".gate") for p in style.column + style.row)
+    assert style.checked == (2, 4) and not layer.tp_refusal
+
+
+def test_a_layer_refused_for_an_error_in_its_own_code_names_the_op() -> None:
+    """A batched (3-D × 3-D) grouped GEMM in the layer's own code: no float64 kernel, refused, the op named."""
+    class Mixer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+            self.mix = nn.Parameter(torch.randn(2, 16, 16) / 4)
+
+        def forward(self, x):
+            x = torch.nn.functional.grouped_mm(x, self.mix)  # one [T, 16] × [16, 16] per sample
+            return self.down(torch.relu(self.up(x)))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Mixer(), Mixer()])
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    layer = autopar.capture(Model(), (torch.randn(2, 16, 16),)).layer("blocks.0")
     assert "megatron" not in [s.name for s in layer.tp_styles]
-    assert layer.tp_refusal.startswith("tensor parallelism withdrawn: _grouped_mm: RuntimeError")
+    assert layer.tp_refusal.startswith("tensor parallelism withdrawn: _grouped_mm: RuntimeError"), layer.tp_refusal
 
 
 def test_a_layer_with_projections_but_no_group_says_which() -> None:
