@@ -15,6 +15,10 @@ targets are, and picks the loss that fits (:func:`pick_loss`):
   token id per position, the targets already shifted by the caller); float
   targets shaped like the prediction get mean squared error.
 
+An output carrying a router's auxiliary loss (``.aux_loss``: a Hugging Face
+MoE model with ``output_router_logits``) and no ``.loss`` is refused: a loss
+on the logits would drop the load-balancing term the model asks for.
+
 Anything else is a :class:`~autopar.errors.LossError`: one line saying what
 the output and the targets were and asking for a loss function. The choice
 is logged once per process on the ``autopar`` logger (``autopar run`` shows it).
@@ -92,6 +96,11 @@ def pick_loss(output: Any, targets: torch.Tensor | None) -> LossChoice:
     """The default loss for this output and these targets (see the module docstring)."""
     if _own_loss(output) is not None:
         return LossChoice("the model's own loss (output.loss: the model was given its labels)", _model_loss)
+    aux = getattr(output, "aux_loss", None)
+    if isinstance(aux, torch.Tensor) and aux.dim() == 0:  # its coefficient is the model's (a config field)
+        raise LossError("the model's output carries an auxiliary loss (.aux_loss, a router's load-balancing "
+                        "term) that a default loss on its logits would drop: give the model its labels so that it "
+                        "adds the term itself, or pass a loss function (compile's loss_fn=, verify's --loss)")
     pred = prediction(output)
     if pred is None:
         raise _no_fit(output, targets, f"an output of type {type(output).__name__} with no tensor in it")

@@ -47,6 +47,21 @@ def test_an_output_no_default_loss_fits_is_one_line_asking_for_a_loss_function(o
     assert "pass a loss function" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_routers_auxiliary_loss_is_never_dropped_in_silence() -> None:
+    """An HF MoE model with output_router_logits returns aux_loss beside its logits; only its own loss (given
+    labels) adds the term with the config's coefficient."""
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+    logits, tokens = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
+    with pytest.raises(LossError, match=r"auxiliary loss \(\.aux_loss.*give the model its labels.*pass a loss "
+                                        r"function") as err:
+        default_loss(MoeCausalLMOutputWithPast(logits=logits, aux_loss=torch.tensor(0.3)), tokens)
+    assert "\n" not in str(err.value)
+    own = MoeCausalLMOutputWithPast(loss=torch.tensor(2.0), logits=logits, aux_loss=torch.tensor(0.3))
+    assert default_loss(own, None).item() == 2.0  # the model's own loss, the term inside
+    assert "at every position" in pick_loss(MoeCausalLMOutputWithPast(logits=logits), tokens).name  # no router term
+
+
 def test_keyword_inputs_that_fit_no_argument_name_it() -> None:
     model, inputs = build("hf_qwen3_padded")
     with pytest.raises(InputsError, match="input 'input_idz' matches no argument of Qwen3ForCausalLM.forward"):
