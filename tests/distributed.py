@@ -27,10 +27,11 @@ What the pool guarantees, whatever a case does:
   request gave (variables a case or torch set are removed after it); a case that leaves the
   default dtype, the thread count or grad mode changed fails, naming what it left (and the worker
   puts it back);
-- the sub-groups a case's device meshes make stay open (torch keeps meshes by group name), so a
-  worker raises its descriptor limit to the hard one, and the pool starts afresh before a request
-  once a worker has more than half of it open, or more than ``THREAD_RECYCLE`` threads (each gloo
-  group keeps its own);
+- the sub-groups a case's device meshes make are destroyed once every rank has finished the case
+  (``_close_groups``: each gloo group holds sockets and threads of its own); what still outlives a
+  case is bounded: a worker raises its descriptor limit to the hard one, and the pool starts afresh
+  before a request once a worker has more than half of it open, or more than ``THREAD_RECYCLE``
+  threads;
 - at the end of the session each worker destroys its process group and exits.
 """
 
