@@ -120,6 +120,19 @@ def test_mla_is_sharded_by_heads_after_its_low_rank_up_projections() -> None:
     assert style.checked == (2, 4)
 
 
+class _Stack(nn.Module):
+    """Two blocks of one class in a row: their layers are ``blocks.0`` and ``blocks.1``."""
+
+    def __init__(self, block: type[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([block(), block()])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
 def test_deepseek_moe_block_splits_attention_and_shared_expert_and_keeps_routed_experts_whole() -> None:
     """The routed experts' grouped GEMM has no float64 kernel: the proof runs it one matmul per expert."""
     layer = _block(_deepseek(1), "model.layers.1")
@@ -142,17 +155,7 @@ def test_a_layer_refused_for_an_error_in_its_own_code_names_the_op() -> None:
             x = torch.nn.functional.grouped_mm(x, self.mix)  # one [T, 16] × [16, 16] per sample
             return self.down(torch.relu(self.up(x)))
 
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = nn.ModuleList([Mixer(), Mixer()])
-
-        def forward(self, x):
-            for b in self.blocks:
-                x = b(x)
-            return x
-
-    layer = autopar.capture(Model(), (torch.randn(2, 16, 16),)).layer("blocks.0")
+    layer = autopar.capture(_Stack(Mixer), (torch.randn(2, 16, 16),)).layer("blocks.0")
     assert "megatron" not in [s.name for s in layer.tp_styles]
     assert layer.tp_refusal.startswith("tensor parallelism withdrawn: _grouped_mm: RuntimeError"), layer.tp_refusal
 
@@ -166,17 +169,7 @@ def test_a_layer_with_projections_but_no_group_says_which() -> None:
         def forward(self, x):  # two projections side by side: neither reads the other
             return self.a(x) + self.b(x)
 
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = nn.ModuleList([Chain(), Chain()])
-
-        def forward(self, x):
-            for b in self.blocks:
-                x = b(x)
-            return x
-
-    layer = autopar.capture(Model(), (torch.randn(2, 6, 16),)).layer("blocks.0")
+    layer = autopar.capture(_Stack(Chain), (torch.randn(2, 6, 16),)).layer("blocks.0")
     assert not layer.tp_styles
     assert layer.tp_refusal.startswith("tensor parallelism not offered: no column → row projection group covers "
                                        "blocks.0.a, blocks.0.b")
