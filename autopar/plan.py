@@ -67,6 +67,12 @@ BREAKDOWN_TERMS: tuple[tuple[str, str, str], ...] = (
     ("optimizer_s", "optimizer", "optimizer step"))
 
 
+def shown_terms(*breakdowns: Breakdown) -> tuple[tuple[str, str, str], ...]:
+    """:data:`BREAKDOWN_TERMS` as a table of these breakdowns shows them: the ep line only where one of
+    them runs experts over ep."""
+    return tuple(t for t in BREAKDOWN_TERMS if t[0] != "ep_comm_s" or any(b.ep_comm_s for b in breakdowns))
+
+
 @dataclass(frozen=True)
 class StageTime:
     """One virtual stage's work per microbatch on its pipeline rank, in seconds, as priced.

@@ -20,7 +20,7 @@ from typing import Any
 
 from autopar.choice import Recompute
 from autopar.errors import PlanError
-from autopar.plan import BREAKDOWN_TERMS, LayerPlan, Plan
+from autopar.plan import LayerPlan, Plan, shown_terms
 from autopar.units import format_bytes, format_flop_rate
 
 
@@ -162,8 +162,7 @@ def _rows(a: Plan, b: Plan) -> list[Row]:
         _number_row("step time", pa.step_time_s, pb.step_time_s, _seconds),
     ]
     rows += [_number_row(f"  {label}", getattr(pa.breakdown, key), getattr(pb.breakdown, key), _seconds)
-             for key, label, _ in BREAKDOWN_TERMS
-             if key != "ep_comm_s" or pa.breakdown.ep_comm_s or pb.breakdown.ep_comm_s]
+             for key, label, _ in shown_terms(pa.breakdown, pb.breakdown)]
     rows += [
         _number_row("FLOP/s per device", pa.tflops_per_gpu, pb.tflops_per_gpu, lambda x: format_flop_rate(x * 1e12)),
         _number_row("tokens/s per device", pa.tokens_per_s_per_gpu, pb.tokens_per_s_per_gpu, lambda x: f"{x:,.0f}"),

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from autopar.errors import AutoparError, InfeasibleError, PinError
 from autopar.mesh import Mesh
 from autopar.pins import Pins
-from autopar.plan import BREAKDOWN_TERMS, Breakdown, Plan, RunnerUp
+from autopar.plan import BREAKDOWN_TERMS, Breakdown, Plan, RunnerUp, shown_terms
 from autopar.tools.diff import same_plan
 from autopar.units import GiB, format_bytes
 
@@ -248,9 +248,7 @@ def _table(e: Explanation) -> str:
     row("schedule", lambda f, cf: f.schedule)
     row("microbatches", lambda f, cf: str(f.microbatches))
     row("step time", lambda f, cf: _with_delta(f.step_time_s, c.step_time_s, cf))
-    for key, _ in TERMS:
-        if key == "ep_comm_s" and not any(f is not None and f.term(key) for _, f, _ in columns):
-            continue  # no plan here runs experts over ep
+    for key, _, _ in shown_terms(*(f.breakdown for _, f, _ in columns if f is not None)):
         row(f"  {SHORT[key]}", lambda f, cf, key=key: _with_delta(f.term(key), c.term(key), cf))
     row("peak memory/rank", lambda f, cf: format_bytes(max(f.memory_per_rank_bytes)))
     if any(f is not None and len(f.memory_per_rank_bytes) > 1 for _, f, _ in columns):

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from autopar.cost_models.pipeline import ScheduleKind
 from autopar.errors import AutoparError, PlanError
-from autopar.plan import BREAKDOWN_TERMS, Plan
+from autopar.plan import Plan, shown_terms
 from autopar.units import GiB, MiB, format_bytes
 
 if TYPE_CHECKING:
@@ -391,8 +391,8 @@ def _dark(colour: Any) -> bool:
 def draw_comparison(plans: list[tuple[str, Plan]]) -> Figure:
     """Step time split into the plan breakdown's terms, and peak memory against the budget, per row."""
     plt = _pyplot()
-    terms = [(key, label.removesuffix(" comm")) for key, label, _ in BREAKDOWN_TERMS
-             if key != "ep_comm_s" or any(p.predicted.breakdown.ep_comm_s for _, p in plans)]
+    terms = [(key, label.removesuffix(" comm"))
+             for key, label, _ in shown_terms(*(p.predicted.breakdown for _, p in plans))]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 0.6 + 0.45 * len(plans)), layout="constrained",
                                       sharey=True)
     ys = list(range(len(plans)))[::-1]
