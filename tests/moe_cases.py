@@ -91,6 +91,17 @@ SPECS: dict[str, Spec] = {
                                                                  "microbatches=1", BLOCKS_TP), 4, ep=2),
 }
 
+# ep inside pipeline stages (the stages call the model's own layer modules, so each stage's experts are
+# rerouted as the whole model's are): ep pinned, so the planner offers it with pp; 1F1B over 2 stages
+PP2_EP2 = ("pp=2", "tp=1", "recompute=none", "microbatches=2", "schedule=1f1b", "ep=2")
+SPECS |= {
+    # W=4: pp=2 × dp=2, ep=2 folded into each stage's dp (edp=1), dense weights at ZeRO-0 and ZeRO-3
+    "pp2_ep2_mixtral": Spec(hf_mixtral, PP2_EP2 + ("dp=2", "zero=0"), 4),
+    "pp2_ep2_zero3_mixtral": Spec(hf_mixtral, PP2_EP2 + ("dp=2", "zero=3"), 4),
+    # W=8: pp=2 × dp=4, ep=2 × edp=2: at ZeRO-1 each stage's experts an FSDP2 unit of their own over edp
+    "pp2_ep2_dp4_zero1_mixtral": Spec(hf_mixtral, PP2_EP2 + ("dp=4", "zero=1"), 8),
+}
+
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}
 
 
