@@ -2,14 +2,15 @@
 
 Each case is an :func:`equivalence_cases.equivalence` case (3 SGD-with-momentum steps and 3 AdamW
 steps, losses, first-step gradients and final parameters against the unsharded model on the whole
-global batch) on a plan solved with dp pinned and ``ep`` set on the solved plan (ep is not searched
-yet, so no pin sets it). Routing decisions cannot flip between the two runs: the weights are seeded
-(seed 0), the routers score in fp32 (Mixtral's and Qwen2-MoE's ``*TopKRouter`` take the softmax of
-``logits.float()``), every rank runs the router on the very tokens the one-process run routes
-(ep only moves rows after the top-k is taken), and the fp32 forward of one step differs from the
-reference only by summation order (~1e-7 relative), far below any gap between two top-k scores
-of random Gaussian weights at these sizes (the parity bar of 1e-5 would catch a flip: a flipped
-token sends its rows through another expert).
+global batch) on a plan solved with dp pinned and ``ep`` set on the solved plan, or, in the pipeline
+cases, pinned (the planner then offers ep with pp itself). Routing decisions cannot flip between
+the two runs: the weights are seeded (seed 0), the routers score in fp32 (Mixtral's and
+Qwen2-MoE's ``*TopKRouter`` take the softmax of ``logits.float()``), every rank runs the router
+on the very tokens the one-process run routes (ep only moves rows after the top-k is taken), and
+the fp32 forward of one step differs from the reference only by summation order (~1e-7
+relative), far below any gap between two top-k scores of random Gaussian weights at these sizes
+(the parity bar of 1e-5 would catch a flip: a flipped token sends its rows through another
+expert).
 """
 
 from __future__ import annotations
