@@ -141,3 +141,31 @@ def test_ep_with_pp_stays_refused_where_the_stages_are_single_aten_graphs(mixtra
     staged = dataclasses.replace(plan, mesh=Mesh(pp=2, dp=2, ep=2))
     with pytest.raises(LoweringError, match=r"single ATen graphs"):
         check_expert_parallel(mixtral[0], graph, staged)
+
+
+def test_each_parts_experts_take_the_zero_stage_the_contract_gives_their_layer(mixtral) -> None:
+    """The ep pass reads an MoE layer's ZeRO stage from its part's units: the whole model's, or one
+    pipeline stage's (whose plan holds its own layers only), equal to the contract's effective stage
+    of that layer in the whole plan, on every part."""
+    from autopar.contract import effective_zero, mode_of, plan_layout
+    from autopar.passes.expert_parallel import expert_zeros
+    from autopar.passes.pipeline import stage_part
+    from autopar.runtime.lowering import whole_model_part
+
+    graph = autopar.capture(*mixtral)
+    for pins in (["pp=1", "dp=4", "zero=3"], ["pp=1", "dp=4", "zero=1"], ["pp=2", "dp=4", "zero=3"],
+                 ["pp=2", "dp=4", "zero=0"], ["pp=2", "dp=4", "model.layers.1:zero=2", "model.layers.0:zero=0"]):
+        plan = autopar.solve(graph, 4 * (2 if "pp=2" in pins else 1), cluster="cpu", dtype="fp32", global_batch=8,
+                             pins=[*pins, "ep=2", "tp=1", "recompute=none", "microbatches=2"])
+        mode = mode_of(graph, plan.mesh.dp, tuple(lp.choice.zero for lp in plan.layers), plan.mesh.pp)
+        want = {lp.name: effective_zero(graph, graph.layer(lp.name).index, lp.choice.zero, mode, plan.mesh.dp,
+                                        plan.mesh.pp) for lp in plan.layers if graph.layer(lp.name).moe}
+        if plan.mesh.pp == 1:
+            parts = [whole_model_part(graph, plan)]
+        else:
+            layout = plan_layout(graph, plan)
+            parts = [stage_part(graph, plan, layout, k, True) for k in range(plan.stages)]
+        got = {}
+        for part in parts:
+            got |= expert_zeros(graph, dataclasses.replace(plan, layers=part.layers), part.units)
+        assert got == want and set(want) == {"model.layers.0", "model.layers.1"}, (pins, got, want)
