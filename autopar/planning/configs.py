@@ -54,7 +54,7 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
     pinned_zeros = [pin.get("zero") for pin in pins.resolve_layers([layer.name for layer in graph])]
     configs: list[Configuration] = []
     for mesh in meshes(limits, pinned):
-        if contract.ep_refusal(mesh):
+        if contract.ep_refusal(mesh, graph):
             continue
         floor = contract.root_floor(graph, pinned_zeros, mesh.pp)
         per_replica = training.global_batch // mesh.dp
@@ -121,7 +121,7 @@ def why_no_config(graph: LayerGraph, world: int, training: TrainingSpec, pins: P
                 f"most {max_stages} (it has {max_stages - 1} places a cut may go)" + _blocked(graph))
     if dp and b % dp:
         return f"batch size {b} does not divide over the pinned dp={dp}"
-    if (ep := pinned.get("ep", 1)) > 1 and (why := contract.ep_refusal(Mesh(pp=pp or 1, dp=ep, ep=ep))):
+    if (ep := pinned.get("ep", 1)) > 1 and (why := contract.ep_refusal(Mesh(pp=pp or 1, dp=ep, ep=ep), graph)):
         return why
     if ep > 1:
         return (f"no mesh for world size {world} and batch size {b} has a data-parallel degree that the "

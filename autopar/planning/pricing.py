@@ -303,7 +303,7 @@ class PriceTable:
             return w.largest_unit_params
         dense = [layer.param_count - self.split_expert_params(layer) for layer in self.graph]
         units = [d for d, own in zip(dense, w.own) if own]
-        units.append(sum(d for d, root in zip(dense, w.root) if root))  # ep runs at pp = 1: one root unit
+        units.append(sum(d for d, root in zip(dense, w.root) if root))  # every stage's root: a bound, as contract's
         units += [self.local_expert_params(layer) for layer in self.graph if layer.moe]
         return max(units)
 
