@@ -122,6 +122,27 @@ def test_the_planner_offers_ep_with_pp_where_the_stages_call_the_experts(mixtral
     assert moe and all((st.forward_tp_s > 0) == (st.stage in moe) for st in plan.predicted.stages)
 
 
+def test_the_free_search_leaves_ep_out_of_pipelines_and_the_plan_says_so(mixtral) -> None:
+    """ep with pp is planned where ep is pinned; unpinned, the search keeps them apart (their pipelines ran
+    DeepSeek-V3's search out of time) and the plan's notes say OPTIMAL is over what was searched."""
+    from autopar.cost_models.hardware import PRESETS
+    from autopar.pins import Pins
+    from autopar.planning.configs import enumerate_configs
+    from autopar.planning.configuration import TrainingSpec
+
+    graph = autopar.capture(*mixtral)
+    cluster = PRESETS["cpu"].for_world_size(8)
+    free = enumerate_configs(graph, 8, cluster, TrainingSpec(8, "fp32"), Pins.parse([]))
+    assert any(c.mesh.ep > 1 for c in free) and any(c.mesh.pp > 1 for c in free)
+    assert not any(c.mesh.ep > 1 and c.mesh.pp > 1 for c in free)
+    pinned = enumerate_configs(graph, 8, cluster, TrainingSpec(8, "fp32"), Pins.parse(["ep=2"]))
+    assert any(c.mesh.ep == 2 and c.mesh.pp > 1 for c in pinned)
+    plan = autopar.solve(graph, 8, cluster="cpu", global_batch=8, dtype="fp32")
+    assert any(n.startswith("ep inside pipeline stages is planned where ep is pinned") for n in plan.notes)
+    assert not any("not searched" in n for n in autopar.solve(graph, 8, cluster="cpu", global_batch=8,
+                                                              dtype="fp32", pins=["ep=2"]).notes)
+
+
 def test_ep_with_pp_stays_refused_where_the_stages_are_single_aten_graphs(mixtral) -> None:
     """A model whose export could not keep its layers' module calls (tracer "export") runs each stage as
     one ATen graph: no experts module is called there, so ep with pp is refused, with that reason, by the
