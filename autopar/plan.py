@@ -506,7 +506,8 @@ def render_summary(plan: Plan) -> str:
     b = p.breakdown
     lines = [
         f"autopar plan — {plan.model} on {plan.world_size} × {plan.cluster.device.name}"
-        f" ({plan.cluster.name}, {plan.training.dtype})",
+        f" ({plan.cluster.name}, {plan.training.dtype}"
+        + (", blocks under torch.compile" if plan.training.compiled else "") + ")",
         f"mesh          {m.describe()}",
         f"batch         {plan.training.global_batch} = dp {m.dp} × {plan.microbatches} microbatches"
         f" × {plan.microbatch_size}   schedule {sched}",

@@ -300,9 +300,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # Restarted ranks sharing the agent's store read the failed attempt's gloo addresses
     # ("connectFullMesh failed ... Connection refused"; pytorch/pytorch#135712): a store of their own.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if args.compile:  # read by autopar.compile when torch_compile is not given
-        from autopar.runtime.compiled import COMPILE_ENV
+    from autopar.runtime.compiled import COMPILE_ENV
 
+    before = os.environ.get(COMPILE_ENV)
+    if args.compile:  # read by the ranks' autopar.compile when torch_compile is not given
         os.environ[COMPILE_ENV] = "1"
     try:
         torchrun.main(["--standalone", "--nproc-per-node", str(args.nproc), "--max-restarts",
@@ -310,6 +311,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except ChildFailedError as exc:
         _err(describe_failures(args.script, exc.failures, args.nproc))
         return EXIT_BAD_INPUT if bad_input_only(exc.failures) else EXIT_FAILED
+    finally:  # this process's environment as it was (main() may be called again, as the tests do)
+        if before is None:
+            os.environ.pop(COMPILE_ENV, None)
+        else:
+            os.environ[COMPILE_ENV] = before
     return EXIT_OK
 
 

@@ -63,6 +63,7 @@ def test_a_compiled_plan_round_trips_and_old_plans_load_eager(graph) -> None:
     plan = autopar.solve(g, 2, cluster="cpu", global_batch=4, compiled=True)
     assert plan.training.compiled and Plan.from_json(plan.to_json()) == plan
     assert {"tp=1", "pp=1", "recompute=none"} <= set(plan.pins)
+    assert "blocks under torch.compile" in plan.summary().splitlines()[0]
     old = json.loads(plan.to_json())
     del old["training"]["compiled"]  # a plan written before the field
     assert Plan.from_json(json.dumps(old)).training.compiled is False
@@ -127,3 +128,12 @@ def test_cli_verify_compile_refuses_a_tensor_parallel_plan_in_one_line(tmp_path:
     assert main(["verify", GPT, "--world-size", "2", "--compile", "--pin", "tp=2"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "does not run tensor parallelism" in err
+
+
+def test_run_compile_reaches_the_scripts_compile_through_the_environment(monkeypatch) -> None:
+    from autopar.runtime.compiled import COMPILE_ENV, requested
+
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
+    assert requested(None) is None and requested(False) is False
+    monkeypatch.setenv(COMPILE_ENV, "1")  # what `autopar run --compile` sets for its ranks
+    assert requested(None) is True and requested(False) is False  # an explicit argument wins
