@@ -380,7 +380,7 @@ class PriceTable:
                 tp_comm_fwd, tp_comm_bwd = sequence_comm_s(style, elem, self.tp_group, self.cluster)
                 acts = sequence_activation_bytes(layer, style, c.mesh.tp, self.graph.dtype_bytes)
         times = layer_compute(layer, style_name, c.mesh.tp, b, self.cluster.device, self.dtype_for_compute,
-                              self.act_scale, compiled=self.training.compiled and self.graph.repeated[layer.index])
+                              self.act_scale, compiled=self.training.compiled and self.graph.blocks[layer.index])
         part = (times.fwd_s, times.bwd_s, tp_comm_fwd, tp_comm_bwd, acts)
         self._style_memo[key] = (layer, part)  # the layer is kept, so its id is not reused while the memo lives
         return part

@@ -1,6 +1,6 @@
 """torch.compile per block, after the parallel lowering (issue 24, first slice).
 
-Each repeated block of the plan (:attr:`autopar.graph.LayerGraph.repeated`:
+Each repeated block of the plan (:attr:`autopar.graph.LayerGraph.blocks`:
 the layers of the stack, which FSDP2 also shards one by one) has its
 ``forward`` replaced by ``torch.compile`` of it, as torchtitan compiles per
 block: the engines' hooks (DDP's gradient hooks, FSDP2's all-gather before
@@ -80,8 +80,7 @@ def check_compiled(plan: Plan, torch_compile: bool | None) -> None:
 def block_paths(graph: LayerGraph, plan: Plan) -> list[str]:
     """Module paths of the plan's repeated blocks, in order: the modules compiled one by one."""
     names = {lp.name for lp in plan.layers}
-    return [layer.module_path for layer, rep in zip(graph.layers, graph.repeated)
-            if rep and layer.name in names and layer.module_path]
+    return [layer.module_path for layer, block in zip(graph.layers, graph.blocks) if block and layer.name in names]
 
 
 def compile_blocks(parts: list[nn.Module], paths: list[str], **options: Any) -> list[str]:
