@@ -35,7 +35,8 @@ _EXPORTS: dict[str, str] = {
     "latest_checkpoint": "autopar.runtime",
     "UnknownDeviceWarning": "autopar.runtime.launch",
     "BatchError": "autopar.errors", "LaunchError": "autopar.errors",
-    "LoweringError": "autopar.errors", "CheckpointError": "autopar.errors", "WeightsError": "autopar.errors",
+    "LoweringError": "autopar.errors", "CompileError": "autopar.errors",
+    "CheckpointError": "autopar.errors", "WeightsError": "autopar.errors",
     "InputsError": "autopar.errors", "LossError": "autopar.errors",
     "DataError": "autopar.errors", "MetricsError": "autopar.errors",
 }

@@ -45,6 +45,10 @@ class LoweringError(AutoparError):
     """A plan cannot be lowered onto this model (e.g. tp does not divide its heads or widths)."""
 
 
+class CompileError(LoweringError):
+    """torch.compile was asked for a lowering it does not run yet (tensor parallelism, pipelines…)."""
+
+
 class LaunchError(AutoparError):
     """Training needs a process group that was not launched; the message says how to launch."""
 

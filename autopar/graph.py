@@ -441,6 +441,12 @@ class LayerGraph:
         counts = Counter(self.cost_classes)
         return tuple(counts[c] > 1 for c in self.cost_classes)
 
+    @cached_property
+    def blocks(self) -> tuple[bool, ...]:
+        """Per layer, whether it is a block of the stack with a module of its own: what
+        ``torch_compile`` compiles one by one (autopar.runtime.compiled) and pricing prices compiled."""
+        return tuple(rep and bool(l.module_path) for l, rep in zip(self.layers, self.repeated))
+
     def layer(self, name: str) -> Layer:
         return self.graph.nodes[name]["layer"]
 

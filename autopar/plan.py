@@ -171,13 +171,17 @@ class TrainingSettings:
 
     ``global_batch`` samples per step in ``dtype`` (``bf16`` or ``fp32``);
     ``seq_len`` is the captured sequence length (None for models without one);
-    ``optimizer`` is the optimizer the memory model priced (``adam``).
+    ``optimizer`` is the optimizer the memory model priced (``adam``);
+    ``compiled``: priced with each block under ``torch.compile`` (fused
+    memory-bound ops, :mod:`autopar.cost_models.compute`), and lowered so by
+    ``compile`` (plans written before the field load as eager).
     """
 
     global_batch: int
     dtype: str
     seq_len: int | None
     optimizer: str
+    compiled: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -304,7 +308,7 @@ def _cluster_from_dict(d: dict, source: str) -> ClusterSpec:
         raise PlanError(f"{source}: {exc}") from None
 
 
-_TRAINING_FIELDS = ("global_batch", "dtype", "seq_len", "optimizer")
+_TRAINING_FIELDS = ("global_batch", "dtype", "seq_len", "optimizer", "compiled")
 
 
 def _training_from_dict(t: Any, source: str) -> TrainingSettings:
@@ -321,6 +325,7 @@ def _training_from_dict(t: Any, source: str) -> TrainingSettings:
         dtype=_require(t, "dtype", str, source),
         seq_len=seq_len,
         optimizer=_require(t, "optimizer", str, source),
+        compiled=_require(t, "compiled", bool, source) if "compiled" in t else False,
     )
 
 
@@ -501,7 +506,8 @@ def render_summary(plan: Plan) -> str:
     b = p.breakdown
     lines = [
         f"autopar plan — {plan.model} on {plan.world_size} × {plan.cluster.device.name}"
-        f" ({plan.cluster.name}, {plan.training.dtype})",
+        f" ({plan.cluster.name}, {plan.training.dtype}"
+        + (", blocks under torch.compile" if plan.training.compiled else "") + ")",
         f"mesh          {m.describe()}",
         f"batch         {plan.training.global_batch} = dp {m.dp} × {plan.microbatches} microbatches"
         f" × {plan.microbatch_size}   schedule {sched}",

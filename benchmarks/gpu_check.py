@@ -15,7 +15,8 @@ Ready for the day a machine with a GPU is lent (nothing here needs more than one
    device's bf16 GEMM peak measured beside the preset's, and the per-op terms
    (``benchmarks/gpu_compute.py``: a GEMM-shape sweep, HBM bandwidth, attention);
 3. for several single-device plans — two model sizes, recompute on and off,
-   1, 2 and 4 microbatches — ``autopar.compile`` in bf16 (bf16 compute, fp32
+   1, 2 and 4 microbatches, and one with each block under ``torch.compile``
+   (priced compiled; solved but not run with ``--dry``) — ``autopar.compile`` in bf16 (bf16 compute, fp32
    master weights and AdamW state), timed training steps (median after
    warm-up) and peak memory (``torch.cuda.max_memory_allocated``; the
    profiler's allocation events on CPU), each against the plan priced on the
@@ -62,6 +63,10 @@ PLANS = (  # (name, pins): every choice a single-device plan has
     ("m2", ("recompute=none", "microbatches=2")),
     ("m4 recompute", ("recompute=all", "microbatches=4")),
 )
+# Each block under torch.compile (issue 24): priced compiled, run compiled. On a GPU only: with --dry the
+# plan is solved and priced (the compiled pricing path) but not run, since inductor's C++ compile takes
+# minutes on a busy 2-core host (tests/runtime/test_compile.py proves the compiled runtime on CPU).
+COMPILED_PLANS = (("m1 compiled", ("recompute=none", "microbatches=1")),)
 
 
 def init_group(dry: bool) -> Any:
@@ -137,18 +142,29 @@ def measure_peak(fn: Any, device: Any) -> tuple[Any, int]:
     return result, peak_tensor_bytes(events, started)
 
 
-def run_plan(model: Model, name: str, pins: tuple[str, ...], cluster: Any, device: Any, steps: int,
-             batch: int) -> dict[str, Any]:
-    """Compile one bf16 plan of ``model``, train, and set measured against predicted."""
+def solve_plan(model: Model, pins: tuple[str, ...], cluster: Any, batch: int, compiled: bool = False) -> Any:
+    """The bf16 single-device plan of ``model`` under ``pins`` (``compiled``: blocks priced compiled)."""
     import gpt
-    import torch
 
     import autopar
 
     net, inputs = gpt.gpt(n_layer=model.n_layer, d_model=model.d_model, n_head=model.n_head,
                           vocab_size=model.vocab, seq_len=model.seq, device="meta")
     graph = autopar.capture(net, inputs)
-    plan = autopar.solve(graph, 1, cluster=cluster, dtype="bf16", global_batch=batch, pins=list(pins))
+    plan = autopar.solve(graph, 1, cluster=cluster, dtype="bf16", global_batch=batch, pins=list(pins),
+                         compiled=compiled)
+    return net, inputs, graph, plan
+
+
+def run_plan(model: Model, name: str, pins: tuple[str, ...], cluster: Any, device: Any, steps: int,
+             batch: int, compiled: bool = False) -> dict[str, Any]:
+    """Compile one bf16 plan of ``model`` (its blocks under torch.compile if ``compiled``), train, and set
+    measured against predicted."""
+    import torch
+
+    import autopar
+
+    net, inputs, graph, plan = solve_plan(model, pins, cluster, batch, compiled)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, model.vocab, (batch, model.seq), generator=g)
     y = torch.randint(0, model.vocab, (batch, model.seq), generator=g)
@@ -174,6 +190,7 @@ def run_plan(model: Model, name: str, pins: tuple[str, ...], cluster: Any, devic
     measured_s, predicted_s = statistics.median(times), plan.predicted.step_time_s
     predicted_bytes = plan.predicted.memory_per_rank_bytes[0]
     return {"model": model.name, "plan": name, "pins": list(pins), "microbatches": plan.microbatches,
+            "compiled": list(pm.compiled),
             "recompute": sum(bool(lp.choice.recompute) for lp in plan.layers), "dtype": plan.training.dtype,
             "masters_fp32": all(p.dtype == torch.float32 for g_ in pm.optimizer.param_groups for p in g_["params"]),
             "predicted_step_s": predicted_s, "measured_step_s": measured_s,
@@ -201,7 +218,7 @@ def main() -> int:
     cluster = fitted_cluster(fit, args.dry)
     from gpu_compute import check as check_ops  # per-op compute terms: GEMM shapes, bandwidth, attention
     compute_ops, cluster = check_ops(args.dry, cluster)
-    rows, failures = [], []
+    rows, failures, skipped = [], [], []
     for model in DRY_MODELS if args.dry else GPU_MODELS:
         for name, pins in PLANS:
             try:
@@ -209,12 +226,23 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001 - one plan's failure is reported, the others still run
                 failures.append({"model": model.name, "plan": name, "error": f"{type(exc).__name__}: {exc}"})
             print(f"gpu_check: {model.name} {name} done", file=sys.stderr, flush=True)
+        for name, pins in COMPILED_PLANS:
+            batch = 4 if args.dry else 8
+            try:
+                if args.dry:  # priced, not run (COMPILED_PLANS)
+                    plan = solve_plan(model, pins, cluster, batch, compiled=True)[3]
+                    skipped.append({"model": model.name, "plan": name, "compiled": plan.training.compiled,
+                                    "predicted_step_s": plan.predicted.step_time_s, "why": "--dry: not run"})
+                else:
+                    rows.append(run_plan(model, name, pins, cluster, device, steps, batch, compiled=True))
+            except Exception as exc:  # noqa: BLE001 - one plan's failure is reported, the others still run
+                failures.append({"model": model.name, "plan": name, "error": f"{type(exc).__name__}: {exc}"})
     result = {
         "dry": args.dry, "backend": dist.get_backend(), "world_size": dist.get_world_size(),
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else f"cpu ({platform.processor()})",
         "torch": torch.__version__, "cluster": cluster.to_dict(),
         "fit": {k: v for k, v in fit.items() if k != "layers"}, "probes": fit["layers"],
-        "plans": rows, "failures": failures, "compute_ops": compute_ops, "memory_terms": memory,
+        "plans": rows, "skipped": skipped, "failures": failures, "compute_ops": compute_ops, "memory_terms": memory,
     }
     dist.destroy_process_group()
     text = json.dumps(result, indent=2, default=float)

@@ -43,6 +43,16 @@ CAUSAL_ATTENTION_WORK = 0.5
 # FlashAttention-2 on A100, batch 1, 4096 tokens, 32 heads: 156.3 TFLOP/s causal (half the FLOPs
 # counted) against 184.0 non-causal (liangan1/GPU_travel, performance/flash-attn/README.md).
 CAUSAL_ATTENTION_RATE = 156.3 / 184.0
+# torch.compile (inductor) fuses chains of memory-bound ops (elementwise, norms, softmax) into one
+# kernel that reads the chain's inputs and writes its outputs once, instead of a round trip to memory
+# per op; GEMMs and fused attention stay library calls. An ASSUMPTION, not a measurement: each
+# memory-bound op of a compiled block fuses with at least one neighbour, which halves its bytes and
+# kernels — exact for a chain of two unary ops (Horace He, "Making Deep Learning Go Brrrr From First
+# Principles", 2022: fused ``x.cos().cos()`` makes 2 memory accesses instead of 4, in one kernel
+# instead of two), conservative for longer chains. It applies only where the op model prices
+# memory-bound ops apart (a device with an ``op_model`` and a layer with op records); elsewhere a
+# compiled layer is priced as eager. ``autopar calibrate`` does not measure it yet.
+COMPILED_MEMORY_BOUND_FRACTION = 0.5
 
 
 def efficiency(work_flops: float, device: DeviceSpec) -> float:

@@ -15,7 +15,7 @@ from typing import Any
 from autopar import contract
 from autopar.cost_models.hardware import ClusterSpec, load_cluster
 from autopar.cost_models.memory import PRECISIONS
-from autopar.errors import AutoparError, InfeasibleError
+from autopar.errors import AutoparError, CompileError, InfeasibleError, PinError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
 from autopar.plan import LayerPlan, Plan, Predicted, RunnerUp, SolverReport, TrainingSettings
@@ -48,14 +48,15 @@ def memory_budget(cluster: ClusterSpec, memory_gb: float | None) -> int:
 def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | None = None,
           nodes: int | None = None, global_batch: int | None = None, dtype: str = "bf16",
           memory_gb: float | None = None, pins: PinsLike = None, time_limit_s: float = 30.0,
-          runners_up: int = RUNNERS_UP) -> Plan:
+          runners_up: int = RUNNERS_UP, compiled: bool = False) -> Plan:
     """The fastest plan for ``graph`` on ``world_size`` devices that fits in memory.
 
     ``global_batch`` (samples per step) defaults to ``world_size``; ``memory_gb``
     is the per-rank budget in GiB (default: device memory less the cluster's reserve).
     The plan records the best plans of the next ``runners_up`` distinct configurations
-    (``Plan.runners_up``; 0 searches least). Raises :class:`InfeasibleError` when nothing
-    fits, :class:`PinError` for bad pins.
+    (``Plan.runners_up``; 0 searches least). ``compiled``: each block priced under
+    torch.compile, in the plans the compiled runtime runs (:data:`COMPILED_PINS`). Raises
+    :class:`InfeasibleError` when nothing fits, :class:`PinError` for bad pins.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise AutoparError(f"world size must be a positive integer, got {world_size!r}")
@@ -65,12 +66,25 @@ def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | No
     if not isinstance(batch, int) or batch < 1:
         raise AutoparError(f"batch size must be a positive integer, got {batch!r}")
     spec = resolve_cluster(cluster, world_size, nodes=nodes)
-    training = TrainingSpec(global_batch=batch, dtype=dtype)
-    parsed = Pins.from_any(pins)
+    training = TrainingSpec(global_batch=batch, dtype=dtype, compiled=compiled)
+    parsed = _compiled_pins(Pins.from_any(pins)) if compiled else Pins.from_any(pins)
     solution = _solve(graph, world_size, spec, training, pins=parsed,
                       memory_budget_bytes=memory_budget(spec, memory_gb),
                       options=SolverOptions(time_limit_s=time_limit_s), runners_up=runners_up)
     return build_plan(graph, solution, spec, training, parsed)
+
+
+# What the compiled runtime runs (autopar.runtime.compiled): no tensor parallelism, no pipeline, no
+# recompute. A compiled plan is searched there only, so nothing it cannot run is offered.
+COMPILED_PINS = ("tp=1", "pp=1", "recompute=none")
+
+
+def _compiled_pins(pins: Pins) -> Pins:
+    try:
+        return Pins.parse(pins.to_strings() + list(COMPILED_PINS))
+    except PinError as exc:
+        raise CompileError(f"torch.compile does not run tensor parallelism, pipelines or recompute yet "
+                           f"(compiled plans are solved with {' '.join(COMPILED_PINS)}): {exc}") from None
 
 
 def reprice(graph: LayerGraph, plan: Plan, cluster: str | ClusterSpec | None = None, *,
@@ -87,7 +101,8 @@ def reprice(graph: LayerGraph, plan: Plan, cluster: str | ClusterSpec | None = N
             else resolve_cluster(cluster, plan.world_size))
     if spec.world_size != plan.world_size:
         spec = spec.for_world_size(plan.world_size)
-    training = TrainingSpec(global_batch=plan.training.global_batch, dtype=plan.training.dtype)
+    training = TrainingSpec(global_batch=plan.training.global_batch, dtype=plan.training.dtype,
+                            compiled=plan.training.compiled)
     stages = tuple(l.stage for l in plan.layers)
     choices = tuple(l.choice for l in plan.layers)
     # the data-parallel mode the plan lowers in; a choice the search space leaves out is priced all the same
@@ -137,7 +152,7 @@ def build_plan(graph: LayerGraph, solution: Solution, cluster: ClusterSpec,
                             solution.configs_total, solution.configs_solved),
         cluster=cluster,
         training=TrainingSettings(global_batch=training.global_batch, dtype=training.dtype,
-                                  seq_len=graph.seq_len, optimizer="adam"),
+                                  seq_len=graph.seq_len, optimizer="adam", compiled=training.compiled),
         pins=tuple(pins.to_strings()),
         notes=contract_notes(graph, solution) + choice_notes(graph, solution) + search_notes(graph, pins, c.world_size),
         runners_up=tuple(runner_up(graph, r) for r in solution.runners_up),

@@ -51,10 +51,12 @@ class Configuration:
 
 @dataclass(frozen=True)
 class TrainingSpec:
-    """What the plan trains with: global batch (samples per step) and precision."""
+    """What the plan trains with: global batch (samples per step), precision, and whether each
+    block runs under torch.compile (its memory-bound ops priced fused)."""
 
     global_batch: int
     dtype: str = "bf16"
+    compiled: bool = False
 
     @property
     def precision(self) -> Precision:

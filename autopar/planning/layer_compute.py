@@ -9,6 +9,10 @@ Per microbatch of b samples, under a tensor-parallel style on tp ranks
                + Σ_attention count · t_attn_bwd(b·F / share) + t_mem(2 · b · bytes / share, 2 · kernels)
                + 2 · rest
 
+Under torch.compile (a compiled block), the memory-bound term's bytes and kernels are scaled by
+:data:`~autopar.cost_models.compute.COMPILED_MEMORY_BOUND_FRACTION` (fusion); GEMMs and attention
+are priced as eager (inductor calls the same library kernels for them).
+
 with each GEMM's shape after the style's sharding (:meth:`autopar.graph.OpRecord.gemm_shape`),
 bytes rescaled from the captured dtype to the plan's (``act_scale``), and ``rest`` the layer's
 counted FLOPs that no record covers, priced by the FLOPs model without its per-call overhead.
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 
 from autopar.cost_models.compute import (
     BACKWARD_FLOPS_FACTOR,
+    COMPILED_MEMORY_BOUND_FRACTION,
     MEMORY_BOUND_BACKWARD_FACTOR,
     attention_time_s,
     compute_time_s,
@@ -59,14 +64,16 @@ def op_flops_per_sample(layer: Layer, style: str | None, tp: int) -> float:
 
 
 def layer_compute(layer: Layer, style: str | None, tp: int, microbatch: int, device: DeviceSpec,
-                  dtype: str, act_scale: float = 1.0) -> LayerCompute:
-    """Forward and backward time of ``layer`` for one microbatch (module docstring)."""
+                  dtype: str, act_scale: float = 1.0, *, compiled: bool = False) -> LayerCompute:
+    """Forward and backward time of ``layer`` for one microbatch (module docstring); ``compiled``:
+    its memory-bound ops fused by torch.compile (:data:`COMPILED_MEMORY_BOUND_FRACTION`)."""
     flops = style_flops_per_sample(layer, style, tp)
     b = microbatch
     if device.op_model is None or not layer.ops:
         return LayerCompute(compute_time_s(b * flops, device, dtype),
                             compute_time_s(BACKWARD_FLOPS_FACTOR * b * flops, device, dtype))
     fwd = bwd = 0.0
+    fused = COMPILED_MEMORY_BOUND_FRACTION if compiled else 1.0
     for op in layer.ops:
         if op.kind is OpKind.GEMM:
             m, n, k, batch = op.gemm_shape(b, style, tp)
@@ -78,10 +85,10 @@ def layer_compute(layer: Layer, style: str | None, tp: int, microbatch: int, dev
             fwd += op.count * attention_time_s(work, device, dtype, causal=op.causal)
             bwd += op.count * attention_time_s(work, device, dtype, backward=True, causal=op.causal)
         else:
-            nbytes = b * op.bytes_per_sample * op.split(style, tp) * act_scale
-            fwd += memory_bound_time_s(nbytes, device, op.count)
+            nbytes = b * op.bytes_per_sample * op.split(style, tp) * act_scale * fused
+            fwd += memory_bound_time_s(nbytes, device, op.count * fused)
             bwd += memory_bound_time_s(MEMORY_BOUND_BACKWARD_FACTOR * nbytes, device,
-                                       MEMORY_BOUND_BACKWARD_FACTOR * op.count)
+                                       MEMORY_BOUND_BACKWARD_FACTOR * op.count * fused)
     rest = max(0.0, flops - op_flops_per_sample(layer, style, tp)) * b
     rate = device.peak_flops(dtype) * device.matmul_efficiency
     return LayerCompute(fwd + rest / rate, bwd + BACKWARD_FLOPS_FACTOR * rest / rate)

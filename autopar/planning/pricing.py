@@ -355,7 +355,7 @@ class PriceTable:
         communication, saved activations."""
         c, b = self.config, self.microbatch_size
         key = (id(layer), style_name, sp, c.mesh.tp, b, self.tp_group, self.act_scale, self.dtype_for_compute,
-               id(self.cluster))
+               id(self.cluster), self.training.compiled)
         if key in self._style_memo:
             return self._style_memo[key][1]
         acts = layer.activation_bytes_per_sample
@@ -381,7 +381,7 @@ class PriceTable:
                 tp_comm_fwd, tp_comm_bwd = sequence_comm_s(style, elem, self.tp_group, self.cluster)
                 acts = sequence_activation_bytes(layer, style, c.mesh.tp, self.graph.dtype_bytes)
         times = layer_compute(layer, style_name, c.mesh.tp, b, self.cluster.device, self.dtype_for_compute,
-                              self.act_scale)
+                              self.act_scale, compiled=self.training.compiled and self.graph.blocks[layer.index])
         part = (times.fwd_s, times.bwd_s, tp_comm_fwd, tp_comm_bwd, acts)
         self._style_memo[key] = (layer, part)  # the layer is kept, so its id is not reused while the memo lives
         return part

@@ -46,6 +46,7 @@ from autopar.errors import BatchError, LaunchError
 from autopar.graph import LayerGraph
 from autopar.passes.expert_parallel import reduce_expert_grads
 from autopar.plan import Plan, Predicted
+from autopar.runtime.compiled import block_paths, check_compiled, compile_blocks, requested
 from autopar.runtime.launch import (
     check_world,
     device,
@@ -117,6 +118,7 @@ class ParallelModel:
     step: int = 0
     grad_norm: float | None = None
     entries: list[Entry] = field(default_factory=list)
+    compiled: tuple[str, ...] = ()  # the blocks running under torch.compile (plan.training.compiled)
     _checkpoint_group: Any = field(default=None, repr=False)
     _pending_save: Any = field(default=None, repr=False)
 
@@ -432,7 +434,8 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
             loss_fn: LossFn | None = None, optimizer: OptimizerFactory | None = None, *,
             init_fn: Callable[[nn.Module], None] | None = None, graph: LayerGraph | None = None,
             max_grad_norm: float | None = None, lr_scheduler: SchedulerFactory | None = None,
-            weights: str | Path | None = None, seed: int = 0, **solve_kwargs: Any) -> ParallelModel:
+            weights: str | Path | None = None, seed: int = 0, torch_compile: bool | None = None,
+            **solve_kwargs: Any) -> ParallelModel:
     """Plan (or load a plan for) ``model`` and lower it for this rank.
 
     ``world_size`` defaults to the process group's size (torchrun's env vars
@@ -453,6 +456,11 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
     Hugging Face directory) after lowering. ``init_fn`` initialises a
     meta-device model after sharding (default: ``reset_parameters()``);
     ``graph`` skips capture; ``seed`` seeds each step's dropout.
+    ``torch_compile``: each repeated block under ``torch.compile`` after the
+    lowering (:mod:`autopar.runtime.compiled`); the plan is solved and priced
+    compiled, a given plan must have been (``training.compiled``; None: as the
+    plan says). Plans it does not run yet raise
+    :class:`~autopar.errors.CompileError` before any collective.
     """
     launched = ensure_process_group()
     if world_size is None:
@@ -461,8 +469,12 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
                               "(or launch under torchrun so it can be read)")
         world_size = dist.get_world_size()
     kwargs = dict(solve_kwargs, cluster=cluster, pins=pins)
+    torch_compile = requested(torch_compile)
+    if plan is None and torch_compile:
+        kwargs["compiled"] = True
     plan, graph = resolve_plan(model, example_inputs, plan, graph, world_size, launched, **kwargs)
     check_world(plan, world_size, launched)
+    check_compiled(plan, torch_compile)
     loss_fn = loss_fn or default_loss
     if not launched and world_size > 1:
         return ParallelModel(plan, graph, model, None, loss_fn, launched=False)
@@ -474,6 +486,7 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
                         loss_fn=fp32_loss(loss_fn) if dtype is not None else loss_fn, init_fn=init_fn)
     else:
         lowered = lower_local(model, graph, plan, init_fn)
+    blocks = compile_blocks(lowered.parts, block_paths(graph, plan)) if plan.training.compiled else []
     masters = _mixed_precision(lowered, plan)
     entries = param_entries([(canonical.get(n, n), p) for n, p in lowered.named_parameters()], masters,
                             lowered.permutations)
@@ -481,7 +494,8 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
     module = model if lowered.pipeline is not None else lowered.module  # a pipeline's stages: lowered.parts
     pm = ParallelModel(plan, graph, module, opt, loss_fn, launched=launched, lowered=lowered,
                        scheduler=lr_scheduler(opt) if lr_scheduler is not None else None,
-                       max_grad_norm=max_grad_norm, masters=masters, seed=seed, entries=entries)
+                       max_grad_norm=max_grad_norm, masters=masters, seed=seed, entries=entries,
+                       compiled=tuple(blocks))
     if weights is not None:
         pm.load_weights(weights)
     return pm

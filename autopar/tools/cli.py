@@ -93,6 +93,8 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="find the fastest plan that fits")
     _add_problem_args(plan)
     plan.add_argument("-o", "--output", default=None, metavar="PLAN.json", help="write the plan as JSON")
+    plan.add_argument("--compile", action="store_true",
+                      help="price each block under torch.compile (plans the compiled runtime runs only)")
     show = sub.add_parser("show", help="print a saved plan")
     show.add_argument("plan", metavar="PLAN.json")
     show.add_argument("--json", action="store_true", help="print the plan's JSON")
@@ -108,10 +110,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--max-restarts", type=int, default=0, metavar="R",
                      help="restart every rank up to R times when one fails (torchrun's elastic agent)")
     run.add_argument("args", nargs="*", metavar="ARGS", help="the script's arguments (after --)")
+    run.add_argument("--compile", action="store_true",
+                     help="torch.compile each block: the script's autopar.compile defaults to torch_compile=True")
     verify = sub.add_parser("verify", help="run a plan on N gloo processes against one process")
     _add_problem_args(verify)
     verify.add_argument("--plan", default=None, metavar="PLAN.json", help="verify this plan (else solve)")
     verify.add_argument("--steps", type=int, default=3, metavar="K", help="SGD steps to compare")
+    verify.add_argument("--compile", action="store_true",
+                        help="plan priced compiled, each block run under torch.compile (DDP/ZeRO plans only)")
     verify.add_argument("--loss", default=None, metavar="FILE.py:FUNCTION",
                         help="loss_fn(output, targets) for both sides (default: the one that fits the output)")
     verify.set_defaults(dtype="fp32")
@@ -212,7 +218,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from autopar.planning.api import solve
 
     kwargs = _solve_kwargs(args)
-    plan = solve(_graph(args), args.world_size, **kwargs)
+    plan = solve(_graph(args), args.world_size, **kwargs, compiled=args.compile)
     if args.output:  # written first, so an unwritable path fails before any output
         plan.save(args.output)
     _out(plan.to_json() if args.json else plan.summary())
@@ -294,12 +300,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # Restarted ranks sharing the agent's store read the failed attempt's gloo addresses
     # ("connectFullMesh failed ... Connection refused"; pytorch/pytorch#135712): a store of their own.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    from autopar.runtime.compiled import COMPILE_ENV
+
+    before = os.environ.get(COMPILE_ENV)
+    if args.compile:  # read by the ranks' autopar.compile when torch_compile is not given
+        os.environ[COMPILE_ENV] = "1"
     try:
         torchrun.main(["--standalone", "--nproc-per-node", str(args.nproc), "--max-restarts",
                        str(args.max_restarts), "-m", "autopar.runtime.entry", args.script, *args.args])
     except ChildFailedError as exc:
         _err(describe_failures(args.script, exc.failures, args.nproc))
         return EXIT_BAD_INPUT if bad_input_only(exc.failures) else EXIT_FAILED
+    finally:  # this process's environment as it was (main() may be called again, as the tests do)
+        if before is None:
+            os.environ.pop(COMPILE_ENV, None)
+        else:
+            os.environ[COMPILE_ENV] = before
     return EXIT_OK
 
 
@@ -319,6 +335,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         raise AutoparError(f"plan {args.plan!r} is for {plan.world_size} ranks, not --world-size "
                            f"{args.world_size}")
     kwargs = _solve_kwargs(args) if plan is None else {}
+    if plan is not None:  # refused before the model is built: a plan priced otherwise, or one that does not compile
+        from autopar.runtime.compiled import check_compiled
+
+        check_compiled(plan, True if args.compile else None)
     model, inputs = _load(args, device="cpu")
     dropout = v.disable_dropout(model)
     v.loss_function(args.loss)  # a --loss that does not load, or an output no default loss fits: bad input
@@ -332,7 +352,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
         kwargs["cluster"] = kwargs["cluster"] if args.cluster else "cpu"
         kwargs["global_batch"] = args.batch_size or v.example_batch(inputs)
-        plan = solve(graph, args.world_size, **kwargs)
+        plan = solve(graph, args.world_size, **kwargs, compiled=args.compile)
+        if args.compile:  # what a pin left possible that the compiled runtime does not run: refused here
+            from autopar.runtime.compiled import check_compilable
+
+            check_compilable(plan)
     warnings = v.plan_warnings(plan, model) + warnings
     if not args.json:
         _out("\n".join(v.setup_lines(plan, dropout, warnings, loss)))

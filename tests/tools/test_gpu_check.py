@@ -33,6 +33,9 @@ def test_the_gpu_check_runs_dry_on_cpu(tmp_path: Path) -> None:
     rows = result["plans"]
     assert {r["model"] for r in rows} == {"gpt-dry-a", "gpt-dry-b"} and len(rows) == 8
     assert {r["microbatches"] for r in rows} == {1, 2, 4} and any(r["recompute"] for r in rows)
+    # the compiled variant: priced compiled on --dry, run only on a GPU
+    assert [(k["model"], k["plan"], k["compiled"]) for k in result["skipped"]] == [
+        ("gpt-dry-a", "m1 compiled", True), ("gpt-dry-b", "m1 compiled", True)]
     for r in rows:
         assert r["dtype"] == "bf16" and r["masters_fp32"]
         assert r["measured_step_s"] > 0 and r["predicted_step_s"] > 0
