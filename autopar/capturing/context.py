@@ -19,8 +19,9 @@ weights are on) under a ``TorchFunctionMode`` and proves what it can:
   an attention argument;
 * no call mixes tokens otherwise: a product of two activations that is S × S
   (attention written by hand: q · kᵀ before its masked softmax), a reduction or
-  normalisation over a dimension of size S, or a scan, convolution, pooling,
-  roll or flip (:data:`SEQUENCE_MIXING`).
+  normalisation over a dimension of size S, a scan, recurrence, convolution,
+  pooling, pad, roll or flip (:data:`SEQUENCE_MIXING`), or a slice that cuts
+  dim 1 of a (b, S, …) tensor (a token shift or window).
 
 Whatever fails is :attr:`ContextFacts.refusal`, one line naming the op and
 the module; the planner then refuses cp with it (``AxisLimits.context_refusal``).
@@ -47,8 +48,10 @@ from autopar.graph import Layer
 SEQUENCE_MIXING = frozenset({
     "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "conv1d", "conv2d", "conv3d",
     "conv_transpose1d", "avg_pool1d", "max_pool1d", "adaptive_avg_pool1d", "adaptive_max_pool1d",
-    "roll", "flip", "fft_fft", "fft_rfft", "batch_norm", "instance_norm", "group_norm",
+    "roll", "flip", "fft_fft", "fft_rfft", "batch_norm", "instance_norm", "group_norm", "pad",
+    "lstm", "gru", "rnn_tanh", "rnn_relu",
 })
+_SLICING = frozenset({"__getitem__", "narrow", "split", "chunk", "unfold"})  # a shift or window over tokens
 # products of two tensors: q · kᵀ written by hand is one of them
 _PRODUCTS = frozenset({"matmul", "__matmul__", "bmm", "mm", "baddbmm", "einsum"})
 # reductions and normalisations that mix tokens when the dimension they run over is the sequence
@@ -114,6 +117,8 @@ class _Probe(TorchFunctionMode):
         elif name in _REDUCING and self._over_sequence(args, kwargs):
             self._refuse(f"{name} over the sequence dimension")
         out = func(*args, **kwargs)
+        if name in _SLICING and self._cuts_sequence(args, out):
+            self._refuse(f"{name} cutting the sequence dimension (tokens shifted or windowed)")
         if name == "arange" and isinstance(out, torch.Tensor) and out.numel() == self.seq_len > 1:
             self.tainted[id(out)] = out
         elif tainted:
@@ -129,6 +134,13 @@ class _Probe(TorchFunctionMode):
         acts = [t for t in tensors if not isinstance(t, nn.Parameter) and t.dim() >= 2]
         return (len(acts) >= 2 and isinstance(out, torch.Tensor) and out.dim() >= 2
                 and list(out.shape[-2:]) == [self.seq_len] * 2)
+
+    def _cuts_sequence(self, args: tuple, out: Any) -> bool:
+        """Whether a (b, S, …) tensor came out with another length on dim 1 (rank kept)."""
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return (x is not None and x.dim() >= 2 and x.shape[1] == self.seq_len
+                and any(t.dim() == x.dim() and t.shape[1] != self.seq_len for t in outs))
 
     def _over_sequence(self, args: tuple, kwargs: dict) -> bool:
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
