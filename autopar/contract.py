@@ -132,12 +132,16 @@ def plan_engine(mesh: Mesh, mode: DataParallelism) -> Engine:
     return Engine.DDP if mesh.world_size == mesh.dp and mesh.ep == 1 else Engine.REPLICATE
 
 
-def ep_refusal(mesh: Mesh) -> str | None:
-    """Why ``mesh``'s expert parallelism cannot run (None when it can): ep lowers on the whole model only,
-    whose experts modules it reroutes (``passes/expert_parallel.py``); a pipeline stage is a traced graph."""
-    if mesh.ep > 1 and mesh.pp > 1:
-        return (f"ep={mesh.ep} with pp={mesh.pp} is not lowered yet (pipeline stages are traced graphs; "
-                "ep reroutes the experts modules of the whole model)")
+def ep_refusal(mesh: Mesh, graph: LayerGraph) -> str | None:
+    """Why ``mesh``'s expert parallelism cannot run on ``graph`` (None when it can). ep reroutes each
+    experts module's call (``passes/expert_parallel.py``): inside pipeline stages it runs where the
+    stages call the layer modules, as they do for FX-traced models and for export-captured ones that
+    kept their layers' module calls (``"export-layers"``); an ``"export"`` graph's stages are single
+    ATen graphs in which no experts module is called."""
+    if mesh.ep > 1 and not tp_applies(graph, mesh.pp):
+        return (f"ep={mesh.ep} with pp={mesh.pp} cannot run on {graph.model_name}: its pipeline stages are "
+                "single ATen graphs (torch.export could not keep its layers' module calls), in which no "
+                "experts module is called for ep to reroute; use pp=1")
     return None
 
 

@@ -1,9 +1,10 @@
 """Expert parallelism: each MoE block's experts sharded on their expert dim over an ``ep`` group.
 
-Takes one part of the model (the whole model; pipelines are refused), the plan
-and the device mesh, and returns an :class:`ExpertParallelResult`. What stays
-true: parameter FQNs are unchanged (an expert weight keeps its name and its
-global shape ``[E, …]`` as a DTensor), and after
+Takes one part of the model (the whole model, or one pipeline stage whose layer
+modules are called: :func:`autopar.contract.ep_refusal`), the plan restricted to
+that part's layers, the device mesh and the part's units, and returns an
+:class:`ExpertParallelResult`. What stays true: parameter FQNs are unchanged (an
+expert weight keeps its name and its global shape ``[E, …]`` as a DTensor), and after
 :func:`reduce_expert_grads` every expert gradient is the mean over the whole
 dp group, as one device would compute it.
 
@@ -15,6 +16,14 @@ dp ranks, which is where pricing places it, :meth:`autopar.mesh.Mesh.stride`).
 Rank ``i`` of an ep group holds experts ``[i·E/ep, (i+1)·E/ep)``, as a
 DTensor on that 2-D mesh placed (Replicate, Shard(0)): the runtime's full
 state dict, gradient norm and checkpoints read it as any other DTensor.
+
+**Inside pipeline stages** (pp > 1) the same pass runs on each stage of this rank
+(:func:`autopar.passes.parallelize.parallelize_part`): a stage calls the model's own
+layer modules, so its experts modules are the model's, rerouted as above. The dp
+axis unflattened is this pipeline rank's, so an ep group is ep dp ranks holding
+the same stages and running the same schedule: their all-to-alls come in the same
+order on each. The schedule divides the stage's gradients by the microbatch count
+before :func:`reduce_expert_grads` sums them over the edp group and divides by dp.
 
 **Forward** of an experts module (Hugging Face 5.x fused ``*Experts``,
 called as ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``
@@ -67,7 +76,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autopar.contract import ep_refusal
+from autopar.contract import Unit, ep_refusal
 from autopar.errors import LoweringError
 from autopar.graph import LayerGraph
 from autopar.moe import ExpertLayout, MoEFacts
@@ -129,7 +138,7 @@ def check_expert_parallel(model: nn.Module, graph: LayerGraph, plan: Plan) -> No
     blocks = moe_blocks(graph, plan)
     if not blocks:
         raise LoweringError(f"ep={ep} shards experts, but none of the model's {len(graph)} layers has any")
-    if why := ep_refusal(plan.mesh):
+    if why := ep_refusal(plan.mesh, graph):
         raise LoweringError(why)
     problems = [why for name, facts in blocks if (why := _refusal(model, name, facts, ep))]
     if problems:
@@ -163,18 +172,20 @@ def _shard(experts: nn.Module, emesh: Any) -> list[nn.Parameter]:
     return made
 
 
-def apply_expert_parallel(module: nn.Module, graph: LayerGraph, plan: Plan, mesh: Any) -> ExpertParallelResult:
+def apply_expert_parallel(module: nn.Module, graph: LayerGraph, plan: Plan, mesh: Any,
+                          units: tuple[Unit, ...]) -> ExpertParallelResult:
     """Shard the experts of every MoE block of ``module``'s layers over ``mesh``'s ep groups and route
     their tokens with all-to-all (see the module docstring).
 
-    Requires: :func:`check_expert_parallel` passed; ``module`` unsharded (its expert weights whole).
+    Requires: :func:`check_expert_parallel` passed; ``module`` unsharded (its expert weights whole);
+    ``units`` the part's data-parallel units from the contract (its experts' ZeRO stage).
     """
     ep = plan.mesh.ep
     emesh = expert_mesh(mesh, ep)
     edp = emesh["edp"].size()
     result = ExpertParallelResult(edp_group=emesh["edp"].get_group() if edp > 1 else None, dp=plan.mesh.dp,
                                   edp_mesh=emesh["edp"])
-    zeros = expert_zeros(graph, plan)
+    zeros = expert_zeros(graph, plan, units)
     for name, facts in moe_blocks(graph, plan):
         experts = module.get_submodule(facts.experts_path)
         made = _shard(experts, emesh)
@@ -192,14 +203,14 @@ def apply_expert_parallel(module: nn.Module, graph: LayerGraph, plan: Plan, mesh
     return result
 
 
-def expert_zeros(graph: LayerGraph, plan: Plan) -> dict[str, int]:
-    """The ZeRO stage each MoE layer runs at (the contract's): its experts take it over the edp group."""
-    from autopar.contract import effective_zero, mode_of
-
-    pp, dp = plan.mesh.pp, plan.mesh.dp
-    mode = mode_of(graph, dp, tuple(lp.choice.zero for lp in plan.layers), pp)
-    return {lp.name: effective_zero(graph, graph.layer(lp.name).index, lp.choice.zero, mode, dp, pp)
-            for lp in plan.layers if graph.layer(lp.name).moe}
+def expert_zeros(graph: LayerGraph, plan: Plan, units: tuple[Unit, ...]) -> dict[str, int]:
+    """The ZeRO stage each MoE layer of ``plan``'s layers runs at: the stage of the contract's unit
+    holding it among ``units`` (the part's; 0 outside any), which is
+    :func:`autopar.contract.effective_zero`'s. Read from the part's units, not recomputed from
+    ``plan``: a pipeline stage's plan holds its own layers only, and the plan's data-parallel mode
+    is the whole plan's. The experts take that stage over the edp group."""
+    holder = {name: u.zero for u in units for name in u.layers}
+    return {lp.name: holder.get(lp.name, 0) for lp in plan.layers if graph.layer(lp.name).moe}
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -241,8 +252,12 @@ def _local_experts(experts: nn.Module, rows: torch.Tensor, counts: list[int]) ->
             gate, up = gate_up_out.chunk(2, dim=-1)
             gated = experts.act_fn(gate) * up
         outs.append(nn.functional.linear(gated, down[e]))
-    if not outs:  # no rows for any local expert: keep the weights in the graph (zero gradient)
-        return rows.new_zeros((0, rows.shape[-1])) + 0.0 * (gate_up.sum() + down.sum())
+    if not outs:
+        # no rows for any local expert: keep the weights (a zero gradient) and the received rows in the
+        # graph, so that every rank of the ep group runs the dispatch's backward all-to-all: a rank whose
+        # output did not depend on its received rows would skip it and leave its peers waiting (seen in
+        # a pipeline's first-step shape inference, which routes every token of its zero inputs alike)
+        return rows * 0.0 + 0.0 * (gate_up.sum() + down.sum())
     return torch.cat(outs)
 
 

@@ -152,7 +152,7 @@ def _ep_requires(module: nn.Module, ctx: Context) -> str | None:
 def _ep_run(module: nn.Module, ctx: Context, result: PartResult) -> None:
     from autopar.passes.expert_parallel import apply_expert_parallel
 
-    result.experts = apply_expert_parallel(module, ctx.graph, ctx.plan, ctx.mesh)
+    result.experts = apply_expert_parallel(module, ctx.graph, ctx.plan, ctx.mesh, ctx.part.units)
 
 
 def _ep_ensures(module: nn.Module, ctx: Context) -> str | None:

@@ -71,6 +71,7 @@ class PipelineRuntime:
     tracer: str
     permutations: dict[str, Any] = field(default_factory=dict)  # passes.tensor_parallel.Permutation by FQN
     tied: Any = None  # passes.tied.TiedEmbeddings: tied input/output embeddings split across stages
+    experts: list[Any] = field(default_factory=list)  # passes.expert_parallel.ExpertParallelResult per stage
 
     @property
     def has_first(self) -> bool:
@@ -137,6 +138,9 @@ def _check_lowerable(split: StageSplit, plan: Plan, model: nn.Module) -> None:
     if rc:
         raise LoweringError(f"recompute inside pipeline stages needs layer modules that are called, "
                             f"but {why}; plan layers {rc[:3]} with recompute=off, or use pp=1")
+    if plan.mesh.ep > 1:
+        raise LoweringError(f"ep={plan.mesh.ep} inside pipeline stages reroutes the calls of the experts "
+                            f"modules, but {why}: no experts module is called; use pp=1 or ep=1")
 
 
 def stage_part(graph: LayerGraph, plan: Plan, layout: Layout, stage: int, layers_called: bool) -> Part:
@@ -325,6 +329,7 @@ def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, pla
     stage_ids = list(range(pp_rank, plan.stages, pp))
     modules: list[nn.Module] = []
     perms: dict[str, Any] = {}
+    experts: list[Any] = []
     shared = [model.get_parameter(name) for name in dict.fromkeys(p for l in graph for p in l.tied_params)]
     # tied embeddings: where the first and last stage hold them, found before lowering replaces them
     ends = {k: tied_locations(split.modules[k], shared) for k in stage_ids if k in (0, plan.stages - 1)}
@@ -340,6 +345,8 @@ def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, pla
             break
         perms.update(result.permutations)
         modules.append(result.module)
+        if result.experts is not None:  # ep: this stage's experts, reduced over its edp group each step
+            experts.append(result.experts)
     _agree(failure)
     located = [(modules[stage_ids.index(k)], names) for k, names in ends.items()]
     tied = TiedEmbeddings.build(mesh, pp, located) if shared else None
@@ -349,7 +356,7 @@ def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, pla
     stage_cls = _state_keeping_stage(PipelineStage)
     stages = [stage_cls(mod, k, plan.stages, device, group=group) for mod, k in zip(modules, stage_ids)]
     schedule = _schedule(plan, stages, _checked_loss(loss_fn, form), scale_grads)
-    return PipelineRuntime(plan, modules, stage_ids, schedule, group, device, split.tracer, perms, tied)
+    return PipelineRuntime(plan, modules, stage_ids, schedule, group, device, split.tracer, perms, tied, experts)
 
 
 __all__ = ["PipelineRuntime", "build_pipeline", "stage_part"]

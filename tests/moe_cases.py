@@ -2,14 +2,15 @@
 
 Each case is an :func:`equivalence_cases.equivalence` case (3 SGD-with-momentum steps and 3 AdamW
 steps, losses, first-step gradients and final parameters against the unsharded model on the whole
-global batch) on a plan solved with dp pinned and ``ep`` set on the solved plan (ep is not searched
-yet, so no pin sets it). Routing decisions cannot flip between the two runs: the weights are seeded
-(seed 0), the routers score in fp32 (Mixtral's and Qwen2-MoE's ``*TopKRouter`` take the softmax of
-``logits.float()``), every rank runs the router on the very tokens the one-process run routes
-(ep only moves rows after the top-k is taken), and the fp32 forward of one step differs from the
-reference only by summation order (~1e-7 relative), far below any gap between two top-k scores
-of random Gaussian weights at these sizes (the parity bar of 1e-5 would catch a flip: a flipped
-token sends its rows through another expert).
+global batch) on a plan solved with dp pinned and ``ep`` set on the solved plan, or, in the pipeline
+cases, pinned (the planner then offers ep with pp itself). Routing decisions cannot flip between
+the two runs: the weights are seeded (seed 0), the routers score in fp32 (Mixtral's and
+Qwen2-MoE's ``*TopKRouter`` take the softmax of ``logits.float()``), every rank runs the router
+on the very tokens the one-process run routes (ep only moves rows after the top-k is taken), and
+the fp32 forward of one step differs from the reference only by summation order (~1e-7
+relative), far below any gap between two top-k scores of random Gaussian weights at these sizes
+(the parity bar of 1e-5 would catch a flip: a flipped token sends its rows through another
+expert).
 """
 
 from __future__ import annotations
@@ -89,6 +90,17 @@ SPECS: dict[str, Spec] = {
                                                          "microbatches=1", BLOCKS_TP), 4, ep=2),
     "ep2_dp2_tp2_deepseek_v3": Spec(hf_deepseek_v3, PLAIN[:1] + ("tp=2", "recompute=none", "zero=0", "dp=2",
                                                                  "microbatches=1", BLOCKS_TP), 4, ep=2),
+}
+
+# ep inside pipeline stages (the stages call the model's own layer modules, so each stage's experts are
+# rerouted as the whole model's are): ep pinned, so the planner offers it with pp; 1F1B over 2 stages
+PP2_EP2 = ("pp=2", "tp=1", "recompute=none", "microbatches=2", "schedule=1f1b", "ep=2")
+SPECS |= {
+    # W=4: pp=2 × dp=2, ep=2 folded into each stage's dp (edp=1), dense weights at ZeRO-0 and ZeRO-3
+    "pp2_ep2_mixtral": Spec(hf_mixtral, PP2_EP2 + ("dp=2", "zero=0"), 4),
+    "pp2_ep2_zero3_mixtral": Spec(hf_mixtral, PP2_EP2 + ("dp=2", "zero=3"), 4),
+    # W=8: pp=2 × dp=4, ep=2 × edp=2: at ZeRO-1 each stage's experts an FSDP2 unit of their own over edp
+    "pp2_ep2_dp4_zero1_mixtral": Spec(hf_mixtral, PP2_EP2 + ("dp=4", "zero=1"), 8),
 }
 
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}

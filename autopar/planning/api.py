@@ -20,7 +20,7 @@ from autopar.graph import LayerGraph
 from autopar.pins import Pins
 from autopar.plan import LayerPlan, Plan, Predicted, RunnerUp, SolverReport, TrainingSettings
 from autopar.planning.configuration import Configuration, TrainingSpec
-from autopar.planning.notes import choice_notes, contract_notes
+from autopar.planning.notes import choice_notes, contract_notes, search_notes
 from autopar.planning.solver import RUNNERS_UP, Candidate, Solution, SolverOptions
 from autopar.planning.solver import solve as _solve
 from autopar.units import GiB
@@ -139,7 +139,7 @@ def build_plan(graph: LayerGraph, solution: Solution, cluster: ClusterSpec,
         training=TrainingSettings(global_batch=training.global_batch, dtype=training.dtype,
                                   seq_len=graph.seq_len, optimizer="adam"),
         pins=tuple(pins.to_strings()),
-        notes=contract_notes(graph, solution) + choice_notes(graph, solution),
+        notes=contract_notes(graph, solution) + choice_notes(graph, solution) + search_notes(graph, pins, c.world_size),
         runners_up=tuple(runner_up(graph, r) for r in solution.runners_up),
     )
 

@@ -50,6 +50,9 @@ class SolverOptions:
     # wall time. Measured on the plain GPT-3 175B × 1,024 plan: 6.6 → 5.4 s of solving, and GPT-1T ×
     # 4,096: 25 → 18 s, the same plans, OPTIMAL (benchmarks/plan_time.py).
     probing_level: int = 0
+    # One configuration's CP-SAT solve runs in a thread while the next one is priced, bounded and built
+    # (planning/solver.py ``_InFlight``); the search decides as the sequential one does. False: sequential.
+    overlap: bool = True
 
 
 class Units:

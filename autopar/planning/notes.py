@@ -9,6 +9,8 @@ from typing import Any
 from autopar.choice import Recompute
 from autopar.graph import LayerGraph
 from autopar.moe import Dispatch
+from autopar.pins import Pins
+from autopar.planning.configs import UNSEARCHED
 from autopar.planning.cut_checks import withdrawn_cut_notes
 from autopar.planning.evaluate import evaluate
 from autopar.planning.solver import Solution
@@ -89,6 +91,16 @@ def moe_notes(graph: LayerGraph, ep: int = 1, dp: int = 1) -> tuple[str, ...]:
                          "grouped_mm path, the same function of the same weights")
             notes.append(note)
     return tuple(notes)
+
+
+def search_notes(graph: LayerGraph, pins: Pins, world_size: int) -> tuple[str, ...]:
+    """What the search left out on its own, for a reader who would take OPTIMAL for the whole space."""
+    pinned = pins.mesh_degrees()
+    if (world_size > 1 and "ep" not in pinned and pinned.get("pp") != 1
+            and any(m.num_experts > 1 and not m.ep_refusal for layer in graph for m in layer.moe)):
+        return (f"{UNSEARCHED} (OPTIMAL is over the meshes searched): pin ep, e.g. --pin ep=8, to plan meshes "
+                "with both, or price one with autopar explain --why-not 'pp=8 ep=8'",)
+    return ()
 
 
 def unpriced_notes(graph: LayerGraph) -> tuple[str, ...]:

@@ -181,14 +181,15 @@ class PriceTable:
         return self._rows[1]
 
     def fastest_time_mb_s(self) -> list[float]:
-        """Per layer, the least per-microbatch time any choice could take (no pricing of
-        ZeRO or memory needed: only the tensor-parallel style sets it)."""
+        """Per layer, the least per-microbatch time any choice could take: its fastest style's, plus what
+        every choice adds (ep's all-to-alls, norm statistics sync; without them ep's bounds were ep=1's)."""
         memo: dict[int, float] = {}
         out = []
         for layer, cls in zip(self.graph, self.graph.cost_classes):
             if cls not in memo:
                 styles = {(s.tp, s.sp) for s in self._choices(layer, (0,))}
-                memo[cls] = min(sum(self._style_part(layer, t, sp)[:4]) for t, sp in styles)
+                every = sum(self.expert_dispatch_s(layer)) + 2 * self._norm_sync_s(layer)
+                memo[cls] = every + min(sum(self._style_part(layer, t, sp)[:4]) for t, sp in styles)
             out.append(memo[cls])
         return out
 
@@ -300,7 +301,7 @@ class PriceTable:
             return w.largest_unit_params
         dense = [layer.param_count - self.split_expert_params(layer) for layer in self.graph]
         units = [d for d, own in zip(dense, w.own) if own]
-        units.append(sum(d for d, root in zip(dense, w.root) if root))  # ep runs at pp = 1: one root unit
+        units.append(sum(d for d, root in zip(dense, w.root) if root))  # every stage's root: a bound, as contract's
         units += [self.local_expert_params(layer) for layer in self.graph if layer.moe]
         return max(units)
 

@@ -75,8 +75,11 @@ its 30 s and left the optimum unproved). ``runners_up=0`` is the plain search.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
@@ -94,7 +97,7 @@ from autopar.planning.configuration import Configuration, TrainingSpec
 from autopar.planning.cut_checks import check_stage_pins
 from autopar.planning.evaluate import Evaluation, evaluate
 from autopar.planning.infeasible import raise_infeasible
-from autopar.planning.model import SolverOptions, Units, build_model, cp_solver, extract
+from autopar.planning.model import BuiltModel, SolverOptions, Units, build_model, cp_solver, extract
 from autopar.planning.pricing import PriceTable
 from autopar.planning.shared_prices import SharedPrices
 
@@ -221,29 +224,39 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     #    that cannot (a runner-up at most) wait, so runners-up never take the time the optimum needs
     later: list[tuple[float, Configuration, PriceTable, list[list[int]] | None, float]] = []
     rest, unexamined = len(candidates), 0
-    for index, (cheap, config, table) in enumerate(candidates):
-        best = search.best
-        if cheap >= search.cutoff or (best is not None and cheap >= best.step_time_s):
-            rest = index
-            break
-        remaining = options.time_limit_s - (time.perf_counter() - start)
-        if remaining <= 0 and (priced or search.best is not None):  # else: price one, never blame the pins
-            search.open_bounds += [b for b, *_ in candidates[index:]]
-            unexamined = len(candidates) - index
-            rest = len(candidates)
-            break
-        allowed = allowed_choices(table, layer_pins)
-        if any(not ks for ks in allowed):
-            continue
-        priced.append((cheap, config, table, allowed))
-        bound = lower_bound_s(table, allowed, budget, cuts_ok, enough=search.threshold(config))
-        if math.isinf(bound) or bound >= search.threshold(config):
-            continue
-        if best is not None and bound >= best.step_time_s:  # cannot be chosen: a runner-up at most
-            later.append((cheap, config, table, allowed, bound))
-            continue
-        if not _solve_config(search, table, allowed, layer_pins, cuts_ok, budget, remaining, options):
-            later.append((cheap, config, table, allowed, bound))  # nothing beats the best: a runner-up?
+    with _overlap_pool(options) as pool:
+        flight = _InFlight(pool)
+        for index, (cheap, config, table) in enumerate(candidates):
+            # what this configuration needs is prepared while the previous one's CP-SAT solve runs;
+            # every decision below is taken after that solve has landed, as the sequential search takes it
+            ahead = _look_ahead(search, cheap, table, layer_pins, budget, cuts_ok) if flight.job else None
+            flight.land(search, later)
+            best = search.best
+            if _stops(search, cheap):
+                rest = index
+                break
+            remaining = options.time_limit_s - (time.perf_counter() - start)
+            if remaining <= 0 and (priced or search.best is not None):  # else: price one, never blame the pins
+                search.open_bounds += [b for b, *_ in candidates[index:]]
+                unexamined = len(candidates) - index
+                rest = len(candidates)
+                break
+            allowed = ahead.allowed if ahead else allowed_choices(table, layer_pins)
+            if any(not ks for ks in allowed):
+                continue
+            priced.append((cheap, config, table, allowed))
+            enough = search.threshold(config)
+            bound = ahead.bound if ahead and ahead.enough == enough else \
+                lower_bound_s(table, allowed, budget, cuts_ok, enough=enough)
+            if math.isinf(bound) or bound >= enough:
+                continue
+            if best is not None and bound >= best.step_time_s:  # cannot be chosen: a runner-up at most
+                later.append((cheap, config, table, allowed, bound))
+                continue
+            prepared = ahead.prepared if ahead and ahead.prepared else \
+                _prepare(table, allowed, layer_pins, cuts_ok, budget)
+            flight.submit(search, later, prepared, remaining, options, (cheap, config, table, allowed, bound))
+        flight.land(search, later)
     later.sort(key=lambda item: (item[0], item[1]))
     # 2. runners-up, in what time is left: short solves of configurations that cannot be chosen
     if search.best is not None and runners_up > 0:
@@ -284,27 +297,132 @@ def _solve_config(search: _Search, table: PriceTable, allowed, layer_pins, cuts_
                   time_limit_s: float, options: SolverOptions, *, runner_up: bool = False) -> bool:
     """Solve one configuration; whether it offered a plan. The chosen plan's search (not
     ``runner_up``) looks only for plans that beat the best so far, which CP-SAT refutes fast."""
+    prepared = _prepare(table, allowed, layer_pins, cuts_ok, budget)
+    _bound_objective(search, prepared, runner_up)
+    solver = cp_solver(time_limit_s, options)
+    return _finish(search, prepared, solver, solver.Solve(prepared.built.model), runner_up)
+
+
+@dataclass
+class _Prepared:
+    """One configuration's CP-SAT model, built; its objective not yet bounded by the search."""
+
+    table: PriceTable
+    allowed: list[list[int]]
+    runs: list[tuple[int, int]]
+    units: Units
+    built: BuiltModel
+    budget: int | None
+    cuts_ok: list[int]
+
+
+def _prepare(table: PriceTable, allowed, layer_pins, cuts_ok, budget) -> _Prepared:
     runs = runs_of(table, allowed, layer_pins)
     largest = max(max(p.time_mb_s, p.tail_s) for ps in table.prices for p in ps)
     units = Units(max(largest, table.p2p_largest_s()))
     built = build_model(table, allowed, runs, layer_pins, cuts_ok, budget, units)
+    return _Prepared(table, allowed, runs, units, built, budget, cuts_ok)
+
+
+def _bound_objective(search: _Search, prepared: _Prepared, runner_up: bool) -> None:
+    """Only plans the search could keep (with rounding slack): what the configuration must beat now."""
+    table, built = prepared.table, prepared.built
     must_beat = search.threshold(table.config)
     if not runner_up and search.best is not None:
         must_beat = min(must_beat, search.best.step_time_s)
-    if not math.isinf(must_beat):  # prune: only plans that could be kept (with rounding slack)
+    if not math.isinf(must_beat):
         d = built.scale
         slack = 4 * (len(table.graph) + table.config.stages) * (table.config.microbatches * d + table.config.mesh.pp)
-        built.model.Add(built.objective <= int(must_beat * d / units.unit_s) + slack)
-    solver = cp_solver(time_limit_s, options)
-    status = solver.Solve(built.model)
+        built.model.Add(built.objective <= int(must_beat * d / prepared.units.unit_s) + slack)
+
+
+def _finish(search: _Search, prepared: _Prepared, solver: cp_model.CpSolver, status: int, runner_up: bool) -> bool:
+    """Offer a solved configuration's plan to the search; whether there was one."""
+    table, built, units = prepared.table, prepared.built, prepared.units
     search.solved += 1
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if status == cp_model.UNKNOWN and not runner_up:
-            search.open_bounds.append(lower_bound_s(table, allowed, budget, cuts_ok))
+            search.open_bounds.append(lower_bound_s(table, prepared.allowed, prepared.budget, prepared.cuts_ok))
         return False
-    stages, choices = extract(solver, built, table, runs)
+    stages, choices = extract(solver, built, table, prepared.runs)
     prediction = evaluate(table, stages, choices)
     if status == cp_model.FEASIBLE and not runner_up:  # a runner-up's bound is above the chosen plan's
         search.open_bounds.append(solver.BestObjectiveBound() * units.unit_s / built.scale)
     search.offer(Candidate(table.config, stages, choices, prediction, table, status == cp_model.OPTIMAL))
     return True
+
+
+def _stops(search: _Search, cheap: float) -> bool:
+    """Whether no configuration from this cheap bound on can be kept (they come in its order)."""
+    best = search.best
+    return cheap >= search.cutoff or (best is not None and cheap >= best.step_time_s)
+
+
+@dataclass
+class _Ahead:
+    """A configuration's allowed choices, bound (with the ``enough`` it was computed for) and model,
+    prepared while an earlier configuration's solve ran."""
+
+    allowed: list[list[int]]
+    bound: float = math.inf
+    enough: float = math.nan
+    prepared: _Prepared | None = None
+
+
+def _look_ahead(search: _Search, cheap: float, table: PriceTable, layer_pins, budget, cuts_ok) -> _Ahead | None:
+    """Prepare what the search will most likely need of this configuration, judged on the search as it is
+    before the solve in flight lands. That search is never ahead of the landed one (its best and thresholds
+    only fall), so what it rules out stays ruled out; what it lets through is checked again after landing."""
+    if _stops(search, cheap):
+        return None
+    ahead = _Ahead(allowed_choices(table, layer_pins))
+    if any(not ks for ks in ahead.allowed):
+        return ahead
+    ahead.enough = search.threshold(table.config)
+    ahead.bound = lower_bound_s(table, ahead.allowed, budget, cuts_ok, enough=ahead.enough)
+    best = search.best
+    if not (math.isinf(ahead.bound) or ahead.bound >= ahead.enough
+            or (best is not None and ahead.bound >= best.step_time_s)):
+        ahead.prepared = _prepare(table, ahead.allowed, layer_pins, cuts_ok, budget)
+    return ahead
+
+
+class _InFlight:
+    """The chosen plan's CP-SAT solve in flight: at most one, in ``pool``'s thread (CP-SAT releases the
+    GIL while it searches, so the next configuration's Python runs beside it), landed (its plan offered
+    to the search, or its configuration kept for the runners-up) before the search is read again.
+    Without a pool each solve lands as it is submitted: the sequential search."""
+
+    def __init__(self, pool: ThreadPoolExecutor | None):
+        self.pool = pool
+        self.job: tuple | None = None
+
+    def submit(self, search: _Search, later: list, prepared: _Prepared, time_limit_s: float,
+               options: SolverOptions, entry: tuple) -> None:
+        _bound_objective(search, prepared, runner_up=False)
+        solver = cp_solver(time_limit_s, options)
+        if self.pool is None:
+            self._land(search, later, solver, solver.Solve(prepared.built.model), prepared, entry)
+        else:
+            self.job = (self.pool.submit(solver.Solve, prepared.built.model), solver, prepared, entry)
+
+    def land(self, search: _Search, later: list) -> None:
+        if self.job is not None:
+            future, solver, prepared, entry = self.job
+            self.job = None
+            self._land(search, later, solver, future.result(), prepared, entry)
+
+    @staticmethod
+    def _land(search: _Search, later: list, solver: cp_model.CpSolver, status: int, prepared: _Prepared,
+              entry: tuple) -> None:
+        if not _finish(search, prepared, solver, status, runner_up=False):
+            later.append(entry)  # nothing beats the best: a runner-up?
+
+
+@contextlib.contextmanager
+def _overlap_pool(options: SolverOptions) -> Iterator[ThreadPoolExecutor | None]:
+    if not options.overlap:
+        yield None
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="autopar-cp-sat") as pool:
+        yield pool

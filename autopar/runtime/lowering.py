@@ -116,7 +116,7 @@ def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: An
             runtime = builder(model, example_inputs, graph, plan, mesh, loss_fn, device, init_fn=init_fn,
                               scale_grads=dtype is None or dp > 1)
             return Lowered(runtime.modules, mesh, [None] * len(runtime.modules), runtime.permutations,
-                           pipeline=runtime, pp_group=runtime.pp_group)
+                           pipeline=runtime, pp_group=runtime.pp_group, experts=runtime.experts)
         if dp > 1:  # BatchNorm normalises with the whole dp group's batch, as one device would
             sync_batch_norms(model, mesh["dp"].get_group())
         result = parallelize_part(model, graph, plan, whole_model_part(graph, plan), mesh, device, init_fn)

@@ -74,12 +74,47 @@ def _is_count(key: str) -> bool:
     return k.startswith("num_") or "layers" in k
 
 
+def _layer_index(module: nn.Module, name: str) -> int:
+    """The index ``module`` was built at (its own or its attention's ``layer_idx``, as Hugging Face's
+    decoder layers keep it), else 0. A copy built at index 0 can be another kind of layer: DeepSeek-V3's
+    first layers are dense and the rest are mixtures of experts."""
+    for sub in (module, *module.children()):
+        value = getattr(sub, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return 0
+
+
+def _fewer_experts(fields: dict[str, Any]) -> dict[str, int]:
+    """Config changes that leave a mixture of experts the fewest routed experts its routing still
+    runs with: a divisor of the count, at least twice top-k, and for group-limited routing
+    (DeepSeek-V3's ``n_group``/``topk_group``) at least two experts a group and top-k within the
+    chosen groups. Why the proof carries to the real count: every style the rules admit leaves the
+    router and the routed experts whole on every rank (the grouped GEMM's rule runs replicated
+    inputs only), so the number of experts sizes no sharded dimension; the shape proof still runs
+    at the real count. 256 experts, one matmul each, made DeepSeek-V3's proof take minutes."""
+    counts = {k: v for k, v in fields.items() if isinstance(v, int) and not isinstance(v, bool) and v > 1
+              and k.lower().endswith("experts") and "shared" not in k.lower() and "per_tok" not in k.lower()}
+    if len(set(counts.values())) != 1:
+        return {}
+    total = next(iter(counts.values()))
+    top_k = fields.get("num_experts_per_tok") or fields.get("moe_topk") or 1
+    groups, top_groups = fields.get("n_group") or 1, fields.get("topk_group") or 1
+    for fewer in range(1, total):
+        if (total % fewer == 0 and fewer >= max(2 * top_k, 4) and fewer % groups == 0
+                and fewer // groups >= 2 and (fewer // groups) * top_groups >= top_k):
+            return dict.fromkeys(counts, fewer)
+    return {}
+
+
 def small_copy(module: nn.Module, config: Any, gen: torch.Generator,
                lengths: dict[int, int] | None = None) -> tuple[nn.Module, dict[int, int]] | None:
     """``module``'s class built again from ``config`` with every width divided by one factor.
 
     Head counts, vocabulary, lengths and layer counts stay; widths (``d_model``,
-    ``hidden_size``, ``intermediate_size``…) shrink so each head is 4 wide.
+    ``hidden_size``, ``intermediate_size``…) shrink so each head is 4 wide, and a mixture of
+    experts keeps fewer routed experts (:func:`_fewer_experts`). The copy is built at the
+    layer's own index (:func:`_layer_index`).
     Returns the copy and the map old width → new width (for the inputs), or
     None when the class cannot be built that way.
     """
@@ -109,6 +144,7 @@ def small_copy(module: nn.Module, config: Any, gen: torch.Generator,
     # so buffers sized by it (a rotary table of ``seq_len`` rows) match the shorter inputs
     changes.update({k: new_of[v] for k, v in fields.items() if isinstance(v, int) and not isinstance(v, bool)
                     and lengths and v in lengths and k not in changes})
+    changes.update(_fewer_experts(fields))
     small = _with_fields(config, changes)
     sig = inspect.signature(type(module).__init__)
     params = [p for p in list(sig.parameters.values())[1:] if p.default is inspect.Parameter.empty
@@ -116,7 +152,7 @@ def small_copy(module: nn.Module, config: Any, gen: torch.Generator,
     call: list[Any] = []
     for p in params:
         if p.name in ("layer_idx", "layer_id", "layer_number", "idx", "i"):
-            call.append(0)
+            call.append(_layer_index(module, p.name))
         elif not call:
             call.append(small)
         else:
@@ -136,9 +172,19 @@ def _config_fields(config: Any) -> dict[str, Any]:
     return {k: v for k, v in vars(config).items() if not k.startswith("_")}
 
 
+# what a Hugging Face config keeps outside its fields: the kernels its attention and experts run
+_IMPLEMENTATIONS = ("_attn_implementation", "_experts_implementation")
+
+
 def _with_fields(config: Any, changes: dict[str, int]) -> Any:
     if dataclasses.is_dataclass(config):
-        return dataclasses.replace(config, **changes)
+        clone = dataclasses.replace(config, **changes)
+        # a dataclass config is rebuilt by its constructor, which resets the implementations: the copy
+        # would run another program (HF's eager expert loop where the model runs grouped_mm)
+        for name in _IMPLEMENTATIONS:
+            if (value := getattr(config, name, None)) is not None:
+                setattr(clone, name, value)
+        return clone
     clone = copy.deepcopy(config)
     for k, v in changes.items():
         setattr(clone, k, v)

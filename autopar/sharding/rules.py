@@ -506,8 +506,10 @@ def _grouped_mm_by_group(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | 
     if a.is_meta:
         return a @ b[0]
     ends = [int(e) for e in offs.tolist()]
-    starts = [0] + ends[:-1]
-    parts = [a[s:e] @ b[g] for g, (s, e) in enumerate(zip(starts, ends))]
+    sizes = [e - s for s, e in zip([0, *ends[:-1]], ends)]
+    # split and unbind, not a slice and an index per group: each of those backwards writes a zero
+    # tensor of the whole input (DeepSeek-V3's 16 narrowed experts: 3.9 of a 5 s simulation)
+    parts = [rows @ weight for rows, weight in zip(a[:ends[-1]].split(sizes), b.unbind(0))]
     parts.append(a.new_zeros(a.shape[0] - ends[-1], b.shape[-1]))
     return torch.cat(parts)
 

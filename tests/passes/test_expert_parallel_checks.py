@@ -93,8 +93,6 @@ def test_ep_pins_the_planner_refuses_in_one_line_naming_the_blocks(mixtral) -> N
         autopar.solve(graph, 6, cluster="cpu", global_batch=6, pins=["ep=3"])
     with pytest.raises(PinError, match=r"the pinned ep=4 does not divide the pinned dp=2"):
         autopar.solve(graph, 2, cluster="cpu", global_batch=4, pins=["dp=2", "ep=4"])
-    with pytest.raises(PinError, match=r"ep=2 with pp=2 is not lowered yet"):
-        autopar.solve(graph, 4, cluster="cpu", global_batch=4, pins=["ep=2", "pp=2"])
     capacity = _examples_moe().capacity_moe_tiny()
     with pytest.raises(PinError, match=r"cannot split every mixture-of-experts block: blocks.0.moe: its expert "
                                        r"weights are the block's own"):
@@ -107,3 +105,88 @@ def test_the_planner_offers_ep_where_it_runs_and_prices_it(mixtral) -> None:
     assert plan.mesh.ep == 2 and plan.mesh.dp % 2 == 0 and plan.mesh.pp == 1
     assert "ep=2" in plan.summary().splitlines()[1]
     assert "1/2 of the experts' 24,576 parameters held per rank (ep=2)" in plan.summary()
+
+
+def test_the_planner_offers_ep_with_pp_where_the_stages_call_the_experts(mixtral) -> None:
+    """Mixtral's export keeps its layers' module calls ("export-layers"): each pipeline stage calls its
+    blocks, so ep reroutes their experts there; a plan solved with ep and pp pinned gets both, its ep
+    all-to-alls priced on the stages that hold the MoE blocks."""
+    graph = autopar.capture(*mixtral)
+    assert graph.tracer == "export-layers"
+    plan = autopar.solve(graph, 4, cluster="cpu", global_batch=8, dtype="fp32", pins=["ep=2", "pp=2", "tp=1"])
+    assert (plan.mesh.pp, plan.mesh.dp, plan.mesh.ep) == (2, 2, 2)
+    check_expert_parallel(mixtral[0], graph, plan)  # raises nothing
+    assert plan.predicted.breakdown.ep_comm_s > 0
+    # tp=1: a stage's blocking collectives are its MoE blocks' all-to-alls, on the stages holding them only
+    moe = {lp.stage for lp in plan.layers if graph.layer(lp.name).moe}
+    assert moe and all((st.forward_tp_s > 0) == (st.stage in moe) for st in plan.predicted.stages)
+
+
+def test_the_free_search_leaves_ep_out_of_pipelines_and_the_plan_says_so(mixtral) -> None:
+    """ep with pp is planned where ep is pinned; unpinned, the search keeps them apart (their pipelines ran
+    DeepSeek-V3's search out of time) and the plan's notes say OPTIMAL is over what was searched."""
+    from autopar.cost_models.hardware import PRESETS
+    from autopar.pins import Pins
+    from autopar.planning.configs import enumerate_configs
+    from autopar.planning.configuration import TrainingSpec
+
+    graph = autopar.capture(*mixtral)
+    cluster = PRESETS["cpu"].for_world_size(8)
+    free = enumerate_configs(graph, 8, cluster, TrainingSpec(8, "fp32"), Pins.parse([]))
+    assert any(c.mesh.ep > 1 for c in free) and any(c.mesh.pp > 1 for c in free)
+    assert not any(c.mesh.ep > 1 and c.mesh.pp > 1 for c in free)
+    pinned = enumerate_configs(graph, 8, cluster, TrainingSpec(8, "fp32"), Pins.parse(["ep=2"]))
+    assert any(c.mesh.ep == 2 and c.mesh.pp > 1 for c in pinned)
+    plan = autopar.solve(graph, 8, cluster="cpu", global_batch=8, dtype="fp32")
+    assert any(n.startswith("ep inside pipeline stages is planned where ep is pinned") for n in plan.notes)
+    assert not any("not searched" in n for n in autopar.solve(graph, 8, cluster="cpu", global_batch=8,
+                                                              dtype="fp32", pins=["ep=2"]).notes)
+
+
+def test_ep_with_pp_stays_refused_where_the_stages_are_single_aten_graphs(mixtral) -> None:
+    """A model whose export could not keep its layers' module calls (tracer "export") runs each stage as
+    one ATen graph: no experts module is called there, so ep with pp is refused, with that reason, by the
+    planner (pins and search alike) and by the lowering check; ep at pp=1 is still offered."""
+    from autopar.contract import ep_refusal
+    from autopar.errors import PinError
+    from autopar.graph import LayerGraph
+
+    graph = LayerGraph.from_dict({**autopar.capture(*mixtral).to_dict(), "tracer": "export"})
+    why = ep_refusal(Mesh(pp=2, dp=2, ep=2), graph)
+    assert why is not None and "single ATen graphs" in why and ep_refusal(Mesh(dp=2, ep=2), graph) is None
+    with pytest.raises(PinError, match=r"ep=2 with pp=2 cannot run on MixtralForCausalLM: its pipeline stages are "
+                                       r"single ATen graphs"):
+        autopar.solve(graph, 4, cluster="cpu", global_batch=8, pins=["ep=2", "pp=2"])
+    plan = autopar.solve(graph, 4, cluster="cpu", global_batch=8, dtype="fp32", pins=["ep=2", "tp=1"])
+    assert plan.mesh.pp == 1 and plan.mesh.ep == 2
+    staged = dataclasses.replace(plan, mesh=Mesh(pp=2, dp=2, ep=2))
+    with pytest.raises(LoweringError, match=r"single ATen graphs"):
+        check_expert_parallel(mixtral[0], graph, staged)
+
+
+def test_each_parts_experts_take_the_zero_stage_the_contract_gives_their_layer(mixtral) -> None:
+    """The ep pass reads an MoE layer's ZeRO stage from its part's units: the whole model's, or one
+    pipeline stage's (whose plan holds its own layers only), equal to the contract's effective stage
+    of that layer in the whole plan, on every part."""
+    from autopar.contract import effective_zero, mode_of, plan_layout
+    from autopar.passes.expert_parallel import expert_zeros
+    from autopar.passes.pipeline import stage_part
+    from autopar.runtime.lowering import whole_model_part
+
+    graph = autopar.capture(*mixtral)
+    for pins in (["pp=1", "dp=4", "zero=3"], ["pp=1", "dp=4", "zero=1"], ["pp=2", "dp=4", "zero=3"],
+                 ["pp=2", "dp=4", "zero=0"], ["pp=2", "dp=4", "model.layers.1:zero=2", "model.layers.0:zero=0"]):
+        plan = autopar.solve(graph, 4 * (2 if "pp=2" in pins else 1), cluster="cpu", dtype="fp32", global_batch=8,
+                             pins=[*pins, "ep=2", "tp=1", "recompute=none", "microbatches=2"])
+        mode = mode_of(graph, plan.mesh.dp, tuple(lp.choice.zero for lp in plan.layers), plan.mesh.pp)
+        want = {lp.name: effective_zero(graph, graph.layer(lp.name).index, lp.choice.zero, mode, plan.mesh.dp,
+                                        plan.mesh.pp) for lp in plan.layers if graph.layer(lp.name).moe}
+        if plan.mesh.pp == 1:
+            parts = [whole_model_part(graph, plan)]
+        else:
+            layout = plan_layout(graph, plan)
+            parts = [stage_part(graph, plan, layout, k, True) for k in range(plan.stages)]
+        got = {}
+        for part in parts:
+            got |= expert_zeros(graph, dataclasses.replace(plan, layers=part.layers), part.units)
+        assert got == want and set(want) == {"model.layers.0", "model.layers.1"}, (pins, got, want)

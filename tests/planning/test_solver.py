@@ -168,6 +168,23 @@ def test_same_inputs_same_plan():
     assert runs[0].stages == runs[1].stages and runs[0].choices == runs[1].choices
 
 
+@pytest.mark.parametrize("blocks,hidden,seq,world,batch,preset", [
+    (12, 4096, 2048, 64, 256, "a100-80g"), (16, 4096, 4096, 32, 64, "h100-80g"), (8, 2048, 1024, 32, 64, "a100-40g")])
+def test_overlapped_solves_decide_as_the_sequential_search(blocks, hidden, seq, world, batch, preset):
+    """The next configuration is prepared while a solve runs in a thread; the plan and how many configurations
+    were solved are the sequential search's (runners-up, solved in what wall time is left, are left out).
+    Deciding before the solve in flight has landed solves more of these (6 for 5, 4 for 2)."""
+    graph = transformer_graph(blocks, hidden, seq, vocab=32768, heads=32)
+    cluster = PRESETS[preset].for_world_size(world)
+    runs = [solve(graph, world, cluster, TrainingSpec(batch, "bf16"), options=SolverOptions(overlap=overlap),
+                  runners_up=0) for overlap in (False, True)]
+    sequential, overlapped = runs
+    assert sequential.configs_solved > 1  # more than one configuration went through CP-SAT
+    assert (overlapped.config, overlapped.stages, overlapped.choices) == \
+        (sequential.config, sequential.stages, sequential.choices)
+    assert overlapped.configs_solved == sequential.configs_solved
+
+
 def test_rediscovers_data_parallel_when_memory_is_ample():
     graph = transformer_graph(4, 512, 256, vocab=8192, heads=8)  # a small model on big GPUs
     cluster = PRESETS["a100-80g"].for_world_size(8)

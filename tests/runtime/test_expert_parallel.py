@@ -2,8 +2,9 @@
 Qwen2-MoE and DeepSeek-V3 (sigmoid grouped routing, shared expert, MLA) trained 3 steps under ep=2
 (W=2, with ZeRO-0, ZeRO-1 and ZeRO-3 on the dense weights), ep=2 × edp=2 (W=4; at ZeRO-1 and ZeRO-3
 the experts are an FSDP2 unit of their own over edp) and ep=2 beside tp=2 (W=4: Mixtral's and
-DeepSeek-V3's attention split over tp); a checkpoint and exported weights of ep=2 restored under
-ep=1 and ep=4.
+DeepSeek-V3's attention split over tp); ep=2 inside the stages of a pp=2 pipeline (W=4: pp=2 × dp=2,
+dense weights at ZeRO-0 and ZeRO-3; W=8: pp=2 × dp=4, each stage's experts an FSDP2 unit over edp=2 at
+ZeRO-1); a checkpoint and exported weights of ep=2 restored under ep=1 and ep=4.
 
 Bars (DESIGN.md, fp32 on CPU): first-step loss and gradients, SGD losses and parameters within 1e-5
 relative per tensor; AdamW losses within 1e-3. Routing decisions stay identical across the runs (seeded
@@ -29,6 +30,8 @@ W2 = ["ep2_mixtral", "ep2_qwen2_moe", "ep2_deepseek_v3", "ep2_zero3_mixtral", "e
       "ep2_bf16_mixtral"]
 W4 = ["ep2_dp4_mixtral", "ep2_dp2_tp2_qwen2_moe", "ep2_dp4_zero3_mixtral", "ep2_dp4_zero1_qwen2_moe",
       "ep2_dp2_tp2_mixtral", "ep2_dp2_tp2_deepseek_v3"]
+PP_W4 = ["pp2_ep2_mixtral", "pp2_ep2_zero3_mixtral"]
+PP_W8 = ["pp2_ep2_dp4_zero1_mixtral"]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +41,12 @@ def w2(ranks) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def w4(ranks) -> dict[str, dict]:
-    return ranks(4).run(W4 + ["resume_across_ep"], module="moe_cases")
+    return ranks(4).run(W4 + PP_W4 + ["resume_across_ep"], module="moe_cases")
+
+
+@pytest.fixture(scope="module")
+def w8(ranks) -> dict[str, dict]:
+    return ranks(8).run(PP_W8, module="moe_cases")
 
 
 def _expected_local_fraction(case: str) -> float:
@@ -98,3 +106,48 @@ def test_a_checkpoint_saved_under_ep2_resumes_under_ep1_and_ep4_and_its_weights_
             assert r[f"loaded_rel_ep{ep}"] == 0.0  # the very weights, however the experts are split
             assert r[f"loss_rel_ep{ep}"] < 1e-5 and r[f"param_rel_ep{ep}"] < 1e-5  # momentum came across too
         assert r["weights_rel_ep4"] == 0.0 and r["local_bytes_ep4"] < r["local_bytes_ep2"]
+
+
+def _stage_fraction(case: str, r: dict) -> float:
+    """Parameter bytes one rank of a pipeline plan holds, as a share of the model's: its own stage's
+    layers (pp outermost: rank // dp is its stage), dense weights 1/dp of them at ZeRO-3, experts 1/ep
+    (and 1/edp more where the stage's experts are an FSDP2 unit over edp: ZeRO ≥ 1 with dp > ep)."""
+    spec = moe_cases.SPECS[case]
+    model, _ = spec.build()
+    pp, dp, _ = r["mesh"]
+    stage = {name: s for (name, *_), s in zip(r["layers"], r["stages"])}
+    mine = r["rank"] // dp
+    zero = int(next(p for p in spec.pins if p.startswith("zero="))[5:])
+    total = held = 0.0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        layer = max((n for n in stage if name.startswith(n + ".")), key=len)
+        if stage[layer] != mine:
+            continue
+        if ".experts." in name:
+            held += p.numel() / r["ep"] / (dp // r["ep"] if zero >= 1 else 1)
+        else:
+            held += p.numel() / (dp if zero >= 1 else 1)
+    return held / total
+
+
+@pytest.mark.parametrize("case", PP_W4)
+def test_ep2_inside_pipeline_stages_on_four_ranks_matches_one_device(w4: dict, case: str) -> None:
+    """pp=2 × dp=2, ep=2: each stage's experts split over its ep group (the stage's two dp ranks), their
+    tokens routed by all-to-all inside the stage, under 1F1B over 2 microbatches."""
+    check_equivalent(w4[case])
+    for rank, r in enumerate(every_rank(w4[case])):
+        assert r["ep"] == 2 and r["mesh"] == [2, 2, 1] and r["tracer"] == "export-layers"
+        assert sorted(set(r["stages"])) == [0, 1]
+        assert r["local_bytes_frac"] == pytest.approx(_stage_fraction(case, {**r, "rank": rank}), rel=1e-9)
+
+
+@pytest.mark.parametrize("case", PP_W8)
+def test_ep2_inside_pipeline_stages_with_sharded_experts_on_eight_ranks_matches_one_device(w8: dict,
+                                                                                           case: str) -> None:
+    """pp=2 × dp=4, ep=2 × edp=2 at ZeRO-1: each stage's experts an FSDP2 unit of their own over its edp
+    group, driven by the pipeline's gradient sync as the stage's other units are."""
+    check_equivalent(w8[case])
+    for rank, r in enumerate(every_rank(w8[case])):
+        assert r["ep"] == 2 and r["mesh"] == [2, 4, 1]
+        assert r["local_bytes_frac"] == pytest.approx(_stage_fraction(case, {**r, "rank": rank}), rel=1e-9)

@@ -143,6 +143,38 @@ def test_deepseek_moe_block_splits_attention_and_shared_expert_and_keeps_routed_
     assert style.checked == (2, 4) and not layer.tp_refusal
 
 
+def test_a_deepseek_moe_layer_too_large_to_simulate_is_proved_on_a_copy_of_its_own_kind() -> None:
+    """Above the simulation limit the proof runs on a narrower copy built from the config. It is built at the
+    layer's own index (at index 0 DeepSeek-V3's class builds a dense layer, with no shared expert to prove),
+    with fewer routed experts (the style keeps them whole) and the model's experts kernel (grouped_mm)."""
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256, num_hidden_layers=2,
+        first_k_dense_replace=1, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=64, kv_lora_rank=32,
+        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, n_routed_experts=64, num_experts_per_tok=4,
+        n_group=4, topk_group=2, max_position_embeddings=64, use_cache=False, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = transformers.DeepseekV3ForCausalLM(cfg)
+    layer = autopar.capture(model, _ids()).layer("model.layers.1")
+    assert sum(p.numel() for p in model.model.layers[1].parameters()) > shard_check.MAX_CHECK_PARAMS
+    style = layer.tp_style("megatron")  # a KeyError naming the refusal if withdrawn
+    mlp = "model.layers.1.mlp"
+    assert f"{mlp}.shared_experts.gate_proj" in style.column and f"{mlp}.shared_experts.down_proj" in style.row
+    assert not any(".experts." in p for p in style.column + style.row)
+    assert style.checked == (2, 4, 8)
+
+
+def test_the_narrower_copy_keeps_the_fewest_experts_its_routing_runs_with() -> None:
+    from autopar.sharding.copies import _fewer_experts
+
+    deepseek = {"n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8,
+                "topk_group": 4}
+    assert _fewer_experts(deepseek) == {"n_routed_experts": 16}  # two a group, top-8 within 4 groups
+    assert _fewer_experts({"num_local_experts": 8, "num_experts_per_tok": 2}) == {"num_local_experts": 4}
+    assert _fewer_experts({"num_experts": 60, "num_experts_per_tok": 4}) == {"num_experts": 10}  # a divisor
+    assert _fewer_experts({"num_local_experts": 4, "num_experts_per_tok": 2}) == {}  # already the fewest
+    assert _fewer_experts({"hidden_size": 64}) == {}
+
+
 def test_a_layer_refused_for_an_error_in_its_own_code_names_the_op() -> None:
     """A batched (3-D × 3-D) grouped GEMM in the layer's own code: no float64 kernel, refused, the op named."""
     class Mixer(nn.Module):
