@@ -16,7 +16,7 @@ Torch-free, so the planner and ``autopar show`` never import torch for it.
 
 The rules, with what the runtime showed:
 
-``dp = 1``
+``dp = 1`` (and ``cp = 1``: dp below stands for the dp × cp ranks, :func:`data_ranks`)
     No data-parallel engine (:attr:`Engine.NONE`): a layer's ``zero`` is moot.
 every layer ``zero = 0`` (a *replicated* plan)
     dp the only axis above 1 (ep at 1): DDP at the root (the composable, DDP-based ``replicate``:
@@ -125,7 +125,7 @@ def plan_engine(mesh: Mesh, mode: DataParallelism) -> Engine:
     axis above 1: it neither runs inside a pipeline stage nor takes DTensor parameters (tp's,
     or ep's experts: the composable DDP's TP hooks turn every DTensor parameter of the root into
     a plain one after each forward, the experts it was told to ignore included)."""
-    if mesh.dp <= 1:
+    if data_ranks(mesh) <= 1:
         return Engine.NONE
     if mode.sharded:
         return Engine.FULLY_SHARD
@@ -142,6 +142,24 @@ def ep_refusal(mesh: Mesh, graph: LayerGraph) -> str | None:
         return (f"ep={mesh.ep} with pp={mesh.pp} cannot run on {graph.model_name}: its pipeline stages are "
                 "single ATen graphs (torch.export could not keep its layers' module calls), in which no "
                 "experts module is called for ep to reroute; use pp=1")
+    return None
+
+
+def data_ranks(mesh: Mesh) -> int:
+    """The ranks that hold the same weights and average their gradients: dp × cp. A cp rank trains
+    other tokens of the same samples, so its gradients average with its cp group's as with its dp
+    group's, and ZeRO shards over both (torchtitan's ``dp_shard_cp``)."""
+    return mesh.dp * mesh.cp
+
+
+def cp_refusal(mesh: Mesh) -> str | None:
+    """Why ``mesh``'s context parallelism cannot run (None when it can): this slice lowers cp on the
+    whole model beside dp only (``passes/context_parallel.py``)."""
+    if mesh.cp <= 1:
+        return None
+    other = [f"{n}={d}" for n, d in (("pp", mesh.pp), ("ep", mesh.ep), ("tp", mesh.tp)) if d > 1]
+    if other:
+        return f"cp={mesh.cp} with {' and '.join(other)} is not lowered yet (cp runs beside dp only)"
     return None
 
 
@@ -418,7 +436,7 @@ def mode_of(graph: LayerGraph, dp: int, zeros: tuple[int, ...], pp: int) -> Data
 
 def layout(graph: LayerGraph, mesh: Mesh, stages: tuple[int, ...], choices: tuple[LayerChoice, ...]) -> Layout:
     """Every layer's role and every part's units for an assignment (see the module docstring)."""
-    pp, dp = mesh.pp, mesh.dp
+    pp, dp = mesh.pp, data_ranks(mesh)
     zeros = tuple(c.zero for c in choices)
     mode = mode_of(graph, dp, zeros, pp)
     engine = plan_engine(mesh, mode)

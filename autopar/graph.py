@@ -159,6 +159,9 @@ class ShardDim(StrEnum):
     ALL = "all"  # an attention kernel's or memory-bound op's whole work between them
 
 
+NOT_CHECKED_FOR_CP = "the graph was not captured from a model whose attention autopar checked for cp"
+
+
 @dataclass(frozen=True)
 class OpRecord:
     """``count`` identical kernels of one layer call, as capture saw them (per sample).
@@ -306,6 +309,10 @@ class Layer:
     # (their work is not in flops_per_sample: the plan's notes name them)
     moe: tuple[MoEFacts, ...] = ()
     unpriced_ops: tuple[str, ...] = ()
+    # K and V bytes per sample (whole sequence, captured dtype) of the layer's attention calls: what cp
+    # all-gathers (capturing.context)
+    kv_bytes_per_sample: float = 0.0
+    attention_calls: int = 0  # its SDPA calls: under cp each saves its S/cp × S causal mask as a bias
 
     def tp_style(self, name: str) -> TPStyle:
         for style in self.tp_styles:
@@ -335,7 +342,8 @@ class Layer:
             len(self.param_names),
             tuple(o.signature() for o in self.ops),
             self.sync_norm_channels, bool(self.recompute_refusal),
-            tuple(m.signature() for m in self.moe), self.unpriced_ops,
+            tuple(m.signature() for m in self.moe), self.unpriced_ops, round(self.kv_bytes_per_sample, 3),
+            self.attention_calls,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -384,6 +392,9 @@ class LayerGraph:
         tracer: str = "",
         seq_len: int | None = None,
         output_bytes_per_sample: float = 0.0,
+        cp_refusal: str = NOT_CHECKED_FOR_CP,
+        cp_positions: tuple[str, ...] = (),
+        cp_attention: tuple[str, ...] = (),
     ):
         names = [layer.name for layer in layers]
         if len(set(names)) != len(names):
@@ -395,6 +406,9 @@ class LayerGraph:
         self.tracer = tracer
         self.seq_len = seq_len
         self.output_bytes_per_sample = output_bytes_per_sample
+        self.cp_refusal = cp_refusal  # why cp cannot split the sequence ("" when it can: capturing.context)
+        self.cp_positions = tuple(cp_positions)  # modules the runtime hands global positions under cp
+        self.cp_attention = tuple(cp_attention)  # the innermost modules calling SDPA (their forward is cp's)
         self.graph = nx.DiGraph()
         for layer in self.layers:
             self.graph.add_node(layer.name, layer=layer)
@@ -467,6 +481,8 @@ class LayerGraph:
             view = LayerGraph(layers, model_name=self.model_name, example_batch=self.example_batch,
                               dtype_bytes=self.dtype_bytes, tracer=self.tracer, seq_len=self.seq_len,
                               output_bytes_per_sample=self.output_bytes_per_sample,
+                              cp_refusal=self.cp_refusal, cp_positions=self.cp_positions,
+                              cp_attention=self.cp_attention,
                               edges=[(u, v, d["bytes_per_sample"]) for u, v, d in self.graph.edges(data=True)])
         self.__dict__["_pipeline_view"] = view
         return view
@@ -490,6 +506,9 @@ class LayerGraph:
             "tracer": self.tracer,
             "seq_len": self.seq_len,
             "output_bytes_per_sample": self.output_bytes_per_sample,
+            "cp_refusal": self.cp_refusal,
+            "cp_positions": list(self.cp_positions),
+            "cp_attention": list(self.cp_attention),
             "layers": [layer.to_dict() for layer in self.layers],
             "edges": [[u, v, d["bytes_per_sample"]] for u, v, d in self.graph.edges(data=True)],
         }
@@ -505,4 +524,7 @@ class LayerGraph:
             tracer=d.get("tracer", ""),
             seq_len=d.get("seq_len"),
             output_bytes_per_sample=d.get("output_bytes_per_sample", 0.0),
+            cp_refusal=d.get("cp_refusal", NOT_CHECKED_FOR_CP),
+            cp_positions=tuple(d.get("cp_positions", ())),
+            cp_attention=tuple(d.get("cp_attention", ())),
         )

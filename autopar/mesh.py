@@ -51,6 +51,8 @@ class AxisLimits:
     experts: tuple[int, ...] = ()  # the expert count of each mixture-of-experts block (autopar.moe)
     layers: int = 0  # the layers of the model (named when an ep pin finds no experts)
     expert_refusal: str = ""  # why ep cannot split some MoE block ("" when it can split them all)
+    seq_len: int = 0  # the captured sequence length (0: the inputs have none)
+    context_refusal: str = ""  # why cp cannot split this model's sequence ("" when it can: capturing.context)
 
 
 @dataclass(frozen=True)
@@ -119,14 +121,28 @@ def _ep_check(degree: int, limits: AxisLimits) -> str | None:
     return None
 
 
-# The axes, outermost first (the rank layout: global rank = (pp_rank · dp + dp_rank) · tp + tp_rank;
-# ep folds into dp: an ep group is ep consecutive dp ranks).
+def _cp_check(degree: int, limits: AxisLimits) -> str | None:
+    if limits.context_refusal:
+        return f"cp={degree} cannot split this model's sequence: {limits.context_refusal}"
+    if not limits.seq_len:
+        return f"cp={degree} splits the sequence, but this model's inputs have no sequence dimension"
+    if limits.seq_len % (2 * degree):
+        return (f"cp={degree} needs the sequence length divisible by 2·cp = {2 * degree} (each rank holds a "
+                f"head and a tail chunk, so causal work is balanced), got {limits.seq_len}")
+    return None
+
+
+# The axes, outermost first (the rank layout: global rank = ((pp_rank · dp + dp_rank) · cp + cp_rank) · tp
+# + tp_rank; ep folds into dp: an ep group is ep consecutive dp ranks).
 AXES: tuple[MeshAxis, ...] = (
     MeshAxis("pp", "the layers into pipeline stages", _pp_check),
     MeshAxis("dp", "the global batch", _dp_check),
     # lowered by passes/expert_parallel.py, priced by autopar.planning.pricing (experts, all-to-all, edp)
     MeshAxis("ep", "the experts of mixture-of-experts layers, over ranks borrowed from dp", _ep_check,
              folds="dp"),
+    # lowered by passes/context_parallel.py, priced by autopar.planning.pricing (K/V all-gather, ÷ cp);
+    # between dp and tp, as torchtitan's (dp_shard, cp, tp): the dp × cp ranks shard the weights together
+    MeshAxis("cp", "the sequence of every sample (head-tail balanced chunks; attention gathers K/V)", _cp_check),
     MeshAxis("tp", "each layer's weights and activations (its tensor-parallel style)", within_node=True),
 )
 
@@ -159,7 +175,7 @@ def declared(*extra: MeshAxis) -> Iterator[None]:
 class Mesh:
     """The degree of every declared axis; ``Mesh(pp=2, dp=4)`` leaves the others at 1.
 
-    Frozen, hashable and ordered by its degrees outermost first (pp, then dp, then ep, then tp).
+    Frozen, hashable and ordered by its degrees outermost first (pp, then dp, ep, cp, then tp).
     """
 
     __slots__ = ("_degrees", "_by_name")

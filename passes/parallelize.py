@@ -16,10 +16,13 @@ The order is data (:data:`PASSES`) and matters (torchtitan's):
    recompute, so a recomputed block reruns the same dispatch, and before
    data parallel, which must leave the expert weights out (they are reduced
    over the expert-data-parallel group, ``passes/expert_parallel.py``);
-3. **recompute** next, so its hooks sit inside FSDP's gather/free hooks and
+3. **context parallel** (cp > 1): hooks the modules given positions so they get the
+   rank's global ones, and makes the attention mode the runtime holds over forward and
+   backward (``passes/context_parallel.py``); it changes no parameter;
+4. **recompute** next, so its hooks sit inside FSDP's gather/free hooks and
    a recomputed forward still finds its parameters;
-4. **data parallel** (ZeRO / replicate / DDP) last, wrapping the final
-   parameters and every module call outermost.
+5. **data parallel** (ZeRO / replicate / DDP) last, wrapping the final
+   parameters and every module call outermost, over dp (or dp × cp flattened).
 
 Each :class:`Pass` states what it requires and ensures, checked in code like
 torch.fx's ``PassBase``; a failure is a :class:`~autopar.errors.LoweringError`
@@ -37,9 +40,10 @@ import torch
 import torch.nn as nn
 
 from autopar.choice import Recompute
-from autopar.contract import Unit
+from autopar.contract import Unit, data_ranks
 from autopar.errors import LoweringError
 from autopar.graph import LayerGraph
+from autopar.passes.context_parallel import data_mesh
 from autopar.passes.materialise import is_meta, materialise
 from autopar.plan import LayerPlan, Plan
 
@@ -66,6 +70,7 @@ class PartResult:
     permutations: dict[str, Any] = field(default_factory=dict)  # passes.tensor_parallel.Permutation by FQN
     data_parallel: Any = None  # passes.zero.DataParallelResult, when dp > 1
     experts: Any = None  # passes.expert_parallel.ExpertParallelResult, when ep > 1
+    context: Any = None  # passes.context_parallel.ContextParallelResult, when cp > 1
 
 
 @dataclass(frozen=True)
@@ -160,6 +165,43 @@ def _ep_ensures(module: nn.Module, ctx: Context) -> str | None:
     return f"experts left unsharded: {whole[:3]}" if whole else None
 
 
+def _cp_applies(ctx: Context) -> bool:
+    return ctx.plan.mesh.cp > 1
+
+
+def _cp_requires(module: nn.Module, ctx: Context) -> str | None:
+    from autopar.passes.context_parallel import check_context_parallel
+
+    try:
+        check_context_parallel(ctx.graph, ctx.plan)
+    except LoweringError as exc:
+        return str(exc)
+    missing = [p for p in (*ctx.graph.cp_positions, *ctx.graph.cp_attention) if not _has_module(module, p)]
+    return f"position or attention modules not in the model: {missing[:3]}" if missing else None
+
+
+def _has_module(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def _cp_run(module: nn.Module, ctx: Context, result: PartResult) -> None:
+    from autopar.passes.context_parallel import apply_context_parallel
+
+    result.context = apply_context_parallel(module, ctx.graph, ctx.plan, ctx.mesh)
+
+
+def _cp_ensures(module: nn.Module, ctx: Context) -> str | None:
+    from autopar.passes.context_parallel import is_held
+
+    bare = [p for p in ctx.graph.cp_positions if not module.get_submodule(p)._forward_pre_hooks]
+    bare += [p for p in ctx.graph.cp_attention if not is_held(module.get_submodule(p))]
+    return f"position or attention modules left without their hook: {bare[:3]}" if bare else None
+
+
 def _rc_applies(ctx: Context) -> bool:
     return bool(ctx.part.recompute)
 
@@ -194,7 +236,7 @@ def _rc_ensures(module: nn.Module, ctx: Context) -> str | None:
 
 
 def _dp_applies(ctx: Context) -> bool:
-    return ctx.plan.mesh.dp > 1 and bool(ctx.part.units)
+    return data_ranks(ctx.plan.mesh) > 1 and bool(ctx.part.units)
 
 
 def _dp_requires(module: nn.Module, ctx: Context) -> str | None:
@@ -207,7 +249,8 @@ def _dp_run(module: nn.Module, ctx: Context, result: PartResult) -> None:
 
     experts = result.experts
     ignored = [m for m in experts.modules if m not in {e for e, _ in experts.sharded}] if experts else ()
-    result.data_parallel = apply_data_parallel(module, ctx.part.units, ctx.mesh["dp"], ignored=ignored,
+    result.data_parallel = apply_data_parallel(module, ctx.part.units, data_mesh(ctx.mesh, ctx.plan.mesh.cp),
+                                               ignored=ignored,
                                                experts=experts)
 
 
@@ -234,6 +277,7 @@ class Pass:
 PASSES: tuple[Pass, ...] = (
     Pass("tensor_parallel", _tp_applies, _tp_requires, _tp_run, _tp_ensures),
     Pass("expert_parallel", _ep_applies, _ep_requires, _ep_run, _ep_ensures),
+    Pass("context_parallel", _cp_applies, _cp_requires, _cp_run, _cp_ensures),
     Pass("recompute", _rc_applies, _rc_requires, _rc_run, _rc_ensures),
     Pass("data_parallel", _dp_applies, _dp_requires, _dp_run, _dp_ensures),
 )
@@ -284,7 +328,7 @@ def parallelize_part(module: nn.Module, graph: LayerGraph, plan: Plan, part: Par
     if meta:
         materialise(module, device, init_fn)
     if result.data_parallel is not None:
-        sync_replicas(result.data_parallel, mesh["dp"])
+        sync_replicas(result.data_parallel, data_mesh(mesh, plan.mesh.cp))
     if result.experts is not None:
         from autopar.passes.expert_parallel import sync_expert_replicas
 

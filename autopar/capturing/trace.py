@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopar.capturing import boundary, cuts, hf_masks, moe, op_costs, stack_once, twins
+from autopar.capturing import boundary, context, cuts, hf_masks, moe, op_costs, stack_once, twins
 from autopar.capturing.export_layers import export_with_layer_calls
 from autopar.capturing.layers import group_layers, layer_names
 from autopar.capturing.op_costs import OpRecorder, extra_flop_rules, is_causal, layer_ops, selective_costs
@@ -432,18 +432,17 @@ def capture(
 ) -> LayerGraph:
     """Trace ``model`` on ``example_inputs`` (meta is fine) into a LayerGraph with per-sample costs.
 
-    ``replay_twins=False`` executes every layer instead of replaying layers
-    identical to one already measured (see :mod:`autopar.capturing.twins`); the result
-    is the same, only slower — kept for testing that claim; so is ``trace_once_per_kind=False``
-    (export every block of a stack, not one per kind: :mod:`autopar.capturing.stack_once`).
+    ``replay_twins=False`` executes every layer instead of replaying layers identical to one already measured (see
+    :mod:`autopar.capturing.twins`); the result is the same, only slower — kept for testing that claim; so is
+    ``trace_once_per_kind=False`` (export every block of a stack, not one per kind:
+    :mod:`autopar.capturing.stack_once`).
 
-    Hugging Face's causal masks are traced as eager mode runs them (SDPA's ``is_causal``, no S × S
-    tensor: :mod:`autopar.capturing.hf_masks`).
+    Hugging Face's causal masks are traced as eager mode runs them (SDPA's ``is_causal``, no S × S tensor:
+    :mod:`autopar.capturing.hf_masks`).
 
-    Mixture-of-experts blocks (:mod:`autopar.capturing.moe`) are recorded on their layers
-    (``Layer.moe``); Hugging Face's eager experts are captured through HF's ``grouped_mm`` path, and
-    where the graph cannot run a block's routing loop on the example inputs, the blocks are traced
-    whole and run as a balanced stand-in.
+    Mixture-of-experts blocks (:mod:`autopar.capturing.moe`) are recorded on their layers (``Layer.moe``); Hugging
+    Face's eager experts are captured through HF's ``grouped_mm`` path, and where the graph cannot run a block's
+    routing loop on the example inputs, the blocks are traced whole and run as a balanced stand-in.
     """
     args, kwargs = _split_inputs(model, example_inputs)
     blocks = moe.find_blocks(model)
@@ -561,6 +560,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, name: str | None, repl
         layers = [dataclasses.replace(l, tp_styles=(), tp_refusal=f"tensor parallelism withdrawn: "
                                       f"{l.moe[0].module_path} is traced whole (its routing loop cannot run "
                                       "on the meta device)") if l.moe else l for l in layers]
+    layers, facts = context.probe_layers(model, args, kwargs, seq_len, batch, layers)  # what cp needs
     calls = gm.meta.get("layer_calls") if tracer == "export" else False  # known from stack_once
     if calls or (calls is None and
                  export_with_layer_calls(model, args, kwargs, {k for k, _ in runs if k}) is not None):
@@ -571,9 +571,9 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, name: str | None, repl
         example_batch=batch,
         dtype_bytes=dtype_bytes,
         edges=[(names[a], names[b], v / batch) for (a, b), v in edges.items()],
-        tracer=tracer,
-        seq_len=seq_len,
+        tracer=tracer, seq_len=seq_len,
         output_bytes_per_sample=_output_bytes(gm, stats) / batch,
+        **facts.graph_fields(),
     )
 
 

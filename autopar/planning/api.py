@@ -106,7 +106,7 @@ def reprice(graph: LayerGraph, plan: Plan, cluster: str | ClusterSpec | None = N
     stages = tuple(l.stage for l in plan.layers)
     choices = tuple(l.choice for l in plan.layers)
     # the data-parallel mode the plan lowers in; a choice the search space leaves out is priced all the same
-    mode = contract.mode_of(graph, plan.mesh.dp, tuple(c.zero for c in choices), plan.mesh.pp)
+    mode = contract.mode_of(graph, contract.data_ranks(plan.mesh), tuple(c.zero for c in choices), plan.mesh.pp)
     config = Configuration(plan.mesh, plan.microbatches, Schedule(ScheduleKind(plan.schedule), plan.chunks), mode)
     table = PriceTable(graph, config, spec, training)
     prediction = evaluate(table, stages, choices)
@@ -164,17 +164,18 @@ def runner_up(graph: LayerGraph, candidate: Candidate) -> RunnerUp:
     its prediction, and the pins that fix its configuration."""
     c, p, table = candidate.config, candidate.prediction, candidate.table
     runs = [table.runs_as(i, s) for i, s in enumerate(candidate.choices)]
-    zero = sorted({r.zero for l, r in zip(graph, runs) if l.param_count}) if c.mesh.dp > 1 else []
+    zero = sorted({r.zero for l, r in zip(graph, runs) if l.param_count}) if contract.data_ranks(c.mesh) > 1 else []
     pins = [f"{name}={degree}" for name, degree in c.mesh.items()] + [f"microbatches={c.microbatches}"]
     if c.mesh.pp > 1:
         pins.append(f"schedule={c.schedule.kind.value}")
     if c.schedule.chunks > 1:
         pins.append(f"chunks={c.schedule.chunks}")
-    if c.mesh.dp > 1 and not c.data_parallel.sharded:
+    if contract.data_ranks(c.mesh) > 1 and not c.data_parallel.sharded:
         pins.append("zero=0")
     return RunnerUp(
         mesh=c.mesh, microbatches=c.microbatches, schedule=c.schedule.kind,
-        chunks=c.schedule.chunks, data_parallel=str(c.data_parallel) if c.mesh.dp > 1 else "none (dp=1)",
+        chunks=c.schedule.chunks,
+        data_parallel=str(c.data_parallel) if contract.data_ranks(c.mesh) > 1 else "none (dp=1)",
         zero=tuple(zero), recomputed=sum(bool(r.recompute) for r in runs), step_time_s=p.step_time_s,
         memory_per_rank_bytes=p.memory_per_rank_bytes, breakdown=p.breakdown, optimal=candidate.optimal,
         pins=tuple(pins),
@@ -211,11 +212,11 @@ def baseline_pins(graph: LayerGraph) -> list[tuple[str, list[str]]]:
         names = [s.name for s in layer.tp_styles]
         if names:
             styled.append(f"{layer.name}:tp={'megatron' if 'megatron' in names else names[0]}")
-    rows = _uniform("DDP", ["pp=1", "tp=1", "zero=0"])
+    rows = _uniform("DDP", ["pp=1", "cp=1", "tp=1", "zero=0"])  # textbook: the sequence is not split
     for z in (1, 2, 3):
-        rows += _uniform(f"ZeRO-{z}", ["pp=1", "tp=1", f"zero={z}"])
-    rows += _uniform("Megatron (tp × dp)", ["pp=1", "zero=0"] + styled)
-    rows += _uniform("Megatron (tp × pp × dp, 1F1B)", ["schedule=1f1b", "zero=0"] + styled)
+        rows += _uniform(f"ZeRO-{z}", ["pp=1", "cp=1", "tp=1", f"zero={z}"])
+    rows += _uniform("Megatron (tp × dp)", ["pp=1", "cp=1", "zero=0"] + styled)
+    rows += _uniform("Megatron (tp × pp × dp, 1F1B)", ["schedule=1f1b", "cp=1", "zero=0"] + styled)
     return rows
 
 

@@ -103,7 +103,7 @@ def _pin_runs_here(table: PriceTable, i: int, pin: dict[str, Any], root_floor: i
     otherwise (a root-unit layer below its root's stage, recompute on a layer without a
     module) is kept and priced as it runs; the plan notes it."""
     c = table.config
-    if "zero" not in pin or c.mesh.dp <= 1:
+    if "zero" not in pin or contract.data_ranks(c.mesh) <= 1:
         return True
     return contract.admits_zero_pin(table.graph, i, pin["zero"], c.data_parallel, c.mesh.pp, root_floor=root_floor)
 

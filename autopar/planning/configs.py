@@ -46,7 +46,8 @@ def axis_limits(graph: LayerGraph, world_size: int, cluster: ClusterSpec, traini
     return AxisLimits(world_size=world_size, global_batch=training.global_batch,
                       max_stages=len(cut_positions(graph)) + 1, gpus_per_node=cluster.gpus_per_node,
                       experts=tuple(m.num_experts for layer in graph for m in layer.moe), layers=len(graph),
-                      expert_refusal=next((m.ep_refusal for layer in graph for m in layer.moe if m.ep_refusal), ""))
+                      expert_refusal=next((m.ep_refusal for layer in graph for m in layer.moe if m.ep_refusal), ""),
+                      seq_len=graph.seq_len or 0, context_refusal=graph.cp_refusal)
 
 
 def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
@@ -61,13 +62,15 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
     for mesh in meshes(limits, pinned):
         if contract.ep_refusal(mesh, graph) or (mesh.ep > 1 and mesh.pp > 1 and "ep" not in pinned):
             continue  # ep inside pipeline stages runs, but is searched only where ep is pinned: UNSEARCHED
+        if contract.cp_refusal(mesh):
+            continue
         floor = contract.root_floor(graph, pinned_zeros, mesh.pp)
         per_replica = training.global_batch // mesh.dp
         for m in [pins.microbatches] if pins.microbatches else _divisors(per_replica):
             if per_replica % m:
                 continue
             configs += [Configuration(mesh, m, s, mode) for s in _schedules(mesh.pp, m, limits.max_stages, pins)
-                        for mode in contract.data_parallel_modes(graph, mesh.pp, mesh.dp, floor)]
+                        for mode in contract.data_parallel_modes(graph, mesh.pp, contract.data_ranks(mesh), floor)]
     if not configs:
         raise PinError(why_no_config(graph, world_size, training, pins, limits.max_stages))
     return configs
@@ -82,13 +85,19 @@ def _check_pinned_mesh(pinned: dict[str, int], limits: AxisLimits) -> None:
                            f"{a.folds}={pinned[a.folds]} ({a.name} borrows its ranks from {a.folds})")
         if a.folds is not None and a.name in pinned and (why := a.refusal(pinned[a.name], limits)):
             raise PinError(f"pin {a.name}={pinned[a.name]}: {why}")
+        # what cp splits is the model's (its sequence, its attention): say so before the batch is blamed
+        if a.name == "cp" and a.name in pinned and (why := a.refusal(pinned[a.name], limits)):
+            raise PinError(f"pin {a.name}={pinned[a.name]}: {why}")
     pinned = {k: v for k, v in pinned.items() if mesh_axis(k).folds is None}
     product = math.prod(pinned.values())
     if limits.world_size % product:
         names = " × ".join(f"{k}={v}" for k, v in pinned.items())
         total = f" = {product}" if len(pinned) > 1 else ""
         raise PinError(f"world size {limits.world_size} is not a multiple of the pinned {names}{total}")
-    if len(pinned) == sum(a.folds is None for a in AXES) and product != limits.world_size:
+    # every axis that could take a degree above 1 pinned (cp on a model it cannot split stays at 1)
+    free = [a for a in AXES if a.folds is None and a.name not in pinned
+            and not (a.name == "cp" and a.searched_degrees(limits) == [1])]
+    if not free and product != limits.world_size:
         names = " × ".join(pinned)
         raise PinError(f"pinned {names} = {product} but the world size is {limits.world_size}")
 
@@ -116,6 +125,14 @@ def _blocked(graph: LayerGraph) -> str:
     return f"; {'; '.join(said)}" if said else ""
 
 
+def _cp_stays_1(graph: LayerGraph, world: int, batch: int, max_stages: int, pinned: dict[str, int]) -> bool:
+    """Whether cp can only be 1 here: the model cannot split its sequence, or the pins put it beside
+    an axis cp is not lowered with (``contract.cp_refusal``)."""
+    limits = AxisLimits(world, batch, max_stages, world, seq_len=graph.seq_len or 0, context_refusal=graph.cp_refusal)
+    beside = Mesh.of({**{k: v for k, v in pinned.items() if k not in ("ep", "cp")}, "cp": 2})
+    return mesh_axis("cp").searched_degrees(limits) == [1] or contract.cp_refusal(beside) is not None
+
+
 def why_no_config(graph: LayerGraph, world: int, training: TrainingSpec, pins: Pins, max_stages: int) -> str:
     b = training.global_batch
     pinned = pins.mesh_degrees()
@@ -127,6 +144,9 @@ def why_no_config(graph: LayerGraph, world: int, training: TrainingSpec, pins: P
     if dp and b % dp:
         return f"batch size {b} does not divide over the pinned dp={dp}"
     if (ep := pinned.get("ep", 1)) > 1 and (why := contract.ep_refusal(Mesh(pp=pp or 1, dp=ep, ep=ep), graph)):
+        return why
+    if pinned.get("cp", 1) > 1 and (why := contract.cp_refusal(Mesh.of(
+            {k: v for k, v in pinned.items() if k != "ep"}))):
         return why
     if ep > 1:
         return (f"no mesh for world size {world} and batch size {b} has a data-parallel degree that the "
@@ -146,7 +166,8 @@ def why_no_config(graph: LayerGraph, world: int, training: TrainingSpec, pins: P
         return (f"no mesh {axes} = {world} divides batch size {b}; use a batch size divisible "
                 "by the data-parallel degree")
     named = " × ".join(f"{k}={v}" for k, v in pinned.items())
-    free = [a.name for a in AXES if a.searched and a.name not in pinned and a.folds is None]
+    free = [a.name for a in AXES if a.searched and a.name not in pinned and a.folds is None
+            and not (a.name == "cp" and _cp_stays_1(graph, world, b, max_stages, pinned))]
     if free == ["dp"]:  # every other axis pinned: dp is what is left of the world size
         dp = world // math.prod(v for k, v in pinned.items() if mesh_axis(k).folds is None)
         return (f"the pinned {named} leave dp={dp} for world size {world}, which does not divide batch "

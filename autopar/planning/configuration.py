@@ -45,7 +45,7 @@ class Configuration:
         return contract.pipeline_rank(stage, self.mesh.pp)
 
     def describe(self) -> str:
-        dp = f" {self.data_parallel}" if self.mesh.dp > 1 else ""
+        dp = f" {self.data_parallel}" if self.mesh.dp * self.mesh.cp > 1 else ""
         return f"{self.mesh.describe(' ')} m={self.microbatches} {self.schedule}{dp}"
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol
 
+from autopar import contract
 from autopar.contract import Engine
 from autopar.cost_models.hardware import ClusterSpec
 from autopar.graph import LayerGraph
@@ -62,7 +63,7 @@ ZERO_LEVELS = (1, 2, 3)  # the FSDP2 stages whose edge units a rank can pay for
 def edge_level(table: PriceTable, i: int, k: int) -> int:
     """The ZeRO stage at which layer ``i`` under strategy ``k`` runs an FSDP2 unit (0: none)."""
     c = table.config
-    if c.mesh.dp <= 1 or table.engine is not Engine.FULLY_SHARD or not table.graph[i].param_count:
+    if contract.data_ranks(c.mesh) <= 1 or table.engine is not Engine.FULLY_SHARD or not table.graph[i].param_count:
         return 0
     return table.runs_as(i, table.choices[i][k]).zero
 

@@ -34,7 +34,7 @@ from autopar.cost_models.compute import (
     memory_bound_time_s,
 )
 from autopar.cost_models.hardware import DeviceSpec
-from autopar.graph import Layer, OpKind
+from autopar.graph import Layer, OpKind, SampleDim
 
 
 @dataclass(frozen=True)
@@ -64,31 +64,36 @@ def op_flops_per_sample(layer: Layer, style: str | None, tp: int) -> float:
 
 
 def layer_compute(layer: Layer, style: str | None, tp: int, microbatch: int, device: DeviceSpec,
-                  dtype: str, act_scale: float = 1.0, *, compiled: bool = False) -> LayerCompute:
-    """Forward and backward time of ``layer`` for one microbatch (module docstring); ``compiled``:
-    its memory-bound ops fused by torch.compile (:data:`COMPILED_MEMORY_BOUND_FRACTION`)."""
+                  dtype: str, act_scale: float = 1.0, cp: int = 1, *, compiled: bool = False) -> LayerCompute:
+    """Forward and backward time of ``layer`` for one microbatch (module docstring), on one of ``cp``
+    ranks that split the sequence: every op does 1/cp of the tokens; attention its S/cp queries
+    against all S keys with an explicit causal mask (``passes/context_parallel.py``), so 1/cp of the
+    full S × S work and no causal skip. ``compiled``: its memory-bound ops fused by torch.compile
+    (:data:`COMPILED_MEMORY_BOUND_FRACTION`)."""
     flops = style_flops_per_sample(layer, style, tp)
     b = microbatch
     if device.op_model is None or not layer.ops:
-        return LayerCompute(compute_time_s(b * flops, device, dtype),
-                            compute_time_s(BACKWARD_FLOPS_FACTOR * b * flops, device, dtype))
+        return LayerCompute(compute_time_s(b * flops / cp, device, dtype),
+                            compute_time_s(BACKWARD_FLOPS_FACTOR * b * flops / cp, device, dtype))
     fwd = bwd = 0.0
     fused = COMPILED_MEMORY_BOUND_FRACTION if compiled else 1.0
     for op in layer.ops:
         if op.kind is OpKind.GEMM:
             m, n, k, batch = op.gemm_shape(b, style, tp)
+            m, batch = (m / cp, batch) if op.per_sample is SampleDim.M else (m, batch / cp)
             fwd += op.count * gemm_time_s(m, n, k, batch, device, dtype)
             bwd += op.count * (gemm_time_s(m, k, n, batch, device, dtype)
                                + gemm_time_s(k, n, m, batch, device, dtype))
         elif op.kind is OpKind.ATTENTION:
-            work = b * op.flops_per_sample * op.split(style, tp)
-            fwd += op.count * attention_time_s(work, device, dtype, causal=op.causal)
-            bwd += op.count * attention_time_s(work, device, dtype, backward=True, causal=op.causal)
+            work = b * op.flops_per_sample * op.split(style, tp) / cp
+            causal = op.causal and cp == 1
+            fwd += op.count * attention_time_s(work, device, dtype, causal=causal)
+            bwd += op.count * attention_time_s(work, device, dtype, backward=True, causal=causal)
         else:
-            nbytes = b * op.bytes_per_sample * op.split(style, tp) * act_scale * fused
+            nbytes = b * op.bytes_per_sample * op.split(style, tp) * act_scale * fused / cp
             fwd += memory_bound_time_s(nbytes, device, op.count * fused)
             bwd += memory_bound_time_s(MEMORY_BOUND_BACKWARD_FACTOR * nbytes, device,
                                        MEMORY_BOUND_BACKWARD_FACTOR * op.count * fused)
-    rest = max(0.0, flops - op_flops_per_sample(layer, style, tp)) * b
+    rest = max(0.0, flops - op_flops_per_sample(layer, style, tp)) * b / cp
     rate = device.peak_flops(dtype) * device.matmul_efficiency
     return LayerCompute(fwd + rest / rate, bwd + BACKWARD_FLOPS_FACTOR * rest / rate)

@@ -21,7 +21,7 @@ def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
     table, raised, kept, bare, root = solution.table, [], [], [], 0
     for i, (layer, s) in enumerate(zip(graph, solution.choices)):
         runs = table.runs_as(i, s)
-        if layer.param_count and solution.config.mesh.dp > 1 and runs.zero != s.zero:
+        if layer.param_count and solution.config.mesh.dp * solution.config.mesh.cp > 1 and runs.zero != s.zero:
             raised.append(f"{layer.name} (zero={s.zero})")
             root = runs.zero
         if s.recompute and not runs.recompute:  # no recompute at all runs there, or only not this kind

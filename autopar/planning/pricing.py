@@ -5,8 +5,8 @@ solver builds its CP-SAT model from a :class:`PriceTable`, and
 :func:`~autopar.planning.evaluate.evaluate` prices a complete assignment from the same table, so the
 solver's objective and a plan's reported prediction are the same function.
 
-The step-time model of a configuration (pp × dp × tp mesh, m microbatches,
-schedule with v chunks per rank), for pipeline rank j:
+The step-time model of a configuration (pp × dp × cp × tp mesh, cp in :mod:`.context_price`, m
+microbatches, schedule with v chunks per rank), for pipeline rank j:
 
     T_j  = Σ_{layers on j} (compute_fwd+bwd(+re-fwd) + tp_comm) per microbatch
            + point-to-point sends at j's stage boundaries
@@ -71,15 +71,11 @@ from autopar.cost_models.hardware import ClusterSpec, idle_core_speedup
 from autopar.cost_models.memory import model_state_bytes, optimizer_shard_params
 from autopar.cost_models.pipeline import ScheduleKind, in_flight
 from autopar.graph import Layer, LayerGraph
-from autopar.planning import edges
+from autopar.planning import context_price, edges
 from autopar.planning.configuration import Configuration, TrainingSpec
 from autopar.planning.layer_compute import layer_compute
 from autopar.planning.recompute_price import recompute_part
-from autopar.planning.sequence import (
-    region_s,
-    sequence_activation_bytes,
-    sequence_comm_s,
-)
+from autopar.planning.sequence import region_s, sequence_activation_bytes, sequence_comm_s
 from autopar.planning.shared_prices import SharedPrices
 
 FP32_BYTES = 4  # the loss, and a bf16 plan's master gradients outside FSDP2, are fp32
@@ -147,7 +143,8 @@ class PriceTable:
         self.dtype_for_compute = "bf16" if training.dtype == "bf16" else "fp32"
         mesh = config.mesh
         groups = {name: place_group(degree, mesh.stride(name), cluster.gpus_per_node) for name, degree in mesh.items()}
-        self.tp_group, self.dp_group, self.ep_group = groups["tp"], groups["dp"], groups["ep"]
+        self.tp_group, self.ep_group, self.cp_group = groups["tp"], groups["ep"], groups["cp"]
+        self.data_ranks, self.dp_group = context_price.data_group(mesh, groups["dp"], cluster)
         # the expert-data-parallel group: the dp ranks holding the same experts, ep apart in dp
         self.edp_group = place_group(mesh.dp // mesh.ep, mesh.stride("dp") * mesh.ep, cluster.gpus_per_node)
         self.pp_inter_node = edges.ranks_inter_node(0, config.mesh.pp - 1, self)  # the tied ends' all-reduce
@@ -229,14 +226,14 @@ class PriceTable:
         key = (i, choice)
         if key not in self._runs_memo:
             c = self.config
-            zero = contract.effective_zero(self.graph, i, choice.zero, c.data_parallel, c.mesh.dp, c.mesh.pp)
+            zero = contract.effective_zero(self.graph, i, choice.zero, c.data_parallel, self.data_ranks, c.mesh.pp)
             self._runs_memo[key] = replace(choice, zero=zero, recompute=contract.recompute_runs_as(
                 self.graph, i, c.mesh.pp, choice.recompute))
         return self._runs_memo[key]
 
     def buffers_needed(self, i: int, k: int) -> Buffers:
         """The FSDP2 buffers layer ``i`` under choice ``k`` makes its rank hold (the contract's)."""
-        if self.config.mesh.dp <= 1 or self.engine is Engine.DDP:
+        if self.data_ranks <= 1 or self.engine is Engine.DDP:
             return Buffers.NONE
         zero = self.runs_as(i, self.choices[i][k]).zero
         return contract.buffers_of(zero, bool(self.graph[i].param_count))
@@ -311,18 +308,19 @@ class PriceTable:
     @cached_property
     def workspace_bytes(self) -> int:
         """Transient memory on every rank: the largest unit's gathered weights and one layer's activations."""
-        largest_act = max((l.activation_bytes_per_sample for l in self.graph), default=0.0)
+        largest_act = max((context_price.context_part(self, l, l.activation_bytes_per_sample)[2]
+                           for l in self.graph), default=0.0)
         return self.prec.param_bytes * self.largest_unit_params + math.ceil(
             self.microbatch_size * largest_act * self.act_scale)
 
     @cached_property
     def loss_bytes(self) -> int:
         """The loss on the last pipeline rank: a tensor the size of the model's output (cross-entropy's
-        log-probabilities) kept per microbatch in flight there, plus the output's gradient."""
+        log-probabilities) kept per microbatch in flight there, plus the output's gradient (S/cp tokens')."""
         kept = self.config.microbatches if self.config.schedule.kind is ScheduleKind.GPIPE else 1
         # in fp32 whatever the plan's dtype: the runtime upcasts a bf16 output before the loss
         return math.ceil((kept + 1) * self.microbatch_size * self.graph.output_bytes_per_sample
-                         * FP32_BYTES / self.graph.dtype_bytes)
+                         * FP32_BYTES / self.graph.dtype_bytes / self.config.mesh.cp)
 
     def rank_workspace_bytes(self, rank: int) -> int:
         """:attr:`workspace_bytes`, and :attr:`loss_bytes` on the last pipeline rank."""
@@ -333,13 +331,13 @@ class PriceTable:
         """A rank with a ZeRO-1/2/3 layer holds two units' unsharded gradients in backward: those
         autograd is producing, and the previous unit's, kept until their reduce-scatter is done
         (FSDP2 overlaps one unit's reduce-scatter with the next unit's backward)."""
-        return 2 * self.prec.grad_bytes * self.largest_unit_params if self.config.mesh.dp > 1 else 0
+        return 2 * self.prec.grad_bytes * self.largest_unit_params if self.data_ranks > 1 else 0
 
     @cached_property
     def prefetch_buffer_bytes(self) -> int:
         """A rank with a ZeRO-3 layer gathers the next unit's weights while the current one runs
         (FSDP2's prefetch, forward and backward): a second unit of gathered weights."""
-        return self.prec.param_bytes * self.largest_unit_params if self.config.mesh.dp > 1 else 0
+        return self.prec.param_bytes * self.largest_unit_params if self.data_ranks > 1 else 0
 
     def effective_params(self, layer: Layer, choice: LayerChoice) -> int:
         """Parameters one rank holds for the layer before ZeRO sharding."""
@@ -355,7 +353,7 @@ class PriceTable:
         communication, saved activations."""
         c, b = self.config, self.microbatch_size
         key = (id(layer), style_name, sp, c.mesh.tp, b, self.tp_group, self.act_scale, self.dtype_for_compute,
-               id(self.cluster), self.training.compiled)
+               id(self.cluster), self.training.compiled, c.mesh.cp, self.cp_group)
         if key in self._style_memo:
             return self._style_memo[key][1]
         acts = layer.activation_bytes_per_sample
@@ -381,8 +379,10 @@ class PriceTable:
                 tp_comm_fwd, tp_comm_bwd = sequence_comm_s(style, elem, self.tp_group, self.cluster)
                 acts = sequence_activation_bytes(layer, style, c.mesh.tp, self.graph.dtype_bytes)
         times = layer_compute(layer, style_name, c.mesh.tp, b, self.cluster.device, self.dtype_for_compute,
-                              self.act_scale, compiled=self.training.compiled and self.graph.blocks[layer.index])
-        part = (times.fwd_s, times.bwd_s, tp_comm_fwd, tp_comm_bwd, acts)
+                              self.act_scale, c.mesh.cp,
+                              compiled=self.training.compiled and self.graph.blocks[layer.index])
+        kv_fwd, kv_bwd, acts = context_price.context_part(self, layer, acts)
+        part = (times.fwd_s, times.bwd_s, tp_comm_fwd + kv_fwd, tp_comm_bwd + kv_bwd, acts)
         self._style_memo[key] = (layer, part)  # the layer is kept, so its id is not reused while the memo lives
         return part
 
@@ -411,15 +411,15 @@ class PriceTable:
         fsdp_work += self._tied_sum_s(layer, runs.zero) + (self.expert_sync_s(layer) if ez == 0 else 0.0)
         if ez:  # FSDP2's own work around each of the experts unit's collectives
             fsdp_work += self.cluster.zero_overhead_s * sum(contract.dp_collectives(ez, c.microbatches))
-        weights = (prec.param_bytes * (dense if runs.zero < 3 else dense // c.mesh.dp)
+        weights = (prec.param_bytes * (dense if runs.zero < 3 else dense // self.data_ranks)
                    + prec.param_bytes * (experts if ez < 3 else experts // edp))
-        grads = (prec.grad_bytes * (dense if runs.zero < 2 else dense // c.mesh.dp)
+        grads = (prec.grad_bytes * (dense if runs.zero < 2 else dense // self.data_ranks)
                  + prec.grad_bytes * (experts if ez < 2 else experts // edp))
         # outside FSDP2 the experts' gradients are fp32 whatever the plan's dtype (fp32 weights on bf16 copies)
         expert_grads = max(FP32_BYTES - prec.grad_bytes, 0) * experts if ez == 0 else 0
         grads += expert_grads
         buckets = prec.grad_bytes * params if self.engine is Engine.DDP else 0
-        state = (model_state_bytes(dense, runs.zero, c.mesh.dp, prec) + model_state_bytes(experts, ez, edp, prec)
+        state = (model_state_bytes(dense, runs.zero, self.data_ranks, prec) + model_state_bytes(experts, ez, edp, prec)
                  + expert_grads + buckets + self._master_grad_bytes(params))
         return LayerPrice(
             forward_mb_s=fwd,
@@ -429,7 +429,7 @@ class PriceTable:
             dp_comm_s=dp_comm + fsdp_work,
             exposed_comm_s=exposed_comm_s(dp_comm, c.microbatches * compute, self.cluster.comm_overlap)
             + fsdp_work,
-            optimizer_s=(optimizer_shard_params(dense, runs.zero, c.mesh.dp)
+            optimizer_s=(optimizer_shard_params(dense, runs.zero, self.data_ranks)
                          + optimizer_shard_params(experts, ez, edp))
             * prec.optimizer_bytes_touched / device.memory_bandwidth_bytes_s
             + (len(layer.param_names) * self.cluster.optimizer_dtensor_s if self._dtensor(runs) else 0.0),
@@ -520,7 +520,7 @@ class PriceTable:
     def dp_collectives_s(self, params: int, zero: int, share: float = 1.0) -> float:
         """Per step: the collectives of :func:`autopar.contract.dp_collectives`. ``share``: the
         layer's share of each collective's latency."""
-        if self.config.mesh.dp <= 1 or params == 0:
+        if self.data_ranks <= 1 or params == 0:
             return 0.0
         key = (params, zero, share, self.dp_group, self.config.microbatches, self.prec, id(self.cluster))
         memo = self._shared.dp_collectives
@@ -542,7 +542,7 @@ class PriceTable:
         the pipeline drains — a two-rank all-reduce moves the shard once each way, priced as one send."""
         if not contract.tied_across_stages(self.graph, layer.index, self.config.mesh.pp):
             return 0.0
-        shard = self.config.mesh.dp if zero >= 1 and self.config.mesh.dp > 1 else 1
+        shard = self.data_ranks if zero >= 1 and self.data_ranks > 1 else 1
         nbytes = self.prec.grad_bytes * layer.tied_param_count / shard
         return p2p_time_s(nbytes, inter_node=self.pp_inter_node, cluster=self.cluster)
 
@@ -551,7 +551,7 @@ class PriceTable:
         ``zero_overhead_s``; ``share`` as in :meth:`dp_collectives_s`). FSDP2's replicate all-reduces once a
         step; DDP's bucketing is C++ beside its all-reduce and left out."""
         c, each = self.config, self.cluster.zero_overhead_s
-        if each <= 0 or c.mesh.dp <= 1 or params == 0 or self.engine is Engine.DDP:
+        if each <= 0 or self.data_ranks <= 1 or params == 0 or self.engine is Engine.DDP:
             return 0.0
         return share * each * sum(contract.dp_collectives(zero, c.microbatches))
 

@@ -13,6 +13,7 @@ from typing import Any
 from autopar.choice import Recompute
 from autopar.cost_models.compute import compute_time_s, memory_bound_time_s
 from autopar.graph import Layer
+from autopar.planning.context_price import mask_bytes as context_part_mask
 from autopar.planning.sequence import sequence_input_bytes
 
 
@@ -26,6 +27,9 @@ def recompute_part(table: Any, layer: Layer, strategy: Any, fwd_s: float, acts: 
     device's memory bandwidth; torchtitan's ``alternate_mm`` keeps fused attention's and
     every other ``mm``'s outputs and re-runs the rest, those matmuls included. A
     Megatron style splits over tp what lies between its column and row projections.
+    Under cp a rank keeps and re-runs 1/cp of the tokens' share; selective recompute is
+    counted as keeping the K and V gathered from the other cp ranks and the attention
+    masks (an upper bound: they are what attention's backward reads).
     """
     kind = strategy.recompute
     if kind is Recompute.NONE:
@@ -34,7 +38,8 @@ def recompute_part(table: Any, layer: Layer, strategy: Any, fwd_s: float, acts: 
     inputs = layer.input_bytes_per_sample
     if strategy.sp:
         inputs = sequence_input_bytes(layer, layer.tp_style(strategy.tp), c.mesh.tp, table.graph.dtype_bytes)
-    base = inputs + layer.glue_saved_bytes_per_sample
+    cp = c.mesh.cp
+    base = (inputs + layer.glue_saved_bytes_per_sample) / cp
     if kind is Recompute.FULL:
         return fwd_s, base
     split = 1 - 1 / c.mesh.tp if strategy.tp is not None and layer.tp_style(strategy.tp).row else 0.0
@@ -43,9 +48,11 @@ def recompute_part(table: Any, layer: Layer, strategy: Any, fwd_s: float, acts: 
     moved = (getattr(layer, f"{p}_recompute_bytes_per_sample")
              - split * getattr(layer, f"{p}_recompute_sharded_bytes_per_sample"))
     b, device = table.microbatch_size, table.cluster.device
-    rerun = (compute_time_s(b * getattr(layer, f"{p}_recompute_flops_per_sample"), device, table.dtype_for_compute)
-             + memory_bound_time_s(b * moved * table.act_scale, device))
-    return rerun, base + saved
+    rerun = (compute_time_s(b * getattr(layer, f"{p}_recompute_flops_per_sample") / cp, device,
+                            table.dtype_for_compute)
+             + memory_bound_time_s(b * moved * table.act_scale / cp, device))
+    mask = context_part_mask(table, layer) / table.act_scale / b  # per sample, as the kept bytes are
+    return rerun, base + saved / cp + layer.kv_bytes_per_sample * (cp - 1) / cp + mask
 
 
 __all__ = ["recompute_part"]

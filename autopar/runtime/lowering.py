@@ -48,6 +48,7 @@ class Lowered:
     pipeline: Any = None  # passes.pipeline.PipelineRuntime
     pp_group: Any = None
     experts: list[Any] = field(default_factory=list)  # passes.expert_parallel.ExpertParallelResult per part
+    context: Any = None  # passes.context_parallel.ContextParallelResult when cp > 1
 
     @property
     def module(self) -> nn.Module:
@@ -82,7 +83,8 @@ def _from_parts(results: list[PartResult], mesh: Any, **kwargs: Any) -> Lowered:
         perms.update(r.permutations)
     return Lowered([r.module for r in results], mesh,
                    [r.data_parallel for r in results], perms, **kwargs,
-                   experts=[r.experts for r in results if r.experts is not None])
+                   experts=[r.experts for r in results if r.experts is not None],
+                   context=next((r.context for r in results if r.context is not None), None))
 
 
 def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: Any,
@@ -90,6 +92,7 @@ def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: An
     """Lower ``plan`` for this rank of the initialised process group."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    from autopar.passes.context_parallel import check_context_parallel, data_mesh
     from autopar.passes.expert_parallel import check_expert_parallel, expert_mesh
     from autopar.passes.tensor_parallel import check_tensor_parallel
     from autopar.passes.zero import compute_dtype
@@ -99,10 +102,13 @@ def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: An
     builder = _pipeline_builder() if plan.mesh.pp > 1 else None
     check_tensor_parallel(model, graph, plan, plan.mesh.tp)
     check_expert_parallel(model, graph, plan)
+    check_context_parallel(graph, plan)
     # the plan mesh's axes, outermost first (autopar.mesh: the rank layout pricing assumed)
     mesh = init_device_mesh(device.type, plan.mesh.degrees, mesh_dim_names=plan.mesh.dim_names())
     if plan.mesh.ep > 1:  # ep's groups, folded into dp: made by every rank before any part is lowered
         expert_mesh(mesh, plan.mesh.ep)
+    if plan.mesh.cp > 1:  # the flattened dp × cp dimension data parallelism wraps over, made by every rank
+        data_mesh(mesh, plan.mesh.cp)
     dtype = plan_dtype(plan.training.dtype)
     with compute_dtype(dtype):
         if builder is not None:

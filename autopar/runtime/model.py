@@ -171,7 +171,19 @@ class ParallelModel:
 
     def local_batch(self, batch: Any) -> Any:
         """This dp rank's slice of a global batch (the tp and pp ranks of a dp group share it): a tensor,
-        a tuple of positional inputs or a dict of keyword inputs, sliced along dim 0 (None stays None)."""
+        a tuple of positional inputs or a dict of keyword inputs, sliced along dim 0 (None stays None);
+        under cp, every tensor whose dim 1 is the sequence is then cut to this cp rank's head and tail
+        chunks (``passes/context_parallel.py``): inputs and targets alike."""
+        local = self._dp_slice(batch)
+        cp = self.plan.mesh.cp
+        if cp <= 1 or local is None:
+            return local
+        from autopar.passes.context_parallel import shard_sequence
+
+        mesh = self._require_launch().mesh
+        return shard_sequence(local, self.graph.seq_len, cp, mesh["cp"].get_local_rank())
+
+    def _dp_slice(self, batch: Any) -> Any:
         if batch is None:
             return None
         dp = self.plan.mesh.dp
@@ -205,6 +217,7 @@ class ParallelModel:
         lowered = self._require_launch()
         inputs = model_inputs.normalise(inputs)
         self._check_batch(inputs, targets)
+        self._check_context(inputs, targets)
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
         with step_rng(self.seed, self.step, self._stream(), self._device()):
@@ -225,6 +238,30 @@ class ParallelModel:
             self.scheduler.step()
         self.step += 1
         return self._global_mean(loss)
+
+    def _check_context(self, inputs: model_inputs.Inputs, targets: torch.Tensor | None) -> None:
+        """Under cp: this rank's tokens only (``local_batch``), and a loss the runtime takes over equal
+        token counts. The model's own loss (a Hugging Face model given ``labels``) shifts the labels
+        inside each rank's chunks, and an ignored target (-100) leaves ranks unequal counts: either
+        would average to another number than one device's, so both are refused. The ignored-target
+        check is a collective (the same answer on every rank)."""
+        cp = self.plan.mesh.cp
+        if cp <= 1:
+            return
+        local = self.graph.seq_len // cp
+        if isinstance(inputs, dict) and "labels" in inputs:
+            raise BatchError(f"under cp={cp} the model cannot compute its own loss from 'labels' (it would "
+                             "shift them inside each rank's chunks): pass the next-token targets to train_step")
+        for what, t in model_inputs.tensors(inputs) + ([("targets", targets)] if targets is not None else []):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] not in (local,):
+                raise BatchError(f"under cp={cp} each rank takes {local} of the {self.graph.seq_len} tokens of "
+                                 f"a sequence; {what} has {t.shape[1]}. Use local_batch() on the global batch")
+        if targets is not None:
+            ignored = (targets == -100).any().to(torch.float64).reshape(1).to(self._device())
+            dist.all_reduce(ignored, op=dist.ReduceOp.MAX)
+            if float(hold(ignored)):
+                raise BatchError(f"under cp={cp} targets of -100 (ignored) would leave the ranks unequal token "
+                                 "counts and the mean loss another number than one device's; not supported yet")
 
     def _global_mean(self, loss: torch.Tensor) -> float:
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -275,6 +312,7 @@ class ParallelModel:
         lowered = self._require_launch()
         inputs = model_inputs.normalise(inputs)
         self._check_batch(inputs, targets, "evaluate")
+        self._check_context(inputs, targets)
         modes = [(m, m.training) for part in lowered.parts for m in part.modules()]
         for part in lowered.parts:
             part.eval()
@@ -421,7 +459,7 @@ def _mixed_precision(lowered: Lowered, plan: Plan) -> MasterWeights | None:
     if dtype is None:
         return None
     ddp = [r.ddp if r is not None else None for r in lowered.data_parallel]
-    fsdp = plan.mesh.dp > 1 and not any(d is not None for d in ddp)
+    fsdp = plan.mesh.dp * plan.mesh.cp > 1 and not any(d is not None for d in ddp)
     if fsdp:
         return None
     group = lowered.mesh["dp"].get_group() if lowered.mesh is not None and plan.mesh.dp > 1 else None

@@ -140,7 +140,8 @@ def _rows(a: Plan, b: Plan) -> list[Row]:
         return p.schedule.value + (f" × {p.chunks} chunks" if p.chunks > 1 else "")
 
     def zeros(p: Plan) -> str:
-        return ",".join(map(str, sorted({l.choice.zero for l in p.layers}))) if p.mesh.dp > 1 else "- (dp=1)"
+        data_ranks = p.mesh.dp * p.mesh.cp
+        return ",".join(map(str, sorted({l.choice.zero for l in p.layers}))) if data_ranks > 1 else "- (dp=1)"
 
     def per_rank(p: Plan) -> tuple[int, ...]:
         return p.predicted.memory_per_rank_bytes

@@ -77,7 +77,7 @@ class Figures:
 
 def data_parallel_of(plan: Plan) -> str:
     """How a plan's data parallelism runs, in the words runners-up use."""
-    if plan.mesh.dp <= 1:
+    if plan.mesh.dp * plan.mesh.cp <= 1:
         return "none (dp=1)"
     return "replicated" if all(l.choice.zero == 0 for l in plan.layers) else "sharded"
 

@@ -352,7 +352,7 @@ def draw_layers(plan: Plan) -> Figure:
             ("tp style", [(l.choice.tp or "none") + ("+sp" if l.choice.sp and l.choice.tp else "")
                           if plan.mesh.tp > 1 else "none"
                           for l in plan.layers]),
-            ("ZeRO", [str(l.choice.zero) if plan.mesh.dp > 1 else "- (dp=1)" for l in plan.layers]),
+            ("ZeRO", [str(l.choice.zero) if plan.mesh.dp * plan.mesh.cp > 1 else "- (dp=1)" for l in plan.layers]),
             ("recompute", [str(l.choice.recompute) for l in plan.layers]))
     n = len(plan.layers)
     fig, axes = plt.subplots(len(rows), 1, figsize=(11, 0.6 * len(rows) + 1.1), layout="constrained", sharex=True)

@@ -301,7 +301,8 @@ def test_passes_run_in_their_order_and_a_failure_names_the_pass_and_those_before
     from autopar.passes.parallelize import PASSES, Context, Pass, run_passes
     from autopar.runtime.lowering import whole_model_part
 
-    assert [p.name for p in PASSES] == ["tensor_parallel", "expert_parallel", "recompute", "data_parallel"]
+    assert [p.name for p in PASSES] == ["tensor_parallel", "expert_parallel", "context_parallel", "recompute",
+                                        "data_parallel"]
     graph, plan = _plan(_gpt, ("pp=1", "dp=4", "tp=1", "zero=3", "microbatches=1", "blocks.*:recompute=on"))
     fake_group(0)
     mesh = init_device_mesh("cpu", plan.mesh.degrees, mesh_dim_names=plan.mesh.dim_names())

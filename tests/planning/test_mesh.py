@@ -13,7 +13,7 @@ from synthetic import transformer_graph
 
 import autopar
 from autopar.errors import MeshError, PinError, PlanError
-from autopar.mesh import AXES, AxisLimits, Mesh, MeshAxis, axis_names, declared, meshes
+from autopar.mesh import AXES, AxisLimits, Mesh, MeshAxis, axis, axis_names, declared, meshes
 from autopar.pins import Pins
 from autopar.plan import Plan
 
@@ -26,18 +26,20 @@ TOY = MeshAxis("xp", "nothing: a toy axis", searched=False)
 
 
 def test_the_axes_are_declared_outermost_first_with_tp_innermost() -> None:
-    assert axis_names() == ("pp", "dp", "ep", "tp")
+    assert axis_names() == ("pp", "dp", "ep", "cp", "tp")
     mesh = Mesh(pp=2, dp=4, tp=8)
-    # global rank = (pp_rank · dp + dp_rank) · tp + tp_rank
+    # global rank = ((pp_rank · dp + dp_rank) · cp + cp_rank) · tp + tp_rank
     assert (mesh.stride("pp"), mesh.stride("dp"), mesh.stride("tp")) == (32, 8, 1)
-    assert mesh.world_size == 64 and mesh.degrees == (2, 4, 8) and mesh.dim_names() == ("pp", "dp", "tp")
+    assert mesh.world_size == 64 and mesh.degrees == (2, 4, 1, 8) and mesh.dim_names() == ("pp", "dp", "cp", "tp")
+    with_cp = Mesh(dp=2, cp=4, tp=2)  # cp between dp and tp: a cp group is cp neighbours of a dp rank
+    assert (with_cp.stride("dp"), with_cp.stride("cp"), with_cp.world_size) == (8, 2, 16)
     assert mesh["dp"] == mesh.dp == 4 and Mesh(dp=4).pp == 1
 
 
 def test_an_axis_of_degree_1_prints_nothing_but_is_in_the_file() -> None:
     assert Mesh(dp=8).describe() == "dp=8" and Mesh(pp=2, tp=2).describe() == "pp=2 × tp=2"
     assert Mesh().describe() == "1 rank"
-    assert Mesh(dp=8).to_dict() == {"pp": 1, "dp": 8, "ep": 1, "tp": 1}
+    assert Mesh(dp=8).to_dict() == {"pp": 1, "dp": 8, "ep": 1, "cp": 1, "tp": 1}
 
 
 def test_meshes_are_frozen_hashable_and_ordered_outermost_first() -> None:
@@ -49,18 +51,19 @@ def test_meshes_are_frozen_hashable_and_ordered_outermost_first() -> None:
 
 
 def test_a_bad_mesh_names_the_known_axes() -> None:
-    with pytest.raises(MeshError, match=r"unknown mesh axis 'zp'; the mesh axes are pp, dp, ep, tp"):
+    with pytest.raises(MeshError, match=r"unknown mesh axis 'zp'; the mesh axes are pp, dp, ep, cp, tp"):
         Mesh(zp=2)
     with pytest.raises(MeshError, match="positive integer"):
         Mesh(dp=0)
-    with pytest.raises(MeshError, match=r"'zp'.*not one this autopar knows \(pp, dp, ep, tp\)"):
+    with pytest.raises(MeshError, match=r"'zp'.*not one this autopar knows \(pp, dp, ep, cp, tp\)"):
         Mesh.from_dict({"pp": 1, "dp": 2, "tp": 1, "zp": 1}, "plan")
 
 
 def test_each_axis_checks_what_it_splits() -> None:
     limits = AxisLimits(world_size=16, global_batch=6, max_stages=3, gpus_per_node=4)
-    pp, dp, _ep, tp = AXES
+    pp, dp, _ep, cp, tp = AXES
     assert "batch size 6 does not divide over dp=4" in dp.refusal(4, limits)
+    assert "no sequence dimension" in cp.refusal(2, limits) and cp.searched_degrees(limits) == [1]
     assert "cut into at most 3" in pp.refusal(4, limits)
     assert tp.searched_degrees(limits) == [1, 2, 4]  # within a node unless pinned
     found = meshes(limits, {})
@@ -69,8 +72,22 @@ def test_each_axis_checks_what_it_splits() -> None:
     assert Mesh(dp=2, tp=8) in meshes(limits, {"tp": 8})  # a pin goes beyond the node
 
 
+def test_cp_needs_a_sequence_it_splits_into_head_and_tail_chunks_of_a_model_it_can_split() -> None:
+    cp = axis("cp")
+    limits = AxisLimits(world_size=16, global_batch=16, max_stages=4, gpus_per_node=8, seq_len=24)
+    assert cp.searched_degrees(limits) == [1, 2, 4]  # 2·cp must divide 24: not 8, not 16
+    assert cp.refusal(8, limits) == ("cp=8 needs the sequence length divisible by 2·cp = 16 (each rank holds a "
+                                     "head and a tail chunk, so causal work is balanced), got 24")
+    refused = AxisLimits(world_size=16, global_batch=16, max_stages=4, gpus_per_node=8, seq_len=24,
+                         context_refusal="cumsum (it mixes tokens along the sequence) in blocks.0")
+    assert cp.refusal(2, refused) == ("cp=2 cannot split this model's sequence: cumsum (it mixes tokens along "
+                                      "the sequence) in blocks.0")
+    assert cp.searched_degrees(refused) == [1]
+    assert {m.cp for m in meshes(limits, {})} == {1, 2, 4} and meshes(limits, {"cp": 8}) == []
+
+
 def test_pins_name_the_axes_when_the_key_is_unknown() -> None:
-    with pytest.raises(PinError, match=r"unknown key 'zp'; the mesh axes are pp, dp, ep, tp and the other"):
+    with pytest.raises(PinError, match=r"unknown key 'zp'; the mesh axes are pp, dp, ep, cp, tp and the other"):
         Pins.parse(["zp=2"])
     assert Pins.parse(["tp=8", "pp=2"]).to_strings() == ["pp=2", "tp=8"]
 
@@ -82,7 +99,7 @@ def graph():
 
 def test_a_toy_axis_declared_once_is_planned_saved_pinned_and_loaded(graph, tmp_path) -> None:
     with declared(TOY):
-        assert axis_names() == ("pp", "dp", "ep", "tp", "xp")
+        assert axis_names() == ("pp", "dp", "ep", "cp", "tp", "xp")
         plan = autopar.solve(graph, 8, cluster="a100-40g", global_batch=16, pins=["xp=1"])
         assert plan.mesh.xp == 1 and plan.mesh.world_size == 8 and plan.pins[-1] == "xp=1"
         mesh_line = next(line for line in plan.summary().splitlines() if line.startswith("mesh "))
@@ -98,13 +115,13 @@ def test_a_toy_axis_declared_once_is_planned_saved_pinned_and_loaded(graph, tmp_
         again = autopar.solve(graph, 8, cluster="a100-40g", global_batch=16, pins=pins, runners_up=0)
         assert again.mesh == plan.runners_up[0].mesh
         with pytest.raises(PinError, match=r"the xp axis runs at degree 1 only .*; the axes a pin can set above 1 "
-                                           r"are pp, dp, ep, tp$"):
+                                           r"are pp, dp, ep, cp, tp$"):
             Pins.parse(["xp=2"])
         # a plan written before the axis was declared loads with it at degree 1
         del data["mesh"]["xp"]
         assert Plan.from_dict(data).mesh == plan.mesh
     # and a plan naming an axis this autopar does not declare is refused, naming the ones it does
-    with pytest.raises(PlanError, match=r"mesh axis 'xp' is not one this autopar knows \(pp, dp, ep, tp\)"):
+    with pytest.raises(PlanError, match=r"mesh axis 'xp' is not one this autopar knows \(pp, dp, ep, cp, tp\)"):
         Plan.load(path)
 
 
@@ -141,7 +158,7 @@ def _sgd(params):
 
 def test_ep_folds_into_dp_it_borrows_ranks_and_multiplies_nothing() -> None:
     mesh = Mesh(pp=2, dp=4, ep=2, tp=2)
-    assert mesh.world_size == 16 and mesh.degrees == (2, 4, 2) and mesh.dim_names() == ("pp", "dp", "tp")
+    assert mesh.world_size == 16 and mesh.degrees == (2, 4, 1, 2) and mesh.dim_names() == ("pp", "dp", "cp", "tp")
     assert mesh.stride("ep") == mesh.stride("dp") == 2  # an ep group: ep neighbouring dp ranks
     assert mesh.describe() == "pp=2 × dp=4 × ep=2 × tp=2" and mesh.to_dict()["ep"] == 2
     assert Mesh(dp=4, ep=2) != Mesh(dp=4) and Mesh(dp=4) < Mesh(dp=4, ep=2)

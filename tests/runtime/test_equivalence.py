@@ -48,9 +48,9 @@ def test_a_toy_axis_is_a_dimension_of_the_device_mesh_and_changes_no_number(w2: 
     plan's mesh) and, at degree 1, trains exactly as the plan without it."""
     toy, plain = w2["toy_axis_dp_zero3"], w2["zero3"]
     for r in every_rank(toy):
-        assert r["mesh_dims"] == ["pp", "dp", "tp", "xp"]
+        assert r["mesh_dims"] == ["pp", "dp", "cp", "tp", "xp"]
     for r in every_rank(plain):
-        assert r["mesh_dims"] == ["pp", "dp", "tp"]
+        assert r["mesh_dims"] == ["pp", "dp", "cp", "tp"]
     assert [r["losses"] for r in every_rank(toy)] == [r["losses"] for r in every_rank(plain)]
 
 

@@ -64,7 +64,7 @@ def _expected_local_fraction(case: str) -> float:
 def test_ep2_on_two_ranks_matches_one_device(w2: dict, case: str) -> None:
     check_equivalent(w2[case])
     for r in every_rank(w2[case]):
-        assert r["ep"] == 2 and r["mesh"] == [1, 2, 1] and r["mesh_dims"] == ["pp", "dp", "tp"]
+        assert r["ep"] == 2 and r["mesh"] == [1, 2, 1] and r["mesh_dims"] == ["pp", "dp", "cp", "tp"]
         # FSDP2 pads a weight whose dim 0 does not split evenly (Qwen2-MoE's [1, H] shared-expert gate)
         exact = "zero=0" in moe_cases.SPECS[case].pins or "mixtral" in case
         assert r["local_bytes_frac"] == pytest.approx(_expected_local_fraction(case), rel=1e-9 if exact else 5e-3)

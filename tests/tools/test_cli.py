@@ -170,7 +170,7 @@ def test_cluster_file_plans(tmp_path, capsys):
     (["--pin", "nonsense"], ["KEY=VALUE"]),
     (["--pin", "ep=2"], ["pin ep=2", "none of this model's", "layers has experts"]),
     (["--pin", "dp=2", "--pin", "ep=4"], ["the pinned ep=4 does not divide the pinned dp=2"]),
-    (["--pin", "zp=2"], ["unknown key 'zp'", "the mesh axes are pp, dp, ep, tp"]),
+    (["--pin", "zp=2"], ["unknown key 'zp'", "the mesh axes are pp, dp, ep, cp, tp"]),
     (["--memory-gb", "-1"], ["positive"]),
     (["--world-size", "12"], ["not a multiple"]),
     (["--world-size", "eight"], ["invalid int value"]),
@@ -331,8 +331,8 @@ def test_compare_prints_reasons_in_full_below_the_table_naming_the_baselines_pin
     ddp = next(l for l in lines if l.startswith("DDP "))
     assert " no [1] " in ddp
     notes = [l for l in lines if l.startswith("[")]
-    assert notes[0] == ("[1] DDP: with this baseline's pins (pp=1, tp=1, zero=0): the pinned pp=1 × tp=1 "
-                        "leave dp=4 for world size 4, which does not divide batch size 6; use a batch size "
+    assert notes[0] == ("[1] DDP: with this baseline's pins (pp=1, cp=1, tp=1, zero=0): the pinned pp=1 × cp=1 × "
+                        "tp=1 leave dp=4 for world size 4, which does not divide batch size 6; use a batch size "
                         "divisible by 4")
     assert [n.split(":")[0] for n in notes] == ["[1] DDP", "[2] ZeRO-1", "[3] ZeRO-2", "[4] ZeRO-3"]
     code, out, _ = _run(capsys, "compare", TINY, "--world-size", "4", "--cluster", "cpu",
@@ -365,7 +365,7 @@ def test_mesh_pin_messages_name_the_pins_or_claim_none():
 
     graph = autopar.capture(*load_spec(TINY, device="meta"))
     plain = why_no_config(graph, 7, TrainingSpec(5), Pins(), 3)
-    assert "pin" not in plain and "no mesh pp × dp × tp = 7 divides batch size 5" in plain
+    assert "pin" not in plain and "no mesh pp × dp × cp × tp = 7 divides batch size 5" in plain
     one = why_no_config(graph, 8, TrainingSpec(5), Pins.parse(["pp=2"]), 3)
     assert "with the pinned pp=2" in one
     both = why_no_config(graph, 8, TrainingSpec(5), Pins.parse(["pp=2", "tp=2"]), 3)

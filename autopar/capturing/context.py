@@ -1,0 +1,306 @@
+"""What context parallelism (cp) needs to know of a model, found by running it once.
+
+Under cp every rank holds S/cp tokens of each sequence (head-tail chunks) and
+the runtime (``passes/context_parallel.py``) makes two things exact: every
+``F.scaled_dot_product_attention`` call sees all keys and values (gathered
+over the cp group) with the causal mask of the rank's global positions, and
+every module that receives positions computed in the model from
+``torch.arange(S)`` (the project's GPT's ``pos_emb``, a Hugging Face model's
+``rotary_emb``) receives the global positions of the rank's tokens instead.
+Everything else must be token-wise. :func:`context_facts` runs the model's
+forward once on fake tensors (shapes only: no compute, whatever device the
+weights are on) under a ``TorchFunctionMode`` and proves what it can:
+
+* each SDPA call is causal self-attention over the whole sequence with no
+  mask (query, key and value all S long, ``is_causal`` true, ``attn_mask``
+  None; a mask built in the model is refused: it would be the local one);
+* positions (values derived from ``arange(S)``) reach only modules
+  (:attr:`ContextFacts.positions`) or SDPA-free token-wise arithmetic, never
+  an attention argument;
+* no call mixes tokens otherwise: a product of two activations that is S × S
+  (attention written by hand: q · kᵀ before its masked softmax), a reduction or
+  normalisation over a dimension of size S, a scan, recurrence, convolution,
+  pooling, pad, roll or flip (:data:`SEQUENCE_MIXING`), or a slice that cuts
+  dim 1 of a (b, S, …) tensor (a token shift or window).
+
+Whatever fails is :attr:`ContextFacts.refusal`, one line naming the op and
+the module; the planner then refuses cp with it (``AxisLimits.context_refusal``).
+The per-layer K/V bytes of the attention calls (:attr:`ContextFacts.kv_bytes`)
+are what pricing all-gathers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
+
+from autopar.graph import Layer
+
+# calls that mix tokens along any dimension they touch (named by their __name__)
+SEQUENCE_MIXING = frozenset({
+    "cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "conv1d", "conv2d", "conv3d",
+    "conv_transpose1d", "avg_pool1d", "max_pool1d", "adaptive_avg_pool1d", "adaptive_max_pool1d",
+    "roll", "flip", "fft_fft", "fft_rfft", "batch_norm", "instance_norm", "group_norm", "pad",
+    "lstm", "gru", "rnn_tanh", "rnn_relu",
+})
+_SLICING = frozenset({"__getitem__", "narrow", "split", "chunk", "unfold"})  # a shift or window over tokens
+# products of two tensors: q · kᵀ written by hand is one of them
+_PRODUCTS = frozenset({"matmul", "__matmul__", "bmm", "mm", "baddbmm", "einsum"})
+# reductions and normalisations that mix tokens when the dimension they run over is the sequence
+_REDUCING = frozenset({
+    "sum", "mean", "max", "min", "amax", "amin", "logsumexp", "softmax", "log_softmax", "norm", "var",
+    "std", "prod", "argmax", "argmin", "sort", "topk", "median", "var_mean", "std_mean",
+})
+
+
+@dataclass(frozen=True)
+class ContextFacts:
+    """What the probe found: why cp cannot run ("" when it can), the modules given positions, and
+    per module path (the innermost module running each SDPA call) the K and V bytes per sample."""
+
+    refusal: str = ""
+    positions: tuple[str, ...] = ()
+    kv_bytes: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)  # SDPA calls per module path
+
+
+    def graph_fields(self) -> dict[str, Any]:
+        """The LayerGraph's cp fields."""
+        return {"cp_refusal": self.refusal, "cp_positions": self.positions, "cp_attention": tuple(self.kv_bytes)}
+
+
+def with_attention(layers: list[Layer], facts: ContextFacts) -> list[Layer]:
+    """``layers`` with the K/V bytes and SDPA calls of the attention modules inside each."""
+
+    def inside(path: str, layer: Layer) -> bool:
+        return bool(layer.module_path) and (path + ".").startswith(f"{layer.module_path}.")
+
+    return [replace(l, kv_bytes_per_sample=sum(b for p, b in facts.kv_bytes.items() if inside(p, l)),
+                    attention_calls=sum(n for p, n in facts.calls.items() if inside(p, l))) for l in layers]
+
+
+class _Probe(TorchFunctionMode):
+    """Watches one forward: SDPA calls, values derived from ``arange(S)``, token-mixing calls."""
+
+    def __init__(self, seq_len: int, batch: int, stack: list[str]):
+        super().__init__()
+        self.seq_len, self.batch, self.stack = seq_len, batch, stack
+        self.tainted: dict[int, torch.Tensor] = {}  # id → tensor derived from arange(S) (kept alive)
+        self.problems: list[str] = []
+        self.kv_bytes: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def _where(self) -> str:
+        return self.stack[-1] if self.stack and self.stack[-1] else "the model's forward"
+
+    def _refuse(self, what: str) -> None:
+        if not self.problems:
+            self.problems.append(f"{what} in {self._where()}")
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tainted = any(id(t) in self.tainted for t in tensors)
+        if func is F.scaled_dot_product_attention:
+            self._attention(args, kwargs, tainted)
+        elif name in SEQUENCE_MIXING:
+            self._refuse(f"{name} (it mixes tokens along the sequence)")
+        elif name in _REDUCING and self._over_sequence(args, kwargs):
+            self._refuse(f"{name} over the sequence dimension")
+        out = func(*args, **kwargs)
+        if name in _SLICING and self._cuts_sequence(args, out):
+            self._refuse(f"{name} cutting the sequence dimension (tokens shifted or windowed)")
+        if name == "arange" and isinstance(out, torch.Tensor) and out.numel() == self.seq_len > 1:
+            self.tainted[id(out)] = out
+        elif tainted:
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.tainted[id(t)] = t
+        if name in _PRODUCTS and self._scores(tensors, out):
+            self._refuse(f"{name} makes an S × S score matrix (attention written by hand)")
+        return out
+
+    def _scores(self, tensors: list[torch.Tensor], out: Any) -> bool:
+        """Whether a product of two activations (no weight among them) is S × S: q·kᵀ by hand."""
+        acts = [t for t in tensors if not isinstance(t, nn.Parameter) and t.dim() >= 2]
+        return (len(acts) >= 2 and isinstance(out, torch.Tensor) and out.dim() >= 2
+                and list(out.shape[-2:]) == [self.seq_len] * 2)
+
+    def _cuts_sequence(self, args: tuple, out: Any) -> bool:
+        """Whether a (b, S, …) tensor came out with another length on dim 1 (rank kept)."""
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return (x is not None and x.dim() >= 2 and x.shape[1] == self.seq_len
+                and any(t.dim() == x.dim() and t.shape[1] != self.seq_len for t in outs))
+
+    def _over_sequence(self, args: tuple, kwargs: dict) -> bool:
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        dim = kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], int) else None)
+        if x is None or x.dim() == 0:
+            return False
+        dims = range(x.dim()) if dim is None else (dim if isinstance(dim, (tuple, list)) else (dim,))
+        return any(x.shape[d] == self.seq_len for d in dims if isinstance(d, int))
+
+    def _attention(self, args: tuple, kwargs: dict, tainted: bool) -> None:
+        q, k, v = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")][len(args):])[:3]
+        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+        causal = args[5] if len(args) > 5 else kwargs.get("is_causal", False)
+        lengths = {q.shape[-2], k.shape[-2], v.shape[-2]}
+        if mask is not None:
+            self._refuse("scaled_dot_product_attention with an attn_mask (a mask built in the model "
+                         "would be the rank's local one)")
+        elif not causal:
+            self._refuse("scaled_dot_product_attention without is_causal")
+        elif lengths != {self.seq_len}:
+            self._refuse(f"scaled_dot_product_attention over lengths {sorted(lengths)}, not the sequence "
+                         f"{self.seq_len} (cross-attention)")
+        elif tainted:
+            self._refuse("scaled_dot_product_attention reading positions")
+        where = self.stack[-1] if self.stack else ""
+        nbytes = (k.numel() * k.element_size() + v.numel() * v.element_size()) / self.batch
+        self.kv_bytes[where] = self.kv_bytes.get(where, 0.0) + nbytes
+        self.calls[where] = self.calls.get(where, 0) + 1
+
+
+def _state(model: nn.Module) -> dict[tuple[int, str, str], tuple[nn.Module, Any]]:
+    """Every module's attributes and buffers, so that a forward that caches tensors on its modules
+    (rotary caches, masks) leaves no fake tensor behind."""
+    out: dict[tuple[int, str, str], tuple[nn.Module, Any]] = {}
+    for m in model.modules():
+        for name, value in list(vars(m).items()):
+            if not name.startswith("_"):
+                out[(id(m), "attr", name)] = (m, value)
+        for name, value in m._buffers.items():
+            out[(id(m), "buffer", name)] = (m, value)
+    return out
+
+
+def _restore(model: nn.Module, before: dict[tuple[int, str, str], tuple[nn.Module, Any]]) -> None:
+    after = _state(model)
+    for key, (m, value) in after.items():
+        old = before.get(key)
+        if old is not None and old[1] is value:
+            continue
+        kind, name = key[1], key[2]
+        if kind == "buffer":
+            if old is None:
+                del m._buffers[name]
+            else:
+                m._buffers[name] = old[1]
+        elif old is None:
+            delattr(m, name)
+        else:
+            object.__setattr__(m, name, old[1])
+
+
+def probe_layers(model: nn.Module, args: tuple, kwargs: dict, seq_len: int | None, batch: int,
+                 layers: list[Layer]) -> tuple[list[Layer], ContextFacts]:
+    """:func:`context_facts` for capture's ``layers``, and the layers with their attention's K/V bytes."""
+    facts = context_facts(model, args, kwargs, seq_len, batch, twin_paths(model, layers))
+    return with_attention(layers, facts), facts
+
+
+def twin_paths(model: nn.Module, layers: list[Layer]) -> dict[str, str]:
+    """Each layer module that repeats an earlier one (same class, same captured costs) → that first one."""
+    first: dict[tuple, str] = {}
+    out: dict[str, str] = {}
+    for layer in layers:
+        if layer.module_path:
+            key = (type(model.get_submodule(layer.module_path)), layer.cost_signature())
+            if key in first and first[key] != layer.module_path:
+                out[layer.module_path] = first[key]
+            first.setdefault(key, layer.module_path)
+    return {path: one for path, one in out.items() if path not in first.values()}
+
+
+def _skipping(model: nn.Module, twins: dict[str, str], shaped: dict[str, bool]) -> list[Any]:
+    """Twins pass their input through once the first of their kind returned a tensor shaped like its
+    input: the probe checks one block of each kind (meta forwards of 96 blocks take seconds)."""
+    handles = []
+    for first in set(twins.values()):
+        def seen(module: nn.Module, a: tuple, kw: dict, out: Any, first: str = first) -> None:
+            x = a[0] if a else next(iter(kw.values()), None)
+            shaped[first] = (isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor)
+                             and out.shape == x.shape and out.dtype == x.dtype)
+        handles.append(model.get_submodule(first).register_forward_hook(seen, with_kwargs=True))
+    for path, first in twins.items():
+        module = model.get_submodule(path)
+
+        def run(*a: Any, _real: Any = module.forward, _first: str = first, **kw: Any) -> Any:
+            x = a[0] if a else next(iter(kw.values()), None)
+            return x if shaped.get(_first) else _real(*a, **kw)
+        module.forward = run  # removed by _restore
+    return handles
+
+
+def _copy_twins(found: dict[str, Any], twins: dict[str, str], shaped: dict[str, bool]) -> dict[str, Any]:
+    """What the first of each kind recorded, for every twin that passed its input through."""
+    out = dict(found)
+    for path, first in twins.items():
+        if shaped.get(first):
+            out.update({path + p[len(first):]: v for p, v in found.items() if (p + ".").startswith(first + ".")})
+    return out
+
+
+def context_facts(model: nn.Module, args: tuple, kwargs: dict, seq_len: int | None, batch: int,
+                  twins: dict[str, str] | None = None) -> ContextFacts:
+    """Run ``model`` once on the example inputs and say what cp needs (see the module docstring);
+    ``twins`` (:func:`twin_paths`) run as the first of their kind did."""
+    if not seq_len or seq_len < 2:
+        return ContextFacts("the inputs have no sequence dimension")
+    twins, shaped = twins or {}, {}
+    stack: list[str] = []
+    names = {id(m): n for n, m in model.named_modules()}
+    probe = _Probe(seq_len, batch, stack)
+    positions: list[str] = []
+
+    def pre(module: nn.Module, a: tuple, kw: dict) -> None:
+        name = names.get(id(module), "")
+        leaves = [t for t in pytree.tree_leaves((a, kw)) if isinstance(t, torch.Tensor)]
+        given = any(id(t) in probe.tainted for t in leaves)
+        if given and name and not any(name.startswith(p + ".") or name == p for p in positions):
+            positions.append(name)
+        stack.append(name)
+
+    def post(module: nn.Module, a: tuple, out: Any) -> None:
+        if stack.pop() in positions:  # what a positions module makes is right once its input is global
+            for t in pytree.tree_leaves(out):
+                probe.tainted.pop(id(t), None)
+
+    before = _state(model)
+    handles = _skipping(model, twins, shaped)
+    handles += [m.register_forward_pre_hook(pre, with_kwargs=True) for m in model.modules()]
+    handles += [m.register_forward_hook(post) for m in model.modules()]
+    on_meta = all(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    # on meta as it is; else fake tensors: the probe reads shapes and calls only, so weights cost no compute
+    fake = contextlib.nullcontext() if on_meta else FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with torch.no_grad(), fake, probe:
+            model(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 — a model the probe cannot run gets no cp, with the reason
+        return ContextFacts(f"its forward could not be run to check it ({type(exc).__name__}: {str(exc)[:120]})")
+    finally:
+        for h in handles:
+            h.remove()
+        _restore(model, before)
+    if probe.problems:
+        return ContextFacts(probe.problems[0])
+    if not probe.kv_bytes:
+        return ContextFacts("it calls no scaled_dot_product_attention (nothing to split attention across)")
+    if "" in probe.kv_bytes:
+        return ContextFacts("scaled_dot_product_attention is called outside any submodule (the runtime wraps "
+                            "the modules that call it)")
+    return ContextFacts("", tuple(positions), _copy_twins(probe.kv_bytes, twins, shaped),
+                        _copy_twins(probe.calls, twins, shaped))
+
+
+__all__ = ["SEQUENCE_MIXING", "ContextFacts", "context_facts", "probe_layers", "twin_paths", "with_attention"]

@@ -1,0 +1,58 @@
+"""What context parallelism (cp) adds to a layer's price and takes from it (``passes/context_parallel.py`` runs it).
+
+A rank holds S/cp tokens of each sample: compute is divided in ``layer_compute`` (its ``cp``
+argument), the loss's logits and the workspace in :class:`~autopar.planning.pricing.PriceTable`,
+and here, per layer and microbatch of b samples:
+
+    K/V all-gather (forward) and its reduce-scatter (backward): (cp − 1)/cp · 2 · b · S · h_kv · bytes each
+    kept activations: acts / cp + (cp − 1)/cp · K/V bytes (the other ranks', saved by SDPA)
+                      + attention calls · S/cp · S · bytes / b (each call's causal mask, saved as a bias)
+
+and the data-parallel group the gradients average and ZeRO shards over is the dp × cp ranks.
+Torch-free, like the rest of the planner.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autopar import contract
+from autopar.cost_models.communication import Collective, GroupPlacement, collective_time_s, place_group
+from autopar.cost_models.hardware import ClusterSpec
+from autopar.graph import Layer
+from autopar.mesh import Mesh
+
+
+def data_group(mesh: Mesh, dp_group: GroupPlacement, cluster: ClusterSpec) -> tuple[int, GroupPlacement]:
+    """(dp × cp, its group): contiguous, every tp-th rank (cp sits between dp and tp); the dp group at cp = 1."""
+    ranks = contract.data_ranks(mesh)
+    if mesh.cp <= 1:
+        return ranks, dp_group
+    return ranks, place_group(ranks, mesh.stride("cp"), cluster.gpus_per_node)
+
+
+def context_part(table: Any, layer: Layer, acts: float) -> tuple[float, float, float]:
+    """Under cp, per microbatch: the forward all-gather of the layer's K and V over the cp group and
+    the backward reduce-scatter of their gradients (on the critical path: attention waits for
+    them), and the activations a sample keeps (module docstring); (0, 0, ``acts``) at cp = 1."""
+    cp = table.config.mesh.cp
+    if cp <= 1:
+        return 0.0, 0.0, acts
+    kv = layer.kv_bytes_per_sample
+    gathered = table.microbatch_size * kv * table.act_scale
+    fwd = collective_time_s(Collective.ALL_GATHER, gathered, table.cp_group, table.cluster)
+    bwd = collective_time_s(Collective.REDUCE_SCATTER, gathered, table.cp_group, table.cluster)
+    mask = mask_bytes(table, layer) / table.act_scale / table.microbatch_size  # per sample, captured dtype
+    return fwd, bwd, acts / cp + kv * (cp - 1) / cp + mask
+
+
+def mask_bytes(table: Any, layer: Layer) -> float:
+    """Under cp, the causal masks the layer's attention calls save, per microbatch: S/cp × S each, in
+    the activations' dtype (SDPA keeps the boolean mask as an additive bias; measured on CPU)."""
+    cp, seq = table.config.mesh.cp, table.graph.seq_len or 0
+    if cp <= 1:
+        return 0.0
+    return layer.attention_calls * (seq // cp) * seq * table.prec.activation_bytes
+
+
+__all__ = ["context_part", "data_group", "mask_bytes"]

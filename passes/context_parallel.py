@@ -1,0 +1,204 @@
+"""Context parallelism (cp): the sequence split over the cp ranks, attention by all-gathered K/V.
+
+Every rank of a cp group holds, of each sequence of S tokens, two chunks of
+S/(2·cp): chunk ``r`` and chunk ``2·cp − 1 − r`` (head-tail load balancing:
+under a causal mask the early chunks attend to few keys and the late ones to
+many, so each rank gets one of each and all do equal work; torch's
+``_HeadTailLoadBalancer`` orders them the same way). :func:`positions` gives
+a rank's global token positions; :func:`shard_sequence` slices inputs and
+targets to them (every tensor whose dim 1 is S).
+
+Three things make the sharded forward compute what one device computes, each
+proved on the model at capture (``autopar.capturing.context``, else cp is
+refused there):
+
+* **attention sees every key.** :class:`ContextAttention`, a
+  ``TorchFunctionMode`` held over the forward of each module capture saw
+  calling SDPA (``graph.cp_attention``; a recomputed forward too), turns each causal
+  ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` into: K and V
+  all-gathered over the cp group with autograd (``all_gather_tensor_autograd``:
+  its backward reduce-scatters their gradients, summing every rank's
+  queries' contributions), put back in global order, and SDPA with the
+  boolean mask ``key position ≤ query position`` of the rank's global
+  positions. It runs on gloo (CPU) and NCCL alike;
+* **positions are global.** The modules capture found receiving positions
+  computed in the model from ``arange(S)`` (``graph.cp_positions``: the
+  project's GPT's ``pos_emb``, a Hugging Face model's ``rotary_emb`` and its
+  decoder layers' ``position_ids``) get, by a forward pre-hook, every integer
+  input equal to ``arange(S/cp)`` replaced by the rank's global positions;
+* **the loss and gradients are the global batch's.** Each rank's loss is the
+  mean over its S/cp tokens of each sample, equal counts on every rank, so the
+  mean over the dp × cp ranks is the global mean, and the data-parallel pass
+  averages gradients over the flattened dp × cp mesh (:func:`data_mesh`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
+
+from autopar.errors import LoweringError
+
+DATA_DIM = "dp_cp"  # the flattened dp × cp device-mesh dimension the data-parallel pass wraps over
+
+
+def positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The global positions of cp rank ``rank``'s tokens: chunks ``rank`` and ``2·cp − 1 − rank``."""
+    if seq_len % (2 * cp):
+        raise LoweringError(f"cp={cp} needs the sequence length divisible by 2·cp = {2 * cp}, got {seq_len}")
+    c = seq_len // (2 * cp)
+    head, tail = rank * c, (2 * cp - 1 - rank) * c
+    return torch.cat([torch.arange(head, head + c), torch.arange(tail, tail + c)])
+
+
+def shard_sequence(batch: Any, seq_len: int, cp: int, rank: int) -> Any:
+    """``batch`` (a tensor, tuple or dict; None stays None) with every tensor whose dim 1 is ``seq_len``
+    cut to this rank's tokens (:func:`positions`); other tensors pass whole."""
+    index = positions(seq_len, cp, rank)
+
+    def cut(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == seq_len:
+            return t.index_select(1, index.to(t.device))
+        return t
+
+    return pytree.tree_map(cut, batch)
+
+
+def data_mesh(mesh: Any, cp: int) -> Any:
+    """The 1-D device mesh the data-parallel pass wraps over: ``dp``, or ``dp × cp`` flattened."""
+    if cp <= 1:
+        return mesh["dp"]
+    try:
+        return mesh[DATA_DIM]
+    except KeyError:
+        return mesh["dp", "cp"]._flatten(DATA_DIM)
+
+
+class ContextAttention(TorchFunctionMode):
+    """Causal SDPA over the whole sequence from this rank's queries (see the module docstring)."""
+
+    def __init__(self, group: Any, seq_len: int, cp: int, rank: int):
+        super().__init__()
+        self.group, self.seq_len, self.cp = group, seq_len, cp
+        self.local = positions(seq_len, cp, rank)
+        gathered = torch.cat([positions(seq_len, cp, r) for r in range(cp)])  # global position of each row
+        self.order = torch.argsort(gathered)  # gathered rows in global order
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        return self._attention(func, list(args), kwargs)
+
+    def _attention(self, func: Any, args: list, kwargs: dict) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+        for i, value in enumerate(args[:len(names)]):
+            kwargs[names[i]] = value
+        args = args[len(names):]
+        q, k, v = kwargs.pop("query"), kwargs.pop("key"), kwargs.pop("value")
+        if kwargs.get("attn_mask") is not None or not kwargs.get("is_causal", False):
+            raise LoweringError("under cp, scaled_dot_product_attention must be causal with no attn_mask "
+                                "(capture proved it was: the model changed since)")
+        local = q.shape[-2]
+        if local * self.cp != self.seq_len:
+            raise LoweringError(f"under cp={self.cp} attention expected {self.seq_len // self.cp} local tokens, "
+                                f"got {local}")
+        order = self.order.to(k.device)
+        k = all_gather_tensor_autograd(k.contiguous(), gather_dim=k.dim() - 2, group=self.group)
+        v = all_gather_tensor_autograd(v.contiguous(), gather_dim=v.dim() - 2, group=self.group)
+        k, v = k.index_select(k.dim() - 2, order), v.index_select(v.dim() - 2, order)
+        here = self.local.to(q.device)
+        mask = torch.arange(self.seq_len, device=q.device)[None, :] <= here[:, None]
+        kwargs["attn_mask"], kwargs["is_causal"] = mask, False
+        return func(q, k, v, *args, **kwargs)
+
+
+@dataclass
+class ContextParallelResult:
+    """What the pass made: the position hooks and the attention modules whose forward holds the mode."""
+
+    group: Any
+    seq_len: int
+    cp: int
+    rank: int
+    hooks: list[Any]
+    attention: tuple[str, ...]
+
+
+def _held(forward: Any, group: Any, seq_len: int, cp: int, rank: int) -> Any:
+    """``forward`` run under :class:`ContextAttention`. On the module, not around the step: a
+    checkpointed block's forward re-runs inside backward, where a mode entered around the step is
+    no longer on the stack (the recomputation then saved other tensors than the forward)."""
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with ContextAttention(group, seq_len, cp, rank):
+            return forward(*args, **kwargs)
+
+    run.__autopar_cp__ = True  # type: ignore[attr-defined]
+    return run
+
+
+def is_held(module: nn.Module) -> bool:
+    """Whether ``module``'s forward runs under the cp attention mode."""
+    return getattr(module.forward, "__autopar_cp__", False)
+
+
+def _global_positions(local: torch.Tensor) -> Any:
+    """A forward pre-hook: integer inputs equal to ``arange(S/cp)`` become ``local`` (the global positions)."""
+
+    def swap(t: Any) -> Any:
+        if (isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() >= 1
+                and t.shape[-1] == local.numel()
+                and torch.equal(t, torch.arange(local.numel(), device=t.device, dtype=t.dtype).expand_as(t))):
+            return local.to(device=t.device, dtype=t.dtype).expand_as(t)
+        return t
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return pytree.tree_map(swap, args), pytree.tree_map(swap, kwargs)
+
+    return hook
+
+
+def check_context_parallel(graph: Any, plan: Any) -> None:
+    """Raise :class:`LoweringError` where ``plan``'s cp cannot run on this model (before any group starts)."""
+    from autopar.contract import cp_refusal
+
+    cp = plan.mesh.cp
+    if cp <= 1:
+        return
+    if why := cp_refusal(plan.mesh):
+        raise LoweringError(why)
+    if graph.cp_refusal:
+        raise LoweringError(f"cp={cp} cannot split this model's sequence: {graph.cp_refusal}")
+    if not graph.seq_len or graph.seq_len % (2 * cp):
+        raise LoweringError(f"cp={cp} needs the sequence length divisible by 2·cp = {2 * cp}, "
+                            f"got {graph.seq_len}")
+
+
+def apply_context_parallel(module: nn.Module, graph: Any, plan: Any, mesh: Any) -> ContextParallelResult:
+    """Hook the position modules of ``module`` and make the attention mode for this rank."""
+    check_context_parallel(graph, plan)
+    cp_mesh = mesh["cp"]
+    rank, seq_len = cp_mesh.get_local_rank(), graph.seq_len
+    local = positions(seq_len, plan.mesh.cp, rank)
+    hooks = [module.get_submodule(path).register_forward_pre_hook(_global_positions(local), with_kwargs=True)
+             for path in graph.cp_positions]
+    group = cp_mesh.get_group()
+    for path in graph.cp_attention:
+        attn = module.get_submodule(path)
+        attn.forward = _held(attn.forward, group, seq_len, plan.mesh.cp, rank)
+    return ContextParallelResult(group, seq_len, plan.mesh.cp, rank, hooks, graph.cp_attention)
+
+
+__all__ = ["DATA_DIM", "ContextAttention", "ContextParallelResult", "apply_context_parallel",
+           "check_context_parallel", "data_mesh", "is_held", "positions", "shard_sequence"]

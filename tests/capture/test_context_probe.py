@@ -1,0 +1,101 @@
+"""Capture's check for context parallelism (autopar/capturing/context.py): what it proves on the models cp
+runs (the project's GPT, a Hugging Face Llama) and the one line naming the op where it refuses."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+from autopar.capturing.context import context_facts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+
+def _gpt():
+    import gpt
+
+    return gpt.build(gpt.CONFIGS["gpt-tiny"], batch=2, device="meta")
+
+
+def test_the_gpt_is_split_with_its_position_embedding_given_global_positions() -> None:
+    graph = autopar.capture(*_gpt())
+    assert graph.cp_refusal == "" and graph.cp_positions == ("pos_emb",)
+    assert graph.cp_attention == ("blocks.0.attn", "blocks.1.attn")
+    # K and V of one sample: 2 × 4 heads × 32 tokens × 16 dims × 4 bytes
+    assert [l.kv_bytes_per_sample for l in graph if l.name.startswith("blocks.")] == [16384.0, 16384.0]
+
+
+def test_a_hugging_face_llama_gets_its_rotary_positions_and_grouped_kv_bytes() -> None:
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+                                   attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    graph = autopar.capture(model, {"input_ids": torch.zeros(2, 16, dtype=torch.long, device="meta")})
+    assert graph.cp_refusal == "" and graph.cp_positions[0] == "model.rotary_emb"
+    assert graph.cp_attention == ("model.layers.0.self_attn", "model.layers.1.self_attn")
+    # K and V of one sample, grouped-query: 2 × 2 kv heads × 16 tokens × 8 dims × 4 bytes
+    assert [l.kv_bytes_per_sample for l in graph if l.name.startswith("model.layers.")] == [2048.0, 2048.0]
+
+
+class _Manual(nn.Module):
+    """Attention written by hand: softmax over a masked q·kᵀ."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-2, -1)
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(8, 8, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None], is_causal=True)[:, 0] \
+            + self.rnn(x)[0]
+
+
+class _Scan(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.cumsum(1)
+
+
+class _Wrapped(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_what_mixes_tokens_otherwise_is_refused_naming_the_op_and_module() -> None:
+    x = torch.zeros(2, 12, 8)
+    assert context_facts(_Wrapped(_Manual()), (x,), {}, 12, 2).refusal == (
+        "matmul makes an S × S score matrix (attention written by hand) in inner")
+    assert context_facts(_Wrapped(_Recurrent()), (x,), {}, 12, 2).refusal.startswith("lstm (it mixes tokens")
+    assert context_facts(_Wrapped(_Scan()), (x,), {}, 12, 2).refusal == (
+        "cumsum (it mixes tokens along the sequence) in inner")
+    assert "no sequence dimension" in context_facts(_Scan(), (torch.zeros(2),), {}, None, 2).refusal
+
+
+def test_the_probe_leaves_the_model_as_it_was() -> None:
+    model, inputs = _gpt()
+    before = {n: id(t) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    context_facts(model, inputs, {}, 32, 2)
+    assert {n: id(t) for n, t in [*model.named_parameters(), *model.named_buffers()]} == before
+    assert "forward" not in vars(model.blocks[1])

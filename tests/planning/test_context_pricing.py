@@ -1,0 +1,101 @@
+"""Context parallelism in the planner: cp divides a layer's compute and activations and the loss's
+logits, adds the K/V all-gather (forward) and reduce-scatter (backward) of (cp − 1)/cp · 2 · b · S ·
+h_kv · bytes and the gathered K/V and causal masks to what attention keeps, shards ZeRO over dp × cp;
+it is searched with the other axes, pinned, and refused with one line where it cannot run."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from synthetic import transformer_graph
+
+import autopar
+from autopar.choice import LayerChoice
+from autopar.contract import REPLICATED, DataParallelism, cp_refusal
+from autopar.cost_models.communication import Collective, collective_time_s, place_group
+from autopar.cost_models.compute import compute_time_s
+from autopar.cost_models.hardware import PRESETS
+from autopar.cost_models.pipeline import Schedule, ScheduleKind
+from autopar.errors import PinError
+from autopar.graph import LayerGraph
+from autopar.mesh import Mesh
+from autopar.planning.configuration import Configuration, TrainingSpec
+from autopar.planning.pricing import PriceTable
+
+S, H, HEADS, KV_HEADS = 64, 256, 4, 2
+KV = 2.0 * S * KV_HEADS * (H // HEADS) * 2  # K and V of one sample, bf16: 2 · S · h_kv · bytes
+
+
+def _graph(refusal: str = "") -> LayerGraph:
+    base = transformer_graph(2, H, S, vocab=1024, heads=HEADS)
+    layers = [replace(l, kv_bytes_per_sample=KV, attention_calls=1) if l.kind == "Block" else l for l in base]
+    return LayerGraph(layers, model_name="cp", example_batch=1, dtype_bytes=base.dtype_bytes, seq_len=S,
+                      output_bytes_per_sample=base.output_bytes_per_sample, cp_refusal=refusal)
+
+
+def _price(cp: int, dp: int = 1, zero: int = 0, batch: int = 4):
+    graph = _graph()
+    cluster = PRESETS["h100-80g"].for_world_size(cp * dp)
+    mode = DataParallelism(sharded=True, root_zero=zero) if zero else REPLICATED
+    table = PriceTable(graph, Configuration(Mesh(dp=dp, cp=cp), 1, Schedule(ScheduleKind.NONE), mode), cluster,
+                       TrainingSpec(batch * dp, dtype="bf16"))
+    i = next(l.index for l in graph if l.kind == "Block")
+    return table, graph[i], table.prices[i][table.choices[i].index(LayerChoice(None, zero, False))]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_adds_the_kv_all_gather_and_its_reduce_scatter_per_attention_layer(cp: int) -> None:
+    one_table, _, one = _price(1)
+    table, layer, price = _price(cp)
+    group = place_group(cp, 1, table.cluster.gpus_per_node)
+    gathered = 4 * KV  # b · 2 · S · h_kv · bytes: collective_time_s moves (cp − 1)/cp of it
+    expected = (collective_time_s(Collective.ALL_GATHER, gathered, group, table.cluster)
+                + collective_time_s(Collective.REDUCE_SCATTER, gathered, group, table.cluster))
+    assert one.tp_comm_mb_s == 0.0 and price.tp_comm_mb_s == pytest.approx(expected, rel=1e-12)
+    # a layer priced by its FLOPs (no per-op records): 1/cp of them on each rank
+    assert price.forward_mb_s == pytest.approx(compute_time_s(4 * layer.flops_per_sample / cp,
+                                                              table.cluster.device, "bf16"), rel=1e-12)
+
+
+def test_cp_keeps_one_cp_th_of_the_activations_plus_the_gathered_kv_and_masks() -> None:
+    _, layer, one = _price(1)
+    table, _, two = _price(2)
+    b = 4
+    gathered = b * KV / 2  # the other rank's half of K and V
+    mask = (S // 2) * S * 2  # one S/cp × S bf16 bias per call per microbatch
+    assert two.activation_mb_bytes == pytest.approx(one.activation_mb_bytes / 2 + gathered + mask, abs=2)
+    assert table.loss_bytes * 2 == pytest.approx(_price(1)[0].loss_bytes, abs=2)  # the logits of S/cp tokens
+
+
+def test_zero_shards_over_dp_times_cp() -> None:
+    table, layer, price = _price(2, dp=2, zero=3)
+    assert table.data_ranks == 4 and table.dp_group.size == 4
+    assert price.params_bytes == 2 * layer.param_count // 4  # bf16 weights, a quarter each
+
+
+def test_cp_is_searched_where_the_logits_bind_and_pinned_or_refused_in_one_line() -> None:
+    graph = _graph()
+    plan = autopar.solve(graph, 4, cluster="h100-80g", global_batch=1, pins=["cp=4"])
+    assert plan.mesh.cp == 4 and plan.mesh.dp == 1 and "cp=4" in plan.summary()
+    assert autopar.Plan.from_json(plan.to_json()).mesh.cp == 4
+    with pytest.raises(PinError, match=r"cp=8 needs the sequence length divisible by 2·cp = 16"):
+        autopar.solve(replace_seq(graph, 24), 8, cluster="h100-80g", global_batch=1, pins=["cp=8"])
+    refused = _graph("cumsum (it mixes tokens along the sequence) in blocks.0")
+    with pytest.raises(PinError, match=r"cp=2 cannot split this model's sequence: cumsum"):
+        autopar.solve(refused, 2, cluster="h100-80g", global_batch=1, pins=["cp=2"])
+    with pytest.raises(PinError, match=r"cp=2 with tp=2 is not lowered yet"):
+        autopar.solve(graph, 4, cluster="h100-80g", global_batch=1, pins=["cp=2", "tp=2"])
+    assert cp_refusal(Mesh(dp=2, cp=2)) is None
+
+
+def test_an_unchecked_graph_is_never_offered_cp() -> None:
+    base = _graph()
+    unchecked = LayerGraph(list(base), model_name="old", example_batch=1, dtype_bytes=2, seq_len=S)
+    plan = autopar.solve(unchecked, 4, cluster="h100-80g", global_batch=1)
+    assert plan.mesh.cp == 1
+    assert LayerGraph.from_dict({k: v for k, v in base.to_dict().items() if k != "cp_refusal"}).cp_refusal
+
+
+def replace_seq(graph: LayerGraph, seq: int) -> LayerGraph:
+    return LayerGraph(list(graph), model_name="cp", example_batch=1, dtype_bytes=2, seq_len=seq, cp_refusal="")

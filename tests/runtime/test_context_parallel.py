@@ -1,0 +1,55 @@
+"""Context parallelism (cp) against one process, on gloo: examples/gpt.py's GPT and a tiny Hugging Face
+Llama (grouped-query SDPA, rotary positions) trained 3 steps under cp=2 (W=2, also with full recompute),
+cp=4 (W=4) and cp=2 × dp=2 (W=4; the GPT at ZeRO-3, sharded over the dp × cp ranks).
+
+Bars (DESIGN.md, fp32 on CPU): first-step loss and gradients, SGD losses and parameters within 1e-5
+relative per tensor; AdamW losses within 1e-3. Each rank really holds S/cp tokens (local_batch) and the
+model's own loss from ``labels`` is refused on every rank.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from distributed import check_equivalent, every_rank
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+pytestmark = pytest.mark.distributed
+
+W2 = ["cp2_gpt", "cp2_llama", "cp2_recompute_gpt"]
+W4 = ["cp4_gpt", "cp4_llama", "cp2_dp2_zero3_gpt", "cp2_dp2_llama"]
+
+
+@pytest.fixture(scope="module")
+def w2(ranks) -> dict[str, dict]:
+    return ranks(2).run(W2 + ["cp2_refuses_labels"], module="context_cases")
+
+
+@pytest.fixture(scope="module")
+def w4(ranks) -> dict[str, dict]:
+    return ranks(4).run(W4, module="context_cases")
+
+
+@pytest.mark.parametrize("case", W2)
+def test_cp2_on_two_ranks_matches_one_device(w2: dict, case: str) -> None:
+    check_equivalent(w2[case])
+    for r in every_rank(w2[case]):
+        assert r["mesh_dims"] == ["pp", "dp", "cp", "tp"]
+
+
+@pytest.mark.parametrize("case", W4)
+def test_cp4_and_cp2_dp2_on_four_ranks_match_one_device(w4: dict, case: str) -> None:
+    check_equivalent(w4[case])
+    for r in every_rank(w4[case]):
+        assert r["mesh"] == ([1, 2, 1] if "dp2" in case else [1, 1, 1])
+    if "zero3" in case:  # the weights are sharded over all four dp × cp ranks
+        assert all(r["local_bytes_frac"] < 0.3 for r in every_rank(w4[case]))
+
+
+def test_the_model_own_loss_is_refused_and_each_rank_holds_its_chunks(w2: dict) -> None:
+    for r in every_rank(w2["cp2_refuses_labels"]):
+        assert "cannot compute its own loss from 'labels'" in r["message"]
+        assert r["local_shape"] == [2, 8]
