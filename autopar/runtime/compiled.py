@@ -14,7 +14,7 @@ recompute (the tests compare 3 SGD steps with eager within 1e-5 and count
 recompiles). :func:`check_compilable` refuses every other lowering with a
 :class:`~autopar.errors.CompileError` before the first collective: tensor
 and sequence parallelism (the sharding runtime rewrites ops in Python per
-call), expert parallelism, pipelines, and recompute (checkpoint hooks around
+call), expert and context parallelism, pipelines, and recompute (checkpoint hooks around
 a compiled forward are untested here).
 """
 
@@ -50,6 +50,8 @@ def unsupported(plan: Plan) -> list[str]:
         why.append(f"a pipeline (pp={m.pp})")
     if m.ep > 1:
         why.append(f"expert parallelism (ep={m.ep})")
+    if m.cp > 1:
+        why.append(f"context parallelism (cp={m.cp})")
     recomputed = [lp.name for lp in plan.layers if lp.choice.recompute]
     if recomputed:
         why.append(f"recompute ({', '.join(recomputed[:3])}{'…' if len(recomputed) > 3 else ''})")
@@ -62,7 +64,7 @@ def check_compilable(plan: Plan) -> None:
     if why:
         raise CompileError(f"torch.compile runs DDP and ZeRO/FSDP2 plans without recompute only; this plan "
                            f"has {' and '.join(why)}: run it eagerly (drop --compile / torch_compile), "
-                           f"or pin it to what compiles (tp=1 pp=1 recompute=none)")
+                           f"or pin it to what compiles (tp=1 pp=1 ep=1 cp=1 recompute=none)")
 
 
 def check_compiled(plan: Plan, torch_compile: bool | None) -> None:

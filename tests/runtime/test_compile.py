@@ -58,11 +58,23 @@ def test_the_blocks_share_one_graph_and_later_steps_compile_nothing(w2: dict, ca
 # ------------------------------------------------------------------ the plan says it
 
 
+def test_a_compiled_solve_offers_no_expert_parallelism_the_compiled_runtime_refuses() -> None:
+    """A mixture of experts would take ep on 4 ranks; compiled, the search keeps every axis the compiled
+    runtime does not run at 1, so train time never meets a CompileError for what the planner chose."""
+    import moe_cases  # tests/ is on the path (conftest)
+
+    g = autopar.capture(*moe_cases.hf_mixtral())
+    plan = autopar.solve(g, 4, cluster="cpu", global_batch=8, dtype="fp32", compiled=True, pins=["dp=4"])
+    assert (plan.mesh.ep, plan.mesh.cp, plan.mesh.tp, plan.mesh.pp) == (1, 1, 1, 1)
+    assert {"ep=1", "cp=1"} <= set(plan.pins)
+    assert autopar.solve(g, 4, cluster="cpu", global_batch=8, dtype="fp32", pins=["dp=4", "ep=2"]).mesh.ep == 2
+
+
 def test_a_compiled_plan_round_trips_and_old_plans_load_eager(graph) -> None:
     _, _, g = graph
     plan = autopar.solve(g, 2, cluster="cpu", global_batch=4, compiled=True)
     assert plan.training.compiled and Plan.from_json(plan.to_json()) == plan
-    assert {"tp=1", "pp=1", "recompute=none"} <= set(plan.pins)
+    assert {"tp=1", "pp=1", "ep=1", "cp=1", "recompute=none"} <= set(plan.pins)
     assert "blocks under torch.compile" in plan.summary().splitlines()[0]
     old = json.loads(plan.to_json())
     del old["training"]["compiled"]  # a plan written before the field
