@@ -23,9 +23,10 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import networkx as nx
+if TYPE_CHECKING:
+    import networkx as nx
 
 from autopar.moe import MoEFacts
 
@@ -409,11 +410,21 @@ class LayerGraph:
         self.cp_refusal = cp_refusal  # why cp cannot split the sequence ("" when it can: capturing.context)
         self.cp_positions = tuple(cp_positions)  # modules the runtime hands global positions under cp
         self.cp_attention = tuple(cp_attention)  # the innermost modules calling SDPA (their forward is cp's)
-        self.graph = nx.DiGraph()
+        self._edges = list(edges or [])
+        self._by_name = {layer.name: layer for layer in self.layers}
+
+    @cached_property
+    def graph(self) -> nx.DiGraph:
+        """The dataflow as a networkx DiGraph, built when first read: planning never reads it, and
+        importing networkx is a tenth of a second of every ``autopar plan``."""
+        import networkx as nx
+
+        graph = nx.DiGraph()
         for layer in self.layers:
-            self.graph.add_node(layer.name, layer=layer)
-        for src, dst, nbytes in edges or []:
-            self.graph.add_edge(src, dst, bytes_per_sample=nbytes)
+            graph.add_node(layer.name, layer=layer)
+        for src, dst, nbytes in self._edges:
+            graph.add_edge(src, dst, bytes_per_sample=nbytes)
+        return graph
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -462,7 +473,7 @@ class LayerGraph:
         return tuple(rep and bool(l.module_path) for l, rep in zip(self.layers, self.repeated))
 
     def layer(self, name: str) -> Layer:
-        return self.graph.nodes[name]["layer"]
+        return self._by_name[name]
 
     def pipeline_view(self) -> LayerGraph:
         """The graph as a pipeline (pp > 1) runs it: the end that borrows tied parameters holds them

@@ -178,9 +178,10 @@ class Mesh:
     Frozen, hashable and ordered by its degrees outermost first (pp, then dp, ep, cp, then tp).
     """
 
-    __slots__ = ("_degrees", "_by_name")
+    __slots__ = ("_degrees", "_by_name", "_derived")
     _degrees: tuple[tuple[str, int], ...]
     _by_name: dict[str, int]  # the same, for reading a degree by name (the solver reads millions)
+    _derived: dict[str, Any]  # items, grid and strides for the axes declared now (:meth:`_layout`)
 
     def __init__(self, **degrees: int):
         names = axis_names()
@@ -191,6 +192,7 @@ class Mesh:
                 raise MeshError(f"mesh axis {name} must be a positive integer, got {degree!r}")
         object.__setattr__(self, "_degrees", tuple((n, degrees.get(n, 1)) for n in names))
         object.__setattr__(self, "_by_name", dict(self._degrees))
+        object.__setattr__(self, "_derived", {})
         for a in AXES:
             if a.folds is not None and getattr(self, a.folds) % getattr(self, a.name):
                 raise MeshError(f"{a.name}={getattr(self, a.name)} must divide {a.folds}={getattr(self, a.folds)} "
@@ -219,13 +221,26 @@ class Mesh:
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("a Mesh is frozen: build another with Mesh.replace")
 
+    def _layout(self) -> dict[str, Any]:
+        """:meth:`items`, :meth:`grid` and every axis's :meth:`stride`, computed once for the axes declared
+        now (again if :func:`declared` changed them): the solver reads them for every layer it prices."""
+        derived = self._derived
+        if derived.get("axes") is not AXES:
+            items = tuple((a.name, self._by_name.get(a.name, 1)) for a in AXES)
+            grid = tuple((a.name, d) for a, (_, d) in zip(AXES, items) if a.folds is None)
+            below = {n: math.prod(d for _, d in grid[i + 1:]) for i, (n, _) in enumerate(grid)}
+            strides = {a.name: below[a.folds or a.name] for a in AXES}
+            derived.clear()
+            derived.update(axes=AXES, items=items, grid=grid, strides=strides)
+        return derived
+
     def items(self) -> tuple[tuple[str, int], ...]:
         """(axis, degree) for every declared axis, outermost first."""
-        return tuple((a.name, getattr(self, a.name)) for a in AXES)
+        return self._layout()["items"]
 
     def grid(self) -> tuple[tuple[str, int], ...]:
         """(axis, degree) for the axes that own ranks (every axis but the folded ones), outermost first."""
-        return tuple((a.name, getattr(self, a.name)) for a in AXES if a.folds is None)
+        return self._layout()["grid"]
 
     @property
     def degrees(self) -> tuple[int, ...]:
@@ -242,9 +257,10 @@ class Mesh:
     def stride(self, name: str) -> int:
         """Global ranks between neighbours of axis ``name``: the product of the later axes' degrees
         (a folded axis's neighbours are its host's)."""
-        host = axis(name).folds or name
-        names = [n for n, _ in self.grid()]
-        return math.prod(self.degrees[names.index(host) + 1:])
+        strides = self._layout()["strides"]
+        if name not in strides:
+            axis(name)  # an unknown name is a MeshError
+        return strides[name]
 
     def dim_names(self) -> tuple[str, ...]:
         """``init_device_mesh``'s ``mesh_dim_names``, outermost first (shape: :attr:`degrees`)."""
@@ -309,6 +325,14 @@ class Mesh:
 
     def __reduce__(self) -> tuple:
         return (Mesh.of, (dict(self.items()),))
+
+
+def _degree(name: str) -> property:
+    return property(lambda self: self._by_name.get(name, 1), doc=f"The degree of the {name} axis.")
+
+
+for _axis in AXES:  # read as plain properties: the solver reads degrees millions of times, and
+    setattr(Mesh, _axis.name, _degree(_axis.name))  # __getattr__ comes only after a failed lookup
 
 
 def meshes(limits: AxisLimits, pinned: Mapping[str, int]) -> list[Mesh]:

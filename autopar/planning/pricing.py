@@ -153,6 +153,7 @@ class PriceTable:
         self._style_memo = self._shared.styles
         self._p2p_memo: dict[tuple[int, int | None], float] = {}
         self._runs_memo: dict[tuple[int, LayerChoice], LayerChoice] = {}
+        self._region_memo: dict[tuple, float] = {}  # (i, k), and (None, a style's cost signature)
 
     @cached_property
     def _rows(self) -> tuple[list[list[LayerChoice]], list[list[LayerPrice]]]:
@@ -568,11 +569,16 @@ class PriceTable:
     def sequence_region_s(self, i: int, k: int) -> float:
         """Entering and leaving a sequence-parallel region, per microbatch, if layer ``i``'s choice
         ``k`` is sequence parallel (:func:`autopar.planning.sequence.region_s`); else 0."""
-        choice = self.choices[i][k]
-        if not choice.sp:
-            return 0.0
-        style = self.graph[i].tp_style(choice.tp)  # type: ignore[arg-type]
-        return region_s(style, self.prec.activation_bytes * self.microbatch_size, self.tp_group, self.cluster)
+        key = (i, k)
+        if key not in self._region_memo:  # the CP-SAT model asks for every layer's choices on every rank
+            choice = self.choices[i][k]
+            style = self.graph[i].tp_style(choice.tp) if choice.sp else None  # type: ignore[arg-type]
+            alike = (None, style.cost_signature() if style is not None else None)  # styles that price alike
+            if alike not in self._region_memo:
+                self._region_memo[alike] = 0.0 if style is None else region_s(
+                    style, self.prec.activation_bytes * self.microbatch_size, self.tp_group, self.cluster)
+            self._region_memo[key] = self._region_memo[alike]
+        return self._region_memo[key]
 
     def p2p_s(self, cut: int, stage: int | None = None) -> float:
         """One send of the values crossing a cut placed before layer ``cut``, per microbatch, into
