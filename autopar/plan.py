@@ -56,6 +56,7 @@ class Breakdown:
     pp_comm_s: float
     optimizer_s: float
     ep_comm_s: float = 0.0  # the experts' dispatch and combine all-to-alls (0 in plans written before ep)
+    cp_comm_s: float = 0.0  # cp's K/V all-gathers and their reduce-scatters (0 in plans written before cp's line)
 
 
 # The breakdown's terms in the order every table and picture shows them: (field, short label, long label).
@@ -63,14 +64,19 @@ BREAKDOWN_TERMS: tuple[tuple[str, str, str], ...] = (
     ("compute_s", "compute", "compute"), ("bubble_s", "bubble", "pipeline bubble"),
     ("tp_comm_s", "tp comm", "tensor-parallel communication"),
     ("ep_comm_s", "ep comm", "expert-parallel all-to-all"),
+    ("cp_comm_s", "cp comm", "context-parallel K/V all-gather"),
     ("dp_comm_s", "dp comm", "data-parallel communication"), ("pp_comm_s", "pp comm", "pipeline communication"),
     ("optimizer_s", "optimizer", "optimizer step"))
 
 
 def shown_terms(*breakdowns: Breakdown) -> tuple[tuple[str, str, str], ...]:
-    """:data:`BREAKDOWN_TERMS` as a table of these breakdowns shows them: the ep line only where one of
-    them runs experts over ep."""
-    return tuple(t for t in BREAKDOWN_TERMS if t[0] != "ep_comm_s" or any(b.ep_comm_s for b in breakdowns))
+    """:data:`BREAKDOWN_TERMS` as a table of these breakdowns shows them: the ep and cp lines only where
+    one of them runs experts over ep, or splits the sequence over cp."""
+    return tuple(t for t in BREAKDOWN_TERMS
+                 if t[0] not in _AXIS_TERMS or any(getattr(b, t[0]) for b in breakdowns))
+
+
+_AXIS_TERMS = ("ep_comm_s", "cp_comm_s")  # shown only where some plan has them
 
 
 @dataclass(frozen=True)
@@ -514,6 +520,7 @@ def render_summary(plan: Plan) -> str:
         f"step time     {p.step_time_s:.4g} s   {format_flop_rate(p.tflops_per_gpu * 1e12)} per {noun}{tokens}",
         f"  breakdown   compute {b.compute_s:.4g} s · bubble {b.bubble_s:.4g} s · tp {b.tp_comm_s:.4g} s"
         + (f" · ep all-to-all {b.ep_comm_s:.4g} s" if m.ep > 1 else "")
+        + (f" · cp K/V {b.cp_comm_s:.4g} s" if m.cp > 1 else "")
         + f" · dp {b.dp_comm_s:.4g} s · pp {b.pp_comm_s:.4g} s · optimizer {b.optimizer_s:.4g} s",
         "memory/rank   " + _memory_line(plan),
         f"solver        {plan.solver.status}{gap} in {plan.solver.wall_s:.2f} s"

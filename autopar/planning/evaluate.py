@@ -53,8 +53,9 @@ class _Rank:
     """What one pipeline rank adds up while the layers are walked."""
 
     compute_s: float = 0.0
-    tp_s: float = 0.0  # the experts' all-to-alls (ep_s) among them
+    tp_s: float = 0.0  # the experts' all-to-alls (ep_s) and cp's K/V collectives (cp_s) among them
     ep_s: float = 0.0
+    cp_s: float = 0.0
     p2p_s: float = 0.0
     exposed_s: float = 0.0
     optimizer_s: float = 0.0
@@ -95,6 +96,7 @@ def evaluate(table: PriceTable, stages: tuple[int, ...], choices: tuple[LayerCho
         r.compute_s += price.compute_mb_s
         r.tp_s += price.tp_comm_mb_s
         r.ep_s += price.ep_comm_mb_s
+        r.cp_s += price.cp_comm_mb_s
         r.exposed_s += price.exposed_comm_s
         r.optimizer_s += price.optimizer_s
         r.params_bytes += price.params_bytes
@@ -143,11 +145,12 @@ def _evaluation(table: PriceTable, ranks: list[_Rank], stages: tuple[StageTime, 
     breakdown = Breakdown(
         compute_s=pace * m * ranks[crit].compute_s,
         bubble_s=pace * w * (sum(per_mb) - per_mb[crit]),
-        tp_comm_s=pace * m * (ranks[crit].tp_s - ranks[crit].ep_s),
+        tp_comm_s=pace * m * (ranks[crit].tp_s - ranks[crit].ep_s - ranks[crit].cp_s),
         dp_comm_s=ranks[last].exposed_s,
         pp_comm_s=pace * m * ranks[crit].p2p_s,
         optimizer_s=ranks[last].optimizer_s,
         ep_comm_s=pace * m * ranks[crit].ep_s,
+        cp_comm_s=pace * m * ranks[crit].cp_s,
     )
     costs = tuple(RankCost(r.params_bytes, r.grads_bytes, r.optimizer_bytes, r.activations_bytes,
                            r.buckets_bytes + table.buffer_bytes(r.buffers), table.rank_workspace_bytes(j),

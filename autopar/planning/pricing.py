@@ -97,7 +97,7 @@ class LayerPrice:
     forward_mb_s: float  # forward compute per microbatch
     compute_mb_s: float  # forward + backward (+ recomputed forward) per microbatch
     forward_tp_mb_s: float  # forward tensor-parallel collectives per microbatch
-    tp_comm_mb_s: float  # tensor-parallel collectives per microbatch, forward and backward (ep's among them)
+    tp_comm_mb_s: float  # the layer's collectives per microbatch, forward and backward (ep's and cp's among them)
     dp_comm_s: float  # data-parallel / ZeRO collectives per step
     exposed_comm_s: float  # the part of dp_comm_s not hidden under the layer's compute
     optimizer_s: float  # optimizer step per step
@@ -107,6 +107,7 @@ class LayerPrice:
     buckets_bytes: int  # DDP's gradient buckets
     activation_mb_bytes: int  # activations kept per microbatch in flight
     ep_comm_mb_s: float = 0.0  # the part of tp_comm_mb_s that is the experts' all-to-alls under ep
+    cp_comm_mb_s: float = 0.0  # the part of tp_comm_mb_s that is cp's K/V all-gather and its reduce-scatter
 
     @property
     def state_bytes(self) -> int:
@@ -348,10 +349,10 @@ class PriceTable:
         return layer.param_count - sharded + math.ceil(sharded / self.config.mesh.tp)
 
     def _style_part(self, layer: Layer, style_name: str | None,
-                    sp: bool = False) -> tuple[float, float, float, float, float]:
+                    sp: bool = False) -> tuple[float, float, float, float, float, float, float]:
         """What a tensor-parallel style (or none; with sequence parallelism or not) sets, whatever the
-        ZeRO stage and recompute: forward and backward compute, forward and backward tp
-        communication, saved activations."""
+        ZeRO stage and recompute: forward and backward compute, forward and backward communication
+        (tp's and cp's), saved activations, and cp's forward and backward part of that communication."""
         c, b = self.config, self.microbatch_size
         key = (id(layer), style_name, sp, c.mesh.tp, b, self.tp_group, self.act_scale, self.dtype_for_compute,
                id(self.cluster), self.training.compiled, c.mesh.cp, self.cp_group)
@@ -383,7 +384,7 @@ class PriceTable:
                               self.act_scale, c.mesh.cp,
                               compiled=self.training.compiled and self.graph.blocks[layer.index])
         kv_fwd, kv_bwd, acts = context_price.context_part(self, layer, acts)
-        part = (times.fwd_s, times.bwd_s, tp_comm_fwd + kv_fwd, tp_comm_bwd + kv_bwd, acts)
+        part = (times.fwd_s, times.bwd_s, tp_comm_fwd + kv_fwd, tp_comm_bwd + kv_bwd, acts, kv_fwd, kv_bwd)
         self._style_memo[key] = (layer, part)  # the layer is kept, so its id is not reused while the memo lives
         return part
 
@@ -391,7 +392,7 @@ class PriceTable:
         """The layer priced as it runs (:meth:`runs_as`)."""
         runs = self.runs_as(layer.index, choice)
         c, b, prec, device = self.config, self.microbatch_size, self.prec, self.cluster.device
-        fwd, bwd, tp_comm_fwd, tp_comm_bwd, acts = self._style_part(layer, runs.tp, runs.sp)
+        fwd, bwd, tp_comm_fwd, tp_comm_bwd, acts, kv_fwd, kv_bwd = self._style_part(layer, runs.tp, runs.sp)
         a2a_fwd, a2a_bwd = self.expert_dispatch_s(layer)
         tp_comm_fwd, tp_comm_bwd = tp_comm_fwd + a2a_fwd, tp_comm_bwd + a2a_bwd
         acts += self._imbalance_bytes(layer)
@@ -402,6 +403,7 @@ class PriceTable:
         # a recomputed forward issues its collectives again (selective keeps only matmul-class outputs)
         tp_comm = tp_comm_fwd + tp_comm_bwd + (tp_comm_fwd if runs.recompute else 0.0)
         ep_comm = a2a_fwd + a2a_bwd + (a2a_fwd if runs.recompute else 0.0)
+        cp_comm = kv_fwd + kv_bwd + (kv_fwd if runs.recompute else 0.0)  # a recomputed forward gathers K/V again
         params = self.effective_params(layer, runs)
         experts = self.local_expert_params(layer)  # ep: this rank's experts, outside the dp engine
         dense = params - self.split_expert_params(layer)
@@ -440,6 +442,7 @@ class PriceTable:
             buckets_bytes=buckets,
             activation_mb_bytes=math.ceil(b * max(kept, 0.0) * self.act_scale),
             ep_comm_mb_s=ep_comm,
+            cp_comm_mb_s=cp_comm,
         )
 
     def split_expert_params(self, layer: Layer) -> int:

@@ -21,6 +21,7 @@ from autopar.errors import PinError
 from autopar.graph import LayerGraph
 from autopar.mesh import Mesh
 from autopar.planning.configuration import Configuration, TrainingSpec
+from autopar.planning.evaluate import evaluate
 from autopar.planning.pricing import PriceTable
 
 S, H, HEADS, KV_HEADS = 64, 256, 4, 2
@@ -53,6 +54,7 @@ def test_cp_adds_the_kv_all_gather_and_its_reduce_scatter_per_attention_layer(cp
     expected = (collective_time_s(Collective.ALL_GATHER, gathered, group, table.cluster)
                 + collective_time_s(Collective.REDUCE_SCATTER, gathered, group, table.cluster))
     assert one.tp_comm_mb_s == 0.0 and price.tp_comm_mb_s == pytest.approx(expected, rel=1e-12)
+    assert price.cp_comm_mb_s == price.tp_comm_mb_s and one.cp_comm_mb_s == 0.0  # all of it cp's, none tp's
     # a layer priced by its FLOPs (no per-op records): 1/cp of them on each rank
     assert price.forward_mb_s == pytest.approx(compute_time_s(4 * layer.flops_per_sample / cp,
                                                               table.cluster.device, "bf16"), rel=1e-12)
@@ -99,3 +101,15 @@ def test_an_unchecked_graph_is_never_offered_cp() -> None:
 
 def replace_seq(graph: LayerGraph, seq: int) -> LayerGraph:
     return LayerGraph(list(graph), model_name="cp", example_batch=1, dtype_bytes=2, seq_len=seq, cp_refusal="")
+
+
+def test_a_plan_shows_cp_collectives_on_their_own_line_not_as_tensor_parallel() -> None:
+    """The step's breakdown names cp's K/V traffic "cp comm": under tp = 1 nothing is tensor-parallel
+    communication, and the summary line says how long the K/V collectives take."""
+    table, _, _ = _price(2)
+    stages = tuple(0 for _ in table.graph)
+    choices = tuple(LayerChoice(None, 0, False) for _ in table.graph)
+    b = evaluate(table, stages, choices).breakdown
+    assert b.cp_comm_s > 0 and b.tp_comm_s == pytest.approx(0.0, abs=1e-15)
+    plan = autopar.solve(_graph(), 2, cluster="h100-80g", global_batch=4, pins=["cp=2"], runners_up=0)
+    assert plan.predicted.breakdown.cp_comm_s > 0 and "cp K/V" in plan.summary()

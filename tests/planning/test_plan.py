@@ -32,17 +32,18 @@ def test_json_round_trip_is_exact(plan, tmp_path):
     assert set(data["mesh"]) == {"pp", "dp", "ep", "cp", "tp"}
     assert {"name", "stage", "tp", "zero", "recompute", "sp"} == set(data["layers"][0])
     assert set(data["predicted"]["breakdown"]) == {
-        "compute_s", "bubble_s", "tp_comm_s", "ep_comm_s", "dp_comm_s", "pp_comm_s", "optimizer_s"}
+        "compute_s", "bubble_s", "tp_comm_s", "ep_comm_s", "cp_comm_s", "dp_comm_s", "pp_comm_s", "optimizer_s"}
     assert data["solver"]["status"] in ("OPTIMAL", "FEASIBLE") and data["solver"]["wall_s"] >= 0
     assert data["pins"] == ["pp=2"]
 
 
-def test_a_plan_written_before_the_ep_line_loads_with_no_all_to_all(plan):
+def test_a_plan_written_before_the_ep_and_cp_lines_loads_with_neither(plan):
     data = json.loads(plan.to_json())
     for breakdown in [data["predicted"]["breakdown"]] + [r["breakdown"] for r in data["runners_up"]]:
-        del breakdown["ep_comm_s"]
+        del breakdown["ep_comm_s"], breakdown["cp_comm_s"]
     again = Plan.from_json(json.dumps(data))
-    assert again.predicted.breakdown == plan.predicted.breakdown and again.predicted.breakdown.ep_comm_s == 0.0
+    assert again.predicted.breakdown == plan.predicted.breakdown
+    assert again.predicted.breakdown.ep_comm_s == again.predicted.breakdown.cp_comm_s == 0.0
 
 
 def test_prediction_adds_up(plan):
