@@ -154,7 +154,11 @@ def data_ranks(mesh: Mesh) -> int:
 
 def cp_refusal(mesh: Mesh) -> str | None:
     """Why ``mesh``'s context parallelism cannot run (None when it can): this slice lowers cp on the
-    whole model beside dp only (``passes/context_parallel.py``)."""
+    whole model beside dp only (``passes/context_parallel.py``). Beside dp, every per-layer choice the
+    contract offers runs under cp as priced, each checked against one device
+    (``tests/runtime/test_context_parallel.py``): ZeRO 0–3 per layer over dp × cp (a replicated plan
+    on one FSDP2 replicate unit: :func:`plan_engine` gives DDP only where dp is the one axis above 1),
+    recompute none, full, selective or alternate_mm per layer, and any microbatch count."""
     if mesh.cp <= 1:
         return None
     other = [f"{n}={d}" for n, d in (("pp", mesh.pp), ("ep", mesh.ep), ("tp", mesh.tp)) if d > 1]

@@ -25,11 +25,22 @@ refused there):
   computed in the model from ``arange(S)`` (``graph.cp_positions``: the
   project's GPT's ``pos_emb``, a Hugging Face model's ``rotary_emb`` and its
   decoder layers' ``position_ids``) get, by a forward pre-hook, every integer
-  input equal to ``arange(S/cp)`` replaced by the rank's global positions;
+  input equal to ``arange(S/cp)`` replaced by the rank's global positions
+  (a recomputed module runs the hook again, given positions already global,
+  which it leaves as they are; it dispatches nothing, so selective recompute's
+  replay finds only the ops its forward recorded);
 * **the loss and gradients are the global batch's.** Each rank's loss is the
   mean over its S/cp tokens of each sample, equal counts on every rank, so the
   mean over the dp × cp ranks is the global mean, and the data-parallel pass
   averages gradients over the flattened dp × cp mesh (:func:`data_mesh`).
+
+Both hold under every per-layer choice the planner offers beside cp, each run
+against one device (``tests/runtime/test_context_parallel.py``): ZeRO 0–3 per
+layer (FSDP2 ``replicate`` or ``fully_shard`` units over ``dp_cp``, gradient
+sync deferred to the last microbatch at ZeRO-0/1), recompute none, full,
+selective or alternate_mm per layer (the mode is held over the attention
+module's forward, so a recomputation re-enters it and gathers K and V again),
+and gradient accumulation over any microbatch count.
 """
 
 from __future__ import annotations
@@ -154,7 +165,15 @@ def is_held(module: nn.Module) -> bool:
 
 
 def _global_positions(local: torch.Tensor) -> Any:
-    """A forward pre-hook: integer inputs equal to ``arange(S/cp)`` become ``local`` (the global positions)."""
+    """A forward pre-hook: integer inputs equal to ``arange(S/cp)`` become ``local`` (the global positions).
+
+    Its ops run with the dispatch modes set aside: a recomputed module's pre-hooks run again inside
+    its recomputation (the composable ``checkpoint`` calls the module anew, with the inputs this hook
+    already made global, which it then leaves alone), and selective recompute's replay mode refuses
+    every op its forward did not record inside the checkpointed region, where this hook did not run
+    (a Hugging Face decoder layer takes ``position_ids``: "aten.expand.default encountered during
+    backward but not found in storage")."""
+    from torch.utils._python_dispatch import _disable_current_modes
 
     def swap(t: Any) -> Any:
         if (isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() >= 1
@@ -164,7 +183,8 @@ def _global_positions(local: torch.Tensor) -> Any:
         return t
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return pytree.tree_map(swap, args), pytree.tree_map(swap, kwargs)
+        with _disable_current_modes():
+            return pytree.tree_map(swap, args), pytree.tree_map(swap, kwargs)
 
     return hook
 

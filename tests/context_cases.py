@@ -24,19 +24,52 @@ from autopar.errors import BatchError
 TOKENS = (torch.zeros(2, 16, dtype=torch.long),)
 
 
-def hf_llama() -> tuple[nn.Module, tuple]:
-    """A two-layer Llama (SDPA attention, grouped-query: 4 heads over 2 key/value heads, rotary positions)."""
+def hf_llama(layers: int = 2) -> tuple[nn.Module, tuple]:
+    """A Llama of ``layers`` decoder layers (SDPA attention, grouped-query: 4 heads over 2 key/value heads,
+    rotary positions)."""
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                    use_cache=False, tie_word_embeddings=False, attn_implementation="sdpa")
     return transformers.LlamaForCausalLM(cfg), TOKENS
 
 
-def _pins(cp: int, dp: int = 1, zero: int = 0, recompute: str = "none") -> tuple[str, ...]:
-    return ("pp=1", "tp=1", f"dp={dp}", f"cp={cp}", f"zero={zero}", f"recompute={recompute}", "microbatches=1")
+def _pins(cp: int, dp: int = 1, zero: int = 0, recompute: str = "none", m: int = 1) -> tuple[str, ...]:
+    return ("pp=1", "tp=1", f"dp={dp}", f"cp={cp}", f"zero={zero}", f"recompute={recompute}", f"microbatches={m}")
 
+
+def hf_llama_four() -> tuple[nn.Module, tuple]:
+    """The Llama with four decoder layers: the middle two price alike and own FSDP units (the first
+    keeps more activations and the last hands the norm less than its neighbours, so both sit in the
+    root unit)."""
+    return hf_llama(4)
+
+
+def gpt_four() -> tuple[nn.Module, tuple]:
+    """examples/gpt.py's GPT with four blocks: one per recompute kind in a mixed plan."""
+    import gpt
+
+    return gpt.gpt(n_layer=4, d_model=32, n_head=4, vocab_size=256, seq_len=16, device="cpu")
+
+
+def _layers(**choices: str) -> tuple[str, ...]:
+    """Per-layer pins from ``name="key=value key=value"`` (``__`` for ``.``, as in ``blocks__0``)."""
+    return tuple(f"{name.replace('__', '.')}:{item}" for name, items in choices.items() for item in items.split())
+
+
+# Every block a different recompute kind and ZeRO stage in one plan, over 2 microbatches: a ZeRO-0
+# block is an FSDP2 replicate unit beside fully_shard units, the root unit runs at ZeRO-1 (its
+# gradient sync deferred to the last microbatch), and the head is checkpointed selectively.
+MIXED_GPT = ("pp=1", "tp=1", "dp=2", "cp=2", "microbatches=2") + _layers(
+    tok_emb="zero=1 recompute=none", pos_emb="zero=1 recompute=none", drop="zero=1 recompute=none",
+    blocks__0="zero=3 recompute=full", blocks__1="zero=0 recompute=selective", blocks__2="zero=2 recompute=none",
+    blocks__3="zero=1 recompute=alternate_mm", ln_f="zero=1 recompute=full", lm_head="zero=1 recompute=selective")
+MIXED_LLAMA = ("pp=1", "tp=1", "dp=2", "cp=2", "microbatches=2") + _layers(
+    model__embed_tokens="zero=1 recompute=none", model__rotary_emb="recompute=none",
+    model__layers__0="zero=1 recompute=full", model__layers__1="zero=0 recompute=selective",
+    model__layers__2="zero=3 recompute=none", model__layers__3="zero=1 recompute=alternate_mm",
+    model__norm="zero=1 recompute=none", lm_head="zero=1 recompute=none")
 
 SPECS: dict[str, Spec] = {
     "cp2_gpt": Spec(gpt_tiny, _pins(2), 2),
@@ -48,6 +81,16 @@ SPECS: dict[str, Spec] = {
     # dp × cp: gradients average over the 4 ranks; ZeRO-3 shards every weight over them (dp_shard_cp)
     "cp2_dp2_zero3_gpt": Spec(gpt_tiny, _pins(2, dp=2, zero=3), 4),
     "cp2_dp2_llama": Spec(hf_llama, _pins(2, dp=2), 4),
+    # selective recompute replays its decoder layers' position pre-hooks inside its replay mode; the
+    # replicate unit defers its all-reduce over dp × cp to the second microbatch
+    "cp2_selective_accum_llama": Spec(hf_llama, _pins(2, recompute="selective", m=2), 2),
+    # ZeRO-3 over the cp ranks alone (dp = 1), selective recompute, gradients reduce-scattered each microbatch
+    "cp2_zero3_selective_accum_gpt": Spec(gpt_tiny, _pins(2, zero=3, recompute="selective", m=2), 2),
+    # ZeRO-1 (sync and resharding deferred to the last microbatch) and ZeRO-2 over dp × cp
+    "cp2_dp2_zero1_accum_gpt": Spec(gpt_tiny, _pins(2, dp=2, zero=1, m=2), 4),
+    "cp2_dp2_zero2_accum_llama": Spec(hf_llama, _pins(2, dp=2, zero=2, m=2), 4),
+    "cp2_dp2_mixed_gpt": Spec(gpt_four, MIXED_GPT, 4),
+    "cp2_dp2_mixed_llama": Spec(hf_llama_four, MIXED_LLAMA, 4),
 }
 
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import autopar  # noqa: E402
+from autopar.contract import plan_layout  # noqa: E402
 from autopar.graph import LayerGraph  # noqa: E402
 from autopar.inputs import call  # noqa: E402
 from autopar.mesh import MeshAxis, declared  # noqa: E402
@@ -213,6 +214,7 @@ def equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
         plan, graph = plan_for(spec, world_size)
         sgd = run_parallel(spec, plan, graph, lambda p: torch.optim.SGD(p, **SGD))
         adam = run_parallel(spec, plan, graph, lambda p: torch.optim.AdamW(p, **ADAMW))
+        lowered = plan_layout(graph, plan)
         metrics: dict[str, Any] = {"mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp], "ep": plan.mesh.ep,
                                    "mesh_dims": sgd["mesh_dims"],
                                    "microbatches": plan.microbatches, "schedule": plan.schedule.value,
@@ -220,7 +222,12 @@ def equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
                                    "stages": [l.stage for l in plan.layers],
                                    "layers": [[l.name, l.choice.tp, l.choice.zero, l.choice.recompute, l.choice.sp]
                                               for l in plan.layers],
-                                   "losses": sgd["losses"], "adam_losses": adam["losses"]}
+                                   "losses": sgd["losses"], "adam_losses": adam["losses"],
+                                   # as the contract lowers the plan: the modules checkpointed and how, and
+                                   # each data-parallel unit (module path, ZeRO stage, engine)
+                                   "recomputed": {p: str(k) for p, k in lowered.recompute_kinds(graph).items()},
+                                   "units": [[u.path, u.zero, u.engine.value] for units in lowered.units.values()
+                                             for u in units]}
         ref_sgd, ref_adam_losses = from_rank0(lambda: (
             run_reference(spec, lambda p: torch.optim.SGD(p, **SGD)),
             run_reference(spec, lambda p: torch.optim.AdamW(p, **ADAMW))["losses"]))

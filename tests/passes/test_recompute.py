@@ -294,6 +294,35 @@ def test_an_export_pipeline_stage_offers_no_recompute(graph: LayerGraph) -> None
     assert len(contract.offered_recomputes(exported, exported.layer("blocks.0").index, 1)) == 3
 
 
+def test_a_cp_position_hook_runs_again_inside_selective_recompute() -> None:
+    """Under cp a Hugging Face decoder layer's ``position_ids`` get the rank's global positions by a
+    pre-hook (``passes/context_parallel.py``). A checkpointed layer's pre-hooks run again in its
+    recomputation, inside selective recompute's replay mode, which refuses any op its forward did
+    not record there: the hook must dispatch nothing, and the layer must compute as with the global
+    positions given."""
+    from autopar.passes.context_parallel import _global_positions, positions
+
+    class Rotated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+            return self.proj(x) * torch.cos(position_ids.float())[..., None]
+
+    local = positions(8, 2, 0)  # cp rank 0 of 2: tokens 0, 1, 6, 7
+    torch.manual_seed(0)
+    plain, hooked = Rotated(), Rotated()
+    hooked.load_state_dict(plain.state_dict())
+    hooked.register_forward_pre_hook(_global_positions(local), with_kwargs=True)
+    checkpoint(hooked, context_fn=selective_context)
+    x = torch.randn(2, 4, 4)
+    hooked(x, position_ids=torch.arange(4).expand(2, 4)).sum().backward()
+    plain(x, position_ids=local.expand(2, 4)).sum().backward()
+    for (name, a), b in zip(hooked.named_parameters(), plain.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
 # ---------------------------------------------------------------- same numbers as one device (gloo)
 
 CASES = ["selective_zero3", "selective_tp2", "mixed_kinds_zero2", "full_only", "hf_llama_selective_tp2"]

@@ -12,7 +12,7 @@ from synthetic import transformer_graph
 
 import autopar
 from autopar.choice import LayerChoice
-from autopar.contract import REPLICATED, DataParallelism, cp_refusal
+from autopar.contract import REPLICATED, DataParallelism, Engine, cp_refusal, plan_engine
 from autopar.cost_models.communication import Collective, collective_time_s, place_group
 from autopar.cost_models.compute import compute_time_s
 from autopar.cost_models.hardware import PRESETS
@@ -20,6 +20,8 @@ from autopar.cost_models.pipeline import Schedule, ScheduleKind
 from autopar.errors import PinError
 from autopar.graph import LayerGraph
 from autopar.mesh import Mesh
+from autopar.pins import Pins
+from autopar.planning.configs import enumerate_configs
 from autopar.planning.configuration import Configuration, TrainingSpec
 from autopar.planning.evaluate import evaluate
 from autopar.planning.pricing import PriceTable
@@ -89,6 +91,21 @@ def test_cp_is_searched_where_the_logits_bind_and_pinned_or_refused_in_one_line(
     with pytest.raises(PinError, match=r"cp=2 with tp=2 is not lowered yet"):
         autopar.solve(graph, 4, cluster="h100-80g", global_batch=1, pins=["cp=2", "tp=2"])
     assert cp_refusal(Mesh(dp=2, cp=2)) is None
+
+
+def test_cp_is_offered_beside_both_data_parallel_modes_and_every_microbatch_count_never_on_ddp() -> None:
+    """What the planner offers beside cp (each run against one device in
+    tests/runtime/test_context_parallel.py): replicated and sharded plans, any microbatch count, on
+    FSDP2 units over dp × cp. The composable DDP runs only where dp is the one axis above 1: a
+    replicated plan under cp is one FSDP2 replicate unit, never DDP (not run under cp)."""
+    graph = _graph()
+    cluster = PRESETS["h100-80g"].for_world_size(4)
+    configs = enumerate_configs(graph, 4, cluster, TrainingSpec(8, dtype="bf16"), Pins.parse(["cp=2", "dp=2"]))
+    assert {c.microbatches for c in configs} == {1, 2, 4}
+    assert {c.data_parallel.sharded for c in configs} == {False, True}
+    assert {plan_engine(c.mesh, c.data_parallel) for c in configs} == {Engine.REPLICATE, Engine.FULLY_SHARD}
+    assert plan_engine(Mesh(cp=2), REPLICATED) is Engine.REPLICATE
+    assert plan_engine(Mesh(dp=4), REPLICATED) is Engine.DDP
 
 
 def test_an_unchecked_graph_is_never_offered_cp() -> None:

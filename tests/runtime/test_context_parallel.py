@@ -1,6 +1,9 @@
 """Context parallelism (cp) against one process, on gloo: examples/gpt.py's GPT and a tiny Hugging Face
 Llama (grouped-query SDPA, rotary positions) trained 3 steps under cp=2 (W=2, also with full recompute),
-cp=4 (W=4) and cp=2 × dp=2 (W=4; the GPT at ZeRO-3, sharded over the dp × cp ranks).
+cp=4 (W=4) and cp=2 × dp=2 (W=4; the GPT at ZeRO-3, sharded over the dp × cp ranks) — and under what
+else the planner offers beside cp: selective recompute, 2 microbatches (gradient accumulation) on the
+replicate engine and at ZeRO-1, 2 and 3 (over the cp ranks alone, and over dp × cp), and one plan per
+model mixing recompute kinds (none, full, selective, alternate_mm) and ZeRO stages across its blocks.
 
 Bars (DESIGN.md, fp32 on CPU): first-step loss and gradients, SGD losses and parameters within 1e-5
 relative per tensor; AdamW losses within 1e-3. Each rank really holds S/cp tokens (local_batch) and the
@@ -19,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 pytestmark = pytest.mark.distributed
 
-W2 = ["cp2_gpt", "cp2_llama", "cp2_recompute_gpt"]
-W4 = ["cp4_gpt", "cp4_llama", "cp2_dp2_zero3_gpt", "cp2_dp2_llama"]
+W2 = ["cp2_gpt", "cp2_llama", "cp2_recompute_gpt", "cp2_selective_accum_llama", "cp2_zero3_selective_accum_gpt"]
+W4 = ["cp4_gpt", "cp4_llama", "cp2_dp2_zero3_gpt", "cp2_dp2_llama", "cp2_dp2_zero1_accum_gpt",
+      "cp2_dp2_zero2_accum_llama", "cp2_dp2_mixed_gpt", "cp2_dp2_mixed_llama"]
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +51,35 @@ def test_cp4_and_cp2_dp2_on_four_ranks_match_one_device(w4: dict, case: str) -> 
         assert r["mesh"] == ([1, 2, 1] if "dp2" in case else [1, 1, 1])
     if "zero3" in case:  # the weights are sharded over all four dp × cp ranks
         assert all(r["local_bytes_frac"] < 0.3 for r in every_rank(w4[case]))
+    if "accum" in case or "mixed" in case:
+        assert w4[case]["microbatches"] == 2
+
+
+def test_cp_beside_selective_recompute_and_gradient_accumulation(w2: dict) -> None:
+    """What the planner offers beside cp on two ranks ran as planned: every block checkpointed
+    selectively, 2 microbatches, the Llama on one replicate unit and the GPT sharded over the cp ranks."""
+    llama, gpt = w2["cp2_selective_accum_llama"], w2["cp2_zero3_selective_accum_gpt"]
+    # the final norm runs no matmul-class op, so the global pin leaves it without recompute (noted)
+    assert llama["recomputed"] == {"model.layers.0": "selective", "model.layers.1": "selective",
+                                   "lm_head": "selective"}
+    assert llama["units"] == [["", 0, "replicate"]]
+    assert {p: k for p, k in gpt["recomputed"].items() if p.startswith("blocks.")} == {
+        "blocks.0": "selective", "blocks.1": "selective"}
+    assert {tuple(u) for u in gpt["units"]} >= {("blocks.0", 3, "fully_shard"), ("", 3, "fully_shard")}
+    assert llama["microbatches"] == gpt["microbatches"] == 2
+    assert all(r["local_bytes_frac"] < 0.6 for r in every_rank(gpt))  # ZeRO-3 over the 2 cp ranks
+
+
+def test_one_plan_mixing_recompute_kinds_and_zero_stages_across_blocks(w4: dict) -> None:
+    gpt, llama = w4["cp2_dp2_mixed_gpt"], w4["cp2_dp2_mixed_llama"]
+    assert gpt["recomputed"] == {"blocks.0": "full", "blocks.1": "selective", "blocks.3": "alternate_mm",
+                                 "ln_f": "full", "lm_head": "selective"}
+    assert gpt["units"] == [["blocks.0", 3, "fully_shard"], ["blocks.1", 0, "replicate"],
+                            ["blocks.2", 2, "fully_shard"], ["blocks.3", 1, "fully_shard"], ["", 1, "fully_shard"]]
+    assert llama["recomputed"] == {"model.layers.0": "full", "model.layers.1": "selective",
+                                   "model.layers.3": "alternate_mm"}
+    assert llama["units"] == [["model.layers.1", 0, "replicate"], ["model.layers.2", 3, "fully_shard"],
+                              ["", 1, "fully_shard"]]
 
 
 def test_the_model_own_loss_is_refused_and_each_rank_holds_its_chunks(w2: dict) -> None:
