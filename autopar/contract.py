@@ -192,7 +192,9 @@ def wrapping(graph: LayerGraph, pp: int) -> Wrapping:
     """A block — a repeated layer with parameters, whose module no other layer calls and holds
     all of them — owns a unit, except inside an export-captured model's pipeline stages, where
     no layer module is called and each stage is one unit. Cached per graph."""
-    cached = _WRAPPINGS.setdefault(graph, {})
+    cached = _WRAPPINGS.get(graph)  # a hit makes no weak reference: setdefault's makes one a call
+    if cached is None:
+        cached = _WRAPPINGS.setdefault(graph, {})
     if pp not in cached:
         calls = Counter(layer.module_path for layer in graph if layer.module_path)
         called = tp_applies(graph, pp)
