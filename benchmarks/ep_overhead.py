@@ -27,10 +27,8 @@ the same weights and the same batches, so their losses are printed too.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
@@ -38,6 +36,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from runtime_overhead import spawn_and_report  # noqa: E402 - the launcher the overhead benchmarks share
 
 SEQ, BATCH, VOCAB, EXPERTS = 64, 8, 2048, 8
 PINS = ["pp=1", "dp=2", "ep=2", "tp=1", "zero=0", "recompute=none", "microbatches=1"]
@@ -161,18 +163,11 @@ def _worker(rank: int, world_size: int, store: str, steps: int, out: str) -> Non
 
 
 def main() -> None:
-    import torch.multiprocessing as mp
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.txt")
-        mp.start_processes(_worker, args=(2, os.path.join(tmp, "store"), args.steps, out), nprocs=2,
-                           start_method="spawn")
-        sys.stdout.write(f"ep=2 (dp=2), {EXPERTS} experts top-2, batch {BATCH}×{SEQ}, W=2 gloo on CPU, "
-                         f"median of {args.steps} steps\n")
-        sys.stdout.write(Path(out).read_text())
+    spawn_and_report(_worker, 2, args.steps, f"ep=2 (dp=2), {EXPERTS} experts top-2, batch {BATCH}×{SEQ}, W=2 "
+                     f"gloo on CPU, median of {args.steps} steps")
 
 
 if __name__ == "__main__":

@@ -162,22 +162,30 @@ def _worker(rank: int, world_size: int, store: str, steps: int, out: str) -> Non
     dist.destroy_process_group()
 
 
-def main() -> None:
+def spawn_and_report(worker: Callable[[int, int, str, int, str], None], world_size: int, steps: int,
+                     header: str) -> None:
+    """Run ``worker(rank, world_size, store, steps, out)`` on ``world_size`` spawned ranks (gloo, CPU),
+    then print ``header`` and what rank 0 wrote to ``out``: the launcher every overhead benchmark shares."""
     import torch.multiprocessing as mp
 
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.txt")
+        mp.start_processes(worker, args=(world_size, os.path.join(tmp, "store"), steps, out),
+                           nprocs=world_size, start_method="spawn")
+        sys.stdout.write(header + "\n")
+        sys.stdout.write(Path(out).read_text())
+
+
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--world-size", type=int, default=2)
     args = parser.parse_args()
     model, _ = build()
     params = sum(p.numel() for p in model.parameters())
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.txt")
-        mp.start_processes(_worker, args=(args.world_size, os.path.join(tmp, "store"), args.steps, out),
-                           nprocs=args.world_size, start_method="spawn")
-        sys.stdout.write(f"GPT {params / 1e6:.1f}M params, batch {BATCH}×{SEQ}, W={args.world_size} "
-                         f"gloo on CPU, median of {args.steps} steps\n")
-        sys.stdout.write(Path(out).read_text())
+    spawn_and_report(_worker, args.world_size, args.steps,
+                     f"GPT {params / 1e6:.1f}M params, batch {BATCH}×{SEQ}, W={args.world_size} "
+                     f"gloo on CPU, median of {args.steps} steps")
 
 
 if __name__ == "__main__":

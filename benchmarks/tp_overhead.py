@@ -16,10 +16,8 @@ printed (target: autopar / hand-written ≤ 1.05).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
@@ -34,7 +32,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from runtime_overhead import _manual_step  # noqa: E402 - the same hand-written step, timed alike
+from runtime_overhead import _manual_step, spawn_and_report  # noqa: E402 - the same hand-written step, timed alike
 
 SEQ, BATCH, VOCAB = 64, 8, 2048
 
@@ -133,18 +131,11 @@ def _worker(rank: int, world_size: int, store: str, steps: int, out: str) -> Non
 
 
 def main() -> None:
-    import torch.multiprocessing as mp
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.txt")
-        mp.start_processes(_worker, args=(2, os.path.join(tmp, "store"), args.steps, out), nprocs=2,
-                           start_method="spawn")
-        sys.stdout.write(f"TP=2 on every block, batch {BATCH}×{SEQ}, W=2 gloo on CPU, median of {args.steps} "
-                         "steps\n")
-        sys.stdout.write(Path(out).read_text())
+    spawn_and_report(_worker, 2, args.steps,
+                     f"TP=2 on every block, batch {BATCH}×{SEQ}, W=2 gloo on CPU, median of {args.steps} steps")
 
 
 if __name__ == "__main__":
