@@ -8,9 +8,11 @@ counts dynamo's graphs after each step (:data:`torch._dynamo.utils.counters`), f
 cache: the first step compiles one graph the two blocks share, later steps compile none. Both
 cases run the same block shapes, so the second finds inductor's on-disk cache warm (test time).
 
-The recompute cases checkpoint both blocks inside their compiled forward (full, or selective with
-autopar's policy, counted as recompute_cases counts it: under compile the policy is asked while
-the graph is traced) and ``ln_f`` eagerly with the composable hooks (full).
+The Hugging Face cases build LlamaForCausalLM and Qwen2ForCausalLM from tiny configs (nothing
+is downloaded) and compile each decoder layer. The recompute cases checkpoint both blocks inside
+their compiled forward (full, or selective with autopar's policy, counted as recompute_cases
+counts it: under compile the policy is asked while the graph is traced) and ``ln_f`` eagerly with
+the composable hooks (full).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from cut_cases import qwen2
 from equivalence_cases import (
     PP1,
     SGD,
@@ -28,6 +31,7 @@ from equivalence_cases import (
     _max_rel,
     from_rank0,
     gpt_tiny,
+    hf_llama,
     make_batch,
     run_reference,
 )
@@ -123,6 +127,11 @@ CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
                                             + _EMBEDDINGS_OFF, 4)),
     "zero3_selective": compiled_equivalence(Spec(gpt_tiny, ZERO3 + ("blocks.*:recompute=selective",
                                                                     "ln_f:recompute=none") + _EMBEDDINGS_OFF, 4)),
+    # Hugging Face decoders, built from tiny configs: each decoder layer compiled on its own
+    "hf_llama_zero3": compiled_equivalence(Spec(hf_llama, PP1 + ("dp=2", "tp=1", "zero=3", "microbatches=1"), 4)),
+    "hf_qwen2_ddp": compiled_equivalence(Spec(qwen2, PP1 + ("dp=2", "tp=1", "zero=0", "microbatches=1"), 4)),
+    "hf_llama_zero3_selective": compiled_equivalence(Spec(hf_llama, ZERO3 + ("model.layers.*:recompute=selective",),
+                                                          4)),
 }
 
 

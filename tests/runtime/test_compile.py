@@ -35,7 +35,8 @@ def graph():
 
 @pytest.fixture(scope="module")
 def w2(ranks) -> dict[str, dict]:
-    return ranks(2).run(["ddp", "zero3", "zero3_full", "zero3_selective"], module="compile_cases")
+    return ranks(2).run(["ddp", "zero3", "zero3_full", "zero3_selective", "hf_llama_zero3", "hf_qwen2_ddp",
+                         "hf_llama_zero3_selective"], module="compile_cases")
 
 
 @pytest.mark.distributed
@@ -65,11 +66,38 @@ def test_recomputed_blocks_compile_with_their_checkpoint_and_train_as_one_eager_
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", ["ddp", "zero3", "zero3_full", "zero3_selective"])
+@pytest.mark.parametrize("case", ["hf_llama_zero3", "hf_qwen2_ddp", "hf_llama_zero3_selective"])
+def test_hugging_face_decoder_layers_compile_one_by_one_and_train_as_one_eager_device(w2: dict, case: str) -> None:
+    """A tiny LlamaForCausalLM (ZeRO-3, and with selective recompute) and Qwen2ForCausalLM (DDP),
+    built from configs: each decoder layer compiled, 3 SGD steps within 1e-5 of one eager process."""
+    for m in every_rank(w2[case]):
+        assert m["plan_compiled"] and m["compiled"] == ["model.layers.0", "model.layers.1"], m
+        assert m["loss_rel"] < EXACT and m["grad_rel"] < EXACT and m["param_rel"] < EXACT, m
+    assert w2["hf_llama_zero3"]["zero"] == [3] and w2["hf_qwen2_ddp"]["zero"] == [0]
+    sel = w2["hf_llama_zero3_selective"]
+    assert {sel["recompute"][f"model.layers.{i}"] for i in (0, 1)} == {"selective"}
+    assert sel["policy_asked"] > 0 and "aten::mm" in sel["policy_kept"], sel["policy_kept"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["ddp", "zero3", "zero3_full", "zero3_selective", "hf_llama_zero3", "hf_qwen2_ddp",
+                                  "hf_llama_zero3_selective"])
 def test_the_blocks_share_one_graph_and_later_steps_compile_nothing(w2: dict, case: str) -> None:
     for m in every_rank(w2[case]):
         assert m["graphs"] == [1] * len(m["graphs"]), m
         assert m["guard_failures"] == [] and m["graph_breaks"] == {}
+
+
+def test_hugging_face_decoder_layers_are_the_compiled_blocks() -> None:
+    """A Hugging Face decoder's first layer is charged the rotary cos/sin its siblings share, so its
+    cost class is its own; it is still a block of the stack, compiled and priced compiled (were it
+    not, a compiled plan of Llama would compile nothing and run eager)."""
+    from cut_cases import qwen2
+    from equivalence_cases import hf_llama
+
+    for build in (hf_llama, qwen2):
+        g = autopar.capture(*build())
+        assert [l.name for l, b in zip(g.layers, g.blocks) if b] == ["model.layers.0", "model.layers.1"]
 
 
 # ------------------------------------------------------------------ the plan says it
