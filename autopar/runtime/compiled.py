@@ -23,7 +23,10 @@ full and selective recompute (the tests compare 3 SGD steps with eager within
 1e-5 and count recompiles). :func:`check_compilable` refuses every other
 lowering with a :class:`~autopar.errors.CompileError` before the first
 collective: tensor and sequence parallelism (the sharding runtime rewrites
-ops in Python per call), expert and context parallelism, and pipelines.
+ops in Python per call, in a ``TorchFunctionMode`` dynamo does not trace:
+with this refusal lifted, dynamo failed inside ``ShardMode.__torch_function__``,
+"cls_source must not be None for MRO walk"), expert and context parallelism,
+and pipelines.
 """
 
 from __future__ import annotations

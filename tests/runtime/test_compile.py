@@ -202,7 +202,7 @@ def test_compiled_recompute_reruns_what_the_compiled_forward_runs(graph) -> None
         .activation_mb_bytes
 
 
-@pytest.mark.parametrize("kind", ["full", "selective"])
+@pytest.mark.parametrize("kind", ["full", "selective", "alternate_mm"])
 def test_recomputed_blocks_compile_in_one_process_keep_less_and_match_eager(kind: str) -> None:
     """One process: a compiled block checkpointed full keeps less for backward than a compiled
     block not recomputed, selective keeps between the two (so the checkpoint runs inside the
