@@ -101,6 +101,10 @@ def compiled_equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
             "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
             "recompute": {l.name: l.choice.recompute.name.lower() for l in plan.layers if l.choice.recompute},
             "policy_asked": sum(asked.values()), "policy_kept": {k: v for k, v in kept.items() if v},
+            # the compiled blocks whose forward is checkpointed inside the compiled region, and how
+            "checkpointed": {p: getattr(pm.module.get_submodule(p), recompute_pass.CHECKPOINTED_FORWARD).name.lower()
+                             for p in pm.compiled
+                             if hasattr(pm.module.get_submodule(p), recompute_pass.CHECKPOINTED_FORWARD)},
         }
         out["grad_rel"], out["grad_worst"] = _max_rel(grads, ref["grads"])
         out["param_rel"], out["param_worst"] = _max_rel(params, ref["params"])

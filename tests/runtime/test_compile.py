@@ -58,6 +58,7 @@ def test_recomputed_blocks_compile_with_their_checkpoint_and_train_as_one_eager_
         assert m["plan_compiled"] and m["compiled"] == ["blocks.0", "blocks.1"] and m["zero"] == [3]
         want = {"blocks.0": kind, "blocks.1": kind} | ({"ln_f": "full"} if kind == "full" else {})
         assert m["recompute"] == want, m["recompute"]
+        assert m["checkpointed"] == {"blocks.0": kind, "blocks.1": kind}, m["checkpointed"]
         assert m["loss_rel"] < EXACT and m["grad_rel"] < EXACT and m["param_rel"] < EXACT, m
     sel = w2["zero3_selective"]
     # the selective policy ran inside the compiled region (asked while tracing) and kept matmul outputs
@@ -76,6 +77,8 @@ def test_hugging_face_decoder_layers_compile_one_by_one_and_train_as_one_eager_d
     assert w2["hf_llama_zero3"]["zero"] == [3] and w2["hf_qwen2_ddp"]["zero"] == [0]
     sel = w2["hf_llama_zero3_selective"]
     assert {sel["recompute"][f"model.layers.{i}"] for i in (0, 1)} == {"selective"}
+    assert sel["checkpointed"] == {"model.layers.0": "selective", "model.layers.1": "selective"}
+    assert w2["hf_llama_zero3"]["checkpointed"] == {}
     assert sel["policy_asked"] > 0 and "aten::mm" in sel["policy_kept"], sel["policy_kept"]
 
 
