@@ -487,6 +487,17 @@ def _part_units(graph: LayerGraph, members: list[int], zeros: tuple[int, ...], m
     return (*out, Unit(ROOT, root_zero, unit_engine(root_zero), rest))
 
 
+def compiled_block_paths(graph: LayerGraph, plan: Plan) -> list[str]:
+    """Module paths of the plan's repeated blocks (:attr:`LayerGraph.blocks`), in order: what a
+    compiled plan (``training.compiled``) runs under torch.compile one by one, and pricing prices
+    compiled; a recomputed one is checkpointed inside its compiled forward (``passes/recompute.py``).
+    Empty for a plan priced eager."""
+    if not plan.training.compiled:
+        return []
+    names = {lp.name for lp in plan.layers}
+    return [layer.module_path for layer, block in zip(graph.layers, graph.blocks) if block and layer.name in names]
+
+
 def plan_layout(graph: LayerGraph, plan: Plan) -> Layout:
     """The contract for a Plan made for ``graph`` (as a pipeline runs it: :meth:`LayerGraph.pipeline_view`)."""
     if plan.mesh.pp > 1:

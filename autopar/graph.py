@@ -469,8 +469,23 @@ class LayerGraph:
     @cached_property
     def blocks(self) -> tuple[bool, ...]:
         """Per layer, whether it is a block of the stack with a module of its own: what
-        ``torch_compile`` compiles one by one (autopar.runtime.compiled) and pricing prices compiled."""
-        return tuple(rep and bool(l.module_path) for l, rep in zip(self.layers, self.repeated))
+        ``torch_compile`` compiles one by one (autopar.runtime.compiled) and pricing prices compiled.
+
+        A repeated layer (:attr:`repeated`) with a module, or a layer whose module is one item of a
+        stack (``<stack>.<i>``) of which another item is a layer with the same parameter count and
+        FLOPs: a Hugging Face decoder's first layer is charged the rotary cos/sin its siblings share
+        (its activation and boundary bytes differ), so its cost class is its own, yet it is the same
+        module run on the same shapes."""
+        def stack_key(layer: Layer) -> tuple | None:
+            head, _, tail = (layer.module_path or "").rpartition(".")
+            if not head or not tail.isdigit():
+                return None
+            return head, layer.param_count, round(layer.flops_per_sample, 3)
+
+        keys = [stack_key(l) for l in self.layers]
+        counts = Counter(k for k in keys if k is not None)
+        return tuple(bool(l.module_path) and (rep or (k is not None and counts[k] > 1))
+                     for l, rep, k in zip(self.layers, self.repeated, keys))
 
     def layer(self, name: str) -> Layer:
         return self._by_name[name]

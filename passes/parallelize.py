@@ -213,9 +213,11 @@ def _rc_requires(module: nn.Module, ctx: Context) -> str | None:
 
 
 def _rc_run(module: nn.Module, ctx: Context, result: PartResult) -> None:
+    from autopar.contract import compiled_block_paths
     from autopar.passes.recompute import checkpoint_modules
 
-    checkpoint_modules(module, list(ctx.part.recompute), _recompute_kinds(ctx))
+    checkpoint_modules(module, list(ctx.part.recompute), _recompute_kinds(ctx),
+                       compiled=set(compiled_block_paths(ctx.graph, ctx.plan)))
 
 
 def _recompute_kinds(ctx: Context) -> dict[str, Recompute]:
@@ -231,8 +233,11 @@ def _recompute_kinds(ctx: Context) -> dict[str, Recompute]:
 
 
 def _rc_ensures(module: nn.Module, ctx: Context) -> str | None:
-    missing = [p for p in ctx.part.recompute if "checkpoint" not in _registry(module.get_submodule(p))]
-    return f"modules without checkpoint hooks: {missing[:3]}" if missing else None
+    from autopar.passes.recompute import CHECKPOINTED_FORWARD
+
+    missing = [p for p in ctx.part.recompute if "checkpoint" not in _registry(m := module.get_submodule(p))
+               and not hasattr(m, CHECKPOINTED_FORWARD)]
+    return f"modules without checkpoint hooks or a checkpointed forward: {missing[:3]}" if missing else None
 
 
 def _dp_applies(ctx: Context) -> bool:

@@ -13,6 +13,17 @@ state-dict keys are unchanged (the composable API installs hooks on the module
 instead of wrapping it, unlike ``checkpoint_wrapper``), and the numbers are the
 same — only what autograd keeps between forward and backward changes.
 
+A block the plan runs under torch.compile (``plan.training.compiled``) is
+checkpointed by :func:`checkpoint_forward` instead: its ``forward`` becomes a
+call of ``torch.utils.checkpoint.checkpoint`` (non-reentrant, the same
+``context_fn``) around the module's own forward, which the compiled runtime
+then compiles (:mod:`autopar.runtime.compiled`), as torchtitan compiles a
+block after wrapping it for activation checkpointing: dynamo traces the
+checkpoint as a region and AOTAutograd's partitioner keeps only what the
+policy saves. The composable hooks cannot stay around a compiled forward: a
+selective policy's caching mode outside the compiled region sees the
+compiled kernels' outputs mutated and fails in backward.
+
 Layers without a module of their own (glue between modules, or the root)
 cannot be checkpointed without an FX rewrite, so the contract never lets the
 planner price them as recomputed.
@@ -20,7 +31,7 @@ planner price them as recomputed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch.nn as nn
@@ -72,10 +83,33 @@ def selective_context() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(keep_matmul_outputs)
 
 
+# set on a module whose forward :func:`checkpoint_forward` replaced: its kind
+CHECKPOINTED_FORWARD = "_autopar_checkpointed_forward"
+
+
+def checkpoint_forward(module: nn.Module, kind: Recompute) -> None:
+    """Replace ``module.forward`` (in place) with ``torch.utils.checkpoint.checkpoint`` of it,
+    non-reentrant, with ``kind``'s policy: the form torch.compile traces as one checkpointed region."""
+    from torch.utils.checkpoint import checkpoint
+
+    inner = module.forward
+    policy = {Recompute.SELECTIVE: selective_context, Recompute.ALTERNATE_MM: alternate_context}.get(kind)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if policy is None:
+            return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=policy, **kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]
+    setattr(module, CHECKPOINTED_FORWARD, kind)
+
+
 def checkpoint_modules(part: nn.Module, paths: list[str],
-                       kinds: Mapping[str, Recompute] | None = None) -> list[str]:
+                       kinds: Mapping[str, Recompute] | None = None,
+                       compiled: Collection[str] = ()) -> list[str]:
     """Checkpoint each module of ``paths`` in ``part`` in place (non-reentrant), selectively where
-    ``kinds`` says so (default: full); returns ``paths``.
+    ``kinds`` says so (default: full); returns ``paths``. Those in ``compiled`` (the blocks that
+    will run under torch.compile) get :func:`checkpoint_forward`, the rest the composable hooks.
 
     Requires: run before FSDP (``fully_shard``), after tensor parallelism.
     """
@@ -84,7 +118,9 @@ def checkpoint_modules(part: nn.Module, paths: list[str],
     for path in paths:
         kind = (kinds or {}).get(path, Recompute.FULL)
         module = part.get_submodule(path)
-        if kind is Recompute.SELECTIVE:
+        if path in compiled:
+            checkpoint_forward(module, kind)
+        elif kind is Recompute.SELECTIVE:
             checkpoint(module, context_fn=selective_context)
         elif kind is Recompute.ALTERNATE_MM:
             checkpoint(module, context_fn=alternate_context)

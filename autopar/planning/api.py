@@ -75,8 +75,9 @@ def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | No
 
 
 # What the compiled runtime runs (autopar.runtime.compiled): no tensor, pipeline, expert or context
-# parallelism, no recompute. A compiled plan is searched there only, so nothing it cannot run is offered.
-COMPILED_PINS = ("tp=1", "pp=1", "ep=1", "cp=1", "recompute=none")
+# parallelism; recompute of any kind. A compiled plan is searched there only, so nothing it cannot
+# run is offered.
+COMPILED_PINS = ("tp=1", "pp=1", "ep=1", "cp=1")
 
 
 def _compiled_pins(pins: Pins) -> Pins:
@@ -84,7 +85,7 @@ def _compiled_pins(pins: Pins) -> Pins:
         return Pins.parse(pins.to_strings() + list(COMPILED_PINS))
     except PinError as exc:
         raise CompileError(f"torch.compile does not run tensor parallelism, pipelines, expert or context "
-                           f"parallelism, or recompute yet "
+                           f"parallelism yet "
                            f"(compiled plans are solved with {' '.join(COMPILED_PINS)}): {exc}") from None
 
 

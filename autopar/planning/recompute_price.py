@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from autopar.choice import Recompute
-from autopar.cost_models.compute import compute_time_s, memory_bound_time_s
+from autopar.cost_models.compute import COMPILED_MEMORY_BOUND_FRACTION, compute_time_s, memory_bound_time_s
 from autopar.graph import Layer
 from autopar.planning.context_price import mask_bytes as context_part_mask
 from autopar.planning.sequence import sequence_input_bytes
@@ -29,7 +29,12 @@ def recompute_part(table: Any, layer: Layer, strategy: Any, fwd_s: float, acts: 
     Megatron style splits over tp what lies between its column and row projections.
     Under cp a rank keeps and re-runs 1/cp of the tokens' share; selective recompute is
     counted as keeping the K and V gathered from the other cp ranks and the attention
-    masks (an upper bound: they are what attention's backward reads).
+    masks (an upper bound: they are what attention's backward reads). In a block under
+    torch.compile, full re-runs the compiled forward (``fwd_s`` as priced compiled) and
+    selective's memory-bound re-run is fused as the forward's is
+    (:data:`~autopar.cost_models.compute.COMPILED_MEMORY_BOUND_FRACTION`, where the op model
+    prices memory-bound ops apart); what is kept is priced as eager (the partitioner keeps
+    what the policy saves: measured on a tiny GPT block, compiled full kept the block's input).
     """
     kind = strategy.recompute
     if kind is Recompute.NONE:
@@ -48,9 +53,13 @@ def recompute_part(table: Any, layer: Layer, strategy: Any, fwd_s: float, acts: 
     moved = (getattr(layer, f"{p}_recompute_bytes_per_sample")
              - split * getattr(layer, f"{p}_recompute_sharded_bytes_per_sample"))
     b, device = table.microbatch_size, table.cluster.device
+    # a compiled block re-runs its memory-bound ops fused, as its forward does (layer_compute)
+    fused = (COMPILED_MEMORY_BOUND_FRACTION
+             if table.training.compiled and table.graph.blocks[layer.index] and device.op_model is not None
+             and layer.ops else 1.0)
     rerun = (compute_time_s(b * getattr(layer, f"{p}_recompute_flops_per_sample") / cp, device,
                             table.dtype_for_compute)
-             + memory_bound_time_s(b * moved * table.act_scale / cp, device))
+             + memory_bound_time_s(b * moved * table.act_scale * fused / cp, device))
     mask = context_part_mask(table, layer) / table.act_scale / b  # per sample, as the kept bytes are
     return rerun, base + saved / cp + layer.kv_bytes_per_sample * (cp - 1) / cp + mask
 

@@ -9,13 +9,24 @@ they do eagerly, and blocks of one kind share one compiled graph (dynamo
 treats a module's parameters as graph inputs), so a change in one block's
 plan does not recompile the model.
 
-What runs compiled is proven only for DDP and FSDP2/ZeRO-1/2/3 without
-recompute (the tests compare 3 SGD steps with eager within 1e-5 and count
-recompiles). :func:`check_compilable` refuses every other lowering with a
-:class:`~autopar.errors.CompileError` before the first collective: tensor
-and sequence parallelism (the sharding runtime rewrites ops in Python per
-call), expert and context parallelism, pipelines, and recompute (checkpoint hooks around
-a compiled forward are untested here).
+A block the plan recomputes (full, selective or alternate-mm) is compiled
+with its checkpoint inside: the recompute pass gave it a forward that calls
+``torch.utils.checkpoint.checkpoint`` around the module's own
+(:func:`autopar.passes.recompute.checkpoint_forward`), so dynamo traces the
+checkpointed region and AOTAutograd's partitioner keeps what the policy
+saves, as torchtitan compiles a block after wrapping it for activation
+checkpointing. Layers that are not blocks run eagerly, with the composable
+checkpoint hooks where they are recomputed.
+
+What runs compiled is proven for DDP and FSDP2/ZeRO-1/2/3, with and without
+full and selective recompute (the tests compare 3 SGD steps with eager within
+1e-5 and count recompiles). :func:`check_compilable` refuses every other
+lowering with a :class:`~autopar.errors.CompileError` before the first
+collective: tensor and sequence parallelism (the sharding runtime rewrites
+ops in Python per call, in a ``TorchFunctionMode`` dynamo does not trace:
+with this refusal lifted, dynamo failed inside ``ShardMode.__torch_function__``,
+"cls_source must not be None for MRO walk"), expert and context parallelism,
+and pipelines.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from autopar.contract import compiled_block_paths
 from autopar.errors import CompileError
 from autopar.graph import LayerGraph
 from autopar.plan import Plan
@@ -52,9 +64,6 @@ def unsupported(plan: Plan) -> list[str]:
         why.append(f"expert parallelism (ep={m.ep})")
     if m.cp > 1:
         why.append(f"context parallelism (cp={m.cp})")
-    recomputed = [lp.name for lp in plan.layers if lp.choice.recompute]
-    if recomputed:
-        why.append(f"recompute ({', '.join(recomputed[:3])}{'…' if len(recomputed) > 3 else ''})")
     return why
 
 
@@ -62,9 +71,9 @@ def check_compilable(plan: Plan) -> None:
     """Raise :class:`CompileError` naming what ``plan`` lowers that torch.compile does not run yet."""
     why = unsupported(plan)
     if why:
-        raise CompileError(f"torch.compile runs DDP and ZeRO/FSDP2 plans without recompute only; this plan "
-                           f"has {' and '.join(why)}: run it eagerly (drop --compile / torch_compile), "
-                           f"or pin it to what compiles (tp=1 pp=1 ep=1 cp=1 recompute=none)")
+        raise CompileError(f"torch.compile runs DDP and ZeRO/FSDP2 plans (with or without recompute) only; "
+                           f"this plan has {' and '.join(why)}: run it eagerly (drop --compile / "
+                           f"torch_compile), or pin it to what compiles (tp=1 pp=1 ep=1 cp=1)")
 
 
 def check_compiled(plan: Plan, torch_compile: bool | None) -> None:
@@ -80,9 +89,9 @@ def check_compiled(plan: Plan, torch_compile: bool | None) -> None:
 
 
 def block_paths(graph: LayerGraph, plan: Plan) -> list[str]:
-    """Module paths of the plan's repeated blocks, in order: the modules compiled one by one."""
-    names = {lp.name for lp in plan.layers}
-    return [layer.module_path for layer, block in zip(graph.layers, graph.blocks) if block and layer.name in names]
+    """Module paths of the plan's repeated blocks, in order: the modules compiled one by one
+    (:func:`autopar.contract.compiled_block_paths`; empty for a plan priced eager)."""
+    return compiled_block_paths(graph, plan)
 
 
 def compile_blocks(parts: list[nn.Module], paths: list[str], **options: Any) -> list[str]:

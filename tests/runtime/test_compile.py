@@ -35,7 +35,8 @@ def graph():
 
 @pytest.fixture(scope="module")
 def w2(ranks) -> dict[str, dict]:
-    return ranks(2).run(["ddp", "zero3"], module="compile_cases")
+    return ranks(2).run(["ddp", "zero3", "zero3_full", "zero3_selective", "hf_llama_zero3", "hf_qwen2_ddp",
+                         "hf_llama_zero3_selective"], module="compile_cases")
 
 
 @pytest.mark.distributed
@@ -48,11 +49,58 @@ def test_compiled_blocks_train_as_one_eager_device(w2: dict, case: str) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", ["ddp", "zero3"])
+@pytest.mark.parametrize("case", ["zero3_full", "zero3_selective"])
+def test_recomputed_blocks_compile_with_their_checkpoint_and_train_as_one_eager_device(w2: dict, case: str) -> None:
+    """Under ZeRO-3 on 2 ranks: both blocks compiled with their checkpoint inside, ln_f checkpointed
+    eagerly (full case), 3 SGD steps within 1e-5 of one eager process."""
+    kind = case.removeprefix("zero3_")
+    for m in every_rank(w2[case]):
+        assert m["plan_compiled"] and m["compiled"] == ["blocks.0", "blocks.1"] and m["zero"] == [3]
+        want = {"blocks.0": kind, "blocks.1": kind} | ({"ln_f": "full"} if kind == "full" else {})
+        assert m["recompute"] == want, m["recompute"]
+        assert m["checkpointed"] == {"blocks.0": kind, "blocks.1": kind}, m["checkpointed"]
+        assert m["loss_rel"] < EXACT and m["grad_rel"] < EXACT and m["param_rel"] < EXACT, m
+    sel = w2["zero3_selective"]
+    # the selective policy ran inside the compiled region (asked while tracing) and kept matmul outputs
+    assert sel["policy_asked"] > 0 and {"aten::mm", "aten::addmm"} & set(sel["policy_kept"]), sel["policy_kept"]
+    assert w2["zero3_full"]["policy_asked"] == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["hf_llama_zero3", "hf_qwen2_ddp", "hf_llama_zero3_selective"])
+def test_hugging_face_decoder_layers_compile_one_by_one_and_train_as_one_eager_device(w2: dict, case: str) -> None:
+    """A tiny LlamaForCausalLM (ZeRO-3, and with selective recompute) and Qwen2ForCausalLM (DDP),
+    built from configs: each decoder layer compiled, 3 SGD steps within 1e-5 of one eager process."""
+    for m in every_rank(w2[case]):
+        assert m["plan_compiled"] and m["compiled"] == ["model.layers.0", "model.layers.1"], m
+        assert m["loss_rel"] < EXACT and m["grad_rel"] < EXACT and m["param_rel"] < EXACT, m
+    assert w2["hf_llama_zero3"]["zero"] == [3] and w2["hf_qwen2_ddp"]["zero"] == [0]
+    sel = w2["hf_llama_zero3_selective"]
+    assert {sel["recompute"][f"model.layers.{i}"] for i in (0, 1)} == {"selective"}
+    assert sel["checkpointed"] == {"model.layers.0": "selective", "model.layers.1": "selective"}
+    assert w2["hf_llama_zero3"]["checkpointed"] == {}
+    assert sel["policy_asked"] > 0 and "aten::mm" in sel["policy_kept"], sel["policy_kept"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["ddp", "zero3", "zero3_full", "zero3_selective", "hf_llama_zero3", "hf_qwen2_ddp",
+                                  "hf_llama_zero3_selective"])
 def test_the_blocks_share_one_graph_and_later_steps_compile_nothing(w2: dict, case: str) -> None:
     for m in every_rank(w2[case]):
         assert m["graphs"] == [1] * len(m["graphs"]), m
         assert m["guard_failures"] == [] and m["graph_breaks"] == {}
+
+
+def test_hugging_face_decoder_layers_are_the_compiled_blocks() -> None:
+    """A Hugging Face decoder's first layer is charged the rotary cos/sin its siblings share, so its
+    cost class is its own; it is still a block of the stack, compiled and priced compiled (were it
+    not, a compiled plan of Llama would compile nothing and run eager)."""
+    from cut_cases import qwen2
+    from equivalence_cases import hf_llama
+
+    for build in (hf_llama, qwen2):
+        g = autopar.capture(*build())
+        assert [l.name for l, b in zip(g.layers, g.blocks) if b] == ["model.layers.0", "model.layers.1"]
 
 
 # ------------------------------------------------------------------ the plan says it
@@ -74,7 +122,7 @@ def test_a_compiled_plan_round_trips_and_old_plans_load_eager(graph) -> None:
     _, _, g = graph
     plan = autopar.solve(g, 2, cluster="cpu", global_batch=4, compiled=True)
     assert plan.training.compiled and Plan.from_json(plan.to_json()) == plan
-    assert {"tp=1", "pp=1", "ep=1", "cp=1", "recompute=none"} <= set(plan.pins)
+    assert {"tp=1", "pp=1", "ep=1", "cp=1"} <= set(plan.pins) and "recompute=none" not in plan.pins
     assert "blocks under torch.compile" in plan.summary().splitlines()[0]
     old = json.loads(plan.to_json())
     del old["training"]["compiled"]  # a plan written before the field
@@ -109,6 +157,70 @@ def test_compiled_pricing_fuses_memory_bound_ops_only(graph) -> None:
     cpu = dict(kwargs, cluster="cpu")
     assert autopar.solve(g, 2, **cpu, compiled=True).predicted.step_time_s == autopar.solve(g, 2, **cpu) \
         .predicted.step_time_s
+
+
+def test_a_compiled_solve_offers_recompute_where_memory_asks_and_the_runtime_takes_it(graph) -> None:
+    """Recompute runs compiled, so a compiled search may choose it: under a budget the unrecomputed
+    plan exceeds, it does, and the plan passes the compiled runtime's check."""
+    from autopar.runtime.compiled import check_compilable
+
+    _, _, g = graph
+    kwargs = dict(cluster="cpu", global_batch=64, dtype="fp32", compiled=True)
+    kept = autopar.solve(g, 1, **kwargs, pins=["dp=1", "microbatches=1", "recompute=none"])
+    budget = max(kept.predicted.memory_per_rank_bytes) * 0.9 / 2**30
+    with pytest.raises(autopar.InfeasibleError):
+        autopar.solve(g, 1, **kwargs, pins=["dp=1", "microbatches=1", "recompute=none"], memory_gb=budget)
+    tight = autopar.solve(g, 1, **kwargs, pins=["dp=1", "microbatches=1"], memory_gb=budget)
+    assert tight.training.compiled and any(l.choice.recompute for l in tight.layers), tight.summary()
+    assert any(l.choice.recompute for l in tight.layers if l.name.startswith("blocks."))
+    check_compilable(tight)  # raises were recompute refused
+
+
+def test_compiled_recompute_reruns_what_the_compiled_forward_runs(graph) -> None:
+    """A compiled block's full recompute re-runs its compiled forward, and selective re-runs its
+    memory-bound ops fused as that forward runs them; what is kept is priced as eager."""
+    from autopar.choice import LayerChoice, Recompute
+    from autopar.cost_models.hardware import load_cluster
+    from autopar.cost_models.pipeline import Schedule, ScheduleKind
+    from autopar.mesh import Mesh
+    from autopar.planning.configuration import Configuration, TrainingSpec
+    from autopar.planning.pricing import PriceTable
+
+    _, _, g = graph
+    cluster = load_cluster("h100-80g").for_world_size(2)
+    config = Configuration(Mesh(dp=2), 1, Schedule(ScheduleKind.NONE))
+    block = g.layer("blocks.0")
+    tables = {c: PriceTable(g, config, cluster, TrainingSpec(4, compiled=c)) for c in (False, True)}
+
+    def price(compiled: bool, kind: Recompute):
+        return tables[compiled]._price(block, LayerChoice(recompute=kind))
+
+    for compiled in (False, True):
+        none, full = price(compiled, Recompute.NONE), price(compiled, Recompute.FULL)
+        assert full.compute_mb_s - none.compute_mb_s == pytest.approx(none.forward_mb_s)
+    rerun = {c: price(c, Recompute.SELECTIVE).compute_mb_s - price(c, Recompute.NONE).compute_mb_s
+             for c in (False, True)}
+    assert 0 < rerun[True] < rerun[False]
+    assert price(True, Recompute.SELECTIVE).activation_mb_bytes == price(False, Recompute.SELECTIVE) \
+        .activation_mb_bytes
+
+
+@pytest.mark.parametrize("kind", ["full", "selective", "alternate_mm"])
+def test_recomputed_blocks_compile_in_one_process_keep_less_and_match_eager(kind: str) -> None:
+    """One process: a compiled block checkpointed full keeps less for backward than a compiled
+    block not recomputed, selective keeps between the two (so the checkpoint runs inside the
+    compiled forward), and 3 SGD steps match the eager model within 1e-5, compiling once."""
+    import torch
+    from compile_cases import compiled_one_process
+
+    m = compiled_one_process(kind)
+    assert m["compiled"] == ["blocks.0", "blocks.1"], m
+    assert m["grad_rel"] < EXACT and m["param_rel"] < EXACT and m["loss_rel"] < EXACT, m
+    assert m["graphs"] == [1] * len(m["graphs"]) and m["graph_breaks"] == {}, m
+    assert m["saved"] < m["saved_none"], m
+    if kind == "full":  # the block's input alone (b·s·d floats, and a few bytes for the RNG state)
+        assert m["saved"] < 2 * m["input_bytes"], m
+    assert torch.is_grad_enabled()
 
 
 # ------------------------------------------------------------------ refused, not run
