@@ -81,8 +81,11 @@ COMPILED_PINS = ("tp=1", "pp=1", "ep=1", "cp=1")
 
 
 def _compiled_pins(pins: Pins) -> Pins:
+    pins.check_form()  # the user's own contradictions are theirs, not compile's
     try:
-        return Pins.parse(pins.to_strings() + list(COMPILED_PINS))
+        combined = Pins.parse(pins.to_strings() + list(COMPILED_PINS))
+        combined.check_form()  # a layer's recompute pin meets the global recompute=none here
+        return combined
     except PinError as exc:
         raise CompileError(f"torch.compile does not run tensor parallelism, pipelines, expert or context "
                            f"parallelism yet "

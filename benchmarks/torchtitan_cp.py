@@ -1,0 +1,159 @@
+"""torchtitan's context-parallel runs (Llama 3.1 8B, 8 × H100, 32K–256K) beside autopar's predictions.
+
+Usage: python benchmarks/torchtitan_cp.py [--time-limit SECONDS]
+
+The published figures: torchtitan's ``docs/performance.md``, Table 2, "FSDP + CP +
+torch.compile + Float8. Llama 3.1 8B model. 8 GPUs. Local batch size 1. Full activation
+checkpointing", on the Grand Teton hosts of the same page (H100 with 96 GB HBM2e at 500 W,
+8 per host on NVLink): FSDP 8 × CP 1 at 32,768 tokens 3,890 tokens/s/GPU (83.9 GiB),
+FSDP 4 × CP 2 at 65,536 2,540 (84.2), FSDP 2 × CP 4 at 131,072 1,071 (84.0), FSDP 1 × CP 8 at
+262,144 548 (84.5). Issue 25 quotes the same four throughputs.
+
+Each run is priced as the hand-made plan it was, everything pinned: Llama 3 8B as Hugging Face's
+``LlamaForCausalLM`` from its published config (``examples/hf_llama.py``), 8 ranks on preset
+``h100-96g`` (the published hardware), cp as published, dp = 8 / cp with ZeRO-3 (FSDP) on every
+layer, tp = pp = ep = 1, one microbatch of one sequence per data-parallel rank (local batch 1:
+global batch dp sequences), full recompute on the transformer blocks only (torchtitan's
+``apply_ac`` wraps each of ``model.layers``). Memory is reported, not enforced (as in
+``benchmarks/calibration_set.py``): the published peaks are 84 GiB, over ``h100-80g``'s budget.
+
+What differs from torchtitan's runs, so a gap is expected and nothing is fitted to close it
+(these figures are outside the calibration set):
+- float8 is not priced (the fast-path issue): the published runs train the linears in float8;
+- torch.compile is not priced: the planner's compiled mode runs with cp = 1 and no recompute
+  only (``COMPILED_PINS`` in ``autopar/planning/api.py``), and every published run uses full
+  recompute, so each row's compiled column prints why it is not priced;
+- attention under cp > 1 is priced as autopar lowers it (``passes/context_parallel.py``): each
+  rank's S/cp queries against all S all-gathered keys and values with an explicit causal mask,
+  the full S × S work with no causal skip; torchtitan's ring attention skips the masked blocks.
+
+Each row also prints the plan the planner chooses freely at that sequence on 8 × ``h100-80g``
+(same global batch, memory enforced), or "no plan" with the reason. Prints the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+import hf_llama  # noqa: E402
+
+from autopar import capture  # noqa: E402
+from autopar.cost_models.compute import attention_time_s  # noqa: E402
+from autopar.cost_models.hardware import PRESETS  # noqa: E402
+from autopar.errors import AutoparError  # noqa: E402
+from autopar.graph import OpKind  # noqa: E402
+from autopar.planning.api import solve  # noqa: E402
+from autopar.planning.layer_compute import layer_compute  # noqa: E402
+
+GiB = 2**30
+WORLD = 8
+PRICED_ON = "h100-96g"  # torchtitan's Grand Teton H100: 96 GB HBM2e, 500 W
+FREE_ON = "h100-80g"
+BLOCKS = "model.layers.*"
+NOT_BLOCKS = ("model.embed_tokens", "model.rotary_emb", "model.norm", "lm_head")
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    seq: int
+    cp: int
+    tokens_per_s_per_gpu: float  # torchtitan docs/performance.md, Table 2
+    peak_reserved_gib: float
+
+    @property
+    def dp(self) -> int:
+        return WORLD // self.cp
+
+
+RUNS = [PublishedRun(32_768, 1, 3890, 83.9), PublishedRun(65_536, 2, 2540, 84.2),
+        PublishedRun(131_072, 4, 1071, 84.0), PublishedRun(262_144, 8, 548, 84.5)]
+
+
+def pins(run: PublishedRun) -> list[str]:
+    return ["pp=1", "tp=1", "ep=1", f"cp={run.cp}", f"dp={run.dp}", "microbatches=1", "zero=3",
+            f"{BLOCKS}:recompute=full", *(f"{name}:recompute=none" for name in NOT_BLOCKS)]
+
+
+def attention_share(graph, cp: int) -> float:
+    """The share of one recomputed block's compute time (forward twice, backward once) spent in
+    attention kernels, priced as :func:`layer_compute` prices them on ``PRICED_ON``."""
+    device = PRESETS[PRICED_ON].device
+    block = next(layer for layer in graph if layer.name == "model.layers.0")
+    total = layer_compute(block, None, 1, 1, device, "bf16", cp=cp)
+    attn_fwd = attn_bwd = 0.0
+    for op in block.ops:
+        if op.kind is OpKind.ATTENTION:
+            work, causal = op.flops_per_sample / cp, op.causal and cp == 1
+            attn_fwd += op.count * attention_time_s(work, device, "bf16", causal=causal)
+            attn_bwd += op.count * attention_time_s(work, device, "bf16", backward=True, causal=causal)
+    return (2 * attn_fwd + attn_bwd) / (2 * total.fwd_s + total.bwd_s)
+
+
+def free_plan(graph, run: PublishedRun, time_limit_s: float) -> str:
+    try:
+        plan = solve(graph, WORLD, cluster=FREE_ON, global_batch=run.dp, time_limit_s=time_limit_s,
+                     runners_up=0)
+    except AutoparError as exc:
+        return "no plan: " + str(exc).splitlines()[0]
+    p = plan.predicted
+    return (f"{plan.mesh.describe()}, {plan.microbatches} microbatches, {p.tokens_per_s_per_gpu:,.0f} tok/s/GPU, "
+            f"{max(p.memory_per_rank_bytes) / GiB:.1f} GiB, {plan.solver.status}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--time-limit", type=float, default=20.0, help="CP-SAT seconds per free plan")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    reserved = 1.0 + PRESETS[PRICED_ON].allocator_overhead_fraction
+    budget_80g = PRESETS[FREE_ON].memory_budget_bytes
+    header = ("| seq | cp × dp | published tok/s/GPU | predicted eager bf16 | error | predicted compiled | "
+              "attention share of compute | cp K/V comm s | predicted peak reserved GiB (published) | "
+              "fits h100-80g | free plan on 8 × h100-80g |")
+    lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
+    errors, notes = [], []
+    for run in RUNS:
+        with torch.device("meta"):
+            model, inputs = hf_llama.llama3_8b(run.seq)
+        graph = capture(model, inputs, name="llama3_8b")
+        plan = solve(graph, WORLD, cluster=PRICED_ON, global_batch=run.dp, pins=pins(run),
+                     memory_gb=10_000, time_limit_s=args.time_limit, runners_up=0)
+        p = plan.predicted
+        try:
+            compiled = solve(graph, WORLD, cluster=PRICED_ON, global_batch=run.dp, pins=pins(run),
+                             memory_gb=10_000, time_limit_s=args.time_limit, runners_up=0, compiled=True)
+            compiled_text = f"{compiled.predicted.tokens_per_s_per_gpu:,.0f}"
+        except AutoparError as exc:
+            compiled_text = "not priced"
+            notes.append(f"compiled, seq {run.seq:,}: {str(exc).splitlines()[0]}")
+        error = p.tokens_per_s_per_gpu / run.tokens_per_s_per_gpu - 1
+        errors.append(abs(error))
+        peak = max(p.memory_per_rank_bytes)
+        lines.append(
+            f"| {run.seq:,} | {run.cp} × {run.dp} | {run.tokens_per_s_per_gpu:,.0f} | "
+            f"{p.tokens_per_s_per_gpu:,.0f} | {error:+.1%} | {compiled_text} | "
+            f"{attention_share(graph, run.cp):.0%} | {p.breakdown.cp_comm_s:.3f} of {p.step_time_s:.2f} | "
+            f"{reserved * peak / GiB:.1f} ({run.peak_reserved_gib}) | {'yes' if peak <= budget_80g else 'no'} | "
+            f"{free_plan(graph, run, args.time_limit)} |")
+    print("\n".join(lines))
+    median = statistics.median(errors)
+    print(f"\nmedian |error| of predicted eager bf16 against published (compile + float8): "
+          f"{median:.2%} (goal ≤ 20%: {'met' if median <= 0.20 else 'missed'})")
+    for note in notes:
+        print(note)
+    print("not priced: float8 (published runs use it); compile (see above); cp > 1 attention is priced "
+          "without causal skip (autopar's lowering), torchtitan's ring attention skips masked blocks")
+    print(f"wall time {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
