@@ -41,19 +41,7 @@ and the memory of rank j (integer bytes):
     M_j  = Σ model_states(zero, dp, tp) + Σ ⌈activations per microbatch · in_flight(j)⌉ + workspace
            + (the loss's output-sized tensors, last rank) + (FSDP2's buffers if j has ZeRO layers)
 
-Expert parallelism (``ep`` > 1, folded into dp; ``passes/expert_parallel.py``): an MoE layer's
-routed experts (``MoEFacts.routed_params``) are split over the ep group and left out of the dp
-engine — a rank holds 1/ep of them. At the layer's ZeRO-0 they are whole over the
-expert-data-parallel (edp) group of dp/ep ranks and their gradients all-reduced over it once a
-step after the backward (never hidden: the runtime issues it after the last microbatch); at
-ZeRO ≥ 1 the experts module is an FSDP2 unit of its own over edp at that stage (ZeRO-1 runs as
-ZeRO-2 there), priced like any unit over the edp group (:meth:`PriceTable.expert_zero`). Per microbatch each block moves
-its tokens' top-k rows (the layer's boundary, b·s·H, times top-k) to their experts and back with
-two all-to-alls forward and two backward, plus the per-expert row counts forward (the all-to-alls
-are on the critical path, counted with the layer's tensor-parallel collectives: ``tp_comm_mb_s``;
-a recomputed forward issues its two again), and its routed activations carry the load-imbalance
-margin of :meth:`autopar.moe.MoEFacts.activation_margin`. Expert compute is priced at balanced
-routing (top-k rows a token, the captured FLOPs).
+Expert parallelism (``ep``) is priced in :mod:`.expert_price`.
 """
 
 from __future__ import annotations
@@ -71,7 +59,7 @@ from autopar.cost_models.hardware import ClusterSpec, idle_core_speedup
 from autopar.cost_models.memory import model_state_bytes, optimizer_shard_params
 from autopar.cost_models.pipeline import ScheduleKind, in_flight
 from autopar.graph import Layer, LayerGraph
-from autopar.planning import context_price, edges
+from autopar.planning import context_price, edges, expert_price
 from autopar.planning.configuration import Configuration, TrainingSpec
 from autopar.planning.layer_compute import layer_compute
 from autopar.planning.recompute_price import recompute_part
@@ -190,7 +178,7 @@ class PriceTable:
         for layer, cls in zip(self.graph, self.graph.cost_classes):
             if cls not in memo:
                 styles = {(s.tp, s.sp) for s in self._choices(layer, (0,))}
-                every = sum(self.expert_dispatch_s(layer)) + 2 * self._norm_sync_s(layer)
+                every = sum(expert_price.dispatch_s(self, layer)) + 2 * self._norm_sync_s(layer)
                 memo[cls] = every + min(sum(self._style_part(layer, t, sp)[:4]) for t, sp in styles)
             out.append(memo[cls])
         return out
@@ -301,10 +289,10 @@ class PriceTable:
         w = contract.wrapping(self.graph, self.config.mesh.pp)
         if self.config.mesh.ep <= 1:
             return w.largest_unit_params
-        dense = [layer.param_count - self.split_expert_params(layer) for layer in self.graph]
+        dense = [layer.param_count - expert_price.split_params(self, layer) for layer in self.graph]
         units = [d for d, own in zip(dense, w.own) if own]
         units.append(sum(d for d, root in zip(dense, w.root) if root))  # every stage's root: a bound, as contract's
-        units += [self.local_expert_params(layer) for layer in self.graph if layer.moe]
+        units += [expert_price.local_params(self, layer) for layer in self.graph if layer.moe]
         return max(units)
 
     @cached_property
@@ -393,9 +381,9 @@ class PriceTable:
         runs = self.runs_as(layer.index, choice)
         c, b, prec, device = self.config, self.microbatch_size, self.prec, self.cluster.device
         fwd, bwd, tp_comm_fwd, tp_comm_bwd, acts, kv_fwd, kv_bwd = self._style_part(layer, runs.tp, runs.sp)
-        a2a_fwd, a2a_bwd = self.expert_dispatch_s(layer)
+        a2a_fwd, a2a_bwd = expert_price.dispatch_s(self, layer)
         tp_comm_fwd, tp_comm_bwd = tp_comm_fwd + a2a_fwd, tp_comm_bwd + a2a_bwd
-        acts += self._imbalance_bytes(layer)
+        acts += expert_price.imbalance_bytes(self, layer)
         norm_sync = self._norm_sync_s(layer)
         fwd, bwd = fwd + norm_sync, bwd + norm_sync
         refwd, kept = recompute_part(self, layer, runs, fwd, acts)
@@ -405,13 +393,13 @@ class PriceTable:
         ep_comm = a2a_fwd + a2a_bwd + (a2a_fwd if runs.recompute else 0.0)
         cp_comm = kv_fwd + kv_bwd + (kv_fwd if runs.recompute else 0.0)  # a recomputed forward gathers K/V again
         params = self.effective_params(layer, runs)
-        experts = self.local_expert_params(layer)  # ep: this rank's experts, outside the dp engine
-        dense = params - self.split_expert_params(layer)
-        ez, edp = self.expert_zero(layer, runs.zero), self.edp_group.size  # the experts' ZeRO over edp
+        experts = expert_price.local_params(self, layer)  # ep: this rank's experts, outside the dp engine
+        dense = params - expert_price.split_params(self, layer)
+        ez, edp = expert_price.expert_zero(self, layer, runs.zero), self.edp_group.size  # the experts' ZeRO over edp
         share = contract.collective_share(self.graph, layer.index, self.engine, c.mesh.pp, prec.grad_bytes)
-        dp_comm = self.dp_collectives_s(dense, runs.zero, share) + self.expert_collectives_s(experts, ez)
+        dp_comm = self.dp_collectives_s(dense, runs.zero, share) + expert_price.collectives_s(self, experts, ez)
         fsdp_work = self._zero_overhead_s(dense, runs.zero, share)  # done by the host: never hidden
-        fsdp_work += self._tied_sum_s(layer, runs.zero) + (self.expert_sync_s(layer) if ez == 0 else 0.0)
+        fsdp_work += self._tied_sum_s(layer, runs.zero) + (expert_price.sync_s(self, layer) if ez == 0 else 0.0)
         if ez:  # FSDP2's own work around each of the experts unit's collectives
             fsdp_work += self.cluster.zero_overhead_s * sum(contract.dp_collectives(ez, c.microbatches))
         weights = (prec.param_bytes * (dense if runs.zero < 3 else dense // self.data_ranks)
@@ -444,60 +432,6 @@ class PriceTable:
             ep_comm_mb_s=ep_comm,
             cp_comm_mb_s=cp_comm,
         )
-
-    def split_expert_params(self, layer: Layer) -> int:
-        """The layer's routed-expert parameters that ep splits (0 at ep = 1)."""
-        return sum(m.routed_params for m in layer.moe) if self.config.mesh.ep > 1 else 0
-
-    def local_expert_params(self, layer: Layer) -> int:
-        """This rank's share of :meth:`split_expert_params`: 1/ep of every block's experts."""
-        return self.split_expert_params(layer) // self.config.mesh.ep
-
-    def expert_zero(self, layer: Layer, zero: int) -> int:
-        """The ZeRO stage this rank's experts run at over the edp group (``passes/expert_parallel.py``): the
-        layer's, where there are experts split by ep and an edp group to shard over, else 0; ZeRO-1
-        runs as ZeRO-2 there (the experts' FSDP2 unit reduce-scatters every microbatch)."""
-        if not zero or not self.local_expert_params(layer) or self.edp_group.size <= 1:
-            return 0
-        return max(zero, 2)
-
-    def expert_collectives_s(self, experts: int, zero: int) -> float:
-        """Per step: the experts' FSDP2 collectives over the edp group at ``zero`` ≥ 1 (the experts module is a
-        unit of its own: its whole latency)."""
-        if not zero or not experts:
-            return 0.0
-        group, cl = self.edp_group, self.cluster
-        grads, weights = self.prec.grad_bytes * experts, self.prec.param_bytes * experts
-        _, reduce_scatter, all_gather = contract.dp_collectives(zero, self.config.microbatches)
-        return (reduce_scatter * collective_time_s(Collective.REDUCE_SCATTER, grads, group, cl)
-                + all_gather * collective_time_s(Collective.ALL_GATHER, weights, group, cl))
-
-    def expert_dispatch_s(self, layer: Layer) -> tuple[float, float]:
-        """Per microbatch under ep, (forward, backward): each MoE block's dispatch and combine
-        all-to-alls (a rank sends its tokens' top-k rows, b · the layer's boundary bytes a sample
-        × top-k, each way) and, forward, the all-to-all of its per-expert row counts (int64);
-        the backward runs the two all-to-alls in reverse."""
-        if self.config.mesh.ep <= 1 or not layer.moe:
-            return 0.0, 0.0
-        tokens_bytes, g = self.microbatch_size * layer.boundary_bytes_per_sample * self.act_scale, self.ep_group
-        rows = sum(collective_time_s(Collective.ALL_TO_ALL, tokens_bytes * m.top_k, g, self.cluster) for m in layer.moe)
-        counts = sum(collective_time_s(Collective.ALL_TO_ALL, 8 * m.num_experts, g, self.cluster) for m in layer.moe)
-        return 2 * rows + counts, 2 * rows
-
-    def expert_sync_s(self, layer: Layer) -> float:
-        """Per step under ep: the all-reduce of this rank's expert gradients over the expert-data-parallel
-        group, one per expert weight (unbucketed, after the backward: never hidden)."""
-        experts = self.local_expert_params(layer)
-        if not experts:
-            return 0.0
-        return collective_time_s(Collective.ALL_REDUCE, self.prec.grad_bytes * experts, self.edp_group,
-                                 self.cluster, count=2 * len(layer.moe))  # gate_up_proj and down_proj
-
-    def _imbalance_bytes(self, layer: Layer) -> float:
-        """Activation bytes per sample the routed experts of one rank may hold beyond the balanced share
-        under ep (:meth:`autopar.moe.MoEFacts.activation_margin`, minus the share already counted)."""
-        ep = self.config.mesh.ep
-        return sum(m.routed_activation_bytes_per_sample * (m.activation_margin(ep) - 1.0) for m in layer.moe)
 
     def _norm_sync_s(self, layer: Layer) -> float:
         """Per microbatch, forward or backward: a BatchNorm under dp all-reduces its per-channel sum

@@ -18,6 +18,7 @@ from autopar.graph import LayerGraph
 from autopar.mesh import Mesh
 from autopar.moe import Dispatch, ExpertLayout, MoEFacts, RouterKind
 from autopar.plan import BREAKDOWN_TERMS
+from autopar.planning import expert_price
 from autopar.planning.configuration import Configuration, TrainingSpec
 from autopar.planning.evaluate import evaluate
 from autopar.planning.pricing import PriceTable
@@ -49,7 +50,7 @@ def test_ep_holds_one_ep_th_of_the_experts_with_their_whole_state() -> None:
     _, _, one = _price(1)
     table, layer, two = _price(2)
     routed = E * EXPERT
-    assert table.local_expert_params(layer) == routed // 2
+    assert expert_price.local_params(table, layer) == routed // 2
     # fp32 Adam: 4 (weights) + 4 (grads) + 8 (moments) bytes a parameter; half the experts leave the rank
     # (ep = 1 runs on DDP, whose buckets ep's FSDP2 replicate does not have)
     assert two.buckets_bytes == 0 and one.buckets_bytes > 0
@@ -84,10 +85,10 @@ def test_expert_gradients_reduce_over_the_edp_group_only_and_are_never_hidden() 
     table, layer, two = _price(2, dp=4)
     assert (table.edp_group.size, table.ep_group.size) == (2, 2)
     sync = collective_time_s(Collective.ALL_REDUCE, 4 * E * EXPERT // 2, table.edp_group, table.cluster, count=2)
-    assert table.expert_sync_s(layer) == pytest.approx(sync) and sync > 0
+    assert expert_price.sync_s(table, layer) == pytest.approx(sync) and sync > 0
     # ep = dp: every dp rank holds other experts, there is no one to reduce with
     full, layer_full, _ = _price(4, dp=4)
-    assert full.edp_group.size == 1 and full.expert_sync_s(layer_full) == 0.0
+    assert full.edp_group.size == 1 and expert_price.sync_s(full, layer_full) == 0.0
 
 
 def test_ep_groups_are_neighbouring_dp_ranks_and_the_edp_group_spans_them() -> None:
@@ -124,16 +125,16 @@ def test_zero_shards_the_dense_weights_over_dp_and_the_experts_over_edp() -> Non
     table, layer, z3 = _price(2, dp=4, zero=3)
     routed = E * EXPERT
     dense = layer.param_count - routed
-    assert table.expert_zero(layer, 3) == 3 and table.edp_group.size == 2
+    assert expert_price.expert_zero(table, layer, 3) == 3 and table.edp_group.size == 2
     assert z3.params_bytes == 4 * (dense // 4) + 4 * (routed // 2 // 2)
     # ZeRO-1: the experts' own FSDP2 unit reduce-scatters every microbatch, so it runs (and is priced) as ZeRO-2
     table, layer, z1 = _price(2, dp=4, zero=1)
-    assert table.expert_zero(layer, 1) == 2
+    assert expert_price.expert_zero(table, layer, 1) == 2
     assert z1.params_bytes == 4 * dense + 4 * (routed // 2)
     assert z1.grads_bytes == 4 * dense + 4 * (routed // 2 // 2)
     # no edp group to shard over (ep = dp): the experts stay whole, whatever the layer's stage
     table, layer, _ = _price(4, dp=4, zero=3)
-    assert table.expert_zero(layer, 3) == 0
+    assert expert_price.expert_zero(table, layer, 3) == 0
 
 
 def test_under_ep_the_experts_leave_their_layer_s_fsdp_unit() -> None:
