@@ -230,8 +230,8 @@ def test_compile_refuses_what_it_does_not_run(graph) -> None:
     model, inputs, g = graph
     with pytest.raises(CompileError, match="does not run tensor parallelism.*tp pinned to both 2 and 1"):
         autopar.solve(g, 2, cluster="cpu", global_batch=4, compiled=True, pins=["tp=2"])
-    with pytest.raises(CompileError, match="or recompute yet.*recompute=none for every layer but blocks"):
-        autopar.solve(g, 2, cluster="cpu", global_batch=4, compiled=True, pins=["blocks.*:recompute=full"])
+    recomputed = autopar.solve(g, 2, cluster="cpu", global_batch=4, compiled=True, pins=["blocks.*:recompute=full"])
+    assert {str(lp.choice.recompute) for lp in recomputed.layers if lp.name.startswith("blocks.")} == {"full"}
     tp = autopar.solve(g, 2, cluster="cpu", global_batch=4, pins=["tp=2", "pp=1", "blocks.*:tp=megatron"])
     tp_compiled = dataclasses.replace(tp, training=dataclasses.replace(tp.training, compiled=True))
     with pytest.raises(CompileError, match=r"tensor parallelism \(tp=2\).*drop --compile"):
