@@ -313,7 +313,7 @@ class Layer:
     # K and V bytes per sample (whole sequence, captured dtype) of the layer's attention calls: what cp
     # all-gathers (capturing.context)
     kv_bytes_per_sample: float = 0.0
-    attention_calls: int = 0  # its SDPA calls: under cp each saves its S/cp × S causal mask as a bias
+    attention_calls: int = 0  # its SDPA calls: under cp each saves its prefix causal masks as biases
 
     def tp_style(self, name: str) -> TPStyle:
         for style in self.tp_styles:

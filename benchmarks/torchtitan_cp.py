@@ -20,12 +20,14 @@ global batch dp sequences), full recompute on the transformer blocks only (torch
 What differs from torchtitan's runs, so a gap is expected and nothing is fitted to close it
 (these figures are outside the calibration set):
 - float8 is not priced (the fast-path issue): the published runs train the linears in float8;
-- torch.compile is not priced: the planner's compiled mode runs with cp = 1 and no recompute
-  only (``COMPILED_PINS`` in ``autopar/planning/api.py``), and every published run uses full
-  recompute, so each row's compiled column prints why it is not priced;
+- torch.compile is priced only where cp = 1: the planner's compiled mode runs with cp = 1 only
+  (``COMPILED_PINS`` in ``autopar/planning/api.py``), so the 32K row has a compiled column and
+  the others print why they have not;
 - attention under cp > 1 is priced as autopar lowers it (``passes/context_parallel.py``): each
-  rank's S/cp queries against all S all-gathered keys and values with an explicit causal mask,
-  the full S × S work with no causal skip; torchtitan's ring attention skips the masked blocks.
+  rank's two query chunks of S/(2·cp) tokens against only the key prefix each can see, with an
+  explicit causal mask (the kernel computes the whole prefix rectangle): (2·cp + 1)/(4·cp²) of the
+  S × S work per rank, the masked rectangles beyond each chunk skipped but not the masked half of
+  each chunk's diagonal block; torchtitan's ring attention skips that too (causal diagonal blocks).
 
 Each row also prints the plan the planner chooses freely at that sequence on 8 × ``h100-80g``
 (same global batch, memory enforced), or "no plan" with the reason. Prints the wall time.
@@ -47,12 +49,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import hf_llama  # noqa: E402
 
 from autopar import capture  # noqa: E402
-from autopar.cost_models.compute import attention_time_s  # noqa: E402
 from autopar.cost_models.hardware import PRESETS  # noqa: E402
 from autopar.errors import AutoparError  # noqa: E402
 from autopar.graph import OpKind  # noqa: E402
 from autopar.planning.api import solve  # noqa: E402
-from autopar.planning.layer_compute import layer_compute  # noqa: E402
+from autopar.planning.layer_compute import attention_op_time_s, layer_compute  # noqa: E402
 
 GiB = 2**30
 WORLD = 8
@@ -92,9 +93,8 @@ def attention_share(graph, cp: int) -> float:
     attn_fwd = attn_bwd = 0.0
     for op in block.ops:
         if op.kind is OpKind.ATTENTION:
-            work, causal = op.flops_per_sample / cp, op.causal and cp == 1
-            attn_fwd += op.count * attention_time_s(work, device, "bf16", causal=causal)
-            attn_bwd += op.count * attention_time_s(work, device, "bf16", backward=True, causal=causal)
+            fwd, bwd = attention_op_time_s(op, 1, None, 1, device, "bf16", cp)
+            attn_fwd, attn_bwd = attn_fwd + fwd, attn_bwd + bwd
     return (2 * attn_fwd + attn_bwd) / (2 * total.fwd_s + total.bwd_s)
 
 
@@ -151,7 +151,9 @@ def main() -> None:
     for note in notes:
         print(note)
     print("not priced: float8 (published runs use it); compile (see above); cp > 1 attention is priced "
-          "without causal skip (autopar's lowering), torchtitan's ring attention skips masked blocks")
+          "as autopar lowers it: each query chunk against its key prefix under an explicit mask "
+          "((2·cp + 1)/(4·cp²) of S × S per rank), its diagonal block's masked half computed, which "
+          "torchtitan's ring attention skips")
     print(f"wall time {time.perf_counter() - start:.1f} s")
 
 

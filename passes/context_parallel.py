@@ -18,9 +18,12 @@ refused there):
   ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` into: K and V
   all-gathered over the cp group with autograd (``all_gather_tensor_autograd``:
   its backward reduce-scatters their gradients, summing every rank's
-  queries' contributions), put back in global order, and SDPA with the
-  boolean mask ``key position ≤ query position`` of the rank's global
-  positions. It runs on gloo (CPU) and NCCL alike;
+  queries' contributions), put back in global order, and, per query chunk,
+  SDPA against only the keys it can see (:func:`prefix_attention`: chunk c's
+  L = S/(2·cp) queries against keys [0, (c + 1)·L), the causal mask on the
+  diagonal L × L block only), so the masked keys past each chunk are never
+  computed (L × (2·cp + 1)·L scores instead of S/cp × S; the masked half of
+  each diagonal block still is). It runs on gloo (CPU) and NCCL alike;
 * **positions are global.** The modules capture found receiving positions
   computed in the model from ``arange(S)`` (``graph.cp_positions``: the
   project's GPT's ``pos_emb``, a Hugging Face model's ``rotary_emb`` and its
@@ -92,13 +95,38 @@ def data_mesh(mesh: Any, cp: int) -> Any:
         return mesh["dp", "cp"]._flatten(DATA_DIM)
 
 
+def prefix_attention(func: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: tuple[int, ...],
+                     kwargs: dict) -> torch.Tensor:
+    """Causal SDPA of a rank's query chunks against the keys each can see: ``q`` holds, along dim −2,
+    ``len(starts)`` chunks of L queries whose global positions start at ``starts``; ``k`` and ``v``
+    hold the whole sequence in global order. Chunk c starting at p runs ``func`` (SDPA) on the key
+    prefix [0, p + L) with the boolean mask ``key ≤ query`` — all true left of its diagonal L × L
+    block, lower-triangular on it — so nothing past the chunk's last position is computed.
+
+    The mask is explicit, not ``is_causal``: SDPA's causal mask is aligned top-left (query i sees
+    keys ≤ i), wrong for a prefix longer than the queries. ``kwargs`` (``scale``, ``enable_gqa``,
+    ``dropout_p``) pass through; the chunks' outputs are concatenated back in ``q``'s order.
+    Equal to one SDPA of ``q`` against all keys with the global causal mask, to float rounding
+    (``tests/passes/test_context_prefix.py``)."""
+    chunk = q.shape[-2] // len(starts)
+    outs = []
+    for i, p in enumerate(starts):
+        keys = torch.arange(p + chunk, device=q.device)
+        mask = keys[None, :] <= (p + torch.arange(chunk, device=q.device))[:, None]
+        rows = q.narrow(-2, i * chunk, chunk)
+        prefix_k, prefix_v = k.narrow(-2, 0, p + chunk), v.narrow(-2, 0, p + chunk)
+        outs.append(func(rows, prefix_k, prefix_v, **{**kwargs, "attn_mask": mask, "is_causal": False}))
+    return torch.cat(outs, dim=-2)
+
+
 class ContextAttention(TorchFunctionMode):
     """Causal SDPA over the whole sequence from this rank's queries (see the module docstring)."""
 
     def __init__(self, group: Any, seq_len: int, cp: int, rank: int):
         super().__init__()
         self.group, self.seq_len, self.cp = group, seq_len, cp
-        self.local = positions(seq_len, cp, rank)
+        chunk = seq_len // (2 * cp)
+        self.starts = (rank * chunk, (2 * cp - 1 - rank) * chunk)  # the head and tail chunks (positions)
         gathered = torch.cat([positions(seq_len, cp, r) for r in range(cp)])  # global position of each row
         self.order = torch.argsort(gathered)  # gathered rows in global order
 
@@ -111,10 +139,9 @@ class ContextAttention(TorchFunctionMode):
     def _attention(self, func: Any, args: list, kwargs: dict) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_gather_tensor_autograd
 
-        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         for i, value in enumerate(args[:len(names)]):
             kwargs[names[i]] = value
-        args = args[len(names):]
         q, k, v = kwargs.pop("query"), kwargs.pop("key"), kwargs.pop("value")
         if kwargs.get("attn_mask") is not None or not kwargs.get("is_causal", False):
             raise LoweringError("under cp, scaled_dot_product_attention must be causal with no attn_mask "
@@ -127,10 +154,7 @@ class ContextAttention(TorchFunctionMode):
         k = all_gather_tensor_autograd(k.contiguous(), gather_dim=k.dim() - 2, group=self.group)
         v = all_gather_tensor_autograd(v.contiguous(), gather_dim=v.dim() - 2, group=self.group)
         k, v = k.index_select(k.dim() - 2, order), v.index_select(v.dim() - 2, order)
-        here = self.local.to(q.device)
-        mask = torch.arange(self.seq_len, device=q.device)[None, :] <= here[:, None]
-        kwargs["attn_mask"], kwargs["is_causal"] = mask, False
-        return func(q, k, v, *args, **kwargs)
+        return prefix_attention(func, q, k, v, self.starts, kwargs)
 
 
 @dataclass
@@ -221,4 +245,4 @@ def apply_context_parallel(module: nn.Module, graph: Any, plan: Any, mesh: Any) 
 
 
 __all__ = ["DATA_DIM", "ContextAttention", "ContextParallelResult", "apply_context_parallel",
-           "check_context_parallel", "data_mesh", "is_held", "positions", "shard_sequence"]
+           "check_context_parallel", "data_mesh", "is_held", "positions", "prefix_attention", "shard_sequence"]

@@ -6,7 +6,8 @@ and here, per layer and microbatch of b samples:
 
     K/V all-gather (forward) and its reduce-scatter (backward): (cp − 1)/cp · 2 · b · S · h_kv · bytes each
     kept activations: acts / cp + (cp − 1)/cp · K/V bytes (the other ranks', saved by SDPA)
-                      + attention calls · S/cp · S · bytes / b (each call's causal mask, saved as a bias)
+                      + attention calls · L · (2·cp + 1)·L · bytes / b, L = S/(2·cp)
+                        (each call's two prefix masks, saved as biases: :func:`mask_bytes`)
 
 and the data-parallel group the gradients average and ZeRO shards over is the dp × cp ranks.
 Torch-free, like the rest of the planner.
@@ -47,12 +48,16 @@ def context_part(table: Any, layer: Layer, acts: float) -> tuple[float, float, f
 
 
 def mask_bytes(table: Any, layer: Layer) -> float:
-    """Under cp, the causal masks the layer's attention calls save, per microbatch: S/cp × S each, in
-    the activations' dtype (SDPA keeps the boolean mask as an additive bias; measured on CPU)."""
+    """Under cp, the causal masks the layer's attention calls save, per microbatch, in the activations'
+    dtype (SDPA keeps a boolean mask as an additive bias, one per kernel call; measured on CPU). Each
+    call runs one SDPA per query chunk on its key prefix (``passes/context_parallel.prefix_attention``),
+    masked L × (r + 1)·L and L × (2·cp − r)·L on rank r, L = S/(2·cp): L × (2·cp + 1)·L together on
+    every rank, (2·cp + 1)/(4·cp) of the S/cp × S one masked call over all keys would keep."""
     cp, seq = table.config.mesh.cp, table.graph.seq_len or 0
     if cp <= 1:
         return 0.0
-    return layer.attention_calls * (seq // cp) * seq * table.prec.activation_bytes
+    chunk = seq // (2 * cp)
+    return layer.attention_calls * chunk * (2 * cp + 1) * chunk * table.prec.activation_bytes
 
 
 __all__ = ["context_part", "data_group", "mask_bytes"]

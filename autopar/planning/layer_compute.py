@@ -18,6 +18,20 @@ bytes rescaled from the captured dtype to the plan's (``act_scale``), and ``rest
 counted FLOPs that no record covers, priced by the FLOPs model without its per-call overhead.
 A layer without records, or a device without an ``op_model``, is priced by the FLOPs model
 (:func:`autopar.cost_models.compute.compute_time_s`), as before per-op records existed.
+
+Under context parallelism (cp ranks split the sequence, ``passes/context_parallel.py``) every op
+does 1/cp of the tokens, but attention does what the lowering runs: each rank holds two query
+chunks of L = S/(2·cp) tokens, chunk r and chunk 2·cp − 1 − r, and runs one SDPA per chunk on the
+key prefix it can see, under an explicit boolean mask (so the kernel computes the whole rectangle,
+at the non-causal rate): L × (r + 1)·L and L × (2·cp − r)·L, together L × (2·cp + 1)·L whatever r
+(the head-tail balance). Against the full S × S = 4·cp²·L² work each kernel's FLOPs are counted
+for, that is
+
+    cp_attention_share(cp) = (2·cp + 1) / (4·cp²)    (5/16 at cp = 2; → 1/(2·cp) as cp grows)
+
+of it, in :data:`CP_ATTENTION_CALLS` kernels — the factor (2·cp + 1)/(4·cp) of the S/cp × S
+rectangle a single masked call would compute. Attention's time is linear in its work plus a
+per-kernel overhead, so the two calls are priced as two of half the pair's work each.
 """
 
 from __future__ import annotations
@@ -34,7 +48,30 @@ from autopar.cost_models.compute import (
     memory_bound_time_s,
 )
 from autopar.cost_models.hardware import DeviceSpec
-from autopar.graph import Layer, OpKind, SampleDim
+from autopar.graph import Layer, OpKind, OpRecord, SampleDim
+
+CP_ATTENTION_CALLS = 2  # under cp, one SDPA per query chunk (head and tail) of each attention call
+
+
+def cp_attention_share(cp: int) -> float:
+    """The share of an attention call's full S × S work one of ``cp`` ranks computes: its two query
+    chunks of L = S/(2·cp) against their key prefixes, L × (2·cp + 1)·L of 4·cp²·L² (module
+    docstring); the whole at cp = 1, where the call runs causal and is priced so."""
+    return 1.0 if cp <= 1 else (2 * cp + 1) / (4 * cp * cp)
+
+
+def attention_op_time_s(op: OpRecord, microbatch: int, style: str | None, tp: int, device: DeviceSpec,
+                        dtype: str, cp: int = 1) -> tuple[float, float]:
+    """(forward, backward) time of ``op``'s attention kernels for one microbatch on one rank: at cp = 1
+    its causal kernels, under cp its :data:`CP_ATTENTION_CALLS` masked prefix kernels per call, doing
+    :func:`cp_attention_share` of the full work together (module docstring)."""
+    work = microbatch * op.flops_per_sample * op.split(style, tp)
+    if cp <= 1:
+        return (op.count * attention_time_s(work, device, dtype, causal=op.causal),
+                op.count * attention_time_s(work, device, dtype, backward=True, causal=op.causal))
+    calls, each = op.count * CP_ATTENTION_CALLS, work * cp_attention_share(cp) / CP_ATTENTION_CALLS
+    return (calls * attention_time_s(each, device, dtype),
+            calls * attention_time_s(each, device, dtype, backward=True))
 
 
 @dataclass(frozen=True)
@@ -63,18 +100,29 @@ def op_flops_per_sample(layer: Layer, style: str | None, tp: int) -> float:
     return total
 
 
+def cp_flops_per_sample(layer: Layer, flops: float, style: str | None, tp: int, cp: int) -> float:
+    """One of ``cp`` ranks' forward FLOPs per sample, the layer's being ``flops`` on one rank under
+    ``style``: 1/cp of every op, and of the recorded attention kernels :func:`cp_attention_share`
+    instead. A layer without records cannot tell its attention apart: 1/cp of all (an upper bound)."""
+    if cp <= 1:
+        return flops
+    attention = sum(op.count * op.flops_per_sample * op.split(style, tp)
+                    for op in layer.ops if op.kind is OpKind.ATTENTION)
+    return flops / cp - attention * (1 / cp - cp_attention_share(cp))
+
+
 def layer_compute(layer: Layer, style: str | None, tp: int, microbatch: int, device: DeviceSpec,
                   dtype: str, act_scale: float = 1.0, cp: int = 1, *, compiled: bool = False) -> LayerCompute:
     """Forward and backward time of ``layer`` for one microbatch (module docstring), on one of ``cp``
-    ranks that split the sequence: every op does 1/cp of the tokens; attention its S/cp queries
-    against all S keys with an explicit causal mask (``passes/context_parallel.py``), so 1/cp of the
-    full S × S work and no causal skip. ``compiled``: its memory-bound ops fused by torch.compile
-    (:data:`COMPILED_MEMORY_BOUND_FRACTION`)."""
+    ranks that split the sequence: every op does 1/cp of the tokens; attention its two query chunks
+    against their key prefixes (:func:`attention_op_time_s`). ``compiled``: its memory-bound ops
+    fused by torch.compile (:data:`COMPILED_MEMORY_BOUND_FRACTION`)."""
     flops = style_flops_per_sample(layer, style, tp)
     b = microbatch
     if device.op_model is None or not layer.ops:
-        return LayerCompute(compute_time_s(b * flops / cp, device, dtype),
-                            compute_time_s(BACKWARD_FLOPS_FACTOR * b * flops / cp, device, dtype))
+        one = cp_flops_per_sample(layer, flops, style, tp, cp)
+        return LayerCompute(compute_time_s(b * one, device, dtype),
+                            compute_time_s(BACKWARD_FLOPS_FACTOR * b * one, device, dtype))
     fwd = bwd = 0.0
     fused = COMPILED_MEMORY_BOUND_FRACTION if compiled else 1.0
     for op in layer.ops:
@@ -85,10 +133,8 @@ def layer_compute(layer: Layer, style: str | None, tp: int, microbatch: int, dev
             bwd += op.count * (gemm_time_s(m, k, n, batch, device, dtype)
                                + gemm_time_s(k, n, m, batch, device, dtype))
         elif op.kind is OpKind.ATTENTION:
-            work = b * op.flops_per_sample * op.split(style, tp) / cp
-            causal = op.causal and cp == 1
-            fwd += op.count * attention_time_s(work, device, dtype, causal=causal)
-            bwd += op.count * attention_time_s(work, device, dtype, backward=True, causal=causal)
+            a_fwd, a_bwd = attention_op_time_s(op, b, style, tp, device, dtype, cp)
+            fwd, bwd = fwd + a_fwd, bwd + a_bwd
         else:
             nbytes = b * op.bytes_per_sample * op.split(style, tp) * act_scale * fused / cp
             fwd += memory_bound_time_s(nbytes, device, op.count * fused)

@@ -1,6 +1,7 @@
 """Context parallelism in the planner: cp divides a layer's compute and activations and the loss's
-logits, adds the K/V all-gather (forward) and reduce-scatter (backward) of (cp − 1)/cp · 2 · b · S ·
-h_kv · bytes and the gathered K/V and causal masks to what attention keeps, shards ZeRO over dp × cp;
+logits (attention by the prefix share that runs), adds the K/V all-gather (forward) and reduce-scatter
+(backward) of (cp − 1)/cp · 2 · b · S · h_kv · bytes and the gathered K/V and prefix masks to what
+attention keeps, shards ZeRO over dp × cp;
 it is searched with the other axes, pinned, and refused with one line where it cannot run."""
 
 from __future__ import annotations
@@ -14,16 +15,18 @@ import autopar
 from autopar.choice import LayerChoice
 from autopar.contract import REPLICATED, DataParallelism, Engine, cp_refusal, plan_engine
 from autopar.cost_models.communication import Collective, collective_time_s, place_group
-from autopar.cost_models.compute import compute_time_s
+from autopar.cost_models.compute import attention_time_s, compute_time_s
 from autopar.cost_models.hardware import PRESETS
 from autopar.cost_models.pipeline import Schedule, ScheduleKind
 from autopar.errors import PinError
-from autopar.graph import LayerGraph
+from autopar.graph import Layer, LayerGraph, OpKind, OpRecord, SampleDim
 from autopar.mesh import Mesh
+from autopar.passes.context_parallel import positions
 from autopar.pins import Pins
 from autopar.planning.configs import enumerate_configs
 from autopar.planning.configuration import Configuration, TrainingSpec
 from autopar.planning.evaluate import evaluate
+from autopar.planning.layer_compute import layer_compute
 from autopar.planning.pricing import PriceTable
 
 S, H, HEADS, KV_HEADS = 64, 256, 4, 2
@@ -67,9 +70,45 @@ def test_cp_keeps_one_cp_th_of_the_activations_plus_the_gathered_kv_and_masks() 
     table, _, two = _price(2)
     b = 4
     gathered = b * KV / 2  # the other rank's half of K and V
-    mask = (S // 2) * S * 2  # one S/cp × S bf16 bias per call per microbatch
+    # the two prefix masks of the rank's query chunks (L = S/4 each), bf16 biases per call per microbatch:
+    # rank 0's head chunk L × L and tail chunk L × 4·L, rank 1's L × 2·L and L × 3·L; 5·L² either way
+    L = S // 4
+    assert {L * L + L * 4 * L, L * 2 * L + L * 3 * L} == {5 * L * L}
+    mask = 5 * L * L * 2
     assert two.activation_mb_bytes == pytest.approx(one.activation_mb_bytes / 2 + gathered + mask, abs=2)
     assert table.loss_bytes * 2 == pytest.approx(_price(1)[0].loss_bytes, abs=2)  # the logits of S/cp tokens
+
+
+def _attention_layer(flops: float) -> Layer:
+    op = OpRecord(OpKind.ATTENTION, flops_per_sample=flops, per_sample=SampleDim.NONE, causal=True)
+    return Layer("attn", 0, "Attention", flops_per_sample=flops, param_count=0, param_bytes=0,
+                 activation_bytes_per_sample=0.0, input_bytes_per_sample=0.0, boundary_bytes_per_sample=0.0,
+                 can_cut_after=True, ops=(op,))
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_cp_attention_is_priced_as_the_two_prefix_products_every_rank_runs(cp: int) -> None:
+    """Each cp rank runs one masked SDPA per query chunk on the keys up to the chunk's last position
+    (``passes/context_parallel.py``): its work is the chunk's L queries × (last position + 1) keys,
+    of the S × S the op's FLOPs count, at the non-causal rate. Derived from the lowering's own
+    positions, on every rank: (2·cp + 1)/(4·cp) of one S/cp × S call (5/8 at cp = 2)."""
+    device, b, seq, flops = PRESETS["h100-80g"].device, 4, 4096 * cp, 1e12
+    chunk = seq // (2 * cp)
+    layer = _attention_layer(flops)
+    old_work = b * flops / cp  # what one masked call of S/cp queries against all S keys did
+    for rank in range(cp):
+        last = positions(seq, cp, rank).reshape(2, chunk)[:, -1]
+        works = [b * flops * chunk * (int(p) + 1) / seq**2 for p in last]
+        got = layer_compute(layer, None, 1, b, device, "bf16", cp=cp)
+        assert got.fwd_s == pytest.approx(sum(attention_time_s(w, device, "bf16") for w in works), rel=1e-12)
+        assert got.bwd_s == pytest.approx(sum(attention_time_s(w, device, "bf16", backward=True) for w in works),
+                                          rel=1e-12)
+        assert sum(works) / old_work == pytest.approx((2 * cp + 1) / (4 * cp), rel=1e-12)
+    # without an op model (FLOPs priced as a whole), the attention record's share replaces its 1/cp
+    flat = replace(device, op_model=None)
+    share = (2 * cp + 1) / (4 * cp * cp)
+    assert layer_compute(layer, None, 1, b, flat, "bf16", cp=cp).fwd_s == pytest.approx(
+        compute_time_s(b * flops * share, flat, "bf16"), rel=1e-12)
 
 
 def test_zero_shards_over_dp_times_cp() -> None:
