@@ -195,6 +195,9 @@ GAMMA = 0.01  # the bias step: large enough that the moved biases change routing
 BIAS_SPECS = {
     "bias_ep2_deepseek_v3": Spec(hf_deepseek_v3, PLAIN + ("dp=2", "microbatches=2"), 4, ep=2),
     "bias_ep2_dp4_deepseek_v3": Spec(hf_deepseek_v3, PLAIN + ("dp=4", "microbatches=1"), 8, ep=2),
+    # tp=2 beside: the two ranks of a tp group route the same tokens, and count outside the all-reduce
+    "bias_ep2_dp2_tp2_deepseek_v3": Spec(hf_deepseek_v3, PLAIN[:1] + ("tp=2", "recompute=none", "zero=0", "dp=2",
+                                                                      "microbatches=1", BLOCKS_TP), 4, ep=2),
 }
 
 
@@ -249,7 +252,7 @@ def bias_update(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
         state = pm.state_dict(full=True)
         ref, still = ec.from_rank0(lambda: (bias_reference(spec, GAMMA), bias_reference(spec, 0.0)))
         biases = {n: state[n] for n in ref["biases"]}
-        return {"ep": plan.mesh.ep, "dp": plan.mesh.dp, "routers": len(biases),
+        return {"ep": plan.mesh.ep, "dp": plan.mesh.dp, "tp": plan.mesh.tp, "routers": len(biases),
                 "bias_max_abs": max(float((biases[n] - b).abs().max()) for n, b in ref["biases"].items()),
                 "bias_steps": sorted({round(float(v) / GAMMA) for b in biases.values() for v in b}),
                 "param_rel": ec._max_rel({n: state[n] for n in ref["params"]}, ref["params"])[0],

@@ -154,14 +154,16 @@ def test_ep2_inside_pipeline_stages_with_sharded_experts_on_eight_ranks_matches_
         assert r["local_bytes_frac"] == pytest.approx(_stage_fraction(case, {**r, "rank": rank}), rel=1e-9)
 
 
-@pytest.mark.parametrize("case, world", [("bias_ep2_deepseek_v3", 2), ("bias_ep2_dp4_deepseek_v3", 4)])
+@pytest.mark.parametrize("case, world", [("bias_ep2_deepseek_v3", 2), ("bias_ep2_dp4_deepseek_v3", 4),
+                                         ("bias_ep2_dp2_tp2_deepseek_v3", 4)])
 def test_bias_update_under_ep_matches_one_device(ranks, case: str, world: int) -> None:
     """``moe_bias_update``: DeepSeek-V3's router biases moved after each of 3 SGD steps by the token counts
-    of the whole dp group (ep=2 over dp=2 with 2 microbatches; ep=2 × edp=2), against one device with the
+    of the whole dp group (ep=2 over dp=2 with 2 microbatches; ep=2 × edp=2; ep=2 over dp=2 beside tp=2, whose
+    ranks route the same tokens and are not summed), against one device with the
     same γ on the same global batch: the biases equal (each moved by ±γ a step), the parameters within
     1e-5, and the update did change routing (the parameters differ from a run without it)."""
     for r in every_rank(ranks(world).run([case], module="moe_cases")[case]):
-        assert r["ep"] == 2 and r["dp"] == world and r["routers"] == 1, r
+        assert r["ep"] == 2 and r["dp"] * r["tp"] == world and r["routers"] == 1, r
         assert r["bias_max_abs"] == 0.0, r
         assert r["param_rel"] < 1e-5 and r["loss_rel"] < 1e-5, r
         assert r["update_moved_params"] > 1e-3 and r["bias_steps"] != [0], r
