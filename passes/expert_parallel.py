@@ -38,7 +38,11 @@ through the local experts as Hugging Face's eager path runs one expert
 all-to-all, weighted by the router's top-k weights and summed per token
 (``index_add``), as the eager path does. Routing is decided before any
 dispatch, by the replicated router on the same tokens one device would see,
-so ep changes no routing decision.
+so ep changes no routing decision. The ``top_k_index`` an experts module is
+called with is also what ``compile(..., moe_bias_update=γ)`` counts, before
+this forward moves any row (``autopar/runtime/balance.py``): a DeepSeek-V3
+router's bias then moves by the counts of the whole dp × cp group, ep's ranks
+among them.
 
 **Gradients.** The data-parallel engines must not average expert gradients
 over dp: ranks of one ep group hold *different* experts, so DDP's or FSDP2's

@@ -187,3 +187,80 @@ def resume_across_ep(rank: int, world_size: int) -> dict[str, Any]:
 
 
 CASES["resume_across_ep"] = resume_across_ep
+
+
+# ------------------------------------------------------------------ DeepSeek-V3's bias update (moe_bias_update)
+
+GAMMA = 0.01  # the bias step: large enough that the moved biases change routing within 3 steps
+BIAS_SPECS = {
+    "bias_ep2_deepseek_v3": Spec(hf_deepseek_v3, PLAIN + ("dp=2", "microbatches=2"), 4, ep=2),
+    "bias_ep2_dp4_deepseek_v3": Spec(hf_deepseek_v3, PLAIN + ("dp=4", "microbatches=1"), 8, ep=2),
+    # tp=2 beside: the two ranks of a tp group route the same tokens, and count outside the all-reduce
+    "bias_ep2_dp2_tp2_deepseek_v3": Spec(hf_deepseek_v3, PLAIN[:1] + ("tp=2", "recompute=none", "zero=0", "dp=2",
+                                                                      "microbatches=1", BLOCKS_TP), 4, ep=2),
+}
+
+
+def bias_reference(spec: Spec, gamma: float) -> dict[str, Any]:
+    """One device, written out: 3 SGD steps on the whole global batch, each router's tokens per expert
+    counted from its own top-k indices (the router's third output), its bias moved by γ · sign(mean −
+    count) after the optimizer step."""
+    from autopar.runtime import default_loss
+
+    torch.manual_seed(0)
+    model, inputs = spec.build()
+    batches = ec._batches(spec, inputs, model)
+    gates = {n: m for n, m in model.named_modules() if hasattr(m, "e_score_correction_bias")}
+    counts = {n: torch.zeros(m.e_score_correction_bias.numel(), dtype=torch.int64) for n, m in gates.items()}
+
+    def counter(n: str) -> Callable[..., None]:
+        def count(module: nn.Module, args: tuple, out: tuple) -> None:
+            counts[n].add_(torch.bincount(out[2].reshape(-1), minlength=counts[n].numel()))
+        return count
+
+    for n, m in gates.items():
+        m.register_forward_hook(counter(n))
+    opt = torch.optim.SGD(model.parameters(), **ec.SGD)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = default_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            for n, m in gates.items():
+                load = counts[n].double()
+                m.e_score_correction_bias.add_((gamma * torch.sign(load.mean() - load)).float())
+                counts[n].zero_()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "biases": {f"{n}.e_score_correction_bias": m.e_score_correction_bias.clone() for n, m in gates.items()}}
+
+
+def bias_update(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
+    """ep over dp with ``moe_bias_update=GAMMA`` against :func:`bias_reference` on one device: the biases
+    after 3 steps (exact: each moved by ±γ per step) and the parameters (1e-5 relative)."""
+
+    def case(rank: int, world_size: int) -> dict[str, Any]:
+        plan, graph = ec.plan_for(spec, world_size)
+        torch.manual_seed(0)
+        model, inputs = spec.build()
+        batches = ec._batches(spec, inputs, model)
+        pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=graph, moe_bias_update=GAMMA,
+                             optimizer=lambda p: torch.optim.SGD(p, **ec.SGD))
+        losses = [pm.train_step(pm.local_batch(x), pm.local_batch(y)) for x, y in batches]
+        state = pm.state_dict(full=True)
+        ref, still = ec.from_rank0(lambda: (bias_reference(spec, GAMMA), bias_reference(spec, 0.0)))
+        biases = {n: state[n] for n in ref["biases"]}
+        return {"ep": plan.mesh.ep, "dp": plan.mesh.dp, "tp": plan.mesh.tp, "routers": len(biases),
+                "bias_max_abs": max(float((biases[n] - b).abs().max()) for n, b in ref["biases"].items()),
+                "bias_steps": sorted({round(float(v) / GAMMA) for b in biases.values() for v in b}),
+                "param_rel": ec._max_rel({n: state[n] for n in ref["params"]}, ref["params"])[0],
+                "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
+                # the moved biases changed routing: the parameters differ from a run without the update
+                "update_moved_params": ec._max_rel(ref["params"], still["params"])[0]}
+
+    return case
+
+
+CASES |= {k: bias_update(v) for k, v in BIAS_SPECS.items()}

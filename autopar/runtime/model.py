@@ -46,6 +46,7 @@ from autopar.errors import BatchError, LaunchError
 from autopar.graph import LayerGraph
 from autopar.passes.expert_parallel import reduce_expert_grads
 from autopar.plan import Plan, Predicted
+from autopar.runtime.balance import BiasBalancer, bias_group, check_bias_update
 from autopar.runtime.compiled import block_paths, check_compiled, compile_blocks, requested
 from autopar.runtime.launch import (
     check_world,
@@ -119,6 +120,7 @@ class ParallelModel:
     grad_norm: float | None = None
     entries: list[Entry] = field(default_factory=list)
     compiled: tuple[str, ...] = ()  # the blocks running under torch.compile (plan.training.compiled)
+    balancer: BiasBalancer | None = None  # moe_bias_update > 0: the routers' expert biases it moves
     _checkpoint_group: Any = field(default=None, repr=False)
     _pending_save: Any = field(default=None, repr=False)
 
@@ -220,11 +222,17 @@ class ParallelModel:
         self._check_context(inputs, targets)
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
-        with step_rng(self.seed, self.step, self._stream(), self._device()):
-            if lowered.pipeline is not None:  # the schedule runs the microbatches through the stages
-                loss = self._pipeline_step(lowered, inputs, targets)
-            else:
-                loss = self._accumulate(lowered, inputs, targets)
+        if self.balancer is not None:
+            self.balancer.counting = True
+        try:
+            with step_rng(self.seed, self.step, self._stream(), self._device()):
+                if lowered.pipeline is not None:  # the schedule runs the microbatches through the stages
+                    loss = self._pipeline_step(lowered, inputs, targets)
+                else:
+                    loss = self._accumulate(lowered, inputs, targets)
+        finally:
+            if self.balancer is not None:
+                self.balancer.counting = False
         for experts in lowered.experts:  # ep: expert gradients reduced over their edp group
             reduce_expert_grads(experts)
         if self.masters is not None:
@@ -234,6 +242,8 @@ class ParallelModel:
         self.optimizer.step()
         if self.masters is not None:
             self.masters.copy_to_params()
+        if self.balancer is not None:  # the routers' biases moved by the step's token counts (balance.py)
+            self.balancer.update()
         if self.scheduler is not None:
             self.scheduler.step()
         self.step += 1
@@ -473,7 +483,7 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
             init_fn: Callable[[nn.Module], None] | None = None, graph: LayerGraph | None = None,
             max_grad_norm: float | None = None, lr_scheduler: SchedulerFactory | None = None,
             weights: str | Path | None = None, seed: int = 0, torch_compile: bool | None = None,
-            **solve_kwargs: Any) -> ParallelModel:
+            moe_bias_update: float = 0.0, **solve_kwargs: Any) -> ParallelModel:
     """Plan (or load a plan for) ``model`` and lower it for this rank.
 
     ``world_size`` defaults to the process group's size (torchrun's env vars
@@ -499,6 +509,13 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
     compiled, a given plan must have been (``training.compiled``; None: as the
     plan says). Plans it does not run yet raise
     :class:`~autopar.errors.CompileError` before any collective.
+    ``moe_bias_update``: γ ≥ 0 of DeepSeek-V3's auxiliary-loss-free load
+    balancing (0, the default: off): after each step every router's
+    ``e_score_correction_bias`` moves by γ · sign(mean − count) per expert,
+    the counts summed over every rank that routes different tokens
+    (:mod:`autopar.runtime.balance`); a model with no such router, or a plan
+    it does not run yet, raises :class:`~autopar.errors.LoweringError` before
+    any collective.
     """
     launched = ensure_process_group()
     if world_size is None:
@@ -513,6 +530,7 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
     plan, graph = resolve_plan(model, example_inputs, plan, graph, world_size, launched, **kwargs)
     check_world(plan, world_size, launched)
     check_compiled(plan, torch_compile)
+    routers = check_bias_update(model, graph, plan, moe_bias_update)
     loss_fn = loss_fn or default_loss
     if not launched and world_size > 1:
         return ParallelModel(plan, graph, model, None, loss_fn, launched=False)
@@ -533,7 +551,9 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
     pm = ParallelModel(plan, graph, module, opt, loss_fn, launched=launched, lowered=lowered,
                        scheduler=lr_scheduler(opt) if lr_scheduler is not None else None,
                        max_grad_norm=max_grad_norm, masters=masters, seed=seed, entries=entries,
-                       compiled=tuple(blocks))
+                       compiled=tuple(blocks),
+                       balancer=BiasBalancer(routers, float(moe_bias_update), bias_group(lowered.mesh, plan))
+                       if routers else None)
     if weights is not None:
         pm.load_weights(weights)
     return pm

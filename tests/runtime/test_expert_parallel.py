@@ -4,7 +4,8 @@ Qwen2-MoE and DeepSeek-V3 (sigmoid grouped routing, shared expert, MLA) trained 
 the experts are an FSDP2 unit of their own over edp) and ep=2 beside tp=2 (W=4: Mixtral's and
 DeepSeek-V3's attention split over tp); ep=2 inside the stages of a pp=2 pipeline (W=4: pp=2 × dp=2,
 dense weights at ZeRO-0 and ZeRO-3; W=8: pp=2 × dp=4, each stage's experts an FSDP2 unit over edp=2 at
-ZeRO-1); a checkpoint and exported weights of ep=2 restored under ep=1 and ep=4.
+ZeRO-1); a checkpoint and exported weights of ep=2 restored under ep=1 and ep=4; DeepSeek-V3's router
+biases moved by ``moe_bias_update`` under ep=2 (W=2 and W=4) exactly as one device moves them.
 
 Bars (DESIGN.md, fp32 on CPU): first-step loss and gradients, SGD losses and parameters within 1e-5
 relative per tensor; AdamW losses within 1e-3. Routing decisions stay identical across the runs (seeded
@@ -151,3 +152,18 @@ def test_ep2_inside_pipeline_stages_with_sharded_experts_on_eight_ranks_matches_
     for rank, r in enumerate(every_rank(w8[case])):
         assert r["ep"] == 2 and r["mesh"] == [2, 4, 1]
         assert r["local_bytes_frac"] == pytest.approx(_stage_fraction(case, {**r, "rank": rank}), rel=1e-9)
+
+
+@pytest.mark.parametrize("case, world", [("bias_ep2_deepseek_v3", 2), ("bias_ep2_dp4_deepseek_v3", 4),
+                                         ("bias_ep2_dp2_tp2_deepseek_v3", 4)])
+def test_bias_update_under_ep_matches_one_device(ranks, case: str, world: int) -> None:
+    """``moe_bias_update``: DeepSeek-V3's router biases moved after each of 3 SGD steps by the token counts
+    of the whole dp group (ep=2 over dp=2 with 2 microbatches; ep=2 × edp=2; ep=2 over dp=2 beside tp=2, whose
+    ranks route the same tokens and are not summed), against one device with the
+    same γ on the same global batch: the biases equal (each moved by ±γ a step), the parameters within
+    1e-5, and the update did change routing (the parameters differ from a run without it)."""
+    for r in every_rank(ranks(world).run([case], module="moe_cases")[case]):
+        assert r["ep"] == 2 and r["dp"] * r["tp"] == world and r["routers"] == 1, r
+        assert r["bias_max_abs"] == 0.0, r
+        assert r["param_rel"] < 1e-5 and r["loss_rel"] < 1e-5, r
+        assert r["update_moved_params"] > 1e-3 and r["bias_steps"] != [0], r
