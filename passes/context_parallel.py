@@ -54,7 +54,8 @@ sync deferred to the last microbatch at ZeRO-0/1), recompute none, full,
 selective or alternate_mm per layer (the mode is held over the attention
 module's forward, so a recomputation re-enters it and gathers K and V again),
 gradient accumulation over any microbatch count, and cp=2 × tp=2 with sp off and on (also
-beside ZeRO-3 and selective recompute, and ZeRO-1 and full recompute, over 2 microbatches).
+beside ZeRO-3 and selective recompute, and ZeRO-1 and full recompute, over 2 microbatches) and
+dp=2 × cp=2 × tp=2 at ZeRO-3.
 """
 
 from __future__ import annotations

@@ -102,6 +102,8 @@ SPECS: dict[str, Spec] = {
     # recompute (the TP rules' and cp's modes entered again in the recomputation), 2 microbatches
     "cp2_tp2_zero3_selective_accum_gpt": Spec(gpt_tiny, _pins(2, tp=2, zero=3, recompute="selective", m=2)
                                               + GPT_TP, 2),
+    # dp × cp × tp (W=8): ZeRO-3 over the dp × cp ranks, each with its tp pair
+    "cp2_dp2_tp2_zero3_gpt": Spec(gpt_tiny, _pins(2, dp=2, tp=2, zero=3) + GPT_TP, 4),
     "cp2_tp2_sp_recompute_accum_llama": Spec(hf_llama, _pins(2, tp=2, zero=1, recompute="full", m=2) + LLAMA_TP
                                              + ("model.layers.*:sp=on",), 2),
     "cp2_dp2_mixed_llama": Spec(hf_llama_four, MIXED_LLAMA, 4),

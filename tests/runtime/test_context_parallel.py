@@ -1,7 +1,8 @@
 """Context parallelism (cp) against one process, on gloo: examples/gpt.py's GPT and a tiny Hugging Face
 Llama (grouped-query SDPA, rotary positions) trained 3 steps under cp=2 (W=2, also with full recompute),
 cp=4 (W=4), cp=2 × dp=2 (W=4; the GPT at ZeRO-3, sharded over the dp × cp ranks) and cp=2 × tp=2 (W=4;
-Megatron blocks, with and without sequence parallelism; the GPT's embeddings vocab-parallel) — and under what
+Megatron blocks, with and without sequence parallelism; the GPT's embeddings vocab-parallel), and dp=2 × cp=2
+× tp=2 (W=8, the GPT at ZeRO-3) — and under what
 else the planner offers beside cp: selective recompute, 2 microbatches (gradient accumulation) on the
 replicate engine and at ZeRO-1, 2 and 3 (over the cp ranks alone, and over dp × cp), and one plan per
 model mixing recompute kinds (none, full, selective, alternate_mm) and ZeRO stages across its blocks.
@@ -33,6 +34,11 @@ W4_TP = ["cp2_tp2_gpt", "cp2_tp2_llama", "cp2_tp2_sp_gpt", "cp2_tp2_sp_llama", "
 @pytest.fixture(scope="module")
 def w2(ranks) -> dict[str, dict]:
     return ranks(2).run(W2 + ["cp2_refuses_labels"], module="context_cases")
+
+
+@pytest.fixture(scope="module")
+def w8(ranks) -> dict[str, dict]:
+    return ranks(8).run(["cp2_dp2_tp2_zero3_gpt"], module="context_cases")
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +112,11 @@ def test_cp2_beside_tp2_with_and_without_sp_matches_one_device(w4: dict, case: s
         assert w4[case]["microbatches"] == 2
         assert {(zero, recompute) for _, _, zero, recompute, _ in blocks} == (
             {(3, 2)} if "zero3" in case else {(1, 1)})
+
+
+def test_dp2_cp2_tp2_on_eight_ranks_matches_one_device(w8: dict) -> None:
+    """The 3-D data × context × tensor mesh: ZeRO-3 over the dp × cp ranks (dp_cp), each a tp pair."""
+    case = w8["cp2_dp2_tp2_zero3_gpt"]
+    check_equivalent(case)
+    for r in every_rank(case):
+        assert r["mesh"] == [1, 2, 2] and r["mesh_dims"] == ["pp", "dp", "cp", "tp"]
