@@ -72,7 +72,7 @@ from autopar.choice import LayerChoice, Recompute
 from autopar.units import MiB
 
 if TYPE_CHECKING:
-    from autopar.graph import Layer, LayerGraph
+    from autopar.graph import Layer, LayerGraph, TPStyle
     from autopar.mesh import Mesh
     from autopar.plan import Plan
 
@@ -154,17 +154,35 @@ def data_ranks(mesh: Mesh) -> int:
 
 def cp_refusal(mesh: Mesh) -> str | None:
     """Why ``mesh``'s context parallelism cannot run (None when it can): this slice lowers cp on the
-    whole model beside dp only (``passes/context_parallel.py``). Beside dp, every per-layer choice the
-    contract offers runs under cp as priced, each checked against one device
+    whole model beside dp and tp (``passes/context_parallel.py``), not beside pp or ep. Beside dp, every
+    per-layer choice the contract offers runs under cp as priced, each checked against one device
     (``tests/runtime/test_context_parallel.py``): ZeRO 0–3 per layer over dp × cp (a replicated plan
     on one FSDP2 replicate unit: :func:`plan_engine` gives DDP only where dp is the one axis above 1),
-    recompute none, full, selective or alternate_mm per layer, and any microbatch count."""
+    recompute none, full, selective or alternate_mm per layer, and any microbatch count. Beside tp,
+    each cp rank's tp ranks split the heads and MLP of the same tokens, with or without sequence
+    parallelism, and K and V are gathered over the cp group for the tp rank's heads (run against one
+    device at cp=2 × tp=2, the project's GPT and a Hugging Face Llama, sp off and on, also with ZeRO-3
+    and selective recompute or ZeRO-1 and full recompute over 2 microbatches); a style whose
+    key or value projections are held whole on every tp rank is not offered under cp
+    (:func:`cp_admits_style`)."""
     if mesh.cp <= 1:
         return None
-    other = [f"{n}={d}" for n, d in (("pp", mesh.pp), ("ep", mesh.ep), ("tp", mesh.tp)) if d > 1]
+    other = [f"{n}={d}" for n, d in (("pp", mesh.pp), ("ep", mesh.ep)) if d > 1]
     if other:
-        return f"cp={mesh.cp} with {' and '.join(other)} is not lowered yet (cp runs beside dp only)"
+        return f"cp={mesh.cp} with {' and '.join(other)} is not lowered yet (cp runs beside dp and tp only)"
     return None
+
+
+def cp_admits_style(style: TPStyle, mesh: Mesh) -> bool:
+    """Whether a tensor-parallel style runs under ``mesh``'s cp: not one that holds some projections
+    whole on every tp rank (multi-query key/value heads fewer than the tp ranks), whose attention
+    the cp pass cannot gather per head (``passes/context_parallel.py``, :func:`_tp_heads`)."""
+    return mesh.cp <= 1 or not style.whole
+
+
+def cp_admits_sequence(seq_len: int, mesh: Mesh) -> bool:
+    """Whether sequence parallelism can split a cp rank's S/cp tokens over the tp ranks."""
+    return mesh.cp <= 1 or (seq_len // mesh.cp) % mesh.tp == 0
 
 
 def unit_engine(zero: int) -> Engine:

@@ -37,13 +37,28 @@ refused there):
   mean over the dp × cp ranks is the global mean, and the data-parallel pass
   averages gradients over the flattened dp × cp mesh (:func:`data_mesh`).
 
+Beside tensor parallelism (cp × tp, the groups from the one device mesh (pp, dp, cp, tp)): the tp
+ranks of one cp × dp position hold the same tokens and split the heads and MLP as without cp. An
+attention module then runs inside its layer's TP ``ShardMode`` (``passes/tensor_parallel.py``), so
+q, k and v reach this mode as plain tensors holding the tp rank's heads, tagged by the TP rules;
+:func:`_tp_heads` finds them, the gather, reorder and masked SDPA run as plain ops on those
+shards (K and V gathered over the cp group alone) and the output is tagged with the query's head
+layout, as the TP rules' SDPA would. A style holding key or value projections whole on every tp
+rank is refused (:func:`check_context_parallel`). A vocab-parallel position embedding gets its
+positions as a replicated DTensor (its style's input hook runs first), which the position hook
+swaps in its local tensor. Sequence parallelism composes: a block's hidden state is the tp rank's
+share of the cp rank's S/cp tokens, gathered before the column projections, so attention still
+reads whole S/cp chunks of its heads.
+
 Both hold under every per-layer choice the planner offers beside cp, each run
 against one device (``tests/runtime/test_context_parallel.py``): ZeRO 0–3 per
 layer (FSDP2 ``replicate`` or ``fully_shard`` units over ``dp_cp``, gradient
 sync deferred to the last microbatch at ZeRO-0/1), recompute none, full,
 selective or alternate_mm per layer (the mode is held over the attention
 module's forward, so a recomputation re-enters it and gathers K and V again),
-and gradient accumulation over any microbatch count.
+gradient accumulation over any microbatch count, and cp=2 × tp=2 with sp off and on (also
+beside ZeRO-3 and selective recompute, and ZeRO-1 and full recompute, over 2 microbatches) and
+dp=2 × cp=2 × tp=2 at ZeRO-3.
 """
 
 from __future__ import annotations
@@ -119,6 +134,35 @@ def prefix_attention(func: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return torch.cat(outs, dim=-2)
 
 
+def _tp_heads(args: tuple, kwargs: dict) -> tuple[Any, Any] | None:
+    """Under tensor parallelism (an attention module inside a layer run by the TP pass's
+    ``ShardMode``), the mode and the head layout of this call's query, key and value; None without TP.
+
+    q, k and v reach SDPA as plain tensors holding this tp rank's heads, tagged by the TP rules. cp's
+    gather, reorder and masked SDPA are exact per head, so they run as plain ops on those shards (the
+    all-gather over the cp group alone: the tp ranks of one cp position hold other heads of the same
+    tokens) and the output is tagged as the TP rules' SDPA tags it, with the query's layout. A key or
+    value not split on its heads like the query (held whole: fewer key/value heads than tp ranks)
+    would need the rules' head cut and gradient sum: refused (:func:`check_context_parallel` refuses
+    such plans before any group starts)."""
+    from autopar.sharding.rules import current_mode
+
+    mode = current_mode()
+    if mode is None:
+        return None
+    names = ("query", "key", "value")
+    qkv = [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(names)]
+    layouts = [mode.layout(t) for t in qkv]
+    if layouts[0] is None and layouts[1] is None and layouts[2] is None:
+        return None
+    q = qkv[0]
+    if layouts[0] is None or layouts[0].dim != q.dim() - 3 or any(
+            lay is None or lay.dim != t.dim() - 3 for lay, t in zip(layouts[1:], qkv[1:])):
+        raise LoweringError("cp beside tp needs query, key and value each split on their heads "
+                            "(a key or value held whole on every tp rank is not lowered under cp)")
+    return mode, layouts[0]
+
+
 class ContextAttention(TorchFunctionMode):
     """Causal SDPA over the whole sequence from this rank's queries (see the module docstring)."""
 
@@ -134,7 +178,13 @@ class ContextAttention(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        return self._attention(func, list(args), kwargs)
+        heads = _tp_heads(args, kwargs)
+        if heads is None:
+            return self._attention(func, list(args), kwargs)
+        mode, layout = heads
+        with torch._C.DisableTorchFunction():  # local head shards: plain ops, gathered over cp alone
+            out = self._attention(func, list(args), kwargs)
+        return mode.tag(out, layout)
 
     def _attention(self, func: Any, args: list, kwargs: dict) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_gather_tensor_autograd
@@ -200,6 +250,12 @@ def _global_positions(local: torch.Tensor) -> Any:
     from torch.utils._python_dispatch import _disable_current_modes
 
     def swap(t: Any) -> Any:
+        from torch.distributed.tensor import DTensor, Replicate
+
+        if isinstance(t, DTensor):  # a vocab-parallel position embedding's input, made a replicated DTensor
+            if not all(isinstance(p, Replicate) for p in t.placements):  # by its TP style's hook, run first
+                return t
+            return DTensor.from_local(swap(t.to_local()), t.device_mesh, t.placements, run_check=False)
         if (isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() >= 1
                 and t.shape[-1] == local.numel()
                 and torch.equal(t, torch.arange(local.numel(), device=t.device, dtype=t.dtype).expand_as(t))):
@@ -224,6 +280,13 @@ def check_context_parallel(graph: Any, plan: Any) -> None:
         raise LoweringError(why)
     if graph.cp_refusal:
         raise LoweringError(f"cp={cp} cannot split this model's sequence: {graph.cp_refusal}")
+    from autopar.contract import cp_admits_style
+
+    whole = [lp.name for lp in plan.layers if lp.choice.tp is not None and plan.mesh.tp > 1
+             and not cp_admits_style(graph.layer(lp.name).tp_style(lp.choice.tp), plan.mesh)]
+    if whole:
+        raise LoweringError(f"cp={cp} with tp={plan.mesh.tp}: {', '.join(whole)} hold key/value projections "
+                            "whole on every tp rank, which cp cannot gather per head; plan them with tp=none")
     if not graph.seq_len or graph.seq_len % (2 * cp):
         raise LoweringError(f"cp={cp} needs the sequence length divisible by 2·cp = {2 * cp}, "
                             f"got {graph.seq_len}")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from equivalence_cases import Spec, equivalence, gpt_tiny, plan_for
+from equivalence_cases import GPT_TP, Spec, equivalence, gpt_tiny, plan_for
 
 import autopar
 from autopar.errors import BatchError
@@ -35,8 +35,11 @@ def hf_llama(layers: int = 2) -> tuple[nn.Module, tuple]:
     return transformers.LlamaForCausalLM(cfg), TOKENS
 
 
-def _pins(cp: int, dp: int = 1, zero: int = 0, recompute: str = "none", m: int = 1) -> tuple[str, ...]:
-    return ("pp=1", "tp=1", f"dp={dp}", f"cp={cp}", f"zero={zero}", f"recompute={recompute}", f"microbatches={m}")
+def _pins(cp: int, dp: int = 1, zero: int = 0, recompute: str = "none", m: int = 1, tp: int = 1) -> tuple[str, ...]:
+    return ("pp=1", f"tp={tp}", f"dp={dp}", f"cp={cp}", f"zero={zero}", f"recompute={recompute}", f"microbatches={m}")
+
+
+LLAMA_TP = ("model.layers.*:tp=megatron", "model.embed_tokens:tp=vocab")
 
 
 def hf_llama_four() -> tuple[nn.Module, tuple]:
@@ -90,6 +93,19 @@ SPECS: dict[str, Spec] = {
     "cp2_dp2_zero1_accum_gpt": Spec(gpt_tiny, _pins(2, dp=2, zero=1, m=2), 4),
     "cp2_dp2_zero2_accum_llama": Spec(hf_llama, _pins(2, dp=2, zero=2, m=2), 4),
     "cp2_dp2_mixed_gpt": Spec(gpt_four, MIXED_GPT, 4),
+    # cp × tp: each cp rank's tp pair splits heads and MLP of its chunks; K/V gathered over cp, tp-local heads
+    "cp2_tp2_gpt": Spec(gpt_tiny, _pins(2, tp=2) + GPT_TP, 2),
+    "cp2_tp2_llama": Spec(hf_llama, _pins(2, tp=2) + LLAMA_TP, 2),
+    "cp2_tp2_sp_gpt": Spec(gpt_tiny, _pins(2, tp=2) + GPT_TP + ("blocks.*:sp=on",), 2),
+    "cp2_tp2_sp_llama": Spec(hf_llama, _pins(2, tp=2) + LLAMA_TP + ("model.layers.*:sp=on",), 2),
+    # beside cp × tp, what the planner offers with it: ZeRO-3 over the cp ranks, selective and full
+    # recompute (the TP rules' and cp's modes entered again in the recomputation), 2 microbatches
+    "cp2_tp2_zero3_selective_accum_gpt": Spec(gpt_tiny, _pins(2, tp=2, zero=3, recompute="selective", m=2)
+                                              + GPT_TP, 2),
+    # dp × cp × tp (W=8): ZeRO-3 over the dp × cp ranks, each with its tp pair
+    "cp2_dp2_tp2_zero3_gpt": Spec(gpt_tiny, _pins(2, dp=2, tp=2, zero=3) + GPT_TP, 4),
+    "cp2_tp2_sp_recompute_accum_llama": Spec(hf_llama, _pins(2, tp=2, zero=1, recompute="full", m=2) + LLAMA_TP
+                                             + ("model.layers.*:sp=on",), 2),
     "cp2_dp2_mixed_llama": Spec(hf_llama_four, MIXED_LLAMA, 4),
 }
 

@@ -157,11 +157,13 @@ def _pinned_outside_search(table: PriceTable, i: int, pin: dict[str, Any]) -> li
             why = f"; {layer.tp_refusal}" if layer.tp_refusal and style == "megatron" else ""
             raise PinError(f"layer {layer.name!r} has no tensor-parallel style {style!r} "
                            f"(it admits: {', '.join(names) or 'none'}{why})")
-        if not layer.tp_style(style).admits(tp) or contract.tied_across_stages(table.graph, i, table.config.mesh.pp):
+        if not layer.tp_style(style).admits(tp) or contract.tied_across_stages(table.graph, i, table.config.mesh.pp) \
+                or not contract.cp_admits_style(layer.tp_style(style), table.config.mesh):
             return []
     sp = bool(pin.get("sp", False))
-    if sp and (style is None or not layer.tp_style(style).admits_sequence(tp)):
-        return []  # sequence parallelism needs a style that takes it at this tp
+    if sp and (style is None or not layer.tp_style(style).admits_sequence(tp)
+               or not contract.cp_admits_sequence(table.graph.seq_len or 0, table.config.mesh)):
+        return []  # sequence parallelism needs a style that takes it at this tp (and S/cp tokens tp divides)
     zero = pin.get("zero", contract.offered_zeros(table.graph, i, table.config.data_parallel, table.config.mesh.pp)[0])
     return [table.index_of(i, LayerChoice(style, zero, pin.get("recompute", False), sp))]
 

@@ -4,7 +4,8 @@ A rank holds S/cp tokens of each sample: compute is divided in ``layer_compute``
 argument), the loss's logits and the workspace in :class:`~autopar.planning.pricing.PriceTable`,
 and here, per layer and microbatch of b samples:
 
-    K/V all-gather (forward) and its reduce-scatter (backward): (cp − 1)/cp · 2 · b · S · h_kv · bytes each
+    K/V all-gather (forward) and its reduce-scatter (backward): (cp − 1)/cp · 2 · b · S · h_kv/tp · bytes each
+                      (h_kv/tp: a tensor-parallel style splits the heads; h_kv on a layer tp leaves whole)
     kept activations: acts / cp + (cp − 1)/cp · K/V bytes (the other ranks', saved by SDPA)
                       + attention calls · L · (2·cp + 1)·L · bytes / b, L = S/(2·cp)
                         (each call's two prefix masks, saved as biases: :func:`mask_bytes`)
@@ -32,14 +33,16 @@ def data_group(mesh: Mesh, dp_group: GroupPlacement, cluster: ClusterSpec) -> tu
     return ranks, place_group(ranks, mesh.stride("cp"), cluster.gpus_per_node)
 
 
-def context_part(table: Any, layer: Layer, acts: float) -> tuple[float, float, float]:
+def context_part(table: Any, layer: Layer, acts: float, heads_split: int = 1) -> tuple[float, float, float]:
     """Under cp, per microbatch: the forward all-gather of the layer's K and V over the cp group and
     the backward reduce-scatter of their gradients (on the critical path: attention waits for
-    them), and the activations a sample keeps (module docstring); (0, 0, ``acts``) at cp = 1."""
+    them), and the activations a sample keeps (module docstring); (0, 0, ``acts``) at cp = 1.
+    ``heads_split``: the tp degree when a tensor-parallel style splits the layer's heads (each tp rank
+    gathers and keeps its heads' K and V, 1/tp of them), else 1."""
     cp = table.config.mesh.cp
     if cp <= 1:
         return 0.0, 0.0, acts
-    kv = layer.kv_bytes_per_sample
+    kv = layer.kv_bytes_per_sample / heads_split
     gathered = table.microbatch_size * kv * table.act_scale
     fwd = collective_time_s(Collective.ALL_GATHER, gathered, table.cp_group, table.cluster)
     bwd = collective_time_s(Collective.REDUCE_SCATTER, gathered, table.cp_group, table.cluster)

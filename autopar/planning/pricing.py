@@ -197,8 +197,10 @@ class PriceTable:
         if tp > 1 and contract.tp_applies(self.graph, self.config.mesh.pp) \
                 and not contract.tied_across_stages(self.graph, layer.index, self.config.mesh.pp):
             for s in layer.tp_styles:
-                if s.admits(tp):
-                    styles += [(s.name, False)] + ([(s.name, True)] if s.admits_sequence(tp) else [])
+                if s.admits(tp) and contract.cp_admits_style(s, self.config.mesh):
+                    sp = s.admits_sequence(tp) and contract.cp_admits_sequence(self.graph.seq_len or 0,
+                                                                               self.config.mesh)
+                    styles += [(s.name, False)] + ([(s.name, True)] if sp else [])
         return [LayerChoice(t, z, r, sp) for t, sp in styles for z in zeros for r in self._recompute_options(layer)]
 
     def index_of(self, i: int, choice: LayerChoice) -> int:
@@ -371,7 +373,8 @@ class PriceTable:
         times = layer_compute(layer, style_name, c.mesh.tp, b, self.cluster.device, self.dtype_for_compute,
                               self.act_scale, c.mesh.cp,
                               compiled=self.training.compiled and self.graph.blocks[layer.index])
-        kv_fwd, kv_bwd, acts = context_price.context_part(self, layer, acts)
+        heads_split = c.mesh.tp if style_name is not None else 1  # K/V of this tp rank's heads only
+        kv_fwd, kv_bwd, acts = context_price.context_part(self, layer, acts, heads_split)
         part = (times.fwd_s, times.bwd_s, tp_comm_fwd + kv_fwd, tp_comm_bwd + kv_bwd, acts, kv_fwd, kv_bwd)
         self._style_memo[key] = (layer, part)  # the layer is kept, so its id is not reused while the memo lives
         return part

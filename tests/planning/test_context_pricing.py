@@ -13,12 +13,12 @@ from synthetic import transformer_graph
 
 import autopar
 from autopar.choice import LayerChoice
-from autopar.contract import REPLICATED, DataParallelism, Engine, cp_refusal, plan_engine
+from autopar.contract import REPLICATED, DataParallelism, Engine, cp_admits_style, cp_refusal, plan_engine
 from autopar.cost_models.communication import Collective, collective_time_s, place_group
 from autopar.cost_models.compute import attention_time_s, compute_time_s
 from autopar.cost_models.hardware import PRESETS
 from autopar.cost_models.pipeline import Schedule, ScheduleKind
-from autopar.errors import PinError
+from autopar.errors import LoweringError, PinError
 from autopar.graph import Layer, LayerGraph, OpKind, OpRecord, SampleDim
 from autopar.mesh import Mesh
 from autopar.passes.context_parallel import positions
@@ -40,14 +40,15 @@ def _graph(refusal: str = "") -> LayerGraph:
                       output_bytes_per_sample=base.output_bytes_per_sample, cp_refusal=refusal)
 
 
-def _price(cp: int, dp: int = 1, zero: int = 0, batch: int = 4):
+def _price(cp: int, dp: int = 1, zero: int = 0, batch: int = 4, tp: int = 1, style: str | None = None,
+           sp: bool = False):
     graph = _graph()
-    cluster = PRESETS["h100-80g"].for_world_size(cp * dp)
+    cluster = PRESETS["h100-80g"].for_world_size(cp * dp * tp)
     mode = DataParallelism(sharded=True, root_zero=zero) if zero else REPLICATED
-    table = PriceTable(graph, Configuration(Mesh(dp=dp, cp=cp), 1, Schedule(ScheduleKind.NONE), mode), cluster,
-                       TrainingSpec(batch * dp, dtype="bf16"))
+    table = PriceTable(graph, Configuration(Mesh(dp=dp, cp=cp, tp=tp), 1, Schedule(ScheduleKind.NONE), mode),
+                       cluster, TrainingSpec(batch * dp, dtype="bf16"))
     i = next(l.index for l in graph if l.kind == "Block")
-    return table, graph[i], table.prices[i][table.choices[i].index(LayerChoice(None, zero, False))]
+    return table, graph[i], table.prices[i][table.choices[i].index(LayerChoice(style, zero, False, sp))]
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -127,8 +128,8 @@ def test_cp_is_searched_where_the_logits_bind_and_pinned_or_refused_in_one_line(
     refused = _graph("cumsum (it mixes tokens along the sequence) in blocks.0")
     with pytest.raises(PinError, match=r"cp=2 cannot split this model's sequence: cumsum"):
         autopar.solve(refused, 2, cluster="h100-80g", global_batch=1, pins=["cp=2"])
-    with pytest.raises(PinError, match=r"cp=2 with tp=2 is not lowered yet"):
-        autopar.solve(graph, 4, cluster="h100-80g", global_batch=1, pins=["cp=2", "tp=2"])
+    with pytest.raises(PinError, match=r"cp=2 with pp=2 is not lowered yet \(cp runs beside dp and tp only\)"):
+        autopar.solve(graph, 4, cluster="h100-80g", global_batch=1, pins=["cp=2", "pp=2"])
     assert cp_refusal(Mesh(dp=2, cp=2)) is None
 
 
@@ -169,3 +170,89 @@ def test_a_plan_shows_cp_collectives_on_their_own_line_not_as_tensor_parallel() 
     assert b.cp_comm_s > 0 and b.tp_comm_s == pytest.approx(0.0, abs=1e-15)
     plan = autopar.solve(_graph(), 2, cluster="h100-80g", global_batch=4, pins=["cp=2"], runners_up=0)
     assert plan.predicted.breakdown.cp_comm_s > 0 and "cp K/V" in plan.summary()
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_cp_beside_tp_gathers_the_tp_ranks_heads_over_a_cp_group_tp_ranks_apart(sp: bool) -> None:
+    """cp × tp: a tensor-parallel block's K/V all-gather and reduce-scatter move 1/tp of the layer's
+    K and V (each tp rank gathers its own heads), over the cp group, whose neighbours sit tp ranks
+    apart (``Mesh.stride("cp")``); the K/V the layer keeps are the tp rank's heads too. The data
+    group is the dp × cp ranks, tp apart. A block left whole by tp gathers all its heads."""
+    table, layer, split = _price(2, tp=2, style="megatron", sp=sp)
+    assert Mesh(cp=2, tp=2).stride("cp") == 2 and table.cp_group == place_group(2, 2, table.cluster.gpus_per_node)
+    gathered = 4 * KV / 2  # b · 2 · S · h_kv/tp · bytes
+    expected = (collective_time_s(Collective.ALL_GATHER, gathered, table.cp_group, table.cluster)
+                + collective_time_s(Collective.REDUCE_SCATTER, gathered, table.cp_group, table.cluster))
+    assert split.cp_comm_mb_s == pytest.approx(expected, rel=1e-12)
+    _, _, whole = _price(2, tp=2)
+    assert whole.cp_comm_mb_s == pytest.approx(
+        collective_time_s(Collective.ALL_GATHER, 2 * gathered, table.cp_group, table.cluster)
+        + collective_time_s(Collective.REDUCE_SCATTER, 2 * gathered, table.cp_group, table.cluster), rel=1e-12)
+    # what the split layer keeps beyond 1/cp of its tp-priced activations: the other cp rank's half of
+    # its heads' K and V, and the masks (the two query chunks' prefix biases per call, not split by heads)
+    _, _, alone = _price(1, tp=2, style="megatron", sp=sp)
+    L = S // 4
+    mask = 5 * L * L * 2
+    assert split.activation_mb_bytes == pytest.approx(alone.activation_mb_bytes / 2 + 4 * (KV / 2) / 2 + mask, abs=2)
+    table4, _, _ = _price(2, dp=2, tp=2, style="megatron", sp=sp)
+    assert table4.data_ranks == 4 and table4.dp_group == place_group(4, 2, table4.cluster.gpus_per_node)
+
+
+def test_cp_beside_tp_and_sp_is_offered_and_a_whole_kv_style_or_an_unsplittable_share_is_not() -> None:
+    """What the runtime runs beside cp × tp (tests/runtime/test_context_parallel.py: the GPT and a
+    Llama at cp=2 × tp=2, sp off and on) is offered; a style holding key/value projections whole on
+    every tp rank is not (the cp pass refuses it), nor sp where tp does not divide S/cp."""
+    graph = _graph()
+    table, layer, _ = _price(2, tp=2)
+    i = layer.index
+    assert {(c.tp, c.sp) for c in table.choices[i]} == {(None, False), ("megatron", False), ("megatron", True)}
+    style = layer.tp_style("megatron")
+    assert cp_admits_style(style, Mesh(cp=2, tp=2))
+    whole = replace(style, whole={"attn.qkv": (0,)})
+    assert not cp_admits_style(whole, Mesh(cp=2, tp=2)) and cp_admits_style(whole, Mesh(tp=2))
+    blocks = [replace(l, tp_styles=(whole,)) if l.kind == "Block" else l for l in graph]
+    mq = LayerGraph(blocks, model_name="cp", example_batch=1, dtype_bytes=2, seq_len=S, cp_refusal="")
+    cluster = PRESETS["h100-80g"].for_world_size(4)
+    mq_table = PriceTable(mq, Configuration(Mesh(cp=2, tp=2), 1, Schedule(ScheduleKind.NONE), REPLICATED),
+                          cluster, TrainingSpec(4, dtype="bf16"))
+    assert {c.tp for c in mq_table.choices[i]} == {None}
+    # S = 64 over cp = 8 leaves 8 tokens a cp rank: tp = 4 divides them, so sp is offered; cp = 32, 2 tokens, not
+    sp8 = PriceTable(graph, Configuration(Mesh(cp=8, tp=4), 1, Schedule(ScheduleKind.NONE), REPLICATED),
+                     PRESETS["h100-80g"].for_world_size(32), TrainingSpec(4, dtype="bf16"))
+    assert any(c.sp for c in sp8.choices[i])
+    no_sp = PriceTable(graph, Configuration(Mesh(cp=32, tp=4), 1, Schedule(ScheduleKind.NONE), REPLICATED),
+                       PRESETS["h100-80g"].for_world_size(128), TrainingSpec(4, dtype="bf16"))
+    assert {c.tp for c in no_sp.choices[i]} >= {"megatron"} and not any(c.sp for c in no_sp.choices[i])
+
+
+def test_the_solver_offers_cp_beside_tp_where_the_sequence_caps_cp() -> None:
+    """A long sequence of 8,200 tokens on 8 ranks with one sample: 2·cp must divide S, so cp ≤ 4, and
+    one sample leaves no dp. cp=4 × tp=2 (each cp rank's pair splitting the blocks' heads) is the plan,
+    searched freely."""
+    base = transformer_graph(4, 1024, 8200, vocab=32768, heads=16)
+    kv = 2.0 * 8200 * (1024 // 4) * 2
+    layers = [replace(l, kv_bytes_per_sample=kv, attention_calls=1) if l.kind == "Block" else l for l in base]
+    graph = LayerGraph(layers, model_name="cp", example_batch=1, dtype_bytes=base.dtype_bytes, seq_len=8200,
+                       output_bytes_per_sample=base.output_bytes_per_sample, cp_refusal="")
+    plan = autopar.solve(graph, 8, cluster="h100-80g", global_batch=1, runners_up=0)
+    assert (plan.mesh.cp, plan.mesh.tp, plan.mesh.dp, plan.mesh.pp) == (4, 2, 1, 1)
+    assert {l.choice.tp for l in plan.layers if l.name.startswith("blocks.")} == {"megatron"}
+    assert plan.predicted.breakdown.cp_comm_s > 0 and plan.predicted.breakdown.tp_comm_s > 0
+
+
+def test_a_whole_kv_style_pinned_under_cp_is_refused_by_the_solver_and_by_the_cp_pass() -> None:
+    from autopar.passes.context_parallel import check_context_parallel
+
+    blocks = []
+    for l in _graph():
+        if l.kind == "Block":
+            l = replace(l, tp_styles=(replace(l.tp_style("megatron"), whole={"attn.qkv": (0,)}),))
+        blocks.append(l)
+    mq = LayerGraph(blocks, model_name="cp", example_batch=1, dtype_bytes=2, seq_len=S, cp_refusal="")
+    with pytest.raises(PinError, match=r"under cp a pinned style holds key/value projections whole"):
+        autopar.solve(mq, 4, cluster="h100-80g", global_batch=1, pins=["cp=2", "tp=2", "blocks.*:tp=megatron"])
+    plan = autopar.solve(mq, 4, cluster="h100-80g", global_batch=2,
+                         pins=["pp=1", "dp=2", "tp=2", "blocks.*:tp=megatron"])
+    cp_plan = replace(plan, mesh=plan.mesh.replace(cp=2, dp=1))  # a hand-made plan the solver would not make
+    with pytest.raises(LoweringError, match=r"blocks.0, blocks.1 hold key/value projections whole on every tp rank"):
+        check_context_parallel(mq, cp_plan)

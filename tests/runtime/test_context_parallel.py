@@ -1,6 +1,8 @@
 """Context parallelism (cp) against one process, on gloo: examples/gpt.py's GPT and a tiny Hugging Face
 Llama (grouped-query SDPA, rotary positions) trained 3 steps under cp=2 (W=2, also with full recompute),
-cp=4 (W=4) and cp=2 × dp=2 (W=4; the GPT at ZeRO-3, sharded over the dp × cp ranks) — and under what
+cp=4 (W=4), cp=2 × dp=2 (W=4; the GPT at ZeRO-3, sharded over the dp × cp ranks) and cp=2 × tp=2 (W=4;
+Megatron blocks, with and without sequence parallelism; the GPT's embeddings vocab-parallel), and dp=2 × cp=2
+× tp=2 (W=8, the GPT at ZeRO-3) — and under what
 else the planner offers beside cp: selective recompute, 2 microbatches (gradient accumulation) on the
 replicate engine and at ZeRO-1, 2 and 3 (over the cp ranks alone, and over dp × cp), and one plan per
 model mixing recompute kinds (none, full, selective, alternate_mm) and ZeRO stages across its blocks.
@@ -25,6 +27,8 @@ pytestmark = pytest.mark.distributed
 W2 = ["cp2_gpt", "cp2_llama", "cp2_recompute_gpt", "cp2_selective_accum_llama", "cp2_zero3_selective_accum_gpt"]
 W4 = ["cp4_gpt", "cp4_llama", "cp2_dp2_zero3_gpt", "cp2_dp2_llama", "cp2_dp2_zero1_accum_gpt",
       "cp2_dp2_zero2_accum_llama", "cp2_dp2_mixed_gpt", "cp2_dp2_mixed_llama"]
+W4_TP = ["cp2_tp2_gpt", "cp2_tp2_llama", "cp2_tp2_sp_gpt", "cp2_tp2_sp_llama", "cp2_tp2_zero3_selective_accum_gpt",
+         "cp2_tp2_sp_recompute_accum_llama"]
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +37,13 @@ def w2(ranks) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
+def w8(ranks) -> dict[str, dict]:
+    return ranks(8).run(["cp2_dp2_tp2_zero3_gpt"], module="context_cases")
+
+
+@pytest.fixture(scope="module")
 def w4(ranks) -> dict[str, dict]:
-    return ranks(4).run(W4, module="context_cases")
+    return ranks(4).run(W4 + W4_TP, module="context_cases")
 
 
 @pytest.mark.parametrize("case", W2)
@@ -86,3 +95,28 @@ def test_the_model_own_loss_is_refused_and_each_rank_holds_its_chunks(w2: dict) 
     for r in every_rank(w2["cp2_refuses_labels"]):
         assert "cannot compute its own loss from 'labels'" in r["message"]
         assert r["local_shape"] == [2, 8]
+
+
+@pytest.mark.parametrize("case", W4_TP)
+def test_cp2_beside_tp2_with_and_without_sp_matches_one_device(w4: dict, case: str) -> None:
+    """cp=2 × tp=2: each cp rank's tp pair splits the heads and MLP of its chunks (sp: and the blocks'
+    sequence share), K and V of the tp rank's heads gathered over the cp group alone; also beside
+    ZeRO-3 over the cp ranks with selective recompute, and ZeRO-1 with full recompute, over 2
+    microbatches."""
+    check_equivalent(w4[case])
+    for r in every_rank(w4[case]):
+        assert r["mesh"] == [1, 1, 2] and r["mesh_dims"] == ["pp", "dp", "cp", "tp"]
+    blocks = [layer for layer in w4[case]["layers"] if layer[0].startswith(("blocks.", "model.layers."))]
+    assert blocks and all(tp == "megatron" and sp == ("_sp_" in case) for _, tp, _, _, sp in blocks)
+    if "accum" in case:
+        assert w4[case]["microbatches"] == 2
+        assert {(zero, recompute) for _, _, zero, recompute, _ in blocks} == (
+            {(3, 2)} if "zero3" in case else {(1, 1)})
+
+
+def test_dp2_cp2_tp2_on_eight_ranks_matches_one_device(w8: dict) -> None:
+    """The 3-D data × context × tensor mesh: ZeRO-3 over the dp × cp ranks (dp_cp), each a tp pair."""
+    case = w8["cp2_dp2_tp2_zero3_gpt"]
+    check_equivalent(case)
+    for r in every_rank(case):
+        assert r["mesh"] == [1, 2, 2] and r["mesh_dims"] == ["pp", "dp", "cp", "tp"]
