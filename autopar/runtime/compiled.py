@@ -18,6 +18,18 @@ saves, as torchtitan compiles a block after wrapping it for activation
 checkpointing. Layers that are not blocks run eagerly, with the composable
 checkpoint hooks where they are recomputed.
 
+Each block compiles whole (``fullgraph=True``), so a block priced compiled
+never runs half eager behind dynamo's back. A block whose code forces a graph
+break (an op or side effect dynamo cannot trace) runs eagerly instead, from
+its first call on: :class:`CompiledBlock` warns once, naming the block and
+the break, and :attr:`autopar.runtime.model.ParallelModel.plan`'s notes say
+so. Side effects inside a checkpointed block (Hugging Face's ``kernels``
+package sets and resets a context variable in every wrapped forward, from
+transformers 5.25) are traced once and not replayed in the backward's
+recompute (dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint``, set
+only while a compiled block runs); without it dynamo breaks the graph at the
+checkpoint and the whole block ran eagerly, uncounted.
+
 What runs compiled is proven for DDP and FSDP2/ZeRO-1/2/3, with and without
 full and selective recompute (the tests compare 3 SGD steps with eager within
 1e-5 and count recompiles). :func:`check_compilable` refuses every other
@@ -32,6 +44,8 @@ and pipelines.
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch.nn as nn
@@ -94,11 +108,40 @@ def block_paths(graph: LayerGraph, plan: Plan) -> list[str]:
     return compiled_block_paths(graph, plan)
 
 
-def compile_blocks(parts: list[nn.Module], paths: list[str], **options: Any) -> list[str]:
-    """Replace each block's ``forward`` with ``torch.compile`` of it (in place; the module, its
-    hooks, FQNs and state-dict keys are unchanged); returns the paths compiled."""
-    import torch
+class CompiledBlock:
+    """A block's ``forward`` under ``torch.compile(fullgraph=True)``, or its eager ``forward`` from the
+    first graph break on (module docstring). ``broken`` is the break's first line (None while compiled);
+    ``on_break(path, reason)`` is told once."""
 
+    def __init__(self, path: str, eager: Callable[..., Any], on_break: Callable[[str, str], None] | None = None,
+                 **options: Any) -> None:
+        import torch
+
+        self.path, self.eager, self.on_break = path, eager, on_break
+        self.compiled = torch.compile(eager, fullgraph=True, **options)
+        self.broken: str | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.broken is not None:
+            return self.eager(*args, **kwargs)
+        import torch._dynamo
+
+        try:
+            with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+                return self.compiled(*args, **kwargs)
+        except torch._dynamo.exc.Unsupported as exc:  # raised while tracing, before the block ran
+            self.broken = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        warnings.warn(f"torch.compile: block {self.path!r} runs eagerly (the plan priced it compiled): "
+                      f"{self.broken}", stacklevel=2)
+        if self.on_break is not None:
+            self.on_break(self.path, self.broken)
+        return self.eager(*args, **kwargs)
+
+
+def compile_blocks(parts: list[nn.Module], paths: list[str], on_break: Callable[[str, str], None] | None = None,
+                   **options: Any) -> list[str]:
+    """Replace each block's ``forward`` with a :class:`CompiledBlock` of it (in place; the module, its
+    hooks, FQNs and state-dict keys are unchanged); returns the paths compiled."""
     done = []
     for part in parts:
         for path in paths:
@@ -106,10 +149,10 @@ def compile_blocks(parts: list[nn.Module], paths: list[str], **options: Any) -> 
                 block = part.get_submodule(path)
             except AttributeError:  # not in this part
                 continue
-            block.forward = torch.compile(block.forward, **options)  # type: ignore[method-assign]
+            block.forward = CompiledBlock(path, block.forward, on_break, **options)  # type: ignore[method-assign]
             done.append(path)
     return done
 
 
-__all__ = ["COMPILE_ENV", "block_paths", "check_compilable", "check_compiled", "compile_blocks", "requested",
-           "unsupported"]
+__all__ = ["COMPILE_ENV", "CompiledBlock", "block_paths", "check_compilable", "check_compiled", "compile_blocks",
+           "requested", "unsupported"]

@@ -33,7 +33,7 @@ when any process exits non-zero.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -542,7 +542,12 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
                         loss_fn=fp32_loss(loss_fn) if dtype is not None else loss_fn, init_fn=init_fn)
     else:
         lowered = lower_local(model, graph, plan, init_fn)
-    blocks = compile_blocks(lowered.parts, block_paths(graph, plan)) if plan.training.compiled else []
+
+    def eager_block(path: str, reason: str) -> None:  # a graph break: the block runs eagerly from now on
+        pm.plan = replace(pm.plan, notes=(*pm.plan.notes, f"torch.compile: block {path!r} runs eagerly, not as "
+                                          f"priced: {reason}"))
+
+    blocks = compile_blocks(lowered.parts, block_paths(graph, plan), eager_block) if plan.training.compiled else []
     masters = _mixed_precision(lowered, plan)
     entries = param_entries([(canonical.get(n, n), p) for n, p in lowered.named_parameters()], masters,
                             lowered.permutations)
