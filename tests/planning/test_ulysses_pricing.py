@@ -172,3 +172,28 @@ def test_the_method_is_in_the_plan_file_and_an_older_plan_loads_as_all_gather() 
     with pytest.raises(LoweringError, match=r"^Ulysses at cp=4 needs 4 to divide the key/value heads, but "
                                             r"blocks.0 has 2 key/value heads$"):
         check_context_parallel(graph, hand_made)
+
+
+def test_explain_shows_the_method_and_prices_the_other_one() -> None:
+    """``autopar explain`` names each column's cp attention, and ``--why-not cp_attention=…`` solves the
+    plan again with the other method: slower by the cp line (the all-gather moves 7/4 of b·S·h at
+    cp = 8 where Ulysses moves 7/16)."""
+    from autopar.tools.explain import explain
+
+    graph = _graph(heads=16, kv_heads=16, seq=16384, hidden=2048, blocks=4)
+    plan = _best(graph, 8, ["cp=8"])
+    assert plan.cp_attention is ULYSSES
+    e = explain(plan, graph, ["cp_attention=allgather"])
+    table = e.render()
+    assert any(line.split()[:4] == ["cp", "attention", "ulysses", "allgather"] for line in table.splitlines())
+    cf = e.counterfactuals[0]
+    assert cf.figures is not None and cf.figures.cp_attention == "allgather" and not cf.same_plan
+    assert cf.figures.step_time_s > plan.predicted.step_time_s
+    assert cf.figures.term("cp_comm_s") > plan.predicted.breakdown.cp_comm_s
+
+
+def test_a_ulysses_plan_notes_what_its_price_leaves_out() -> None:
+    plan = _best(_graph(heads=8, kv_heads=2), 2, ["cp=2", "cp_attention=ulysses"])
+    assert any(n.startswith("cp attention by Ulysses' head all-to-all (cp=2): not priced") for n in plan.notes)
+    gather = _best(_graph(heads=8, kv_heads=2), 2, ["cp=2", "cp_attention=allgather"])
+    assert not any("Ulysses" in n for n in gather.notes)
