@@ -131,6 +131,11 @@ SPECS: dict[str, Spec] = {
     # beside tp: each tp rank's heads split again over cp (cp × tp divides the key/value heads)
     "uly_cp2_tp2_gpt": Spec(gpt_tiny, _pins(2, tp=2) + GPT_TP + ULYSSES, 2),
     "uly_cp2_tp2_llama": Spec(hf_llama_kv4, _pins(2, tp=2) + LLAMA_TP + ULYSSES, 2),
+    # what the planner offers beside it, as with the all-gather: selective recompute (its replay issues the
+    # all-to-alls again), gradient accumulation at ZeRO-1 over dp × cp, sequence parallelism beside tp
+    "uly_cp2_selective_accum_llama": Spec(hf_llama, _pins(2, recompute="selective", m=2) + ULYSSES, 2),
+    "uly_cp2_dp2_zero1_accum_gpt": Spec(gpt_tiny, _pins(2, dp=2, zero=1, m=2) + ULYSSES, 4),
+    "uly_cp2_tp2_sp_gpt": Spec(gpt_tiny, _pins(2, tp=2) + GPT_TP + ("blocks.*:sp=on",) + ULYSSES, 2),
 }
 
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}

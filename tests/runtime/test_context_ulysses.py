@@ -1,8 +1,9 @@
 """cp's head all-to-all (DeepSpeed-Ulysses) against one process, on gloo: examples/gpt.py's GPT (4 heads) and
 a tiny Hugging Face Llama (grouped-query: 4 heads over 2 key/value heads) trained 3 steps with
-``cp_attention=ulysses`` at cp=2 (W=2; the Llama also with full recompute), cp=4 (W=4, the GPT: one head a
-rank), cp=2 × dp=2 (W=4; the GPT at ZeRO-3 over the dp × cp ranks) and cp=2 × tp=2 (W=4; Megatron blocks,
-the GPT's 4 heads and a Llama's 4 key/value heads split over tp, then over cp).
+``cp_attention=ulysses`` at cp=2 (W=2; the Llama also with full recompute, and with selective recompute over 2
+microbatches), cp=4 (W=4, the GPT: one head a rank), cp=2 × dp=2 (W=4; the GPT at ZeRO-3 over the dp × cp
+ranks, and at ZeRO-1 over 2 microbatches) and cp=2 × tp=2 (W=4; Megatron blocks, the GPT's 4 heads and a
+Llama's 4 key/value heads split over tp, then over cp; the GPT also with sequence parallelism).
 
 Bars (DESIGN.md, fp32 on CPU): first-step loss and gradients, SGD losses and parameters within 1e-5
 relative per tensor; AdamW losses within 1e-3. The lowering really is the all-to-all: a step calls
@@ -21,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 pytestmark = pytest.mark.distributed
 
-W2 = ["uly_cp2_gpt", "uly_cp2_llama", "uly_cp2_recompute_llama"]
-W4 = ["uly_cp4_gpt", "uly_cp2_dp2_gpt", "uly_cp2_dp2_llama", "uly_cp2_tp2_gpt", "uly_cp2_tp2_llama"]
+W2 = ["uly_cp2_gpt", "uly_cp2_llama", "uly_cp2_recompute_llama", "uly_cp2_selective_accum_llama"]
+W4 = ["uly_cp4_gpt", "uly_cp2_dp2_gpt", "uly_cp2_dp2_llama", "uly_cp2_tp2_gpt", "uly_cp2_tp2_llama",
+      "uly_cp2_dp2_zero1_accum_gpt", "uly_cp2_tp2_sp_gpt"]
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +43,12 @@ def test_ulysses_cp2_on_two_ranks_matches_one_device(w2: dict, case: str) -> Non
     assert w2[case]["cp_attention"] == "ulysses"
     for r in every_rank(w2[case]):
         assert r["mesh_dims"] == ["pp", "dp", "cp", "tp"]
+    decoders = {p: k for p, k in w2[case]["recomputed"].items() if p.startswith("model.layers.")}
+    if "recompute" in case:  # the recomputed forward runs the all-to-alls again
+        assert decoders == {"model.layers.0": "full", "model.layers.1": "full"}
+    if "selective" in case:  # the selective replay issues them again; 2 microbatches
+        assert decoders == {"model.layers.0": "selective", "model.layers.1": "selective"}
+        assert w2[case]["microbatches"] == 2
 
 
 @pytest.mark.parametrize("case", W4)
@@ -53,7 +61,10 @@ def test_ulysses_cp4_and_beside_dp_or_tp_on_four_ranks_matches_one_device(w4: di
         assert all(r["local_bytes_frac"] < 0.3 for r in every_rank(w4[case]))
     if "tp2" in case:
         blocks = [layer for layer in w4[case]["layers"] if layer[0].startswith(("blocks.", "model.layers."))]
-        assert blocks and all(tp == "megatron" for _, tp, _, _, _ in blocks)
+        assert blocks and all(tp == "megatron" and sp == ("_sp_" in case) for _, tp, _, _, sp in blocks)
+    if "accum" in case:  # ZeRO-1 over dp × cp, its sync deferred to the second microbatch
+        assert w4[case]["microbatches"] == 2
+        assert {tuple(u) for u in w4[case]["units"]} >= {("", 1, "fully_shard")}
 
 
 def test_the_ulysses_plan_runs_the_head_all_to_all_not_the_kv_all_gather(w2: dict) -> None:
