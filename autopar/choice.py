@@ -17,7 +17,7 @@ solver's assignment is a stage and a choice per layer.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 from typing import Any
 
 
@@ -52,6 +52,29 @@ class Recompute(IntEnum):
                 raise ValueError("recompute must be one of none, selective, alternate_mm, full; "
                                  f"got {value!r}") from None
         return cls(int(value))
+
+
+class CpAttention(StrEnum):
+    """How attention sees the whole sequence under context parallelism (cp): one method for the plan.
+
+    ``ALL_GATHER`` gathers K and V over the cp group and runs each rank's query chunks against the key
+    prefixes they see; ``ULYSSES`` (DeepSpeed-Ulysses) moves q, k and v by all-to-all from a split of the
+    sequence to a split of the heads, runs causal attention over the whole sequence for the rank's
+    heads, and moves the output back (``passes/context_parallel.py``). A plan file written before the
+    method was a choice means all-gather.
+    """
+
+    ALL_GATHER = "allgather"
+    ULYSSES = "ulysses"
+
+    @classmethod
+    def of(cls, value: CpAttention | str) -> CpAttention:
+        """A method from itself or its name (``all_gather``, ``all-gather``, ``a2a`` spelled as aliases)."""
+        text = str(value).lower().replace("-", "").replace("_", "")
+        aliases = {"allgather": cls.ALL_GATHER, "ulysses": cls.ULYSSES, "a2a": cls.ULYSSES, "alltoall": cls.ULYSSES}
+        if text not in aliases:
+            raise ValueError(f"cp_attention must be allgather or ulysses, got {value!r}")
+        return aliases[text]
 
 
 @dataclass(frozen=True)
@@ -108,4 +131,4 @@ CHOICE_FIELDS = tuple(f.name for f in fields(LayerChoice))
 # fields every plan file has had; one added later (sp, a new axis's) loads with its default when absent
 REQUIRED_IN_FILE = ("zero", "recompute")
 
-__all__ = ["CHOICE_FIELDS", "LayerChoice", "Recompute"]
+__all__ = ["CHOICE_FIELDS", "CpAttention", "LayerChoice", "Recompute"]

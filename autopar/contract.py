@@ -68,7 +68,7 @@ from enum import Enum, IntEnum
 from typing import TYPE_CHECKING
 from weakref import WeakKeyDictionary
 
-from autopar.choice import LayerChoice, Recompute
+from autopar.choice import CpAttention, LayerChoice, Recompute
 from autopar.units import MiB
 
 if TYPE_CHECKING:
@@ -183,6 +183,38 @@ def cp_admits_style(style: TPStyle, mesh: Mesh) -> bool:
 def cp_admits_sequence(seq_len: int, mesh: Mesh) -> bool:
     """Whether sequence parallelism can split a cp rank's S/cp tokens over the tp ranks."""
     return mesh.cp <= 1 or (seq_len // mesh.cp) % mesh.tp == 0
+
+
+def ulysses_refusal(graph: LayerGraph, mesh: Mesh) -> str | None:
+    """Why cp's head all-to-all (Ulysses, :attr:`CpAttention.ULYSSES`) cannot run ``graph``'s attention
+    on ``mesh`` (None when it can). It hands each cp rank heads/cp of every call's query and key/value
+    heads, so cp must divide the key/value heads (a query head's key/value head then lands on its rank:
+    grouped-query heads stay grouped); beside tp it splits the tp rank's share, so cp × tp must divide
+    them (a layer tp leaves whole holds all its heads: cp alone would do, cp × tp is asked of all).
+    Head counts come from capture (``capturing.context``); a graph captured before they were recorded,
+    or a call whose key and value are not 4-D [batch, heads, sequence, dim], gets no Ulysses."""
+    if mesh.cp <= 1:
+        return "Ulysses splits attention over the cp ranks, and cp is 1"
+    split, by = mesh.cp * mesh.tp, (f"cp × tp = {mesh.cp} × {mesh.tp} = {mesh.cp * mesh.tp}" if mesh.tp > 1
+                                     else f"cp={mesh.cp}")
+    for layer in graph:
+        if not layer.attention_calls:
+            continue
+        if not layer.kv_heads or 0 in layer.kv_heads:
+            return (f"Ulysses needs each attention call's key/value head count, which capture did not record "
+                    f"for {layer.name} (key and value not [batch, heads, sequence, dim], or an older capture)")
+        wrong = [h for h in layer.kv_heads if h % split]
+        if wrong:
+            return (f"Ulysses at {by} needs {split} to divide the key/value heads, but {layer.name} has "
+                    f"{wrong[0]} key/value heads")
+    return None
+
+
+def cp_methods(graph: LayerGraph, mesh: Mesh) -> tuple[CpAttention, ...]:
+    """The attention methods a cp mesh offers on ``graph``: all-gather always, Ulysses where it runs."""
+    if mesh.cp <= 1:
+        return (CpAttention.ALL_GATHER,)
+    return (CpAttention.ALL_GATHER,) + (() if ulysses_refusal(graph, mesh) else (CpAttention.ULYSSES,))
 
 
 def unit_engine(zero: int) -> Engine:

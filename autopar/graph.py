@@ -314,6 +314,10 @@ class Layer:
     # all-gathers (capturing.context)
     kv_bytes_per_sample: float = 0.0
     attention_calls: int = 0  # its SDPA calls: under cp each saves its prefix causal masks as biases
+    # Q and output bytes per sample (whole sequence) of those calls, and their key/value head counts:
+    # what cp's head all-to-all (Ulysses) moves, and what its degree must divide (empty: not recorded)
+    qo_bytes_per_sample: float = 0.0
+    kv_heads: tuple[int, ...] = ()
 
     def tp_style(self, name: str) -> TPStyle:
         for style in self.tp_styles:
@@ -344,7 +348,7 @@ class Layer:
             tuple(o.signature() for o in self.ops),
             self.sync_norm_channels, bool(self.recompute_refusal),
             tuple(m.signature() for m in self.moe), self.unpriced_ops, round(self.kv_bytes_per_sample, 3),
-            self.attention_calls,
+            self.attention_calls, round(self.qo_bytes_per_sample, 3), self.kv_heads,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -355,6 +359,7 @@ class Layer:
         d["ops"] = [o.to_dict() for o in self.ops]
         d["moe"] = [m.to_dict() for m in self.moe]
         d["unpriced_ops"] = list(self.unpriced_ops)
+        d["kv_heads"] = list(self.kv_heads)
         return d
 
     @classmethod
@@ -367,6 +372,7 @@ class Layer:
         d["ops"] = tuple(OpRecord.from_dict(o) for o in d.get("ops", ()))
         d["moe"] = tuple(MoEFacts.from_dict(m) for m in d.get("moe", ()))
         d["unpriced_ops"] = tuple(d.get("unpriced_ops", ()))
+        d["kv_heads"] = tuple(d.get("kv_heads", ()))
         return cls(**d)
 
 

@@ -140,9 +140,11 @@ AXES: tuple[MeshAxis, ...] = (
     # lowered by passes/expert_parallel.py, priced by autopar.planning.pricing (experts, all-to-all, edp)
     MeshAxis("ep", "the experts of mixture-of-experts layers, over ranks borrowed from dp", _ep_check,
              folds="dp"),
-    # lowered by passes/context_parallel.py, priced by autopar.planning.pricing (K/V all-gather, ÷ cp);
+    # lowered by passes/context_parallel.py, priced by autopar.planning.pricing (K/V all-gather or Ulysses'
+    # head all-to-all, the plan's cp_attention; ÷ cp);
     # between dp and tp, as torchtitan's (dp_shard, cp, tp): the dp × cp ranks shard the weights together
-    MeshAxis("cp", "the sequence of every sample (head-tail balanced chunks; attention gathers K/V)", _cp_check),
+    MeshAxis("cp", "the sequence of every sample (head-tail balanced chunks; attention gathers K/V or "
+             "all-to-alls heads)", _cp_check),
     MeshAxis("tp", "each layer's weights and activations (its tensor-parallel style)", within_node=True),
 )
 

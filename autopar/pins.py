@@ -17,6 +17,11 @@ it against the graph). ``sp=on|off`` (global or per layer) turns sequence
 parallelism on the layers' tensor-parallel styles on or off: a global
 ``sp=on`` applies to the layers whose style can take it at the plan's tp; a
 per-layer one on a layer that cannot is a PinError naming the layer.
+``cp_attention=allgather|ulysses`` fixes how attention sees the whole sequence
+under cp (K/V all-gather, or the head all-to-all of DeepSpeed-Ulysses); free,
+the solver prices both where both run and takes the cheaper. A Ulysses pin on a
+model whose key/value heads cp (× tp) does not divide is a PinError naming the
+head count (planning checks it against the graph).
 """
 
 from __future__ import annotations
@@ -27,12 +32,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autopar import mesh
-from autopar.choice import Recompute
+from autopar.choice import CpAttention, Recompute
 from autopar.cost_models.pipeline import ScheduleKind
 from autopar.errors import PinError
 
 _UNSET: Any = object()
-PLAN_KEYS = ("microbatches", "schedule", "chunks", "zero", "recompute", "sp")  # the global keys besides the axes
+# the global keys besides the axes
+PLAN_KEYS = ("microbatches", "schedule", "chunks", "zero", "recompute", "sp", "cp_attention")
 LAYER_KEYS = ("stage", "tp", "zero", "recompute", "sp")
 _RECOMPUTE = {**dict.fromkeys(("full", "all", "on", "true", "yes", "1"), Recompute.FULL),
               **dict.fromkeys(("none", "off", "false", "no", "0"), Recompute.NONE),
@@ -74,6 +80,7 @@ class Pins:
     zero: int | None = None
     recompute: Recompute | None = None
     sp: bool | None = None  # every layer whose style can take it (global), or none
+    cp_attention: CpAttention | None = None  # under cp: all-gather or Ulysses (None: the solver's choice)
     layers: tuple[LayerPin, ...] = field(default_factory=tuple)
 
     @classmethod
@@ -256,6 +263,11 @@ def _global_value(key: str, value: str, item: str) -> Any:
         return _recompute(value, item)
     if key == "sp":
         return _on_off(value, item)
+    if key == "cp_attention":
+        try:
+            return CpAttention.of(value)
+        except ValueError:
+            raise PinError(f"pin {item!r}: cp_attention must be allgather or ulysses, got {value!r}") from None
     try:
         return SCHEDULE_NAMES[value.lower()]
     except KeyError:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from autopar.choice import LayerChoice
+from autopar.choice import CpAttention, LayerChoice
 from autopar.cost_models.hardware import ClusterSpec, CostModelError
 from autopar.cost_models.pipeline import ScheduleKind
 from autopar.errors import MeshError, PlanError
@@ -56,7 +56,7 @@ class Breakdown:
     pp_comm_s: float
     optimizer_s: float
     ep_comm_s: float = 0.0  # the experts' dispatch and combine all-to-alls (0 in plans written before ep)
-    cp_comm_s: float = 0.0  # cp's K/V all-gathers and their reduce-scatters (0 in plans written before cp's line)
+    cp_comm_s: float = 0.0  # cp's K/V all-gathers and reduce-scatters, or Ulysses' all-to-alls (0 before cp's line)
 
 
 # The breakdown's terms in the order every table and picture shows them: (field, short label, long label).
@@ -64,7 +64,7 @@ BREAKDOWN_TERMS: tuple[tuple[str, str, str], ...] = (
     ("compute_s", "compute", "compute"), ("bubble_s", "bubble", "pipeline bubble"),
     ("tp_comm_s", "tp comm", "tensor-parallel communication"),
     ("ep_comm_s", "ep comm", "expert-parallel all-to-all"),
-    ("cp_comm_s", "cp comm", "context-parallel K/V all-gather"),
+    ("cp_comm_s", "cp comm", "context-parallel K/V all-gather or head all-to-all"),
     ("dp_comm_s", "dp comm", "data-parallel communication"), ("pp_comm_s", "pp comm", "pipeline communication"),
     ("optimizer_s", "optimizer", "optimizer step"))
 
@@ -152,11 +152,13 @@ class RunnerUp:
     breakdown: Breakdown
     optimal: bool  # False: the best CP-SAT found in a runner-up's short solve
     pins: tuple[str, ...]  # pins that fix its configuration (for `autopar plan --pin`)
+    cp_attention: CpAttention = CpAttention.ALL_GATHER  # under cp (files written before it: all-gather)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["mesh"] = self.mesh.to_dict()
         d["schedule"] = self.schedule.value
+        d["cp_attention"] = self.cp_attention.value
         for key in ("zero", "memory_per_rank_bytes", "pins"):
             d[key] = list(d[key])
         return d
@@ -218,6 +220,9 @@ class Plan:
     schema: str = SCHEMA
     notes: tuple[str, ...] = field(default_factory=tuple)
     runners_up: tuple[RunnerUp, ...] = ()  # the solver's next distinct configurations, fastest first
+    # under cp, how attention sees the whole sequence (K/V all-gather or Ulysses' head all-to-all);
+    # a file written before it was a choice loads as all-gather, the one method there was
+    cp_attention: CpAttention = CpAttention.ALL_GATHER
 
     # ------------------------------------------------------------ JSON
 
@@ -233,6 +238,7 @@ class Plan:
         d["predicted"]["ranks"] = [asdict(x) for x in self.predicted.ranks]
         d["pins"], d["notes"] = list(self.pins), list(self.notes)
         d["runners_up"] = [r.to_dict() for r in self.runners_up]
+        d["cp_attention"] = self.cp_attention.value
         schema = d.pop("schema")
         return {"schema": schema, **d}
 
@@ -373,6 +379,7 @@ def _plan_from_dict(d: Any, source: str) -> Plan:
             pins=tuple(d.get("pins", ())),
             notes=tuple(d.get("notes", ())),
             runners_up=tuple(_runner_up(r, f"{source}: runners_up") for r in d.get("runners_up", ())),
+            cp_attention=_cp_attention(d, source),
         )
     except TypeError as exc:  # unexpected or missing keys in a nested section
         raise PlanError(f"{source} has a malformed section: {exc}") from None
@@ -418,6 +425,17 @@ def _record(cls: type, raw: Any, source: str) -> Any:
     return cls(**{n: v if n in _INT_FIELDS else float(v) for n, v in values.items()})
 
 
+def _cp_attention(d: dict, source: str) -> CpAttention:
+    """The ``cp_attention`` field: ``allgather`` or ``ulysses``; absent (an older plan) all-gather."""
+    value = d.get("cp_attention", CpAttention.ALL_GATHER.value)
+    if not isinstance(value, str):
+        raise PlanError(f"{source}: field 'cp_attention' has the wrong type ({type(value).__name__})")
+    try:
+        return CpAttention(value)
+    except ValueError:
+        raise PlanError(f"{source}: field 'cp_attention' is {value!r}; use allgather or ulysses") from None
+
+
 def _runner_up(r: Any, source: str) -> RunnerUp:
     if not isinstance(r, dict):
         raise PlanError(f"{source}: an entry is not a JSON object")
@@ -434,6 +452,7 @@ def _runner_up(r: Any, source: str) -> RunnerUp:
         breakdown=Breakdown(**_require(r, "breakdown", dict, source)),
         optimal=_require(r, "optimal", bool, source),
         pins=tuple(_require(r, "pins", list, source)),
+        cp_attention=_cp_attention(r, source),
     )
 
 
@@ -444,6 +463,8 @@ def _check_consistent(plan: Plan, source: str) -> None:
     stages = [l.stage for l in plan.layers]
     if any(b < a for a, b in zip(stages, stages[1:])) or (stages and max(stages) >= plan.stages):
         raise PlanError(f"{source}: layer stages must be non-decreasing and below {plan.stages}")
+    if plan.cp_attention is CpAttention.ULYSSES and plan.mesh.cp <= 1:
+        raise PlanError(f"{source}: cp_attention 'ulysses' splits attention over cp ranks, but the mesh has cp=1")
     if any(l.choice.zero not in (0, 1, 2, 3) for l in plan.layers):
         raise PlanError(f"{source}: a layer's zero stage is not 0–3")
     p = plan.predicted
@@ -503,6 +524,11 @@ def _memory_line(plan: Plan) -> str:
             + f"  (per pipeline rank; budget {budget})")
 
 
+_METHOD = {CpAttention.ALL_GATHER: "allgather (K/V all-gather)",
+           CpAttention.ULYSSES: "ulysses (head all-to-all)"}
+_COMM = {CpAttention.ALL_GATHER: "K/V", CpAttention.ULYSSES: "all-to-all"}
+
+
 def render_summary(plan: Plan) -> str:
     p, m = plan.predicted, plan.mesh
     sched = plan.schedule.value + (f" × {plan.chunks} chunks" if plan.chunks > 1 else "")
@@ -514,13 +540,13 @@ def render_summary(plan: Plan) -> str:
         f"autopar plan — {plan.model} on {plan.world_size} × {plan.cluster.device.name}"
         f" ({plan.cluster.name}, {plan.training.dtype}"
         + (", blocks under torch.compile" if plan.training.compiled else "") + ")",
-        f"mesh          {m.describe()}",
+        f"mesh          {m.describe()}" + (f"   cp attention {_METHOD[plan.cp_attention]}" if m.cp > 1 else ""),
         f"batch         {plan.training.global_batch} = dp {m.dp} × {plan.microbatches} microbatches"
         f" × {plan.microbatch_size}   schedule {sched}",
         f"step time     {p.step_time_s:.4g} s   {format_flop_rate(p.tflops_per_gpu * 1e12)} per {noun}{tokens}",
         f"  breakdown   compute {b.compute_s:.4g} s · bubble {b.bubble_s:.4g} s · tp {b.tp_comm_s:.4g} s"
         + (f" · ep all-to-all {b.ep_comm_s:.4g} s" if m.ep > 1 else "")
-        + (f" · cp K/V {b.cp_comm_s:.4g} s" if m.cp > 1 else "")
+        + (f" · cp {_COMM[plan.cp_attention]} {b.cp_comm_s:.4g} s" if m.cp > 1 else "")
         + f" · dp {b.dp_comm_s:.4g} s · pp {b.pp_comm_s:.4g} s · optimizer {b.optimizer_s:.4g} s",
         "memory/rank   " + _memory_line(plan),
         f"solver        {plan.solver.status}{gap} in {plan.solver.wall_s:.2f} s"

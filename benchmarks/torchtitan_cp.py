@@ -80,7 +80,10 @@ RUNS = [PublishedRun(32_768, 1, 3890, 83.9), PublishedRun(65_536, 2, 2540, 84.2)
 
 
 def pins(run: PublishedRun) -> list[str]:
-    return ["pp=1", "tp=1", "ep=1", f"cp={run.cp}", f"dp={run.dp}", "microbatches=1", "zero=3",
+    """The published run, everything pinned. Its attention across ranks was torchtitan's ring (K/V passed
+    round the cp group): the all-gather moves the same K/V volume, so it is pinned, not Ulysses' all-to-all."""
+    method = ["cp_attention=allgather"] if run.cp > 1 else []
+    return ["pp=1", "tp=1", "ep=1", f"cp={run.cp}", f"dp={run.dp}", "microbatches=1", "zero=3", *method,
             f"{BLOCKS}:recompute=full", *(f"{name}:recompute=none" for name in NOT_BLOCKS)]
 
 
@@ -105,8 +108,10 @@ def free_plan(graph, run: PublishedRun, time_limit_s: float) -> str:
     except AutoparError as exc:
         return "no plan: " + str(exc).splitlines()[0]
     p = plan.predicted
-    return (f"{plan.mesh.describe()}, {plan.microbatches} microbatches, {p.tokens_per_s_per_gpu:,.0f} tok/s/GPU, "
-            f"{max(p.memory_per_rank_bytes) / GiB:.1f} GiB, {plan.solver.status}")
+    method = f" {plan.cp_attention}" if plan.mesh.cp > 1 else ""
+    return (f"{plan.mesh.describe()}{method}, {plan.microbatches} microbatches, "
+            f"{p.tokens_per_s_per_gpu:,.0f} tok/s/GPU, {max(p.memory_per_rank_bytes) / GiB:.1f} GiB, "
+            f"{plan.solver.status}")
 
 
 def main() -> None:

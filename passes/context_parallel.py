@@ -1,4 +1,5 @@
-"""Context parallelism (cp): the sequence split over the cp ranks, attention by all-gathered K/V.
+"""Context parallelism (cp): the sequence split over the cp ranks, attention by all-gathered K/V or by
+the head all-to-all (DeepSpeed-Ulysses), as the plan's ``cp_attention`` says.
 
 Every rank of a cp group holds, of each sequence of S tokens, two chunks of
 S/(2·cp): chunk ``r`` and chunk ``2·cp − 1 − r`` (head-tail load balancing:
@@ -23,7 +24,16 @@ refused there):
   L = S/(2·cp) queries against keys [0, (c + 1)·L), the causal mask on the
   diagonal L × L block only), so the masked keys past each chunk are never
   computed (L × (2·cp + 1)·L scores instead of S/cp × S; the masked half of
-  each diagonal block still is). It runs on gloo (CPU) and NCCL alike;
+  each diagonal block still is). It runs on gloo (CPU) and NCCL alike.
+  Under Ulysses (``plan.cp_attention`` ``ulysses``, :func:`ulysses_attention`) the
+  same call instead moves q, k and v by an all-to-all over the cp group
+  (``all_to_all_single_autograd``: its backward is the reverse all-to-all) from
+  [b, h, S/cp, d] (this rank's tokens, all heads) to [b, h/cp, S, d] (every token,
+  this rank's heads), puts the gathered tokens in global order, runs the
+  model's own causal SDPA over the whole sequence, and moves the output back the
+  same way. cp must divide the key/value heads (``contract.ulysses_refusal``):
+  query head group j and key/value head group j both land on rank j, so
+  grouped-query heads stay with their key/value head;
 * **positions are global.** The modules capture found receiving positions
   computed in the model from ``arange(S)`` (``graph.cp_positions``: the
   project's GPT's ``pos_emb``, a Hugging Face model's ``rotary_emb`` and its
@@ -50,7 +60,7 @@ swaps in its local tensor. Sequence parallelism composes: a block's hidden state
 share of the cp rank's S/cp tokens, gathered before the column projections, so attention still
 reads whole S/cp chunks of its heads.
 
-Both hold under every per-layer choice the planner offers beside cp, each run
+All hold under every per-layer choice the planner offers beside cp, each run
 against one device (``tests/runtime/test_context_parallel.py``): ZeRO 0–3 per
 layer (FSDP2 ``replicate`` or ``fully_shard`` units over ``dp_cp``, gradient
 sync deferred to the last microbatch at ZeRO-0/1), recompute none, full,
@@ -163,12 +173,41 @@ def _tp_heads(args: tuple, kwargs: dict) -> tuple[Any, Any] | None:
     return mode, layouts[0]
 
 
-class ContextAttention(TorchFunctionMode):
-    """Causal SDPA over the whole sequence from this rank's queries (see the module docstring)."""
+def ulysses_attention(func: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, order: torch.Tensor,
+                      group: Any, cp: int, kwargs: dict) -> torch.Tensor:
+    """Causal SDPA by the head all-to-all (DeepSpeed-Ulysses): ``q``, ``k``, ``v`` [b, heads, S/cp, d] hold
+    this rank's tokens; each goes by one all-to-all over ``group`` to [b, heads/cp, S, d] — head group j
+    to rank j, every rank's tokens in rank order — is put in global token order by ``order`` (the
+    gathered rows' argsort), and ``func`` runs causal over the whole sequence; the output goes back
+    by the inverse permutation and one all-to-all. ``all_to_all_single_autograd`` is torch's
+    autograd-aware collective (its backward the reverse all-to-all; gloo and NCCL run it)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-    def __init__(self, group: Any, seq_len: int, cp: int, rank: int):
+    def to_heads(x: torch.Tensor) -> torch.Tensor:
+        b, h, n, d = x.shape
+        chunks = x.reshape(b, cp, h // cp, n, d).transpose(0, 1).contiguous()  # [cp (head group), b, h/cp, n, d]
+        got = all_to_all_single_autograd(chunks.flatten(0, 1), None, None, group)
+        got = got.reshape(cp, b, h // cp, n, d).permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * n, d)
+        return got.index_select(2, order)  # [b, h/cp, S, d] in global token order
+
+    def to_tokens(x: torch.Tensor) -> torch.Tensor:
+        b, g, s, d = x.shape
+        x = x.index_select(2, torch.argsort(order))  # back to rank order: rank r's tokens r·S/cp onwards
+        chunks = x.reshape(b, g, cp, s // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # [cp (rank), b, g, n, d]
+        got = all_to_all_single_autograd(chunks.flatten(0, 1), None, None, group)
+        return got.reshape(cp, b, g, s // cp, d).transpose(0, 1).reshape(b, cp * g, s // cp, d)
+
+    out = func(to_heads(q), to_heads(k), to_heads(v), **{**kwargs, "attn_mask": None, "is_causal": True})
+    return to_tokens(out)
+
+
+class ContextAttention(TorchFunctionMode):
+    """Causal SDPA over the whole sequence from this rank's queries (see the module docstring), by
+    K/V all-gather or, with ``ulysses``, by the head all-to-all (:func:`ulysses_attention`)."""
+
+    def __init__(self, group: Any, seq_len: int, cp: int, rank: int, ulysses: bool = False):
         super().__init__()
-        self.group, self.seq_len, self.cp = group, seq_len, cp
+        self.group, self.seq_len, self.cp, self.ulysses = group, seq_len, cp, ulysses
         chunk = seq_len // (2 * cp)
         self.starts = (rank * chunk, (2 * cp - 1 - rank) * chunk)  # the head and tail chunks (positions)
         gathered = torch.cat([positions(seq_len, cp, r) for r in range(cp)])  # global position of each row
@@ -201,6 +240,12 @@ class ContextAttention(TorchFunctionMode):
             raise LoweringError(f"under cp={self.cp} attention expected {self.seq_len // self.cp} local tokens, "
                                 f"got {local}")
         order = self.order.to(k.device)
+        if self.ulysses:
+            if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[1] % self.cp or q.shape[1] % self.cp:
+                raise LoweringError(f"Ulysses at cp={self.cp} needs query, key and value [batch, heads, sequence, "
+                                    f"dim] with heads divisible by {self.cp}, got {list(q.shape)}, {list(k.shape)} "
+                                    "(capture proved them: the model changed since)")
+            return ulysses_attention(func, q, k, v, order, self.group, self.cp, kwargs)
         k = all_gather_tensor_autograd(k.contiguous(), gather_dim=k.dim() - 2, group=self.group)
         v = all_gather_tensor_autograd(v.contiguous(), gather_dim=v.dim() - 2, group=self.group)
         k, v = k.index_select(k.dim() - 2, order), v.index_select(v.dim() - 2, order)
@@ -217,16 +262,17 @@ class ContextParallelResult:
     rank: int
     hooks: list[Any]
     attention: tuple[str, ...]
+    ulysses: bool = False  # the head all-to-all, not the K/V all-gather
 
 
-def _held(forward: Any, group: Any, seq_len: int, cp: int, rank: int) -> Any:
+def _held(forward: Any, group: Any, seq_len: int, cp: int, rank: int, ulysses: bool = False) -> Any:
     """``forward`` run under :class:`ContextAttention`. On the module, not around the step: a
     checkpointed block's forward re-runs inside backward, where a mode entered around the step is
     no longer on the stack (the recomputation then saved other tensors than the forward)."""
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        with ContextAttention(group, seq_len, cp, rank):
+        with ContextAttention(group, seq_len, cp, rank, ulysses):
             return forward(*args, **kwargs)
 
     run.__autopar_cp__ = True  # type: ignore[attr-defined]
@@ -287,6 +333,11 @@ def check_context_parallel(graph: Any, plan: Any) -> None:
     if whole:
         raise LoweringError(f"cp={cp} with tp={plan.mesh.tp}: {', '.join(whole)} hold key/value projections "
                             "whole on every tp rank, which cp cannot gather per head; plan them with tp=none")
+    from autopar.choice import CpAttention
+    from autopar.contract import ulysses_refusal
+
+    if plan.cp_attention is CpAttention.ULYSSES and (why := ulysses_refusal(graph, plan.mesh)):
+        raise LoweringError(why)
     if not graph.seq_len or graph.seq_len % (2 * cp):
         raise LoweringError(f"cp={cp} needs the sequence length divisible by 2·cp = {2 * cp}, "
                             f"got {graph.seq_len}")
@@ -301,11 +352,13 @@ def apply_context_parallel(module: nn.Module, graph: Any, plan: Any, mesh: Any) 
     hooks = [module.get_submodule(path).register_forward_pre_hook(_global_positions(local), with_kwargs=True)
              for path in graph.cp_positions]
     group = cp_mesh.get_group()
+    ulysses = str(plan.cp_attention) == "ulysses"
     for path in graph.cp_attention:
         attn = module.get_submodule(path)
-        attn.forward = _held(attn.forward, group, seq_len, plan.mesh.cp, rank)
-    return ContextParallelResult(group, seq_len, plan.mesh.cp, rank, hooks, graph.cp_attention)
+        attn.forward = _held(attn.forward, group, seq_len, plan.mesh.cp, rank, ulysses)
+    return ContextParallelResult(group, seq_len, plan.mesh.cp, rank, hooks, graph.cp_attention, ulysses)
 
 
 __all__ = ["DATA_DIM", "ContextAttention", "ContextParallelResult", "apply_context_parallel",
-           "check_context_parallel", "data_mesh", "is_held", "positions", "prefix_attention", "shard_sequence"]
+           "check_context_parallel", "data_mesh", "is_held", "positions", "prefix_attention", "shard_sequence",
+           "ulysses_attention"]

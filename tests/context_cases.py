@@ -39,6 +39,20 @@ def _pins(cp: int, dp: int = 1, zero: int = 0, recompute: str = "none", m: int =
     return ("pp=1", f"tp={tp}", f"dp={dp}", f"cp={cp}", f"zero={zero}", f"recompute={recompute}", f"microbatches={m}")
 
 
+ULYSSES = ("cp_attention=ulysses",)  # the head all-to-all instead of the K/V all-gather
+
+
+def hf_llama_kv4() -> tuple[nn.Module, tuple]:
+    """A Llama with 8 query heads over 4 key/value heads (head size 4): cp=2 × tp=2 divides its key/value
+    heads, so Ulysses runs beside tp on it."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+                                   use_cache=False, tie_word_embeddings=False, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(cfg), TOKENS
+
+
 LLAMA_TP = ("model.layers.*:tp=megatron", "model.embed_tokens:tp=vocab")
 
 
@@ -107,6 +121,21 @@ SPECS: dict[str, Spec] = {
     "cp2_tp2_sp_recompute_accum_llama": Spec(hf_llama, _pins(2, tp=2, zero=1, recompute="full", m=2) + LLAMA_TP
                                              + ("model.layers.*:sp=on",), 2),
     "cp2_dp2_mixed_llama": Spec(hf_llama_four, MIXED_LLAMA, 4),
+    # Ulysses: q, k, v all-to-all'd to heads/cp over the whole sequence, causal SDPA, the output back
+    "uly_cp2_gpt": Spec(gpt_tiny, _pins(2) + ULYSSES, 2),
+    "uly_cp2_llama": Spec(hf_llama, _pins(2) + ULYSSES, 2),  # grouped-query: 4 heads over 2 kv heads
+    "uly_cp2_recompute_llama": Spec(hf_llama, _pins(2, recompute="full") + ULYSSES, 2),
+    "uly_cp4_gpt": Spec(gpt_tiny, _pins(4) + ULYSSES, 2),  # 4 heads, one a rank
+    "uly_cp2_dp2_gpt": Spec(gpt_tiny, _pins(2, dp=2, zero=3) + ULYSSES, 4),
+    "uly_cp2_dp2_llama": Spec(hf_llama, _pins(2, dp=2) + ULYSSES, 4),
+    # beside tp: each tp rank's heads split again over cp (cp × tp divides the key/value heads)
+    "uly_cp2_tp2_gpt": Spec(gpt_tiny, _pins(2, tp=2) + GPT_TP + ULYSSES, 2),
+    "uly_cp2_tp2_llama": Spec(hf_llama_kv4, _pins(2, tp=2) + LLAMA_TP + ULYSSES, 2),
+    # what the planner offers beside it, as with the all-gather: selective recompute (its replay issues the
+    # all-to-alls again), gradient accumulation at ZeRO-1 over dp × cp, sequence parallelism beside tp
+    "uly_cp2_selective_accum_llama": Spec(hf_llama, _pins(2, recompute="selective", m=2) + ULYSSES, 2),
+    "uly_cp2_dp2_zero1_accum_gpt": Spec(gpt_tiny, _pins(2, dp=2, zero=1, m=2) + ULYSSES, 4),
+    "uly_cp2_tp2_sp_gpt": Spec(gpt_tiny, _pins(2, tp=2) + GPT_TP + ("blocks.*:sp=on",) + ULYSSES, 2),
 }
 
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}
@@ -131,3 +160,36 @@ def cp2_refuses_labels(rank: int, world_size: int) -> dict[str, Any]:
 
 
 CASES["cp2_refuses_labels"] = cp2_refuses_labels
+
+
+def uly_cp2_runs_all_to_alls(rank: int, world_size: int) -> dict[str, Any]:
+    """The Ulysses plan lowers to the head all-to-all, not the all-gather: one training step of the GPT
+    (2 blocks, one SDPA each) calls ``all_to_all_single_autograd`` 4 times a block in forward (q, k, v,
+    the output; backward runs autograd's reverse all-to-alls) and ``all_gather_tensor_autograd`` never."""
+    import torch.distributed._functional_collectives as fc
+
+    plan, graph = plan_for(SPECS["uly_cp2_gpt"], world_size)
+    torch.manual_seed(0)
+    model, inputs = gpt_tiny()
+    pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=graph)
+    calls = {"all_to_all": 0, "all_gather": 0}
+    real_a2a, real_ag = fc.all_to_all_single_autograd, fc.all_gather_tensor_autograd
+
+    def a2a(*a: Any, **k: Any) -> Any:
+        calls["all_to_all"] += 1
+        return real_a2a(*a, **k)
+
+    def ag(*a: Any, **k: Any) -> Any:
+        calls["all_gather"] += 1
+        return real_ag(*a, **k)
+
+    fc.all_to_all_single_autograd, fc.all_gather_tensor_autograd = a2a, ag
+    try:
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+        pm.train_step(pm.local_batch(ids), pm.local_batch(ids.roll(-1, 1)))
+    finally:
+        fc.all_to_all_single_autograd, fc.all_gather_tensor_autograd = real_a2a, real_ag
+    return {"calls": calls, "method": str(plan.cp_attention), "ulysses": pm.lowered.context.ulysses}
+
+
+CASES["uly_cp2_runs_all_to_alls"] = uly_cp2_runs_all_to_alls

@@ -219,6 +219,7 @@ def equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
                                    "mesh_dims": sgd["mesh_dims"],
                                    "microbatches": plan.microbatches, "schedule": plan.schedule.value,
                                    "chunks": plan.chunks, "tracer": sgd["tracer"],
+                                   "cp_attention": str(plan.cp_attention),
                                    "stages": [l.stage for l in plan.layers],
                                    "layers": [[l.name, l.choice.tp, l.choice.zero, l.choice.recompute, l.choice.sp]
                                               for l in plan.layers],

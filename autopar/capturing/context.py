@@ -26,7 +26,9 @@ weights are on) under a ``TorchFunctionMode`` and proves what it can:
 Whatever fails is :attr:`ContextFacts.refusal`, one line naming the op and
 the module; the planner then refuses cp with it (``AxisLimits.context_refusal``).
 The per-layer K/V bytes of the attention calls (:attr:`ContextFacts.kv_bytes`)
-are what pricing all-gathers.
+are what pricing all-gathers; their Q and output bytes and key/value head counts
+(:attr:`ContextFacts.qo_bytes`, :attr:`ContextFacts.kv_heads`) what the head
+all-to-all (Ulysses) moves and what its degree must divide.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ class ContextFacts:
     positions: tuple[str, ...] = ()
     kv_bytes: dict[str, float] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)  # SDPA calls per module path
-
+    qo_bytes: dict[str, float] = field(default_factory=dict)  # Q and output bytes per sample, per path
+    kv_heads: dict[str, tuple[int, ...]] = field(default_factory=dict)  # key/value head counts (0: not 4-D)
 
     def graph_fields(self) -> dict[str, Any]:
         """The LayerGraph's cp fields."""
@@ -84,7 +87,10 @@ def with_attention(layers: list[Layer], facts: ContextFacts) -> list[Layer]:
         return bool(layer.module_path) and (path + ".").startswith(f"{layer.module_path}.")
 
     return [replace(l, kv_bytes_per_sample=sum(b for p, b in facts.kv_bytes.items() if inside(p, l)),
-                    attention_calls=sum(n for p, n in facts.calls.items() if inside(p, l))) for l in layers]
+                    attention_calls=sum(n for p, n in facts.calls.items() if inside(p, l)),
+                    qo_bytes_per_sample=sum(b for p, b in facts.qo_bytes.items() if inside(p, l)),
+                    kv_heads=tuple(sorted({h for p, hs in facts.kv_heads.items() if inside(p, l) for h in hs})))
+            for l in layers]
 
 
 class _Probe(TorchFunctionMode):
@@ -97,6 +103,8 @@ class _Probe(TorchFunctionMode):
         self.problems: list[str] = []
         self.kv_bytes: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.qo_bytes: dict[str, float] = {}
+        self.kv_heads: dict[str, tuple[int, ...]] = {}
 
     def _where(self) -> str:
         return self.stack[-1] if self.stack and self.stack[-1] else "the model's forward"
@@ -169,6 +177,11 @@ class _Probe(TorchFunctionMode):
         nbytes = (k.numel() * k.element_size() + v.numel() * v.element_size()) / self.batch
         self.kv_bytes[where] = self.kv_bytes.get(where, 0.0) + nbytes
         self.calls[where] = self.calls.get(where, 0) + 1
+        # the output is shaped like the query with the value's head size
+        out = q.numel() // q.shape[-1] * v.shape[-1] * q.element_size()
+        self.qo_bytes[where] = self.qo_bytes.get(where, 0.0) + (q.numel() * q.element_size() + out) / self.batch
+        heads = k.shape[1] if k.dim() == 4 and v.dim() == 4 and k.shape[1] == v.shape[1] else 0
+        self.kv_heads[where] = tuple(sorted({*self.kv_heads.get(where, ()), heads}))
 
 
 def _state(model: nn.Module) -> dict[tuple[int, str, str], tuple[nn.Module, Any]]:
@@ -300,7 +313,8 @@ def context_facts(model: nn.Module, args: tuple, kwargs: dict, seq_len: int | No
         return ContextFacts("scaled_dot_product_attention is called outside any submodule (the runtime wraps "
                             "the modules that call it)")
     return ContextFacts("", tuple(positions), _copy_twins(probe.kv_bytes, twins, shaped),
-                        _copy_twins(probe.calls, twins, shaped))
+                        _copy_twins(probe.calls, twins, shaped), _copy_twins(probe.qo_bytes, twins, shaped),
+                        _copy_twins(probe.kv_heads, twins, shaped))
 
 
 __all__ = ["SEQUENCE_MIXING", "ContextFacts", "context_facts", "probe_layers", "twin_paths", "with_attention"]

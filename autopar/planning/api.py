@@ -112,7 +112,8 @@ def reprice(graph: LayerGraph, plan: Plan, cluster: str | ClusterSpec | None = N
     choices = tuple(l.choice for l in plan.layers)
     # the data-parallel mode the plan lowers in; a choice the search space leaves out is priced all the same
     mode = contract.mode_of(graph, contract.data_ranks(plan.mesh), tuple(c.zero for c in choices), plan.mesh.pp)
-    config = Configuration(plan.mesh, plan.microbatches, Schedule(ScheduleKind(plan.schedule), plan.chunks), mode)
+    config = Configuration(plan.mesh, plan.microbatches, Schedule(ScheduleKind(plan.schedule), plan.chunks), mode,
+                           plan.cp_attention)
     table = PriceTable(graph, config, spec, training)
     prediction = evaluate(table, stages, choices)
     solution = Solution(config, stages, choices, prediction, table, plan.solver.status,
@@ -161,6 +162,7 @@ def build_plan(graph: LayerGraph, solution: Solution, cluster: ClusterSpec,
         pins=tuple(pins.to_strings()),
         notes=contract_notes(graph, solution) + choice_notes(graph, solution) + search_notes(graph, pins, c.world_size),
         runners_up=tuple(runner_up(graph, r) for r in solution.runners_up),
+        cp_attention=c.cp_attention,
     )
 
 
@@ -177,13 +179,15 @@ def runner_up(graph: LayerGraph, candidate: Candidate) -> RunnerUp:
         pins.append(f"chunks={c.schedule.chunks}")
     if contract.data_ranks(c.mesh) > 1 and not c.data_parallel.sharded:
         pins.append("zero=0")
+    if c.mesh.cp > 1:
+        pins.append(f"cp_attention={c.cp_attention}")
     return RunnerUp(
         mesh=c.mesh, microbatches=c.microbatches, schedule=c.schedule.kind,
         chunks=c.schedule.chunks,
         data_parallel=str(c.data_parallel) if contract.data_ranks(c.mesh) > 1 else "none (dp=1)",
         zero=tuple(zero), recomputed=sum(bool(r.recompute) for r in runs), step_time_s=p.step_time_s,
         memory_per_rank_bytes=p.memory_per_rank_bytes, breakdown=p.breakdown, optimal=candidate.optimal,
-        pins=tuple(pins),
+        pins=tuple(pins), cp_attention=c.cp_attention,
     )
 
 

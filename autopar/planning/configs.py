@@ -6,8 +6,10 @@ degrees multiplying to the world size, each dividing what its axis splits, tp
 within a node unless pinned), a microbatch count m dividing the per-replica batch, a
 schedule (GPipe only where 1F1B cannot run, since under this cost model 1F1B
 has GPipe's time and never more memory; interleaved 1F1B with 2 or 4 chunks
-per rank), and each data-parallel mode the contract offers
-(:func:`autopar.contract.data_parallel_modes`).
+per rank), each data-parallel mode the contract offers
+(:func:`autopar.contract.data_parallel_modes`), and under cp each attention method
+that runs on the model (:func:`autopar.contract.cp_methods`: all-gather, and the head
+all-to-all where cp divides the key/value heads), so the solver takes the cheaper.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import math
 
 from autopar import contract
+from autopar.choice import CpAttention
 from autopar.cost_models.hardware import ClusterSpec
 from autopar.cost_models.pipeline import Schedule, ScheduleKind
 from autopar.errors import PinError
@@ -57,23 +60,57 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
     limits = axis_limits(graph, world_size, cluster, training)
     pinned = pins.mesh_degrees()
     _check_pinned_mesh(pinned, limits)
+    check_cp_attention_pin(graph, pins, world_size)
     pinned_zeros = [pin.get("zero") for pin in pins.resolve_layers([layer.name for layer in graph])]
     configs: list[Configuration] = []
+    unmet = ""  # why a mesh was left out only because the pinned method cannot run on it
     for mesh in meshes(limits, pinned):
         if contract.ep_refusal(mesh, graph) or (mesh.ep > 1 and mesh.pp > 1 and "ep" not in pinned):
             continue  # ep inside pipeline stages runs, but is searched only where ep is pinned: UNSEARCHED
         if contract.cp_refusal(mesh):
+            continue
+        methods = _cp_methods(graph, mesh, pins)
+        if not methods:
+            unmet = unmet or contract.ulysses_refusal(graph, mesh) or ""
             continue
         floor = contract.root_floor(graph, pinned_zeros, mesh.pp)
         per_replica = training.global_batch // mesh.dp
         for m in [pins.microbatches] if pins.microbatches else _divisors(per_replica):
             if per_replica % m:
                 continue
-            configs += [Configuration(mesh, m, s, mode) for s in _schedules(mesh.pp, m, limits.max_stages, pins)
-                        for mode in contract.data_parallel_modes(graph, mesh.pp, contract.data_ranks(mesh), floor)]
+            configs += [Configuration(mesh, m, s, mode, method)
+                        for s in _schedules(mesh.pp, m, limits.max_stages, pins)
+                        for mode in contract.data_parallel_modes(graph, mesh.pp, contract.data_ranks(mesh), floor)
+                        for method in methods]
+    if not configs and unmet:
+        raise PinError(f"pin cp_attention=ulysses: {unmet} (and no other mesh the pins allow runs it)")
     if not configs:
         raise PinError(why_no_config(graph, world_size, training, pins, limits.max_stages))
     return configs
+
+
+def _cp_methods(graph: LayerGraph, mesh: Mesh, pins: Pins) -> tuple[CpAttention, ...]:
+    """The attention methods this mesh is searched with: the one pinned (at cp = 1 moot: all-gather),
+    else every one that runs (:func:`autopar.contract.cp_methods`)."""
+    if mesh.cp <= 1:
+        return (CpAttention.ALL_GATHER,)
+    offered = contract.cp_methods(graph, mesh)
+    return offered if pins.cp_attention is None else tuple(m for m in offered if m is pins.cp_attention)
+
+
+def check_cp_attention_pin(graph: LayerGraph, pins: Pins, world_size: int) -> None:
+    """A Ulysses pin where no cp degree it may run at (the pinned one, else any above 1 dividing the
+    world) divides the key/value heads (× the pinned tp): one line naming the head count, before
+    anything is priced."""
+    if pins.cp_attention is not CpAttention.ULYSSES:
+        return
+    pinned = pins.mesh_degrees()
+    if pinned.get("cp") == 1:
+        raise PinError("pin cp_attention=ulysses splits attention over cp ranks, but cp=1 is pinned")
+    degrees = [pinned["cp"]] if "cp" in pinned else [d for d in range(2, world_size + 1) if world_size % d == 0]
+    whys = [contract.ulysses_refusal(graph, Mesh.of({"cp": d, "tp": pinned.get("tp", 1)})) for d in degrees]
+    if whys and all(whys):
+        raise PinError(f"pin cp_attention=ulysses: {whys[0]}")
 
 
 def _check_pinned_mesh(pinned: dict[str, int], limits: AxisLimits) -> None:

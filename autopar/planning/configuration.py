@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autopar import contract
+from autopar.choice import CpAttention
 from autopar.contract import REPLICATED, DataParallelism, Engine
 from autopar.cost_models.memory import Precision, precision
 from autopar.cost_models.pipeline import Schedule
@@ -20,12 +21,14 @@ from autopar.mesh import Mesh
 @dataclass(frozen=True, order=True)
 class Configuration:
     """The global choices: the mesh, microbatches, pipeline schedule, and how data parallelism
-    runs (replicated, or sharded with the root units at one ZeRO stage)."""
+    runs (replicated, or sharded with the root units at one ZeRO stage), and under cp how attention
+    sees the whole sequence (:class:`~autopar.choice.CpAttention`; all-gather at cp = 1, where it is moot)."""
 
     mesh: Mesh
     microbatches: int
     schedule: Schedule = field(compare=False)
     data_parallel: DataParallelism = REPLICATED
+    cp_attention: CpAttention = CpAttention.ALL_GATHER
 
     @property
     def engine(self) -> Engine:
@@ -46,7 +49,8 @@ class Configuration:
 
     def describe(self) -> str:
         dp = f" {self.data_parallel}" if self.mesh.dp * self.mesh.cp > 1 else ""
-        return f"{self.mesh.describe(' ')} m={self.microbatches} {self.schedule}{dp}"
+        cp = f" cp_attention={self.cp_attention}" if self.mesh.cp > 1 else ""
+        return f"{self.mesh.describe(' ')} m={self.microbatches} {self.schedule}{dp}{cp}"
 
 
 @dataclass(frozen=True)

@@ -32,12 +32,17 @@ for, that is
 of it, in :data:`CP_ATTENTION_CALLS` kernels — the factor (2·cp + 1)/(4·cp) of the S/cp × S
 rectangle a single masked call would compute. Attention's time is linear in its work plus a
 per-kernel overhead, so the two calls are priced as two of half the pair's work each.
+
+Under Ulysses (``cp_attention`` ``ulysses``: the head all-to-all) a rank runs one causal call over
+the whole sequence for heads/cp of the heads: 1/cp of the call's work, causal as at cp = 1 (no
+imbalance, no masked rectangle: :func:`cp_attention_share` is 1/cp, in one kernel).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autopar.choice import CpAttention
 from autopar.cost_models.compute import (
     BACKWARD_FLOPS_FACTOR,
     COMPILED_MEMORY_BOUND_FRACTION,
@@ -53,20 +58,27 @@ from autopar.graph import Layer, OpKind, OpRecord, SampleDim
 CP_ATTENTION_CALLS = 2  # under cp, one SDPA per query chunk (head and tail) of each attention call
 
 
-def cp_attention_share(cp: int) -> float:
-    """The share of an attention call's full S × S work one of ``cp`` ranks computes: its two query
-    chunks of L = S/(2·cp) against their key prefixes, L × (2·cp + 1)·L of 4·cp²·L² (module
-    docstring); the whole at cp = 1, where the call runs causal and is priced so."""
-    return 1.0 if cp <= 1 else (2 * cp + 1) / (4 * cp * cp)
+def cp_attention_share(cp: int, method: CpAttention = CpAttention.ALL_GATHER) -> float:
+    """The share of an attention call's full S × S work one of ``cp`` ranks computes: under all-gather
+    its two query chunks of L = S/(2·cp) against their key prefixes, L × (2·cp + 1)·L of 4·cp²·L²;
+    under Ulysses its heads/cp over the whole sequence, 1/cp (module docstring); the whole at cp = 1,
+    where the call runs causal and is priced so."""
+    if cp <= 1:
+        return 1.0
+    return 1 / cp if method is CpAttention.ULYSSES else (2 * cp + 1) / (4 * cp * cp)
 
 
 def attention_op_time_s(op: OpRecord, microbatch: int, style: str | None, tp: int, device: DeviceSpec,
-                        dtype: str, cp: int = 1) -> tuple[float, float]:
+                        dtype: str, cp: int = 1,
+                        method: CpAttention = CpAttention.ALL_GATHER) -> tuple[float, float]:
     """(forward, backward) time of ``op``'s attention kernels for one microbatch on one rank: at cp = 1
-    its causal kernels, under cp its :data:`CP_ATTENTION_CALLS` masked prefix kernels per call, doing
-    :func:`cp_attention_share` of the full work together (module docstring)."""
+    its causal kernels; under cp by all-gather its :data:`CP_ATTENTION_CALLS` masked prefix kernels per
+    call, doing :func:`cp_attention_share` of the full work together; under Ulysses its causal kernels
+    on 1/cp of the heads (module docstring)."""
     work = microbatch * op.flops_per_sample * op.split(style, tp)
-    if cp <= 1:
+    if cp > 1 and method is CpAttention.ULYSSES:
+        work /= cp
+    if cp <= 1 or method is CpAttention.ULYSSES:
         return (op.count * attention_time_s(work, device, dtype, causal=op.causal),
                 op.count * attention_time_s(work, device, dtype, backward=True, causal=op.causal))
     calls, each = op.count * CP_ATTENTION_CALLS, work * cp_attention_share(cp) / CP_ATTENTION_CALLS
@@ -100,7 +112,8 @@ def op_flops_per_sample(layer: Layer, style: str | None, tp: int) -> float:
     return total
 
 
-def cp_flops_per_sample(layer: Layer, flops: float, style: str | None, tp: int, cp: int) -> float:
+def cp_flops_per_sample(layer: Layer, flops: float, style: str | None, tp: int, cp: int,
+                        method: CpAttention = CpAttention.ALL_GATHER) -> float:
     """One of ``cp`` ranks' forward FLOPs per sample, the layer's being ``flops`` on one rank under
     ``style``: 1/cp of every op, and of the recorded attention kernels :func:`cp_attention_share`
     instead. A layer without records cannot tell its attention apart: 1/cp of all (an upper bound)."""
@@ -108,19 +121,21 @@ def cp_flops_per_sample(layer: Layer, flops: float, style: str | None, tp: int, 
         return flops
     attention = sum(op.count * op.flops_per_sample * op.split(style, tp)
                     for op in layer.ops if op.kind is OpKind.ATTENTION)
-    return flops / cp - attention * (1 / cp - cp_attention_share(cp))
+    return flops / cp - attention * (1 / cp - cp_attention_share(cp, method))
 
 
 def layer_compute(layer: Layer, style: str | None, tp: int, microbatch: int, device: DeviceSpec,
-                  dtype: str, act_scale: float = 1.0, cp: int = 1, *, compiled: bool = False) -> LayerCompute:
+                  dtype: str, act_scale: float = 1.0, cp: int = 1, *, compiled: bool = False,
+                  method: CpAttention = CpAttention.ALL_GATHER) -> LayerCompute:
     """Forward and backward time of ``layer`` for one microbatch (module docstring), on one of ``cp``
     ranks that split the sequence: every op does 1/cp of the tokens; attention its two query chunks
-    against their key prefixes (:func:`attention_op_time_s`). ``compiled``: its memory-bound ops
+    against their key prefixes, or under Ulysses its heads/cp over S (``method``,
+    :func:`attention_op_time_s`). ``compiled``: its memory-bound ops
     fused by torch.compile (:data:`COMPILED_MEMORY_BOUND_FRACTION`)."""
     flops = style_flops_per_sample(layer, style, tp)
     b = microbatch
     if device.op_model is None or not layer.ops:
-        one = cp_flops_per_sample(layer, flops, style, tp, cp)
+        one = cp_flops_per_sample(layer, flops, style, tp, cp, method)
         return LayerCompute(compute_time_s(b * one, device, dtype),
                             compute_time_s(BACKWARD_FLOPS_FACTOR * b * one, device, dtype))
     fwd = bwd = 0.0
@@ -133,7 +148,7 @@ def layer_compute(layer: Layer, style: str | None, tp: int, microbatch: int, dev
             bwd += op.count * (gemm_time_s(m, k, n, batch, device, dtype)
                                + gemm_time_s(k, n, m, batch, device, dtype))
         elif op.kind is OpKind.ATTENTION:
-            a_fwd, a_bwd = attention_op_time_s(op, b, style, tp, device, dtype, cp)
+            a_fwd, a_bwd = attention_op_time_s(op, b, style, tp, device, dtype, cp, method)
             fwd, bwd = fwd + a_fwd, bwd + a_bwd
         else:
             nbytes = b * op.bytes_per_sample * op.split(style, tp) * act_scale * fused / cp

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from autopar.choice import Recompute
+from autopar.choice import CpAttention, Recompute
 from autopar.graph import LayerGraph
 from autopar.moe import Dispatch
 from autopar.pins import Pins
@@ -37,6 +37,10 @@ def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
     if bare:
         notes.append(f"{', '.join(bare)}: selective recompute asked for, but the layer runs no matmul-class op "
                      "whose output it could keep: runs without recompute")
+    if solution.config.mesh.cp > 1 and solution.config.cp_attention is CpAttention.ULYSSES:
+        notes.append(f"cp attention by Ulysses' head all-to-all (cp={solution.config.mesh.cp}): not priced, the two "
+                     "index-selects per all-to-all that put the gathered tokens in global order and back "
+                     "(a copy of q, k, v and the output of each attention call)")
     cut = withdrawn_cut_notes(graph) if solution.config.mesh.pp > 1 else ()
     moe = moe_notes(graph, solution.config.mesh.ep, solution.config.mesh.dp)
     return tuple(notes) + refusal_notes(graph) + cut + moe + unpriced_notes(graph)

@@ -13,7 +13,7 @@ from typing import Any
 from autopar.choice import Recompute
 from autopar.cost_models.compute import COMPILED_MEMORY_BOUND_FRACTION, compute_time_s, memory_bound_time_s
 from autopar.graph import Layer
-from autopar.planning.context_price import mask_bytes as context_part_mask
+from autopar.planning.context_price import kept_bytes as context_kept_bytes
 from autopar.planning.sequence import sequence_input_bytes
 
 
@@ -27,9 +27,10 @@ def recompute_part(table: Any, layer: Layer, strategy: Any, fwd_s: float, acts: 
     device's memory bandwidth; torchtitan's ``alternate_mm`` keeps fused attention's and
     every other ``mm``'s outputs and re-runs the rest, those matmuls included. A
     Megatron style splits over tp what lies between its column and row projections.
-    Under cp a rank keeps and re-runs 1/cp of the tokens' share; selective recompute is
-    counted as keeping the K and V gathered from the other cp ranks and the attention
-    masks (an upper bound: they are what attention's backward reads). In a block under
+    Under cp a rank keeps and re-runs 1/cp of the tokens' share; under all-gather, selective
+    recompute is counted as keeping the K and V gathered from the other cp ranks and the attention
+    masks (an upper bound: they are what attention's backward reads); under Ulysses nothing more
+    (``context_price.kept_bytes``). In a block under
     torch.compile, full re-runs the compiled forward (``fwd_s`` as priced compiled) and
     selective's memory-bound re-run is fused as the forward's is
     (:data:`~autopar.cost_models.compute.COMPILED_MEMORY_BOUND_FRACTION`, where the op model
@@ -60,8 +61,8 @@ def recompute_part(table: Any, layer: Layer, strategy: Any, fwd_s: float, acts: 
     rerun = (compute_time_s(b * getattr(layer, f"{p}_recompute_flops_per_sample") / cp, device,
                             table.dtype_for_compute)
              + memory_bound_time_s(b * moved * table.act_scale * fused / cp, device))
-    mask = context_part_mask(table, layer) / table.act_scale / b  # per sample, as the kept bytes are
-    return rerun, base + saved / cp + layer.kv_bytes_per_sample * (cp - 1) / cp + mask
+    # cp's attention: under all-gather the gathered K/V and prefix masks, per sample; nothing under Ulysses
+    return rerun, base + saved / cp + context_kept_bytes(table, layer)
 
 
 __all__ = ["recompute_part"]

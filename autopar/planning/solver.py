@@ -131,10 +131,11 @@ class Candidate:
         return self.prediction.step_time_s
 
 
-def distinct_key(config: Configuration) -> tuple[Mesh, bool]:
-    """What makes two configurations different plans to a reader: the mesh and whether data
-    parallelism is sharded (microbatches, schedule and the root's ZeRO stage are details)."""
-    return config.mesh, config.data_parallel.sharded
+def distinct_key(config: Configuration) -> tuple[Mesh, bool, str]:
+    """What makes two configurations different plans to a reader: the mesh, whether data
+    parallelism is sharded and cp's attention method (microbatches, schedule and the root's ZeRO
+    stage are details)."""
+    return config.mesh, config.data_parallel.sharded, str(config.cp_attention)
 
 
 @dataclass

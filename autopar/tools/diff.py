@@ -33,8 +33,13 @@ def layer_choice(plan: Plan, layer: LayerPlan) -> tuple[int, str | None, int, Re
 
 def plan_key(plan: Plan) -> tuple:
     """What makes two plans the same plan (the figures aside)."""
-    return (plan.mesh, plan.microbatches, plan.microbatch_size, plan.schedule, plan.chunks,
+    return (plan.mesh, plan.microbatches, plan.microbatch_size, plan.schedule, plan.chunks, cp_method(plan),
             tuple((l.name, *layer_choice(plan, l)) for l in plan.layers))
+
+
+def cp_method(plan: Plan) -> str:
+    """How attention spans a cp plan's sequence (allgather or ulysses); "-" without cp, where it is moot."""
+    return str(plan.cp_attention) if plan.mesh.cp > 1 else "-"
 
 
 def same_plan(a: Plan, b: Plan) -> bool:
@@ -156,6 +161,7 @@ def _rows(a: Plan, b: Plan) -> list[Row]:
         _text_row("global batch", a.training.global_batch, b.training.global_batch),
         _number_row("memory budget", pa.memory_budget_bytes, pb.memory_budget_bytes, format_bytes),
         _text_row("mesh", a.mesh.describe(), b.mesh.describe()),
+        *([_text_row("cp attention", cp_method(a), cp_method(b))] if a.mesh.cp > 1 or b.mesh.cp > 1 else []),
         _text_row("schedule", sched(a), sched(b)),
         _text_row("microbatches", f"{a.microbatches} × {a.microbatch_size}", f"{b.microbatches} × {b.microbatch_size}"),
         _text_row("zero stages", zeros(a), zeros(b)),

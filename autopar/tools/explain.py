@@ -53,23 +53,24 @@ class Figures:
     breakdown: Breakdown
     memory_per_rank_bytes: tuple[int, ...]
     optimal: bool = True  # False: a runner-up's short solve ran out of time first
+    cp_attention: str = "-"  # under cp: allgather or ulysses ("-" at cp = 1, where it is moot)
 
     @classmethod
     def of_plan(cls, plan: Plan) -> Figures:
         return cls(plan.mesh, plan.microbatches, _schedule_text(plan.schedule.value, plan.chunks),
                    data_parallel_of(plan), plan.predicted.step_time_s, plan.predicted.breakdown,
-                   plan.predicted.memory_per_rank_bytes)
+                   plan.predicted.memory_per_rank_bytes, cp_attention=_cp_text(plan.mesh, plan.cp_attention))
 
     @classmethod
     def of_runner_up(cls, r: RunnerUp) -> Figures:
         return cls(r.mesh, r.microbatches, _schedule_text(r.schedule.value, r.chunks), r.data_parallel,
-                   r.step_time_s, r.breakdown, r.memory_per_rank_bytes, r.optimal)
+                   r.step_time_s, r.breakdown, r.memory_per_rank_bytes, r.optimal, _cp_text(r.mesh, r.cp_attention))
 
     def term(self, key: str) -> float:
         return getattr(self.breakdown, key)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mesh": self.mesh.to_dict(), "microbatches": self.microbatches,
+        return {"mesh": self.mesh.to_dict(), "cp_attention": self.cp_attention, "microbatches": self.microbatches,
                 "schedule": self.schedule, "data_parallel": self.data_parallel, "step_time_s": self.step_time_s,
                 "breakdown": {k: self.term(k) for k, _ in TERMS},
                 "memory_per_rank_bytes": list(self.memory_per_rank_bytes), "optimal": self.optimal}
@@ -80,6 +81,10 @@ def data_parallel_of(plan: Plan) -> str:
     if plan.mesh.dp * plan.mesh.cp <= 1:
         return "none (dp=1)"
     return "replicated" if all(l.choice.zero == 0 for l in plan.layers) else "sharded"
+
+
+def _cp_text(mesh: Mesh, method: Any) -> str:
+    return str(method) if mesh.cp > 1 else "-"
 
 
 def _schedule_text(kind: str, chunks: int) -> str:
@@ -123,6 +128,7 @@ class Explanation:
         if self.runners_up and cf.figures is not None:  # a runner-up's label says nothing of what it is
             f = cf.figures
             words = [f.mesh.describe(), f.data_parallel] + ([f.schedule] if f.mesh.pp > 1 else [])
+            words += [f"cp attention {f.cp_attention}"] if f.mesh.cp > 1 else []
             words += [f"{f.microbatches} microbatches"] if f.microbatches > 1 else []
             cf = replace(cf, label=f"{cf.label} ({', '.join(words)})")
         if cf.figures is None:
@@ -244,6 +250,8 @@ def _table(e: Explanation) -> str:
         rows.append([label] + [cell(f, cf) if f is not None else "-" for _, f, cf in columns])
 
     row("mesh", lambda f, cf: f.mesh.describe())
+    if any(f is not None and f.mesh.cp > 1 for _, f, _ in columns):
+        row("cp attention", lambda f, cf: f.cp_attention)
     row("data parallel", lambda f, cf: f.data_parallel)
     row("schedule", lambda f, cf: f.schedule)
     row("microbatches", lambda f, cf: str(f.microbatches))

@@ -28,6 +28,8 @@ def test_the_gpt_is_split_with_its_position_embedding_given_global_positions() -
     assert graph.cp_attention == ("blocks.0.attn", "blocks.1.attn")
     # K and V of one sample: 2 × 4 heads × 32 tokens × 16 dims × 4 bytes
     assert [l.kv_bytes_per_sample for l in graph if l.name.startswith("blocks.")] == [16384.0, 16384.0]
+    # what the head all-to-all (Ulysses) moves and what cp must divide: Q and the output, as many bytes; 4 heads
+    assert [(l.qo_bytes_per_sample, l.kv_heads) for l in graph if l.name.startswith("blocks.")] == [(16384.0, (4,))] * 2
 
 
 def test_a_hugging_face_llama_gets_its_rotary_positions_and_grouped_kv_bytes() -> None:
@@ -43,6 +45,9 @@ def test_a_hugging_face_llama_gets_its_rotary_positions_and_grouped_kv_bytes() -
     assert graph.cp_attention == ("model.layers.0.self_attn", "model.layers.1.self_attn")
     # K and V of one sample, grouped-query: 2 × 2 kv heads × 16 tokens × 8 dims × 4 bytes
     assert [l.kv_bytes_per_sample for l in graph if l.name.startswith("model.layers.")] == [2048.0, 2048.0]
+    # Q and the output of 4 query heads (2 × 4 × 16 × 8 × 4 bytes); 2 key/value heads (cp must divide them)
+    assert [(l.qo_bytes_per_sample, l.kv_heads) for l in graph if l.name.startswith("model.layers.")] == [
+        (4096.0, (2,))] * 2
 
 
 class _Manual(nn.Module):
