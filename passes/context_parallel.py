@@ -276,7 +276,7 @@ def check_context_parallel(graph: Any, plan: Any) -> None:
     cp = plan.mesh.cp
     if cp <= 1:
         return
-    if why := cp_refusal(plan.mesh):
+    if why := cp_refusal(plan.mesh, graph):
         raise LoweringError(why)
     if graph.cp_refusal:
         raise LoweringError(f"cp={cp} cannot split this model's sequence: {graph.cp_refusal}")
@@ -290,22 +290,50 @@ def check_context_parallel(graph: Any, plan: Any) -> None:
     if not graph.seq_len or graph.seq_len % (2 * cp):
         raise LoweringError(f"cp={cp} needs the sequence length divisible by 2·cp = {2 * cp}, "
                             f"got {graph.seq_len}")
+    loose = [p for p in (*graph.cp_positions, *graph.cp_attention)
+             if plan.mesh.pp > 1 and owning_layer(graph, p) is None]
+    if loose:
+        raise LoweringError(f"cp={cp} with pp={plan.mesh.pp}: {', '.join(loose[:3])} belong to no layer, so no "
+                            "pipeline stage is known to hold them; use pp=1")
 
 
-def apply_context_parallel(module: nn.Module, graph: Any, plan: Any, mesh: Any) -> ContextParallelResult:
-    """Hook the position modules of ``module`` and make the attention mode for this rank."""
+def owning_layer(graph: Any, path: str) -> str | None:
+    """The layer whose module holds module ``path`` (the innermost such layer), None if none does."""
+    best = None
+    for layer in graph:
+        mp = layer.module_path
+        if mp and (path == mp or path.startswith(mp + ".")) and (best is None or len(mp) > len(best[1])):
+            best = (layer.name, mp)
+    return best[0] if best else None
+
+
+def part_paths(graph: Any, layers: Any, paths: tuple[str, ...]) -> tuple[str, ...]:
+    """Of ``paths`` (``graph.cp_positions`` or ``graph.cp_attention``), those a pipeline stage holding
+    ``layers`` (its plan entries; None: the whole model) runs: the ones inside its layers' modules."""
+    if layers is None:
+        return paths
+    names = {lp.name for lp in layers}
+    return tuple(p for p in paths if owning_layer(graph, p) in names)
+
+
+def apply_context_parallel(module: nn.Module, graph: Any, plan: Any, mesh: Any,
+                           layers: Any = None) -> ContextParallelResult:
+    """Hook the position modules of ``module`` and make the attention mode for this rank; ``layers``:
+    a pipeline stage's plan entries (its share of those modules), None for the whole model."""
     check_context_parallel(graph, plan)
     cp_mesh = mesh["cp"]
     rank, seq_len = cp_mesh.get_local_rank(), graph.seq_len
     local = positions(seq_len, plan.mesh.cp, rank)
     hooks = [module.get_submodule(path).register_forward_pre_hook(_global_positions(local), with_kwargs=True)
-             for path in graph.cp_positions]
+             for path in part_paths(graph, layers, graph.cp_positions)]
     group = cp_mesh.get_group()
-    for path in graph.cp_attention:
+    attention = part_paths(graph, layers, graph.cp_attention)
+    for path in attention:
         attn = module.get_submodule(path)
         attn.forward = _held(attn.forward, group, seq_len, plan.mesh.cp, rank)
-    return ContextParallelResult(group, seq_len, plan.mesh.cp, rank, hooks, graph.cp_attention)
+    return ContextParallelResult(group, seq_len, plan.mesh.cp, rank, hooks, attention)
 
 
 __all__ = ["DATA_DIM", "ContextAttention", "ContextParallelResult", "apply_context_parallel",
-           "check_context_parallel", "data_mesh", "is_held", "positions", "prefix_attention", "shard_sequence"]
+           "check_context_parallel", "data_mesh", "is_held", "owning_layer", "part_paths", "positions",
+           "prefix_attention", "shard_sequence"]

@@ -39,6 +39,7 @@ def _pins(cp: int, dp: int = 1, zero: int = 0, recompute: str = "none", m: int =
     return ("pp=1", f"tp={tp}", f"dp={dp}", f"cp={cp}", f"zero={zero}", f"recompute={recompute}", f"microbatches={m}")
 
 
+PP = ("pp=2", "tp=1", "dp=1", "cp=2", "zero=0", "recompute=none", "microbatches=2")
 LLAMA_TP = ("model.layers.*:tp=megatron", "model.embed_tokens:tp=vocab")
 
 
@@ -107,6 +108,17 @@ SPECS: dict[str, Spec] = {
     "cp2_tp2_sp_recompute_accum_llama": Spec(hf_llama, _pins(2, tp=2, zero=1, recompute="full", m=2) + LLAMA_TP
                                              + ("model.layers.*:sp=on",), 2),
     "cp2_dp2_mixed_llama": Spec(hf_llama_four, MIXED_LLAMA, 4),
+    # cp × pp (W=4): each stage's attention gathers K/V over its cp pair; the stages send S/cp tokens
+    "cp2_pp2_1f1b_gpt": Spec(gpt_tiny, PP + ("schedule=1f1b",), 4),
+    "cp2_pp2_1f1b_llama": Spec(hf_llama, PP + ("schedule=1f1b",), 4),
+    "cp2_pp2_gpipe_zero3_recompute_llama": Spec(hf_llama, ("pp=2", "tp=1", "dp=1", "cp=2", "zero=3", "recompute=full",
+                                                           "microbatches=2", "schedule=gpipe"), 4),
+    "cp2_pp2_interleaved_gpt": Spec(gpt_four, PP + ("schedule=interleaved_1f1b", "chunks=2"), 4),
+    # W=8: cp inside stages beside tp (Megatron blocks, the tp rank's heads gathered over cp) and beside dp
+    "cp2_pp2_tp2_gpt": Spec(gpt_four, ("pp=2", "tp=2", "dp=1", "cp=2", "zero=0", "recompute=none", "microbatches=2",
+                                       "schedule=1f1b", "blocks.*:tp=megatron"), 4),
+    "cp2_dp2_pp2_zero3_llama": Spec(hf_llama, ("pp=2", "tp=1", "dp=2", "cp=2", "zero=3", "recompute=none",
+                                               "microbatches=2", "schedule=1f1b"), 8),
 }
 
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}

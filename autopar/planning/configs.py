@@ -62,7 +62,7 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
     for mesh in meshes(limits, pinned):
         if contract.ep_refusal(mesh, graph) or (mesh.ep > 1 and mesh.pp > 1 and "ep" not in pinned):
             continue  # ep inside pipeline stages runs, but is searched only where ep is pinned: UNSEARCHED
-        if contract.cp_refusal(mesh):
+        if contract.cp_refusal(mesh, graph):
             continue
         floor = contract.root_floor(graph, pinned_zeros, mesh.pp)
         per_replica = training.global_batch // mesh.dp
@@ -130,7 +130,7 @@ def _cp_stays_1(graph: LayerGraph, world: int, batch: int, max_stages: int, pinn
     an axis cp is not lowered with (``contract.cp_refusal``)."""
     limits = AxisLimits(world, batch, max_stages, world, seq_len=graph.seq_len or 0, context_refusal=graph.cp_refusal)
     beside = Mesh.of({**{k: v for k, v in pinned.items() if k not in ("ep", "cp")}, "cp": 2})
-    return mesh_axis("cp").searched_degrees(limits) == [1] or contract.cp_refusal(beside) is not None
+    return mesh_axis("cp").searched_degrees(limits) == [1] or contract.cp_refusal(beside, graph) is not None
 
 
 def why_no_config(graph: LayerGraph, world: int, training: TrainingSpec, pins: Pins, max_stages: int) -> str:
@@ -146,7 +146,7 @@ def why_no_config(graph: LayerGraph, world: int, training: TrainingSpec, pins: P
     if (ep := pinned.get("ep", 1)) > 1 and (why := contract.ep_refusal(Mesh(pp=pp or 1, dp=ep, ep=ep), graph)):
         return why
     if pinned.get("cp", 1) > 1 and (why := contract.cp_refusal(Mesh.of(
-            {k: v for k, v in pinned.items() if k != "ep"}))):
+            {k: v for k, v in pinned.items() if k != "ep"}), graph)):
         return why
     if ep > 1:
         return (f"no mesh for world size {world} and batch size {b} has a data-parallel degree that the "

@@ -30,6 +30,9 @@ W4 = ["cp4_gpt", "cp4_llama", "cp2_dp2_zero3_gpt", "cp2_dp2_llama", "cp2_dp2_zer
 W4_TP = ["cp2_tp2_gpt", "cp2_tp2_llama", "cp2_tp2_sp_gpt", "cp2_tp2_sp_llama", "cp2_tp2_zero3_selective_accum_gpt",
          "cp2_tp2_sp_recompute_accum_llama"]
 
+W8_PP = ["cp2_pp2_tp2_gpt", "cp2_dp2_pp2_zero3_llama"]
+W4_PP = ["cp2_pp2_1f1b_gpt", "cp2_pp2_1f1b_llama", "cp2_pp2_gpipe_zero3_recompute_llama", "cp2_pp2_interleaved_gpt"]
+
 
 @pytest.fixture(scope="module")
 def w2(ranks) -> dict[str, dict]:
@@ -38,7 +41,12 @@ def w2(ranks) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def w8(ranks) -> dict[str, dict]:
-    return ranks(8).run(["cp2_dp2_tp2_zero3_gpt"], module="context_cases")
+    return ranks(8).run(["cp2_dp2_tp2_zero3_gpt"] + W8_PP, module="context_cases")
+
+
+@pytest.fixture(scope="module")
+def w4_pp(ranks) -> dict[str, dict]:
+    return ranks(4).run(W4_PP, module="context_cases")
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +128,23 @@ def test_dp2_cp2_tp2_on_eight_ranks_matches_one_device(w8: dict) -> None:
     check_equivalent(case)
     for r in every_rank(case):
         assert r["mesh"] == [1, 2, 2] and r["mesh_dims"] == ["pp", "dp", "cp", "tp"]
+
+
+@pytest.mark.parametrize("case", W4_PP)
+def test_cp2_inside_pp2_stages_matches_one_device(w4_pp: dict, case: str) -> None:
+    """cp=2 × pp=2 (W=4): the sequence split once before stage 0, each stage's attention gathering K and
+    V over its cp pair, the stages sending the rank's S/cp tokens, under 1F1B, GPipe (the Llama at ZeRO-3
+    over the cp pair with full recompute) and interleaved 1F1B (two stages per rank)."""
+    check_equivalent(w4_pp[case])
+    for r in every_rank(w4_pp[case]):
+        assert r["mesh"] == [2, 1, 1] and r["mesh_dims"] == ["pp", "dp", "cp", "tp"]
+    assert w4_pp[case]["schedule"] == case.split("_")[2].replace("interleaved", "interleaved_1f1b")
+
+
+@pytest.mark.parametrize("case", W8_PP)
+def test_cp2_inside_pp2_stages_beside_tp2_or_dp2_on_eight_ranks_matches_one_device(w8: dict, case: str) -> None:
+    """The 4-D mesh (pp, dp, cp, tp) with three axes above 1: cp inside the stages beside Megatron tp
+    (K/V of the tp rank's heads gathered over cp) or beside dp (ZeRO-3 over the dp × cp ranks)."""
+    check_equivalent(w8[case])
+    for r in every_rank(w8[case]):
+        assert r["mesh"] == ([2, 1, 2] if "tp2" in case else [2, 2, 1]) and r["mesh_dims"] == ["pp", "dp", "cp", "tp"]
