@@ -74,17 +74,9 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from autopar.errors import LoweringError
+from autopar.passes.context_chunks import positions
 
 DATA_DIM = "dp_cp"  # the flattened dp × cp device-mesh dimension the data-parallel pass wraps over
-
-
-def positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
-    """The global positions of cp rank ``rank``'s tokens: chunks ``rank`` and ``2·cp − 1 − rank``."""
-    if seq_len % (2 * cp):
-        raise LoweringError(f"cp={cp} needs the sequence length divisible by 2·cp = {2 * cp}, got {seq_len}")
-    c = seq_len // (2 * cp)
-    head, tail = rank * c, (2 * cp - 1 - rank) * c
-    return torch.cat([torch.arange(head, head + c), torch.arange(tail, tail + c)])
 
 
 def shard_sequence(batch: Any, seq_len: int, cp: int, rank: int) -> Any:
@@ -219,14 +211,15 @@ class ContextParallelResult:
     attention: tuple[str, ...]
 
 
-def _held(forward: Any, group: Any, seq_len: int, cp: int, rank: int) -> Any:
-    """``forward`` run under :class:`ContextAttention`. On the module, not around the step: a
-    checkpointed block's forward re-runs inside backward, where a mode entered around the step is
-    no longer on the stack (the recomputation then saved other tensors than the forward)."""
+def _held(forward: Any, mode: Any) -> Any:
+    """``forward`` run under the attention mode ``mode()`` makes (:class:`ContextAttention`, or
+    ``passes.manual_attention.ManualContextAttention`` for attention written by hand). On the module,
+    not around the step: a checkpointed block's forward re-runs inside backward, where a mode entered
+    around the step is no longer on the stack (the recomputation then saved other tensors than the forward)."""
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        with ContextAttention(group, seq_len, cp, rank):
+        with mode():
             return forward(*args, **kwargs)
 
     run.__autopar_cp__ = True  # type: ignore[attr-defined]
@@ -326,11 +319,17 @@ def apply_context_parallel(module: nn.Module, graph: Any, plan: Any, mesh: Any,
     local = positions(seq_len, plan.mesh.cp, rank)
     hooks = [module.get_submodule(path).register_forward_pre_hook(_global_positions(local), with_kwargs=True)
              for path in part_paths(graph, layers, graph.cp_positions)]
-    group = cp_mesh.get_group()
+    group, cp = cp_mesh.get_group(), plan.mesh.cp
     attention = part_paths(graph, layers, graph.cp_attention)
+    from autopar.passes.manual_attention import ManualContextAttention, group_gather
+
+    gather = group_gather(group, seq_len, cp)
     for path in attention:
         attn = module.get_submodule(path)
-        attn.forward = _held(attn.forward, group, seq_len, plan.mesh.cp, rank)
+        if path in graph.cp_manual:  # attention written by hand: kᵀ and v gathered, the rank's mask rows
+            attn.forward = _held(attn.forward, lambda: ManualContextAttention(gather, local, seq_len))
+        else:
+            attn.forward = _held(attn.forward, lambda: ContextAttention(group, seq_len, cp, rank))
     return ContextParallelResult(group, seq_len, plan.mesh.cp, rank, hooks, attention)
 
 

@@ -35,6 +35,13 @@ def hf_llama(layers: int = 2) -> tuple[nn.Module, tuple]:
     return transformers.LlamaForCausalLM(cfg), TOKENS
 
 
+def nanogpt() -> tuple[nn.Module, tuple]:
+    """nanoGPT as its author writes it, attention by hand: softmax over q · kᵀ masked by its ``bias`` buffer."""
+    import zoo
+
+    return zoo.NanoGPT(zoo.NanoConfig()), zoo._ids()
+
+
 def _pins(cp: int, dp: int = 1, zero: int = 0, recompute: str = "none", m: int = 1, tp: int = 1) -> tuple[str, ...]:
     return ("pp=1", f"tp={tp}", f"dp={dp}", f"cp={cp}", f"zero={zero}", f"recompute={recompute}", f"microbatches={m}")
 
@@ -108,6 +115,13 @@ SPECS: dict[str, Spec] = {
     "cp2_tp2_sp_recompute_accum_llama": Spec(hf_llama, _pins(2, tp=2, zero=1, recompute="full", m=2) + LLAMA_TP
                                              + ("model.layers.*:sp=on",), 2),
     "cp2_dp2_mixed_llama": Spec(hf_llama_four, MIXED_LLAMA, 4),
+    # attention written by hand (passes/manual_attention.py): kᵀ and v gathered, the rank's rows of the mask
+    "cp2_nanogpt": Spec(nanogpt, _pins(2), 2),
+    "cp2_recompute_nanogpt": Spec(nanogpt, _pins(2, recompute="full"), 2),
+    "cp2_selective_accum_nanogpt": Spec(nanogpt, _pins(2, recompute="selective", m=2), 2),
+    "cp4_nanogpt": Spec(nanogpt, _pins(4), 2),
+    "cp2_dp2_zero3_nanogpt": Spec(nanogpt, _pins(2, dp=2, zero=3), 4),
+    "cp2_pp2_1f1b_nanogpt": Spec(nanogpt, PP + ("schedule=1f1b",), 4),
     # cp × pp (W=4): each stage's attention gathers K/V over its cp pair; the stages send S/cp tokens
     "cp2_pp2_1f1b_gpt": Spec(gpt_tiny, PP + ("schedule=1f1b",), 4),
     "cp2_pp2_1f1b_llama": Spec(hf_llama, PP + ("schedule=1f1b",), 4),

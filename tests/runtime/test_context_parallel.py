@@ -30,13 +30,15 @@ W4 = ["cp4_gpt", "cp4_llama", "cp2_dp2_zero3_gpt", "cp2_dp2_llama", "cp2_dp2_zer
 W4_TP = ["cp2_tp2_gpt", "cp2_tp2_llama", "cp2_tp2_sp_gpt", "cp2_tp2_sp_llama", "cp2_tp2_zero3_selective_accum_gpt",
          "cp2_tp2_sp_recompute_accum_llama"]
 
+W2_MANUAL = ["cp2_nanogpt", "cp2_recompute_nanogpt", "cp2_selective_accum_nanogpt"]
+W4_MANUAL = ["cp4_nanogpt", "cp2_dp2_zero3_nanogpt"]
 W8_PP = ["cp2_pp2_tp2_gpt", "cp2_dp2_pp2_zero3_llama"]
 W4_PP = ["cp2_pp2_1f1b_gpt", "cp2_pp2_1f1b_llama", "cp2_pp2_gpipe_zero3_recompute_llama", "cp2_pp2_interleaved_gpt"]
 
 
 @pytest.fixture(scope="module")
 def w2(ranks) -> dict[str, dict]:
-    return ranks(2).run(W2 + ["cp2_refuses_labels"], module="context_cases")
+    return ranks(2).run(W2 + W2_MANUAL + ["cp2_refuses_labels"], module="context_cases")
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def w8(ranks) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def w4_pp(ranks) -> dict[str, dict]:
-    return ranks(4).run(W4_PP, module="context_cases")
+    return ranks(4).run(W4_PP + W4_MANUAL, module="context_cases")
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +150,14 @@ def test_cp2_inside_pp2_stages_beside_tp2_or_dp2_on_eight_ranks_matches_one_devi
     check_equivalent(w8[case])
     for r in every_rank(w8[case]):
         assert r["mesh"] == ([2, 1, 2] if "tp2" in case else [2, 2, 1]) and r["mesh_dims"] == ["pp", "dp", "cp", "tp"]
+
+
+@pytest.mark.parametrize("case", W2_MANUAL + W4_MANUAL)
+def test_nanogpt_hand_written_attention_under_cp_matches_one_device(w2: dict, w4_pp: dict, case: str) -> None:
+    """nanoGPT's attention as its author writes it (softmax over q · kᵀ masked by its ``bias`` buffer),
+    rerouted under cp (kᵀ and v gathered over the cp group, the rank's rows of the causal mask) after the
+    rewrite was proved on each module: cp=2 (also with full recompute, and selective recompute over 2
+    microbatches), cp=4 and cp=2 × dp=2 at ZeRO-3."""
+    result = (w2 if case in W2_MANUAL else w4_pp)[case]
+    check_equivalent(result)
+    assert result["mesh"] == ([1, 2, 1] if "dp2" in case else [1, 1, 1])
