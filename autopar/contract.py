@@ -169,16 +169,15 @@ def cp_refusal(mesh: Mesh, graph: LayerGraph | None = None) -> str | None:
     before stage 0 (run against one device at cp=2 × pp=2 under GPipe, 1F1B and interleaved 1F1B);
     not where the stages are single ATen graphs (``graph``'s tracer ``"export"``), in which no
     attention module is called for cp to gather K and V in. Attention written by hand (nanoGPT's masked
-    softmax, ``graph.cp_manual``: ``passes/manual_attention.py``) runs under cp beside dp only (run
-    against one device at cp=2 and cp=2 × dp=2), not beside pp or tp."""
+    softmax, ``graph.cp_manual``: ``passes/manual_attention.py``) runs under cp beside dp and pp (run
+    against one device at cp=2, cp=2 × dp=2 and cp=2 × pp=2), not beside tp."""
     if mesh.cp <= 1:
         return None
     if mesh.ep > 1:
         return f"cp={mesh.cp} with ep={mesh.ep} is not lowered yet (cp runs beside dp, tp and pp only)"
-    if graph is not None and graph.cp_manual and (beside := [f"{n}={d}" for n, d in (("pp", mesh.pp), ("tp", mesh.tp))
-                                                             if d > 1]):
-        return (f"cp={mesh.cp} with {' and '.join(beside)} is not lowered for attention written by hand "
-                f"({next(iter(graph.cp_manual))}: its rewrite runs beside dp only)")
+    if graph is not None and graph.cp_manual and mesh.tp > 1:
+        return (f"cp={mesh.cp} with tp={mesh.tp} is not lowered for attention written by hand "
+                f"({next(iter(graph.cp_manual))}: its rewrite runs beside dp and pp only)")
     if graph is not None and not tp_applies(graph, mesh.pp):
         return (f"cp={mesh.cp} with pp={mesh.pp} cannot run on {graph.model_name}: its pipeline stages are "
                 "single ATen graphs (torch.export could not keep its layers' module calls), in which no "

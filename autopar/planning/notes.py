@@ -10,7 +10,7 @@ from autopar.choice import Recompute
 from autopar.graph import LayerGraph
 from autopar.moe import Dispatch
 from autopar.pins import Pins
-from autopar.planning.configs import UNSEARCHED
+from autopar.planning.configs import CP_UNSEARCHED, UNSEARCHED
 from autopar.planning.cut_checks import withdrawn_cut_notes
 from autopar.planning.evaluate import evaluate
 from autopar.planning.solver import Solution
@@ -101,6 +101,9 @@ def search_notes(graph: LayerGraph, pins: Pins, world_size: int) -> tuple[str, .
             and any(m.num_experts > 1 and not m.ep_refusal for layer in graph for m in layer.moe)):
         return (f"{UNSEARCHED} (OPTIMAL is over the meshes searched): pin ep, e.g. --pin ep=8, to plan meshes "
                 "with both, or price one with autopar explain --why-not 'pp=8 ep=8'",)
+    if world_size > 3 and not {"cp", "pp"} & set(pinned) and graph.seq_len and graph.cp_refusal == "":
+        return (f"{CP_UNSEARCHED} (OPTIMAL is over the meshes searched): pin cp or pp, e.g. --pin pp=2, to plan "
+                "meshes with both, or price one with autopar explain --why-not 'pp=2 cp=2'",)
     return ()
 
 

@@ -138,6 +138,23 @@ def test_cp_is_searched_where_the_logits_bind_and_pinned_or_refused_in_one_line(
         autopar.solve(export, 4, cluster="h100-80g", global_batch=2, pins=["cp=2", "pp=2"])
 
 
+def test_cp_inside_pipeline_stages_is_searched_where_cp_or_pp_is_pinned_and_noted_otherwise() -> None:
+    """Like ep, cp × pp widens the free search past what CP-SAT proves in its time (configs.CP_UNSEARCHED):
+    searched where cp or pp is pinned, and the plan says what was left out."""
+    graph = _graph()
+    cluster = PRESETS["h100-80g"].for_world_size(8)
+
+    def both(pins: list[str]) -> bool:
+        configs = enumerate_configs(graph, 8, cluster, TrainingSpec(4, dtype="bf16"), Pins.parse(pins))
+        return any(c.mesh.cp > 1 and c.mesh.pp > 1 for c in configs)
+
+    assert not both([]) and both(["pp=2"]) and both(["cp=2"]) and not both(["pp=1"])
+    plan = autopar.solve(graph, 8, cluster="h100-80g", global_batch=4)
+    assert any(n.startswith("cp inside pipeline stages is planned where cp or pp is pinned") for n in plan.notes)
+    pinned = autopar.solve(graph, 8, cluster="h100-80g", global_batch=4, pins=["pp=2"])
+    assert not any(n.startswith("cp inside pipeline stages") for n in pinned.notes)
+
+
 def test_cp_inside_pipeline_stages_is_planned_and_its_sends_carry_s_over_cp_tokens() -> None:
     """cp beside pp (run against one device in tests/runtime/test_context_parallel.py): pinned, it plans,
     and every stage boundary's send per microbatch moves the rank's S/cp tokens, 1/cp of cp=1's."""
