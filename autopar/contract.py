@@ -152,9 +152,9 @@ def data_ranks(mesh: Mesh) -> int:
     return mesh.dp * mesh.cp
 
 
-def cp_refusal(mesh: Mesh) -> str | None:
-    """Why ``mesh``'s context parallelism cannot run (None when it can): this slice lowers cp on the
-    whole model beside dp and tp (``passes/context_parallel.py``), not beside pp or ep. Beside dp, every
+def cp_refusal(mesh: Mesh, graph: LayerGraph | None = None) -> str | None:
+    """Why ``mesh``'s context parallelism cannot run (None when it can): this slice lowers cp beside
+    dp, tp and pp (``passes/context_parallel.py``), not beside ep. Beside dp, every
     per-layer choice the contract offers runs under cp as priced, each checked against one device
     (``tests/runtime/test_context_parallel.py``): ZeRO 0–3 per layer over dp × cp (a replicated plan
     on one FSDP2 replicate unit: :func:`plan_engine` gives DDP only where dp is the one axis above 1),
@@ -164,12 +164,24 @@ def cp_refusal(mesh: Mesh) -> str | None:
     device at cp=2 × tp=2, the project's GPT and a Hugging Face Llama, sp off and on, also with ZeRO-3
     and selective recompute or ZeRO-1 and full recompute over 2 microbatches); a style whose
     key or value projections are held whole on every tp rank is not offered under cp
-    (:func:`cp_admits_style`)."""
+    (:func:`cp_admits_style`). Beside pp, each stage's attention modules gather K and V over the cp
+    group, the stages pass the rank's S/cp tokens to each other, and the sequence is split once,
+    before stage 0 (run against one device at cp=2 × pp=2 under GPipe, 1F1B and interleaved 1F1B);
+    not where the stages are single ATen graphs (``graph``'s tracer ``"export"``), in which no
+    attention module is called for cp to gather K and V in. Attention written by hand (nanoGPT's masked
+    softmax, ``graph.cp_manual``: ``passes/manual_attention.py``) runs under cp beside dp and pp (run
+    against one device at cp=2, cp=2 × dp=2 and cp=2 × pp=2), not beside tp."""
     if mesh.cp <= 1:
         return None
-    other = [f"{n}={d}" for n, d in (("pp", mesh.pp), ("ep", mesh.ep)) if d > 1]
-    if other:
-        return f"cp={mesh.cp} with {' and '.join(other)} is not lowered yet (cp runs beside dp and tp only)"
+    if mesh.ep > 1:
+        return f"cp={mesh.cp} with ep={mesh.ep} is not lowered yet (cp runs beside dp, tp and pp only)"
+    if graph is not None and graph.cp_manual and mesh.tp > 1:
+        return (f"cp={mesh.cp} with tp={mesh.tp} is not lowered for attention written by hand "
+                f"({next(iter(graph.cp_manual))}: its rewrite runs beside dp and pp only)")
+    if graph is not None and not tp_applies(graph, mesh.pp):
+        return (f"cp={mesh.cp} with pp={mesh.pp} cannot run on {graph.model_name}: its pipeline stages are "
+                "single ATen graphs (torch.export could not keep its layers' module calls), in which no "
+                "attention module is called for cp to gather K and V; use pp=1")
     return None
 
 
@@ -195,6 +207,12 @@ def ulysses_refusal(graph: LayerGraph, mesh: Mesh) -> str | None:
     or a call whose key and value are not 4-D [batch, heads, sequence, dim], gets no Ulysses."""
     if mesh.cp <= 1:
         return "Ulysses splits attention over the cp ranks, and cp is 1"
+    if mesh.pp > 1:
+        return (f"Ulysses inside pipeline stages (pp={mesh.pp}) is not checked against one device yet; "
+                "cp there gathers K/V")
+    if graph.cp_manual:
+        return (f"Ulysses reroutes scaled_dot_product_attention calls; {next(iter(graph.cp_manual))} computes "
+                "attention by hand, whose K/V cp gathers")
     split, by = mesh.cp * mesh.tp, (f"cp × tp = {mesh.cp} × {mesh.tp} = {mesh.cp * mesh.tp}" if mesh.tp > 1
                                      else f"cp={mesh.cp}")
     for layer in graph:

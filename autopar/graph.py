@@ -402,6 +402,7 @@ class LayerGraph:
         cp_refusal: str = NOT_CHECKED_FOR_CP,
         cp_positions: tuple[str, ...] = (),
         cp_attention: tuple[str, ...] = (),
+        cp_manual: dict[str, Any] | None = None,
     ):
         names = [layer.name for layer in layers]
         if len(set(names)) != len(names):
@@ -416,6 +417,10 @@ class LayerGraph:
         self.cp_refusal = cp_refusal  # why cp cannot split the sequence ("" when it can: capturing.context)
         self.cp_positions = tuple(cp_positions)  # modules the runtime hands global positions under cp
         self.cp_attention = tuple(cp_attention)  # the innermost modules calling SDPA (their forward is cp's)
+        # of those, the ones running attention by hand (capturing.manual_attention): path → its positional
+        # inputs' (shape, dtype), None for one that is not a tensor (what the lowering proves them on)
+        self.cp_manual: dict[str, tuple] = {k: tuple(None if a is None else (tuple(a[0]), a[1]) for a in v)
+                                            for k, v in (cp_manual or {}).items()}
         self._edges = list(edges or [])
         self._by_name = {layer.name: layer for layer in self.layers}
 
@@ -514,7 +519,7 @@ class LayerGraph:
                               dtype_bytes=self.dtype_bytes, tracer=self.tracer, seq_len=self.seq_len,
                               output_bytes_per_sample=self.output_bytes_per_sample,
                               cp_refusal=self.cp_refusal, cp_positions=self.cp_positions,
-                              cp_attention=self.cp_attention,
+                              cp_attention=self.cp_attention, cp_manual=self.cp_manual,
                               edges=[(u, v, d["bytes_per_sample"]) for u, v, d in self.graph.edges(data=True)])
         self.__dict__["_pipeline_view"] = view
         return view
@@ -541,6 +546,7 @@ class LayerGraph:
             "cp_refusal": self.cp_refusal,
             "cp_positions": list(self.cp_positions),
             "cp_attention": list(self.cp_attention),
+            "cp_manual": {k: [None if a is None else [list(a[0]), a[1]] for a in v] for k, v in self.cp_manual.items()},
             "layers": [layer.to_dict() for layer in self.layers],
             "edges": [[u, v, d["bytes_per_sample"]] for u, v, d in self.graph.edges(data=True)],
         }
@@ -559,4 +565,5 @@ class LayerGraph:
             cp_refusal=d.get("cp_refusal", NOT_CHECKED_FOR_CP),
             cp_positions=tuple(d.get("cp_positions", ())),
             cp_attention=tuple(d.get("cp_attention", ())),
+            cp_manual=d.get("cp_manual", {}),
         )

@@ -84,17 +84,9 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from autopar.errors import LoweringError
+from autopar.passes.context_chunks import positions
 
 DATA_DIM = "dp_cp"  # the flattened dp × cp device-mesh dimension the data-parallel pass wraps over
-
-
-def positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
-    """The global positions of cp rank ``rank``'s tokens: chunks ``rank`` and ``2·cp − 1 − rank``."""
-    if seq_len % (2 * cp):
-        raise LoweringError(f"cp={cp} needs the sequence length divisible by 2·cp = {2 * cp}, got {seq_len}")
-    c = seq_len // (2 * cp)
-    head, tail = rank * c, (2 * cp - 1 - rank) * c
-    return torch.cat([torch.arange(head, head + c), torch.arange(tail, tail + c)])
 
 
 def shard_sequence(batch: Any, seq_len: int, cp: int, rank: int) -> Any:
@@ -265,14 +257,15 @@ class ContextParallelResult:
     ulysses: bool = False  # the head all-to-all, not the K/V all-gather
 
 
-def _held(forward: Any, group: Any, seq_len: int, cp: int, rank: int, ulysses: bool = False) -> Any:
-    """``forward`` run under :class:`ContextAttention`. On the module, not around the step: a
-    checkpointed block's forward re-runs inside backward, where a mode entered around the step is
-    no longer on the stack (the recomputation then saved other tensors than the forward)."""
+def _held(forward: Any, mode: Any) -> Any:
+    """``forward`` run under the attention mode ``mode()`` makes (:class:`ContextAttention`, or
+    ``passes.manual_attention.ManualContextAttention`` for attention written by hand). On the module,
+    not around the step: a checkpointed block's forward re-runs inside backward, where a mode entered
+    around the step is no longer on the stack (the recomputation then saved other tensors than the forward)."""
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
-        with ContextAttention(group, seq_len, cp, rank, ulysses):
+        with mode():
             return forward(*args, **kwargs)
 
     run.__autopar_cp__ = True  # type: ignore[attr-defined]
@@ -322,7 +315,7 @@ def check_context_parallel(graph: Any, plan: Any) -> None:
     cp = plan.mesh.cp
     if cp <= 1:
         return
-    if why := cp_refusal(plan.mesh):
+    if why := cp_refusal(plan.mesh, graph):
         raise LoweringError(why)
     if graph.cp_refusal:
         raise LoweringError(f"cp={cp} cannot split this model's sequence: {graph.cp_refusal}")
@@ -341,24 +334,57 @@ def check_context_parallel(graph: Any, plan: Any) -> None:
     if not graph.seq_len or graph.seq_len % (2 * cp):
         raise LoweringError(f"cp={cp} needs the sequence length divisible by 2·cp = {2 * cp}, "
                             f"got {graph.seq_len}")
+    loose = [p for p in (*graph.cp_positions, *graph.cp_attention)
+             if plan.mesh.pp > 1 and owning_layer(graph, p) is None]
+    if loose:
+        raise LoweringError(f"cp={cp} with pp={plan.mesh.pp}: {', '.join(loose[:3])} belong to no layer, so no "
+                            "pipeline stage is known to hold them; use pp=1")
 
 
-def apply_context_parallel(module: nn.Module, graph: Any, plan: Any, mesh: Any) -> ContextParallelResult:
-    """Hook the position modules of ``module`` and make the attention mode for this rank."""
+def owning_layer(graph: Any, path: str) -> str | None:
+    """The layer whose module holds module ``path`` (the innermost such layer), None if none does."""
+    best = None
+    for layer in graph:
+        mp = layer.module_path
+        if mp and (path == mp or path.startswith(mp + ".")) and (best is None or len(mp) > len(best[1])):
+            best = (layer.name, mp)
+    return best[0] if best else None
+
+
+def part_paths(graph: Any, layers: Any, paths: tuple[str, ...]) -> tuple[str, ...]:
+    """Of ``paths`` (``graph.cp_positions`` or ``graph.cp_attention``), those a pipeline stage holding
+    ``layers`` (its plan entries; None: the whole model) runs: the ones inside its layers' modules."""
+    if layers is None:
+        return paths
+    names = {lp.name for lp in layers}
+    return tuple(p for p in paths if owning_layer(graph, p) in names)
+
+
+def apply_context_parallel(module: nn.Module, graph: Any, plan: Any, mesh: Any,
+                           layers: Any = None) -> ContextParallelResult:
+    """Hook the position modules of ``module`` and make the attention mode for this rank; ``layers``:
+    a pipeline stage's plan entries (its share of those modules), None for the whole model."""
     check_context_parallel(graph, plan)
     cp_mesh = mesh["cp"]
     rank, seq_len = cp_mesh.get_local_rank(), graph.seq_len
     local = positions(seq_len, plan.mesh.cp, rank)
     hooks = [module.get_submodule(path).register_forward_pre_hook(_global_positions(local), with_kwargs=True)
-             for path in graph.cp_positions]
-    group = cp_mesh.get_group()
+             for path in part_paths(graph, layers, graph.cp_positions)]
+    group, cp = cp_mesh.get_group(), plan.mesh.cp
     ulysses = str(plan.cp_attention) == "ulysses"
-    for path in graph.cp_attention:
+    attention = part_paths(graph, layers, graph.cp_attention)
+    from autopar.passes.manual_attention import ManualContextAttention, group_gather
+
+    gather = group_gather(group, seq_len, cp)
+    for path in attention:
         attn = module.get_submodule(path)
-        attn.forward = _held(attn.forward, group, seq_len, plan.mesh.cp, rank, ulysses)
-    return ContextParallelResult(group, seq_len, plan.mesh.cp, rank, hooks, graph.cp_attention, ulysses)
+        if path in graph.cp_manual:  # attention written by hand: kᵀ and v gathered, the rank's mask rows
+            attn.forward = _held(attn.forward, lambda: ManualContextAttention(gather, local, seq_len))
+        else:
+            attn.forward = _held(attn.forward, lambda: ContextAttention(group, seq_len, cp, rank, ulysses))
+    return ContextParallelResult(group, seq_len, plan.mesh.cp, rank, hooks, attention, ulysses)
 
 
 __all__ = ["DATA_DIM", "ContextAttention", "ContextParallelResult", "apply_context_parallel",
-           "check_context_parallel", "data_mesh", "is_held", "positions", "prefix_attention", "shard_sequence",
-           "ulysses_attention"]
+           "check_context_parallel", "data_mesh", "is_held", "owning_layer", "part_paths", "positions",
+           "prefix_attention", "shard_sequence", "ulysses_attention"]

@@ -169,6 +169,12 @@ def _cp_applies(ctx: Context) -> bool:
     return ctx.plan.mesh.cp > 1
 
 
+def _stage_layers(ctx: Context) -> tuple[LayerPlan, ...] | None:
+    """A pipeline stage's plan entries (cp hooks its share of the position and attention modules);
+    None for the whole model."""
+    return None if ctx.part.stage is None else ctx.part.layers
+
+
 def _cp_requires(module: nn.Module, ctx: Context) -> str | None:
     from autopar.passes.context_parallel import check_context_parallel
 
@@ -176,7 +182,11 @@ def _cp_requires(module: nn.Module, ctx: Context) -> str | None:
         check_context_parallel(ctx.graph, ctx.plan)
     except LoweringError as exc:
         return str(exc)
-    missing = [p for p in (*ctx.graph.cp_positions, *ctx.graph.cp_attention) if not _has_module(module, p)]
+    from autopar.passes.context_parallel import part_paths
+
+    layers = _stage_layers(ctx)
+    missing = [p for p in part_paths(ctx.graph, layers, (*ctx.graph.cp_positions, *ctx.graph.cp_attention))
+               if not _has_module(module, p)]
     return f"position or attention modules not in the model: {missing[:3]}" if missing else None
 
 
@@ -191,14 +201,17 @@ def _has_module(module: nn.Module, path: str) -> bool:
 def _cp_run(module: nn.Module, ctx: Context, result: PartResult) -> None:
     from autopar.passes.context_parallel import apply_context_parallel
 
-    result.context = apply_context_parallel(module, ctx.graph, ctx.plan, ctx.mesh)
+    layers = _stage_layers(ctx)
+    result.context = apply_context_parallel(module, ctx.graph, ctx.plan, ctx.mesh, layers)
 
 
 def _cp_ensures(module: nn.Module, ctx: Context) -> str | None:
-    from autopar.passes.context_parallel import is_held
+    from autopar.passes.context_parallel import is_held, part_paths
 
-    bare = [p for p in ctx.graph.cp_positions if not module.get_submodule(p)._forward_pre_hooks]
-    bare += [p for p in ctx.graph.cp_attention if not is_held(module.get_submodule(p))]
+    layers = _stage_layers(ctx)
+    bare = [p for p in part_paths(ctx.graph, layers, ctx.graph.cp_positions)
+            if not module.get_submodule(p)._forward_pre_hooks]
+    bare += [p for p in part_paths(ctx.graph, layers, ctx.graph.cp_attention) if not is_held(module.get_submodule(p))]
     return f"position or attention modules left without their hook: {bare[:3]}" if bare else None
 
 

@@ -313,6 +313,10 @@ def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, pla
     if example_inputs is None:
         raise LoweringError("pipeline plans need example_inputs to split the model: pass them to compile")
     microbatch = _microbatch_inputs(example_inputs, plan.microbatch_size)
+    if plan.mesh.cp > 1:  # the stages run on the cp rank's S/cp tokens: traced (export specialises) and sent so
+        from autopar.passes.context_parallel import shard_sequence
+
+        microbatch = shard_sequence(microbatch, graph.seq_len, plan.mesh.cp, mesh["cp"].get_local_rank())
     split = split_model(model, microbatch, graph, plan)
     form = _output_form(model, microbatch) if split.tracer.startswith("export") else None
     _check_lowerable(split, plan, model)

@@ -35,6 +35,13 @@ def hf_llama(layers: int = 2) -> tuple[nn.Module, tuple]:
     return transformers.LlamaForCausalLM(cfg), TOKENS
 
 
+def nanogpt() -> tuple[nn.Module, tuple]:
+    """nanoGPT as its author writes it, attention by hand: softmax over q · kᵀ masked by its ``bias`` buffer."""
+    import zoo
+
+    return zoo.NanoGPT(zoo.NanoConfig()), zoo._ids()
+
+
 def _pins(cp: int, dp: int = 1, zero: int = 0, recompute: str = "none", m: int = 1, tp: int = 1) -> tuple[str, ...]:
     return ("pp=1", f"tp={tp}", f"dp={dp}", f"cp={cp}", f"zero={zero}", f"recompute={recompute}", f"microbatches={m}")
 
@@ -53,6 +60,7 @@ def hf_llama_kv4() -> tuple[nn.Module, tuple]:
     return transformers.LlamaForCausalLM(cfg), TOKENS
 
 
+PP = ("pp=2", "tp=1", "dp=1", "cp=2", "zero=0", "recompute=none", "microbatches=2")
 LLAMA_TP = ("model.layers.*:tp=megatron", "model.embed_tokens:tp=vocab")
 
 
@@ -136,6 +144,24 @@ SPECS: dict[str, Spec] = {
     "uly_cp2_selective_accum_llama": Spec(hf_llama, _pins(2, recompute="selective", m=2) + ULYSSES, 2),
     "uly_cp2_dp2_zero1_accum_gpt": Spec(gpt_tiny, _pins(2, dp=2, zero=1, m=2) + ULYSSES, 4),
     "uly_cp2_tp2_sp_gpt": Spec(gpt_tiny, _pins(2, tp=2) + GPT_TP + ("blocks.*:sp=on",) + ULYSSES, 2),
+    # attention written by hand (passes/manual_attention.py): kᵀ and v gathered, the rank's rows of the mask
+    "cp2_nanogpt": Spec(nanogpt, _pins(2), 2),
+    "cp2_recompute_nanogpt": Spec(nanogpt, _pins(2, recompute="full"), 2),
+    "cp2_selective_accum_nanogpt": Spec(nanogpt, _pins(2, recompute="selective", m=2), 2),
+    "cp4_nanogpt": Spec(nanogpt, _pins(4), 2),
+    "cp2_dp2_zero3_nanogpt": Spec(nanogpt, _pins(2, dp=2, zero=3), 4),
+    "cp2_pp2_1f1b_nanogpt": Spec(nanogpt, PP + ("schedule=1f1b",), 4),
+    # cp × pp (W=4): each stage's attention gathers K/V over its cp pair; the stages send S/cp tokens
+    "cp2_pp2_1f1b_gpt": Spec(gpt_tiny, PP + ("schedule=1f1b",), 4),
+    "cp2_pp2_1f1b_llama": Spec(hf_llama, PP + ("schedule=1f1b",), 4),
+    "cp2_pp2_gpipe_zero3_recompute_llama": Spec(hf_llama, ("pp=2", "tp=1", "dp=1", "cp=2", "zero=3", "recompute=full",
+                                                           "microbatches=2", "schedule=gpipe"), 4),
+    "cp2_pp2_interleaved_gpt": Spec(gpt_four, PP + ("schedule=interleaved_1f1b", "chunks=2"), 4),
+    # W=8: cp inside stages beside tp (Megatron blocks, the tp rank's heads gathered over cp) and beside dp
+    "cp2_pp2_tp2_gpt": Spec(gpt_four, ("pp=2", "tp=2", "dp=1", "cp=2", "zero=0", "recompute=none", "microbatches=2",
+                                       "schedule=1f1b", "blocks.*:tp=megatron"), 4),
+    "cp2_dp2_pp2_zero3_llama": Spec(hf_llama, ("pp=2", "tp=1", "dp=2", "cp=2", "zero=3", "recompute=none",
+                                               "microbatches=2", "schedule=1f1b"), 8),
 }
 
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}

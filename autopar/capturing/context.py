@@ -17,8 +17,13 @@ weights are on) under a ``TorchFunctionMode`` and proves what it can:
 * positions (values derived from ``arange(S)``) reach only modules
   (:attr:`ContextFacts.positions`) or SDPA-free token-wise arithmetic, never
   an attention argument;
+* attention written by hand (q · kᵀ, a scale, ``masked_fill`` with −inf, softmax,
+  dropout, · v: nanoGPT's) is followed op by op
+  (:mod:`autopar.capturing.manual_attention`) and recorded
+  (:attr:`ContextFacts.manual`, with its inputs' shapes, on which the lowering
+  proves its rewrite); any other op on its scores is refused;
 * no call mixes tokens otherwise: a product of two activations that is S × S
-  (attention written by hand: q · kᵀ before its masked softmax), a reduction or
+  outside such a chain (an ``einsum`` q · kᵀ among them), a reduction or
   normalisation over a dimension of size S, a scan, recurrence, convolution,
   pooling, pad, roll or flip (:data:`SEQUENCE_MIXING`), or a slice that cuts
   dim 1 of a (b, S, …) tensor (a token shift or window).
@@ -44,6 +49,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
+from autopar.capturing.manual_attention import ManualChains
 from autopar.graph import Layer
 
 # calls that mix tokens along any dimension they touch (named by their __name__)
@@ -74,10 +80,13 @@ class ContextFacts:
     calls: dict[str, int] = field(default_factory=dict)  # SDPA calls per module path
     qo_bytes: dict[str, float] = field(default_factory=dict)  # Q and output bytes per sample, per path
     kv_heads: dict[str, tuple[int, ...]] = field(default_factory=dict)  # key/value head counts (0: not 4-D)
+    # the modules running attention by hand (manual_attention), each with its positional inputs' (shape, dtype)
+    manual: dict[str, tuple[tuple[tuple[int, ...], str] | None, ...]] = field(default_factory=dict)
 
     def graph_fields(self) -> dict[str, Any]:
         """The LayerGraph's cp fields."""
-        return {"cp_refusal": self.refusal, "cp_positions": self.positions, "cp_attention": tuple(self.kv_bytes)}
+        return {"cp_refusal": self.refusal, "cp_positions": self.positions, "cp_attention": tuple(self.kv_bytes),
+                "cp_manual": dict(self.manual)}
 
 
 def with_attention(layers: list[Layer], facts: ContextFacts) -> list[Layer]:
@@ -105,6 +114,7 @@ class _Probe(TorchFunctionMode):
         self.calls: dict[str, int] = {}
         self.qo_bytes: dict[str, float] = {}
         self.kv_heads: dict[str, tuple[int, ...]] = {}
+        self.manual = ManualChains(seq_len, batch)  # attention written by hand, followed op by op
 
     def _where(self) -> str:
         return self.stack[-1] if self.stack and self.stack[-1] else "the model's forward"
@@ -118,6 +128,12 @@ class _Probe(TorchFunctionMode):
         name = getattr(func, "__name__", str(func))
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         tainted = any(id(t) in self.tainted for t in tensors)
+        chain = self.manual.on_chain(tensors)
+        if chain is not None:  # a step of attention written by hand (its softmax is over S, rightly)
+            out = func(*args, **kwargs)
+            self.manual.advance(name, args, kwargs, out, chain[0], self._where())
+            self._taint(tainted, out)
+            return out
         if func is F.scaled_dot_product_attention:
             self._attention(args, kwargs, tainted)
         elif name in SEQUENCE_MIXING:
@@ -129,13 +145,18 @@ class _Probe(TorchFunctionMode):
             self._refuse(f"{name} cutting the sequence dimension (tokens shifted or windowed)")
         if name == "arange" and isinstance(out, torch.Tensor) and out.numel() == self.seq_len > 1:
             self.tainted[id(out)] = out
-        elif tainted:
+        else:
+            self._taint(tainted, out)
+        if name in _PRODUCTS and self._scores(tensors, out) and not self.manual.starts(name, tensors, out,
+                                                                                        self._where()):
+            self._refuse(f"{name} makes an S × S score matrix (attention written by hand)")
+        return out
+
+    def _taint(self, tainted: bool, out: Any) -> None:
+        if tainted:
             for t in pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self.tainted[id(t)] = t
-        if name in _PRODUCTS and self._scores(tensors, out):
-            self._refuse(f"{name} makes an S × S score matrix (attention written by hand)")
-        return out
 
     def _scores(self, tensors: list[torch.Tensor], out: Any) -> bool:
         """Whether a product of two activations (no weight among them) is S × S: q·kᵀ by hand."""
@@ -275,9 +296,12 @@ def context_facts(model: nn.Module, args: tuple, kwargs: dict, seq_len: int | No
     names = {id(m): n for n, m in model.named_modules()}
     probe = _Probe(seq_len, batch, stack)
     positions: list[str] = []
+    inputs: dict[str, tuple] = {}
 
     def pre(module: nn.Module, a: tuple, kw: dict) -> None:
         name = names.get(id(module), "")
+        inputs.setdefault(name, tuple((tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else None
+                                      for t in a) + ((None,) if kw else ()))
         leaves = [t for t in pytree.tree_leaves((a, kw)) if isinstance(t, torch.Tensor)]
         given = any(id(t) in probe.tainted for t in leaves)
         if given and name and not any(name.startswith(p + ".") or name == p for p in positions):
@@ -305,16 +329,19 @@ def context_facts(model: nn.Module, args: tuple, kwargs: dict, seq_len: int | No
         for h in handles:
             h.remove()
         _restore(model, before)
-    if probe.problems:
-        return ContextFacts(probe.problems[0])
+    if probe.problems or probe.manual.unfinished():
+        return ContextFacts(probe.problems[0] if probe.problems else probe.manual.unfinished())
+    for where, nbytes in probe.manual.kv_bytes.items():  # hand-written attention's kᵀ and v: gathered alike
+        probe.kv_bytes[where] = probe.kv_bytes.get(where, 0.0) + nbytes
     if not probe.kv_bytes:
         return ContextFacts("it calls no scaled_dot_product_attention (nothing to split attention across)")
     if "" in probe.kv_bytes:
         return ContextFacts("scaled_dot_product_attention is called outside any submodule (the runtime wraps "
                             "the modules that call it)")
+    manual = {where: inputs.get(where, (None,)) for where in probe.manual.calls}
     return ContextFacts("", tuple(positions), _copy_twins(probe.kv_bytes, twins, shaped),
                         _copy_twins(probe.calls, twins, shaped), _copy_twins(probe.qo_bytes, twins, shaped),
-                        _copy_twins(probe.kv_heads, twins, shaped))
+                        _copy_twins(probe.kv_heads, twins, shaped), _copy_twins(manual, twins, shaped))
 
 
 __all__ = ["SEQUENCE_MIXING", "ContextFacts", "context_facts", "probe_layers", "twin_paths", "with_attention"]

@@ -10,7 +10,7 @@ from autopar.choice import CpAttention, Recompute
 from autopar.graph import LayerGraph
 from autopar.moe import Dispatch
 from autopar.pins import Pins
-from autopar.planning.configs import UNSEARCHED
+from autopar.planning.configs import CP_UNSEARCHED, UNSEARCHED
 from autopar.planning.cut_checks import withdrawn_cut_notes
 from autopar.planning.evaluate import evaluate
 from autopar.planning.solver import Solution
@@ -43,7 +43,8 @@ def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
                      "(a copy of q, k, v and the output of each attention call)")
     cut = withdrawn_cut_notes(graph) if solution.config.mesh.pp > 1 else ()
     moe = moe_notes(graph, solution.config.mesh.ep, solution.config.mesh.dp)
-    return tuple(notes) + refusal_notes(graph) + cut + moe + unpriced_notes(graph)
+    manual = manual_attention_notes(graph, solution.config.mesh.cp)
+    return tuple(notes) + refusal_notes(graph) + cut + moe + manual + unpriced_notes(graph)
 
 
 def _runs(graph: LayerGraph, key) -> list[tuple[list[str], Any]]:
@@ -104,6 +105,9 @@ def search_notes(graph: LayerGraph, pins: Pins, world_size: int) -> tuple[str, .
             and any(m.num_experts > 1 and not m.ep_refusal for layer in graph for m in layer.moe)):
         return (f"{UNSEARCHED} (OPTIMAL is over the meshes searched): pin ep, e.g. --pin ep=8, to plan meshes "
                 "with both, or price one with autopar explain --why-not 'pp=8 ep=8'",)
+    if world_size > 3 and not {"cp", "pp"} & set(pinned) and graph.seq_len and graph.cp_refusal == "":
+        return (f"{CP_UNSEARCHED} (OPTIMAL is over the meshes searched): pin cp or pp, e.g. --pin pp=2, to plan "
+                "meshes with both, or price one with autopar explain --why-not 'pp=2 cp=2'",)
     return ()
 
 
@@ -112,6 +116,20 @@ def unpriced_notes(graph: LayerGraph) -> tuple[str, ...]:
     return tuple(f"{_who(names)}: {', '.join(ops)} has no FLOP rule: its compute is not in the price "
                  "(the layer is priced as if the op were free)"
                  for names, ops in _runs(graph, lambda l: l.unpriced_ops))
+
+
+def manual_attention_notes(graph: LayerGraph, cp: int) -> tuple[str, ...]:
+    """Attention written by hand (capture followed its masked softmax: ``graph.cp_manual``) really holds
+    its score matrix: S × S a sample, S/cp × S a rank under cp; priced so, never as a fused kernel."""
+    if not graph.cp_manual:
+        return ()
+    paths = list(graph.cp_manual)
+    seq = f"S = {graph.seq_len}" if graph.seq_len else "S"
+    share = (f" (S/cp × S = {graph.seq_len // cp} × {graph.seq_len} a rank under cp={cp})"
+             if cp > 1 and graph.seq_len else "")
+    return (f"{_who(paths)}: attention written by hand (softmax over a masked q · kᵀ) holds its S × S score matrix "
+            f"for backward, {seq}{share}, and is priced so; scaled_dot_product_attention(is_causal=True) would "
+            "let a fused kernel keep it out of memory",)
 
 
 def refusal_notes(graph: LayerGraph) -> tuple[str, ...]:

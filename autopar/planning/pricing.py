@@ -523,14 +523,15 @@ class PriceTable:
     def p2p_s(self, cut: int, stage: int | None = None) -> float:
         """One send of the values crossing a cut placed before layer ``cut``, per microbatch, into
         virtual stage ``stage`` (over the NICs where its pipeline rank's node differs from the
-        previous stage's, :func:`autopar.planning.edges.boundary_inter_node`). Without ``stage``,
+        previous stage's, :func:`autopar.planning.edges.boundary_inter_node`); under cp, the rank's S/cp
+        tokens of them (the lowering traces and runs the stages on those). Without ``stage``,
         the cheapest boundary of the pipeline's: what a bound may count on."""
         if cut <= 0 or cut >= len(self.graph):
             return 0.0
         key = (cut, stage)
         if key not in self._p2p_memo:  # the bounds and the model ask for every cut at every boundary
             nbytes = (self.microbatch_size * self.graph[cut - 1].boundary_bytes_per_sample
-                      * self.act_scale)
+                      * self.act_scale / self.config.mesh.cp)  # under cp a stage sends its S/cp tokens
             inter = self.boundary_inter_node
             across = (len(inter) > 1 and all(inter[1:])) if stage is None else inter[stage]
             self._p2p_memo[key] = p2p_time_s(nbytes, inter_node=across, cluster=self.cluster)

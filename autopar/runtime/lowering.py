@@ -103,6 +103,10 @@ def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: An
     check_tensor_parallel(model, graph, plan, plan.mesh.tp)
     check_expert_parallel(model, graph, plan)
     check_context_parallel(graph, plan)
+    if plan.mesh.cp > 1 and graph.cp_manual:  # attention written by hand: its rewrite checked on the module
+        from autopar.passes.manual_attention import prove_manual_attention
+
+        prove_manual_attention(model, graph, plan.mesh.cp)
     # the plan mesh's axes, outermost first (autopar.mesh: the rank layout pricing assumed)
     mesh = init_device_mesh(device.type, plan.mesh.degrees, mesh_dim_names=plan.mesh.dim_names())
     if plan.mesh.ep > 1:  # ep's groups, folded into dp: made by every rank before any part is lowered

@@ -6,12 +6,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
 from autopar.capturing.context import context_facts
+from autopar.errors import PinError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
@@ -64,6 +66,34 @@ class _Manual(nn.Module):
         return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
 
 
+class _Unmasked(nn.Module):
+    """q·kᵀ by hand with its softmax before any mask: not causal attention, not rerouted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return (q @ k.transpose(-2, -1)).softmax(-1) @ v
+
+
+class _Summed(_Unmasked):
+    """The scores read otherwise than the pattern (a sum over them) before the product with v."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = (q @ k.transpose(-2, -1)) * 0.5
+        return scores.masked_fill(torch.ones(12, 12).triu(1).bool(), float("-inf")).softmax(-1) @ v \
+            + scores.sum(-1, keepdim=True)
+
+
+class _Einsum(_Unmasked):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return torch.einsum("bqd,bkd->bqk", q, k).softmax(-1) @ v
+
+
 class _Recurrent(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -90,8 +120,13 @@ class _Wrapped(nn.Module):
 
 def test_what_mixes_tokens_otherwise_is_refused_naming_the_op_and_module() -> None:
     x = torch.zeros(2, 12, 8)
-    assert context_facts(_Wrapped(_Manual()), (x,), {}, 12, 2).refusal == (
-        "matmul makes an S × S score matrix (attention written by hand) in inner")
+    assert context_facts(_Wrapped(_Unmasked()), (x,), {}, 12, 2).refusal == (
+        "softmax on a hand-written attention's scores in inner (cp reroutes only q · kᵀ, a scale, masked_fill "
+        "with -inf, softmax over the last dim, dropout and · v)")
+    assert context_facts(_Wrapped(_Summed()), (x,), {}, 12, 2).refusal.startswith(
+        "sum on a hand-written attention's scores in inner")
+    assert context_facts(_Wrapped(_Einsum()), (x,), {}, 12, 2).refusal == (
+        "einsum makes an S × S score matrix (attention written by hand) in inner")
     assert context_facts(_Wrapped(_Recurrent()), (x,), {}, 12, 2).refusal.startswith("lstm (it mixes tokens")
     assert context_facts(_Wrapped(_Scan()), (x,), {}, 12, 2).refusal == (
         "cumsum (it mixes tokens along the sequence) in inner")
@@ -104,3 +139,27 @@ def test_the_probe_leaves_the_model_as_it_was() -> None:
     context_facts(model, inputs, {}, 32, 2)
     assert {n: id(t) for n, t in [*model.named_parameters(), *model.named_buffers()]} == before
     assert "forward" not in vars(model.blocks[1])
+
+
+def test_attention_written_by_hand_is_followed_op_by_op_and_recorded_for_the_rewrite() -> None:
+    """A masked softmax over q·kᵀ (here its mask built from ones, nanoGPT's from its buffer) is
+    attention cp can reroute: its module, kᵀ and v bytes, and its inputs (for the lowering's proof)."""
+    facts = context_facts(_Wrapped(_Manual()), (torch.zeros(2, 12, 8),), {}, 12, 2)
+    assert facts.refusal == "" and facts.manual == {"inner": (((2, 12, 8), "torch.float32"),)}
+    assert facts.kv_bytes == {"inner": 2 * 12 * 8 * 4} and facts.calls == {}  # no SDPA call: no prefix masks
+
+
+def test_nanogpt_as_its_author_writes_it_is_captured_for_cp_and_noted_to_hold_s_by_s() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import zoo
+
+    model, inputs = zoo.NanoGPT(zoo.NanoConfig()), zoo._ids()
+    graph = autopar.capture(model, inputs)
+    assert graph.cp_refusal == "" and graph.cp_positions == ("transformer.wpe",)
+    assert graph.cp_attention == tuple(graph.cp_manual) == ("transformer.h.0.attn", "transformer.h.1.attn")
+    assert [l.kv_bytes_per_sample for l in graph if l.name.startswith("transformer.h.")] == [4096.0, 4096.0]
+    assert autopar.LayerGraph.from_dict(graph.to_dict()).cp_manual == graph.cp_manual
+    plan = autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=2, pins=["cp=2"])
+    assert any("holds its S × S score matrix" in n and "8 × 16 a rank under cp=2" in n for n in plan.notes)
+    with pytest.raises(PinError, match=r"cp=2 with tp=2 is not lowered for attention written by hand"):
+        autopar.solve(graph, 4, cluster="cpu", dtype="fp32", global_batch=2, pins=["cp=2", "tp=2"])

@@ -14,7 +14,7 @@ from synthetic import transformer_graph
 import autopar
 from autopar.choice import LayerChoice
 from autopar.contract import REPLICATED, DataParallelism, Engine, cp_admits_style, cp_refusal, plan_engine
-from autopar.cost_models.communication import Collective, collective_time_s, place_group
+from autopar.cost_models.communication import Collective, collective_time_s, p2p_time_s, place_group
 from autopar.cost_models.compute import attention_time_s, compute_time_s
 from autopar.cost_models.hardware import PRESETS
 from autopar.cost_models.pipeline import Schedule, ScheduleKind
@@ -128,9 +128,50 @@ def test_cp_is_searched_where_the_logits_bind_and_pinned_or_refused_in_one_line(
     refused = _graph("cumsum (it mixes tokens along the sequence) in blocks.0")
     with pytest.raises(PinError, match=r"cp=2 cannot split this model's sequence: cumsum"):
         autopar.solve(refused, 2, cluster="h100-80g", global_batch=1, pins=["cp=2"])
-    with pytest.raises(PinError, match=r"cp=2 with pp=2 is not lowered yet \(cp runs beside dp and tp only\)"):
-        autopar.solve(graph, 4, cluster="h100-80g", global_batch=1, pins=["cp=2", "pp=2"])
-    assert cp_refusal(Mesh(dp=2, cp=2)) is None
+    assert cp_refusal(Mesh(dp=2, cp=2)) is None and cp_refusal(Mesh(pp=2, cp=2), graph) is None
+    assert cp_refusal(Mesh(dp=2, cp=2, ep=2)) == "cp=2 with ep=2 is not lowered yet (cp runs beside dp, tp and pp only)"
+    # a model whose pipeline stages are single ATen graphs calls no attention module there: refused under pp
+    export = LayerGraph(list(graph), model_name="exported", example_batch=1, dtype_bytes=2, seq_len=S,
+                        cp_refusal="", tracer="export")
+    assert cp_refusal(Mesh(cp=2), export) is None
+    with pytest.raises(PinError, match=r"cp=2 with pp=2 cannot run on exported: its pipeline stages are single ATen"):
+        autopar.solve(export, 4, cluster="h100-80g", global_batch=2, pins=["cp=2", "pp=2"])
+
+
+def test_cp_inside_pipeline_stages_is_searched_where_cp_or_pp_is_pinned_and_noted_otherwise() -> None:
+    """Like ep, cp × pp widens the free search past what CP-SAT proves in its time (configs.CP_UNSEARCHED):
+    searched where cp or pp is pinned, and the plan says what was left out."""
+    graph = _graph()
+    cluster = PRESETS["h100-80g"].for_world_size(8)
+
+    def both(pins: list[str]) -> bool:
+        configs = enumerate_configs(graph, 8, cluster, TrainingSpec(4, dtype="bf16"), Pins.parse(pins))
+        return any(c.mesh.cp > 1 and c.mesh.pp > 1 for c in configs)
+
+    assert not both([]) and both(["pp=2"]) and both(["cp=2"]) and not both(["pp=1"])
+    plan = autopar.solve(graph, 8, cluster="h100-80g", global_batch=4)
+    assert any(n.startswith("cp inside pipeline stages is planned where cp or pp is pinned") for n in plan.notes)
+    pinned = autopar.solve(graph, 8, cluster="h100-80g", global_batch=4, pins=["pp=2"])
+    assert not any(n.startswith("cp inside pipeline stages") for n in pinned.notes)
+
+
+def test_cp_inside_pipeline_stages_is_planned_and_its_sends_carry_s_over_cp_tokens() -> None:
+    """cp beside pp (run against one device in tests/runtime/test_context_parallel.py): pinned, it plans,
+    and every stage boundary's send per microbatch moves the rank's S/cp tokens, 1/cp of cp=1's."""
+    graph = _graph()
+    plan = autopar.solve(graph, 4, cluster="h100-80g", global_batch=2, pins=["cp=2", "pp=2"])
+    assert (plan.mesh.pp, plan.mesh.cp) == (2, 2)
+    cluster = PRESETS["h100-80g"].for_world_size(4)
+    sends = {}
+    for cp in (1, 2):
+        config = Configuration(Mesh(pp=2, cp=cp), 2, Schedule(ScheduleKind.ONE_F_ONE_B), REPLICATED)
+        table = PriceTable(graph, config, cluster, TrainingSpec(2, dtype="bf16"))
+        sends[cp] = [table.p2p_s(q, 1) for q in range(1, len(graph))]
+    one_bytes = [graph[q - 1].boundary_bytes_per_sample for q in range(1, len(graph))]
+    assert all(b > 0 for b in one_bytes)
+    for q, nbytes in enumerate(one_bytes):
+        assert sends[1][q] == pytest.approx(p2p_time_s(nbytes, inter_node=False, cluster=cluster), rel=1e-12)
+        assert sends[2][q] == pytest.approx(p2p_time_s(nbytes / 2, inter_node=False, cluster=cluster), rel=1e-12)
 
 
 def test_cp_is_offered_beside_both_data_parallel_modes_and_every_microbatch_count_never_on_ddp() -> None:

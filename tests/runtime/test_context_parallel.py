@@ -30,15 +30,25 @@ W4 = ["cp4_gpt", "cp4_llama", "cp2_dp2_zero3_gpt", "cp2_dp2_llama", "cp2_dp2_zer
 W4_TP = ["cp2_tp2_gpt", "cp2_tp2_llama", "cp2_tp2_sp_gpt", "cp2_tp2_sp_llama", "cp2_tp2_zero3_selective_accum_gpt",
          "cp2_tp2_sp_recompute_accum_llama"]
 
+W2_MANUAL = ["cp2_nanogpt", "cp2_recompute_nanogpt", "cp2_selective_accum_nanogpt"]
+W4_MANUAL = ["cp4_nanogpt", "cp2_dp2_zero3_nanogpt", "cp2_pp2_1f1b_nanogpt"]
+W8_PP = ["cp2_pp2_tp2_gpt", "cp2_dp2_pp2_zero3_llama"]
+W4_PP = ["cp2_pp2_1f1b_gpt", "cp2_pp2_1f1b_llama", "cp2_pp2_gpipe_zero3_recompute_llama", "cp2_pp2_interleaved_gpt"]
+
 
 @pytest.fixture(scope="module")
 def w2(ranks) -> dict[str, dict]:
-    return ranks(2).run(W2 + ["cp2_refuses_labels"], module="context_cases")
+    return ranks(2).run(W2 + W2_MANUAL + ["cp2_refuses_labels"], module="context_cases")
 
 
 @pytest.fixture(scope="module")
 def w8(ranks) -> dict[str, dict]:
-    return ranks(8).run(["cp2_dp2_tp2_zero3_gpt"], module="context_cases")
+    return ranks(8).run(["cp2_dp2_tp2_zero3_gpt"] + W8_PP, module="context_cases")
+
+
+@pytest.fixture(scope="module")
+def w4_pp(ranks) -> dict[str, dict]:
+    return ranks(4).run(W4_PP + W4_MANUAL, module="context_cases")
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +130,34 @@ def test_dp2_cp2_tp2_on_eight_ranks_matches_one_device(w8: dict) -> None:
     check_equivalent(case)
     for r in every_rank(case):
         assert r["mesh"] == [1, 2, 2] and r["mesh_dims"] == ["pp", "dp", "cp", "tp"]
+
+
+@pytest.mark.parametrize("case", W4_PP)
+def test_cp2_inside_pp2_stages_matches_one_device(w4_pp: dict, case: str) -> None:
+    """cp=2 × pp=2 (W=4): the sequence split once before stage 0, each stage's attention gathering K and
+    V over its cp pair, the stages sending the rank's S/cp tokens, under 1F1B, GPipe (the Llama at ZeRO-3
+    over the cp pair with full recompute) and interleaved 1F1B (two stages per rank)."""
+    check_equivalent(w4_pp[case])
+    for r in every_rank(w4_pp[case]):
+        assert r["mesh"] == [2, 1, 1] and r["mesh_dims"] == ["pp", "dp", "cp", "tp"]
+    assert w4_pp[case]["schedule"] == case.split("_")[2].replace("interleaved", "interleaved_1f1b")
+
+
+@pytest.mark.parametrize("case", W8_PP)
+def test_cp2_inside_pp2_stages_beside_tp2_or_dp2_on_eight_ranks_matches_one_device(w8: dict, case: str) -> None:
+    """The 4-D mesh (pp, dp, cp, tp) with three axes above 1: cp inside the stages beside Megatron tp
+    (K/V of the tp rank's heads gathered over cp) or beside dp (ZeRO-3 over the dp × cp ranks)."""
+    check_equivalent(w8[case])
+    for r in every_rank(w8[case]):
+        assert r["mesh"] == ([2, 1, 2] if "tp2" in case else [2, 2, 1]) and r["mesh_dims"] == ["pp", "dp", "cp", "tp"]
+
+
+@pytest.mark.parametrize("case", W2_MANUAL + W4_MANUAL)
+def test_nanogpt_hand_written_attention_under_cp_matches_one_device(w2: dict, w4_pp: dict, case: str) -> None:
+    """nanoGPT's attention as its author writes it (softmax over q · kᵀ masked by its ``bias`` buffer),
+    rerouted under cp (kᵀ and v gathered over the cp group, the rank's rows of the causal mask) after the
+    rewrite was proved on each module: cp=2 (also with full recompute, and selective recompute over 2
+    microbatches), cp=4, cp=2 × dp=2 at ZeRO-3 and cp=2 × pp=2 (1F1B, the module inside a stage)."""
+    result = (w2 if case in W2_MANUAL else w4_pp)[case]
+    check_equivalent(result)
+    assert result["mesh"] == ([1, 2, 1] if "dp2" in case else [2, 1, 1] if "pp2" in case else [1, 1, 1])

@@ -1,0 +1,240 @@
+"""Attention written by hand (nanoGPT's) under cp: kᵀ and v gathered, the rank's rows of the causal mask.
+
+Capture followed each such module's chain (``autopar.capturing.manual_attention``):
+``scores = q @ kᵀ`` (S × S), a scale by a number, ``masked_fill(mask, −inf)``,
+softmax over the last dim, dropout, ``probs @ v``. Under cp a rank holds S/cp
+= T tokens, so the module's own code computes q, kᵀ and v for those T and
+slices its mask to T × T (``self.bias[:, :, :T, :T]``) — the causal mask of
+a sequence of T tokens, not of the rank's rows of S. :class:`ManualContextAttention`,
+a ``TorchFunctionMode`` held over the module's forward, reroutes three ops:
+
+* ``q @ kᵀ``: kᵀ gathered over the cp group along its last dim (autograd: the
+  backward reduce-scatters, summing every rank's queries' contributions) and
+  put in global order, so the scores are T × S;
+* ``masked_fill(scores, mask, −inf)``: ``mask`` must be the top-left causal
+  mask of T tokens (else a :class:`LoweringError`: the model is not what was
+  proved); it becomes "key position > query position" for the rank's global
+  query positions against all S keys;
+* ``probs @ v``: v gathered likewise along its sequence dim.
+
+The scale, softmax and dropout run as written, on T × S. So the module holds
+T × S = S/cp × S scores per rank: a hand-written softmax really holds its
+score matrix, and is priced so (its ops' activations ÷ cp), never as a fused
+kernel.
+
+:func:`prove_manual_attention` checks the rewrite before any process group
+starts, on a float64 copy of each module with its own buffers (its mask) and
+random weights where the model is on the meta device: cp ranks simulated in
+one process (the gathers concatenate what each simulated rank made) must give
+the module's own forward over the whole sequence and its input and weight
+gradients, within 1e-9. A module whose copy does not agree (a mask that is not
+causal over S, such as a sliding window cut to T × T, or chains that feed each
+other) is refused with what differs.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
+
+from autopar.capturing.manual_attention import PRODUCTS, SCALES
+from autopar.errors import LoweringError
+from autopar.passes.context_chunks import positions
+
+Gather = Callable[[torch.Tensor, int], torch.Tensor]  # (this rank's tensor, its sequence dim) → all S, in order
+RAW, MASKED, PROBS = "scores", "masked scores", "probabilities"
+PROOF_TOLERANCE = 1e-9  # float64: rounding only
+
+
+class ManualContextAttention(TorchFunctionMode):
+    """Hand-written causal attention over the whole sequence from this rank's T queries (module docstring)."""
+
+    def __init__(self, gather: Gather, rows: torch.Tensor, seq_len: int):
+        super().__init__()
+        self.gather, self.rows, self.seq_len = gather, rows, seq_len
+        self.local = rows.numel()
+        self.live: dict[int, tuple[torch.Tensor, str]] = {}  # id → (tensor, stage), kept alive for the call
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        first = args[0] if args else None
+        hit = self.live.get(id(first)) if isinstance(first, torch.Tensor) else None
+        if hit is None:
+            if self._is_scores(name, args, kwargs):  # q @ kᵀ: kᵀ over all S keys
+                return self._track(func(args[0], self.gather(args[1], args[1].dim() - 1)), RAW)
+            return func(*args, **kwargs)
+        out = self._step(func, name, args, kwargs, hit[1])
+        return out
+
+    def _is_scores(self, name: str, args: tuple, kwargs: dict) -> bool:
+        if name not in PRODUCTS or len(args) != 2 or kwargs:
+            return False
+        a, b = args
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and not isinstance(a, nn.Parameter)
+                and not isinstance(b, nn.Parameter) and a.dim() >= 2 and b.dim() >= 2
+                and a.shape[-2] == self.local and b.shape[-1] == self.local and a.shape[-1] == b.shape[-2])
+
+    def _track(self, out: torch.Tensor, stage: str) -> torch.Tensor:
+        self.live[id(out)] = (out, stage)
+        return out
+
+    def _step(self, func: Any, name: str, args: tuple, kwargs: dict, stage: str) -> Any:
+        if name in SCALES and stage == RAW and len(args) == 2 and _number(args[1]):
+            return self._track(func(*args, **kwargs), RAW)
+        if name in ("masked_fill", "masked_fill_") and stage == RAW:
+            scores, mask = args[0], args[1] if len(args) > 1 else kwargs.pop("mask")
+            rest = args[2:]
+            return self._track(func(scores, self._rows_mask(mask, scores), *rest, **kwargs), MASKED)
+        if name == "softmax" and stage == MASKED:
+            return self._track(func(*args, **kwargs), PROBS)
+        if name == "dropout" and stage == PROBS:
+            return self._track(func(*args, **kwargs), PROBS)
+        if name in PRODUCTS and stage == PROBS and len(args) == 2 and not kwargs:
+            v = args[1]
+            return func(args[0], self.gather(v, v.dim() - 2))
+        out = func(*args, **kwargs)
+        if any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out)):  # not metadata (shape, dtype)
+            raise LoweringError(f"under cp a hand-written attention ran {name} on its {stage}, which capture did "
+                                "not see there (the model changed since it was captured): capture it again")
+        return out
+
+    def _rows_mask(self, mask: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """The rank's rows of the causal mask over all S keys, once ``mask`` is proved the local causal one."""
+        t = self.local
+        causal = torch.ones(t, t, dtype=torch.bool, device=mask.device).triu(1)
+        if tuple(mask.shape[-2:]) != (t, t) or not torch.equal(mask.bool(), causal.expand_as(mask)):
+            raise LoweringError(f"under cp a hand-written attention's mask is not the causal mask of its {t} "
+                                "local tokens, the one cp's rewrite replaces by the rank's rows of the causal mask")
+        keys = torch.arange(self.seq_len, device=mask.device)
+        rows = keys[None, :] > self.rows.to(mask.device)[:, None]  # True: masked (a key after the query)
+        return rows.view(*([1] * (scores.dim() - 2)), t, self.seq_len)
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) or (isinstance(x, torch.Tensor) and x.dim() == 0)
+
+
+def group_gather(group: Any, seq_len: int, cp: int) -> Gather:
+    """All-gather over the cp ``group`` with autograd, rows put in global order (rank-major head-tail
+    chunks → positions 0 … S − 1)."""
+    order = torch.argsort(torch.cat([positions(seq_len, cp, r) for r in range(cp)]))
+
+    def gather(t: torch.Tensor, dim: int) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+        full = all_gather_tensor_autograd(t.contiguous(), gather_dim=dim, group=group)
+        return full.index_select(dim, order.to(t.device))
+
+    return gather
+
+
+# ---------------------------------------------------------------- the proof
+
+
+def _proof_copy(module: nn.Module, path: str) -> nn.Module:
+    """A float64 CPU copy: the module's own buffers (its mask) and weights, random ones for meta weights."""
+    if any(b.is_meta for b in module.buffers()):
+        raise LoweringError(f"cp cannot prove the hand-written attention of {path}: its buffers (its mask) are on "
+                            "the meta device; build the model on a device, or write it with "
+                            "scaled_dot_product_attention(is_causal=True)")
+    twin = copy.deepcopy(module)
+    if any(p.is_meta for p in twin.parameters()):
+        metas = {n for n, p in twin.named_parameters() if p.is_meta}
+        twin.to_empty(device="cpu")  # then the real buffers back
+        for (_, b), (_, own) in zip(twin.named_buffers(), module.named_buffers()):
+            b.data = own.detach().cpu().clone()
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for n, p in twin.named_parameters():
+                if n in metas:
+                    p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(max(p.shape[-1], 1)))
+    return twin.to(device="cpu", dtype=torch.float64).eval()
+
+
+def _simulate(module: nn.Module, xs: list[torch.Tensor], seq_len: int, cp: int) -> list[torch.Tensor]:
+    """Each simulated cp rank's output: a first pass records what every rank gathers, the second
+    concatenates those with the rank's own live tensor (so gradients reach every rank's k and v)."""
+    rows = [positions(seq_len, cp, r) for r in range(cp)]
+    order = torch.argsort(torch.cat(rows))
+    local = [[x.index_select(1, rows[r]) for x in xs] for r in range(cp)]
+    recorded: list[list[torch.Tensor]] = [[] for _ in range(cp)]
+    for r in range(cp):
+        def record(t: torch.Tensor, dim: int, r: int = r) -> torch.Tensor:
+            recorded[r].append(t)
+            return torch.cat([t] * cp, dim)
+        with ManualContextAttention(record, rows[r], seq_len):
+            module(*local[r])
+    outs = []
+    for r in range(cp):
+        calls = iter(range(len(recorded[r])))
+
+        def gather(t: torch.Tensor, dim: int, r: int = r) -> torch.Tensor:
+            i = next(calls, None)
+            if i is None or not torch.equal(t, recorded[r][i]):
+                raise LoweringError("its chains feed each other (a later chain's k or v depends on an earlier "
+                                    "chain's gathered keys)")
+            parts = [t if q == r else recorded[q][i] for q in range(cp)]
+            return torch.cat(parts, dim).index_select(dim, order)
+        with ManualContextAttention(gather, rows[r], seq_len):
+            outs.append(module(*local[r]))
+    return outs
+
+
+def _rel(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else math.inf
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def prove_one(module: nn.Module, path: str, specs: tuple, seq_len: int, cp: int) -> None:
+    """Raise :class:`LoweringError` unless the rewrite of ``module`` gives its own forward and gradients
+    (module docstring); ``specs``: its positional inputs' (shape, dtype) from capture."""
+    why = f"cp cannot prove the hand-written attention of {path}: "
+    if not specs or any(s is None or not torch.empty(0, dtype=getattr(torch, s[1].split(".")[-1])).is_floating_point()
+                        for s in specs):
+        raise LoweringError(why + "its inputs are not floating-point tensors only (given positionally)")
+    twin = _proof_copy(module, path)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(s[0], generator=g, dtype=torch.float64).requires_grad_() for s in specs]
+    weights = [p for p in twin.parameters() if p.requires_grad]
+    ref = twin(*xs)
+    if not isinstance(ref, torch.Tensor) or ref.dim() < 2 or ref.shape[1] != seq_len:
+        raise LoweringError(why + "its output is not one (b, S, …) tensor")
+    grad_out = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+    ref_grads = torch.autograd.grad(ref, xs + weights, grad_out, allow_unused=True)
+    try:
+        outs = _simulate(twin, xs, seq_len, cp)
+    except LoweringError as exc:
+        raise LoweringError(why + str(exc)) from None
+    got = torch.empty_like(ref)
+    total = ref.new_zeros(())
+    for r, y in enumerate(outs):
+        index = positions(seq_len, cp, r)
+        got[:, index] = y.detach()
+        total = total + (y * grad_out.index_select(1, index)).sum()
+    grads = torch.autograd.grad(total, xs + weights, allow_unused=True)
+    errors = {"output": _rel(got, ref.detach())}
+    names = [f"input {i}" for i in range(len(xs))] + [n for n, p in twin.named_parameters() if p.requires_grad]
+    errors.update({f"gradient of {n}": _rel(a, b) for n, a, b in zip(names, grads, ref_grads)})
+    worst = max(errors, key=errors.get)  # type: ignore[arg-type]
+    if errors[worst] > PROOF_TOLERANCE:
+        raise LoweringError(why + f"its {worst} differs from the module's own by {errors[worst]:.2e} (relative) "
+                            f"at cp={cp}; its mask is not the causal one over the whole sequence, or its "
+                            "attention is not the pattern cp reroutes")
+
+
+def prove_manual_attention(model: nn.Module, graph: Any, cp: int) -> None:
+    """:func:`prove_one` for every hand-written attention module capture found (``graph.cp_manual``)."""
+    for path, specs in graph.cp_manual.items():
+        prove_one(model.get_submodule(path), path, specs, graph.seq_len, cp)
+
+
+__all__ = ["ManualContextAttention", "group_gather", "prove_manual_attention", "prove_one"]
