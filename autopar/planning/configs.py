@@ -17,7 +17,7 @@ import math
 from autopar import contract
 from autopar.cost_models.hardware import ClusterSpec
 from autopar.cost_models.pipeline import Schedule, ScheduleKind
-from autopar.errors import PinError
+from autopar.errors import CompileError, PinError
 from autopar.graph import LayerGraph
 from autopar.mesh import AXES, AxisLimits, Mesh, meshes
 from autopar.mesh import axis as mesh_axis
@@ -59,10 +59,14 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
     _check_pinned_mesh(pinned, limits)
     pinned_zeros = [pin.get("zero") for pin in pins.resolve_layers([layer.name for layer in graph])]
     configs: list[Configuration] = []
+    compile_refused: list[str] = []
     for mesh in meshes(limits, pinned):
         if contract.ep_refusal(mesh, graph) or (mesh.ep > 1 and mesh.pp > 1 and "ep" not in pinned):
             continue  # ep inside pipeline stages runs, but is searched only where ep is pinned: UNSEARCHED
         if contract.cp_refusal(mesh):
+            continue
+        if training.compiled and (why := contract.compile_refusal(graph, mesh)):
+            compile_refused.append(why)  # the compiled runtime would not run it: not offered
             continue
         floor = contract.root_floor(graph, pinned_zeros, mesh.pp)
         per_replica = training.global_batch // mesh.dp
@@ -71,6 +75,9 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
                 continue
             configs += [Configuration(mesh, m, s, mode) for s in _schedules(mesh.pp, m, limits.max_stages, pins)
                         for mode in contract.data_parallel_modes(graph, mesh.pp, contract.data_ranks(mesh), floor)]
+    if not configs and compile_refused:
+        raise CompileError(f"torch.compile does not run {compile_refused[0]}: pin pp=1, or plan it eager "
+                           "(drop --compile / torch_compile)")
     if not configs:
         raise PinError(why_no_config(graph, world_size, training, pins, limits.max_stages))
     return configs

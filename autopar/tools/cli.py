@@ -117,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--plan", default=None, metavar="PLAN.json", help="verify this plan (else solve)")
     verify.add_argument("--steps", type=int, default=3, metavar="K", help="SGD steps to compare")
     verify.add_argument("--compile", action="store_true",
-                        help="plan priced compiled, each block run under torch.compile (DDP/ZeRO plans only)")
+                        help="plan priced compiled, each block run under torch.compile (DDP, ZeRO and pipeline plans)")
     verify.add_argument("--loss", default=None, metavar="FILE.py:FUNCTION",
                         help="loss_fn(output, targets) for both sides (default: the one that fits the output)")
     verify.set_defaults(dtype="fp32")
@@ -356,7 +356,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         if args.compile:  # what a pin left possible that the compiled runtime does not run: refused here
             from autopar.runtime.compiled import check_compilable
 
-            check_compilable(plan)
+            check_compilable(plan, graph)
     warnings = v.plan_warnings(plan, model) + warnings
     if not args.json:
         _out("\n".join(v.setup_lines(plan, dropout, warnings, loss)))
