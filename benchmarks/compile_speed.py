@@ -150,6 +150,22 @@ def _compile_time(lowering: str, world_size: int, n_layer: int, later: int) -> d
             "graphs": int(counters["stats"]["unique_graphs"]), "blocks": len(pm.compiled)}
 
 
+def _tables(speed: dict[str, dict[str, float]], compile_rows: dict[str, dict[int, dict[str, float]]]) -> str:
+    """The two tables, for the lowerings measured so far."""
+    lines = [f"{'lowering':10s} {'eager':>9s} {'compiled':>9s}  compiled/eager"]
+    for name, r in speed.items():
+        lines.append(f"{name:10s} {r['eager_ms']:7.1f}ms {r['compiled_ms']:7.1f}ms  {r['ratio']:6.3f}")
+    lines += ["", "compile time (first step less a later one), from empty caches (target: 12 blocks ≤ 2× one "
+              f"block's, measured on {ONE} blocks sharing one graph):",
+              f"{'lowering':10s} {f'{ONE} blocks':>9s} {f'{MANY} blocks':>10s}  ratio  graphs ({ONE} / {MANY} "
+              "blocks, rank 0)"]
+    for name, r in compile_rows.items():
+        one, twelve = r[ONE], r[MANY]
+        lines.append(f"{name:10s} {one['compile_s']:8.1f}s {twelve['compile_s']:9.1f}s  "
+                     f"{ratio(twelve['compile_s'], one['compile_s']):>5s}  {one['graphs']} / {twelve['graphs']}")
+    return "\n".join(lines) + "\n"
+
+
 def _worker(rank: int, world_size: int, store: str, steps: int, out: str, lowerings: list[str],
             compile_steps: int, json_path: str | None) -> None:
     import torch
@@ -157,27 +173,20 @@ def _worker(rank: int, world_size: int, store: str, steps: int, out: str, loweri
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world_size), rank=rank, world_size=world_size)
-    speed, compile_rows = {}, {}
-    for lowering in lowerings:
+    speed: dict[str, dict[str, float]] = {}
+    compile_rows: dict[str, dict[int, dict[str, float]]] = {}
+    for lowering in lowerings:  # the tables are rewritten after each lowering: a cut-short run keeps its rows
         speed[lowering] = _side_by_side(lowering, world_size, steps)
         compile_rows[lowering] = {n: _compile_time(lowering, world_size, n, compile_steps) for n in (ONE, MANY)}
-    if rank == 0:
-        lines = [f"{'lowering':10s} {'eager':>9s} {'compiled':>9s}  compiled/eager"]
-        for name, r in speed.items():
-            lines.append(f"{name:10s} {r['eager_ms']:7.1f}ms {r['compiled_ms']:7.1f}ms  {r['ratio']:6.3f}")
-        lines += ["", "compile time (first step less a later one), from empty caches (target: 12 blocks ≤ 2× one "
-                  f"block's, measured on {ONE} blocks sharing one graph):",
-                  f"{'lowering':10s} {f'{ONE} blocks':>9s} {f'{MANY} blocks':>10s}  ratio  graphs ({ONE} / {MANY} "
-                  "blocks, rank 0)"]
-        for name, r in compile_rows.items():
-            one, twelve = r[ONE], r[MANY]
-            lines.append(f"{name:10s} {one['compile_s']:8.1f}s {twelve['compile_s']:9.1f}s  "
-                         f"{ratio(twelve['compile_s'], one['compile_s']):>5s}  {one['graphs']} / {twelve['graphs']}")
-        Path(out).write_text("\n".join(lines) + "\n")
-        if json_path:
-            Path(json_path).write_text(json.dumps({"world_size": world_size, "steps": steps, "speed": speed,
-                                                   "compile": {k: {str(n): v for n, v in r.items()}
-                                                               for k, r in compile_rows.items()}}, indent=2))
+        if rank == 0:
+            text = _tables(speed, compile_rows)
+            Path(out).write_text(text)
+            sys.stderr.write(f"[compile_speed] {lowering} done\n{text}\n")
+            sys.stderr.flush()
+            if json_path:
+                Path(json_path).write_text(json.dumps(
+                    {"world_size": world_size, "steps": steps, "speed": speed,
+                     "compile": {k: {str(n): v for n, v in r.items()} for k, r in compile_rows.items()}}, indent=2))
     dist.destroy_process_group()
 
 

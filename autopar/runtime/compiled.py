@@ -75,7 +75,8 @@ def check_compilable(plan: Plan, graph: LayerGraph | None = None) -> None:
     if why:
         raise CompileError(f"torch.compile runs DDP, ZeRO/FSDP2 and pipeline plans (with or without recompute) "
                            f"only; this plan has {' and '.join(why)}: run it eagerly (drop --compile / "
-                           f"torch_compile), or pin it to what compiles (tp=1 ep=1 cp=1)")
+                           f"torch_compile), or pin it to what compiles (tp=1 ep=1 cp=1, and pp=1 for a "
+                           f"refused pipeline)")
 
 
 def check_compiled(plan: Plan, torch_compile: bool | None, graph: LayerGraph | None = None) -> None:
