@@ -566,6 +566,32 @@ def compiled_block_paths(graph: LayerGraph, plan: Plan) -> list[str]:
     return [layer.module_path for layer, block in zip(graph.layers, graph.blocks) if block and layer.name in names]
 
 
+def compile_refusal(graph: LayerGraph | None, mesh: Mesh) -> str | None:
+    """Why the compiled runtime (torch.compile per block, :mod:`autopar.runtime.compiled`) does not
+    run ``mesh`` on ``graph`` (None when it does). A compiled search skips such meshes, and a
+    compiled plan with one is refused before the first collective.
+
+    Runs: DDP, FSDP2/ZeRO-1/2/3, full and selective recompute, and pipelines (GPipe, 1F1B,
+    interleaved 1F1B, also beside dp and ZeRO-3): each block compiled inside the stage module the
+    pipeline lowering built, which calls the model's own block module (proven by
+    ``tests/compile_cases.py`` against one eager process). Not: tensor and sequence parallelism (the
+    sharding runtime rewrites ops per call in a ``TorchFunctionMode`` dynamo does not trace), expert
+    and context parallelism (not proven yet), and a pipeline of a model whose export graph could not
+    keep its layers' module calls (:func:`tp_applies`): no block module is called in its stages, so
+    nothing would run compiled that was priced compiled. ``graph`` None: the mesh's axes only."""
+    why = []
+    if mesh.tp > 1:
+        why.append(f"tensor parallelism (tp={mesh.tp})")
+    if mesh.ep > 1:
+        why.append(f"expert parallelism (ep={mesh.ep})")
+    if mesh.cp > 1:
+        why.append(f"context parallelism (cp={mesh.cp})")
+    if graph is not None and mesh.pp > 1 and not tp_applies(graph, mesh.pp):
+        why.append(f"a pipeline (pp={mesh.pp}) of {graph.model_name}, whose stages are single ATen graphs "
+                   "(torch.export could not keep its layers' module calls) that call no block module")
+    return " and ".join(why) or None
+
+
 def plan_layout(graph: LayerGraph, plan: Plan) -> Layout:
     """The contract for a Plan made for ``graph`` (as a pipeline runs it: :meth:`LayerGraph.pipeline_view`)."""
     if plan.mesh.pp > 1:

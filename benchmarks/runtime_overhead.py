@@ -162,15 +162,16 @@ def _worker(rank: int, world_size: int, store: str, steps: int, out: str) -> Non
     dist.destroy_process_group()
 
 
-def spawn_and_report(worker: Callable[[int, int, str, int, str], None], world_size: int, steps: int,
-                     header: str) -> None:
-    """Run ``worker(rank, world_size, store, steps, out)`` on ``world_size`` spawned ranks (gloo, CPU),
-    then print ``header`` and what rank 0 wrote to ``out``: the launcher every overhead benchmark shares."""
+def spawn_and_report(worker: Callable[..., None], world_size: int, steps: int,
+                     header: str, extra: tuple = ()) -> None:
+    """Run ``worker(rank, world_size, store, steps, out, *extra)`` on ``world_size`` spawned ranks (gloo,
+    CPU), then print ``header`` and what rank 0 wrote to ``out``: the launcher every overhead benchmark
+    shares (``extra``: a benchmark's own arguments, picklable)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.txt")
-        mp.start_processes(worker, args=(world_size, os.path.join(tmp, "store"), steps, out),
+        mp.start_processes(worker, args=(world_size, os.path.join(tmp, "store"), steps, out, *extra),
                            nprocs=world_size, start_method="spawn")
         sys.stdout.write(header + "\n")
         sys.stdout.write(Path(out).read_text())

@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 
 from autopar.contract import ROOT, Layout, Unit, plan_layout, unit_engine
-from autopar.errors import BatchError, LoweringError
+from autopar.errors import BatchError, CompileError, LoweringError
 from autopar.graph import LayerGraph
 from autopar.passes.batchnorm import batch_norms, sync_batch_norms
 from autopar.passes.parallelize import Part, parallelize_part
@@ -130,6 +130,9 @@ def _check_lowerable(split: StageSplit, plan: Plan, model: nn.Module) -> None:
         return
     why = ("its layers are inlined into one traced graph (torch.export capture)" if split.tracer == "export"
            else "FX cannot trace it with each layer kept as one module call")
+    if plan.training.compiled:
+        raise CompileError(f"torch.compile per block inside pipeline stages needs block modules that are "
+                           f"called, but {why}; plan it eager (drop --compile / torch_compile), or use pp=1")
     tp = [lp.name for lp in plan.layers if lp.choice.tp is not None]
     if tp and plan.mesh.tp > 1:
         raise LoweringError(f"tensor parallelism inside pipeline stages needs layer modules that are "

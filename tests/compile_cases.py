@@ -8,6 +8,10 @@ counts dynamo's graphs after each step (:data:`torch._dynamo.utils.counters`), f
 cache: the first step compiles one graph the two blocks share, later steps compile none. Both
 cases run the same block shapes, so the second finds inductor's on-disk cache warm (test time).
 
+The pipeline cases (pp = 2; GPipe, 1F1B and interleaved 1F1B, with and without recompute, and
+beside dp = 2 with ZeRO-3 on 4 ranks) compile each rank's blocks inside its stage modules; every
+rank compares the full gradients and parameters, and counts the graphs of its own blocks.
+
 The Hugging Face cases build LlamaForCausalLM and Qwen2ForCausalLM from tiny configs (nothing
 is downloaded) and compile each decoder layer. The recompute cases checkpoint both blocks inside
 their compiled forward (full, or selective with autopar's policy, counted as recompute_cases
@@ -96,7 +100,9 @@ def compiled_equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
         ref = from_rank0(lambda: run_reference(spec, lambda p: torch.optim.SGD(p, **SGD)))
         out: dict[str, Any] = {
             "compiled": list(pm.compiled), "plan_compiled": plan.training.compiled, "graphs": graphs,
-            "mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp], "zero": sorted({l.choice.zero for l in plan.layers}),
+            "mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp], "schedule": plan.schedule.value,
+            "tracer": pm.lowered.pipeline.tracer if pm.lowered.pipeline is not None else None,
+            "zero": sorted({l.choice.zero for l in plan.layers}),
             "losses": losses[:COMPARED], "ref_losses": ref["losses"],
             "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
             "recompute": {l.name: l.choice.recompute.name.lower() for l in plan.layers if l.choice.recompute},
@@ -122,6 +128,7 @@ def compiled_equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
 
 _EMBEDDINGS_OFF = ("tok_emb:recompute=none", "pos_emb:recompute=none", "drop:recompute=none",
                    "lm_head:recompute=none")
+PP2 = ("pp=2", "dp=1", "tp=1", "zero=0")
 ZERO3 = ("pp=1", "dp=2", "tp=1", "zero=3", "microbatches=1")
 
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
@@ -136,6 +143,24 @@ CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "hf_qwen2_ddp": compiled_equivalence(Spec(qwen2, PP1 + ("dp=2", "tp=1", "zero=0", "microbatches=1"), 4)),
     "hf_llama_zero3_selective": compiled_equivalence(Spec(hf_llama, ZERO3 + ("model.layers.*:recompute=selective",),
                                                           4)),
+    # pipelines: each stage's blocks compiled inside the stage module the pipeline lowering built (it calls
+    # the model's own block modules: fx-layers for the GPT, export-layers for Llama); W = 2 unless named
+    "pp_1f1b": compiled_equivalence(Spec(gpt_tiny, PP2 + ("recompute=none", "microbatches=4", "schedule=1f1b"), 8)),
+    "pp_1f1b_full": compiled_equivalence(Spec(gpt_tiny, PP2 + ("microbatches=4", "schedule=1f1b",
+                                                               "blocks.*:recompute=full", "ln_f:recompute=full")
+                                              + _EMBEDDINGS_OFF, 8)),
+    "pp_gpipe_selective": compiled_equivalence(Spec(gpt_tiny, PP2 + ("microbatches=2", "schedule=gpipe",
+                                                                     "blocks.*:recompute=selective",
+                                                                     "ln_f:recompute=none") + _EMBEDDINGS_OFF, 8)),
+    "pp_interleaved": compiled_equivalence(Spec(gpt_tiny, PP2 + ("recompute=none", "microbatches=4",
+                                                                 "schedule=interleaved_1f1b", "chunks=2"), 8)),
+    "hf_llama_pp_1f1b": compiled_equivalence(Spec(hf_llama, PP2 + ("recompute=none", "microbatches=2",
+                                                                   "schedule=1f1b"), 4)),
+    "hf_llama_pp_selective": compiled_equivalence(Spec(hf_llama, PP2 + ("microbatches=2", "schedule=1f1b",
+                                                                        "model.layers.*:recompute=selective"), 4)),
+    # W = 4: pp = 2 beside dp = 2 with ZeRO-3 units inside each stage
+    "pp2_dp2_zero3": compiled_equivalence(Spec(gpt_tiny, ("pp=2", "dp=2", "tp=1", "zero=3", "microbatches=2",
+                                                          "schedule=1f1b", "recompute=none"), 8)),
 }
 
 

@@ -74,10 +74,10 @@ def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | No
     return build_plan(graph, solution, spec, training, parsed)
 
 
-# What the compiled runtime runs (autopar.runtime.compiled): no tensor, pipeline, expert or context
-# parallelism; recompute of any kind. A compiled plan is searched there only, so nothing it cannot
-# run is offered.
-COMPILED_PINS = ("tp=1", "pp=1", "ep=1", "cp=1")
+# What the compiled runtime runs (autopar.runtime.compiled): no tensor, expert or context parallelism;
+# pipelines and recompute of any kind. A compiled plan is searched there only (and the search skips a
+# pipeline whose stages call no block module: contract.compile_refusal), so nothing it cannot run is offered.
+COMPILED_PINS = ("tp=1", "ep=1", "cp=1")
 
 
 def _compiled_pins(pins: Pins) -> Pins:
@@ -87,8 +87,7 @@ def _compiled_pins(pins: Pins) -> Pins:
         combined.check_form()  # a layer's recompute pin meets the global recompute=none here
         return combined
     except PinError as exc:
-        raise CompileError(f"torch.compile does not run tensor parallelism, pipelines, expert or context "
-                           f"parallelism yet "
+        raise CompileError(f"torch.compile does not run tensor parallelism, expert or context parallelism yet "
                            f"(compiled plans are solved with {' '.join(COMPILED_PINS)}): {exc}") from None
 
 

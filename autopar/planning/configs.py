@@ -20,7 +20,7 @@ from autopar import contract
 from autopar.choice import CpAttention
 from autopar.cost_models.hardware import ClusterSpec
 from autopar.cost_models.pipeline import Schedule, ScheduleKind
-from autopar.errors import PinError
+from autopar.errors import CompileError, PinError
 from autopar.graph import LayerGraph
 from autopar.mesh import AXES, AxisLimits, Mesh, meshes
 from autopar.mesh import axis as mesh_axis
@@ -73,6 +73,7 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
     pinned_zeros = [pin.get("zero") for pin in pins.resolve_layers([layer.name for layer in graph])]
     configs: list[Configuration] = []
     unmet = ""  # why a mesh was left out only because the pinned method cannot run on it
+    compile_refused: list[str] = []
     for mesh in meshes(limits, pinned):
         if contract.ep_refusal(mesh, graph) or (mesh.ep > 1 and mesh.pp > 1 and "ep" not in pinned):
             continue  # ep inside pipeline stages runs, but is searched only where ep is pinned: UNSEARCHED
@@ -81,6 +82,9 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
         methods = _cp_methods(graph, mesh, pins)
         if not methods:
             unmet = unmet or contract.ulysses_refusal(graph, mesh) or ""
+            continue
+        if training.compiled and (why := contract.compile_refusal(graph, mesh)):
+            compile_refused.append(why)  # the compiled runtime would not run it: not offered
             continue
         floor = contract.root_floor(graph, pinned_zeros, mesh.pp)
         per_replica = training.global_batch // mesh.dp
@@ -93,6 +97,9 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
                         for method in methods]
     if not configs and unmet:
         raise PinError(f"pin cp_attention=ulysses: {unmet} (and no other mesh the pins allow runs it)")
+    if not configs and compile_refused:
+        raise CompileError(f"torch.compile does not run {compile_refused[0]}: pin pp=1, or plan it eager "
+                           "(drop --compile / torch_compile)")
     if not configs:
         raise PinError(why_no_config(graph, world_size, training, pins, limits.max_stages))
     return configs

@@ -31,14 +31,21 @@ only while a compiled block runs); without it dynamo breaks the graph at the
 checkpoint and the whole block ran eagerly, uncounted.
 
 What runs compiled is proven for DDP and FSDP2/ZeRO-1/2/3, with and without
-full and selective recompute (the tests compare 3 SGD steps with eager within
-1e-5 and count recompiles). :func:`check_compilable` refuses every other
-lowering with a :class:`~autopar.errors.CompileError` before the first
-collective: tensor and sequence parallelism (the sharding runtime rewrites
-ops in Python per call, in a ``TorchFunctionMode`` dynamo does not trace:
-with this refusal lifted, dynamo failed inside ``ShardMode.__torch_function__``,
-"cls_source must not be None for MRO walk"), expert and context parallelism,
-and pipelines.
+full and selective recompute, and for pipelines (GPipe, 1F1B, interleaved
+1F1B, beside dp with ZeRO-3; the project's GPT and a Hugging Face Llama): a
+pipeline's stage modules call the model's own block modules (``fx-layers`` and
+``export-layers`` splits), so each block is compiled where its stage calls it
+and the schedule, its sends and its gradient scaling stay eager (the tests
+compare 3 SGD steps with eager within 1e-5 and count recompiles over 10).
+:func:`check_compilable` refuses every other lowering
+(:func:`autopar.contract.compile_refusal`) with a
+:class:`~autopar.errors.CompileError` before the first collective: tensor and
+sequence parallelism (the sharding runtime rewrites ops in Python per call, in
+a ``TorchFunctionMode`` dynamo does not trace: with this refusal lifted, dynamo
+failed inside ``ShardMode.__torch_function__``, "cls_source must not be None
+for MRO walk"), expert and context parallelism, and pipelines whose stages
+call no block module (an export graph without its layers' module calls;
+``passes/pipeline.py`` refuses the split's own FX fallback the same way).
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from autopar.contract import compiled_block_paths
+from autopar.contract import compile_refusal, compiled_block_paths
 from autopar.errors import CompileError
 from autopar.graph import LayerGraph
 from autopar.plan import Plan
@@ -66,31 +73,27 @@ def requested(torch_compile: bool | None) -> bool | None:
     return torch_compile
 
 
-def unsupported(plan: Plan) -> list[str]:
-    """What in ``plan`` the compiled runtime does not run yet (empty when it does)."""
-    m = plan.mesh
-    why = []
-    if m.tp > 1 or any(lp.choice.tp is not None for lp in plan.layers):
-        why.append(f"tensor parallelism (tp={m.tp})")
-    if m.pp > 1:
-        why.append(f"a pipeline (pp={m.pp})")
-    if m.ep > 1:
-        why.append(f"expert parallelism (ep={m.ep})")
-    if m.cp > 1:
-        why.append(f"context parallelism (cp={m.cp})")
+def unsupported(plan: Plan, graph: LayerGraph | None = None) -> list[str]:
+    """What in ``plan`` the compiled runtime does not run yet (empty when it does): the contract's
+    :func:`~autopar.contract.compile_refusal` (``graph`` None: the mesh's axes only), and any layer
+    planned tensor parallel."""
+    why = [r] if (r := compile_refusal(graph, plan.mesh)) else []
+    if plan.mesh.tp == 1 and any(lp.choice.tp is not None for lp in plan.layers):
+        why.append("tensor parallelism (tp=1 with tensor-parallel layer choices)")
     return why
 
 
-def check_compilable(plan: Plan) -> None:
+def check_compilable(plan: Plan, graph: LayerGraph | None = None) -> None:
     """Raise :class:`CompileError` naming what ``plan`` lowers that torch.compile does not run yet."""
-    why = unsupported(plan)
+    why = unsupported(plan, graph)
     if why:
-        raise CompileError(f"torch.compile runs DDP and ZeRO/FSDP2 plans (with or without recompute) only; "
-                           f"this plan has {' and '.join(why)}: run it eagerly (drop --compile / "
-                           f"torch_compile), or pin it to what compiles (tp=1 pp=1 ep=1 cp=1)")
+        raise CompileError(f"torch.compile runs DDP, ZeRO/FSDP2 and pipeline plans (with or without recompute) "
+                           f"only; this plan has {' and '.join(why)}: run it eagerly (drop --compile / "
+                           f"torch_compile), or pin it to what compiles (tp=1 ep=1 cp=1, and pp=1 for a "
+                           f"refused pipeline)")
 
 
-def check_compiled(plan: Plan, torch_compile: bool | None) -> None:
+def check_compiled(plan: Plan, torch_compile: bool | None, graph: LayerGraph | None = None) -> None:
     """What ``compile`` runs is what the plan priced: ``torch_compile`` (None: as the plan says) must
     agree with ``plan.training.compiled``, and a compiled plan must be one that compiles."""
     priced = plan.training.compiled
@@ -99,7 +102,7 @@ def check_compiled(plan: Plan, torch_compile: bool | None) -> None:
                            f"{str(priced).lower()}) but torch_compile={torch_compile} was asked: re-plan "
                            f"{'without' if priced else 'with'} --compile, or leave torch_compile unset")
     if priced:
-        check_compilable(plan)
+        check_compilable(plan, graph)
 
 
 def block_paths(graph: LayerGraph, plan: Plan) -> list[str]:

@@ -529,7 +529,7 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
         kwargs["compiled"] = True
     plan, graph = resolve_plan(model, example_inputs, plan, graph, world_size, launched, **kwargs)
     check_world(plan, world_size, launched)
-    check_compiled(plan, torch_compile)
+    check_compiled(plan, torch_compile, graph)
     routers = check_bias_update(model, graph, plan, moe_bias_update)
     loss_fn = loss_fn or default_loss
     if not launched and world_size > 1:

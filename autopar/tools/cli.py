@@ -117,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--plan", default=None, metavar="PLAN.json", help="verify this plan (else solve)")
     verify.add_argument("--steps", type=int, default=3, metavar="K", help="SGD steps to compare")
     verify.add_argument("--compile", action="store_true",
-                        help="plan priced compiled, each block run under torch.compile (DDP/ZeRO plans only)")
+                        help="plan priced compiled, each block run under torch.compile (DDP, ZeRO and pipeline plans)")
     verify.add_argument("--loss", default=None, metavar="FILE.py:FUNCTION",
                         help="loss_fn(output, targets) for both sides (default: the one that fits the output)")
     verify.set_defaults(dtype="fp32")
@@ -153,7 +153,10 @@ def _add_explain_and_diff(sub: Any) -> None:
         if action.dest == "spec":
             action.metavar, action.help = "SPEC|PLAN.json", "a model SPEC to plan, or a saved plan"
     explain.add_argument("--why-not", action="append", default=[], metavar="PIN",
-                         help="a counterfactual: pins (space-separated) added to the plan's, solved again (repeatable)")
+                         help="a counterfactual: pins (space-separated) added to the plan's, solved again "
+                              "(repeatable); compile=off / compile=on: the plan itself priced eager / compiled")
+    explain.add_argument("--compile", action="store_true",
+                         help="plan the SPEC priced compiled (each block under torch.compile), as plan --compile")
     explain.add_argument("--model", default=None, metavar="SPEC",
                          help="the plan file's model, needed to solve --why-not counterfactuals of a saved plan")
     diff = sub.add_parser("diff", help="two plans of one model side by side")
@@ -356,7 +359,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         if args.compile:  # what a pin left possible that the compiled runtime does not run: refused here
             from autopar.runtime.compiled import check_compilable
 
-            check_compilable(plan)
+            check_compilable(plan, graph)
     warnings = v.plan_warnings(plan, model) + warnings
     if not args.json:
         _out("\n".join(v.setup_lines(plan, dropout, warnings, loss)))
@@ -400,7 +403,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
         kwargs = _solve_kwargs(args)
         graph = _graph(args)
-        plan = solve(graph, args.world_size, **kwargs)
+        plan = solve(graph, args.world_size, **kwargs, compiled=args.compile)
     result = explain(plan, graph, args.why_not, time_limit_s=args.time_limit)
     _out(json.dumps(result.to_dict(), indent=2) if args.json else result.render())
     return EXIT_OK
@@ -411,7 +414,8 @@ def _refuse_problem_options(args: argparse.Namespace, plan: Any) -> None:
     given = [flag for flag, value in (("--world-size", args.world_size), ("--cluster", args.cluster),
                                       ("--nodes", args.nodes), ("--batch-size", args.batch_size),
                                       ("--memory-gb", args.memory_gb), ("--pin", args.pin or None),
-                                      ("--seq-len", args.seq_len if args.model is None else None))
+                                      ("--seq-len", args.seq_len if args.model is None else None),
+                                      ("--compile", True if getattr(args, "compile", False) else None))
              if value is not None]
     if given:
         raise AutoparError(f"{', '.join(given)}: a saved plan brings its own problem ({plan.world_size} ranks on "

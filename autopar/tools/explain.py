@@ -16,6 +16,15 @@ breaks and by how much. Without counterfactuals the solver's runners-up are
 explained — the best plans of the next distinct configurations, which the
 plan records (``Plan.runners_up``) — without solving anything.
 
+``--why-not compile=off`` (or ``compile=on``) asks what torch.compile is worth for the plan:
+the plan itself — the same mesh, schedule and layer choices, nothing solved again — priced
+eager and compiled (:func:`autopar.planning.api.reprice`), its step time and peak memory set
+beside the chosen plan's; ``compile=X`` that is what the plan already does says so, and
+``compile=on`` for a plan the compiled runtime does not run says why
+(:func:`autopar.contract.compile_refusal`). With other pins beside it, ``compile=X`` solves
+again with those pins, compiled or eager as asked; any other counterfactual is solved as the
+plan was priced (compiled or eager).
+
 A ``--why-not`` pin that contradicts the plan's own pins is bad input
 (:class:`~autopar.errors.PinError`); one that leaves nothing that fits or can
 run is an answer, and the sentence says why.
@@ -27,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from autopar.errors import AutoparError, InfeasibleError, PinError
+from autopar.errors import AutoparError, CompileError, InfeasibleError, PinError
 from autopar.mesh import Mesh
 from autopar.pins import Pins
 from autopar.plan import BREAKDOWN_TERMS, Breakdown, Plan, RunnerUp, shown_terms
@@ -102,6 +111,7 @@ class Counterfactual:
     binding: str = ""  # "memory", "pins", "time" (the solver's binding constraint) or "cannot run"
     min_memory_bytes: int | None = None  # the least memory per rank any plan with these pins needs
     same_plan: bool = False  # solved with these pins, the solver returns the chosen plan itself
+    compiled: bool | None = None  # a compile=on/off counterfactual: the plan priced compiled (True) or eager
 
     def deltas(self, chosen: Figures) -> dict[str, float]:
         """Each breakdown term, this plan's less the chosen one's: they add up to the step's difference."""
@@ -133,8 +143,14 @@ class Explanation:
             cf = replace(cf, label=f"{cf.label} ({', '.join(words)})")
         if cf.figures is None:
             return _why_no_figures(cf, self.budget_bytes)
+        alone = cf.compiled is not None and not cf.pins[1:]  # compile=on|off: the plan itself, priced so
+        if cf.same_plan and alone:
+            return (f"{cf.label}: the chosen plan is already priced {'compiled' if cf.compiled else 'eager'}; ask "
+                    f"--why-not compile={'off' if cf.compiled else 'on'} for what torch.compile is worth to it.")
         if cf.same_plan:
             return f"{cf.label}: the chosen plan already does this (solved with it, the solver returns the same plan)."
+        if alone:
+            return _compile_worth(cf, self.chosen, self.plan)
         return _contrast(cf, self.chosen, self.plan) + _memory_clause(cf.figures, self.budget_bytes) + (
             "" if cf.figures.optimal else " (the best a short solve found: that configuration may do better)") + "."
 
@@ -147,7 +163,8 @@ class Explanation:
                 "counterfactuals": [self._cf_dict(cf) for cf in self.counterfactuals]}
 
     def _cf_dict(self, cf: Counterfactual) -> dict[str, Any]:
-        d: dict[str, Any] = {"label": cf.label, "pins": list(cf.pins), "fits": cf.figures is not None}
+        d: dict[str, Any] = {"label": cf.label, "pins": list(cf.pins), "fits": cf.figures is not None,
+                             "compiled": cf.compiled}
         if cf.figures is not None:
             d.update(cf.figures.to_dict(), delta_step_time_s=cf.figures.step_time_s - self.chosen.step_time_s,
                      deltas=cf.deltas(self.chosen), same_plan=cf.same_plan)
@@ -200,6 +217,30 @@ def _contrast(cf: Counterfactual, chosen: Figures, plan: Plan) -> str:
     return (f"{cf.label}: {_percent(-diff / chosen.step_time_s)} faster ({_signed(diff)}), mostly less "
             f"{words[fell]} ({_signed(deltas[fell])}): the chosen plan is not the fastest under these "
             f"options ({status}; a plan file may have been made with other ones)")
+
+
+def _compile_worth(cf: Counterfactual, chosen: Figures, plan: Plan) -> str:
+    """What torch.compile is worth for this plan: the plan priced both ways, step time and peak memory."""
+    f = cf.figures
+    eager, compiled = (chosen, f) if cf.compiled else (f, chosen)
+    saved = eager.step_time_s - compiled.step_time_s
+    memory = max(compiled.memory_per_rank_bytes) - max(eager.memory_per_rank_bytes)
+    mem = ("the same peak memory per rank" if memory == 0 else
+           f"peak memory per rank {'+' if memory > 0 else '−'}{format_bytes(abs(memory))} compiled")
+    how = "priced compiled" if cf.compiled else "priced eager"
+    head = (f"{cf.label}: this plan {how}: {_s(f.step_time_s)} a step against {_s(chosen.step_time_s)} "
+            f"{'eager' if cf.compiled else 'compiled'}")
+    if saved == 0:
+        return (f"{head}; torch.compile is worth nothing here under this cost model (nothing this plan compiles "
+                f"is priced cheaper: a device without an op model, as {plan.cluster.device.name}, prices layers by "
+                f"FLOPs alone), {mem}.")
+    deltas = {key: eager.term(key) - compiled.term(key) for key, _ in TERMS}
+    most = max(deltas, key=lambda k: abs(deltas[k]))
+    worth = (f"torch.compile {'saves' if saved > 0 else 'costs'} {_s(abs(saved))} a step "
+             f"({_percent(abs(saved) / eager.step_time_s)} of eager), mostly {dict(TERMS)[most]} "
+             f"({_signed(-deltas[most])} compiled)")
+    tail = "" if plan.training.compiled or not cf.compiled else "; re-plan with --compile to run it"
+    return f"{head}: {worth}; {mem}{tail}."
 
 
 def _memory_clause(f: Figures, budget: int) -> str:
@@ -313,19 +354,57 @@ def with_pins(plan: Plan, graph: LayerGraph, extra: Sequence[str]) -> Pins:
     return pins
 
 
+COMPILE_KEY = "compile"  # --why-not compile=on|off: the plan priced compiled or eager, not a pin
+_ON_OFF = {"on": True, "true": True, "off": False, "false": False}
+
+
+def _compile_asked(extra: tuple[str, ...]) -> tuple[bool | None, tuple[str, ...]]:
+    """``compile=on|off`` among ``extra`` (None where absent), and the pins beside it."""
+    asked = [t for t in extra if t.split("=", 1)[0] == COMPILE_KEY]
+    if not asked:
+        return None, extra
+    values = {t.split("=", 1)[1].lower() if "=" in t else "" for t in asked}
+    if len(values) > 1 or not values <= set(_ON_OFF):
+        raise PinError(f"--why-not {' '.join(asked)}: compile takes on or off, once (compile=off, compile=on)")
+    return _ON_OFF[values.pop()], tuple(t for t in extra if t not in asked)
+
+
 def counterfactual(plan: Plan, graph: LayerGraph, why: str, *, time_limit_s: float = 30.0) -> Counterfactual:
-    """The plan's problem solved again with ``why``'s pins added (see :func:`explain`)."""
+    """The plan's problem solved again with ``why``'s pins added (see :func:`explain`); ``compile=on|off``
+    alone prices the plan itself compiled or eager (:func:`compile_counterfactual`)."""
     from autopar.planning.api import solve
 
     extra = tuple(why.split())
-    pins = with_pins(plan, graph, extra)
+    compiled, rest = _compile_asked(extra)
     label = " ".join(extra)
+    if compiled is not None and not rest:
+        return compile_counterfactual(plan, graph, compiled)
+    pins = with_pins(plan, graph, rest)
+    asked = plan.training.compiled if compiled is None else compiled
     try:
         other = solve(graph, plan.world_size, cluster=plan.cluster, global_batch=plan.training.global_batch,
                       dtype=plan.training.dtype, memory_gb=plan.predicted.memory_budget_bytes / GiB, pins=pins,
-                      time_limit_s=time_limit_s, runners_up=0)
+                      time_limit_s=time_limit_s, runners_up=0, compiled=asked)
     except InfeasibleError as exc:
-        return Counterfactual(label, extra, None, str(exc), exc.binding, exc.min_memory_bytes)
+        return Counterfactual(label, extra, None, str(exc), exc.binding, exc.min_memory_bytes, compiled=compiled)
     except PinError as exc:  # consistent pins that no configuration can run (a degree, a style)
-        return Counterfactual(label, extra, None, str(exc), "cannot run")
-    return Counterfactual(label, extra, Figures.of_plan(other), same_plan=same_plan(other, plan))
+        return Counterfactual(label, extra, None, str(exc), "cannot run", compiled=compiled)
+    except CompileError as exc:  # what compile does not run, pinned or left by the pins
+        return Counterfactual(label, extra, None, str(exc), "cannot run", compiled=compiled)
+    return Counterfactual(label, extra, Figures.of_plan(other), same_plan=same_plan(other, plan), compiled=compiled)
+
+
+def compile_counterfactual(plan: Plan, graph: LayerGraph, compiled: bool) -> Counterfactual:
+    """``plan`` itself — every choice kept — priced compiled or eager: what torch.compile is worth for it."""
+    from autopar.planning.api import reprice
+    from autopar.runtime.compiled import unsupported
+
+    label = f"{COMPILE_KEY}={'on' if compiled else 'off'}"
+    if compiled == plan.training.compiled:
+        return Counterfactual(label, (label,), Figures.of_plan(plan), same_plan=True, compiled=compiled)
+    if compiled and (why := unsupported(plan, graph)):
+        return Counterfactual(label, (label,), None, f"torch.compile does not run {' and '.join(why)}",
+                              "cannot run", compiled=compiled)
+    flipped = replace(plan, training=replace(plan.training, compiled=compiled))
+    other = reprice(graph, flipped, memory_gb=plan.predicted.memory_budget_bytes / GiB)
+    return Counterfactual(label, (label,), Figures.of_plan(other), compiled=compiled)

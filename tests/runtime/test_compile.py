@@ -1,5 +1,6 @@
-"""torch.compile per block (issue 24's first slice): compiled training matches eager, compiles once,
-is priced as compiled, says so in the plan, and is refused for lowerings it does not run yet."""
+"""torch.compile per block (issue 24's first slice): compiled training matches eager (DDP, ZeRO, recompute,
+pipelines), compiles once, is priced as compiled, says so in the plan, and is refused for lowerings it does
+not run yet."""
 
 from __future__ import annotations
 
@@ -91,6 +92,70 @@ def test_the_blocks_share_one_graph_and_later_steps_compile_nothing(w2: dict, ca
         assert m["guard_failures"] == [] and m["graph_breaks"] == {}
 
 
+# ------------------------------------------------------------------ pipelines: blocks compiled inside their stages
+
+PIPELINES = ["pp_1f1b", "pp_1f1b_full", "pp_gpipe_selective", "pp_interleaved", "hf_llama_pp_1f1b",
+             "hf_llama_pp_selective"]
+
+
+@pytest.fixture(scope="module")
+def pipelines(ranks) -> dict[str, dict]:
+    """The pipeline cases: pp = 2 on 2 ranks, and pp = 2 × dp = 2 (ZeRO-3) on 4."""
+    return (ranks(2).run(PIPELINES, module="compile_cases")
+            | ranks(4).run(["pp2_dp2_zero3"], module="compile_cases"))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", [*PIPELINES, "pp2_dp2_zero3"])
+def test_pipeline_stages_run_their_blocks_compiled_as_one_eager_device_and_compile_once(pipelines: dict,
+                                                                                         case: str) -> None:
+    """Each rank compiles the blocks of its own stages, inside the stage modules the pipeline lowering
+    built (the schedule stays eager): 3 SGD steps within 1e-5 of one eager process on every rank, one
+    graph on the first step and none after it over 10 steps, no graph break, no guard failure."""
+    res = pipelines[case]
+    hf = case.startswith("hf_")
+    blocks = ["model.layers.0", "model.layers.1"] if hf else ["blocks.0", "blocks.1"]
+    ranks = every_rank(res)
+    assert sorted(p for m in ranks for p in m["compiled"]) == sorted(blocks * (len(ranks) // 2)), ranks
+    for m in ranks:
+        assert m["plan_compiled"] and m["mesh"][0] == 2 and len(m["compiled"]) == 1, m
+        assert m["tracer"] == ("export-layers" if hf else "fx-layers"), m["tracer"]
+        assert m["loss_rel"] < EXACT and m["grad_rel"] < EXACT and m["param_rel"] < EXACT, m
+        assert m["graphs"] == [1] * len(m["graphs"]) and len(m["graphs"]) == 10, m
+        assert m["guard_failures"] == [] and m["graph_breaks"] == {}, m
+        kind = {"full": "full", "selective": "selective"}.get(case.rsplit("_", 1)[-1])
+        assert m["checkpointed"] == ({m["compiled"][0]: kind} if kind else {}), m["checkpointed"]
+    schedules = {c: pipelines[c]["schedule"] for c in ("pp_1f1b", "pp_gpipe_selective", "pp_interleaved")}
+    assert schedules == {"pp_1f1b": "1f1b", "pp_gpipe_selective": "gpipe", "pp_interleaved": "interleaved_1f1b"}
+    assert pipelines["pp2_dp2_zero3"]["mesh"] == [2, 2, 1] and pipelines["pp2_dp2_zero3"]["zero"] == [3]
+    assert pipelines["pp_gpipe_selective"]["policy_asked"] > 0
+
+
+def test_a_compiled_solve_offers_pipelines_but_not_where_no_stage_calls_a_block(graph) -> None:
+    """Pipelines run compiled, so a compiled search may choose pp > 1; a model whose export graph lost
+    its layers' module calls has stages that call no block, so there a compiled search keeps pp = 1
+    and a pinned pipeline is refused in one line (priced compiled, it would run eager)."""
+    from autopar.cost_models.hardware import load_cluster
+    from autopar.graph import LayerGraph
+    from autopar.pins import Pins
+    from autopar.planning.configs import enumerate_configs
+    from autopar.planning.configuration import TrainingSpec
+
+    _, _, g = graph
+    plan = autopar.solve(g, 2, cluster="cpu", global_batch=4, compiled=True, pins=["pp=2", "microbatches=2"])
+    assert plan.training.compiled and plan.mesh.pp == 2 and "pp=1" not in plan.pins
+    exported = LayerGraph.from_dict({**g.to_dict(), "tracer": "export"})
+    cluster = load_cluster("cpu").for_world_size(4)
+    free = {c.mesh.pp for c in enumerate_configs(g, 4, cluster, TrainingSpec(8, compiled=True), Pins.from_any(None))}
+    assert free > {1}
+    kept = {c.mesh.pp for c in enumerate_configs(exported, 4, cluster, TrainingSpec(8, compiled=True),
+                                                 Pins.from_any(None))}
+    assert kept == {1}
+    assert {c.mesh.pp for c in enumerate_configs(exported, 4, cluster, TrainingSpec(8), Pins.from_any(None))} > {1}
+    with pytest.raises(CompileError, match="single ATen graphs.*pin pp=1"):
+        autopar.solve(exported, 2, cluster="cpu", global_batch=4, compiled=True, pins=["pp=2"])
+
+
 def test_hugging_face_decoder_layers_are_the_compiled_blocks() -> None:
     """A Hugging Face decoder's first layer is charged the rotary cos/sin its siblings share, so its
     cost class is its own; it is still a block of the stack, compiled and priced compiled (were it
@@ -122,7 +187,7 @@ def test_a_compiled_plan_round_trips_and_old_plans_load_eager(graph) -> None:
     _, _, g = graph
     plan = autopar.solve(g, 2, cluster="cpu", global_batch=4, compiled=True)
     assert plan.training.compiled and Plan.from_json(plan.to_json()) == plan
-    assert {"tp=1", "pp=1", "ep=1", "cp=1"} <= set(plan.pins) and "recompute=none" not in plan.pins
+    assert {"tp=1", "ep=1", "cp=1"} <= set(plan.pins) and not {"pp=1", "recompute=none"} & set(plan.pins)
     assert "blocks under torch.compile" in plan.summary().splitlines()[0]
     old = json.loads(plan.to_json())
     del old["training"]["compiled"]  # a plan written before the field
@@ -284,10 +349,14 @@ def test_compile_refuses_what_it_does_not_run(graph) -> None:
         autopar.compile(model, 2, inputs, graph=g, plan=tp_compiled)
     with pytest.raises(CompileError, match="priced eager"):  # what runs is what was priced
         autopar.compile(model, 2, inputs, graph=g, plan=tp, torch_compile=True)
-    pp = autopar.solve(g, 2, cluster="cpu", global_batch=4, pins=["pp=2", "microbatches=2"])
+    # a pipeline whose stages call no block module (an export graph without its layers' calls)
+    from autopar.graph import LayerGraph
+
+    exported = LayerGraph.from_dict({**g.to_dict(), "tracer": "export"})
+    pp = autopar.solve(exported, 2, cluster="cpu", global_batch=4, pins=["pp=2", "microbatches=2"])
     pp_compiled = dataclasses.replace(pp, training=dataclasses.replace(pp.training, compiled=True))
-    with pytest.raises(CompileError, match=r"a pipeline \(pp=2\)"):
-        autopar.compile(model, 2, inputs, graph=g, plan=pp_compiled)
+    with pytest.raises(CompileError, match=r"a pipeline \(pp=2\) of .*call no block module"):
+        autopar.compile(model, 2, inputs, graph=exported, plan=pp_compiled)
 
 
 def test_cli_verify_compile_refuses_a_tensor_parallel_plan_in_one_line(tmp_path: Path, capsys) -> None:

@@ -34,3 +34,54 @@ def test_peak_takes_an_address_allocated_again_as_freed_unseen_just_then():
     events = [(0, 100, 7), (5, 40, 8), (6, -40, 8), (10, 60, 7), (11, 10, 9)]
     assert peak_tensor_bytes(events, since_ns=0) == 140  # 100 still live when 40 more came
     assert peak_tensor_bytes(events, since_ns=11) == 70  # not 170: the first 100 were gone by t=10
+
+
+# ------------------------------------------------------------------ compile_speed.py: what each row measures
+
+
+@pytest.fixture(scope="module")
+def speed_graph():
+    import compile_speed
+    import gpt
+
+    import autopar
+
+    s = compile_speed
+    model, inputs = gpt.gpt(n_layer=4, d_model=s.WIDTH, n_head=s.HEADS, vocab_size=s.VOCAB, seq_len=s.SEQ,
+                            device="meta")
+    return autopar.capture(model, inputs)
+
+
+@pytest.mark.parametrize("lowering", ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "PP 1F1B", "selective", "full"])
+def test_each_compile_speed_row_is_the_lowering_it_names_and_compiles(speed_graph, lowering):
+    """Both models of a row are that lowering (the eager and the compiled plan the same mesh, ZeRO stage,
+    schedule and recompute), and the compiled one is a plan the compiled runtime runs."""
+    from compile_speed import BATCH, pins_for
+
+    import autopar
+    from autopar.runtime.compiled import check_compilable
+
+    plans = [autopar.solve(speed_graph, 2, cluster="cpu", dtype="fp32", global_batch=BATCH,
+                           pins=pins_for(lowering, 2), compiled=c) for c in (False, True)]
+    eager, compiled = plans
+    assert compiled.training.compiled and not eager.training.compiled
+    blocks = [[(l.choice.zero, str(l.choice.recompute)) for l in p.layers if l.name.startswith("blocks.")]
+              for p in plans]
+    assert eager.mesh == compiled.mesh and eager.schedule == compiled.schedule and blocks[0] == blocks[1]
+    check_compilable(compiled, speed_graph)
+    zeros = {z for z, _ in blocks[0]}
+    recompute = {r for _, r in blocks[0]}
+    want = {"DDP": (1, 2, {0}), "ZeRO-1": (1, 2, {1}), "ZeRO-2": (1, 2, {2}), "ZeRO-3": (1, 2, {3}),
+            "PP 1F1B": (2, 1, {0}), "selective": (1, 2, {0}), "full": (1, 2, {0})}[lowering]
+    assert (eager.mesh.pp, eager.mesh.dp, zeros) == want, (eager.mesh, zeros)
+    assert recompute == ({lowering} if lowering in ("selective", "full") else {"none"}), recompute
+    if lowering == "PP 1F1B":
+        assert eager.schedule.value == "1f1b" and eager.microbatches == 4
+
+
+def test_compile_time_is_the_first_step_less_a_later_one():
+    from compile_speed import compile_time, ratio
+
+    assert compile_time(10.0, [1.0, 3.0, 2.0]) == pytest.approx(8.0)  # the median later step: 2 s
+    assert compile_time(1.0, [2.0]) == 0.0  # a first step no slower than the others compiled nothing
+    assert ratio(3.0, 2.0) == "1.50" and ratio(3.0, 0.0) == "-"

@@ -209,3 +209,77 @@ def test_cli_plan_file_bad_input(capsys, tiny_plan, tmp_path):
     wrong_model = str(ROOT / "examples" / "mlp.py") + ":mlp"
     _one_line_error(*_run(capsys, "explain", str(tiny_plan), "--model", wrong_model, "--why-not", "pp=2")[::2],
                     "another model")
+
+
+# ------------------------------------------------------------------ --why-not compile=off / compile=on
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    sys.path.insert(0, str(ROOT / "examples"))
+    import gpt
+
+    model, inputs = gpt.gpt(n_layer=2, d_model=32, n_head=4, vocab_size=256, seq_len=16, device="meta")
+    return autopar.capture(model, inputs)
+
+
+H100 = dict(cluster="h100-80g", global_batch=4, pins=["dp=2", "pp=1", "recompute=none"])
+
+
+def test_why_not_compile_off_prices_the_plan_itself_eager(gpt_graph):
+    """What torch.compile is worth for a compiled plan: the same plan (mesh, choices) priced eager,
+    nothing solved again; the difference is compute (fused memory-bound ops), memory unchanged."""
+    plan = autopar.solve(gpt_graph, 2, **H100, compiled=True)
+    e = explain(plan, gpt_graph, ["compile=off", "compile=on"])
+    off, on = e.counterfactuals
+    eager = api.reprice(gpt_graph, replace(plan, training=replace(plan.training, compiled=False)))
+    assert off.figures.mesh == plan.mesh and off.compiled is False and not off.same_plan
+    assert off.figures.step_time_s == eager.predicted.step_time_s > plan.predicted.step_time_s
+    saved = off.figures.step_time_s - plan.predicted.step_time_s
+    assert off.deltas(e.chosen)["compute_s"] == pytest.approx(saved)
+    said = e.sentence(off)
+    assert said.startswith("compile=off: this plan priced eager") and "torch.compile saves" in said, said
+    assert "mostly compute" in said and "the same peak memory per rank" in said, said
+    assert f"{saved / off.figures.step_time_s:.1%} of eager" in said, said
+    assert on.same_plan and "already priced compiled" in e.sentence(on)
+    d = e.to_dict()["counterfactuals"][0]
+    assert d["compiled"] is False and d["delta_step_time_s"] == pytest.approx(saved)
+
+
+def test_why_not_compile_on_says_what_an_eager_plan_would_gain_or_why_it_cannot(gpt_graph):
+    plan = autopar.solve(gpt_graph, 2, **H100)
+    on, off = explain(plan, gpt_graph, ["compile=on", "compile=off"]).counterfactuals
+    assert on.figures.step_time_s < plan.predicted.step_time_s and on.figures.mesh == plan.mesh
+    said = explain(plan, gpt_graph, ["compile=on"]).sentences()[0]
+    assert "priced compiled" in said and "torch.compile saves" in said and "re-plan with --compile" in said, said
+    assert off.same_plan
+    # a plan the compiled runtime does not run: an answer, not an error
+    tp = autopar.solve(gpt_graph, 2, cluster="h100-80g", global_batch=4, pins=["tp=2", "pp=1", "blocks.*:tp=megatron"])
+    cf = explain(tp, gpt_graph, ["compile=on"]).counterfactuals[0]
+    assert cf.figures is None and cf.binding == "cannot run" and "tensor parallelism (tp=2)" in cf.reason
+    # a device without an op model prices layers by FLOPs alone: compile is worth nothing there, said so
+    cpu = autopar.solve(gpt_graph, 2, cluster="cpu", global_batch=4, pins=["dp=2", "pp=1"])
+    said = explain(cpu, gpt_graph, ["compile=on"]).sentences()[0]
+    assert "worth nothing here" in said and "FLOPs alone" in said, said
+    with pytest.raises(PinError, match="compile takes on or off"):
+        explain(plan, gpt_graph, ["compile=maybe"])
+
+
+def test_a_compiled_plans_pin_counterfactual_is_solved_compiled(gpt_graph):
+    plan = autopar.solve(gpt_graph, 2, **H100, compiled=True)
+    cf = explain(plan, gpt_graph, ["zero=0"]).counterfactuals[0]
+    want = autopar.solve(gpt_graph, 2, **{**H100, "pins": [*plan.pins, "zero=0"]}, compiled=True)
+    assert cf.figures.step_time_s == want.predicted.step_time_s
+    eager_cf = explain(plan, gpt_graph, ["zero=0 compile=off"]).counterfactuals[0]
+    assert eager_cf.figures.step_time_s > cf.figures.step_time_s  # solved eager, as asked
+
+
+def test_cli_explain_compile_why_not_compile_off(capsys):
+    assert main(["explain", TINY, "--world-size", "2", "--cluster", "h100-80g", "--batch-size", "4", "--compile",
+                 "--why-not", "compile=off"]) == 0
+    out = capsys.readouterr().out
+    assert "compile=off: this plan priced eager" in out and "torch.compile saves" in out, out
+    assert main(["explain", TINY, "--world-size", "2", "--cluster", "h100-80g", "--batch-size", "4", "--compile",
+                 "--why-not", "compile=off", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)["counterfactuals"][0]
+    assert d["compiled"] is False and d["delta_step_time_s"] > 0
