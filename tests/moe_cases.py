@@ -237,14 +237,14 @@ def bf16_against_ep1(rank: int, world_size: int) -> dict[str, Any]:
 CASES["ep2_bf16_mixtral"] = bf16_against_ep1
 
 
-def resume_across_ep(rank: int, world_size: int) -> dict[str, Any]:
+def resume_across_ep(rank: int, world_size: int, spec_name: str = "ep2_dp4_mixtral") -> dict[str, Any]:
     """Two SGD-with-momentum steps under ep=2 × dp=4, saved (DCP) and exported (safetensors); the
     checkpoint restored under ep=1 and ep=4 trains a third step as the ep=2 run does (weights and
-    momentum both mapped: the experts are DTensors sharded over ep), and the exported weights load
-    under ep=4 as they were."""
+    momentum both mapped: the experts are DTensors sharded over ep, or a module list's experts each
+    held by one ep rank), and the exported weights load under ep=4 as they were."""
     import tempfile
 
-    spec = SPECS["ep2_dp4_mixtral"]
+    spec = SPECS[spec_name]
     torch.manual_seed(0)
     model, inputs = spec.build()
     plan, graph = ec.plan_for(spec, world_size)
@@ -285,6 +285,8 @@ def resume_across_ep(rank: int, world_size: int) -> dict[str, Any]:
 
 
 CASES["resume_across_ep"] = resume_across_ep
+CASES["resume_across_ep_hand_mixtral"] = lambda rank, world_size: resume_across_ep(rank, world_size,
+                                                                                   "ep2_dp4_hand_mixtral")
 
 
 # ------------------------------------------------------------------ DeepSeek-V3's bias update (moe_bias_update)
@@ -362,3 +364,35 @@ def bias_update(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
 
 
 CASES |= {k: bias_update(v) for k, v in BIAS_SPECS.items()}
+
+
+def grad_norm_case(spec_name: str) -> Callable[[int, int], dict[str, Any]]:
+    """The global gradient norm ``max_grad_norm`` clips by, on the first step, against one device's
+    ``clip_grad_norm_`` of the same global batch (a module list's experts are each held by one ep rank:
+    counted once, not ep times or 1/ep)."""
+    from autopar.runtime import default_loss
+
+    def case(rank: int, world_size: int) -> dict[str, Any]:
+        spec = SPECS[spec_name]
+        plan, graph = ec.plan_for(spec, world_size)
+        torch.manual_seed(0)
+        model, inputs = spec.build()
+        x, y = ec._batches(spec, inputs, model)[0]
+        pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=graph, max_grad_norm=1e9,
+                             optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
+        pm.train_step(pm.local_batch(x), pm.local_batch(y))
+
+        def reference() -> float:
+            torch.manual_seed(0)
+            ref, _ = spec.build()
+            default_loss(ref(x), y).backward()
+            return float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
+
+        want = ec.from_rank0(reference)
+        return {"norm_rel": abs(pm.grad_norm - want) / want, "norm": pm.grad_norm, "ep": plan.mesh.ep}
+
+    return case
+
+
+CASES |= {f"norm_{k}": grad_norm_case(k) for k in ("ep2_dp4_hand_mixtral", "ep2_dp4_zero3_hand_mixtral",
+                                                    "pp2_ep2_zero3_hand_mixtral")}
