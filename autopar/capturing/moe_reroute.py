@@ -174,7 +174,10 @@ def _compare(block: nn.Module, forward: Callable[[torch.Tensor], Any], x: torch.
 
 
 def _rowwise(expert: nn.Module, x: torch.Tensor) -> str:
-    whole = expert(x)
+    try:
+        whole = expert(x)
+    except Exception as exc:
+        return f"an expert cannot be called on one [rows, hidden] tensor ({type(exc).__name__}: {exc})"
     if not isinstance(whole, torch.Tensor) or whole.dim() != 2 or whole.shape[0] != x.shape[0]:
         return f"an expert maps [rows, {x.shape[1]}] to {getattr(whole, 'shape', type(whole).__name__)}"
     halves = torch.cat([expert(x[:2]), expert(x[2:])])
