@@ -1,48 +1,30 @@
 """Expert parallelism for experts held as an ``nn.ModuleList`` and run by the block's own loop.
 
 A hand-written MoE block (Mixtral's as transformers 4.x wrote it, most MoEs
-outside a library) routes its tokens in Python: router, softmax, top-k,
-renormalise, then a loop over its experts, each called on the rows routed to
-it (gathered by ``torch.where`` and indexing), its output weighted and
-``index_add``-ed. No tracer follows that loop, and ep must not rewrite what it
-cannot read. So the block's own code runs, twice, with its experts swapped for
-stand-ins (:class:`_Tape`):
-
-1. **record**: the block's forward runs as written; each stand-in notes the rows
-   its expert is called on (and returns zeros of the expert's output width);
-2. **dispatch**: those rows, sorted by expert, go to the rank of the ep group
-   holding each expert, run through the real expert there and come back
-   (:func:`autopar.passes.expert_parallel.exchange`, the all-to-all dispatch and
-   combine the fused layout uses);
-3. **replay**: the block's forward runs again from the same RNG state; each
-   stand-in returns its expert's outputs from step 2 (after checking it was
-   called on as many rows as in step 1), and the block weights and combines
-   them with its own code.
-
-So the router's indices and weights are the model's own, from the model's own
-code, and the combine is the block's. Gradients: the router's and the
-weights' through the replay; the routed rows' through the record's gathers
-and the all-to-all's backward; the experts' through the dispatch. The record's
-other work (the router's scores, any shared expert) is computed and discarded:
-one more forward of the block's dense part, which pricing does not count.
-
-**Proof before lowering** (:func:`list_refusal`): on a copy of the block
-(random weights where the model is on the meta device) and random hidden
-states, the three steps with the experts run in place (ep = 1's semantics)
-must give the block's own output and the same gradients for the input and
-every parameter, each expert must be called at most once a pass, on one
-tensor, row by row (its output on the rows split in two equals its output on
-them whole, and it runs on no rows). A block that fails is refused with the
-reason, naming the layer: ep never runs what it could not check.
+outside a library) routes its tokens in Python no tracer follows, and ep does
+not rewrite what it cannot read: :func:`reroute` replaces the block's forward
+by :func:`autopar.capturing.moe_reroute.rerouted` — the block's own code run
+twice, recording the rows each expert is called on, then replaying its
+experts' outputs — with the experts' outputs computed across the ep group by
+:func:`autopar.passes.expert_dispatch.exchange` (the all-to-all dispatch and
+combine the fused layout uses). The router's indices and weights are the
+model's own; :func:`list_refusal` proves the rerouting exact on this model's
+block before anything is lowered (``moe_reroute.prove``), and names the layer
+and the reason where it is not.
 
 **Layout.** Rank ``i`` of an ep group keeps experts ``[i·E/ep, (i+1)·E/ep)``
-as they are (plain parameters under their own FQNs); the others are replaced
-by :class:`Elsewhere` (no parameters). Their gradients are reduced over the
-expert-data-parallel group as the fused experts' are
-(:func:`autopar.passes.expert_parallel.reduce_expert_grads`), or, at ZeRO ≥ 1,
-the module list is an FSDP2 unit over that group (called as a module: its
-forward runs the local experts).
+as they are (plain parameters under their own FQNs); the others become
+:class:`Elsewhere` (no parameters), and the module list a
+:class:`LocalExperts`, called on the rows its experts received. Their
+gradients are reduced over the expert-data-parallel group as the fused
+experts' are (:func:`autopar.passes.expert_parallel.reduce_expert_grads`, one
+flat all-reduce per block), or, at ZeRO ≥ 1 with an edp group, the module list
+is an FSDP2 unit over that group, its experts' weight gradients scaled by
+1/ep on the way (``scale``). Full state dicts, exports and the gradient norm
+gather or count them over the ep group (``autopar/runtime/lowering.py``:
+``held_group``).
 """
+
 from __future__ import annotations
 
 import types
@@ -53,7 +35,7 @@ import torch.nn as nn
 
 from autopar.capturing.moe_reroute import out_width, proof, rerouted, router_width
 from autopar.moe import MoEFacts
-from autopar.passes.expert_parallel import ScaleGrad, exchange
+from autopar.passes.expert_dispatch import ScaleGrad, exchange
 
 
 class Elsewhere(nn.Module):

@@ -44,6 +44,11 @@ this forward moves any row (``autopar/runtime/balance.py``): a DeepSeek-V3
 router's bias then moves by the counts of the whole dp × cp group, ep's ranks
 among them.
 
+**Module lists** (a hand-written block's ``nn.ModuleList`` of experts, run by
+its own loop) take the same dispatch and combine (:func:`exchange`) from the
+block's own forward, run twice (record, replay): ``passes/expert_list.py``.
+Each rank keeps its experts whole, as plain parameters under their own FQNs.
+
 **Gradients.** The data-parallel engines must not average expert gradients
 over dp: ranks of one ep group hold *different* experts, so DDP's or FSDP2's
 average over the whole dp group would mix them. The exact route is to
@@ -74,7 +79,6 @@ the ignored experts included.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +89,7 @@ from autopar.contract import Unit, ep_refusal
 from autopar.errors import LoweringError
 from autopar.graph import LayerGraph
 from autopar.moe import ExpertLayout, MoEFacts
+from autopar.passes.expert_dispatch import ScaleGrad, exchange
 from autopar.plan import Plan
 
 _FUSED = ("gate_up_proj", "down_proj")  # HF 5.x *Experts: [E, 2I, H] and [E, H, I]
@@ -237,26 +242,6 @@ def expert_zeros(graph: LayerGraph, plan: Plan, units: tuple[Unit, ...]) -> dict
     return {lp.name: holder.get(lp.name, 0) for lp in plan.layers if graph.layer(lp.name).moe}
 
 
-class ScaleGrad(torch.autograd.Function):
-    """Identity forward; the gradient times ``scale`` backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
-
-
-def _all_to_all(rows: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
-    from torch.distributed.nn.functional import all_to_all_single
-
-    out = rows.new_empty((sum(recv), *rows.shape[1:]))
-    return all_to_all_single(out, rows.contiguous(), recv, send, group=group)
-
-
 def _local_experts(experts: nn.Module, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Rows grouped by local expert (``counts`` each) through their experts, as HF's eager path runs one."""
     # a bf16 plan: the experts stay fp32 (FSDP2's policy does not reach them), computed on bf16 copies
@@ -283,28 +268,6 @@ def _local_experts(experts: nn.Module, rows: torch.Tensor, counts: list[int]) ->
         # a pipeline's first-step shape inference, which routes every token of its zero inputs alike)
         return rows * 0.0 + 0.0 * (gate_up.sum() + down.sum())
     return torch.cat(outs)
-
-
-def exchange(rows: torch.Tensor, counts: torch.Tensor, group: Any, ep: int,
-             run_local: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> torch.Tensor:
-    """Rows sorted by expert (``counts[e]`` rows for expert ``e`` of E = ``counts.numel()``) sent to the
-    rank of the ep group holding their expert, run there by ``run_local(rows grouped by local expert,
-    rows per local expert)`` and sent back: that function's outputs, in the order of ``rows``. Shared by
-    both layouts ep lowers (fused experts here, module lists in ``passes/expert_list.py``)."""
-    import torch.distributed as dist
-
-    per_rank = counts.numel() // ep
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)  # [source rank, local expert] row counts
-    send = counts.view(ep, per_rank).sum(1).tolist()
-    by_source = received.view(ep, per_rank)
-    recv = by_source.sum(1).tolist()
-    got = _all_to_all(rows, send, recv, group)
-    # received rows come grouped by source rank, then by expert: regroup by local expert
-    local_id = torch.repeat_interleave(torch.arange(per_rank, device=got.device).repeat(ep), by_source.reshape(-1))
-    regroup = torch.argsort(local_id, stable=True)
-    out = run_local(got[regroup], by_source.sum(0).tolist())
-    return _all_to_all(out[torch.argsort(regroup)], recv, send, group)
 
 
 def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
