@@ -204,11 +204,11 @@ SPECS |= {
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}
 
 
-def bf16_against_ep1(rank: int, world_size: int) -> dict[str, Any]:
+def bf16_against_ep1(rank: int, world_size: int, spec_name: str = "ep2_zero3_mixtral") -> dict[str, Any]:
     """A bf16 plan (experts fp32, computed on bf16 copies) under ep=2 against the same plan at ep=1, both on
     dp=2: 3 SGD steps' losses and the first step's full gradients. Not an exactness bar (bf16 rounds
     differently along the two paths), a check that ep's mixed precision trains as the dp engine's does."""
-    spec = SPECS["ep2_zero3_mixtral"]
+    spec = SPECS[spec_name]
     torch.manual_seed(0)
     model, inputs = spec.build()
     graph = autopar.capture(model, inputs)
@@ -235,6 +235,8 @@ def bf16_against_ep1(rank: int, world_size: int) -> dict[str, Any]:
 
 
 CASES["ep2_bf16_mixtral"] = bf16_against_ep1
+CASES["ep2_bf16_hand_mixtral"] = lambda rank, world_size: bf16_against_ep1(rank, world_size,
+                                                                           "ep2_zero3_hand_mixtral")
 
 
 def resume_across_ep(rank: int, world_size: int, spec_name: str = "ep2_dp4_mixtral") -> dict[str, Any]:

@@ -46,7 +46,7 @@ HAND_NORMS = ["norm_ep2_dp4_hand_mixtral", "norm_ep2_dp4_zero3_hand_mixtral", "n
 
 @pytest.fixture(scope="module")
 def w2(ranks) -> dict[str, dict]:
-    return ranks(2).run(W2 + ["tp2_mixtral"] + HAND_W2, module="moe_cases")
+    return ranks(2).run(W2 + ["tp2_mixtral"] + HAND_W2 + ["ep2_bf16_hand_mixtral"], module="moe_cases")
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +102,11 @@ def test_tensor_parallel_attention_in_an_moe_block_matches_one_device(w2: dict, 
         check_equivalent(w4[case])
 
 
-def test_ep2_in_bf16_trains_as_the_dp_engine_does(w2: dict) -> None:
-    """bf16: ep=2 against ep=1 of the same plan (no exactness bar in bf16; measured 1.4e-5 and 1.0e-2)."""
-    for r in every_rank(w2["ep2_bf16_mixtral"]):
+@pytest.mark.parametrize("case", ["ep2_bf16_mixtral", "ep2_bf16_hand_mixtral"])
+def test_ep2_in_bf16_trains_as_the_dp_engine_does(w2: dict, case: str) -> None:
+    """bf16: ep=2 against ep=1 of the same plan (no exactness bar in bf16; measured 1.4e-5 and 1.0e-2 for
+    HF Mixtral, 3.7e-5 and 2.6e-3 for the hand-written one)."""
+    for r in every_rank(w2[case]):
         assert r["loss_rel"] < 1e-4, r
         assert r["grad_rel"] < 5e-2, r
 
