@@ -83,6 +83,9 @@ class MoEFacts:
     shared_flops_per_token: float = 0.0
     capacity_factor: float | None = None
     routed_activation_bytes_per_sample: float = 0.0
+    # a module list run by the block's own loop: why ep cannot reroute that loop ("" where capture
+    # proved the rerouted forward equal to the block's own: autopar/capturing/moe_reroute.py)
+    reroute_refusal: str = ""
 
     @property
     def routed_params(self) -> int:
@@ -103,11 +106,11 @@ class MoEFacts:
     @property
     def ep_refusal(self) -> str:
         """Why expert parallelism cannot split this block ("" when it can): ``passes/expert_parallel.py``
-        reroutes an experts module of its own holding 3-D weights (Hugging Face's fused ``*Experts``);
-        a module list driven by the block's own loop, or expert weights held by the block itself,
-        are not rerouted."""
-        if self.layout is not ExpertLayout.FUSED:
-            return f"{self.module_path}: its experts are a {self.layout} driven by the block's own loop"
+        reroutes an experts module of its own holding 3-D weights (Hugging Face's fused ``*Experts``),
+        and a module list driven by the block's own loop where capture proved that loop reroutable
+        (``passes/expert_list.py``); expert weights held by the block itself are not rerouted."""
+        if self.layout is ExpertLayout.MODULE_LIST:
+            return f"{self.module_path}: {self.reroute_refusal}" if self.reroute_refusal else ""
         if self.experts_path == self.module_path:
             return f"{self.module_path}: its expert weights are the block's own (no experts module to reroute)"
         return ""

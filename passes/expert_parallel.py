@@ -44,6 +44,11 @@ this forward moves any row (``autopar/runtime/balance.py``): a DeepSeek-V3
 router's bias then moves by the counts of the whole dp × cp group, ep's ranks
 among them.
 
+**Module lists** (a hand-written block's ``nn.ModuleList`` of experts, run by
+its own loop) take the same dispatch and combine (:func:`exchange`) from the
+block's own forward, run twice (record, replay): ``passes/expert_list.py``.
+Each rank keeps its experts whole, as plain parameters under their own FQNs.
+
 **Gradients.** The data-parallel engines must not average expert gradients
 over dp: ranks of one ep group hold *different* experts, so DDP's or FSDP2's
 average over the whole dp group would mix them. The exact route is to
@@ -61,7 +66,7 @@ an FSDP2 unit of its own over the edp group (``passes.zero.shard_experts``, call
 by the data-parallel pass, innermost): FSDP2 shards the ep DTensors 2-D
 over (edp, ep) as it does tensor-parallel weights over (dp, tp), and
 averages their gradients over edp; the experts' forward scales their
-weights' gradient by 1/ep on the way (``_ScaleGrad``), so that average is
+weights' gradient by 1/ep on the way (``ScaleGrad``), so that average is
 the mean over dp (gloo has no pre-multiplied sum for FSDP2's own divide
 factor). ZeRO-1 there runs as ZeRO-2 (the unit reduce-scatters every
 microbatch), and is priced so (``planning/pricing.py``). The
@@ -84,6 +89,7 @@ from autopar.contract import Unit, ep_refusal
 from autopar.errors import LoweringError
 from autopar.graph import LayerGraph
 from autopar.moe import ExpertLayout, MoEFacts
+from autopar.passes.expert_dispatch import ScaleGrad, exchange
 from autopar.plan import Plan
 
 _FUSED = ("gate_up_proj", "down_proj")  # HF 5.x *Experts: [E, 2I, H] and [E, H, I]
@@ -96,6 +102,12 @@ class ExpertParallelResult:
     modules: list[nn.Module] = field(default_factory=list)
     params: list[nn.Parameter] = field(default_factory=list)  # outside any FSDP2 unit: reduced here
     sharded: list[tuple[nn.Module, int]] = field(default_factory=list)  # (experts, ZeRO stage) FSDP2 shards
+    # a module list's local experts: modules whose parameters (plain, or FSDP2's over edp) this rank of
+    # the ep group alone holds (full state dicts gather them over the ep group; the gradient norm counts
+    # them on 1/ep of the ranks). Modules, not parameters: FSDP2 replaces a unit's parameters
+    held: list[nn.Module] = field(default_factory=list)
+    buckets: list[list[nn.Parameter]] = field(default_factory=list)  # a module list's, one all-reduce each
+    ep_group: Any = None
     edp_mesh: Any = None
     edp_group: Any = None
     dp: int = 1
@@ -109,9 +121,10 @@ def moe_blocks(graph: LayerGraph, plan: Plan) -> list[tuple[str, MoEFacts]]:
 def _refusal(model: nn.Module, name: str, facts: MoEFacts, ep: int) -> str | None:
     if facts.num_experts % ep:
         return f"layer {name!r}: ep={ep} does not divide its {facts.num_experts} experts"
-    if facts.layout is not ExpertLayout.FUSED:
-        return (f"layer {name!r}: its experts are a {facts.layout}, called from the block's own loop; ep "
-                "lowers Hugging Face's fused *Experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) only")
+    if facts.layout is ExpertLayout.MODULE_LIST:  # the block's own loop, rerouted where it is proved
+        from autopar.passes.expert_list import list_refusal
+
+        return list_refusal(model, name, facts)
     try:
         experts = model.get_submodule(facts.experts_path)
     except AttributeError:
@@ -188,12 +201,24 @@ def apply_expert_parallel(module: nn.Module, graph: LayerGraph, plan: Plan, mesh
     emesh = expert_mesh(mesh, ep)
     edp = emesh["edp"].size()
     result = ExpertParallelResult(edp_group=emesh["edp"].get_group() if edp > 1 else None, dp=plan.mesh.dp,
-                                  edp_mesh=emesh["edp"])
+                                  edp_mesh=emesh["edp"], ep_group=emesh["ep"].get_group())
     zeros = expert_zeros(graph, plan, units)
     for name, facts in moe_blocks(graph, plan):
         experts = module.get_submodule(facts.experts_path)
-        made = _shard(experts, emesh)
         sharded = zeros[name] >= 1 and edp > 1
+        if facts.layout is ExpertLayout.MODULE_LIST:  # its own loop rerouted: passes/expert_list.py
+            from autopar.passes.expert_list import reroute
+
+            local = reroute(module, facts, emesh, 1.0 / ep if sharded else None)
+            result.held += local
+            made = [p for m in local for p in m.parameters()]
+            if sharded:
+                result.sharded.append((experts, zeros[name]))
+            else:
+                result.buckets.append(made)
+            result.modules.append(experts)
+            continue
+        made = _shard(experts, emesh)
         # FSDP2 over edp averages a gradient over its edp ranks; the weights' gradient scaled by 1/ep on the
         # way makes that the mean over dp (each rank's experts already sum their ep group's tokens)
         experts._autopar_ep = (emesh["ep"].get_group(), ep, emesh["ep"].get_local_rank(),
@@ -217,26 +242,6 @@ def expert_zeros(graph: LayerGraph, plan: Plan, units: tuple[Unit, ...]) -> dict
     return {lp.name: holder.get(lp.name, 0) for lp in plan.layers if graph.layer(lp.name).moe}
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the gradient times ``scale`` backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
-
-
-def _all_to_all(rows: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
-    from torch.distributed.nn.functional import all_to_all_single
-
-    out = rows.new_empty((sum(recv), *rows.shape[1:]))
-    return all_to_all_single(out, rows.contiguous(), recv, send, group=group)
-
-
 def _local_experts(experts: nn.Module, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Rows grouped by local expert (``counts`` each) through their experts, as HF's eager path runs one."""
     # a bf16 plan: the experts stay fp32 (FSDP2's policy does not reach them), computed on bf16 copies
@@ -244,7 +249,7 @@ def _local_experts(experts: nn.Module, rows: torch.Tensor, counts: list[int]) ->
     gate_up, down = experts.gate_up_proj.to_local().to(rows.dtype), experts.down_proj.to_local().to(rows.dtype)
     scale = experts._autopar_ep[3]
     if scale is not None:
-        gate_up, down = _ScaleGrad.apply(gate_up, scale), _ScaleGrad.apply(down, scale)
+        gate_up, down = ScaleGrad.apply(gate_up, scale), ScaleGrad.apply(down, scale)
     outs = []
     for e, piece in enumerate(rows.split(counts)):
         if not counts[e]:
@@ -268,31 +273,22 @@ def _local_experts(experts: nn.Module, rows: torch.Tensor, counts: list[int]) ->
 def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
     """The experts' forward under ep: dispatch, local experts, combine (the module docstring)."""
-    import torch.distributed as dist
-
     group, ep, _, _ = self._autopar_ep
-    e_total = self.gate_up_proj.shape[0]
-    per_rank = e_total // ep
     k = top_k_index.shape[-1]
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # rows sorted by expert: by destination rank, then expert
     token = order // k
-    counts = torch.bincount(flat, minlength=e_total)
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)  # [source rank, local expert] row counts
-    send = counts.view(ep, per_rank).sum(1).tolist()
-    by_source = received.view(ep, per_rank)
-    recv = by_source.sum(1).tolist()
-    rows = _all_to_all(hidden_states[token], send, recv, group)
-    # received rows come grouped by source rank, then by expert: regroup by local expert
-    local_id = torch.repeat_interleave(torch.arange(per_rank, device=rows.device).repeat(ep), by_source.reshape(-1))
-    regroup = torch.argsort(local_id, stable=True)
-    out = _local_experts(self, rows[regroup], by_source.sum(0).tolist())
-    out = out[torch.argsort(regroup)]
-    back = _all_to_all(out, recv, send, group)
+    counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
+    back = exchange(hidden_states[token], counts, group, ep, lambda rows, n: _local_experts(self, rows, n))
     weighted = back * top_k_weights.reshape(-1)[order, None]
     final = torch.zeros_like(hidden_states)
     return final.index_add(0, token, weighted.to(final.dtype))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def sync_expert_replicas(result: ExpertParallelResult) -> None:
@@ -304,8 +300,8 @@ def sync_expert_replicas(result: ExpertParallelResult) -> None:
         return
     src = dist.get_global_rank(result.edp_group, 0)
     with torch.no_grad():
-        for p in result.params:
-            dist.broadcast(p.to_local(), src=src, group=result.edp_group)
+        for p in [*result.params, *(p for bucket in result.buckets for p in bucket)]:
+            dist.broadcast(_local(p), src=src, group=result.edp_group)
 
 
 def reduce_expert_grads(result: ExpertParallelResult) -> None:
@@ -315,13 +311,23 @@ def reduce_expert_grads(result: ExpertParallelResult) -> None:
     from torch.distributed.tensor import DTensor
 
     for p in result.params:
-        if p.grad is None:  # no token reached this rank's experts: a zero gradient, still reduced
+        if p.grad is None and isinstance(p, DTensor):  # no token reached this rank's experts: still reduced
             p.grad = DTensor.from_local(torch.zeros_like(p.to_local()), p.device_mesh, p.placements,
                                         run_check=False)
-        local = p.grad.to_local()
+        elif p.grad is None:
+            p.grad = torch.zeros_like(p)
+        local = _local(p.grad)
         if result.edp_group is not None:
             dist.all_reduce(local, group=result.edp_group)
         local.div_(result.dp)
+    for bucket in result.buckets:  # a module list's local experts: one flat all-reduce per block
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if result.edp_group is not None:
+            dist.all_reduce(flat, group=result.edp_group)
+        flat.div_(result.dp)
+        for p, piece in zip(bucket, flat.split([g.numel() for g in grads])):
+            p.grad = piece.view_as(p)
 
 
 __all__ = ["ExpertParallelResult", "apply_expert_parallel", "check_expert_parallel", "expert_mesh",

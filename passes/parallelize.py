@@ -158,10 +158,18 @@ def _ep_run(module: nn.Module, ctx: Context, result: PartResult) -> None:
 def _ep_ensures(module: nn.Module, ctx: Context) -> str | None:
     from torch.distributed.tensor import DTensor
 
+    from autopar.moe import ExpertLayout
+    from autopar.passes.expert_list import Elsewhere
     from autopar.passes.expert_parallel import moe_blocks
 
-    whole = [m.experts_path for _, m in moe_blocks(ctx.graph, ctx.plan)
-             if not all(isinstance(p, DTensor) for p in module.get_submodule(m.experts_path).parameters())]
+    def split(facts: Any) -> bool:
+        experts = module.get_submodule(facts.experts_path)
+        if facts.layout is ExpertLayout.MODULE_LIST:  # the other ranks' experts replaced
+            away = sum(isinstance(e, Elsewhere) for e in experts)
+            return away == facts.num_experts - facts.num_experts // ctx.plan.mesh.ep
+        return all(isinstance(p, DTensor) for p in experts.parameters())
+
+    whole = [m.experts_path for _, m in moe_blocks(ctx.graph, ctx.plan) if not split(m)]
     return f"experts left unsharded: {whole[:3]}" if whole else None
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import equivalence_cases as ec
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from equivalence_cases import Spec, equivalence
 
 import autopar
@@ -58,6 +59,90 @@ def hf_deepseek_v3() -> tuple[nn.Module, tuple]:
                                         kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
                                         n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1)
     return transformers.DeepseekV3ForCausalLM(cfg), TOKENS
+
+
+# ------------------------------------------------------------------ a hand-written MoE (module list, own loop)
+# Mixtral's sparse MoE block as transformers 4.x wrote it in plain PyTorch (experts an nn.ModuleList of
+# MLPs, the block's own loop over the experts hit: torch.where, index_select by indexing, index_add_),
+# in a small pre-norm decoder. ep lowers it by rerouting the block's own forward (passes/expert_list.py).
+
+class MixtralBlockSparseTop2MLP(nn.Module):
+    def __init__(self, hidden, ffn):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, ffn, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, hidden_states):
+        current_hidden_states = self.act_fn(self.w1(hidden_states)) * self.w3(hidden_states)
+        return self.w2(current_hidden_states)
+
+class MixtralSparseMoeBlock(nn.Module):
+    def __init__(self, hidden, ffn, num_experts, top_k):
+        super().__init__()
+        self.hidden_dim, self.num_experts, self.top_k = hidden, num_experts, top_k
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList([MixtralBlockSparseTop2MLP(hidden, ffn) for _ in range(num_experts)])
+
+    def forward(self, hidden_states):
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(hidden_states)
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = routing_weights.to(hidden_states.dtype)
+        final_hidden_states = torch.zeros((batch_size * sequence_length, hidden_dim), dtype=hidden_states.dtype,
+                                          device=hidden_states.device)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        expert_hitted = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert_idx in expert_hitted:
+            expert_layer = self.experts[expert_idx]
+            idx, top_x = torch.where(expert_mask[expert_idx].squeeze(0))
+            current_state = hidden_states[None, top_x].reshape(-1, hidden_dim)
+            current_hidden_states = expert_layer(current_state) * routing_weights[top_x, idx, None]
+            final_hidden_states.index_add_(0, top_x, current_hidden_states.to(hidden_states.dtype))
+        final_hidden_states = final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)
+        return final_hidden_states, router_logits
+
+
+class HandDecoderLayer(nn.Module):
+    def __init__(self, hidden: int, heads: int, ffn: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.heads = heads
+        self.input_layernorm, self.post_attention_layernorm = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv, self.o_proj = nn.Linear(hidden, 3 * hidden, bias=False), nn.Linear(hidden, hidden, bias=False)
+        self.block_sparse_moe = MixtralSparseMoeBlock(hidden, ffn, num_experts, top_k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.input_layernorm(x)).view(b, t, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o_proj(att.transpose(1, 2).reshape(b, t, d))
+        moe, _ = self.block_sparse_moe(self.post_attention_layernorm(x))
+        return x + moe
+
+
+class HandMixtral(nn.Module):
+    def __init__(self, vocab: int = 64, hidden: int = 32, heads: int = 4, layers: int = 2, ffn: int = 48,
+                 num_experts: int = 4, top_k: int = 2):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(HandDecoderLayer(hidden, heads, ffn, num_experts, top_k) for _ in range(layers))
+        self.norm = nn.LayerNorm(hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+def hand_mixtral() -> tuple[nn.Module, tuple]:
+    """A hand-written Mixtral-style MoE GPT (module-list experts, the block's own loop), 4 experts, top-2."""
+    return HandMixtral(), (torch.zeros(2, 16, dtype=torch.long),)
 
 
 PLAIN = ("pp=1", "tp=1", "recompute=none", "zero=0")
@@ -103,14 +188,27 @@ SPECS |= {
     "pp2_ep2_dp4_zero1_mixtral": Spec(hf_mixtral, PP2_EP2 + ("dp=4", "zero=1"), 8),
 }
 
+# the hand-written Mixtral-style block (module-list experts, its own loop), rerouted by passes/expert_list.py
+SPECS |= {
+    "ep2_hand_mixtral": Spec(hand_mixtral, PLAIN + ("dp=2", "microbatches=2"), 4, ep=2),
+    "ep2_zero3_hand_mixtral": Spec(hand_mixtral, ("pp=1", "tp=1", "recompute=none", "zero=3", "dp=2",
+                                                  "microbatches=2"), 4, ep=2),
+    "ep2_dp4_hand_mixtral": Spec(hand_mixtral, PLAIN + ("dp=4", "microbatches=1"), 8, ep=2),
+    # ep=2 × edp=2 at ZeRO-3: the module list an FSDP2 unit over edp, called as a module
+    "ep2_dp4_zero3_hand_mixtral": Spec(hand_mixtral, ("pp=1", "tp=1", "recompute=none", "zero=3", "dp=4",
+                                                      "microbatches=2"), 8, ep=2),
+    "pp2_ep2_hand_mixtral": Spec(hand_mixtral, PP2_EP2 + ("dp=2", "zero=0"), 4),
+    "pp2_ep2_zero3_hand_mixtral": Spec(hand_mixtral, PP2_EP2 + ("dp=2", "zero=3"), 4),
+}
+
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}
 
 
-def bf16_against_ep1(rank: int, world_size: int) -> dict[str, Any]:
+def bf16_against_ep1(rank: int, world_size: int, spec_name: str = "ep2_zero3_mixtral") -> dict[str, Any]:
     """A bf16 plan (experts fp32, computed on bf16 copies) under ep=2 against the same plan at ep=1, both on
     dp=2: 3 SGD steps' losses and the first step's full gradients. Not an exactness bar (bf16 rounds
     differently along the two paths), a check that ep's mixed precision trains as the dp engine's does."""
-    spec = SPECS["ep2_zero3_mixtral"]
+    spec = SPECS[spec_name]
     torch.manual_seed(0)
     model, inputs = spec.build()
     graph = autopar.capture(model, inputs)
@@ -137,16 +235,18 @@ def bf16_against_ep1(rank: int, world_size: int) -> dict[str, Any]:
 
 
 CASES["ep2_bf16_mixtral"] = bf16_against_ep1
+CASES["ep2_bf16_hand_mixtral"] = lambda rank, world_size: bf16_against_ep1(rank, world_size,
+                                                                           "ep2_zero3_hand_mixtral")
 
 
-def resume_across_ep(rank: int, world_size: int) -> dict[str, Any]:
+def resume_across_ep(rank: int, world_size: int, spec_name: str = "ep2_dp4_mixtral") -> dict[str, Any]:
     """Two SGD-with-momentum steps under ep=2 × dp=4, saved (DCP) and exported (safetensors); the
     checkpoint restored under ep=1 and ep=4 trains a third step as the ep=2 run does (weights and
-    momentum both mapped: the experts are DTensors sharded over ep), and the exported weights load
-    under ep=4 as they were."""
+    momentum both mapped: the experts are DTensors sharded over ep, or a module list's experts each
+    held by one ep rank), and the exported weights load under ep=4 as they were."""
     import tempfile
 
-    spec = SPECS["ep2_dp4_mixtral"]
+    spec = SPECS[spec_name]
     torch.manual_seed(0)
     model, inputs = spec.build()
     plan, graph = ec.plan_for(spec, world_size)
@@ -187,6 +287,8 @@ def resume_across_ep(rank: int, world_size: int) -> dict[str, Any]:
 
 
 CASES["resume_across_ep"] = resume_across_ep
+CASES["resume_across_ep_hand_mixtral"] = lambda rank, world_size: resume_across_ep(rank, world_size,
+                                                                                   "ep2_dp4_hand_mixtral")
 
 
 # ------------------------------------------------------------------ DeepSeek-V3's bias update (moe_bias_update)
@@ -264,3 +366,35 @@ def bias_update(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
 
 
 CASES |= {k: bias_update(v) for k, v in BIAS_SPECS.items()}
+
+
+def grad_norm_case(spec_name: str) -> Callable[[int, int], dict[str, Any]]:
+    """The global gradient norm ``max_grad_norm`` clips by, on the first step, against one device's
+    ``clip_grad_norm_`` of the same global batch (a module list's experts are each held by one ep rank:
+    counted once, not ep times or 1/ep)."""
+    from autopar.runtime import default_loss
+
+    def case(rank: int, world_size: int) -> dict[str, Any]:
+        spec = SPECS[spec_name]
+        plan, graph = ec.plan_for(spec, world_size)
+        torch.manual_seed(0)
+        model, inputs = spec.build()
+        x, y = ec._batches(spec, inputs, model)[0]
+        pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=graph, max_grad_norm=1e9,
+                             optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
+        pm.train_step(pm.local_batch(x), pm.local_batch(y))
+
+        def reference() -> float:
+            torch.manual_seed(0)
+            ref, _ = spec.build()
+            default_loss(ref(x), y).backward()
+            return float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
+
+        want = ec.from_rank0(reference)
+        return {"norm_rel": abs(pm.grad_norm - want) / want, "norm": pm.grad_norm, "ep": plan.mesh.ep}
+
+    return case
+
+
+CASES |= {f"norm_{k}": grad_norm_case(k) for k in ("ep2_dp4_hand_mixtral", "ep2_dp4_zero3_hand_mixtral",
+                                                    "pp2_ep2_zero3_hand_mixtral")}

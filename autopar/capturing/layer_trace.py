@@ -12,10 +12,12 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from autopar.capturing import moe
 from autopar.capturing.export_layers import export_with_layer_calls
 from autopar.capturing.hf_masks import eager_causal_masks
 from autopar.capturing.layers import group_layers, layer_names
-from autopar.capturing.trace import _split_inputs, _trace
+from autopar.capturing.trace import _leaf_trace, _split_inputs, _trace
+from autopar.errors import CaptureError
 
 # --------------------------------------------------------------------------- tracing for lowering
 
@@ -83,7 +85,17 @@ def trace_layers(model: nn.Module, example_inputs: tuple | dict | torch.Tensor,
 
 
 def _trace_layers(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, dict[str, str], str]:
-    gm, _, tracer = _trace(model, args, kwargs)
+    try:
+        gm, _, tracer = _trace(model, args, kwargs)
+    except CaptureError as first:
+        # MoE blocks whose routing loop no tracer follows: kept whole, as capture's stand-in trace keeps them
+        blocks = {b.path for b in moe.find_blocks(model)}
+        if not blocks:
+            raise
+        try:
+            gm, _, tracer = _leaf_trace(model, args, kwargs, blocks)
+        except CaptureError:
+            raise first from None
     node_layer = _node_layers(gm, model)
     if tracer == "fx":
         leaf_gm = _trace_layer_leaves(model, node_layer, gm)

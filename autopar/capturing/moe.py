@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from autopar.capturing.moe_reroute import proof
 from autopar.errors import CaptureError
 from autopar.moe import Dispatch, ExpertLayout, MoEFacts, RouterKind
 
@@ -64,12 +65,13 @@ class Block:
     shared_params: int
     shared_flops_per_token: float
     capacity_factor: float | None
+    reroute_refusal: str = ""  # a module list: why its loop cannot be rerouted for ep (moe_reroute.proof)
 
     def facts(self, dispatch: Dispatch, routed_activation_bytes_per_sample: float) -> MoEFacts:
         return MoEFacts(self.path, self.experts_path, self.num_experts, self.top_k, self.expert_params,
                         self.expert_flops_per_token, self.router_params, self.router, self.layout, dispatch,
                         self.shared_params, self.shared_flops_per_token, self.capacity_factor,
-                        routed_activation_bytes_per_sample)
+                        routed_activation_bytes_per_sample, self.reroute_refusal)
 
 
 def _join(prefix: str, name: str) -> str:
@@ -152,10 +154,12 @@ def _block(path: str, module: nn.Module) -> Block | None:
         return None
     shared = [p for n, c in module.named_children() if n.lower().startswith("shared") for p in c.parameters()]
     cf = getattr(module, "capacity_factor", getattr(router[1], "capacity_factor", None))
+    # a module list is run by the block's own loop: ep reroutes it where that is proved exact
+    why = proof(module, name, e) if layout is ExpertLayout.MODULE_LIST else ""
     return Block(path, _join(path, name) if name else path, e, top_k, layout, expert_params, expert_flops,
                  _join(path, router[0]), sum(p.numel() for p in router[1].parameters()), _router_kind(router[1]),
                  sum(p.numel() for p in shared), _matrix_flops(shared),
-                 float(cf) if isinstance(cf, (int, float)) and not isinstance(cf, bool) else None)
+                 float(cf) if isinstance(cf, (int, float)) and not isinstance(cf, bool) else None, why)
 
 
 def find_blocks(model: nn.Module) -> list[Block]:

@@ -25,6 +25,7 @@ from typing import Any
 from autopar import contract
 from autopar.cost_models.communication import Collective, collective_time_s
 from autopar.graph import Layer
+from autopar.moe import ExpertLayout
 
 
 def split_params(table: Any, layer: Layer) -> int:
@@ -82,8 +83,10 @@ def sync_s(table: Any, layer: Layer) -> float:
     experts = local_params(table, layer)
     if not experts:
         return 0.0
+    # fused experts: gate_up_proj and down_proj; a module list's local experts: one flat bucket
+    count = sum(1 if m.layout is ExpertLayout.MODULE_LIST else 2 for m in layer.moe)
     return collective_time_s(Collective.ALL_REDUCE, table.prec.grad_bytes * experts, table.edp_group,
-                             table.cluster, count=2 * len(layer.moe))  # gate_up_proj and down_proj
+                             table.cluster, count=count)
 
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from autopar.choice import CpAttention, Recompute
 from autopar.graph import LayerGraph
-from autopar.moe import Dispatch
+from autopar.moe import Dispatch, ExpertLayout
 from autopar.pins import Pins
 from autopar.planning.configs import CP_UNSEARCHED, UNSEARCHED
 from autopar.planning.cut_checks import withdrawn_cut_notes
@@ -94,6 +94,11 @@ def moe_notes(graph: LayerGraph, ep: int = 1, dp: int = 1) -> tuple[str, ...]:
             elif f.dispatch is Dispatch.HF_EAGER:
                 note += ("; HF's eager loop over the experts is data-dependent: captured through HF's "
                          "grouped_mm path, the same function of the same weights")
+            if ep > 1 and f.layout is ExpertLayout.MODULE_LIST:
+                extra = f.flops_per_token - f.top_k * f.expert_flops_per_token
+                note += (f"; under ep its own loop runs twice (record the rows, replay the experts' outputs: "
+                         f"passes/expert_list.py), its router{' and shared experts' if f.shared_params else ''} "
+                         f"once more a microbatch ({extra / 1e9:.3g} GFLOP a token forward, not in the price)")
             notes.append(note)
     return tuple(notes)
 

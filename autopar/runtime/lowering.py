@@ -134,8 +134,27 @@ def lower_local(model: nn.Module, graph: LayerGraph, plan: Plan, init_fn: InitFn
     return _from_parts([result], None)
 
 
+def held_group(lowered: Lowered) -> Any:
+    """The ep group whose ranks hold different experts of a module list (None without any): their
+    experts are plain tensors of one rank each, gathered over it (``passes/expert_list.py``)."""
+    return next((r.ep_group for r in lowered.experts if r.held), None)
+
+
+def held_params(lowered: Lowered) -> set[int]:
+    """ids of the parameters this rank alone of its ep group holds (a module list's local experts)."""
+    return {id(p) for r in lowered.experts for m in r.held for p in m.parameters()}
+
+
+def gather_all(local: dict[str, Any], lowered: Lowered) -> dict[str, Any]:
+    """Every stage's and every ep rank's tensors on every rank (collectives): over the pipeline group,
+    then over the ep group where a module list's experts are held by one rank of it each (an ep group
+    is the same dp ranks on every stage, so the two gathers cover the whole model)."""
+    return gather_parts(gather_parts(local, lowered.pp_group), held_group(lowered))
+
+
 def gather_parts(local: dict[str, Any], pp_group: Any) -> dict[str, Any]:
-    """Every pipeline rank's tensors on every rank (a collective); ``local`` itself without one."""
+    """Every rank's tensors of ``pp_group`` (a pipeline's, or an ep group) on every rank of it (a
+    collective); ``local`` itself without one."""
     if pp_group is None:
         return local
     local = {k: v.cpu() for k, v in local.items()}

@@ -57,7 +57,7 @@ from autopar.runtime.launch import (
     resolve_plan,
 )
 from autopar.runtime.loss import default_loss
-from autopar.runtime.lowering import Lowered, gather_parts, lower, lower_local
+from autopar.runtime.lowering import Lowered, gather_all, held_params, lower, lower_local
 from autopar.runtime.precision import MasterWeights, attach_masters, cast_floating, plan_dtype
 from autopar.runtime.state import Entry, full_tensor, param_entries, persistent_buffers
 from autopar.runtime.training import (
@@ -311,8 +311,11 @@ class ParallelModel:
         return loss.detach().double().to(device())
 
     def _clip(self) -> None:
-        grads = [e.value.grad for e in self.entries if e.value.grad is not None]
-        norm = global_grad_norm(grads, self._stage_ranks(), self.launched)
+        held = held_params(self.lowered)
+        with_grad = [e for e in self.entries if e.value.grad is not None]
+        grads = [e.value.grad for e in with_grad]
+        norm = global_grad_norm(grads, self._stage_ranks(), self.launched,
+                                [self.plan.mesh.ep if id(e.param) in held else 1 for e in with_grad])
         self.grad_norm = float(norm)
         clip_grads_(grads, float(self.max_grad_norm), norm)
 
@@ -351,7 +354,7 @@ class ParallelModel:
         lowered = self._require_launch()
         local = {e.fqn: full_tensor(e.value.grad, e.perm).detach() for e in self.entries
                  if e.value.grad is not None}
-        return gather_parts(local, lowered.pp_group)
+        return gather_all(local, lowered)
 
     def state_dict(self, full: bool = True) -> dict[str, Any]:
         """The model's state dict with the fp32 weights; ``full``: unsharded tensors keyed by the
@@ -376,7 +379,7 @@ class ParallelModel:
                     local[name] = local[first[id(p)]]
         for name, buf in persistent_buffers(lowered.parts).items():
             local.setdefault(name, buf.detach())
-        return gather_parts(local, lowered.pp_group)
+        return gather_all(local, lowered)
 
     def local_param_bytes(self) -> int:
         """Bytes of parameters this rank holds (its shards only)."""

@@ -48,11 +48,14 @@ def _copies(t: torch.Tensor, stage_ranks: int) -> int:
     return stage_ranks // sharded
 
 
-def global_grad_norm(grads: list[torch.Tensor], stage_ranks: int, launched: bool) -> torch.Tensor:
-    """The L2 norm of the whole model's gradient (float64 scalar, the same on every rank): a collective."""
+def global_grad_norm(grads: list[torch.Tensor], stage_ranks: int, launched: bool,
+                     split: list[int] | None = None) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient (float64 scalar, the same on every rank): a collective.
+    ``split``: per gradient, how many ranks hold different parts of it beyond its own placements (ep for
+    a module list's experts, each held by one rank of its ep group)."""
     by_copies: dict[int, list[torch.Tensor]] = {}
-    for g in grads:
-        by_copies.setdefault(_copies(g, stage_ranks), []).append(_local(g))
+    for g, s in zip(grads, split or [1] * len(grads)):
+        by_copies.setdefault(_copies(g, stage_ranks) // s, []).append(_local(g))
     total = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
     for copies, local in by_copies.items():
         norms = torch._foreach_norm([t for t in local if t.numel()], 2) if local else []

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import WeightsError
+from autopar.runtime.lowering import held_group
 from autopar.runtime.state import Permutation, Trainable, full_tensor, local, persistent_buffers, row_runs, shard_box
 
 INDEX = "model.safetensors.index.json"
@@ -65,18 +66,26 @@ def _my_stage(pm: Trainable) -> int:
 
 
 def _owners(pm: Trainable, mine: list[tuple[str, torch.Tensor, Permutation | None]]) -> list[Any]:
-    """Per pipeline rank: (its pp coordinate, the global rank that sends its tensors to rank 0,
-    [(FQN, shape, dtype)]). A collective under a pipeline."""
+    """Per pipeline rank (and per rank of the first ep group where a module list's experts are each held
+    by one rank of it): (its pp coordinate, the global rank that sends its tensors to rank 0,
+    [(FQN, shape, dtype)]). A collective under a pipeline or such experts."""
     lowered = pm._require_launch()
     keys = [(n, tuple(t.shape), t.dtype) for n, t, _ in mine]
-    if lowered.pp_group is None:
+    ep = pm.plan.mesh.ep if held_group(lowered) is not None else 1
+    if lowered.pp_group is None and ep == 1:
         return [(0, 0, keys)]
     mesh = lowered.mesh
-    first = all(mesh[name].get_local_rank() == 0 for name in mesh.mesh_dim_names if name != "pp")
+    # the first ep group is dp ranks 0 … ep − 1 (ep innermost in dp: passes/expert_parallel.expert_mesh)
+    first = all(mesh[name].get_local_rank() < (ep if name == "dp" else 1)
+                for name in mesh.mesh_dim_names if name != "pp")
     item = (mesh["pp"].get_local_rank(), dist.get_rank(), keys) if first else None
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, item)
-    return sorted((g for g in gathered if g is not None), key=lambda g: g[0])
+    owners, seen = [], set()
+    for stage, sender, held in sorted((g for g in gathered if g is not None), key=lambda g: g[0]):
+        owners.append((stage, sender, [k for k in held if k[0] not in seen]))  # each tensor from its first holder
+        seen.update(k[0] for k in held)
+    return owners
 
 
 def _config(model: Any) -> Any:
@@ -120,7 +129,9 @@ def export(pm: Trainable, path: str | Path, *, dtype: torch.dtype | None = None,
     for owner, sender, keys in _owners(pm, mine):
         for name, shape, kind in keys:
             tensor = None
-            if owner == stage:  # every rank of the stage takes part in gathering its tensors
+            # every rank of the stage holding the tensor takes part in gathering it (a module list's expert:
+            # the ranks of its owner's edp group, which are those of the tensor's FSDP2 mesh if it has one)
+            if owner == stage and name in held:
                 tensor = full_tensor(*held[name]).detach()
                 if dtype is not None and tensor.is_floating_point():
                     tensor = tensor.to(dtype)

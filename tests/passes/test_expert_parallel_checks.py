@@ -56,16 +56,75 @@ def test_ep_not_dividing_the_experts_names_the_layer(mixtral) -> None:
         check_expert_parallel(mixtral[0], graph, plan)
 
 
-def test_hand_written_experts_are_refused_naming_their_layout() -> None:
+def test_hand_written_module_list_experts_pass_where_their_loop_is_proved_and_3d_ones_are_refused() -> None:
+    """A module list run by the block's own loop (examples/moe.py's LoopMoE, the hand-written Mixtral of
+    tests/moe_cases.py) passes: its loop is rerouted (passes/expert_list.py) and proved so at capture and
+    here; 3-D weights held by the block itself are still refused, naming the layout."""
     moe = _examples_moe()
-    loop = moe.loop_moe_tiny()
-    plan, graph = _plan(*loop, ep=2)
-    with pytest.raises(LoweringError, match=r"experts are a module list, called from the block's own loop"):
-        check_expert_parallel(loop[0], graph, plan)
+    for model, inputs in (moe.loop_moe_tiny(), moe_cases.hand_mixtral()):
+        plan, graph = _plan(model, inputs, ep=2)
+        assert all(m.reroute_refusal == "" and not m.ep_refusal for layer in graph for m in layer.moe)
+        check_expert_parallel(model, graph, plan)  # raises nothing
     capacity = moe.capacity_moe_tiny()
     plan, graph = _plan(*capacity, ep=2)
     with pytest.raises(LoweringError, match=r"are not Hugging Face's fused gate_up_proj"):
         check_expert_parallel(capacity[0], graph, plan)
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Linear(32, 32, bias=False)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.w(x) * scale
+
+
+class _TwoArgumentMoE(torch.nn.Module):
+    """A module-list MoE whose loop calls each expert with its rows and their router weights: not one
+    [rows, hidden] tensor per call, so ep cannot reroute it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.top_k = 1
+        self.gate = torch.nn.Linear(32, 4, bias=False)
+        self.experts = torch.nn.ModuleList(_Scaled() for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weight, chosen = torch.softmax(self.gate(flat), dim=-1).max(dim=-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token = torch.where(chosen == e)[0]
+            out = out.index_add(0, token, expert(flat[token], weight[token, None]))
+        return out.reshape(x.shape)
+
+
+def test_a_module_list_loop_ep_cannot_prove_is_refused_naming_the_layer_and_the_reason() -> None:
+    from autopar.errors import PinError
+
+    moe = _examples_moe()
+    torch.manual_seed(0)
+    model = moe.MoEGPT(**moe.TINY, make_moe=_TwoArgumentMoE)
+    inputs = (torch.randint(0, moe.TINY["vocab"], (2, 16)),)
+    plan, graph = _plan(model, inputs, ep=2)
+    (facts,) = graph.layer("blocks.0").moe
+    why = r"an expert cannot be called on one \[rows, hidden\] tensor \(TypeError: "
+    assert facts.reroute_refusal.startswith("an expert cannot be called on one [rows, hidden] tensor (TypeError")
+    with pytest.raises(LoweringError, match=r"layer 'blocks.0': ep cannot reroute the loop of 'blocks.0.moe' "
+                                            r"\(_TwoArgumentMoE\): " + why):
+        check_expert_parallel(model, graph, plan)
+    with pytest.raises(PinError, match=r"cannot split every mixture-of-experts block: blocks.0.moe: " + why):
+        autopar.solve(graph, 2, cluster="cpu", global_batch=4, pins=["ep=2"])
+
+
+def test_the_planner_offers_ep_on_a_proved_module_list_and_prices_its_all_to_alls() -> None:
+    """What is priced is what runs: the hand-written Mixtral's ep all-to-alls are priced as the fused
+    experts' (tokens × top-k rows each way, plus the counts), and its edp gradient sync as one bucket a
+    block."""
+    graph = autopar.capture(*moe_cases.hand_mixtral())
+    plan = autopar.solve(graph, 4, cluster="cpu", global_batch=8, dtype="fp32", pins=["ep=2", "tp=1", "pp=1"])
+    assert plan.mesh.ep == 2 and plan.predicted.breakdown.ep_comm_s > 0
 
 
 def test_ep_on_a_model_without_experts_names_its_layers() -> None:

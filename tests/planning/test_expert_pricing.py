@@ -91,6 +91,19 @@ def test_expert_gradients_reduce_over_the_edp_group_only_and_are_never_hidden() 
     assert full.edp_group.size == 1 and expert_price.sync_s(full, layer_full) == 0.0
 
 
+def test_a_module_lists_experts_are_priced_as_passes_expert_list_runs_them() -> None:
+    """The same all-to-alls as fused experts (the same dispatch code moves the same rows), and their
+    gradients one flat all-reduce per block over edp (passes.expert_parallel.reduce_expert_grads)."""
+    table, layer, _ = _price(2, dp=4)
+    listed = replace(layer, moe=tuple(replace(m, layout=ExpertLayout.MODULE_LIST) for m in layer.moe))
+    assert expert_price.dispatch_s(table, listed) == expert_price.dispatch_s(table, layer)
+    one = collective_time_s(Collective.ALL_REDUCE, 4 * E * EXPERT // 2, table.edp_group, table.cluster, count=1)
+    assert expert_price.sync_s(table, listed) == pytest.approx(one)
+    assert one < expert_price.sync_s(table, layer)  # fused: gate_up_proj and down_proj, two all-reduces
+    refused = replace(listed.moe[0], reroute_refusal="an expert cannot be called on one [rows, hidden] tensor")
+    assert listed.moe[0].ep_refusal == "" and refused.ep_refusal.startswith("blocks.0.mlp: an expert cannot")
+
+
 def test_ep_groups_are_neighbouring_dp_ranks_and_the_edp_group_spans_them() -> None:
     # 16 ranks, 8 a node: ep=8 groups sit in one node, the edp pairs cross it
     table, _, _ = _price(8, dp=16, world=16)
