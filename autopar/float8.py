@@ -32,7 +32,7 @@ is refused with one line naming it and what float8 needs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from autopar.cost_models.hardware import FP8_MIN_COMPUTE_CAPABILITY, ClusterSpec
@@ -44,7 +44,7 @@ NEEDS = (f"float8 matmuls need a GPU of compute capability {SM} or later (L4, L4
          "with its float8 peak in the cluster (device.peak_flops_fp8)")
 
 
-class Recipe(str, Enum):
+class Recipe(StrEnum):
     """torchao's float8 scaling recipes (``Float8LinearConfig.from_recipe_name``)."""
 
     TENSORWISE = "tensorwise"

@@ -7,8 +7,8 @@ losses, first-step gradients and the parameters after the last step with two one
 rank 0: the same linears converted the same way (``float8_ref``: what the parallel run should
 match: exactly under rowwise scaling, whose scales are powers of 2, so a value's rounding to float8
 does not depend on which amax set its scale; up to the scales under tensorwise, whose scale is the
-amax of the rank's own half of the batch, not of the whole batch, so the rounding differs) and the unconverted fp32 model (``fp32_ref``: how
-far float8's rounding itself moves training).
+amax of the rank's own half of the batch, not of the whole batch, so the rounding differs) and the
+unconverted fp32 model (``fp32_ref``: how far float8's rounding itself moves training).
 """
 
 from __future__ import annotations

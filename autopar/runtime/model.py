@@ -43,11 +43,11 @@ import torch.nn as nn
 
 from autopar import inputs as model_inputs
 from autopar.errors import BatchError, LaunchError
+from autopar.float8 import settings_for
 from autopar.graph import LayerGraph
 from autopar.passes.expert_parallel import reduce_expert_grads
 from autopar.plan import Plan, Predicted
 from autopar.runtime.balance import BiasBalancer, bias_group, check_bias_update
-from autopar.float8 import settings_for
 from autopar.runtime.compiled import block_paths, check_compiled, compile_blocks, requested
 from autopar.runtime.float8 import check_device, check_float8
 from autopar.runtime.float8 import convert as convert_float8

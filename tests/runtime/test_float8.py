@@ -26,8 +26,6 @@ from pathlib import Path
 import pytest
 from distributed import every_rank
 
-pytest.importorskip("torchao", reason="float8 training needs torchao (pip install 'autopar[float8]')")
-
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 
@@ -39,6 +37,7 @@ CASES = ["ddp_tensorwise", "zero3_tensorwise", "zero3_rowwise", "hf_llama_zero3"
 
 @pytest.fixture(scope="module")
 def w2(ranks) -> dict[str, dict]:
+    pytest.importorskip("torchao", reason="float8 training needs torchao (pip install 'autopar[float8]')")
     return ranks(2).run(CASES, module="float8_cases")
 
 
@@ -58,3 +57,80 @@ def test_float8_trains_on_two_ranks_as_one_float8_process(w2: dict, case: str) -
         assert 1e-3 < m["fp32_grads_rel"] < FLOAT8_TOL and m["fp32_updates_rel"] < FLOAT8_TOL, m
         assert m["fp32_loss_rel"] < LOSS_TOL, m
     assert w2["ddp_tensorwise"]["zero"] == [0] and w2["zero3_tensorwise"]["zero"] == [3]
+
+
+# ------------------------------------------------------------------ refusals, one line each
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    import gpt
+
+    import autopar
+    from autopar.float8 import settings_for
+
+    model, inputs = gpt.gpt(n_layer=2, d_model=32, n_head=4, vocab_size=256, seq_len=16, device="meta")
+    graph = autopar.capture(model, inputs)
+    return graph, settings_for(model, graph, True)
+
+
+def test_an_old_gpu_is_refused_naming_it_and_a_cpu_emulates(monkeypatch) -> None:
+    import torch
+
+    from autopar.errors import Float8Error
+    from autopar.runtime.float8 import check_device
+
+    assert check_device(torch.device("cpu")) is True
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(Float8Error) as err:
+        check_device(torch.device("cuda", 0))
+    assert "\n" not in str(err.value) and "NVIDIA A100-SXM4-80GB is SM 8.0" in str(err.value)
+    assert "8.9" in str(err.value)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert check_device(torch.device("cuda", 0)) is False
+
+
+def test_a_missing_torchao_is_one_line(monkeypatch, tiny) -> None:
+    import torch.nn as nn
+
+    from autopar.errors import Float8Error
+    from autopar.runtime.float8 import convert
+
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import fails as if not installed
+    with pytest.raises(Float8Error, match=r"needs torchao, which is not installed: pip install 'autopar\[float8\]'"):
+        convert(nn.Linear(16, 16), tiny[1], emulate=True)
+
+
+def test_a_plan_priced_otherwise_or_lowering_what_float8_does_not_run_is_refused(tiny) -> None:
+    import dataclasses
+
+    import autopar
+    from autopar.errors import Float8Error
+    from autopar.runtime.float8 import check_float8
+
+    graph, f8 = tiny
+    plain = autopar.solve(graph, 2, cluster="cpu", global_batch=4)
+    with pytest.raises(Float8Error, match="priced without float8"):
+        check_float8(plain, True)
+    priced = autopar.solve(graph, 2, cluster="cpu", global_batch=4, float8=f8)
+    check_float8(priced, None)
+    check_float8(priced, "tensorwise")
+    with pytest.raises(Float8Error, match="priced with float8"):
+        check_float8(priced, False)
+    with pytest.raises(Float8Error, match="not rowwise"):
+        check_float8(priced, "rowwise")
+    from autopar.mesh import Mesh
+
+    tp = dataclasses.replace(priced, mesh=Mesh(pp=1, dp=1, tp=2))
+    with pytest.raises(Float8Error, match=r"tensor parallelism \(tp=2\)"):
+        check_float8(tp)
+
+
+def test_run_float8_reaches_the_scripts_compile_through_the_environment(monkeypatch) -> None:
+    from autopar.runtime.float8 import FLOAT8_ENV, requested
+
+    monkeypatch.delenv(FLOAT8_ENV, raising=False)
+    assert requested(None) is None and requested(False) is False
+    monkeypatch.setenv(FLOAT8_ENV, "rowwise")  # what `autopar run --float8 rowwise` sets for its ranks
+    assert requested(None) == "rowwise" and requested(False) is False
