@@ -134,3 +134,15 @@ def test_run_float8_reaches_the_scripts_compile_through_the_environment(monkeypa
     assert requested(None) is None and requested(False) is False
     monkeypatch.setenv(FLOAT8_ENV, "rowwise")  # what `autopar run --float8 rowwise` sets for its ranks
     assert requested(None) == "rowwise" and requested(False) is False
+
+
+@pytest.mark.distributed
+def test_cli_verify_float8_rowwise_is_the_same_as_one_float8_process(capsys) -> None:
+    pytest.importorskip("torchao", reason="float8 training needs torchao (pip install 'autopar[float8]')")
+    from autopar.tools.cli import main
+
+    gpt = str(ROOT / "examples/gpt.py") + ":gpt_tiny"
+    args = ["verify", gpt, "--world-size", "2", "--batch-size", "4", "--pin", "zero=3", "--float8", "rowwise"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "float8        rowwise scaling, 8 linears" in out and "OK: SAME as one process" in out
