@@ -291,8 +291,9 @@ def main() -> int:
     print(f"{'model':10s} {'plan':18s} {'float8':10s} step time / predicted, peak memory / predicted")
     for r in rows:
         print(f"{r['model']:10s} {r['plan']:18s} {r['float8'] or '-':10s} step {r['measured_step_s']:.4f} s / "
-              f"predicted {r['predicted_step_s']:.4f} s ({r['step_ratio']:.2f})   peak {r['measured_peak_bytes'] / 2**20:.1f} "
-              f"MiB / predicted {r['predicted_peak_bytes'] / 2**20:.1f} MiB ({r['memory_ratio']:.2f})")
+              f"predicted {r['predicted_step_s']:.4f} s ({r['step_ratio']:.2f})   peak "
+              f"{r['measured_peak_bytes'] / 2**20:.1f} MiB / predicted {r['predicted_peak_bytes'] / 2**20:.1f} MiB "
+              f"({r['memory_ratio']:.2f})")
     for r in skipped:
         print(f"{r['model']:10s} {r['plan']:18s} {r.get('float8') or '-':10s} predicted "
               f"{r['predicted_step_s']:.4f} s, not run: {r['why']}")
