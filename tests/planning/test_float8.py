@@ -181,6 +181,12 @@ def test_cli_plan_float8_writes_and_shows_the_linears(tmp_path: Path, capsys) ->
     capsys.readouterr()
     assert main(["show", str(out)]) == 0
     assert "float8        tensorwise scaling" in capsys.readouterr().out
+    plain = tmp_path / "plain.json"
+    assert main(["plan", GPT, "--world-size", "2", "--cluster", "cpu", "-o", str(plain)]) == 0
+    capsys.readouterr()
+    assert main(["diff", str(plain), str(out)]) == 0
+    row = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("float8"))
+    assert row.split()[1:] == ["-", "tensorwise,", "8", "linears", "*"]
     assert main(["plan", GPT, "--world-size", "2", "--cluster", "a100-80g", "--float8"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "A100-SXM4-80GB" in err and "compute capability 8.9" in err
