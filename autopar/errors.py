@@ -80,3 +80,8 @@ class DataError(AutoparError):
 
 class MetricsError(AutoparError):
     """A metrics output cannot be made (TensorBoard asked for without its package, an unwritable file)."""
+
+
+class Float8Error(AutoparError):
+    """float8 training was asked where it cannot run (a device without float8 matmuls, torchao missing,
+    a lowering it does not run yet); the message names the device or the missing piece."""

@@ -25,6 +25,7 @@ from autopar.choice import CpAttention, LayerChoice
 from autopar.cost_models.hardware import ClusterSpec, CostModelError
 from autopar.cost_models.pipeline import ScheduleKind
 from autopar.errors import MeshError, PlanError
+from autopar.float8 import Float8Settings, describe
 from autopar.mesh import Mesh
 from autopar.units import device_noun, format_bytes, format_flop_rate
 
@@ -182,7 +183,9 @@ class TrainingSettings:
     ``optimizer`` is the optimizer the memory model priced (``adam``);
     ``compiled``: priced with each block under ``torch.compile`` (fused
     memory-bound ops, :mod:`autopar.cost_models.compute`), and lowered so by
-    ``compile`` (plans written before the field load as eager).
+    ``compile`` (plans written before the field load as eager). ``float8``:
+    the linears that run float8 matmuls and their scaling recipe
+    (:mod:`autopar.float8`), None for none (plans written before the field).
     """
 
     global_batch: int
@@ -190,9 +193,12 @@ class TrainingSettings:
     seq_len: int | None
     optimizer: str
     compiled: bool = False
+    float8: Float8Settings | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["float8"] = self.float8.to_dict() if self.float8 is not None else None
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, *, source: str = "training") -> TrainingSettings:
@@ -320,7 +326,7 @@ def _cluster_from_dict(d: dict, source: str) -> ClusterSpec:
         raise PlanError(f"{source}: {exc}") from None
 
 
-_TRAINING_FIELDS = ("global_batch", "dtype", "seq_len", "optimizer", "compiled")
+_TRAINING_FIELDS = ("global_batch", "dtype", "seq_len", "optimizer", "compiled", "float8")
 
 
 def _training_from_dict(t: Any, source: str) -> TrainingSettings:
@@ -338,6 +344,8 @@ def _training_from_dict(t: Any, source: str) -> TrainingSettings:
         seq_len=seq_len,
         optimizer=_require(t, "optimizer", str, source),
         compiled=_require(t, "compiled", bool, source) if "compiled" in t else False,
+        float8=(Float8Settings.from_dict(t["float8"], f"{source}.float8")
+                if t.get("float8") is not None else None),
     )
 
 
@@ -539,7 +547,8 @@ def render_summary(plan: Plan) -> str:
     lines = [
         f"autopar plan — {plan.model} on {plan.world_size} × {plan.cluster.device.name}"
         f" ({plan.cluster.name}, {plan.training.dtype}"
-        + (", blocks under torch.compile" if plan.training.compiled else "") + ")",
+        + (", blocks under torch.compile" if plan.training.compiled else "")
+        + (", float8 linears" if plan.training.float8 is not None else "") + ")",
         f"mesh          {m.describe()}" + (f"   cp attention {_METHOD[plan.cp_attention]}" if m.cp > 1 else ""),
         f"batch         {plan.training.global_batch} = dp {m.dp} × {plan.microbatches} microbatches"
         f" × {plan.microbatch_size}   schedule {sched}",
@@ -554,6 +563,8 @@ def render_summary(plan: Plan) -> str:
     ]
     if plan.pins:
         lines.append("pins          " + " ".join(plan.pins))
+    if plan.training.float8 is not None:
+        lines.append("float8        " + describe(plan.training.float8, plan.training.dtype))
     rows, header = _layer_rows(plan)
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)

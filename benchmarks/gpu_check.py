@@ -16,7 +16,9 @@ Ready for the day a machine with a GPU is lent (nothing here needs more than one
    (``benchmarks/gpu_compute.py``: a GEMM-shape sweep, HBM bandwidth, attention);
 3. for several single-device plans — two model sizes, recompute on and off,
    1, 2 and 4 microbatches, and one with each block under ``torch.compile``
-   (priced compiled; solved but not run with ``--dry``) — ``autopar.compile`` in bf16 (bf16 compute, fp32
+   (priced compiled; solved but not run with ``--dry``), and two with the blocks' linears in float8
+   (eager and compiled; where the device has float8 and torchao is installed, else priced and
+   skipped with the reason; ``--dry`` runs the eager one emulated) — ``autopar.compile`` in bf16 (bf16 compute, fp32
    master weights and AdamW state), timed training steps (median after
    warm-up) and peak memory (``torch.cuda.max_memory_allocated``; the
    profiler's allocation events on CPU), each against the plan priced on the
@@ -67,6 +69,11 @@ PLANS = (  # (name, pins): every choice a single-device plan has
 # plan is solved and priced (the compiled pricing path) but not run, since inductor's C++ compile takes
 # minutes on a busy 2-core host (tests/runtime/test_compile.py proves the compiled runtime on CPU).
 COMPILED_PLANS = (("m1 compiled", ("recompute=none", "microbatches=1")),)
+# float8 linears (torchao, autopar.float8; issue 24): (name, pins, compiled, recipe). Run where the device has
+# float8 matmuls (SM 8.9+) and torchao is installed, else skipped with the one-line reason; with --dry the eager
+# one runs torchao's CPU emulation for real (no speedup: priced so) and the compiled one is priced only.
+FLOAT8_PLANS = (("m1 float8", ("recompute=none", "microbatches=1"), False, "tensorwise"),
+                ("m1 compiled float8", ("recompute=none", "microbatches=1"), True, "tensorwise"))
 
 
 def init_group(dry: bool) -> Any:
@@ -142,29 +149,48 @@ def measure_peak(fn: Any, device: Any) -> tuple[Any, int]:
     return result, peak_tensor_bytes(events, started)
 
 
-def solve_plan(model: Model, pins: tuple[str, ...], cluster: Any, batch: int, compiled: bool = False) -> Any:
-    """The bf16 single-device plan of ``model`` under ``pins`` (``compiled``: blocks priced compiled)."""
+def solve_plan(model: Model, pins: tuple[str, ...], cluster: Any, batch: int, compiled: bool = False,
+               float8: str | None = None) -> Any:
+    """The bf16 single-device plan of ``model`` under ``pins`` (``compiled``: blocks priced compiled;
+    ``float8``: the blocks' linears priced in float8 with that recipe)."""
     import gpt
 
     import autopar
+    from autopar.float8 import settings_for
 
     net, inputs = gpt.gpt(n_layer=model.n_layer, d_model=model.d_model, n_head=model.n_head,
                           vocab_size=model.vocab, seq_len=model.seq, device="meta")
     graph = autopar.capture(net, inputs)
     plan = autopar.solve(graph, 1, cluster=cluster, dtype="bf16", global_batch=batch, pins=list(pins),
-                         compiled=compiled)
+                         compiled=compiled, float8=settings_for(net, graph, float8) if float8 else None)
     return net, inputs, graph, plan
 
 
+def float8_refusal(device: Any) -> str | None:
+    """Why float8 cannot run here (no torchao; a GPU older than SM 8.9), or None."""
+    from autopar.errors import Float8Error
+    from autopar.runtime.float8 import check_device
+
+    try:
+        import torchao.float8  # noqa: F401 - present or not is the question
+    except ImportError:
+        return "torchao is not installed (pip install 'autopar[float8]')"
+    try:
+        check_device(device)
+    except Float8Error as exc:
+        return str(exc)
+    return None
+
+
 def run_plan(model: Model, name: str, pins: tuple[str, ...], cluster: Any, device: Any, steps: int,
-             batch: int, compiled: bool = False) -> dict[str, Any]:
-    """Compile one bf16 plan of ``model`` (its blocks under torch.compile if ``compiled``), train, and set
-    measured against predicted."""
+             batch: int, compiled: bool = False, float8: str | None = None) -> dict[str, Any]:
+    """Compile one bf16 plan of ``model`` (its blocks under torch.compile if ``compiled``, its blocks'
+    linears in float8 if ``float8``), train, and set measured against predicted."""
     import torch
 
     import autopar
 
-    net, inputs, graph, plan = solve_plan(model, pins, cluster, batch, compiled)
+    net, inputs, graph, plan = solve_plan(model, pins, cluster, batch, compiled, float8)
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, model.vocab, (batch, model.seq), generator=g)
     y = torch.randint(0, model.vocab, (batch, model.seq), generator=g)
@@ -190,7 +216,8 @@ def run_plan(model: Model, name: str, pins: tuple[str, ...], cluster: Any, devic
     measured_s, predicted_s = statistics.median(times), plan.predicted.step_time_s
     predicted_bytes = plan.predicted.memory_per_rank_bytes[0]
     return {"model": model.name, "plan": name, "pins": list(pins), "microbatches": plan.microbatches,
-            "compiled": list(pm.compiled),
+            "compiled": list(pm.compiled), "float8": float8,
+            "float8_linears": len(plan.training.float8.linears) if plan.training.float8 is not None else 0,
             "recompute": sum(bool(lp.choice.recompute) for lp in plan.layers), "dtype": plan.training.dtype,
             "masters_fp32": all(p.dtype == torch.float32 for g_ in pm.optimizer.param_groups for p in g_["params"]),
             "predicted_step_s": predicted_s, "measured_step_s": measured_s,
@@ -237,6 +264,19 @@ def main() -> int:
                     rows.append(run_plan(model, name, pins, cluster, device, steps, batch, compiled=True))
             except Exception as exc:  # noqa: BLE001 - one plan's failure is reported, the others still run
                 failures.append({"model": model.name, "plan": name, "error": f"{type(exc).__name__}: {exc}"})
+        refusal = float8_refusal(device)
+        for name, pins, compiled, recipe in FLOAT8_PLANS:
+            batch = 4 if args.dry else 8
+            try:
+                if refusal is None and not (args.dry and compiled):
+                    rows.append(run_plan(model, name, pins, cluster, device, steps, batch, compiled, recipe))
+                    continue
+                plan = solve_plan(model, pins, cluster, batch, compiled, recipe)[3]  # priced, not run
+                skipped.append({"model": model.name, "plan": name, "compiled": compiled, "float8": recipe,
+                                "predicted_step_s": plan.predicted.step_time_s,
+                                "why": refusal or "--dry: compiled plans are not run"})
+            except Exception as exc:  # noqa: BLE001 - one plan's failure is reported, the others still run
+                failures.append({"model": model.name, "plan": name, "error": f"{type(exc).__name__}: {exc}"})
     result = {
         "dry": args.dry, "backend": dist.get_backend(), "world_size": dist.get_world_size(),
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else f"cpu ({platform.processor()})",
@@ -248,10 +288,15 @@ def main() -> int:
     text = json.dumps(result, indent=2, default=float)
     if args.json:
         Path(args.json).write_text(text + "\n")
+    print(f"{'model':10s} {'plan':18s} {'float8':10s} step time / predicted, peak memory / predicted")
     for r in rows:
-        print(f"{r['model']:10s} {r['plan']:14s} step {r['measured_step_s']:.4f} s / predicted "
-              f"{r['predicted_step_s']:.4f} s ({r['step_ratio']:.2f})   peak {r['measured_peak_bytes'] / 2**20:.1f} "
-              f"MiB / predicted {r['predicted_peak_bytes'] / 2**20:.1f} MiB ({r['memory_ratio']:.2f})")
+        print(f"{r['model']:10s} {r['plan']:18s} {r['float8'] or '-':10s} step {r['measured_step_s']:.4f} s / "
+              f"predicted {r['predicted_step_s']:.4f} s ({r['step_ratio']:.2f})   peak "
+              f"{r['measured_peak_bytes'] / 2**20:.1f} MiB / predicted {r['predicted_peak_bytes'] / 2**20:.1f} MiB "
+              f"({r['memory_ratio']:.2f})")
+    for r in skipped:
+        print(f"{r['model']:10s} {r['plan']:18s} {r.get('float8') or '-':10s} predicted "
+              f"{r['predicted_step_s']:.4f} s, not run: {r['why']}")
     print("memory terms: " + ", ".join(f"{k} {v}" for k, v in memory.items() if k != "priced"))
     for f in failures:
         print(f"FAILED {f['model']} {f['plan']}: {f['error']}", file=sys.stderr)

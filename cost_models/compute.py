@@ -55,6 +55,33 @@ CAUSAL_ATTENTION_RATE = 156.3 / 184.0
 COMPILED_MEMORY_BOUND_FRACTION = 0.5
 
 
+# float8 training (torchao's Float8Linear, ``autopar.float8``) casts each operand of each of a converted
+# linear's three GEMMs to float8 with a dynamic scale: forward the input (m × k) and the weight (n × k);
+# backward the output's gradient twice (for dX and for dW), the weight and the input again (torchao 0.18,
+# ``matmul_with_hp_or_float8_args``: it saves the high-precision tensors and casts again in backward).
+# One cast of E elements, counted from torchao 0.18's eager code (``tensor_to_amax``: abs, max;
+# ``_ToFloat8ConstrFunc``: to(float32), × scale, clamp, to(float8); ``amax_to_scale``'s scalar ops): in a
+# bf16 step abs reads 2 and writes 2 bytes an element, max reads 2, to(float32) reads 2 and writes 4,
+# × scale and clamp each read 4 and write 4, to(float8) reads 4 and writes 1: 33 bytes an element (an
+# fp32 step skips to(float32) and abs/max move 4: 33 again), in 6 kernels on the tensor and 4 on scalars.
+# Compiled (inductor fuses the chain), the amax reads the tensor once and the cast reads it again and
+# writes 1 byte: 2·s + 1 bytes an element (s: the step's element size) in 2 kernels — torchao's
+# documented way to run float8 training, which its README benchmarks under torch.compile.
+FLOAT8_CAST_EAGER_BYTES_PER_ELEMENT = 33.0
+FLOAT8_CAST_EAGER_KERNELS = 10
+FLOAT8_CAST_COMPILED_KERNELS = 2
+
+
+def float8_cast_time_s(elements: float, element_bytes: float, device: DeviceSpec, *, compiled: bool) -> float:
+    """Time of one dynamic-scale cast to float8 of ``elements`` values of ``element_bytes`` each (the
+    amax pass, then the scale-and-cast pass): memory-bound, priced as such (constants above)."""
+    if elements <= 0:
+        return 0.0
+    if compiled:
+        return memory_bound_time_s(elements * (2 * element_bytes + 1), device, FLOAT8_CAST_COMPILED_KERNELS)
+    return memory_bound_time_s(elements * FLOAT8_CAST_EAGER_BYTES_PER_ELEMENT, device, FLOAT8_CAST_EAGER_KERNELS)
+
+
 def efficiency(work_flops: float, device: DeviceSpec) -> float:
     """Fraction of peak reached by one call doing ``work_flops``."""
     if work_flops <= 0:

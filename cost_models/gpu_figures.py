@@ -38,6 +38,15 @@ NCCL_BUFFER_BYTES = NCCL_COMMUNICATORS * NCCL_CHANNELS * NCCL_RING_CONNECTIONS *
 ALLOCATOR_OVERHEAD_FRACTION = 0.10
 
 
+# Dense float8 (E4M3/E5M2) tensor-core peaks, TFLOP/s: NVIDIA's datasheets give "FP8 Tensor Core
+# 3,958 teraFLOPS*" for H100 SXM and for H200 SXM, "* With sparsity", so 1,979 dense (H100 Tensor Core
+# GPU datasheet, https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet; H200
+# datasheet, https://nvdam.widen.net/s/nb5zzzsjdf/hpc-datasheet-sc23-h200-datasheet-3002446). A100 and
+# V100 (SM 8.0, 7.0) have no float8 tensor cores: float8 needs SM 8.9 (Ada) or 9.0 (Hopper) and later.
+FP8_DENSE_TFLOPS = {"H100": 1979.0, "H200": 1979.0}
+# The compute capability float8 matmuls (torch._scaled_mm on CUDA) need.
+FP8_MIN_COMPUTE_CAPABILITY = (8, 9)
+
 # Per-op terms of the GPU presets (cost_models.compute prices with them; docs/cost-model.md "Compute model"):
 # - GEMM tiles: cuBLAS runs large GEMMs in 256×128 output tiles, one per SM at a time, so a GEMM
 #   whose tiles leave the last wave part-empty loses that part (tile and wave quantisation,

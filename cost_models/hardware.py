@@ -26,6 +26,8 @@ from autopar.cost_models.gpu_figures import (  # noqa: F401 - the figures, impor
     ATTENTION_BWD_RELATIVE,
     ATTENTION_FWD_RELATIVE,
     CUDA_CONTEXT_BYTES,
+    FP8_DENSE_TFLOPS,
+    FP8_MIN_COMPUTE_CAPABILITY,
     GEMM_K_HALF,
     GEMM_TILE_M,
     GEMM_TILE_N,
@@ -83,7 +85,10 @@ class OpModel:
 class DeviceSpec:
     """One accelerator (or one CPU process in the ``cpu`` preset).
 
-    ``peak_flops_bf16`` / ``peak_flops_fp32`` are dense peak FLOP/s.
+    ``peak_flops_bf16`` / ``peak_flops_fp32`` are dense peak FLOP/s;
+    ``peak_flops_fp8`` the dense float8 tensor-core peak, 0 on a device without
+    float8 matmuls (older than SM 8.9, a CPU), where float8 training is refused
+    or, on a CPU, emulated (:mod:`autopar.float8`).
     ``matmul_efficiency`` is the fraction of peak a large training layer
     reaches (fitted); ``half_efficiency_flops`` is the work per layer call at
     which efficiency falls to half of that, which makes small microbatches slow.
@@ -101,8 +106,11 @@ class DeviceSpec:
     matmul_efficiency: float
     half_efficiency_flops: float
     op_model: OpModel | None = None
+    peak_flops_fp8: float = 0.0
 
     def peak_flops(self, dtype: str) -> float:
+        if dtype == "fp8":
+            return self.peak_flops_fp8
         return self.peak_flops_bf16 if dtype == "bf16" else self.peak_flops_fp32
 
 
@@ -332,6 +340,7 @@ def _validate(c: ClusterSpec) -> None:
     }
     non_negative = {
         "device.half_efficiency_flops": c.device.half_efficiency_flops,
+        "device.peak_flops_fp8": c.device.peak_flops_fp8,
         "intra_node.latency_s": c.intra_node.latency_s,
         "inter_node.latency_s": c.inter_node.latency_s,
         "tp_overhead_s": c.tp_overhead_s,
@@ -385,7 +394,7 @@ def _validate(c: ClusterSpec) -> None:
         raise ClusterError(f"cluster {c.name!r}: backend must be 'nccl' or 'gloo', got {c.backend!r}")
 
 
-_OPTIONAL_FIELDS = {"collectives", "op_model"}
+_OPTIONAL_FIELDS = {"collectives", "op_model", "peak_flops_fp8"}
 
 
 def _section(data: dict[str, Any], key: str, cls: type, source: str) -> Any:
@@ -479,7 +488,8 @@ def _op_model(name: str, bf16: float, hbm: float) -> OpModel:
 
 def _gpu(name: str, mem_gib: float, bf16: float, fp32: float, hbm: float, eff: float) -> DeviceSpec:
     return DeviceSpec(name, int(mem_gib * GiB), bf16 * 1e12, fp32 * 1e12, hbm * GB, eff,
-                      GPU_HALF_EFFICIENCY_FLOPS, _op_model(name, bf16, hbm))
+                      GPU_HALF_EFFICIENCY_FLOPS, _op_model(name, bf16, hbm),
+                      FP8_DENSE_TFLOPS.get(name.split("-")[0], 0.0) * 1e12)
 
 
 def _dgx(name: str, device: DeviceSpec, nvlink: LinkSpec, nic: LinkSpec) -> ClusterSpec:

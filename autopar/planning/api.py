@@ -15,12 +15,13 @@ from typing import Any
 from autopar import contract
 from autopar.cost_models.hardware import ClusterSpec, load_cluster
 from autopar.cost_models.memory import PRECISIONS
-from autopar.errors import AutoparError, CompileError, InfeasibleError, PinError
+from autopar.errors import AutoparError, CompileError, Float8Error, InfeasibleError, PinError
+from autopar.float8 import Float8Settings, emulated
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
 from autopar.plan import LayerPlan, Plan, Predicted, RunnerUp, SolverReport, TrainingSettings
 from autopar.planning.configuration import Configuration, TrainingSpec
-from autopar.planning.notes import choice_notes, contract_notes, search_notes
+from autopar.planning.notes import choice_notes, contract_notes, float8_notes, search_notes
 from autopar.planning.solver import RUNNERS_UP, Candidate, Solution, SolverOptions
 from autopar.planning.solver import solve as _solve
 from autopar.units import GiB
@@ -48,15 +49,18 @@ def memory_budget(cluster: ClusterSpec, memory_gb: float | None) -> int:
 def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | None = None,
           nodes: int | None = None, global_batch: int | None = None, dtype: str = "bf16",
           memory_gb: float | None = None, pins: PinsLike = None, time_limit_s: float = 30.0,
-          runners_up: int = RUNNERS_UP, compiled: bool = False) -> Plan:
+          runners_up: int = RUNNERS_UP, compiled: bool = False, float8: Float8Settings | None = None) -> Plan:
     """The fastest plan for ``graph`` on ``world_size`` devices that fits in memory.
 
     ``global_batch`` (samples per step) defaults to ``world_size``; ``memory_gb``
     is the per-rank budget in GiB (default: device memory less the cluster's reserve).
     The plan records the best plans of the next ``runners_up`` distinct configurations
     (``Plan.runners_up``; 0 searches least). ``compiled``: each block priced under
-    torch.compile, in the plans the compiled runtime runs (:data:`COMPILED_PINS`). Raises
-    :class:`InfeasibleError` when nothing fits, :class:`PinError` for bad pins.
+    torch.compile, in the plans the compiled runtime runs (:data:`COMPILED_PINS`). ``float8``: the
+    linears that run float8 matmuls (:func:`autopar.float8.settings_for` picks them from the model),
+    priced at the device's float8 peak plus the casts, in the plans the float8 runtime runs
+    (:data:`FLOAT8_PINS`); a device without float8 matmuls raises :class:`Float8Error` (a CPU cluster
+    emulates, unsped). Raises :class:`InfeasibleError` when nothing fits, :class:`PinError` for bad pins.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise AutoparError(f"world size must be a positive integer, got {world_size!r}")
@@ -66,8 +70,14 @@ def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | No
     if not isinstance(batch, int) or batch < 1:
         raise AutoparError(f"batch size must be a positive integer, got {batch!r}")
     spec = resolve_cluster(cluster, world_size, nodes=nodes)
-    training = TrainingSpec(global_batch=batch, dtype=dtype, compiled=compiled)
-    parsed = _compiled_pins(Pins.from_any(pins)) if compiled else Pins.from_any(pins)
+    if float8 is not None:
+        emulated(spec)  # a device without float8 matmuls: refused here, naming it
+    training = TrainingSpec(global_batch=batch, dtype=dtype, compiled=compiled, float8=float8)
+    parsed = Pins.from_any(pins)
+    if compiled:
+        parsed = _compiled_pins(parsed)
+    if float8 is not None:
+        parsed = _restricted_pins(parsed, FLOAT8_PINS, Float8Error, "float8 training")
     solution = _solve(graph, world_size, spec, training, pins=parsed,
                       memory_budget_bytes=memory_budget(spec, memory_gb),
                       options=SolverOptions(time_limit_s=time_limit_s), runners_up=runners_up)
@@ -78,6 +88,22 @@ def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | No
 # pipelines and recompute of any kind. A compiled plan is searched there only (and the search skips a
 # pipeline whose stages call no block module: contract.compile_refusal), so nothing it cannot run is offered.
 COMPILED_PINS = ("tp=1", "ep=1", "cp=1")
+
+
+# What the float8 runtime runs (autopar.runtime.float8): torchao's Float8Linear under DDP or FSDP2; no
+# tensor parallelism (autopar's sharding runtime, not torchao's float8 styles), pipelines, experts or cp.
+FLOAT8_PINS = ("tp=1", "pp=1", "ep=1", "cp=1")
+
+
+def _restricted_pins(pins: Pins, restriction: tuple[str, ...], error: type[AutoparError], what: str) -> Pins:
+    pins.check_form()
+    try:
+        combined = Pins.parse(pins.to_strings() + [p for p in restriction if p not in pins.to_strings()])
+        combined.check_form()
+        return combined
+    except PinError as exc:
+        raise error(f"{what} does not run tensor parallelism, pipelines, expert or context parallelism yet "
+                    f"(its plans are solved with {' '.join(restriction)}): {exc}") from None
 
 
 def _compiled_pins(pins: Pins) -> Pins:
@@ -105,8 +131,10 @@ def reprice(graph: LayerGraph, plan: Plan, cluster: str | ClusterSpec | None = N
             else resolve_cluster(cluster, plan.world_size))
     if spec.world_size != plan.world_size:
         spec = spec.for_world_size(plan.world_size)
+    if plan.training.float8 is not None:
+        emulated(spec)
     training = TrainingSpec(global_batch=plan.training.global_batch, dtype=plan.training.dtype,
-                            compiled=plan.training.compiled)
+                            compiled=plan.training.compiled, float8=plan.training.float8)
     stages = tuple(l.stage for l in plan.layers)
     choices = tuple(l.choice for l in plan.layers)
     # the data-parallel mode the plan lowers in; a choice the search space leaves out is priced all the same
@@ -157,9 +185,11 @@ def build_plan(graph: LayerGraph, solution: Solution, cluster: ClusterSpec,
                             solution.configs_total, solution.configs_solved),
         cluster=cluster,
         training=TrainingSettings(global_batch=training.global_batch, dtype=training.dtype,
-                                  seq_len=graph.seq_len, optimizer="adam", compiled=training.compiled),
+                                  seq_len=graph.seq_len, optimizer="adam", compiled=training.compiled,
+                                  float8=training.float8),
         pins=tuple(pins.to_strings()),
-        notes=contract_notes(graph, solution) + choice_notes(graph, solution) + search_notes(graph, pins, c.world_size),
+        notes=(contract_notes(graph, solution) + choice_notes(graph, solution)
+               + search_notes(graph, pins, c.world_size) + float8_notes(cluster, training, solution)),
         runners_up=tuple(runner_up(graph, r) for r in solution.runners_up),
         cp_attention=c.cp_attention,
     )

@@ -15,6 +15,7 @@ from autopar.choice import CpAttention
 from autopar.contract import REPLICATED, DataParallelism, Engine
 from autopar.cost_models.memory import Precision, precision
 from autopar.cost_models.pipeline import Schedule
+from autopar.float8 import Float8Settings
 from autopar.mesh import Mesh
 
 
@@ -55,12 +56,14 @@ class Configuration:
 
 @dataclass(frozen=True)
 class TrainingSpec:
-    """What the plan trains with: global batch (samples per step), precision, and whether each
-    block runs under torch.compile (its memory-bound ops priced fused)."""
+    """What the plan trains with: global batch (samples per step), precision, whether each
+    block runs under torch.compile (its memory-bound ops priced fused), and which linears run float8
+    matmuls (:mod:`autopar.float8`; None: none)."""
 
     global_batch: int
     dtype: str = "bf16"
     compiled: bool = False
+    float8: Float8Settings | None = None
 
     @property
     def precision(self) -> Precision:

@@ -49,6 +49,7 @@ from autopar.cost_models.compute import (
     MEMORY_BOUND_BACKWARD_FACTOR,
     attention_time_s,
     compute_time_s,
+    float8_cast_time_s,
     gemm_time_s,
     memory_bound_time_s,
 )
@@ -124,29 +125,68 @@ def cp_flops_per_sample(layer: Layer, flops: float, style: str | None, tp: int, 
     return flops / cp - attention * (1 / cp - cp_attention_share(cp, method))
 
 
+def is_float8(op: OpRecord, float8: frozenset[tuple[int, int]]) -> bool:
+    """Whether ``op`` is the GEMM of a converted linear: a plain (unbatched) product whose weight
+    shape (n, k) is a converted linear's (out_features, in_features) in this layer."""
+    return (op.kind is OpKind.GEMM and op.batch == 1 and op.per_sample is SampleDim.M
+            and (round(op.n), round(op.k)) in float8)
+
+
+def float8_casts_s(m: float, n: float, k: float, device: DeviceSpec, dtype: str,
+                   compiled: bool) -> tuple[float, float]:
+    """(forward, backward) time of one converted GEMM's casts to float8 (``cost_models.compute``):
+    forward the input (m × k) and the weight (n × k); backward the output's gradient (m × n) twice,
+    the weight and the input once each."""
+    size = 2.0 if dtype == "bf16" else 4.0
+
+    def cast(elements: float) -> float:
+        return float8_cast_time_s(elements, size, device, compiled=compiled)
+
+    return cast(m * k) + cast(n * k), 2 * cast(m * n) + cast(n * k) + cast(m * k)
+
+
 def layer_compute(layer: Layer, style: str | None, tp: int, microbatch: int, device: DeviceSpec,
                   dtype: str, act_scale: float = 1.0, cp: int = 1, *, compiled: bool = False,
-                  method: CpAttention = CpAttention.ALL_GATHER) -> LayerCompute:
+                  method: CpAttention = CpAttention.ALL_GATHER,
+                  float8: frozenset[tuple[int, int]] = frozenset()) -> LayerCompute:
     """Forward and backward time of ``layer`` for one microbatch (module docstring), on one of ``cp``
     ranks that split the sequence: every op does 1/cp of the tokens; attention its two query chunks
     against their key prefixes, or under Ulysses its heads/cp over S (``method``,
     :func:`attention_op_time_s`). ``compiled``: its memory-bound ops
-    fused by torch.compile (:data:`COMPILED_MEMORY_BOUND_FRACTION`)."""
+    fused by torch.compile (:data:`COMPILED_MEMORY_BOUND_FRACTION`). ``float8``: the (n, k) of the
+    layer's converted linears (:func:`is_float8`): their three GEMMs at the device's float8 peak (at
+    ``dtype``'s on a device without one: emulated), plus their casts (:func:`float8_casts_s`)."""
     flops = style_flops_per_sample(layer, style, tp)
     b = microbatch
+    f8 = "fp8" if device.peak_flops_fp8 > 0 else dtype
     if device.op_model is None or not layer.ops:
         one = cp_flops_per_sample(layer, flops, style, tp, cp, method)
-        return LayerCompute(compute_time_s(b * one, device, dtype),
-                            compute_time_s(BACKWARD_FLOPS_FACTOR * b * one, device, dtype))
+        fwd = compute_time_s(b * one, device, dtype)
+        bwd = compute_time_s(BACKWARD_FLOPS_FACTOR * b * one, device, dtype)
+        for op in layer.ops if float8 else ():  # the FLOPs model: converted GEMMs' FLOPs moved to float8's rate
+            if is_float8(op, float8):
+                m, n, k, _ = op.gemm_shape(b, style, tp)
+                work = 2.0 * op.count * (m / cp) * n * k
+                faster = work / (device.peak_flops(f8) * device.matmul_efficiency) - work / (
+                    device.peak_flops(dtype) * device.matmul_efficiency)
+                c_fwd, c_bwd = float8_casts_s(m / cp, n, k, device, dtype, compiled)
+                fwd += faster + op.count * c_fwd
+                bwd += BACKWARD_FLOPS_FACTOR * faster + op.count * c_bwd
+        return LayerCompute(fwd, bwd)
     fwd = bwd = 0.0
     fused = COMPILED_MEMORY_BOUND_FRACTION if compiled else 1.0
     for op in layer.ops:
         if op.kind is OpKind.GEMM:
             m, n, k, batch = op.gemm_shape(b, style, tp)
             m, batch = (m / cp, batch) if op.per_sample is SampleDim.M else (m, batch / cp)
-            fwd += op.count * gemm_time_s(m, n, k, batch, device, dtype)
-            bwd += op.count * (gemm_time_s(m, k, n, batch, device, dtype)
-                               + gemm_time_s(k, n, m, batch, device, dtype))
+            kind = dtype
+            if float8 and is_float8(op, float8):
+                kind = f8
+                c_fwd, c_bwd = float8_casts_s(m, n, k, device, dtype, compiled)
+                fwd, bwd = fwd + op.count * c_fwd, bwd + op.count * c_bwd
+            fwd += op.count * gemm_time_s(m, n, k, batch, device, kind)
+            bwd += op.count * (gemm_time_s(m, k, n, batch, device, kind)
+                               + gemm_time_s(k, n, m, batch, device, kind))
         elif op.kind is OpKind.ATTENTION:
             a_fwd, a_bwd = attention_op_time_s(op, b, style, tp, device, dtype, cp, method)
             fwd, bwd = fwd + a_fwd, bwd + a_bwd

@@ -7,10 +7,13 @@ from dataclasses import replace
 from typing import Any
 
 from autopar.choice import CpAttention, Recompute
+from autopar.cost_models.hardware import ClusterSpec
+from autopar.float8 import emulated
 from autopar.graph import LayerGraph
 from autopar.moe import Dispatch, ExpertLayout
 from autopar.pins import Pins
 from autopar.planning.configs import CP_UNSEARCHED, UNSEARCHED
+from autopar.planning.configuration import TrainingSpec
 from autopar.planning.cut_checks import withdrawn_cut_notes
 from autopar.planning.evaluate import evaluate
 from autopar.planning.solver import Solution
@@ -114,6 +117,21 @@ def search_notes(graph: LayerGraph, pins: Pins, world_size: int) -> tuple[str, .
         return (f"{CP_UNSEARCHED} (OPTIMAL is over the meshes searched): pin cp or pp, e.g. --pin pp=2, to plan "
                 "meshes with both, or price one with autopar explain --why-not 'pp=2 cp=2'",)
     return ()
+
+
+def float8_notes(cluster: ClusterSpec, training: TrainingSpec, solution: Solution) -> tuple[str, ...]:
+    """What float8 prices otherwise than a reader may assume: emulation on a CPU, no float8 all-gather."""
+    if training.float8 is None:
+        return ()
+    notes = []
+    if emulated(cluster):
+        notes.append(f"float8 on {cluster.device.name} is torchao's emulation (real casts to float8, the "
+                     f"matmuls in fp32 on the rounded values): its matmuls are priced at the "
+                     f"{training.dtype} peak, plus the casts, with no float8 speedup")
+    if any(c.zero == 3 for c in solution.choices):
+        notes.append(f"float8: ZeRO-3 gathers the converted weights in {training.dtype}, as priced (FSDP2's "
+                     "float8 all-gather is not used)")
+    return tuple(notes)
 
 
 def unpriced_notes(graph: LayerGraph) -> tuple[str, ...]:

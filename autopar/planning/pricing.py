@@ -345,7 +345,8 @@ class PriceTable:
         (tp's and cp's), saved activations, and cp's forward and backward part of that communication."""
         c, b = self.config, self.microbatch_size
         key = (id(layer), style_name, sp, c.mesh.tp, b, self.tp_group, self.act_scale, self.dtype_for_compute,
-               id(self.cluster), self.training.compiled, c.mesh.cp, self.cp_group, c.cp_attention)
+               id(self.cluster), self.training.compiled, c.mesh.cp, self.cp_group, c.cp_attention,
+               id(self.training.float8))
         if key in self._style_memo:
             return self._style_memo[key][1]
         acts = layer.activation_bytes_per_sample
@@ -372,7 +373,8 @@ class PriceTable:
                 acts = sequence_activation_bytes(layer, style, c.mesh.tp, self.graph.dtype_bytes)
         times = layer_compute(layer, style_name, c.mesh.tp, b, self.cluster.device, self.dtype_for_compute,
                               self.act_scale, c.mesh.cp, method=c.cp_attention,
-                              compiled=self.training.compiled and self.graph.blocks[layer.index])
+                              compiled=self.training.compiled and self.graph.blocks[layer.index],
+                              float8=self.training.float8.shapes(layer.name) if self.training.float8 else frozenset())
         heads_split = c.mesh.tp if style_name is not None else 1  # K/V of this tp rank's heads only
         kv_fwd, kv_bwd, acts = context_price.context_part(self, layer, acts, heads_split)
         part = (times.fwd_s, times.bwd_s, tp_comm_fwd + kv_fwd, tp_comm_bwd + kv_bwd, acts, kv_fwd, kv_bwd)

@@ -161,17 +161,22 @@ def _solve_everywhere(graph: LayerGraph, world_size: int, launched: bool, **kwar
     return Plan.from_json(box[0][1])
 
 
+def capture_for(model: nn.Module, example_inputs: Any) -> LayerGraph:
+    """``model``'s graph, captured with ``example_inputs`` (which ``compile`` needs to plan)."""
+    if example_inputs is None:
+        raise AutoparError("compile needs example_inputs to capture the model "
+                           "(a tuple of tensors shaped like one batch)")
+    from autopar.capturing import capture
+
+    return capture(model, example_inputs)
+
+
 def resolve_plan(model: nn.Module, example_inputs: Any, plan: Plan | str | Path | None,
                  graph: LayerGraph | None, world_size: int, launched: bool,
                  **solve_kwargs: Any) -> tuple[Plan, LayerGraph]:
     """The plan to run and the graph it was made for (captured unless given)."""
     if graph is None:
-        if example_inputs is None:
-            raise AutoparError("compile needs example_inputs to capture the model "
-                               "(a tuple of tensors shaped like one batch)")
-        from autopar.capturing import capture
-
-        graph = capture(model, example_inputs)
+        graph = capture_for(model, example_inputs)
     if plan is None:
         return _solve_everywhere(graph, world_size, launched, **solve_kwargs), graph
     if isinstance(plan, (str, Path)):

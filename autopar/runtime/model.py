@@ -43,12 +43,17 @@ import torch.nn as nn
 
 from autopar import inputs as model_inputs
 from autopar.errors import BatchError, LaunchError
+from autopar.float8 import settings_for
 from autopar.graph import LayerGraph
 from autopar.passes.expert_parallel import reduce_expert_grads
 from autopar.plan import Plan, Predicted
 from autopar.runtime.balance import BiasBalancer, bias_group, check_bias_update
 from autopar.runtime.compiled import block_paths, check_compiled, compile_blocks, requested
+from autopar.runtime.float8 import check_device, check_float8
+from autopar.runtime.float8 import convert as convert_float8
+from autopar.runtime.float8 import requested as float8_requested
 from autopar.runtime.launch import (
+    capture_for,
     check_world,
     device,
     ensure_process_group,
@@ -486,7 +491,7 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
             init_fn: Callable[[nn.Module], None] | None = None, graph: LayerGraph | None = None,
             max_grad_norm: float | None = None, lr_scheduler: SchedulerFactory | None = None,
             weights: str | Path | None = None, seed: int = 0, torch_compile: bool | None = None,
-            moe_bias_update: float = 0.0, **solve_kwargs: Any) -> ParallelModel:
+            float8: bool | str | None = None, moe_bias_update: float = 0.0, **solve_kwargs: Any) -> ParallelModel:
     """Plan (or load a plan for) ``model`` and lower it for this rank.
 
     ``world_size`` defaults to the process group's size (torchrun's env vars
@@ -512,6 +517,11 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
     compiled, a given plan must have been (``training.compiled``; None: as the
     plan says). Plans it does not run yet raise
     :class:`~autopar.errors.CompileError` before any collective.
+    ``float8``: True (``tensorwise`` scaling), ``"tensorwise"`` or ``"rowwise"``: the plan's linears
+    (:func:`autopar.float8.select_linears` when solved here) run torchao's float8 matmuls
+    (:mod:`autopar.runtime.float8`; emulated on a CPU); a given plan must have been priced so (None: as
+    the plan says). A device without float8, a missing torchao or a lowering float8 does not run raises
+    :class:`~autopar.errors.Float8Error` before any collective.
     ``moe_bias_update``: γ ≥ 0 of DeepSeek-V3's auxiliary-loss-free load
     balancing (0, the default: off): after each step every router's
     ``e_score_correction_bias`` moves by γ · sign(mean − count) per expert,
@@ -530,9 +540,14 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
     torch_compile = requested(torch_compile)
     if plan is None and torch_compile:
         kwargs["compiled"] = True
+    float8 = float8_requested(float8)
+    if plan is None and float8:
+        graph = graph if graph is not None else capture_for(model, example_inputs)
+        kwargs["float8"] = settings_for(model, graph, float8)
     plan, graph = resolve_plan(model, example_inputs, plan, graph, world_size, launched, **kwargs)
     check_world(plan, world_size, launched)
     check_compiled(plan, torch_compile, graph)
+    check_float8(plan, float8)
     routers = check_bias_update(model, graph, plan, moe_bias_update)
     loss_fn = loss_fn or default_loss
     if not launched and world_size > 1:
@@ -540,6 +555,8 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
     dtype = plan_dtype(plan.training.dtype)
     first: dict[int, str] = {}  # a tied weight under the model's first name, whichever stage module holds it
     canonical = {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
+    if plan.training.float8 is not None:  # torchao's Float8Linear in place of the plan's linears, before lowering
+        convert_float8(model, plan.training.float8, emulate=check_device())
     if launched:
         lowered = lower(model, graph, plan, example_inputs=example_inputs,
                         loss_fn=fp32_loss(loss_fn) if dtype is not None else loss_fn, init_fn=init_fn)

@@ -84,6 +84,11 @@ def _add_problem_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
+def _add_float8(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--float8", nargs="?", const="tensorwise", choices=("tensorwise", "rowwise"), default=None,
+                   metavar="RECIPE", help=help)
+
+
 def _parser() -> argparse.ArgumentParser:
     from autopar import __version__
 
@@ -95,6 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("-o", "--output", default=None, metavar="PLAN.json", help="write the plan as JSON")
     plan.add_argument("--compile", action="store_true",
                       help="price each block under torch.compile (plans the compiled runtime runs only)")
+    _add_float8(plan, "float8 matmuls (torchao) for the blocks' linears, tensorwise (default) or rowwise "
+                      "scaling; needs a device with float8 (SM 8.9+), emulated on cpu")
     show = sub.add_parser("show", help="print a saved plan")
     show.add_argument("plan", metavar="PLAN.json")
     show.add_argument("--json", action="store_true", help="print the plan's JSON")
@@ -112,12 +119,15 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("args", nargs="*", metavar="ARGS", help="the script's arguments (after --)")
     run.add_argument("--compile", action="store_true",
                      help="torch.compile each block: the script's autopar.compile defaults to torch_compile=True")
+    _add_float8(run, "float8 linears: the script's autopar.compile defaults to float8=RECIPE")
     verify = sub.add_parser("verify", help="run a plan on N gloo processes against one process")
     _add_problem_args(verify)
     verify.add_argument("--plan", default=None, metavar="PLAN.json", help="verify this plan (else solve)")
     verify.add_argument("--steps", type=int, default=3, metavar="K", help="SGD steps to compare")
     verify.add_argument("--compile", action="store_true",
                         help="plan priced compiled, each block run under torch.compile (DDP, ZeRO and pipeline plans)")
+    _add_float8(verify, "plan and run the blocks' linears in float8 (torchao's CPU emulation), against one "
+                        "process converted alike")
     verify.add_argument("--loss", default=None, metavar="FILE.py:FUNCTION",
                         help="loss_fn(output, targets) for both sides (default: the one that fits the output)")
     verify.set_defaults(dtype="fp32")
@@ -217,11 +227,22 @@ def _solve_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 memory_gb=args.memory_gb, pins=pins, time_limit_s=args.time_limit)
 
 
+def _float8(args: argparse.Namespace, model: Any, graph: LayerGraph) -> Any:
+    """The plan's float8 linears by the default rule (``--float8``), or None."""
+    if args.float8 is None:
+        return None
+    from autopar.float8 import settings_for
+
+    return settings_for(model, graph, args.float8)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from autopar.planning.api import solve
 
     kwargs = _solve_kwargs(args)
-    plan = solve(_graph(args), args.world_size, **kwargs, compiled=args.compile)
+    model, inputs = _load(args)
+    graph = _capture(args, model, inputs)
+    plan = solve(graph, args.world_size, **kwargs, compiled=args.compile, float8=_float8(args, model, graph))
     if args.output:  # written first, so an unwritable path fails before any output
         plan.save(args.output)
     _out(plan.to_json() if args.json else plan.summary())
@@ -304,10 +325,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # ("connectFullMesh failed ... Connection refused"; pytorch/pytorch#135712): a store of their own.
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     from autopar.runtime.compiled import COMPILE_ENV
+    from autopar.runtime.float8 import FLOAT8_ENV
 
-    before = os.environ.get(COMPILE_ENV)
+    before = {k: os.environ.get(k) for k in (COMPILE_ENV, FLOAT8_ENV)}
     if args.compile:  # read by the ranks' autopar.compile when torch_compile is not given
         os.environ[COMPILE_ENV] = "1"
+    if args.float8:  # read by the ranks' autopar.compile when float8 is not given
+        os.environ[FLOAT8_ENV] = args.float8
     try:
         torchrun.main(["--standalone", "--nproc-per-node", str(args.nproc), "--max-restarts",
                        str(args.max_restarts), "-m", "autopar.runtime.entry", args.script, *args.args])
@@ -315,10 +339,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         _err(describe_failures(args.script, exc.failures, args.nproc))
         return EXIT_BAD_INPUT if bad_input_only(exc.failures) else EXIT_FAILED
     finally:  # this process's environment as it was (main() may be called again, as the tests do)
-        if before is None:
-            os.environ.pop(COMPILE_ENV, None)
-        else:
-            os.environ[COMPILE_ENV] = before
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     return EXIT_OK
 
 
@@ -342,6 +367,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         from autopar.runtime.compiled import check_compiled
 
         check_compiled(plan, True if args.compile else None)
+        from autopar.runtime.float8 import check_float8
+
+        check_float8(plan, args.float8)
     model, inputs = _load(args, device="cpu")
     dropout = v.disable_dropout(model)
     v.loss_function(args.loss)  # a --loss that does not load, or an output no default loss fits: bad input
@@ -355,7 +383,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
         kwargs["cluster"] = kwargs["cluster"] if args.cluster else "cpu"
         kwargs["global_batch"] = args.batch_size or v.example_batch(inputs)
-        plan = solve(graph, args.world_size, **kwargs, compiled=args.compile)
+        plan = solve(graph, args.world_size, **kwargs, compiled=args.compile,
+                     float8=_float8(args, model, graph))
         if args.compile:  # what a pin left possible that the compiled runtime does not run: refused here
             from autopar.runtime.compiled import check_compilable
 
@@ -368,16 +397,18 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                           loss=args.loss)
     except v.VerifyFailure as exc:
         if args.json:
-            _out(json.dumps(v.result_json(plan, dropout, warnings, failure=exc, loss=loss), indent=2))
+            _out(json.dumps(v.result_json(plan, dropout, warnings, failure=exc, loss=loss,
+                                          tolerance=v.tolerance_for(plan)), indent=2))
         elif isinstance(exc, v.RankFailedError) and exc.traceback:
             sys.stderr.write(f"rank {exc.rank}'s traceback:\n{exc.traceback}")
         _err(str(exc))
         return EXIT_FAILED
     if args.json:
-        _out(json.dumps(v.result_json(plan, dropout, warnings, report, loss=loss), indent=2))
+        _out(json.dumps(v.result_json(plan, dropout, warnings, report, loss=loss,
+                                      tolerance=v.tolerance_for(plan)), indent=2))
     else:
-        _out("\n".join(v.result_lines(report)))
-    return EXIT_OK if report.ok(v.TOLERANCE) else EXIT_FAILED
+        _out("\n".join(v.result_lines(report, v.tolerance_for(plan))))
+    return EXIT_OK if report.ok(v.tolerance_for(plan)) else EXIT_FAILED
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:

@@ -154,10 +154,15 @@ def _rows(a: Plan, b: Plan) -> list[Row]:
     def cluster(p: Plan) -> str:
         return f"{p.cluster.name} ({p.cluster.device.name})"
 
+    def float8(p: Plan) -> str:
+        f8 = p.training.float8
+        return "-" if f8 is None else f"{f8.recipe.value}, {len(f8.linears)} linears"
+
     rows = [
         _text_row("world size", a.world_size, b.world_size),
         _text_row("cluster", cluster(a), cluster(b)),
         _text_row("dtype", a.training.dtype, b.training.dtype),
+        _text_row("float8", float8(a), float8(b)),
         _text_row("global batch", a.training.global_batch, b.training.global_batch),
         _number_row("memory budget", pa.memory_budget_bytes, pb.memory_budget_bytes, format_bytes),
         _text_row("mesh", a.mesh.describe(), b.mesh.describe()),

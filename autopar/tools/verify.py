@@ -80,6 +80,18 @@ TOLERANCE = 1e-5
 # tensor passes when its error is below TOLERANCE × FLOOR = 1e-6 of the model's rms per element,
 # about 8 fp32 units in the last place (2^-23 ≈ 1.2e-7) at the model's scale
 FLOOR = 0.1
+# A float8 plan is compared with one process converted the same way (torchao's emulation on both sides).
+# Under rowwise scaling the scales are powers of 2, which leave float8's rounding unchanged, so the bar
+# is TOLERANCE; under tensorwise each rank's scale is its own batch half's amax, so the two round
+# differently, by about as much as float8 differs from fp32: per tensor, 0.11 (GPT) and 0.13 (Llama) in
+# first-step gradients measured here (tests/runtime/test_float8.py), bounded by this.
+FLOAT8_TENSORWISE_TOLERANCE = 0.25
+
+
+def tolerance_for(plan: Plan) -> float:
+    """The bar ``plan``'s run is judged by: :data:`TOLERANCE`, or float8 tensorwise's (above)."""
+    f8 = plan.training.float8
+    return FLOAT8_TENSORWISE_TOLERANCE if f8 is not None and f8.recipe.value == "tensorwise" else TOLERANCE
 
 
 class VerifyFailure(RuntimeError):
@@ -279,6 +291,13 @@ def plan_warnings(plan: Plan, model: nn.Module | None = None) -> list[str]:
         return [f"the model has BatchNorm and the plan runs {plan.microbatches} microbatches: each "
                 "normalises over its own microbatch (of every dp rank), one process over the whole batch, "
                 "so the two differ by design; pin microbatches=1 to compare them exactly"]
+    f8 = plan.training.float8
+    if f8 is not None:
+        return [f"float8 ({f8.recipe.value}): one process runs the same {len(f8.linears)} linears in float8 "
+                f"(torchao's emulation on both sides); "
+                + ("rowwise scales are powers of 2, so the two must round alike" if f8.recipe.value == "rowwise"
+                   else f"each rank's tensorwise scale is its own batch half's amax, so the two round "
+                        f"differently: judged within {FLOAT8_TENSORWISE_TOLERANCE:g}")]
     if plan.mesh.tp > 1 and not any(l.choice.tp for l in plan.layers):
         return [f"the mesh has tp={plan.mesh.tp} but no layer is tensor-parallel: the {plan.mesh.tp} "
                 "ranks of each tp group repeat the same work, so this run checks no tensor "
@@ -321,7 +340,8 @@ def result_lines(report: VerifyReport, tolerance: float = TOLERANCE) -> list[str
                  f"{g.floor / FLOOR:.3g}, parameters rms {p.floor / FLOOR:.3g}); judged against it: "
                  + ("; ".join(judged) if judged else "none"))
     ok = report.ok(tolerance)
-    lines.append(f"OK: SAME as one process, {report.max_rel:.3g} <= {tolerance:g}" if ok
+    same = "SAME as one process" if tolerance <= TOLERANCE else "within float8 tensorwise's rounding of one process"
+    lines.append(f"OK: {same}, {report.max_rel:.3g} <= {tolerance:g}" if ok
                  else f"DIFFERENT from one process: {report.max_rel:.3g} > {tolerance:g}")
     return lines
 
@@ -358,8 +378,13 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
 
 
-def _reference(spec: str, seq_len: int | None, batches: list, steps: int, loss_fn: Any) -> dict[str, Any]:
+def _reference(spec: str, seq_len: int | None, batches: list, steps: int, loss_fn: Any,
+               plan: Plan | None = None) -> dict[str, Any]:
     model, _ = _build(spec, seq_len)
+    if plan is not None and plan.training.float8 is not None:  # the same linears in float8, emulated
+        from autopar.runtime.float8 import convert
+
+        convert(model, plan.training.float8, emulate=True)
     opt, losses, grads = _sgd(model.parameters()), [], {}
     for k, (x, y) in enumerate(batches[:steps]):
         opt.zero_grad()
@@ -452,7 +477,7 @@ def _run_rank(rank: int, world_size: int, tmp: str, spec: str, seq_len: int | No
     params = pm.state_dict(full=True)
     dist.destroy_process_group()
     if rank == 0:
-        ref = _reference(spec, seq_len, batches, steps, loss_fn)
+        ref = _reference(spec, seq_len, batches, steps, loss_fn, plan)
         report = VerifyReport(world_size, steps, plan.training.global_batch, losses, ref["losses"],
                               max(abs(a - b) / abs(b) if b else abs(a) for a, b in zip(losses, ref["losses"])),
                               compare(grads, ref["grads"]),

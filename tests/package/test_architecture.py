@@ -32,6 +32,7 @@ LEVELS: dict[str, int] = {
     "autopar.choice": 2,
     "autopar.graph": 2,
     "autopar.moe": 2,
+    "autopar.float8": 2,
     "autopar.plan": 2,
     "autopar.pins": 2,
     "autopar.contract": 2,

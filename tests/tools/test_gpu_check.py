@@ -31,12 +31,17 @@ def test_the_gpu_check_runs_dry_on_cpu(tmp_path: Path) -> None:
         assert "do not grow" in ops["error"]
     assert result["fit"]["rate_flops_s"] > 0 and result["fit"]["gemm_flops_s"]["bf16"] > 0
     rows = result["plans"]
+    float8 = [r for r in rows if r["float8"]]  # the float8 column: the eager plan ran, emulated by torchao
+    rows = [r for r in rows if not r["float8"]]
     assert {r["model"] for r in rows} == {"gpt-dry-a", "gpt-dry-b"} and len(rows) == 8
     assert {r["microbatches"] for r in rows} == {1, 2, 4} and any(r["recompute"] for r in rows)
-    # the compiled variant: priced compiled on --dry, run only on a GPU
+    assert [(r["model"], r["plan"], r["float8_linears"]) for r in float8] == [
+        ("gpt-dry-a", "m1 float8", 8), ("gpt-dry-b", "m1 float8", 12)]
+    # the compiled variants: priced compiled on --dry, run only on a GPU
     assert [(k["model"], k["plan"], k["compiled"]) for k in result["skipped"]] == [
-        ("gpt-dry-a", "m1 compiled", True), ("gpt-dry-b", "m1 compiled", True)]
-    for r in rows:
+        ("gpt-dry-a", "m1 compiled", True), ("gpt-dry-a", "m1 compiled float8", True),
+        ("gpt-dry-b", "m1 compiled", True), ("gpt-dry-b", "m1 compiled float8", True)]
+    for r in rows + float8:
         assert r["dtype"] == "bf16" and r["masters_fp32"]
         assert r["measured_step_s"] > 0 and r["predicted_step_s"] > 0
         assert 0.5 < r["memory_ratio"] < 2.0, r  # the prediction follows what ran, even this small

@@ -1,0 +1,128 @@
+"""float8 training at run time: the plan's linears swapped for torchao's ``Float8Linear`` before lowering.
+
+The plan says which linears (``training.float8``, :mod:`autopar.float8`);
+:func:`convert` swaps exactly those with ``convert_to_float8_training`` (the
+state-dict keys stay the same: a ``Float8Linear`` keeps ``weight`` and
+``bias``), before the parallel lowering, as torchao and torchtitan order it
+(float8 first, then ``fully_shard`` / DDP). On a CUDA device of compute
+capability 8.9 or later the matmuls are ``torch._scaled_mm``'s; on a CPU
+torchao's emulation runs (``Float8LinearConfig.emulate``: the operands are
+rounded to float8 with their scales, exactly as on a GPU, and multiplied in
+fp32), which is what the tests train with. Any other device is refused with
+one line naming it. torchao is optional (``pip install 'autopar[float8]'``)
+and imported only here, when a plan asks for float8.
+
+What runs is proven for DDP and FSDP2/ZeRO plans (``tests/runtime/test_float8.py``);
+:func:`check_float8` refuses the other lowerings (tensor parallelism: autopar's
+sharding runtime rewrites the linears' ops itself and torchao's float8 tensor-
+parallel styles are not wired in; pipelines, experts, context parallelism:
+not tried) before the first collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autopar.cost_models.gpu_figures import FP8_MIN_COMPUTE_CAPABILITY
+from autopar.errors import Float8Error
+from autopar.float8 import NEEDS, Float8Settings
+from autopar.plan import Plan
+
+# "tensorwise"/"rowwise": ``compile``'s float8 defaults to it (set by ``autopar run --float8``)
+FLOAT8_ENV = "AUTOPAR_FLOAT8"
+
+
+def requested(float8: Any) -> Any:
+    """``float8`` as given, else the recipe ``autopar run --float8`` set for this process."""
+    if float8 is None and os.environ.get(FLOAT8_ENV):
+        return os.environ[FLOAT8_ENV]
+    return float8
+
+
+def unsupported(plan: Plan) -> list[str]:
+    """What in ``plan`` the float8 runtime does not run (empty when it does)."""
+    m = plan.mesh
+    why = []
+    if m.tp > 1 or any(lp.choice.tp is not None for lp in plan.layers):
+        why.append(f"tensor parallelism (tp={m.tp})")
+    for axis, what in (("pp", "a pipeline"), ("ep", "expert parallelism"), ("cp", "context parallelism")):
+        if getattr(m, axis) > 1:
+            why.append(f"{what} ({axis}={getattr(m, axis)})")
+    return why
+
+
+def check_float8(plan: Plan, float8: Any = None) -> None:
+    """Raise :class:`Float8Error` when ``float8`` (None: as the plan says) disagrees with what the plan
+    priced, when the plan lowers what float8 does not run, or when this process's device cannot."""
+    priced = plan.training.float8
+    if float8 is not None and bool(float8) != (priced is not None):
+        raise Float8Error(f"the plan was priced {'with' if priced else 'without'} float8 (training.float8) but "
+                          f"float8={float8!r} was asked: re-plan {'without' if priced else 'with'} --float8, "
+                          f"or leave float8 unset")
+    if priced is None:
+        return
+    if float8 not in (None, True, False) and str(float8) != priced.recipe.value:
+        raise Float8Error(f"the plan was priced with {priced.recipe.value} float8 scaling, not {float8}: "
+                          f"re-plan with --float8 {float8}")
+    why = unsupported(plan)
+    if why:
+        raise Float8Error(f"float8 training runs DDP and ZeRO/FSDP2 plans only; this plan has "
+                          f"{' and '.join(why)}: re-plan with --float8 (which pins tp=1 pp=1 ep=1 cp=1)")
+    check_device()
+
+
+def check_device(device: torch.device | None = None) -> bool:
+    """Whether this process's device emulates float8 (a CPU); raises :class:`Float8Error` naming a CUDA
+    device older than SM 8.9."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    if device is None or device.type == "cpu":
+        return True
+    if device.type != "cuda":
+        raise Float8Error(f"--float8: this process's device is {device.type}, which torchao's float8 does not "
+                          f"run on; {NEEDS}")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_COMPUTE_CAPABILITY:
+        raise Float8Error(f"--float8: {torch.cuda.get_device_name(device)} is SM {capability[0]}.{capability[1]} "
+                          f"and has no float8 matmuls; {NEEDS}")
+    return False
+
+
+def _torchao() -> Any:
+    try:
+        import torchao.float8 as f8
+    except ImportError:
+        raise Float8Error("float8 training needs torchao, which is not installed: "
+                          "pip install 'autopar[float8]' (torchao 0.18)") from None
+    return f8
+
+
+def convert(model: nn.Module, settings: Float8Settings, *, emulate: bool) -> list[str]:
+    """Swap the plan's linears of ``model`` for ``Float8Linear`` in place (``emulate``: torchao's fp32
+    matmuls, on a CPU); returns the paths converted, which must be all the plan names."""
+    f8 = _torchao()
+    config = f8.Float8LinearConfig.from_recipe_name(settings.recipe.value)
+    if emulate:
+        config = dataclasses.replace(config, emulate=True)
+    wanted = settings.paths()
+    missing = sorted(p for p in wanted if not isinstance(_get(model, p), nn.Linear))
+    if missing:
+        raise Float8Error(f"the plan's float8 linears {', '.join(missing[:3])} are not nn.Linear modules of this "
+                          f"model: re-plan it with --float8")
+    f8.convert_to_float8_training(model, module_filter_fn=lambda _m, fqn: fqn in wanted, config=config)
+    return sorted(p for p, m in model.named_modules() if type(m).__name__ == "Float8Linear")
+
+
+def _get(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+__all__ = ["FLOAT8_ENV", "check_device", "check_float8", "convert", "requested", "unsupported"]
