@@ -207,12 +207,10 @@ def ulysses_refusal(graph: LayerGraph, mesh: Mesh) -> str | None:
     or a call whose key and value are not 4-D [batch, heads, sequence, dim], gets no Ulysses."""
     if mesh.cp <= 1:
         return "Ulysses splits attention over the cp ranks, and cp is 1"
-    if mesh.pp > 1:
-        return (f"Ulysses inside pipeline stages (pp={mesh.pp}) is not checked against one device yet; "
-                "cp there gathers K/V")
-    if graph.cp_manual:
-        return (f"Ulysses reroutes scaled_dot_product_attention calls; {next(iter(graph.cp_manual))} computes "
-                "attention by hand, whose K/V cp gathers")
+    if mesh.pp > 1 or graph.cp_manual:  # not run against one device there: cp gathers K/V instead
+        where = f"inside pipeline stages (pp={mesh.pp})" if mesh.pp > 1 else \
+            f"on attention written by hand ({next(iter(graph.cp_manual))}: Ulysses reroutes SDPA calls only)"
+        return f"Ulysses does not run {where}; cp there gathers K/V"
     split, by = mesh.cp * mesh.tp, (f"cp × tp = {mesh.cp} × {mesh.tp} = {mesh.cp * mesh.tp}" if mesh.tp > 1
                                      else f"cp={mesh.cp}")
     for layer in graph:
