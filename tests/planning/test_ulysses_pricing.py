@@ -108,6 +108,16 @@ def test_ulysses_is_offered_only_where_cp_times_tp_divides_every_kv_head_count()
     assert (1, ULYSSES) not in methods
 
 
+def test_ulysses_is_not_offered_where_it_was_not_run_against_one_device() -> None:
+    """Inside pipeline stages and on attention written by hand cp gathers K/V: Ulysses is not offered."""
+    graph = _graph(heads=8, kv_heads=2)
+    assert "inside pipeline stages (pp=2)" in ulysses_refusal(graph, Mesh(pp=2, cp=2))
+    assert cp_methods(graph, Mesh(pp=2, cp=2)) == (ALL_GATHER,)
+    by_hand = _graph(heads=8, kv_heads=2)
+    by_hand.cp_manual = {"blocks.0.attn": ()}  # as capture records a nanoGPT's attention
+    assert "attention written by hand (blocks.0.attn" in ulysses_refusal(by_hand, Mesh(cp=2))
+
+
 def _best(graph: LayerGraph, world: int, pins: list[str]) -> autopar.Plan:
     return autopar.solve(graph, world, cluster="h100-80g", global_batch=1, pins=["pp=1", *pins], runners_up=0)
 
