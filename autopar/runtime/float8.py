@@ -12,7 +12,7 @@ fp32), which is what the tests train with. Any other device is refused with
 one line naming it. torchao is optional (``pip install 'autopar[float8]'``)
 and imported only here, when a plan asks for float8.
 
-What runs is proven for DDP and FSDP2/ZeRO plans (``tests/runtime/test_float8.py``);
+What runs is proven for DDP and FSDP2/ZeRO plans (``tests/runtime/test_float8_training.py``);
 :func:`check_float8` refuses the other lowerings (tensor parallelism: autopar's
 sharding runtime rewrites the linears' ops itself and torchao's float8 tensor-
 parallel styles are not wired in; pipelines, experts, context parallelism:

@@ -84,7 +84,7 @@ FLOOR = 0.1
 # Under rowwise scaling the scales are powers of 2, which leave float8's rounding unchanged, so the bar
 # is TOLERANCE; under tensorwise each rank's scale is its own batch half's amax, so the two round
 # differently, by about as much as float8 differs from fp32: per tensor, 0.11 (GPT) and 0.13 (Llama) in
-# first-step gradients measured here (tests/runtime/test_float8.py), bounded by this.
+# first-step gradients measured here (tests/runtime/test_float8_training.py), bounded by this.
 FLOAT8_TENSORWISE_TOLERANCE = 0.25
 
 

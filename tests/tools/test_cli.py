@@ -369,7 +369,9 @@ def test_mesh_pin_messages_name_the_pins_or_claim_none():
     one = why_no_config(graph, 8, TrainingSpec(5), Pins.parse(["pp=2"]), 3)
     assert "with the pinned pp=2" in one
     both = why_no_config(graph, 8, TrainingSpec(5), Pins.parse(["pp=2", "tp=2"]), 3)
-    assert "the pinned pp=2 × tp=2 leave dp=2" in both
+    assert "with the pinned pp=2 × tp=2 divides batch size 5" in both  # cp may take what dp does not
+    every = why_no_config(graph, 8, TrainingSpec(5), Pins.parse(["pp=2", "tp=2", "cp=1"]), 3)
+    assert "the pinned pp=2 × cp=1 × tp=2 leave dp=2" in every
 
 
 def test_flop_rates_keep_three_significant_figures_and_devices_are_named():
