@@ -29,29 +29,11 @@ def lower_bound_s(table: PriceTable, allowed: list[list[int]], budget: int | Non
     times, and the layers together must fit in pp × (budget − workspace) bytes
     (each layer counted at its smallest in-flight multiplier). The best such
     sum is bounded by the Lagrangian dual of that knapsack, max over λ ≥ 0 of
-    Σ_l min_k (t_lk + λ·mem_lk) − λ·capacity, found by bisection on λ. The same
-    knapsack over α·t_lk + tail_lk/pp bounds the step with its tail (:func:`_with_tails`). The
+    Σ_l min_k (t_lk + λ·mem_lk) − λ·capacity, found by bisection on λ. The
     slowest rank is also bounded rank by rank (:func:`_rank_time_bound_s`), unless the bound
     without it is already ``enough`` to rule the configuration out (it then returns that weaker
     bound: the rank by rank one costs most of a search's bounding time).
     """
-    weaker, total, sends, slowest = _pooled_bound(table, allowed, budget, cuts_ok)
-    if budget is None or weaker >= enough:
-        return weaker
-    slowest = max(slowest, _rank_time_bound_s(table, allowed, budget, cuts_ok or []))
-    return max(weaker, balanced_step_s(table, total + sends, slowest))
-
-
-def pooled_bound_s(table: PriceTable, allowed: list[list[int]], budget: int | None = None,
-                   cuts_ok: list[int] | None = None) -> float:
-    """:func:`lower_bound_s` without its rank by rank part: every rank's memory pooled, the
-    exposed data-parallel tail counted (about a third of the time, for ordering the search)."""
-    return _pooled_bound(table, allowed, budget, cuts_ok)[0]
-
-
-def _pooled_bound(table: PriceTable, allowed: list[list[int]], budget: int | None,
-                  cuts_ok: list[int] | None) -> tuple[float, float, float, float]:
-    """(the bound, Σ of layer times it assumes, the sends, the slowest layer's least time)."""
     c = table.config
     memo: dict[tuple, float] = {}
     fastest = []
@@ -65,46 +47,14 @@ def _pooled_bound(table: PriceTable, allowed: list[list[int]], budget: int | Non
     if cuts_ok and c.stages > 1:
         thinnest = min(cuts_ok, key=lambda q: table.graph[q - 1].boundary_bytes_per_sample)
         sends = 2 * (c.stages - 1) * table.p2p_s(thinnest)  # p2p time grows with bytes
-    alpha = step_per_rank_second(table)
-    capacity = None
     if budget is not None:
-        capacity = sum(budget - table.rank_workspace_bytes(j) for j in range(c.mesh.pp))
-        total = _knapsack_bound(table, allowed, capacity)
-    bound = max(balanced_step_s(table, total + sends, slowest),
-                _with_tails(table, allowed, alpha, capacity) + alpha * sends)
-    return bound, total, sends, slowest
-
-
-def step_per_rank_second(table: PriceTable) -> float:
-    """α with step ≥ α·S + X, S the ranks' summed per-microbatch times (:meth:`PriceTable.pipeline_s`):
-    T ≥ S/pp gives (m − w)/pp + w; where ranks share cores, the larger of that over σ and the
-    node work term's m/pp (a node's k ranks hold at least k/pp of S)."""
-    c, w = table.config, float(table.bubble_weight)
-    chain = (c.microbatches - w) / c.mesh.pp + w
-    sigma, _ = table.core_sharing
-    return chain if sigma == 1 else max(chain / float(sigma), c.microbatches / c.mesh.pp)
-
-
-def _with_tails(table: PriceTable, allowed: list[list[int]], alpha: float, capacity: int | None) -> float:
-    """step ≥ α·S + X ≥ Σ_l (α·t_l + tail_l/pp): the tail X is the largest rank's, at least the mean
-    of the ranks' (exposed data-parallel traffic and optimizer steps, which the pipeline bound leaves
-    out and which decide the step where ZeRO-3 traffic is exposed), each layer on one strategy, all
-    within ``capacity`` bytes (the knapsack of :func:`_knapsack_bound`; None: no memory limit)."""
-    pp = table.config.mesh.pp
-
-    def cost(p: Any) -> float:
-        return alpha * p.time_mb_s + p.tail_s / pp
-
-    if capacity is None:
-        memo: dict[tuple, float] = {}
-        total = 0.0
-        for i, ks in enumerate(allowed):
-            key = (table.graph.cost_classes[i], tuple(ks))
-            if key not in memo:
-                memo[key] = min(cost(table.prices[i][k]) for k in ks)
-            total += memo[key]
-        return total * (1 - 1e-9)
-    return _knapsack_bound(table, allowed, capacity, cost) * (1 - 1e-9)
+        total = _knapsack_bound(table, allowed,
+                                sum(budget - table.rank_workspace_bytes(j) for j in range(c.mesh.pp)))
+        weaker = balanced_step_s(table, total + sends, slowest)
+        if weaker >= enough:
+            return weaker
+        slowest = max(slowest, _rank_time_bound_s(table, allowed, budget, cuts_ok or []))
+    return balanced_step_s(table, total + sends, slowest)
 
 
 def balanced_step_s(table: PriceTable, total: float, slowest_layer: float) -> float:
@@ -119,16 +69,13 @@ def balanced_step_s(table: PriceTable, total: float, slowest_layer: float) -> fl
     return chain if sigma == 1 else max(chain / float(sigma), c.microbatches * total / c.mesh.pp)
 
 
-def _knapsack_bound(table: PriceTable, allowed: list[list[int]], capacity: int, cost: Any = None) -> float:
-    """The least Σ_l cost of one strategy per layer (``cost`` of a price; default its time per
-    microbatch) within ``capacity`` bytes, bounded by the Lagrangian dual."""
+def _knapsack_bound(table: PriceTable, allowed: list[list[int]], capacity: int) -> float:
     rank = min(range(table.config.mesh.pp), key=lambda j: table.in_flight[j])
-    cost = cost or (lambda p: p.time_mb_s)
     rows: dict[tuple, list[int]] = {}
     for i, ks in enumerate(allowed):
         rows.setdefault((table.graph.cost_classes[i], tuple(ks)), []).append(i)
     groups = [
-        (tuple((cost(table.prices[i][k]), table.memory_coefficient(i, k, rank)) for k in ks), len(members))
+        (tuple((table.prices[i][k].time_mb_s, table.memory_coefficient(i, k, rank)) for k in ks), len(members))
         for (_, ks), members in rows.items() for i in members[:1]
     ]
 

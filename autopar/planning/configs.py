@@ -29,13 +29,9 @@ from autopar.planning.configuration import Configuration, TrainingSpec
 
 INTERLEAVED_CHUNKS = (2, 4)
 # Why the free search leaves ep out of pipelines (a pin on ep brings it in): DeepSeek-V3 on 1,024 H100s
-# has 2,812 configurations with both instead of 640. In the cheap bound's order CP-SAT's models of its
-# 61-layer pipelines ran out the 30 s limit 32-57% from the bound (FEASIBLE, 74-81 s whole process). Best
-# bound first with the data-parallel tail in the bound (planning/order.py) proves the optimum, pp=8 ×
-# dp=128 × ep=8 at 6.334 s a step against 7.032 s without pipelines, but in 29 s of solving on a loaded
-# machine: two 61-layer models (the best plan, and a pp=16 one 0.13% slower) each need 4-16 s of CP-SAT
-# to close a 4% LP gap, over the 30 s whole process with the 19 s capture. Pinned, ep with pp is
-# planned and lowered like any mesh.
+# has 2,812 configurations with both instead of 640, and CP-SAT's models of its 61-layer pipelines ran
+# out the 30 s limit with the plan 32-57% from its bound (FEASIBLE, 74-81 s whole process, where the
+# search without them is OPTIMAL in about 3 s). Pinned, ep with pp is planned and lowered like any mesh.
 UNSEARCHED = "ep inside pipeline stages is planned where ep is pinned, not searched"
 # Likewise cp inside pipeline stages (a pin on cp or pp brings it in): Llama 3 70B at 131,072 tokens on
 # 512 H100s has 4,250 configurations with both instead of 878, and CP-SAT ran out the 30 s limit with the

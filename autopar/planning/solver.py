@@ -11,13 +11,11 @@ Search, in two levels:
    (replicated, or sharded with the root units at ZeRO-1, 2 or 3: the
    contract's, :mod:`autopar.contract`), in :mod:`.configs`; each layer's
    strategies the pins allow in :mod:`.choices`. Each configuration has a
-   lower bound on its step time: first a cheap one (fastest strategy per layer,
-   perfectly balanced stages), tightened when it reaches the front of the queue
-   to the pooled bound (memory pooled over ranks, exposed data-parallel traffic
-   and optimizer steps counted: :mod:`.order`); configurations are solved best
-   bound first and the search stops when the bound reaches the best plan found
-   (branch and bound), so the answer is optimal over the whole space when every
-   inner solve is. Before a configuration is solved, a bound with its memory terms
+   lower bound on its step time (fastest strategy per layer, perfectly
+   balanced stages); configurations are solved in order of that bound and
+   the search stops when the bound reaches the best plan found (branch and
+   bound), so the answer is optimal over the whole space when every inner
+   solve is. Before a configuration is solved, a bound with its memory terms
    (:func:`.bounds.lower_bound_s`: a knapsack over all ranks' memory, and rank
    by rank with in-flight activations and FSDP2's buffers) may skip it. When
    nothing fits, :mod:`.infeasible` names the least memory a plan needs.
@@ -92,7 +90,7 @@ from autopar.errors import PinError
 from autopar.graph import LayerGraph
 from autopar.mesh import Mesh
 from autopar.pins import Pins
-from autopar.planning.bounds import lower_bound_s
+from autopar.planning.bounds import balanced_step_s, lower_bound_s
 from autopar.planning.choices import allowed_choices, check_recompute_pins, check_sp_pins, runs_of
 from autopar.planning.configs import cut_positions, enumerate_configs
 from autopar.planning.configuration import Configuration, TrainingSpec
@@ -100,8 +98,8 @@ from autopar.planning.cut_checks import check_stage_pins
 from autopar.planning.evaluate import Evaluation, evaluate
 from autopar.planning.infeasible import raise_infeasible
 from autopar.planning.model import BuiltModel, SolverOptions, Units, build_model, cp_solver, extract
-from autopar.planning.order import BoundOrder
 from autopar.planning.pricing import PriceTable
+from autopar.planning.shared_prices import SharedPrices
 
 __all__ = ["Candidate", "RUNNERS_UP", "Solution", "SolverOptions", "cut_positions", "distinct_key",
            "enumerate_configs", "solve"]
@@ -213,34 +211,40 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     check_sp_pins(graph, pins)
     check_stage_pins(graph, layer_pins)
     cuts_ok = cut_positions(graph)
-    # Configurations best bound first, each bound tightened when it reaches the front (.order),
+    # Configurations in order of a cheap bound (fastest strategy per layer, balanced),
     # priced in full only when that bound could still beat the best plan so far.
-    configs = enumerate_configs(graph, world_size, cluster, training, pins)
-    order = BoundOrder(graph, configs, cluster, training, layer_pins, budget, cuts_ok)
+    candidates, shared = [], SharedPrices()
+    for config in enumerate_configs(graph, world_size, cluster, training, pins):
+        table = PriceTable(graph, config, cluster, training, shared)
+        fastest = table.fastest_time_mb_s()
+        cheap = balanced_step_s(table, sum(fastest), max(fastest))
+        candidates.append((cheap, config, table))
+    candidates.sort(key=lambda x: (x[0], x[1]))
     search, priced = _Search(keep=1 + max(0, runners_up)), []
     # 1. the chosen plan: every configuration that could beat the best so far, solved in full; those
     #    that cannot (a runner-up at most) wait, so runners-up never take the time the optimum needs
     later: list[tuple[float, Configuration, PriceTable, list[list[int]] | None, float]] = []
-    unexamined = 0
+    rest, unexamined = len(candidates), 0
     with _overlap_pool(options) as pool:
         flight = _InFlight(pool)
-        for cheap, config, table, allowed in order:
+        for index, (cheap, config, table) in enumerate(candidates):
             # what this configuration needs is prepared while the previous one's CP-SAT solve runs;
             # every decision below is taken after that solve has landed, as the sequential search takes it
-            ahead = _look_ahead(search, cheap, table, allowed, layer_pins, budget, cuts_ok) if flight.job else None
+            ahead = _look_ahead(search, cheap, table, layer_pins, budget, cuts_ok) if flight.job else None
             flight.land(search, later)
             best = search.best
-            if math.isinf(cheap) and best is None:  # nothing fits in memory: kept to name the least it needs
-                priced.append((cheap, config, table, allowed))
-                continue
             if _stops(search, cheap):
-                later.append((cheap, config, table, allowed, math.nan))
+                rest = index
                 break
             remaining = options.time_limit_s - (time.perf_counter() - start)
             if remaining <= 0 and (priced or search.best is not None):  # else: price one, never blame the pins
-                search.open_bounds += [cheap] + [b for b, *_ in order.rest()]
-                unexamined = 1 + len(order.rest())
+                search.open_bounds += [b for b, *_ in candidates[index:]]
+                unexamined = len(candidates) - index
+                rest = len(candidates)
                 break
+            allowed = ahead.allowed if ahead else allowed_choices(table, layer_pins)
+            if any(not ks for ks in allowed):
+                continue
             priced.append((cheap, config, table, allowed))
             enough = search.threshold(config)
             bound = ahead.bound if ahead and ahead.enough == enough else \
@@ -254,10 +258,10 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
                 _prepare(table, allowed, layer_pins, cuts_ok, budget)
             flight.submit(search, later, prepared, remaining, options, (cheap, config, table, allowed, bound))
         flight.land(search, later)
+    later.sort(key=lambda item: (item[0], item[1]))
     # 2. runners-up, in what time is left: short solves of configurations that cannot be chosen
     if search.best is not None and runners_up > 0:
-        later += [(cheap, config, table, allowed, math.nan) for cheap, config, table, allowed in order.rest()]
-        later.sort(key=lambda item: (item[0], item[1]))
+        later += [(cheap, config, table, None, math.nan) for cheap, config, table in candidates[rest:]]
         until = min(options.time_limit_s, time.perf_counter() - start + RUNNER_UP_SHARE * options.time_limit_s)
         for cheap, config, table, allowed, bound in later:
             remaining = until - (time.perf_counter() - start)
@@ -267,7 +271,6 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
                 allowed = allowed_choices(table, layer_pins)
                 if any(not ks for ks in allowed):
                     continue
-            if math.isnan(bound):
                 bound = lower_bound_s(table, allowed, budget, cuts_ok, enough=search.threshold(config))
             if math.isinf(bound) or bound >= search.threshold(config):
                 continue
@@ -276,7 +279,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     wall = time.perf_counter() - start
     if search.best is None:
         if not priced:
-            degrees = ", ".join(f"tp={t}" for t in sorted({config.mesh.tp for config in configs}))
+            degrees = ", ".join(f"tp={t}" for t in sorted({config.mesh.tp for _, config, _ in candidates}))
             raise PinError(f"no configuration the pins allow can run every layer: the pinned tensor-parallel "
                            f"styles admit none of the degrees the pins leave ({degrees}), or the pinned ZeRO "
                            "stages cannot run (inside an export-captured model's pipeline stages every layer "
@@ -289,7 +292,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     gap = max(0.0, (step - bound) / step) if step > 0 else 0.0
     return Solution(best.config, best.stages, best.choices, best.prediction, best.table,
                     "OPTIMAL" if gap <= 1e-9 else "FEASIBLE", gap, wall,
-                    len(configs), search.solved, budget, tuple(runners_up))
+                    len(candidates), search.solved, budget, tuple(runners_up))
 
 
 def _solve_config(search: _Search, table: PriceTable, allowed, layer_pins, cuts_ok, budget,
@@ -368,14 +371,15 @@ class _Ahead:
     prepared: _Prepared | None = None
 
 
-def _look_ahead(search: _Search, cheap: float, table: PriceTable, allowed: list[list[int]], layer_pins,
-                budget, cuts_ok) -> _Ahead | None:
+def _look_ahead(search: _Search, cheap: float, table: PriceTable, layer_pins, budget, cuts_ok) -> _Ahead | None:
     """Prepare what the search will most likely need of this configuration, judged on the search as it is
     before the solve in flight lands. That search is never ahead of the landed one (its best and thresholds
     only fall), so what it rules out stays ruled out; what it lets through is checked again after landing."""
     if _stops(search, cheap):
         return None
-    ahead = _Ahead(allowed)
+    ahead = _Ahead(allowed_choices(table, layer_pins))
+    if any(not ks for ks in ahead.allowed):
+        return ahead
     ahead.enough = search.threshold(table.config)
     ahead.bound = lower_bound_s(table, ahead.allowed, budget, cuts_ok, enough=ahead.enough)
     best = search.best

