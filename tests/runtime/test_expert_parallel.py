@@ -124,9 +124,10 @@ def test_a_checkpoint_saved_under_ep2_resumes_under_ep1_and_ep4_and_its_weights_
 
 
 def _stage_fraction(case: str, r: dict) -> float:
-    """Parameter bytes one rank of a pipeline plan holds, as a share of the model's: its own stage's
-    layers (pp outermost: rank // dp is its stage), dense weights 1/dp of them at ZeRO-3, experts 1/ep
-    (and 1/edp more where the stage's experts are an FSDP2 unit over edp: ZeRO ≥ 1 with dp > ep)."""
+    """Parameter bytes one rank holds, as a share of the model's: its own stage's layers (pp outermost:
+    rank // dp is its stage; one stage without a pipeline), dense weights 1/dp of them at ZeRO-3, experts
+    1/ep, fused or a module list's (a rank keeps E/ep of them whole), and 1/edp more where the stage's
+    experts are an FSDP2 unit over edp (ZeRO ≥ 1 with dp > ep)."""
     spec = moe_cases.SPECS[case]
     model, _ = spec.build()
     pp, dp, _ = r["mesh"]
@@ -186,35 +187,12 @@ def test_bias_update_under_ep_matches_one_device(ranks, case: str, world: int) -
 # ------------------------------------------------------------------ a hand-written MoE: module list, own loop
 
 
-def _held_fraction(case: str, r: dict) -> float:
-    """Parameter bytes one rank holds of the hand-written Mixtral: its stage's (pp outermost), dense
-    weights 1/dp of them at ZeRO-3, the module list's experts 1/ep (a rank keeps E/ep of them whole),
-    and 1/edp more at ZeRO ≥ 1 with dp > ep (the module list an FSDP2 unit over edp)."""
-    spec = moe_cases.SPECS[case]
-    model, _ = spec.build()
-    pp, dp, _ = r["mesh"]
-    zero = int(next(p for p in spec.pins if p.startswith("zero="))[5:])
-    stage = {name: s for (name, *_), s in zip(r["layers"], r["stages"])}
-    mine = r["rank"] // dp
-    total = held = 0.0
-    for name, p in model.named_parameters():
-        total += p.numel()
-        layer = max((n for n in stage if name.startswith(n + ".")), key=len)
-        if stage[layer] != mine:
-            continue
-        if ".experts." in name:
-            held += p.numel() / r["ep"] / (dp // r["ep"] if zero >= 1 else 1)
-        else:
-            held += p.numel() / (dp if zero >= 1 else 1)
-    return held / total
-
-
 @pytest.mark.parametrize("case", HAND_W2)
 def test_a_hand_written_module_list_moe_under_ep2_on_two_ranks_matches_one_device(w2: dict, case: str) -> None:
     check_equivalent(w2[case])
     for rank, r in enumerate(every_rank(w2[case])):
         assert r["ep"] == 2 and r["mesh"] == [1, 2, 1]
-        assert r["local_bytes_frac"] == pytest.approx(_held_fraction(case, {**r, "rank": rank}), rel=1e-9)
+        assert r["local_bytes_frac"] == pytest.approx(_stage_fraction(case, {**r, "rank": rank}), rel=1e-9)
 
 
 @pytest.mark.parametrize("case", HAND_W4)
@@ -225,7 +203,7 @@ def test_a_hand_written_module_list_moe_under_ep2_with_dp_or_pp_on_four_ranks_ma
     check_equivalent(w4[case])
     for rank, r in enumerate(every_rank(w4[case])):
         assert r["ep"] == 2 and r["mesh"] == ([2, 2, 1] if case.startswith("pp2") else [1, 4, 1])
-        assert r["local_bytes_frac"] == pytest.approx(_held_fraction(case, {**r, "rank": rank}), rel=1e-9)
+        assert r["local_bytes_frac"] == pytest.approx(_stage_fraction(case, {**r, "rank": rank}), rel=1e-9)
 
 
 @pytest.mark.parametrize("case", HAND_NORMS)
