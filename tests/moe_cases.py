@@ -304,6 +304,9 @@ SPECS |= {
 SPECS |= {
     "ep2_gshard_top2": Spec(gshard_top2, PLAIN + ("dp=2", "microbatches=2"), 4, ep=2),
     "ep2_gshard_top1": Spec(gshard_top1, PLAIN + ("dp=2", "microbatches=1"), 4, ep=2),
+    # full recompute: the recomputed forward finds its expert region and runs its two all-to-alls again
+    "ep2_recompute_gshard_top2": Spec(gshard_top2, ("pp=1", "tp=1", "recompute=full", "zero=0", "dp=2",
+                                                    "microbatches=2"), 4, ep=2),
     "ep2_zero3_gshard_top2": Spec(gshard_top2, ("pp=1", "tp=1", "recompute=none", "zero=3", "dp=2",
                                                 "microbatches=2"), 4, ep=2),
     "ep2_dp4_gshard_top2": Spec(gshard_top2, PLAIN + ("dp=4", "microbatches=1"), 8, ep=2),

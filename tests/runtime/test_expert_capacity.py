@@ -1,9 +1,9 @@
 """Expert parallelism on a hand-written GShard/Switch MoE (tests/moe_cases.py's ``GShardGPT``: experts as
 3-D parameters, one-hot einsum dispatch and combine at a fixed capacity; ``passes/expert_capacity.py``
 splits its expert region on e with an all-to-all of the dispatched [E, C, M] tensor, forward and back)
-against one process, on gloo: top-2 and top-1 under ep=2 (W=2, ZeRO-0 and ZeRO-3), ep=2 × edp=2 (W=4,
-ZeRO-0 and ZeRO-3: the experts whole over edp), and ep=2 inside the stages of a pp=2 pipeline (W=4,
-ZeRO-0 and ZeRO-3).
+against one process, on gloo: top-2 and top-1 under ep=2 (W=2, ZeRO-0 and ZeRO-3, and with full
+recompute), ep=2 × edp=2 (W=4, ZeRO-0 and ZeRO-3: the experts whole over edp), and ep=2 inside the
+stages of a pp=2 pipeline (W=4, ZeRO-0 and ZeRO-3).
 
 Parity is exact because the capacity factors are drop-free (cf ≥ E / top-k: tests/moe_cases.py says
 why a dropping capacity cannot be split, and the planner refuses it); routing decisions stay identical
@@ -24,7 +24,7 @@ import moe_cases  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
-W2 = ["ep2_gshard_top2", "ep2_gshard_top1", "ep2_zero3_gshard_top2"]
+W2 = ["ep2_gshard_top2", "ep2_gshard_top1", "ep2_zero3_gshard_top2", "ep2_recompute_gshard_top2"]
 W4 = ["ep2_dp4_gshard_top2", "ep2_dp4_zero3_gshard_top1", "pp2_ep2_gshard_top2", "pp2_ep2_zero3_gshard_top2"]
 
 
@@ -59,6 +59,7 @@ def test_gshard_ep2_matches_one_device(w2: dict, case: str) -> None:
     check_equivalent(w2[case])
     for r in every_rank(w2[case]):
         assert r["ep"] == 2 and r["mesh"] == [1, 2, 1]
+        assert bool(r["recomputed"]) == ("recompute" in case)  # the blocks checkpointed where pinned
     _experts_split(w2[case], case)
 
 
