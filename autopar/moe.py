@@ -16,6 +16,7 @@ experts'; every expert's parameters, gradients and optimizer state are held
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
@@ -51,7 +52,7 @@ class Dispatch(StrEnum):
     # Hugging Face's eager loop over the experts hit, captured through HF's own grouped_mm path (the same
     # function of the same weights, with static shapes); the eager loop is what runs
     HF_EAGER = "eager loop, captured as HF's grouped GEMM"
-    CAPACITY = "fixed capacity"  # one-hot dispatch/combine einsums into [E, capacity, H] buffers (GShard, Switch)
+    CAPACITY = "one-hot einsum"  # one-hot dispatch/combine einsums into [E, capacity, H] buffers (GShard, Switch)
     LOOP = "per-expert loop"  # a data-dependent loop, measured on real example inputs
     STAND_IN = "stand-in"  # a data-dependent loop on the meta device: the block priced from its structure
 
@@ -84,7 +85,8 @@ class MoEFacts:
     capacity_factor: float | None = None
     routed_activation_bytes_per_sample: float = 0.0
     # a module list run by the block's own loop: why ep cannot reroute that loop ("" where capture
-    # proved the rerouted forward equal to the block's own: autopar/capturing/moe_reroute.py)
+    # proved the rerouted forward equal to the block's own: autopar/capturing/moe_reroute.py); a capacity
+    # block's own 3-D experts: why ep cannot split its expert region (autopar/capturing/moe_capacity.py)
     reroute_refusal: str = ""
 
     @property
@@ -104,13 +106,42 @@ class MoEFacts:
                 + 2.0 * self.router_params)
 
     @property
+    def block_held(self) -> bool:
+        """Whether the experts are the block's own 3-D weights (GShard/Switch): ep splits them in place
+        (``passes/expert_capacity.py``), and they cannot be an FSDP2 unit apart from the block's router."""
+        return self.layout is ExpertLayout.FUSED and self.experts_path == self.module_path
+
+    @property
+    def drops_tokens(self) -> bool:
+        """Whether a fixed capacity can drop tokens: an expert receives at most every token of a call (a
+        token picks an expert once), so capacity ⌈cf · T · k / E⌉ ≥ T for every T iff cf · k ≥ E."""
+        return self.capacity_factor is not None and self.capacity_factor * self.top_k < self.num_experts
+
+    @property
+    def split_refusal(self) -> str:
+        """Why a split of the batch (dp, cp or microbatches) would change this block's numbers ("" when it
+        would not): the capacity is computed from the tokens of one call, and which tokens drop depends
+        on it; drop-free (cf ≥ E / top-k) no token drops, whatever the call's tokens."""
+        if not self.drops_tokens:
+            return ""
+        return (f"{self.module_path}: capacity factor {self.capacity_factor:g} × top-{self.top_k} < "
+                f"{self.num_experts} experts drops tokens over capacity, and which drop depends on the tokens "
+                "of one call, which a split of the batch (dp, cp, microbatches) changes; plan dp=1, cp=1, "
+                f"microbatches=1, or use capacity_factor ≥ {self.num_experts / self.top_k:g} (drop-free)")
+
+    @property
     def ep_refusal(self) -> str:
         """Why expert parallelism cannot split this block ("" when it can): ``passes/expert_parallel.py``
         reroutes an experts module of its own holding 3-D weights (Hugging Face's fused ``*Experts``),
-        and a module list driven by the block's own loop where capture proved that loop reroutable
-        (``passes/expert_list.py``); expert weights held by the block itself are not rerouted."""
+        a module list driven by the block's own loop where capture proved that loop reroutable
+        (``passes/expert_list.py``), and a capacity block's own 3-D weights where capture proved its
+        expert region splittable and no token drops (``passes/expert_capacity.py``); other expert
+        weights held by the block itself are not rerouted."""
         if self.layout is ExpertLayout.MODULE_LIST:
             return f"{self.module_path}: {self.reroute_refusal}" if self.reroute_refusal else ""
+        if self.block_held and self.dispatch is Dispatch.CAPACITY:  # split between dispatch and combine
+            return self.split_refusal or (f"{self.module_path}: {self.reroute_refusal}" if self.reroute_refusal
+                                          else "")
         if self.experts_path == self.module_path:
             return f"{self.module_path}: its expert weights are the block's own (no experts module to reroute)"
         return ""
@@ -136,7 +167,7 @@ class MoEFacts:
         shared = f" + shared experts ({self.shared_params:,} parameters)" if self.shared_params else ""
         cap = f", capacity factor {self.capacity_factor:g}" if self.capacity_factor is not None else ""
         return (f"{self.num_experts} experts ({self.layout}, {self.expert_params:,} parameters each), "
-                f"top-{self.top_k}{shared}, router {self.router}{cap}, dispatch: {self.dispatch}")
+                f"top-{self.top_k}{shared}, router {self.router}, dispatch: {self.dispatch}{cap}")
 
     def signature(self) -> tuple:
         return (self.num_experts, self.top_k, self.expert_params, round(self.expert_flops_per_token, 3),
@@ -154,4 +185,18 @@ class MoEFacts:
         return cls(**d)
 
 
-__all__ = ["DEFAULT_IMBALANCE_MARGIN", "Dispatch", "ExpertLayout", "MoEFacts", "RouterKind"]
+def split_refusal(layers: Iterable[Any], mesh: Any, microbatches: int) -> str | None:
+    """Why splitting the batch as ``mesh`` (its dp and cp) and ``microbatches`` do would change the numbers
+    of a model of these ``layers`` (None when it would not): a fixed-capacity block that can drop tokens
+    computes its capacity from the tokens of one call (:attr:`MoEFacts.split_refusal`), so only a plan
+    that calls it on the whole global batch, as one device does, computes one device's numbers. The
+    planner offers no such split (``planning/configs.py``); the runtime refuses one handed to it."""
+    if mesh.dp * mesh.cp * microbatches <= 1:
+        return None
+    why = next((m.split_refusal for layer in layers for m in layer.moe if m.split_refusal), "")
+    if not why:
+        return None
+    return f"dp={mesh.dp} × cp={mesh.cp} × microbatches={microbatches} splits the batch, but {why}"
+
+
+__all__ = ["DEFAULT_IMBALANCE_MARGIN", "Dispatch", "ExpertLayout", "MoEFacts", "RouterKind", "split_refusal"]

@@ -11,7 +11,11 @@ a library, each in a small pre-norm transformer (:class:`MoEGPT`):
 - :class:`CapacityMoE` — experts as 3-D parameters, GShard/Switch dispatch:
   one-hot dispatch and combine tensors [tokens, E, capacity] and einsums,
   capacity = ⌈capacity_factor · tokens · top-k / E⌉ (static shapes; tokens
-  beyond an expert's capacity are dropped, as in GShard).
+  beyond an expert's capacity are dropped, as in GShard). Which tokens drop
+  depends on the tokens of one call, so at its capacity factor of 1.25 (top-2
+  of 4 experts: it can drop) autopar plans no split of its batch; at
+  capacity_factor ≥ E / top-k nothing drops and ep splits its experts
+  (``passes/expert_capacity.py``).
 
 The router runs in fp32 and the weights are seeded, so routing decisions do
 not flip between runs of the same inputs (a near-tie would need two scores

@@ -44,6 +44,10 @@ this forward moves any row (``autopar/runtime/balance.py``): a DeepSeek-V3
 router's bias then moves by the counts of the whole dp × cp group, ep's ranks
 among them.
 
+**Capacity blocks** (GShard/Switch: one-hot einsum dispatch into [E, C, H], the block's own 3-D
+experts) run their own forward with the expert region between dispatch and combine split on E
+(all-to-all of the dispatched tensor, forward and back): ``passes/expert_capacity.py``.
+
 **Module lists** (a hand-written block's ``nn.ModuleList`` of experts, run by
 its own loop) take the same dispatch and combine (:func:`exchange`) from the
 block's own forward, run twice (record, replay): ``passes/expert_list.py``.
@@ -88,7 +92,7 @@ import torch.nn as nn
 from autopar.contract import Unit, ep_refusal
 from autopar.errors import LoweringError
 from autopar.graph import LayerGraph
-from autopar.moe import ExpertLayout, MoEFacts
+from autopar.moe import Dispatch, ExpertLayout, MoEFacts
 from autopar.passes.expert_dispatch import ScaleGrad, exchange
 from autopar.plan import Plan
 
@@ -125,6 +129,10 @@ def _refusal(model: nn.Module, name: str, facts: MoEFacts, ep: int) -> str | Non
         from autopar.passes.expert_list import list_refusal
 
         return list_refusal(model, name, facts)
+    if facts.block_held and facts.dispatch is Dispatch.CAPACITY:  # GShard/Switch: passes/expert_capacity.py
+        from autopar.passes.expert_capacity import capacity_refusal
+
+        return capacity_refusal(model, name, facts)
     try:
         experts = model.get_submodule(facts.experts_path)
     except AttributeError:
@@ -217,6 +225,13 @@ def apply_expert_parallel(module: nn.Module, graph: LayerGraph, plan: Plan, mesh
             else:
                 result.buckets.append(made)
             result.modules.append(experts)
+            continue
+        if facts.block_held and facts.dispatch is Dispatch.CAPACITY:  # passes/expert_capacity.py
+            from autopar.passes.expert_capacity import holder, split_region
+
+            made = split_region(module, facts, emesh)
+            result.params += made  # whole over edp at every ZeRO stage, reduced by reduce_expert_grads
+            result.modules.append(holder(made))  # the dp engine ignores these, not the block's router
             continue
         made = _shard(experts, emesh)
         # FSDP2 over edp averages a gradient over its edp ranks; the weights' gradient scaled by 1/ep on the

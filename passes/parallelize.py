@@ -167,6 +167,9 @@ def _ep_ensures(module: nn.Module, ctx: Context) -> str | None:
         if facts.layout is ExpertLayout.MODULE_LIST:  # the other ranks' experts replaced
             away = sum(isinstance(e, Elsewhere) for e in experts)
             return away == facts.num_experts - facts.num_experts // ctx.plan.mesh.ep
+        if facts.block_held:  # a capacity block's own 3-D weights, beside its router
+            return all(isinstance(p, DTensor) for p in experts.parameters(recurse=False)
+                       if p.dim() >= 2 and p.shape[0] == facts.num_experts)
         return all(isinstance(p, DTensor) for p in experts.parameters())
 
     whole = [m.experts_path for _, m in moe_blocks(ctx.graph, ctx.plan) if not split(m)]

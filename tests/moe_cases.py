@@ -16,6 +16,7 @@ expert).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -145,6 +146,103 @@ def hand_mixtral() -> tuple[nn.Module, tuple]:
     return HandMixtral(), (torch.zeros(2, 16, dtype=torch.long),)
 
 
+# ------------------------------------------------------------------ a hand-written GShard/Switch MoE (one-hot einsums)
+# The layer as the GShard paper (Lepikhin et al. 2020, Algorithm 1) and the Switch Transformer write it in
+# plain PyTorch: experts as 3-D parameters (w1 [E, M, H], w2 [E, H, M]), a softmax router, each token's top-k
+# experts as one-hot masks, its slot in an expert's buffer by a cumsum over the tokens (first choices
+# first), tokens over capacity = ceil(capacity_factor · tokens · top-k / E) dropped, dispatch
+# einsum("sec,sm->ecm"), the experts as einsums over e, combine einsum("sec,ecm->sm"). ep splits the
+# region between dispatch and combine on e (passes/expert_capacity.py).
+#
+# Parity: the capacity is computed from the tokens of one call, so a split of the batch (dp, microbatches)
+# changes which tokens drop unless none can: capacity_factor ≥ E / top-k makes the layer drop-free (an
+# expert receives at most every token of a call), and every plan then computes one device's numbers
+# (padded slots are zero rows with zero combine weights). The planner refuses every batch split of a
+# layer that can drop (autopar.moe.split_refusal; gshard_dropping below). Routing ties cannot flip: the router
+# scores each token in fp32 from the same weights on every plan (only the batch's size differs), and the
+# top-k of random Gaussian scores has no two values within rounding at these sizes.
+
+class GShardMoE(nn.Module):
+    def __init__(self, model_dim, hidden_dim, num_experts, top_k, capacity_factor):
+        super().__init__()
+        self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
+        self.wg = nn.Linear(model_dim, num_experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(num_experts, model_dim, hidden_dim) * model_dim ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(num_experts, hidden_dim, model_dim) * hidden_dim ** -0.5)
+
+    def forward(self, x):
+        b, t, m = x.shape
+        x = x.reshape(b * t, m)
+        s, e, k = x.shape[0], self.num_experts, self.top_k
+        capacity = math.ceil(self.capacity_factor * s * k / e)
+        gates = F.softmax(self.wg(x).float(), dim=-1)  # [s, e]
+        gate_k, index_k = torch.topk(gates, k, dim=-1)  # [s, k]
+        if k > 1:
+            gate_k = gate_k / gate_k.sum(dim=-1, keepdim=True)
+        mask = F.one_hot(index_k, e).to(gates.dtype)  # [s, k, e]
+        # position in the expert's buffer: every token's first choice before any second choice
+        position = torch.cumsum(mask.transpose(0, 1).reshape(k * s, e), dim=0).reshape(k, s, e).transpose(0, 1) - 1
+        mask = mask * (position < capacity)  # over capacity: dropped
+        slot = F.one_hot((position * mask).sum(dim=-1).long(), capacity).to(gates.dtype)  # [s, k, c]
+        dispatch = (mask.unsqueeze(-1) * slot.unsqueeze(2)).sum(dim=1)  # [s, e, c]
+        combine = (gate_k[:, :, None, None] * mask.unsqueeze(-1) * slot.unsqueeze(2)).sum(dim=1)
+        expert_inputs = torch.einsum("sec,sm->ecm", dispatch.to(x.dtype), x)
+        h = F.gelu(torch.einsum("ecm,emh->ech", expert_inputs, self.w1))
+        expert_outputs = torch.einsum("ech,ehm->ecm", h, self.w2)
+        y = torch.einsum("sec,ecm->sm", combine.to(x.dtype), expert_outputs)
+        return y.reshape(b, t, m)
+
+
+class GShardDecoderLayer(nn.Module):
+    def __init__(self, d, heads, moe):
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.c_attn, self.c_proj = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
+        self.moe = moe
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).view(b, t, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.moe(self.ln_2(x))
+
+
+class GShardGPT(nn.Module):
+    def __init__(self, vocab=64, d=32, heads=4, layers=2, hidden=48, num_experts=4, top_k=2, capacity_factor=2.0):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.h = nn.ModuleList(GShardDecoderLayer(d, heads, GShardMoE(d, hidden, num_experts, top_k, capacity_factor))
+                               for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+GSHARD = dict(vocab=64, d=32, heads=4, layers=2, hidden=48, num_experts=4)
+
+
+def gshard_top2() -> tuple[nn.Module, tuple]:
+    """GShard top-2, 4 experts, capacity factor 2 = E / top-k: drop-free."""
+    return GShardGPT(**GSHARD, top_k=2, capacity_factor=2.0), (torch.zeros(2, 16, dtype=torch.long),)
+
+
+def gshard_top1() -> tuple[nn.Module, tuple]:
+    """Switch top-1, 4 experts, capacity factor 4 = E / top-k: drop-free."""
+    return GShardGPT(**GSHARD, top_k=1, capacity_factor=4.0), (torch.zeros(2, 16, dtype=torch.long),)
+
+
+def gshard_dropping() -> tuple[nn.Module, tuple]:
+    """Switch's training capacity factor 1.25 on top-1 over 4 experts: tokens over capacity drop."""
+    return GShardGPT(**GSHARD, top_k=1, capacity_factor=1.25), (torch.zeros(2, 16, dtype=torch.long),)
+
+
 PLAIN = ("pp=1", "tp=1", "recompute=none", "zero=0")
 BLOCKS_TP = "model.layers.*:tp=megatron"
 
@@ -199,6 +297,23 @@ SPECS |= {
                                                       "microbatches=2"), 8, ep=2),
     "pp2_ep2_hand_mixtral": Spec(hand_mixtral, PP2_EP2 + ("dp=2", "zero=0"), 4),
     "pp2_ep2_zero3_hand_mixtral": Spec(hand_mixtral, PP2_EP2 + ("dp=2", "zero=3"), 4),
+}
+
+# the GShard/Switch layer (one-hot einsum dispatch at a drop-free capacity), split on e between dispatch and
+# combine by passes/expert_capacity.py; its experts stay whole over edp at every ZeRO stage
+SPECS |= {
+    "ep2_gshard_top2": Spec(gshard_top2, PLAIN + ("dp=2", "microbatches=2"), 4, ep=2),
+    "ep2_gshard_top1": Spec(gshard_top1, PLAIN + ("dp=2", "microbatches=1"), 4, ep=2),
+    # full recompute: the recomputed forward finds its expert region and runs its two all-to-alls again
+    "ep2_recompute_gshard_top2": Spec(gshard_top2, ("pp=1", "tp=1", "recompute=full", "zero=0", "dp=2",
+                                                    "microbatches=2"), 4, ep=2),
+    "ep2_zero3_gshard_top2": Spec(gshard_top2, ("pp=1", "tp=1", "recompute=none", "zero=3", "dp=2",
+                                                "microbatches=2"), 4, ep=2),
+    "ep2_dp4_gshard_top2": Spec(gshard_top2, PLAIN + ("dp=4", "microbatches=1"), 8, ep=2),
+    "ep2_dp4_zero3_gshard_top1": Spec(gshard_top1, ("pp=1", "tp=1", "recompute=none", "zero=3", "dp=4",
+                                                    "microbatches=2"), 8, ep=2),
+    "pp2_ep2_gshard_top2": Spec(gshard_top2, PP2_EP2 + ("dp=2", "zero=0"), 4),
+    "pp2_ep2_zero3_gshard_top2": Spec(gshard_top2, PP2_EP2 + ("dp=2", "zero=3"), 4),
 }
 
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}

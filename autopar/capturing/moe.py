@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from autopar.capturing import moe_capacity
 from autopar.capturing.moe_reroute import proof
 from autopar.errors import CaptureError
 from autopar.moe import Dispatch, ExpertLayout, MoEFacts, RouterKind
@@ -154,12 +155,16 @@ def _block(path: str, module: nn.Module) -> Block | None:
         return None
     shared = [p for n, c in module.named_children() if n.lower().startswith("shared") for p in c.parameters()]
     cf = getattr(module, "capacity_factor", getattr(router[1], "capacity_factor", None))
-    # a module list is run by the block's own loop: ep reroutes it where that is proved exact
+    cf = float(cf) if isinstance(cf, (int, float)) and not isinstance(cf, bool) else None
+    # a module list is run by the block's own loop: ep reroutes it where that is proved exact; a capacity
+    # block's own 3-D experts: ep splits the region between its dispatch and combine where that is proved
     why = proof(module, name, e) if layout is ExpertLayout.MODULE_LIST else ""
+    if layout is ExpertLayout.FUSED and not name and cf is not None:
+        why = moe_capacity.proof(module, e, int(router[1].weight.shape[1])) if hasattr(router[1], "weight") \
+            else "its router holds no weight to read the hidden size from"
     return Block(path, _join(path, name) if name else path, e, top_k, layout, expert_params, expert_flops,
                  _join(path, router[0]), sum(p.numel() for p in router[1].parameters()), _router_kind(router[1]),
-                 sum(p.numel() for p in shared), _matrix_flops(shared),
-                 float(cf) if isinstance(cf, (int, float)) and not isinstance(cf, bool) else None, why)
+                 sum(p.numel() for p in shared), _matrix_flops(shared), cf, why)
 
 
 def find_blocks(model: nn.Module) -> list[Block]:

@@ -24,6 +24,7 @@ from autopar.errors import CompileError, PinError
 from autopar.graph import LayerGraph
 from autopar.mesh import AXES, AxisLimits, Mesh, meshes
 from autopar.mesh import axis as mesh_axis
+from autopar.moe import split_refusal
 from autopar.pins import Pins
 from autopar.planning.configuration import Configuration, TrainingSpec
 
@@ -70,6 +71,7 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
     configs: list[Configuration] = []
     unmet = ""  # why a mesh was left out only because the pinned method cannot run on it
     compile_refused: list[str] = []
+    split_refused = ""  # why a configuration was left out only because it splits a capacity block's tokens
     for mesh in meshes(limits, pinned):
         if contract.ep_refusal(mesh, graph) or (mesh.ep > 1 and mesh.pp > 1 and "ep" not in pinned):
             continue  # ep inside pipeline stages runs, but is searched only where ep is pinned: UNSEARCHED
@@ -87,12 +89,17 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
         for m in [pins.microbatches] if pins.microbatches else _divisors(per_replica):
             if per_replica % m:
                 continue
+            if why := split_refusal(graph, mesh, m):
+                split_refused = split_refused or why  # not one device's numbers: never offered
+                continue
             configs += [Configuration(mesh, m, s, mode, method)
                         for s in _schedules(mesh.pp, m, limits.max_stages, pins)
                         for mode in contract.data_parallel_modes(graph, mesh.pp, contract.data_ranks(mesh), floor)
                         for method in methods]
     if not configs and unmet:
         raise PinError(f"pin cp_attention=ulysses: {unmet} (and no other mesh the pins allow runs it)")
+    if not configs and split_refused:
+        raise PinError(split_refused)
     if not configs and compile_refused:
         raise CompileError(f"torch.compile does not run {compile_refused[0]}: pin pp=1, or plan it eager "
                            "(drop --compile / torch_compile)")

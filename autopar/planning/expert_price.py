@@ -43,8 +43,12 @@ def local_params(table: Any, layer: Layer) -> int:
 def expert_zero(table: Any, layer: Layer, zero: int) -> int:
     """The ZeRO stage this rank's experts run at over the edp group (``passes/expert_parallel.py``): the
     layer's, where there are experts split by ep and an edp group to shard over, else 0; ZeRO-1
-    runs as ZeRO-2 there (the experts' FSDP2 unit reduce-scatters every microbatch)."""
+    runs as ZeRO-2 there (the experts' FSDP2 unit reduce-scatters every microbatch). A capacity block's
+    own 3-D experts stay whole over edp at every stage (0: they cannot be a unit apart from the block's
+    router, ``passes/expert_capacity.py``)."""
     if not zero or not local_params(table, layer) or table.edp_group.size <= 1:
+        return 0
+    if any(m.block_held for m in layer.moe):
         return 0
     return max(zero, 2)
 
@@ -67,12 +71,16 @@ def dispatch_s(table: Any, layer: Layer) -> tuple[float, float]:
     """Per microbatch under ep, (forward, backward): each MoE block's dispatch and combine
     all-to-alls (a rank sends its tokens' top-k rows, b · the layer's boundary bytes a sample
     × top-k, each way) and, forward, the all-to-all of its per-expert row counts (int64);
-    the backward runs the two all-to-alls in reverse."""
+    the backward runs the two all-to-alls in reverse. A fixed-capacity block (GShard/Switch) sends its
+    whole dispatched [E, C, H] tensor instead, E·C = capacity factor × tokens × top-k slots (dropped
+    and padded slots included), and no counts (every rank's C is the same)."""
     if table.config.mesh.ep <= 1 or not layer.moe:
         return 0.0, 0.0
     tokens_bytes, g = table.microbatch_size * layer.boundary_bytes_per_sample * table.act_scale, table.ep_group
-    rows = sum(collective_time_s(Collective.ALL_TO_ALL, tokens_bytes * m.top_k, g, table.cluster) for m in layer.moe)
-    counts = sum(collective_time_s(Collective.ALL_TO_ALL, 8 * m.num_experts, g, table.cluster) for m in layer.moe)
+    rows = sum(collective_time_s(Collective.ALL_TO_ALL, tokens_bytes * m.top_k * (m.capacity_factor or 1.0),
+                                 g, table.cluster) for m in layer.moe)
+    counts = sum(collective_time_s(Collective.ALL_TO_ALL, 8 * m.num_experts, g, table.cluster)
+                 for m in layer.moe if m.capacity_factor is None)
     return 2 * rows + counts, 2 * rows
 
 

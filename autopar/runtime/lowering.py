@@ -20,8 +20,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.contract import plan_layout
-from autopar.errors import PlanError
+from autopar.errors import LoweringError, PlanError
 from autopar.graph import LayerGraph
+from autopar.moe import split_refusal
 from autopar.passes.batchnorm import sync_batch_norms
 from autopar.passes.parallelize import Part, PartResult, parallelize_part
 from autopar.plan import Plan
@@ -102,6 +103,8 @@ def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: An
     builder = _pipeline_builder() if plan.mesh.pp > 1 else None
     check_tensor_parallel(model, graph, plan, plan.mesh.tp)
     check_expert_parallel(model, graph, plan)
+    if why := split_refusal(graph, plan.mesh, plan.microbatches):  # a capacity block that drops tokens
+        raise LoweringError(why)
     check_context_parallel(graph, plan)
     if plan.mesh.cp > 1 and graph.cp_manual:  # attention written by hand: its rewrite checked on the module
         from autopar.passes.manual_attention import prove_manual_attention

@@ -164,3 +164,25 @@ def test_under_ep_the_experts_leave_their_layer_s_fsdp_unit() -> None:
     units = [d for d, own in zip(dense, w.own) if own] + [sum(d for d, r in zip(dense, w.root) if r), routed // 2]
     assert two.largest_unit_params == max(units)
     assert two.largest_unit_params < one.largest_unit_params
+
+
+def _capacity(layer, cf: float):
+    """The layer's block as a GShard/Switch capacity block: its own 3-D experts, one-hot einsum dispatch."""
+    moe = tuple(replace(m, experts_path=m.module_path, dispatch=Dispatch.CAPACITY, capacity_factor=cf)
+                for m in layer.moe)
+    return replace(layer, moe=moe)
+
+
+def test_a_capacity_block_sends_its_whole_dispatched_tensor_and_keeps_its_experts_whole_over_edp() -> None:
+    """GShard's all-to-all moves the dispatched [E, C, H] tensor, E·C = cf × tokens × top-k slots (padding and
+    dropped slots included), with no counts; its experts are the block's own weights beside its router, so
+    they stay whole over edp at every ZeRO stage (passes/expert_capacity.py) and reduce by all-reduce."""
+    table, layer, _ = _price(2, dp=4, zero=3)
+    capacity = _capacity(layer, E / K)  # drop-free
+    rows = table.microbatch_size * layer.boundary_bytes_per_sample * table.act_scale * K
+    a2a = all_to_all_time_s(rows * E / K, table.ep_group, table.cluster)
+    assert expert_price.dispatch_s(table, capacity) == pytest.approx((2 * a2a, 2 * a2a))
+    assert expert_price.expert_zero(table, layer, 3) == 3 and expert_price.expert_zero(table, capacity, 3) == 0
+    assert capacity.moe[0].block_held and capacity.moe[0].ep_refusal == ""
+    dropping = _capacity(layer, 1.25).moe[0]
+    assert dropping.drops_tokens and "capacity factor 1.25 × top-2 < 8 experts drops tokens" in dropping.ep_refusal
