@@ -84,10 +84,11 @@ def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | No
     return build_plan(graph, solution, spec, training, parsed)
 
 
-# What the compiled runtime runs (autopar.runtime.compiled): no tensor, expert or context parallelism;
-# pipelines and recompute of any kind. A compiled plan is searched there only (and the search skips a
-# pipeline whose stages call no block module: contract.compile_refusal), so nothing it cannot run is offered.
-COMPILED_PINS = ("tp=1", "ep=1", "cp=1")
+# What the compiled runtime runs (autopar.runtime.compiled): no expert or context parallelism; pipelines,
+# recompute of any kind, and tensor parallelism (not beside pp, nor with recompute on a block). A compiled plan
+# is searched there only (the search skips what contract.compile_refusal refuses, and offers no recompute on a
+# compiled tensor-parallel block), so nothing it cannot run is offered.
+COMPILED_PINS = ("ep=1", "cp=1")
 
 
 # What the float8 runtime runs (autopar.runtime.float8): torchao's Float8Linear under DDP or FSDP2; no
@@ -113,7 +114,7 @@ def _compiled_pins(pins: Pins) -> Pins:
         combined.check_form()  # a layer's recompute pin meets the global recompute=none here
         return combined
     except PinError as exc:
-        raise CompileError(f"torch.compile does not run tensor parallelism, expert or context parallelism yet "
+        raise CompileError(f"torch.compile does not run expert or context parallelism yet "
                            f"(compiled plans are solved with {' '.join(COMPILED_PINS)}): {exc}") from None
 
 
