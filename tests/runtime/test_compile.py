@@ -152,6 +152,8 @@ def test_a_compiled_solve_offers_tensor_parallelism_without_recompute_on_its_blo
     assert any(s.tp is not None and s.recompute for s in rows[False])
     assert not any(s.tp is not None and s.recompute for s in rows[True])
     assert any(s.tp is not None for s in rows[True]) and any(s.recompute for s in rows[True])
+    with pytest.raises(CompileError, match=r"recompute on tensor-parallel blocks yet \(blocks.0, blocks.1 are pinned"):
+        autopar.solve(g, 2, **kwargs, pins=["tp=2", "pp=1", "blocks.*:tp=megatron", "blocks.*:recompute=full"])
     with pytest.raises(CompileError, match=r"tensor parallelism beside a pipeline \(tp=2, pp=2\)"):
         autopar.solve(g, 4, cluster="cpu", global_batch=8, compiled=True, pins=["tp=2", "pp=2", "microbatches=2"])
 
