@@ -10,9 +10,11 @@ source for); past it lie ``setattr`` on intermediate tensors, ``id()``-keyed boo
 capture proved, and dynamo would re-run that Python on every retrace.
 
 So the rules run where they always ran, in Python, once: ``make_fx`` traces the block's forward
-under ``ShardMode`` (on this rank's real shards, collectives included, as ranks do at every step)
-into an FX graph of the *rewritten* ops: local ATen ops on the shards and the tp collectives as
-single custom ops with their own autograd (:class:`~autopar.passes.tensor_parallel_ops.TracedMeshRank`).
+under ``ShardMode`` on fake tensors of this rank's shapes (``tracing_mode="fake"``: nothing runs
+while tracing, no collective, no RNG draw, no buffer written; the rules read shapes and tags only,
+and the custom ops' fake kernels give their outputs' shapes) into an FX graph of the *rewritten*
+ops: local ATen ops on the shards and the tp collectives as single custom ops with their own
+autograd (:class:`~autopar.passes.tensor_parallel_ops.TracedMeshRank`).
 That graph is what :class:`~autopar.runtime.compiled.CompiledBlock` compiles (``fullgraph=True``):
 dynamo traces plain FX code, AOTAutograd derives the backward from each op's formula. The
 parameters are the graph's inputs (DTensor shards passed as their local tensors through
@@ -137,7 +139,7 @@ class ShardedTrace:
             return outs
 
         try:
-            gm = make_fx(block)(*state, *(leaves[i] for i in at))
+            gm = make_fx(block, tracing_mode="fake")(*state, *(leaves[i] for i in at))
         finally:
             self.comm.full_shapes = {}
         key = (gm.code, _constants(gm))
