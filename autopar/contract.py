@@ -569,17 +569,16 @@ def compile_refusal(graph: LayerGraph | None, mesh: Mesh) -> str | None:
     run ``mesh`` on ``graph`` (None when it does). A compiled search skips such meshes, and a
     compiled plan with one is refused before the first collective.
 
-    Runs: DDP, FSDP2/ZeRO-1/2/3, full and selective recompute, and pipelines (GPipe, 1F1B,
-    interleaved 1F1B, also beside dp and ZeRO-3): each block compiled inside the stage module the
-    pipeline lowering built, which calls the model's own block module (proven by
-    ``tests/compile_cases.py`` against one eager process). Not: tensor and sequence parallelism (the
-    sharding runtime rewrites ops per call in a ``TorchFunctionMode`` dynamo does not trace), expert
-    and context parallelism (not proven yet), and a pipeline of a model whose export graph could not
-    keep its layers' module calls (:func:`tp_applies`): no block module is called in its stages, so
-    nothing would run compiled that was priced compiled. ``graph`` None: the mesh's axes only."""
-    why = []
-    if mesh.tp > 1:
-        why.append(f"tensor parallelism (tp={mesh.tp})")
+    Runs: DDP, FSDP2/ZeRO-1/2/3, full and selective recompute, pipelines (GPipe, 1F1B,
+    interleaved 1F1B, also beside dp and ZeRO-3: each block compiled inside the stage module the
+    pipeline lowering built, which calls the model's own block module), and tensor parallelism with
+    and without sequence parallelism, also beside dp and ZeRO-3 (each block traced once under the
+    sharding rules, :mod:`autopar.runtime.sharded_trace`; not recomputed: the search offers no
+    recompute on a compiled tensor-parallel block); proven by ``tests/compile_cases.py`` against one
+    eager process. Not: expert and context parallelism, tp beside pp (not proven yet), and a pipeline
+    of a model whose export graph lost its layers' module calls (:func:`tp_applies`): its stages call
+    no block module, so nothing would run compiled that was priced compiled. ``graph`` None: axes only."""
+    why = [f"tensor parallelism beside a pipeline (tp={mesh.tp}, pp={mesh.pp})"] if mesh.tp > 1 and mesh.pp > 1 else []
     if mesh.ep > 1:
         why.append(f"expert parallelism (ep={mesh.ep})")
     if mesh.cp > 1:

@@ -356,6 +356,24 @@ def _megatron(model: nn.Module, layer: Layer, style: TPStyle, tp_mesh: Any, resu
     _run_sharded(owner, tp_mesh, sequence)
 
 
+@dataclass
+class ShardedRun:
+    """What :func:`_run_sharded` set up on a tensor-parallel layer's module (its attribute
+    :data:`SHARDED_RUN`): the rank, the layer's sequence ends, and whether its forward is compiled.
+
+    ``compiled`` (set by :mod:`autopar.runtime.compiled` as it compiles the block): the module's
+    hooks no longer enter :class:`ShardMode` around its forward; the compiled forward was traced once
+    under the mode (:mod:`autopar.runtime.sharded_trace`) and runs the rewritten ops itself. The
+    hooks still keep the sequence share on entry and gather it on exit, eagerly, outside the graph."""
+
+    tp_mesh: Any
+    sequence: SequenceEnds | None
+    compiled: bool = False
+
+
+SHARDED_RUN = "_autopar_sharded_run"
+
+
 def _run_sharded(module: nn.Module, tp_mesh: Any, sequence: SequenceEnds | None = None) -> None:
     """Run ``module``'s forward under the sharding rules on this rank of ``tp_mesh``; with
     ``sequence``, on its share of the hidden state's sequence.
@@ -364,12 +382,17 @@ def _run_sharded(module: nn.Module, tp_mesh: Any, sequence: SequenceEnds | None 
     inputs it got: already shares) neither splits its input again nor gathers its output,
     which checkpointing throws away."""
     comm = MeshRank(tp_mesh)
+    run = ShardedRun(tp_mesh, sequence)
+    setattr(module, SHARDED_RUN, run)
     active: list[ShardMode] = []
 
     def enter(mod, args, kwargs):
-        mode = ShardMode(comm)
-        mode.__enter__()
-        active.append(mode)
+        if run.compiled:  # the compiled forward was traced under the mode: only the sequence share here
+            mode = None
+        else:
+            mode = ShardMode(comm)
+            mode.__enter__()
+            active.append(mode)
         if sequence is None:
             return None
         found = hidden_input(args, kwargs)
@@ -378,7 +401,8 @@ def _run_sharded(module: nn.Module, tp_mesh: Any, sequence: SequenceEnds | None 
         where, x = found
         with torch._C.DisableTorchFunction():
             share = comm.split_sequence(x, SEQ_DIM) if sequence.enter and not _recomputing() else x
-        mode.enter_sequence(share, SEQ_DIM, share.shape[SEQ_DIM] * comm.tp)
+        if mode is not None:
+            mode.enter_sequence(share, SEQ_DIM, share.shape[SEQ_DIM] * comm.tp)
         return with_hidden_input(args, kwargs, where, share)
 
     def leave(mod, args, kwargs, output):
@@ -438,4 +462,5 @@ def apply_tensor_parallel(model: nn.Module, graph: LayerGraph, plan: Plan, tp_me
     return result
 
 
-__all__ = ["MeshRank", "Permutation", "TensorParallelResult", "apply_tensor_parallel", "check_tensor_parallel"]
+__all__ = ["SHARDED_RUN", "MeshRank", "Permutation", "ShardedRun", "TensorParallelResult", "apply_tensor_parallel",
+           "check_tensor_parallel"]

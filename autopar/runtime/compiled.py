@@ -31,20 +31,28 @@ only while a compiled block runs); without it dynamo breaks the graph at the
 checkpoint and the whole block ran eagerly, uncounted.
 
 What runs compiled is proven for DDP and FSDP2/ZeRO-1/2/3, with and without
-full and selective recompute, and for pipelines (GPipe, 1F1B, interleaved
+full and selective recompute, for pipelines (GPipe, 1F1B, interleaved
 1F1B, beside dp with ZeRO-3; the project's GPT and a Hugging Face Llama): a
 pipeline's stage modules call the model's own block modules (``fx-layers`` and
 ``export-layers`` splits), so each block is compiled where its stage calls it
-and the schedule, its sends and its gradient scaling stay eager (the tests
-compare 3 SGD steps with eager within 1e-5 and count recompiles over 10).
+and the schedule, its sends and its gradient scaling stay eager; and for tensor
+parallelism with and without sequence parallelism (tp = 2, and beside dp = 2
+with ZeRO-3; the GPT and Llama). A tensor-parallel block's own forward runs
+under the sharding rules' ``TorchFunctionMode``, which rewrites ops in Python
+per call and which dynamo cannot trace (with it active, dynamo failed inside
+``ShardMode.__torch_function__``, "cls_source must not be None for MRO walk",
+at the mode's first ``@property``; past it lie tags set on tensors, ``id()``-keyed
+books and a thread-local mode stack, not tried one by one); so the block is traced once under the mode by
+``make_fx`` into a graph of local ops and custom-op collectives, and that graph
+is compiled (:mod:`autopar.runtime.sharded_trace`). The tests compare 3 SGD
+steps with eager within 1e-5 and count recompiles over 10.
 :func:`check_compilable` refuses every other lowering
 (:func:`autopar.contract.compile_refusal`) with a
-:class:`~autopar.errors.CompileError` before the first collective: tensor and
-sequence parallelism (the sharding runtime rewrites ops in Python per call, in
-a ``TorchFunctionMode`` dynamo does not trace: with this refusal lifted, dynamo
-failed inside ``ShardMode.__torch_function__``, "cls_source must not be None
-for MRO walk"), expert and context parallelism, and pipelines whose stages
-call no block module (an export graph without its layers' module calls;
+:class:`~autopar.errors.CompileError` before the first collective: expert and
+context parallelism, tensor parallelism beside a pipeline (not proven yet), a
+tensor-parallel block that is also recomputed (its trace has no checkpoint: the
+search does not offer that pair compiled), and pipelines whose stages call no
+block module (an export graph without its layers' module calls;
 ``passes/pipeline.py`` refuses the split's own FX fallback the same way).
 """
 
@@ -80,6 +88,11 @@ def unsupported(plan: Plan, graph: LayerGraph | None = None) -> list[str]:
     why = [r] if (r := compile_refusal(graph, plan.mesh)) else []
     if plan.mesh.tp == 1 and any(lp.choice.tp is not None for lp in plan.layers):
         why.append("tensor parallelism (tp=1 with tensor-parallel layer choices)")
+    if graph is not None:  # a tensor-parallel block is traced without its checkpoint (runtime/sharded_trace.py)
+        blocks = {layer.name for layer, block in zip(graph.layers, graph.blocks) if block}
+        both = [lp.name for lp in plan.layers if lp.name in blocks and lp.choice.tp is not None and lp.choice.recompute]
+        if both:
+            why.append(f"recompute of tensor-parallel blocks ({', '.join(both)}: pin them recompute=none)")
     return why
 
 
@@ -87,10 +100,11 @@ def check_compilable(plan: Plan, graph: LayerGraph | None = None) -> None:
     """Raise :class:`CompileError` naming what ``plan`` lowers that torch.compile does not run yet."""
     why = unsupported(plan, graph)
     if why:
-        raise CompileError(f"torch.compile runs DDP, ZeRO/FSDP2 and pipeline plans (with or without recompute) "
-                           f"only; this plan has {' and '.join(why)}: run it eagerly (drop --compile / "
-                           f"torch_compile), or pin it to what compiles (tp=1 ep=1 cp=1, and pp=1 for a "
-                           f"refused pipeline)")
+        raise CompileError(f"torch.compile runs DDP, ZeRO/FSDP2, pipeline and tensor-parallel plans (with or "
+                           f"without recompute, but not both on one block) only; this plan has "
+                           f"{' and '.join(why)}: run it eagerly (drop --compile / torch_compile), or pin it to "
+                           f"what compiles (ep=1 cp=1, pp=1 for a refused pipeline, recompute=none on "
+                           f"tensor-parallel blocks)")
 
 
 def check_compiled(plan: Plan, torch_compile: bool | None, graph: LayerGraph | None = None) -> None:
@@ -145,14 +159,24 @@ def compile_blocks(parts: list[nn.Module], paths: list[str], on_break: Callable[
                    **options: Any) -> list[str]:
     """Replace each block's ``forward`` with a :class:`CompiledBlock` of it (in place; the module, its
     hooks, FQNs and state-dict keys are unchanged); returns the paths compiled."""
-    done = []
+    from autopar.passes.tensor_parallel import SHARDED_RUN
+    from autopar.runtime.sharded_trace import ShardedTrace
+
+    done: list[str] = []
+    shared: dict = {}  # a tensor-parallel block's trace -> its compiled runner, shared by matching blocks
     for part in parts:
         for path in paths:
             try:
                 block = part.get_submodule(path)
             except AttributeError:  # not in this part
                 continue
-            block.forward = CompiledBlock(path, block.forward, on_break, **options)  # type: ignore[method-assign]
+            run = getattr(block, SHARDED_RUN, None)
+            if run is not None:  # tensor parallel: compile the forward as traced under the sharding rules
+                block.forward = ShardedTrace(  # type: ignore[method-assign]
+                    block, block.forward, run, lambda gm, path=path: CompiledBlock(path, gm, on_break, **options),
+                    shared)
+            else:
+                block.forward = CompiledBlock(path, block.forward, on_break, **options)  # type: ignore[method-assign]
             done.append(path)
     return done
 

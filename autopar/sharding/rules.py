@@ -64,6 +64,11 @@ class Collectives(abc.ABC):
         """A parameter every rank holds whole (a row projection's bias)."""
         return param
 
+    def full_size(self, weight: torch.Tensor, dim: int) -> int:
+        """The unsharded size of a projection's ``weight`` along ``dim`` (a DTensor shard's shape is
+        already the global one; a compiled block's trace passes local shards: its backend overrides)."""
+        return int(weight.shape[dim])
+
     def copy_to(self, x: torch.Tensor) -> torch.Tensor:
         """The replicated input of a column projection (its gradient is summed over ranks)."""
         return x
@@ -411,7 +416,7 @@ class ShardMode(TorchFunctionMode):
         if proj.role == "column":  # type: ignore[union-attr]
             if self.layout(x) is not None:
                 raise NoShardRule(proj.path, "a column projection reads an activation that is already sharded")
-            segs = proj.segments or (int(weight.shape[wdim_out]),)  # type: ignore[union-attr]
+            segs = proj.segments or (self.comm.full_size(weight, wdim_out),)  # type: ignore[union-attr]
             for s in segs:
                 self.need(s, f"a segment of {proj.path}'s output", proj.path)  # type: ignore[union-attr]
             w = self.comm.column_weight(weight, wdim_out, segs)
@@ -421,7 +426,7 @@ class ShardMode(TorchFunctionMode):
             y = torch.nn.functional.linear(xin, w, b) if not conv else torch.addmm(b, xin, w)
             return self.tag(y, Sharded(y.dim() - 1, segs, proj.path))  # type: ignore[union-attr]
         lay = self.layout(x)
-        width = int(weight.shape[wdim_in])
+        width = self.comm.full_size(weight, wdim_in)
         if lay is None or lay.dim != x.dim() - 1 or len(lay.segments) != 1 or lay.size != width:
             raise NoShardRule(proj.path, "a row projection's input is not sharded on its last dim "  # type: ignore[union-attr]
                               f"as one block of {width} features")
