@@ -482,7 +482,9 @@ def _mixed_precision(lowered: Lowered, plan: Plan) -> MasterWeights | None:
         return None
     group = lowered.mesh["dp"].get_group() if lowered.mesh is not None and plan.mesh.dp > 1 else None
     scale = 1.0 / plan.microbatches if lowered.pipeline is not None else 1.0
-    return attach_masters(lowered.parts, ddp, group, dtype, scale)
+    # ep's experts stay fp32 outside the dp engine, as beside FSDP2 (passes/expert_parallel.py)
+    experts = frozenset(id(p) for r in lowered.experts for m in r.modules for p in m.parameters())
+    return attach_masters(lowered.parts, ddp, group, dtype, scale, experts)
 
 
 def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any = None,
