@@ -19,9 +19,9 @@ The rules, with what the runtime showed:
 ``dp = 1`` (and ``cp = 1``: dp below stands for the dp × cp ranks, :func:`data_ranks`)
     No data-parallel engine (:attr:`Engine.NONE`): a layer's ``zero`` is moot.
 every layer ``zero = 0`` (a *replicated* plan)
-    dp the only axis above 1 (ep at 1): DDP at the root (the composable, DDP-based ``replicate``:
-    25 MiB gradient buckets overlapped with backward; FSDP2's replicate at the
-    root cost 1.22× its step on gloo). Otherwise one FSDP2 ``replicate`` unit
+    dp the only axis above 1 (ep folded into it, its experts left out): DDP at the root (the composable
+    ``replicate``: 25 MiB gradient buckets overlapped with backward; FSDP2's replicate at the root cost
+    1.22× its step on gloo, 1.08× a hand-written EP's under ep). Otherwise one FSDP2 ``replicate`` unit
     per part (the model, or one pipeline stage) holding all its layers: the
     composable DDP inside a ``PipelineStage`` gave gradients 0.88 off, and
     DDP does not take DTensor parameters.
@@ -122,14 +122,14 @@ def plan_engine(mesh: Mesh, mode: DataParallelism) -> Engine:
     """The plan's data-parallel engine: none at dp = 1; DDP or one FSDP2 replicate unit per part
     for a replicated plan; FSDP2 units (:attr:`Engine.FULLY_SHARD`) for a sharded one, where a
     ZeRO-0 block's own unit is a replicate (:func:`unit_engine`). DDP only where dp is the one
-    axis above 1: it neither runs inside a pipeline stage nor takes DTensor parameters (tp's,
-    or ep's experts: the composable DDP's TP hooks turn every DTensor parameter of the root into
-    a plain one after each forward, the experts it was told to ignore included)."""
+    axis above 1 (ep folded into it): it neither runs inside a pipeline stage nor takes tp's DTensors.
+    ep's experts it leaves out, given the dp group, not a sliced mesh, whose TP hooks would turn
+    them into plain tensors after each forward (``passes/zero.py``)."""
     if data_ranks(mesh) <= 1:
         return Engine.NONE
     if mode.sharded:
         return Engine.FULLY_SHARD
-    return Engine.DDP if mesh.world_size == mesh.dp and mesh.ep == 1 else Engine.REPLICATE
+    return Engine.DDP if mesh.world_size == mesh.dp else Engine.REPLICATE
 
 
 def ep_refusal(mesh: Mesh, graph: LayerGraph) -> str | None:

@@ -73,11 +73,13 @@ averages their gradients over edp; the experts' forward scales their
 weights' gradient by 1/ep on the way (``ScaleGrad``), so that average is
 the mean over dp (gloo has no pre-multiplied sum for FSDP2's own divide
 factor). ZeRO-1 there runs as ZeRO-2 (the unit reduce-scatters every
-microbatch), and is priced so (``planning/pricing.py``). The
-plan's replicated engine under ep is FSDP2's ``replicate``, never the
-composable DDP (:func:`autopar.contract.plan_engine`): DDP's TP hooks turn
-every DTensor parameter of its root into a plain tensor after each forward,
-the ignored experts included.
+microbatch), and is priced so (``planning/pricing.py``). A
+replicated plan over dp alone runs its dense weights on the composable DDP
+with the experts left out (``ignored_modules``), as hand-written EP does;
+beside tp or pp, on FSDP2's ``replicate`` (:func:`autopar.contract.plan_engine`).
+DDP is given the dp process group, not the dp mesh: a mesh sliced from the
+plan's adds DDP's TP hooks, which would turn every DTensor parameter of its
+root, the ignored experts included, into a plain tensor after each forward.
 """
 
 from __future__ import annotations

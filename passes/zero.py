@@ -61,6 +61,7 @@ class DataParallelResult:
     zero_by_path: dict[str, int] = field(default_factory=dict)
     deferred: list[nn.Module] = field(default_factory=list)
     ddp: nn.Module | None = None  # the root, when lowered onto the composable DDP
+    ddp_ignored: tuple[nn.Module, ...] = ()  # modules DDP leaves out (ep's experts: each rank's own)
     param_dtype: torch.dtype | None = None  # the units' compute dtype (None: the parameters' own)
 
 
@@ -118,9 +119,12 @@ def _wrap(module: nn.Module, unit: Unit, dp_mesh, dtype: torch.dtype | None,
 
         # bf16: gradients as views of the buckets, so the bf16 gradients cost no second copy
         # (the fp32 all-reduce hook is the runtime's: it needs the master weights)
-        # (never under ep: its DTensor experts would be localised by DDP's TP hooks; the contract
-        # gives ep plans FSDP2's replicate)
-        ddp_replicate(module, device_mesh=dp_mesh, init_sync=False, gradient_as_bucket_view=dtype is not None)
+        # Under ep the experts are left out (reduced over edp by passes/expert_parallel.py), and DDP
+        # gets the dp group, not the dp mesh: a mesh sliced from the plan's adds the TP hooks, which
+        # turn every DTensor parameter, the ignored experts included, into a plain one after each
+        # forward (DDP is the engine only where dp is the one axis above 1: no tp DTensor to keep)
+        ddp_replicate(module, ignored_modules=ignored or None, process_group=dp_mesh.get_group(),
+                      init_sync=False, gradient_as_bucket_view=dtype is not None)
         return
     inside = {p for m in ignored for p in m.parameters()} & set(module.parameters())
     if unit.engine is Engine.REPLICATE:
@@ -162,7 +166,7 @@ def apply_data_parallel(part: nn.Module, units: tuple[Unit, ...], dp_mesh, *,
         if unit.deferred:
             result.deferred.append(module)
         if unit.engine is Engine.DDP:
-            result.ddp = module
+            result.ddp, result.ddp_ignored = module, tuple(ignored)
     return result
 
 
@@ -193,9 +197,12 @@ def sync_replicas(result: DataParallelResult, dp_mesh) -> None:
 
     group = dp_mesh.get_group()
     src = dist.get_global_rank(group, 0)
+    # ep's experts differ across the dp group (each ep rank holds its own): passes/expert_parallel.py
+    # syncs them over their edp group
+    own = {id(t) for m in result.ddp_ignored for t in [*m.parameters(), *m.buffers()]}
     with torch.no_grad():
         for t in [*result.ddp.parameters(), *result.ddp.buffers()]:
-            if not isinstance(t, DTensor):  # DDP holds no DTensor but the experts it leaves out (ep)
+            if not isinstance(t, DTensor) and id(t) not in own:
                 dist.broadcast(t, src=src, group=group)
 
 

@@ -352,6 +352,8 @@ def bf16_against_ep1(rank: int, world_size: int, spec_name: str = "ep2_zero3_mix
 CASES["ep2_bf16_mixtral"] = bf16_against_ep1
 CASES["ep2_bf16_hand_mixtral"] = lambda rank, world_size: bf16_against_ep1(rank, world_size,
                                                                            "ep2_zero3_hand_mixtral")
+# ZeRO-0 over dp alone: DDP with fp32 masters for the dense weights, the experts left out of both
+CASES["ep2_bf16_zero0_mixtral"] = lambda rank, world_size: bf16_against_ep1(rank, world_size, "ep2_mixtral")
 
 
 def resume_across_ep(rank: int, world_size: int, spec_name: str = "ep2_dp4_mixtral") -> dict[str, Any]:
@@ -506,10 +508,16 @@ def grad_norm_case(spec_name: str) -> Callable[[int, int], dict[str, Any]]:
             return float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
 
         want = ec.from_rank0(reference)
-        return {"norm_rel": abs(pm.grad_norm - want) / want, "norm": pm.grad_norm, "ep": plan.mesh.ep}
+        from torch.distributed.tensor import DTensor
+
+        fused = [p for n, p in pm.lowered.named_parameters() if n.endswith(("experts.gate_up_proj",
+                                                                            "experts.down_proj"))]
+        return {"norm_rel": abs(pm.grad_norm - want) / want, "norm": pm.grad_norm, "ep": plan.mesh.ep,
+                "ddp": any(r is not None and r.ddp is not None for r in pm.lowered.data_parallel),
+                "fused_dtensors": [isinstance(p, DTensor) for p in fused]}
 
     return case
 
 
 CASES |= {f"norm_{k}": grad_norm_case(k) for k in ("ep2_dp4_hand_mixtral", "ep2_dp4_zero3_hand_mixtral",
-                                                    "pp2_ep2_zero3_hand_mixtral")}
+                                                    "pp2_ep2_zero3_hand_mixtral", "ep2_dp4_mixtral")}

@@ -40,6 +40,14 @@ def local_params(table: Any, layer: Layer) -> int:
 
 
 
+def dtensor_params(table: Any, layer: Layer) -> int:
+    """The layer's parameters ep makes DTensors (fused experts' two weights a block; a module list's
+    experts stay plain): the optimizer steps them through DTensor dispatch beside a DDP root."""
+    if table.config.mesh.ep <= 1:
+        return 0
+    return sum(2 for m in layer.moe if m.layout is not ExpertLayout.MODULE_LIST)
+
+
 def expert_zero(table: Any, layer: Layer, zero: int) -> int:
     """The ZeRO stage this rank's experts run at over the edp group (``passes/expert_parallel.py``): the
     layer's, where there are experts split by ep and an edp group to shard over, else 0; ZeRO-1

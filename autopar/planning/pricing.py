@@ -417,9 +417,9 @@ class PriceTable:
         # outside FSDP2 the experts' gradients are fp32 whatever the plan's dtype (fp32 weights on bf16 copies)
         expert_grads = max(FP32_BYTES - prec.grad_bytes, 0) * experts if ez == 0 else 0
         grads += expert_grads
-        buckets = prec.grad_bytes * params if self.engine is Engine.DDP else 0
+        buckets = prec.grad_bytes * dense if self.engine is Engine.DDP else 0  # ep's experts: outside DDP
         state = (model_state_bytes(dense, runs.zero, self.data_ranks, prec) + model_state_bytes(experts, ez, edp, prec)
-                 + expert_grads + buckets + self._master_grad_bytes(params))
+                 + expert_grads + buckets + self._master_grad_bytes(dense))
         return LayerPrice(
             forward_mb_s=fwd,
             compute_mb_s=compute,
@@ -431,7 +431,8 @@ class PriceTable:
             optimizer_s=(optimizer_shard_params(dense, runs.zero, self.data_ranks)
                          + optimizer_shard_params(experts, ez, edp))
             * prec.optimizer_bytes_touched / device.memory_bandwidth_bytes_s
-            + (len(layer.param_names) * self.cluster.optimizer_dtensor_s if self._dtensor(runs) else 0.0),
+            + (len(layer.param_names) if self._dtensor(runs) else expert_price.dtensor_params(self, layer))
+            * self.cluster.optimizer_dtensor_s,
             params_bytes=weights,
             grads_bytes=grads,
             optimizer_bytes=state - weights - grads - buckets,  # what the ZeRO formula leaves, rounding included

@@ -139,8 +139,9 @@ class MasterWeights:
 
 
 def attach_masters(parts: Iterable[nn.Module], ddp_roots: Iterable[nn.Module | None], dp_group: Any,
-                   dtype: torch.dtype, grad_scale: float = 1.0) -> MasterWeights:
-    """Make the parts' parameters ``dtype`` with fp32 masters; see the module docstring.
+                   dtype: torch.dtype, grad_scale: float = 1.0, leave: frozenset[int] = frozenset()) -> MasterWeights:
+    """Make the parts' parameters ``dtype`` with fp32 masters; see the module docstring. ``leave``: ids of
+    parameters kept as they are (ep's experts: fp32, computed on bf16 copies, reduced by the ep pass).
 
     Requires: the parts materialised and not FSDP2-wrapped, a DDP root not run
     yet (the composable DDP builds its buckets on its first forward, over the
@@ -148,7 +149,7 @@ def attach_masters(parts: Iterable[nn.Module], ddp_roots: Iterable[nn.Module | N
     """
     weights = MasterWeights([], [], grad_scale)
     for part, ddp in zip(parts, ddp_roots):
-        own = [p for p in part.parameters() if id(p) not in weights._by_param]
+        own = [p for p in part.parameters() if id(p) not in weights._by_param and id(p) not in leave]
         for p in own:
             master = nn.Parameter(p.detach().clone().to(torch.float32), requires_grad=p.requires_grad)
             _cast_param_(p, dtype)

@@ -137,11 +137,14 @@ def test_ep_on_a_model_without_experts_names_its_layers() -> None:
         check_expert_parallel(model, graph, plan)
 
 
-def test_an_ep_plan_runs_on_fsdp2_replicate_not_ddp() -> None:
-    """The composable DDP localises every DTensor parameter of its root after each forward, the
-    experts it was told to ignore included: an ep plan's replicated engine is FSDP2's replicate."""
+def test_a_replicated_ep_plan_runs_on_ddp_where_dp_is_the_one_axis_above_one() -> None:
+    """ep folds into dp: a replicated ep plan over dp alone runs the dense weights on DDP, as without ep
+    (the experts left out of it; FSDP2's replicate cost 1.08× a hand-written EP's step); beside tp or
+    pp it stays FSDP2's replicate."""
     assert plan_engine(Mesh(dp=2), REPLICATED) is Engine.DDP
-    assert plan_engine(Mesh(dp=2, ep=2), REPLICATED) is Engine.REPLICATE
+    assert plan_engine(Mesh(dp=2, ep=2), REPLICATED) is Engine.DDP
+    assert plan_engine(Mesh(dp=2, ep=2, tp=2), REPLICATED) is Engine.REPLICATE
+    assert plan_engine(Mesh(pp=2, dp=2, ep=2), REPLICATED) is Engine.REPLICATE
 
 
 def test_ep_pins_the_planner_refuses_in_one_line_naming_the_blocks(mixtral) -> None:

@@ -16,8 +16,8 @@ exported weights restore under ep=1 and ep=4, and its global gradient norm is on
 Bars (DESIGN.md, fp32 on CPU): first-step loss and gradients, SGD losses and parameters within 1e-5
 relative per tensor; AdamW losses within 1e-3. Routing decisions stay identical across the runs (seeded
 weights, fp32 routers on the same tokens; tests/moe_cases.py says why). The expert weights are really
-split: each rank holds 1/ep of them (its parameter bytes), and the plan's engine is FSDP2's replicate,
-not DDP.
+split: each rank holds 1/ep of them (its parameter bytes); at ZeRO-0 over dp alone the dense weights
+run on DDP (the experts left out of it, fused ones still DTensors after its forward), in fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -42,16 +42,18 @@ PP_W8 = ["pp2_ep2_dp4_zero1_mixtral"]
 HAND_W2 = ["ep2_hand_mixtral", "ep2_zero3_hand_mixtral"]
 HAND_W4 = ["ep2_dp4_hand_mixtral", "ep2_dp4_zero3_hand_mixtral", "pp2_ep2_hand_mixtral", "pp2_ep2_zero3_hand_mixtral"]
 HAND_NORMS = ["norm_ep2_dp4_hand_mixtral", "norm_ep2_dp4_zero3_hand_mixtral", "norm_pp2_ep2_zero3_hand_mixtral"]
+NORMS = [*HAND_NORMS, "norm_ep2_dp4_mixtral"]
 
 
 @pytest.fixture(scope="module")
 def w2(ranks) -> dict[str, dict]:
-    return ranks(2).run(W2 + ["tp2_mixtral"] + HAND_W2 + ["ep2_bf16_hand_mixtral"], module="moe_cases")
+    return ranks(2).run(W2 + ["tp2_mixtral"] + HAND_W2 + ["ep2_bf16_hand_mixtral", "ep2_bf16_zero0_mixtral"],
+                        module="moe_cases")
 
 
 @pytest.fixture(scope="module")
 def w4(ranks) -> dict[str, dict]:
-    return ranks(4).run(W4 + PP_W4 + ["resume_across_ep"] + HAND_W4 + HAND_NORMS + ["resume_across_ep_hand_mixtral"],
+    return ranks(4).run(W4 + PP_W4 + ["resume_across_ep"] + HAND_W4 + NORMS + ["resume_across_ep_hand_mixtral"],
                         module="moe_cases")
 
 
@@ -102,7 +104,7 @@ def test_tensor_parallel_attention_in_an_moe_block_matches_one_device(w2: dict, 
         check_equivalent(w4[case])
 
 
-@pytest.mark.parametrize("case", ["ep2_bf16_mixtral", "ep2_bf16_hand_mixtral"])
+@pytest.mark.parametrize("case", ["ep2_bf16_mixtral", "ep2_bf16_hand_mixtral", "ep2_bf16_zero0_mixtral"])
 def test_ep2_in_bf16_trains_as_the_dp_engine_does(w2: dict, case: str) -> None:
     """bf16: ep=2 against ep=1 of the same plan (no exactness bar in bf16; measured 1.4e-5 and 1.0e-2 for
     HF Mixtral, 3.7e-5 and 2.6e-3 for the hand-written one)."""
@@ -206,8 +208,12 @@ def test_a_hand_written_module_list_moe_under_ep2_with_dp_or_pp_on_four_ranks_ma
         assert r["local_bytes_frac"] == pytest.approx(_stage_fraction(case, {**r, "rank": rank}), rel=1e-9)
 
 
-@pytest.mark.parametrize("case", HAND_NORMS)
-def test_the_gradient_norm_counts_a_module_lists_experts_once(w4: dict, case: str) -> None:
+@pytest.mark.parametrize("case", NORMS)
+def test_the_gradient_norm_counts_every_expert_once(w4: dict, case: str) -> None:
+    """A module list's experts (each held by one ep rank) and fused ones (DTensors over ep) alike; at ZeRO-0
+    over dp alone the dense weights are on DDP and the fused experts stay DTensors through its forward."""
     for r in every_rank(w4[case]):
         assert "error" not in r, r.get("traceback")
         assert r["ep"] == 2 and r["norm_rel"] < 1e-6, r
+        assert r["ddp"] == (case in ("norm_ep2_dp4_hand_mixtral", "norm_ep2_dp4_mixtral")), r
+        assert all(r["fused_dtensors"]) and bool(r["fused_dtensors"]) == ("hand" not in case), r
