@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from equivalence_cases import GPT_TP, Spec, equivalence, gpt_tiny, plan_for
+from moe_cases import hf_mixtral, hf_qwen2_moe
 
 import autopar
 from autopar.errors import BatchError
@@ -164,7 +165,45 @@ SPECS: dict[str, Spec] = {
                                                "microbatches=2", "schedule=1f1b"), 8),
 }
 
+# cp beside ep (ep borrows its ranks from dp × cp, the cp ranks of a sample first): an MoE block dispatches
+# the rank's S/cp tokens over its ep group. W=2: the ep group is the cp pair (dp=1); W=4: dp=2 × cp=2, the ep
+# group the cp pair and the experts averaged over the dp pair (edp=2), or ep=4 over all four (edp=1)
+EP2 = ("ep=2",)
+SPECS |= {
+    "cp2_ep2_mixtral": Spec(hf_mixtral, _pins(2) + EP2, 2),
+    "cp2_ep2_qwen2_moe": Spec(hf_qwen2_moe, _pins(2, m=2) + EP2, 2),
+    "uly_cp2_ep2_mixtral": Spec(hf_mixtral, _pins(2) + EP2 + ULYSSES, 2),
+    "cp2_ep2_zero3_recompute_mixtral": Spec(hf_mixtral, _pins(2, zero=3, recompute="full") + EP2, 2),
+    "cp2_dp2_ep2_mixtral": Spec(hf_mixtral, _pins(2, dp=2) + EP2, 4),
+    "cp2_dp2_ep2_zero3_qwen2_moe": Spec(hf_qwen2_moe, _pins(2, dp=2, zero=3, m=2) + EP2, 4),
+    "cp2_dp2_ep2_zero1_mixtral": Spec(hf_mixtral, _pins(2, dp=2, zero=1, m=2) + EP2, 4),
+    "cp2_dp2_ep4_mixtral": Spec(hf_mixtral, _pins(2, dp=2) + ("ep=4",), 4),
+    "uly_cp2_dp2_ep2_qwen2_moe": Spec(hf_qwen2_moe, _pins(2, dp=2) + EP2 + ULYSSES, 4),
+}
+
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}
+
+
+def expert_groups(spec_name: str) -> Callable[[int, int], dict[str, Any]]:
+    """The global ranks of this rank's ep and edp groups, and its expert parameter bytes, as lowered."""
+
+    def case(rank: int, world_size: int) -> dict[str, Any]:
+        plan, graph = plan_for(SPECS[spec_name], world_size)
+        torch.manual_seed(0)
+        model, inputs = SPECS[spec_name].build()
+        total = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=graph)
+        experts = pm.lowered.experts[0]
+        ranks = [dist.get_process_group_ranks(g) if g is not None else [rank]
+                 for g in (experts.ep_group, experts.edp_group)]
+        local = sum(p.to_local().numel() for p in experts.params)
+        dist.barrier()
+        return {"ep_ranks": ranks[0], "edp_ranks": ranks[1], "experts_frac": local / total, "dp": experts.dp}
+
+    return case
+
+
+CASES |= {f"groups_{k}": expert_groups(k) for k in ("cp2_ep2_mixtral", "cp2_dp2_ep2_mixtral", "cp2_dp2_ep4_mixtral")}
 
 
 def cp2_refuses_labels(rank: int, world_size: int) -> dict[str, Any]:
