@@ -86,13 +86,15 @@ def ulysses_refusal(graph: LayerGraph, mesh: Mesh) -> str | None:
     grouped-query heads stay grouped); beside tp it splits the tp rank's share, so cp × tp must divide
     them (a layer tp leaves whole holds all its heads: cp alone would do, cp × tp is asked of all).
     Head counts come from capture (``capturing.context``); a graph captured before they were recorded,
-    or a call whose key and value are not 4-D [batch, heads, sequence, dim], gets no Ulysses."""
+    or a call whose key and value are not 4-D [batch, heads, sequence, dim], gets no Ulysses. Inside
+    pipeline stages it runs as the all-gather does there (each stage's attention modules hold the mode;
+    run against one device at cp=2 × pp=2, the project's GPT and a Hugging Face Llama, 1F1B, GPipe at
+    ZeRO-3 with full recompute, interleaved 1F1B: ``tests/runtime/test_context_ulysses.py``)."""
     if mesh.cp <= 1:
         return "Ulysses splits attention over the cp ranks, and cp is 1"
-    if mesh.pp > 1 or graph.cp_manual:  # not run against one device there: cp gathers K/V instead
-        where = f"inside pipeline stages (pp={mesh.pp})" if mesh.pp > 1 else \
-            f"on attention written by hand ({next(iter(graph.cp_manual))}: Ulysses reroutes SDPA calls only)"
-        return f"Ulysses does not run {where}; cp there gathers K/V"
+    if graph.cp_manual:  # Ulysses reroutes SDPA calls; attention by hand gathers K/V instead
+        return (f"Ulysses does not run on attention written by hand ({next(iter(graph.cp_manual))}: Ulysses "
+                "reroutes SDPA calls only); cp there gathers K/V")
     split, by = mesh.cp * mesh.tp, (f"cp × tp = {mesh.cp} × {mesh.tp} = {mesh.cp * mesh.tp}" if mesh.tp > 1
                                      else f"cp={mesh.cp}")
     for layer in graph:

@@ -163,6 +163,13 @@ SPECS: dict[str, Spec] = {
                                        "schedule=1f1b", "blocks.*:tp=megatron"), 4),
     "cp2_dp2_pp2_zero3_llama": Spec(hf_llama, ("pp=2", "tp=1", "dp=2", "cp=2", "zero=3", "recompute=none",
                                                "microbatches=2", "schedule=1f1b"), 8),
+    # Ulysses inside pipeline stages (W=4): each stage's attention modules all-to-all their heads over the cp pair
+    "uly_cp2_pp2_1f1b_gpt": Spec(gpt_tiny, PP + ("schedule=1f1b",) + ULYSSES, 4),
+    "uly_cp2_pp2_1f1b_llama": Spec(hf_llama, PP + ("schedule=1f1b",) + ULYSSES, 4),
+    "uly_cp2_pp2_gpipe_zero3_recompute_llama": Spec(hf_llama, ("pp=2", "tp=1", "dp=1", "cp=2", "zero=3",
+                                                               "recompute=full", "microbatches=2", "schedule=gpipe")
+                                                    + ULYSSES, 4),
+    "uly_cp2_pp2_interleaved_gpt": Spec(gpt_four, PP + ("schedule=interleaved_1f1b", "chunks=2") + ULYSSES, 4),
 }
 
 # cp beside ep (ep borrows its ranks from dp × cp, the cp ranks of a sample first): an MoE block dispatches
