@@ -38,8 +38,9 @@ def cp_refusal(mesh: Mesh, graph: LayerGraph | None = None) -> str | None:
     before stage 0 (run against one device at cp=2 × pp=2 under GPipe, 1F1B and interleaved 1F1B);
     not where the stages are single ATen graphs (``graph``'s tracer ``"export"``), in which no
     attention module is called for cp to gather K and V in. Attention written by hand (nanoGPT's masked
-    softmax, ``graph.cp_manual``: ``passes/manual_attention.py``) runs under cp beside dp and pp (run
-    against one device at cp=2, cp=2 × dp=2 and cp=2 × pp=2), not beside tp. Beside ep (beside dp, not
+    softmax, ``graph.cp_manual``: ``passes/manual_attention.py``) runs under cp beside dp, pp and tp (run
+    against one device at cp=2, cp=2 × dp=2, cp=2 × pp=2 and cp=2 × tp=2 with sp off and on: beside tp its
+    two products gather the tp rank's heads of kᵀ and v). Beside ep (beside dp, not
     beside tp or pp), ep borrows its ranks from dp × cp (:mod:`autopar.mesh`): an MoE block dispatches
     the rank's S/cp tokens over its ep group, which may hold cp ranks of the same samples; the router is
     per token, with no capacity or drop rule in the blocks ep lowers, so splitting the sequence changes
@@ -53,9 +54,6 @@ def cp_refusal(mesh: Mesh, graph: LayerGraph | None = None) -> str | None:
         return (f"cp={mesh.cp} cannot split {graph.model_name}'s sequence: the mixture-of-experts block of "
                 f"{capped} drops tokens past a capacity computed from the tokens of each call, so a rank's S/cp "
                 "tokens would drop others than one device drops; use cp=1")
-    if graph is not None and graph.cp_manual and mesh.tp > 1:
-        return (f"cp={mesh.cp} with tp={mesh.tp} is not lowered for attention written by hand "
-                f"({next(iter(graph.cp_manual))}: its rewrite runs beside dp and pp only)")
     if mesh.ep > 1 and (mesh.tp > 1 or mesh.pp > 1):
         beside = " × ".join(f"{n}={getattr(mesh, n)}" for n in ("tp", "pp") if getattr(mesh, n) > 1)
         return (f"cp={mesh.cp} with ep={mesh.ep} runs beside dp only, not beside {beside} (not run against "

@@ -63,6 +63,7 @@ def hf_llama_kv4() -> tuple[nn.Module, tuple]:
 
 PP = ("pp=2", "tp=1", "dp=1", "cp=2", "zero=0", "recompute=none", "microbatches=2")
 LLAMA_TP = ("model.layers.*:tp=megatron", "model.embed_tokens:tp=vocab")
+NANO_TP = ("transformer.h.*:tp=megatron",)
 
 
 def hf_llama_four() -> tuple[nn.Module, tuple]:
@@ -152,6 +153,9 @@ SPECS: dict[str, Spec] = {
     "cp4_nanogpt": Spec(nanogpt, _pins(4), 2),
     "cp2_dp2_zero3_nanogpt": Spec(nanogpt, _pins(2, dp=2, zero=3), 4),
     "cp2_pp2_1f1b_nanogpt": Spec(nanogpt, PP + ("schedule=1f1b",), 4),
+    # beside tp (W=4): Megatron blocks, the products' gathers on the tp rank's heads; sp off and on
+    "cp2_tp2_nanogpt": Spec(nanogpt, _pins(2, tp=2) + NANO_TP, 2),
+    "cp2_tp2_sp_nanogpt": Spec(nanogpt, _pins(2, tp=2) + NANO_TP + ("transformer.h.*:sp=on",), 2),
     # cp × pp (W=4): each stage's attention gathers K/V over its cp pair; the stages send S/cp tokens
     "cp2_pp2_1f1b_gpt": Spec(gpt_tiny, PP + ("schedule=1f1b",), 4),
     "cp2_pp2_1f1b_llama": Spec(hf_llama, PP + ("schedule=1f1b",), 4),
