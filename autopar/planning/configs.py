@@ -195,8 +195,12 @@ def why_no_config(graph: LayerGraph, world: int, training: TrainingSpec, pins: P
         return f"batch size {b} does not divide over the pinned dp={dp}"
     if (ep := pinned.get("ep", 1)) > 1 and (why := contract.ep_refusal(Mesh(pp=pp or 1, dp=ep, ep=ep), graph)):
         return why
-    if pinned.get("cp", 1) > 1 and (why := contract.cp_refusal(Mesh.of(
-            {k: v for k, v in pinned.items() if k != "ep"}), graph)):
+    # ep with the pins' other axes (its ranks borrowed from the pinned cp, dp at least ep/cp): cp × ep is
+    # refused beside tp or pp, and that is the reason to give
+    beside = {k: v for k, v in pinned.items() if k != "ep"}
+    if ep > 1 and beside.get("cp", 1) > 1:
+        beside |= {"ep": ep, "dp": math.lcm(beside.get("dp", 1), ep // math.gcd(ep, beside["cp"]))}
+    if pinned.get("cp", 1) > 1 and (why := contract.cp_refusal(Mesh.of(beside), graph)):
         return why
     if ep > 1:
         return (f"no mesh for world size {world} and batch size {b} has a dp × cp degree that the "

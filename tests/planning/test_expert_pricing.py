@@ -145,6 +145,19 @@ def test_cp_is_refused_on_a_block_that_drops_tokens_past_a_capacity() -> None:
         "device drops; use cp=1")
 
 
+def test_cp_with_ep_pinned_beside_tp_is_refused_with_its_reason() -> None:
+    import autopar
+    from autopar.errors import PinError
+
+    graph = _moe_graph()
+    graph = LayerGraph(list(graph), model_name="moe", example_batch=1, dtype_bytes=graph.dtype_bytes, seq_len=64,
+                       cp_refusal="")
+    plan = autopar.solve(graph, 4, cluster="h100-80g", global_batch=2, pins=["cp=2", "ep=2", "tp=1", "pp=1"])
+    assert (plan.mesh.cp, plan.mesh.ep) == (2, 2)
+    with pytest.raises(PinError, match=r"cp=2 with ep=2 runs beside dp only, not beside tp=2"):
+        autopar.solve(graph, 4, cluster="h100-80g", global_batch=2, pins=["cp=2", "ep=2", "tp=2"])
+
+
 def test_an_all_to_all_moves_n_minus_1_over_n_of_the_bytes_over_nvlink_or_the_nic_share() -> None:
     cluster = PRESETS["h100-80g"].for_world_size(16)
     inside, across = place_group(8, 1, 8), place_group(4, 4, 8)  # 4 ranks, 2 a node
