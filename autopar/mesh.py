@@ -9,13 +9,14 @@ declaration gives it
   neighbours of an axis are the product of the later axes' degrees apart
   (:meth:`Mesh.stride`; tp innermost keeps a tensor-parallel group inside
   a node, pp outermost puts pipeline neighbours furthest apart);
-* or, for a **folded** axis (``folds``: ``ep`` folds into ``dp``), no ranks of
-  its own: it splits the ranks of the axis it folds into, innermost — an
-  ``ep`` group is ``ep`` neighbouring ranks of one dp group, as torchtitan
-  and Megatron-Core's "parallel folding" lay experts out — so it does not
+* or, for a **folded** axis (``folds``: ``ep`` folds into ``dp`` × ``cp``), no
+  ranks of its own: it splits the ranks of the axes it folds into, flattened
+  and innermost — an ``ep`` group is ``ep`` neighbouring ranks of one dp × cp
+  group (the cp ranks of a sample first, then dp's), as torchtitan and
+  Megatron-Core's "parallel folding" lay experts out — so it does not
   multiply the world size, is no dimension of the device mesh
-  (:meth:`Mesh.dim_names`), its degree must divide its host's, and its
-  stride is its host's;
+  (:meth:`Mesh.dim_names`), its degree must divide its hosts' product
+  (:meth:`Mesh.host`), and its stride is its innermost host's;
 * its dimension name in ``init_device_mesh`` (:meth:`Mesh.dim_names`), its pin
   key (``tp=8``) and its key in a plan's ``mesh`` object: all ``name``;
 * its **validation**: the degrees multiply to the world size
@@ -63,7 +64,7 @@ class MeshAxis:
     degree cannot run for a request (None if it can); ``searched`` False keeps a
     declared axis at degree 1 unless something prices and lowers it;
     ``within_node`` searches only degrees that divide a node (pins may go further);
-    ``folds`` names the axis whose ranks a folded axis borrows (see the module docstring).
+    ``folds`` names the axes whose ranks a folded axis borrows, outermost first (see the module docstring).
     """
 
     name: str
@@ -71,7 +72,7 @@ class MeshAxis:
     check: Callable[[int, AxisLimits], str | None] = field(default=lambda degree, limits: None, compare=False)
     searched: bool = True
     within_node: bool = False
-    folds: str | None = None
+    folds: tuple[str, ...] | None = None
     pending: str = "nothing prices or lowers it yet"  # why an axis not searched runs at degree 1 only
 
     def refusal(self, degree: int, limits: AxisLimits) -> str | None:
@@ -133,13 +134,14 @@ def _cp_check(degree: int, limits: AxisLimits) -> str | None:
 
 
 # The axes, outermost first (the rank layout: global rank = ((pp_rank · dp + dp_rank) · cp + cp_rank) · tp
-# + tp_rank; ep folds into dp: an ep group is ep consecutive dp ranks).
+# + tp_rank; ep folds into dp × cp: an ep group is ep consecutive ranks of the flattened dp × cp, the cp
+# ranks of one sample first).
 AXES: tuple[MeshAxis, ...] = (
     MeshAxis("pp", "the layers into pipeline stages", _pp_check),
     MeshAxis("dp", "the global batch", _dp_check),
     # lowered by passes/expert_parallel.py, priced by autopar.planning.pricing (experts, all-to-all, edp)
-    MeshAxis("ep", "the experts of mixture-of-experts layers, over ranks borrowed from dp", _ep_check,
-             folds="dp"),
+    MeshAxis("ep", "the experts of mixture-of-experts layers, over ranks borrowed from dp × cp", _ep_check,
+             folds=("dp", "cp")),
     # lowered by passes/context_parallel.py, priced by autopar.planning.pricing (K/V all-gather or Ulysses'
     # head all-to-all, the plan's cp_attention; ÷ cp);
     # between dp and tp, as torchtitan's (dp_shard, cp, tp): the dp × cp ranks shard the weights together
@@ -196,9 +198,9 @@ class Mesh:
         object.__setattr__(self, "_by_name", dict(self._degrees))
         object.__setattr__(self, "_derived", {})
         for a in AXES:
-            if a.folds is not None and getattr(self, a.folds) % getattr(self, a.name):
-                raise MeshError(f"{a.name}={getattr(self, a.name)} must divide {a.folds}={getattr(self, a.folds)} "
-                                f"({a.name} borrows its ranks from {a.folds})")
+            if a.folds is not None and self.host(a.name) % getattr(self, a.name):
+                raise MeshError(f"{a.name}={getattr(self, a.name)} must divide {hosts_text(a, self._by_name)} "
+                                f"({a.name} borrows its ranks from {' × '.join(a.folds)})")
 
     @classmethod
     def of(cls, degrees: Mapping[str, int]) -> Mesh:
@@ -231,7 +233,7 @@ class Mesh:
             items = tuple((a.name, self._by_name.get(a.name, 1)) for a in AXES)
             grid = tuple((a.name, d) for a, (_, d) in zip(AXES, items) if a.folds is None)
             below = {n: math.prod(d for _, d in grid[i + 1:]) for i, (n, _) in enumerate(grid)}
-            strides = {a.name: below[a.folds or a.name] for a in AXES}
+            strides = {a.name: below[a.folds[-1] if a.folds else a.name] for a in AXES}
             derived.clear()
             derived.update(axes=AXES, items=items, grid=grid, strides=strides)
         return derived
@@ -255,6 +257,10 @@ class Mesh:
 
     def replace(self, **degrees: int) -> Mesh:
         return Mesh(**{**dict(self.items()), **degrees})
+
+    def host(self, name: str) -> int:
+        """The ranks a folded axis ``name`` splits: the product of its hosts' degrees (dp × cp for ep)."""
+        return math.prod(getattr(self, h) for h in axis(name).folds or ())
 
     def stride(self, name: str) -> int:
         """Global ranks between neighbours of axis ``name``: the product of the later axes' degrees
@@ -329,6 +335,15 @@ class Mesh:
         return (Mesh.of, (dict(self.items()),))
 
 
+def hosts_text(a: MeshAxis, degrees: Mapping[str, int]) -> str:
+    """``dp × cp = 2 × 1 = 2``: a folded axis's hosts and the ranks they give it (``dp=2`` for one host)."""
+    hosts = a.folds or ()
+    values = [degrees.get(h, 1) for h in hosts]
+    if len(hosts) == 1:
+        return f"{hosts[0]}={values[0]}"
+    return f"{' × '.join(hosts)} = {' × '.join(map(str, values))} = {math.prod(values)}"
+
+
 def _degree(name: str) -> property:
     return property(lambda self: self._by_name.get(name, 1), doc=f"The degree of the {name} axis.")
 
@@ -344,8 +359,9 @@ def meshes(limits: AxisLimits, pinned: Mapping[str, int]) -> list[Mesh]:
     found: list[Mesh] = []
 
     def extend(i: int, left: int, chosen: dict[str, int]) -> None:
-        if i == len(AXES):
-            if left == 1:
+        if i == len(AXES):  # a folded axis divides its hosts' product, known once all are chosen
+            if left == 1 and all(math.prod(chosen[h] for h in a.folds) % chosen[a.name] == 0
+                                 for a in AXES if a.folds is not None):
                 found.append(Mesh(**chosen))
             return
         a = AXES[i]
@@ -354,9 +370,8 @@ def meshes(limits: AxisLimits, pinned: Mapping[str, int]) -> list[Mesh]:
         else:
             options = a.searched_degrees(limits)
         for degree in options:
-            if a.folds is not None:  # borrows its host's ranks: divides the host, consumes none
-                if chosen[a.folds] % degree == 0:
-                    extend(i + 1, left, {**chosen, a.name: degree})
+            if a.folds is not None:  # borrows its hosts' ranks, consumes none (checked at the leaf)
+                extend(i + 1, left, {**chosen, a.name: degree})
             elif left % degree == 0:
                 extend(i + 1, left // degree, {**chosen, a.name: degree})
 
@@ -364,4 +379,5 @@ def meshes(limits: AxisLimits, pinned: Mapping[str, int]) -> list[Mesh]:
     return found
 
 
-__all__ = ["AXES", "AxisLimits", "Mesh", "MeshAxis", "MeshError", "axis", "axis_names", "declared", "meshes"]
+__all__ = ["AXES", "AxisLimits", "Mesh", "MeshAxis", "MeshError", "axis", "axis_names", "declared", "hosts_text",
+           "meshes"]

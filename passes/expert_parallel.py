@@ -6,13 +6,17 @@ that part's layers, the device mesh and the part's units, and returns an
 :class:`ExpertParallelResult`. What stays true: parameter FQNs are unchanged (an
 expert weight keeps its name and its global shape ``[E, …]`` as a DTensor), and after
 :func:`reduce_expert_grads` every expert gradient is the mean over the whole
-dp group, as one device would compute it.
+dp (× cp) group, as one device would compute it.
 
 **Layout** (torchtitan's and Megatron-Core's "parallel folding"): ``ep``
-borrows its ranks from ``dp`` — the device mesh stays (pp, dp, tp) for the
-dense layers, and the dp axis is unflattened into (``edp``, ``ep``) for the
-experts (:func:`expert_mesh`; ep innermost, so an ep group is ep neighbouring
-dp ranks, which is where pricing places it, :meth:`autopar.mesh.Mesh.stride`).
+borrows its ranks from ``dp`` × ``cp`` — the device mesh stays (pp, dp, cp, tp)
+for the dense layers, and the dp axis (under cp, dp × cp flattened) is
+unflattened into (``edp``, ``ep``) for the experts (:func:`expert_mesh`; ep
+innermost, so an ep group is ep neighbouring ranks of dp × cp — the cp ranks of
+a sample first — which is where pricing places it, :meth:`autopar.mesh.Mesh.stride`).
+Under cp a rank's MoE blocks route and dispatch its S/cp tokens: the routers are
+per token (no capacity rule: ``contract.cp_refusal``), so no routing decision
+changes, and each expert gradient is the mean over dp × cp.
 Rank ``i`` of an ep group holds experts ``[i·E/ep, (i+1)·E/ep)``, as a
 DTensor on that 2-D mesh placed (Replicate, Shard(0)): the runtime's full
 state dict, gradient norm and checkpoints read it as any other DTensor.
@@ -61,8 +65,8 @@ composable DDP, ``ignored_params`` for FSDP2's ``replicate``/``fully_shard``)
 and reduce them here, once per step after the last microbatch
 (:func:`reduce_expert_grads`): rank q's expert gradient already sums, through
 the all-to-all's backward, the contributions of every token of its ep group,
-so a sum over the expert-data-parallel group (the dp/ep ranks holding the
-same experts) adds the rest of dp, and dividing by dp gives the global-batch
+so a sum over the expert-data-parallel group (the (dp × cp)/ep ranks holding the
+same experts) adds the rest of dp × cp, and dividing by dp × cp gives the global-batch
 mean each rank's loss (its own mean) stands for. An MoE layer at ZeRO ≥ 1
 (with an edp group of 2 or more) runs its dense weights (router, shared
 experts, attention) at that stage over dp, and its experts module becomes
@@ -91,7 +95,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autopar.contract import Unit, ep_refusal
+from autopar.contract import Unit, data_ranks, ep_refusal
 from autopar.errors import LoweringError
 from autopar.graph import LayerGraph
 from autopar.moe import Dispatch, ExpertLayout, MoEFacts
@@ -116,7 +120,7 @@ class ExpertParallelResult:
     ep_group: Any = None
     edp_mesh: Any = None
     edp_group: Any = None
-    dp: int = 1
+    dp: int = 1  # the ranks every expert gradient is the mean over: dp × cp (contract.data_ranks)
 
 
 def moe_blocks(graph: LayerGraph, plan: Plan) -> list[tuple[str, MoEFacts]]:
@@ -173,14 +177,20 @@ def check_expert_parallel(model: nn.Module, graph: LayerGraph, plan: Plan) -> No
 
 
 def expert_mesh(mesh: Any, ep: int) -> Any:
-    """The dp axis of ``mesh`` unflattened into (``edp``, ``ep``), ep innermost (a collective on first
-    call: every rank calls it, for the same mesh, before any part is lowered; cached after)."""
+    """The ranks ep borrows — ``mesh``'s dp axis, or under cp its dp × cp flattened
+    (:func:`autopar.passes.context_parallel.data_mesh`) — unflattened into (``edp``, ``ep``), ep innermost
+    (a collective on first call: every rank calls it, for the same mesh, before any part is lowered;
+    cached after). Under cp an ep group is ep neighbours of the flattened dp × cp, the cp ranks of one
+    sample first (:mod:`autopar.mesh`), and edp the (dp × cp)/ep ranks holding the same experts."""
+    from autopar.passes.context_parallel import data_mesh
+
     # cached on the mesh itself: a module-level cache kept every mesh, and with it every process group
     # its sub-meshes made, alive after the job (or test case) that made it had ended
     cache = mesh.__dict__.setdefault("_autopar_expert_meshes", {})
     if ep not in cache:
-        dp = mesh["dp"]
-        cache[ep] = dp._unflatten(0, (dp.size() // ep, ep), ("edp", "ep"))
+        cp = mesh["cp"].size() if "cp" in (mesh.mesh_dim_names or ()) else 1
+        host = data_mesh(mesh, cp)
+        cache[ep] = host._unflatten(0, (host.size() // ep, ep), ("edp", "ep"))
     return cache[ep]
 
 
@@ -210,7 +220,7 @@ def apply_expert_parallel(module: nn.Module, graph: LayerGraph, plan: Plan, mesh
     ep = plan.mesh.ep
     emesh = expert_mesh(mesh, ep)
     edp = emesh["edp"].size()
-    result = ExpertParallelResult(edp_group=emesh["edp"].get_group() if edp > 1 else None, dp=plan.mesh.dp,
+    result = ExpertParallelResult(edp_group=emesh["edp"].get_group() if edp > 1 else None, dp=data_ranks(plan.mesh),
                                   edp_mesh=emesh["edp"], ep_group=emesh["ep"].get_group())
     zeros = expert_zeros(graph, plan, units)
     for name, facts in moe_blocks(graph, plan):

@@ -69,10 +69,32 @@ class ManualContextAttention(TorchFunctionMode):
         hit = self.live.get(id(first)) if isinstance(first, torch.Tensor) else None
         if hit is None:
             if self._is_scores(name, args, kwargs):  # q @ kᵀ: kᵀ over all S keys
-                return self._track(func(args[0], self.gather(args[1], args[1].dim() - 1)), RAW)
+                return self._track(self._product(func, args[0], args[1], args[1].dim() - 1), RAW)
             return func(*args, **kwargs)
         out = self._step(func, name, args, kwargs, hit[1])
         return out
+
+    def _product(self, func: Any, a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+        """``func(a, b gathered along dim)``. Beside tensor parallelism (the module inside its layer's TP
+        ``ShardMode``, ``passes/tensor_parallel.py``) ``a`` and ``b`` reach here as plain tensors holding the
+        tp rank's heads, tagged by the TP rules: the gather (over the cp group alone: the tp ranks of one cp
+        position hold other heads of the same tokens) and the product run as plain ops on those shards, exact
+        per head, and the output is tagged with ``a``'s head layout, as the TP rules' product would tag it
+        (the same as ``passes/context_parallel.py`` does for SDPA). The scale, mask, softmax and dropout
+        between the two products run through the TP rules as they do without cp."""
+        from autopar.sharding.rules import current_mode
+
+        mode = current_mode()
+        layouts = (mode.layout(a), mode.layout(b)) if mode is not None else (None, None)
+        if layouts == (None, None):
+            return func(a, self.gather(b, dim))
+        la, lb = layouts
+        if la is None or lb is None or la.dim != lb.dim or la.dim >= min(a.dim(), b.dim()) - 2:
+            raise LoweringError("cp beside tp needs a hand-written attention's q, k and v each split on their heads "
+                                f"(a batch dim before the last two), got layouts {la} and {lb}")
+        with torch._C.DisableTorchFunction():
+            out = func(a, self.gather(b, dim))
+        return mode.tag(out, la)
 
     def _is_scores(self, name: str, args: tuple, kwargs: dict) -> bool:
         if name not in PRODUCTS or len(args) != 2 or kwargs:
@@ -99,7 +121,7 @@ class ManualContextAttention(TorchFunctionMode):
             return self._track(func(*args, **kwargs), PROBS)
         if name in PRODUCTS and stage == PROBS and len(args) == 2 and not kwargs:
             v = args[1]
-            return func(args[0], self.gather(v, v.dim() - 2))
+            return self._product(func, args[0], v, v.dim() - 2)
         out = func(*args, **kwargs)
         if any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out)):  # not metadata (shape, dtype)
             raise LoweringError(f"under cp a hand-written attention ran {name} on its {stage}, which capture did "

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from equivalence_cases import GPT_TP, Spec, equivalence, gpt_tiny, plan_for
+from moe_cases import hf_mixtral, hf_qwen2_moe
 
 import autopar
 from autopar.errors import BatchError
@@ -62,6 +63,7 @@ def hf_llama_kv4() -> tuple[nn.Module, tuple]:
 
 PP = ("pp=2", "tp=1", "dp=1", "cp=2", "zero=0", "recompute=none", "microbatches=2")
 LLAMA_TP = ("model.layers.*:tp=megatron", "model.embed_tokens:tp=vocab")
+NANO_TP = ("transformer.h.*:tp=megatron",)
 
 
 def hf_llama_four() -> tuple[nn.Module, tuple]:
@@ -151,6 +153,9 @@ SPECS: dict[str, Spec] = {
     "cp4_nanogpt": Spec(nanogpt, _pins(4), 2),
     "cp2_dp2_zero3_nanogpt": Spec(nanogpt, _pins(2, dp=2, zero=3), 4),
     "cp2_pp2_1f1b_nanogpt": Spec(nanogpt, PP + ("schedule=1f1b",), 4),
+    # beside tp (W=4): Megatron blocks, the products' gathers on the tp rank's heads; sp off and on
+    "cp2_tp2_nanogpt": Spec(nanogpt, _pins(2, tp=2) + NANO_TP, 2),
+    "cp2_tp2_sp_nanogpt": Spec(nanogpt, _pins(2, tp=2) + NANO_TP + ("transformer.h.*:sp=on",), 2),
     # cp × pp (W=4): each stage's attention gathers K/V over its cp pair; the stages send S/cp tokens
     "cp2_pp2_1f1b_gpt": Spec(gpt_tiny, PP + ("schedule=1f1b",), 4),
     "cp2_pp2_1f1b_llama": Spec(hf_llama, PP + ("schedule=1f1b",), 4),
@@ -162,9 +167,54 @@ SPECS: dict[str, Spec] = {
                                        "schedule=1f1b", "blocks.*:tp=megatron"), 4),
     "cp2_dp2_pp2_zero3_llama": Spec(hf_llama, ("pp=2", "tp=1", "dp=2", "cp=2", "zero=3", "recompute=none",
                                                "microbatches=2", "schedule=1f1b"), 8),
+    # Ulysses inside pipeline stages (W=4): each stage's attention modules all-to-all their heads over the cp pair
+    "uly_cp2_pp2_1f1b_gpt": Spec(gpt_tiny, PP + ("schedule=1f1b",) + ULYSSES, 4),
+    "uly_cp2_pp2_1f1b_llama": Spec(hf_llama, PP + ("schedule=1f1b",) + ULYSSES, 4),
+    "uly_cp2_pp2_gpipe_zero3_recompute_llama": Spec(hf_llama, ("pp=2", "tp=1", "dp=1", "cp=2", "zero=3",
+                                                               "recompute=full", "microbatches=2", "schedule=gpipe")
+                                                    + ULYSSES, 4),
+    "uly_cp2_pp2_interleaved_gpt": Spec(gpt_four, PP + ("schedule=interleaved_1f1b", "chunks=2") + ULYSSES, 4),
+}
+
+# cp beside ep (ep borrows its ranks from dp × cp, the cp ranks of a sample first): an MoE block dispatches
+# the rank's S/cp tokens over its ep group. W=2: the ep group is the cp pair (dp=1); W=4: dp=2 × cp=2, the ep
+# group the cp pair and the experts averaged over the dp pair (edp=2), or ep=4 over all four (edp=1)
+EP2 = ("ep=2",)
+SPECS |= {
+    "cp2_ep2_mixtral": Spec(hf_mixtral, _pins(2) + EP2, 2),
+    "cp2_ep2_qwen2_moe": Spec(hf_qwen2_moe, _pins(2, m=2) + EP2, 2),
+    "uly_cp2_ep2_mixtral": Spec(hf_mixtral, _pins(2) + EP2 + ULYSSES, 2),
+    "cp2_ep2_zero3_recompute_mixtral": Spec(hf_mixtral, _pins(2, zero=3, recompute="full") + EP2, 2),
+    "cp2_dp2_ep2_mixtral": Spec(hf_mixtral, _pins(2, dp=2) + EP2, 4),
+    "cp2_dp2_ep2_zero3_qwen2_moe": Spec(hf_qwen2_moe, _pins(2, dp=2, zero=3, m=2) + EP2, 4),
+    "cp2_dp2_ep2_zero1_mixtral": Spec(hf_mixtral, _pins(2, dp=2, zero=1, m=2) + EP2, 4),
+    "cp2_dp2_ep4_mixtral": Spec(hf_mixtral, _pins(2, dp=2) + ("ep=4",), 4),
+    "uly_cp2_dp2_ep2_qwen2_moe": Spec(hf_qwen2_moe, _pins(2, dp=2) + EP2 + ULYSSES, 4),
 }
 
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}
+
+
+def expert_groups(spec_name: str) -> Callable[[int, int], dict[str, Any]]:
+    """The global ranks of this rank's ep and edp groups, and its expert parameter bytes, as lowered."""
+
+    def case(rank: int, world_size: int) -> dict[str, Any]:
+        plan, graph = plan_for(SPECS[spec_name], world_size)
+        torch.manual_seed(0)
+        model, inputs = SPECS[spec_name].build()
+        total = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=graph)
+        experts = pm.lowered.experts[0]
+        ranks = [dist.get_process_group_ranks(g) if g is not None else [rank]
+                 for g in (experts.ep_group, experts.edp_group)]
+        local = sum(p.to_local().numel() for p in experts.params)
+        dist.barrier()
+        return {"ep_ranks": ranks[0], "edp_ranks": ranks[1], "experts_frac": local / total, "dp": experts.dp}
+
+    return case
+
+
+CASES |= {f"groups_{k}": expert_groups(k) for k in ("cp2_ep2_mixtral", "cp2_dp2_ep2_mixtral", "cp2_dp2_ep4_mixtral")}
 
 
 def cp2_refuses_labels(rank: int, world_size: int) -> dict[str, Any]:

@@ -50,6 +50,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
 from autopar.capturing.manual_attention import ManualChains
+from autopar.capturing.moe import batched_hf_experts
 from autopar.graph import Layer
 
 # calls that mix tokens along any dimension they touch (named by their __name__)
@@ -239,7 +240,8 @@ def _restore(model: nn.Module, before: dict[tuple[int, str, str], tuple[nn.Modul
 def probe_layers(model: nn.Module, args: tuple, kwargs: dict, seq_len: int | None, batch: int,
                  layers: list[Layer]) -> tuple[list[Layer], ContextFacts]:
     """:func:`context_facts` for capture's ``layers``, and the layers with their attention's K/V bytes."""
-    facts = context_facts(model, args, kwargs, seq_len, batch, twin_paths(model, layers))
+    with batched_hf_experts(model):  # grouped_mm's meta kernel takes bf16 only
+        facts = context_facts(model, args, kwargs, seq_len, batch, twin_paths(model, layers))
     return with_attention(layers, facts), facts
 
 

@@ -43,7 +43,7 @@ from autopar.capturing.moe_reroute import proof
 from autopar.errors import CaptureError
 from autopar.moe import Dispatch, ExpertLayout, MoEFacts, RouterKind
 
-__all__ = ["Block", "Dispatch", "find_blocks", "stand_in", "static_hf_experts"]
+__all__ = ["Block", "Dispatch", "batched_hf_experts", "find_blocks", "stand_in", "static_hf_experts"]
 
 _TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "k", "topk", "moe_top_k")
 _ROUTER_NAMES = ("gate", "router", "gating", "wg", "switch")
@@ -201,6 +201,25 @@ def static_hf_experts(model: nn.Module) -> Iterator[set[str]]:
     finally:
         for config, before in configs.values():
             config._experts_implementation = before
+
+
+@contextlib.contextmanager
+def batched_hf_experts(model: nn.Module) -> Iterator[None]:
+    """Hugging Face experts run through HF's own ``batched_mm`` path (every routed row's expert weights
+    gathered, one ``bmm``) instead of ``grouped_mm`` while the cp probe runs the forward on fake tensors
+    (``autopar.capturing.context``): ``aten::_grouped_mm``'s meta kernel takes bf16 inputs only, so an fp32
+    model's probe failed and cp was refused on it. The same per-token function of the same weights,
+    static shapes; only the probe sees it (shapes and calls, no numbers)."""
+    grouped = [m for _, m in model.named_modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "config")
+               and getattr(m.config, "_experts_implementation", None) == "grouped_mm"]
+    configs = {id(m.config): m.config for m in grouped}
+    try:
+        for config in configs.values():
+            config._experts_implementation = "batched_mm"
+        yield
+    finally:
+        for config in configs.values():
+            config._experts_implementation = "grouped_mm"
 
 
 # ----------------------------------------------------------------------------- hand-written loops

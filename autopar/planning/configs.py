@@ -22,7 +22,7 @@ from autopar.cost_models.hardware import ClusterSpec
 from autopar.cost_models.pipeline import Schedule, ScheduleKind
 from autopar.errors import CompileError, PinError
 from autopar.graph import LayerGraph
-from autopar.mesh import AXES, AxisLimits, Mesh, meshes
+from autopar.mesh import AXES, AxisLimits, Mesh, hosts_text, meshes
 from autopar.mesh import axis as mesh_axis
 from autopar.moe import split_refusal
 from autopar.pins import Pins
@@ -136,9 +136,10 @@ def _check_pinned_mesh(pinned: dict[str, int], limits: AxisLimits) -> None:
     """Pinned degrees that cannot multiply into the world, each named (a folded axis, ep, borrows
     its host's ranks: it must divide its host's pin and multiplies nothing)."""
     for a in AXES:
-        if a.folds is not None and a.name in pinned and a.folds in pinned and pinned[a.folds] % pinned[a.name]:
+        if (a.folds is not None and a.name in pinned and all(h in pinned for h in a.folds)
+                and math.prod(pinned[h] for h in a.folds) % pinned[a.name]):
             raise PinError(f"the pinned {a.name}={pinned[a.name]} does not divide the pinned "
-                           f"{a.folds}={pinned[a.folds]} ({a.name} borrows its ranks from {a.folds})")
+                           f"{hosts_text(a, pinned)} ({a.name} borrows its ranks from {' × '.join(a.folds)})")
         if a.folds is not None and a.name in pinned and (why := a.refusal(pinned[a.name], limits)):
             raise PinError(f"pin {a.name}={pinned[a.name]}: {why}")
         # what cp splits is the model's (its sequence, its attention): say so before the batch is blamed
@@ -201,12 +202,16 @@ def why_no_config(graph: LayerGraph, world: int, training: TrainingSpec, pins: P
         return f"batch size {b} does not divide over the pinned dp={dp}"
     if (ep := pinned.get("ep", 1)) > 1 and (why := contract.ep_refusal(Mesh(pp=pp or 1, dp=ep, ep=ep), graph)):
         return why
-    if pinned.get("cp", 1) > 1 and (why := contract.cp_refusal(Mesh.of(
-            {k: v for k, v in pinned.items() if k != "ep"}), graph)):
+    # ep with the pins' other axes (its ranks borrowed from the pinned cp, dp at least ep/cp): cp × ep is
+    # refused beside tp or pp, and that is the reason to give
+    beside = {k: v for k, v in pinned.items() if k != "ep"}
+    if ep > 1 and beside.get("cp", 1) > 1:
+        beside |= {"ep": ep, "dp": math.lcm(beside.get("dp", 1), ep // math.gcd(ep, beside["cp"]))}
+    if pinned.get("cp", 1) > 1 and (why := contract.cp_refusal(Mesh.of(beside), graph)):
         return why
     if ep > 1:
-        return (f"no mesh for world size {world} and batch size {b} has a data-parallel degree that the "
-                f"pinned ep={ep} divides (ep borrows its ranks from dp)")
+        return (f"no mesh for world size {world} and batch size {b} has a dp × cp degree that the "
+                f"pinned ep={ep} divides (ep borrows its ranks from dp × cp)")
     if dp and pins.microbatches and b % (dp * pins.microbatches):
         return (f"batch size {b} does not divide into the pinned dp={dp} × "
                 f"microbatches={pins.microbatches}")

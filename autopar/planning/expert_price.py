@@ -1,9 +1,9 @@
 """What expert parallelism (ep) adds to a layer's price (``passes/expert_parallel.py`` runs it).
 
-Expert parallelism (``ep`` > 1, folded into dp; ``passes/expert_parallel.py``): an MoE layer's
+Expert parallelism (``ep`` > 1, folded into dp × cp; ``passes/expert_parallel.py``): an MoE layer's
 routed experts (``MoEFacts.routed_params``) are split over the ep group and left out of the dp
 engine — a rank holds 1/ep of them. At the layer's ZeRO-0 they are whole over the
-expert-data-parallel (edp) group of dp/ep ranks and their gradients all-reduced over it once a
+expert-data-parallel (edp) group of (dp × cp)/ep ranks and their gradients all-reduced over it once a
 step after the backward (never hidden: the runtime issues it after the last microbatch); at
 ZeRO ≥ 1 the experts module is an FSDP2 unit of its own over edp at that stage (ZeRO-1 runs as
 ZeRO-2 there), priced like any unit over the edp group (:func:`expert_zero`). Per microbatch
@@ -78,13 +78,15 @@ def collectives_s(table: Any, experts: int, zero: int) -> float:
 def dispatch_s(table: Any, layer: Layer) -> tuple[float, float]:
     """Per microbatch under ep, (forward, backward): each MoE block's dispatch and combine
     all-to-alls (a rank sends its tokens' top-k rows, b · the layer's boundary bytes a sample
-    × top-k, each way) and, forward, the all-to-all of its per-expert row counts (int64);
-    the backward runs the two all-to-alls in reverse. A fixed-capacity block (GShard/Switch) sends its
-    whole dispatched [E, C, H] tensor instead, E·C = capacity factor × tokens × top-k slots (dropped
-    and padded slots included), and no counts (every rank's C is the same)."""
-    if table.config.mesh.ep <= 1 or not layer.moe:
+    × top-k, each way; under cp its S/cp tokens': ÷ cp) and, forward, the all-to-all of its
+    per-expert row counts (int64); the backward runs the two all-to-alls in reverse. A fixed-capacity
+    block (GShard/Switch) sends its whole dispatched [E, C, H] tensor instead, E·C = capacity factor ×
+    tokens × top-k slots (dropped and padded slots included), and no counts (every rank's C is the same)."""
+    mesh = table.config.mesh
+    if mesh.ep <= 1 or not layer.moe:
         return 0.0, 0.0
-    tokens_bytes, g = table.microbatch_size * layer.boundary_bytes_per_sample * table.act_scale, table.ep_group
+    tokens_bytes = table.microbatch_size * layer.boundary_bytes_per_sample * table.act_scale / mesh.cp
+    g = table.ep_group
     rows = sum(collective_time_s(Collective.ALL_TO_ALL, tokens_bytes * m.top_k * (m.capacity_factor or 1.0),
                                  g, table.cluster) for m in layer.moe)
     counts = sum(collective_time_s(Collective.ALL_TO_ALL, 8 * m.num_experts, g, table.cluster)
@@ -109,5 +111,5 @@ def sync_s(table: Any, layer: Layer) -> float:
 def imbalance_bytes(table: Any, layer: Layer) -> float:
     """Activation bytes per sample the routed experts of one rank may hold beyond the balanced share
     under ep (:meth:`autopar.moe.MoEFacts.activation_margin`, minus the share already counted)."""
-    ep = table.config.mesh.ep
-    return sum(m.routed_activation_bytes_per_sample * (m.activation_margin(ep) - 1.0) for m in layer.moe)
+    ep, cp = table.config.mesh.ep, table.config.mesh.cp  # under cp a sample's S/cp tokens on this rank
+    return sum(m.routed_activation_bytes_per_sample * (m.activation_margin(ep) - 1.0) for m in layer.moe) / cp

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from autopar import contract
 from autopar.choice import CpAttention, Recompute
 from autopar.cost_models.hardware import ClusterSpec
 from autopar.float8 import emulated
@@ -45,7 +46,7 @@ def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
                      "index-selects per all-to-all that put the gathered tokens in global order and back "
                      "(a copy of q, k, v and the output of each attention call)")
     cut = withdrawn_cut_notes(graph) if solution.config.mesh.pp > 1 else ()
-    moe = moe_notes(graph, solution.config.mesh.ep, solution.config.mesh.dp)
+    moe = moe_notes(graph, solution.config.mesh.ep, contract.data_ranks(solution.config.mesh))
     manual = manual_attention_notes(graph, solution.config.mesh.cp)
     return tuple(notes) + refusal_notes(graph) + cut + moe + manual + unpriced_notes(graph)
 
@@ -80,7 +81,7 @@ def _held(f, ep: int, dp: int) -> str:
 
 def moe_notes(graph: LayerGraph, ep: int = 1, dp: int = 1) -> tuple[str, ...]:
     """Each run of mixture-of-experts layers: what capture read of the block and how it is priced (at
-    expert-parallel degree ``ep`` over ``dp``)."""
+    expert-parallel degree ``ep`` over ``dp``, the dp × cp ranks ep borrows from)."""
     notes = []
     def unplaced(layer):  # the facts but where they sit: equal blocks of consecutive layers fold into one note
         return tuple(replace(f, module_path="", experts_path="") for f in layer.moe)

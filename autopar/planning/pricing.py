@@ -134,8 +134,8 @@ class PriceTable:
         groups = {name: place_group(degree, mesh.stride(name), cluster.gpus_per_node) for name, degree in mesh.items()}
         self.tp_group, self.ep_group, self.cp_group = groups["tp"], groups["ep"], groups["cp"]
         self.data_ranks, self.dp_group = context_price.data_group(mesh, groups["dp"], cluster)
-        # the expert-data-parallel group: the dp ranks holding the same experts, ep apart in dp
-        self.edp_group = place_group(mesh.dp // mesh.ep, mesh.stride("dp") * mesh.ep, cluster.gpus_per_node)
+        # the expert-data-parallel group: the dp × cp ranks holding the same experts, ep apart in dp × cp
+        self.edp_group = place_group(self.data_ranks // mesh.ep, mesh.stride("ep") * mesh.ep, cluster.gpus_per_node)
         self.pp_inter_node = edges.ranks_inter_node(0, config.mesh.pp - 1, self)  # the tied ends' all-reduce
         self.engine = config.engine
         self._shared = SharedPrices() if shared is None else shared

@@ -112,10 +112,10 @@ def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: An
         prove_manual_attention(model, graph, plan.mesh.cp)
     # the plan mesh's axes, outermost first (autopar.mesh: the rank layout pricing assumed)
     mesh = init_device_mesh(device.type, plan.mesh.degrees, mesh_dim_names=plan.mesh.dim_names())
-    if plan.mesh.ep > 1:  # ep's groups, folded into dp: made by every rank before any part is lowered
-        expert_mesh(mesh, plan.mesh.ep)
     if plan.mesh.cp > 1:  # the flattened dp × cp dimension data parallelism wraps over, made by every rank
         data_mesh(mesh, plan.mesh.cp)
+    if plan.mesh.ep > 1:  # ep's groups, folded into dp (× cp): made by every rank before any part is lowered
+        expert_mesh(mesh, plan.mesh.ep)
     dtype = plan_dtype(plan.training.dtype)
     with compute_dtype(dtype):
         if builder is not None:

@@ -161,5 +161,10 @@ def test_nanogpt_as_its_author_writes_it_is_captured_for_cp_and_noted_to_hold_s_
     assert autopar.LayerGraph.from_dict(graph.to_dict()).cp_manual == graph.cp_manual
     plan = autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=2, pins=["cp=2"])
     assert any("holds its S × S score matrix" in n and "8 × 16 a rank under cp=2" in n for n in plan.notes)
-    with pytest.raises(PinError, match=r"cp=2 with tp=2 is not lowered for attention written by hand"):
-        autopar.solve(graph, 4, cluster="cpu", dtype="fp32", global_batch=2, pins=["cp=2", "tp=2"])
+    # beside tp its rewrite runs on the tp rank's heads (run against one device: test_context_parallel.py)
+    beside_tp = autopar.solve(graph, 4, cluster="cpu", dtype="fp32", global_batch=2,
+                              pins=["cp=2", "tp=2", "transformer.h.*:tp=megatron"])
+    assert (beside_tp.mesh.cp, beside_tp.mesh.tp) == (2, 2)
+    # Ulysses reroutes SDPA calls only: refused on attention written by hand
+    with pytest.raises(PinError, match=r"Ulysses does not run on attention written by hand"):
+        autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=2, pins=["cp=2", "cp_attention=ulysses"])

@@ -36,6 +36,7 @@ LEVELS: dict[str, int] = {
     "autopar.plan": 2,
     "autopar.pins": 2,
     "autopar.contract": 2,
+    "autopar.contract_cp": 2,
     "autopar.inputs": 2,
     "autopar.stacks": 2,
     "autopar.sharding": 3,

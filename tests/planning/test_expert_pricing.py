@@ -111,6 +111,53 @@ def test_ep_groups_are_neighbouring_dp_ranks_and_the_edp_group_spans_them() -> N
     assert table.edp_group.spans_nodes and table.edp_group.size == 2
 
 
+def test_under_cp_ep_borrows_dp_times_cp_and_dispatches_the_rank_s_s_over_cp_tokens() -> None:
+    """cp=2 × ep=2 beside dp=2 (passes/expert_parallel.py's expert_mesh): the ep group is the cp pair, the edp
+    group the (dp × cp)/ep = 2 ranks two apart, and each all-to-all moves the rank's S/cp tokens' rows."""
+    graph = _moe_graph()
+    cluster = PRESETS["h100-80g"].for_world_size(4)
+
+    def table(mesh: Mesh) -> PriceTable:
+        return PriceTable(graph, Configuration(mesh, 1, Schedule(ScheduleKind.NONE), REPLICATED), cluster,
+                          TrainingSpec(32, dtype="fp32"))
+
+    cp, flat = table(Mesh(dp=2, cp=2, ep=2)), table(Mesh(dp=4, ep=2))
+    assert cp.ep_group == place_group(2, 1, 8) and cp.edp_group == place_group(2, 2, 8) and cp.data_ranks == 4
+    layer = next(l for l in graph if l.moe)
+    rows = cp.microbatch_size * layer.boundary_bytes_per_sample * cp.act_scale * K / 2  # S/cp tokens a sample
+    assert expert_price.dispatch_s(cp, layer)[1] == pytest.approx(2 * all_to_all_time_s(rows, cp.ep_group, cluster))
+    assert cp.microbatch_size == 2 * flat.microbatch_size  # dp=2 ranks take twice dp=4's samples, half their tokens
+    assert expert_price.dispatch_s(cp, layer) == pytest.approx(expert_price.dispatch_s(flat, layer))
+    assert expert_price.imbalance_bytes(cp, layer) == pytest.approx(expert_price.imbalance_bytes(flat, layer) / 2)
+
+
+def test_cp_is_refused_on_a_block_that_drops_tokens_past_a_capacity() -> None:
+    """A capacity computed from the tokens of each call would drop other tokens on a rank's S/cp: no cp."""
+    from autopar.contract import cp_refusal
+
+    graph = _moe_graph()
+    assert cp_refusal(Mesh(cp=2, ep=2), graph) is None
+    capped = LayerGraph([replace(l, moe=tuple(replace(m, capacity_factor=1.25) for m in l.moe)) for l in graph],
+                        model_name="capped", example_batch=1, dtype_bytes=graph.dtype_bytes, seq_len=64)
+    assert cp_refusal(Mesh(cp=2), capped) == (
+        "cp=2 cannot split capped's sequence: the mixture-of-experts block of blocks.0 drops tokens past a "
+        "capacity computed from the tokens of each call, so a rank's S/cp tokens would drop others than one "
+        "device drops; use cp=1")
+
+
+def test_cp_with_ep_pinned_beside_tp_is_refused_with_its_reason() -> None:
+    import autopar
+    from autopar.errors import PinError
+
+    graph = _moe_graph()
+    graph = LayerGraph(list(graph), model_name="moe", example_batch=1, dtype_bytes=graph.dtype_bytes, seq_len=64,
+                       cp_refusal="")
+    plan = autopar.solve(graph, 4, cluster="h100-80g", global_batch=2, pins=["cp=2", "ep=2", "tp=1", "pp=1"])
+    assert (plan.mesh.cp, plan.mesh.ep) == (2, 2)
+    with pytest.raises(PinError, match=r"cp=2 with ep=2 runs beside dp only, not beside tp=2"):
+        autopar.solve(graph, 4, cluster="h100-80g", global_batch=2, pins=["cp=2", "ep=2", "tp=2"])
+
+
 def test_an_all_to_all_moves_n_minus_1_over_n_of_the_bytes_over_nvlink_or_the_nic_share() -> None:
     cluster = PRESETS["h100-80g"].for_world_size(16)
     inside, across = place_group(8, 1, 8), place_group(4, 4, 8)  # 4 ranks, 2 a node

@@ -162,8 +162,22 @@ def test_ep_folds_into_dp_it_borrows_ranks_and_multiplies_nothing() -> None:
     assert mesh.stride("ep") == mesh.stride("dp") == 2  # an ep group: ep neighbouring dp ranks
     assert mesh.describe() == "pp=2 × dp=4 × ep=2 × tp=2" and mesh.to_dict()["ep"] == 2
     assert Mesh(dp=4, ep=2) != Mesh(dp=4) and Mesh(dp=4) < Mesh(dp=4, ep=2)
-    with pytest.raises(MeshError, match=r"ep=4 must divide dp=2 \(ep borrows its ranks from dp\)"):
+    with pytest.raises(MeshError, match=r"ep=4 must divide dp × cp = 2 × 1 = 2 \(ep borrows its ranks from dp × cp\)"):
         Mesh(dp=2, ep=4)
+
+
+def test_ep_folds_into_dp_times_cp_an_ep_group_takes_the_cp_ranks_of_a_sample_first() -> None:
+    """torchtitan's and Megatron-Core's parallel folding: ep's ranks are the flattened dp × cp, ep innermost."""
+    mesh = Mesh(cp=2, ep=2, tp=2)
+    assert mesh.world_size == 4 and mesh.host("ep") == 2 and mesh.stride("ep") == mesh.stride("cp") == 2
+    assert Mesh(dp=2, cp=2, ep=4).world_size == 4
+    with pytest.raises(MeshError, match=r"ep=4 must divide dp × cp = 1 × 2 = 2"):
+        Mesh(cp=2, ep=4)
+    limits = AxisLimits(world_size=4, global_batch=4, max_stages=4, gpus_per_node=8, experts=(4,), layers=2,
+                        seq_len=16)
+    found = meshes(limits, {})
+    assert Mesh(cp=2, ep=2, tp=2) in found and Mesh(dp=2, cp=2, ep=4) in found and Mesh(cp=4, ep=4) in found
+    assert all(m.host("ep") % m.ep == 0 for m in found)
 
 
 def test_ep_checks_the_experts_it_splits() -> None:

@@ -108,11 +108,13 @@ def test_ulysses_is_offered_only_where_cp_times_tp_divides_every_kv_head_count()
     assert (1, ULYSSES) not in methods
 
 
-def test_ulysses_is_not_offered_where_it_was_not_run_against_one_device() -> None:
-    """Inside pipeline stages and on attention written by hand cp gathers K/V: Ulysses is not offered."""
+def test_ulysses_is_offered_inside_pipeline_stages_and_not_on_attention_written_by_hand() -> None:
+    """Inside pipeline stages Ulysses runs as the all-gather does (run against one device at cp=2 × pp=2);
+    on attention written by hand cp gathers K/V: Ulysses is not offered there."""
     graph = _graph(heads=8, kv_heads=2)
-    assert "inside pipeline stages (pp=2)" in ulysses_refusal(graph, Mesh(pp=2, cp=2))
-    assert cp_methods(graph, Mesh(pp=2, cp=2)) == (ALL_GATHER,)
+    assert ulysses_refusal(graph, Mesh(pp=2, cp=2)) is None
+    assert cp_methods(graph, Mesh(pp=2, cp=2)) == (ALL_GATHER, ULYSSES)
+    assert cp_methods(graph, Mesh(pp=2, cp=4)) == (ALL_GATHER,)  # the head rule holds in stages too
     by_hand = _graph(heads=8, kv_heads=2)
     by_hand.cp_manual = {"blocks.0.attn": ()}  # as capture records a nanoGPT's attention
     assert "attention written by hand (blocks.0.attn" in ulysses_refusal(by_hand, Mesh(cp=2))

@@ -31,7 +31,7 @@ W4_TP = ["cp2_tp2_gpt", "cp2_tp2_llama", "cp2_tp2_sp_gpt", "cp2_tp2_sp_llama", "
          "cp2_tp2_sp_recompute_accum_llama"]
 
 W2_MANUAL = ["cp2_nanogpt", "cp2_recompute_nanogpt", "cp2_selective_accum_nanogpt"]
-W4_MANUAL = ["cp4_nanogpt", "cp2_dp2_zero3_nanogpt", "cp2_pp2_1f1b_nanogpt"]
+W4_MANUAL = ["cp4_nanogpt", "cp2_dp2_zero3_nanogpt", "cp2_pp2_1f1b_nanogpt", "cp2_tp2_nanogpt", "cp2_tp2_sp_nanogpt"]
 W8_PP = ["cp2_pp2_tp2_gpt", "cp2_dp2_pp2_zero3_llama"]
 W4_PP = ["cp2_pp2_1f1b_gpt", "cp2_pp2_1f1b_llama", "cp2_pp2_gpipe_zero3_recompute_llama", "cp2_pp2_interleaved_gpt"]
 
@@ -157,7 +157,12 @@ def test_nanogpt_hand_written_attention_under_cp_matches_one_device(w2: dict, w4
     """nanoGPT's attention as its author writes it (softmax over q · kᵀ masked by its ``bias`` buffer),
     rerouted under cp (kᵀ and v gathered over the cp group, the rank's rows of the causal mask) after the
     rewrite was proved on each module: cp=2 (also with full recompute, and selective recompute over 2
-    microbatches), cp=4, cp=2 × dp=2 at ZeRO-3 and cp=2 × pp=2 (1F1B, the module inside a stage)."""
+    microbatches), cp=4, cp=2 × dp=2 at ZeRO-3, cp=2 × pp=2 (1F1B, the module inside a stage) and cp=2 × tp=2
+    (Megatron blocks, the products' gathers on the tp rank's heads; sp off and on)."""
     result = (w2 if case in W2_MANUAL else w4_pp)[case]
     check_equivalent(result)
-    assert result["mesh"] == ([1, 2, 1] if "dp2" in case else [2, 1, 1] if "pp2" in case else [1, 1, 1])
+    assert result["mesh"] == ([1, 2, 1] if "dp2" in case else [2, 1, 1] if "pp2" in case
+                              else [1, 1, 2] if "tp2" in case else [1, 1, 1])
+    if "tp2" in case:
+        blocks = [layer for layer in result["layers"] if layer[0].startswith("transformer.h.")]
+        assert blocks and all(tp == "megatron" and sp == ("_sp_" in case) for _, tp, _, _, sp in blocks)

@@ -2,8 +2,10 @@
 a tiny Hugging Face Llama (grouped-query: 4 heads over 2 key/value heads) trained 3 steps with
 ``cp_attention=ulysses`` at cp=2 (W=2; the Llama also with full recompute, and with selective recompute over 2
 microbatches), cp=4 (W=4, the GPT: one head a rank), cp=2 × dp=2 (W=4; the GPT at ZeRO-3 over the dp × cp
-ranks, and at ZeRO-1 over 2 microbatches) and cp=2 × tp=2 (W=4; Megatron blocks, the GPT's 4 heads and a
-Llama's 4 key/value heads split over tp, then over cp; the GPT also with sequence parallelism).
+ranks, and at ZeRO-1 over 2 microbatches), cp=2 × tp=2 (W=4; Megatron blocks, the GPT's 4 heads and a
+Llama's 4 key/value heads split over tp, then over cp; the GPT also with sequence parallelism) and cp=2 × pp=2
+(W=4; inside pipeline stages: both models under 1F1B, the Llama under GPipe at ZeRO-3 with full recompute, the
+GPT under interleaved 1F1B).
 
 Bars (DESIGN.md, fp32 on CPU): first-step loss and gradients, SGD losses and parameters within 1e-5
 relative per tensor; AdamW losses within 1e-3. The lowering really is the all-to-all: a step calls
@@ -32,9 +34,13 @@ def w2(ranks) -> dict[str, dict]:
     return ranks(2).run(W2 + ["uly_cp2_runs_all_to_alls"], module="context_cases")
 
 
+W4_PP = ["uly_cp2_pp2_1f1b_gpt", "uly_cp2_pp2_1f1b_llama", "uly_cp2_pp2_gpipe_zero3_recompute_llama",
+         "uly_cp2_pp2_interleaved_gpt"]
+
+
 @pytest.fixture(scope="module")
 def w4(ranks) -> dict[str, dict]:
-    return ranks(4).run(W4, module="context_cases")
+    return ranks(4).run(W4 + W4_PP, module="context_cases")
 
 
 @pytest.mark.parametrize("case", W2)
@@ -71,3 +77,16 @@ def test_the_ulysses_plan_runs_the_head_all_to_all_not_the_kv_all_gather(w2: dic
     for r in every_rank(w2["uly_cp2_runs_all_to_alls"]):
         assert r["method"] == "ulysses" and r["ulysses"] is True
         assert r["calls"] == {"all_to_all": 8, "all_gather": 0}  # 2 blocks × (q, k, v, output)
+
+
+@pytest.mark.parametrize("case", W4_PP)
+def test_ulysses_inside_pipeline_stages_matches_one_device(w4: dict, case: str) -> None:
+    """cp=2 × pp=2: each stage's attention modules run the head all-to-all over their cp pair, the stages
+    send the rank's S/cp tokens; 1F1B, GPipe at ZeRO-3 with full recompute, interleaved 1F1B."""
+    check_equivalent(w4[case])
+    m = w4[case]
+    assert m["cp_attention"] == "ulysses" and sorted(set(m["stages"])) == ([0, 1, 2, 3] if "interleaved" in case
+                                                                             else [0, 1])
+    for r in every_rank(m):
+        assert r["mesh"] == [2, 1, 1]
+    assert m["schedule"] == ("interleaved_1f1b" if "interleaved" in case else "gpipe" if "gpipe" in case else "1f1b")
