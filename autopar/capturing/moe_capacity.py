@@ -36,6 +36,8 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from autopar.capturing.reasons import reason_of
+
 _CHECK_TOKENS = (2, 8)  # (batch, sequence) of the proof's hidden states (on the meta device)
 # ops that map each expert's slots on their own (dim 0 = e kept, no mixing across e or across slots
 # beyond what an einsum over e states): the names torch's function dispatch reports
@@ -194,12 +196,7 @@ def prove(block: nn.Module, num_experts: int, hidden: int) -> str:
 def proof(block: nn.Module, num_experts: int, hidden: int) -> str:
     """Why ep cannot split the block's expert region ("" when :func:`prove` passes), without touching the
     global RNG; an exception of the block's code in the region is such a reason."""
-    with torch.random.fork_rng(devices=[]):
-        try:
-            return prove(block, num_experts, hidden)
-        except Exception as exc:
-            text = str(exc).splitlines()[0] if str(exc) else ""
-            return f"{type(exc).__name__}: {text}"
+    return reason_of(prove, block, num_experts, hidden)
 
 
 __all__ = ["ExpertRegion", "expert_weights", "proof", "prove", "run"]

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from autopar.capturing.reasons import reason_of
+
 _CHECK_TOKENS = (2, 5)  # (batch, sequence) of the random hidden states the proof runs on
 _CHECK_RTOL = 1e-6  # same ops on the same rows: anything beyond rounding is a different function
 
@@ -229,12 +231,7 @@ def prove(block: nn.Module, name: str, e: int) -> str:
 def proof(block: nn.Module, name: str, num_experts: int) -> str:
     """Why the block's loop cannot be rerouted ("" when :func:`prove` passes), without touching the
     global RNG; an exception of the block's own code on the stand-ins is such a reason."""
-    with torch.random.fork_rng(devices=[]):
-        try:
-            return prove(block, name, num_experts)
-        except Exception as exc:
-            text = str(exc).splitlines()[0] if str(exc) else ""
-            return f"{type(exc).__name__}: {text}"
+    return reason_of(prove, block, name, num_experts)
 
 
 __all__ = ["out_width", "proof", "prove", "rerouted", "router_width", "run_in_place"]
