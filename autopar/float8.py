@@ -67,13 +67,31 @@ class Float8Linear:
 
 @dataclass(frozen=True)
 class Float8Settings:
-    """The plan's float8 choice (``training.float8`` in the file): the recipe and the converted linears."""
+    """The plan's float8 choice (``training.float8`` in the file): the recipe, the converted linears, and
+    whether FSDP2 all-gathers their weights in float8 (``fsdp_all_gather``: torchao's
+    ``enable_fsdp_float8_all_gather``, tensorwise only). Gathered in float8, each weight is cast on the
+    rank's shard with the amax of the whole weight (an all-reduce of one value over the dp group) and
+    moves 1 byte an element instead of the plan's dtype's; the GEMMs see the same float8 weight as
+    when the cast follows the gather, so the numbers do not change (2 gloo ranks, ZeRO-3, 3 SGD steps:
+    equal to the last bit). It matters where a fully_shard unit gathers weights; a DDP plan ignores it."""
 
     recipe: Recipe
     linears: tuple[Float8Linear, ...]
+    fsdp_all_gather: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "recipe", Recipe(self.recipe))
+        if self.fsdp_all_gather and self.recipe is not Recipe.TENSORWISE:
+            raise PlanError(f"float8: FSDP2's float8 all-gather runs tensorwise scaling only, not "
+                            f"{self.recipe.value} (torchao's enable_fsdp_float8_all_gather)")
+
+    def gathered_elements(self, layer: str) -> tuple[int, int]:
+        """(weight elements, weights) of ``layer``'s converted linears FSDP2 gathers in float8
+        ((0, 0) when the weights are gathered in the plan's dtype)."""
+        if not self.fsdp_all_gather:
+            return 0, 0
+        mine = [l for l in self.linears if l.layer == layer]
+        return sum(l.in_features * l.out_features for l in mine), len(mine)
 
     def shapes(self, layer: str) -> frozenset[tuple[int, int]]:
         """(out_features, in_features) of the converted linears of ``layer``: the (n, k) of the GEMMs
@@ -84,12 +102,17 @@ class Float8Settings:
         return frozenset(l.path for l in self.linears)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"recipe": self.recipe.value, "linears": [l.to_dict() for l in self.linears]}
+        return {"recipe": self.recipe.value, "linears": [l.to_dict() for l in self.linears],
+                "fsdp_all_gather": self.fsdp_all_gather}
 
     @classmethod
     def from_dict(cls, d: Any, source: str = "training.float8") -> Float8Settings:
-        if not isinstance(d, dict) or set(d) != {"recipe", "linears"} or not isinstance(d["linears"], list):
-            raise PlanError(f"{source} must be an object with 'recipe' and a list 'linears'")
+        """The settings of a plan file (one written before ``fsdp_all_gather`` existed gathers in the
+        plan's dtype, as it was priced)."""
+        if (not isinstance(d, dict) or not {"recipe", "linears"} <= set(d) <= {"recipe", "linears", "fsdp_all_gather"}
+                or not isinstance(d["linears"], list) or not isinstance(d.get("fsdp_all_gather", False), bool)):
+            raise PlanError(f"{source} must be an object with 'recipe', a list 'linears' and optionally a "
+                            "boolean 'fsdp_all_gather'")
         try:
             recipe = Recipe(d["recipe"])
         except ValueError:
@@ -104,7 +127,7 @@ class Float8Settings:
                 raise PlanError(f"{source}: each linear is {{path, layer, in_features, out_features}}, "
                                 f"got {item!r}")
             linears.append(Float8Linear(**item))
-        return cls(recipe, tuple(linears))
+        return cls(recipe, tuple(linears), d.get("fsdp_all_gather", False))
 
 
 def parse_recipe(value: str | bool | Recipe) -> Recipe:
@@ -145,7 +168,9 @@ def settings_for(model: Any, graph: Any, recipe: str | bool | Recipe) -> Float8S
         raise Float8Error(f"float8: the model has no "
                           f"nn.Linear inside a repeated block with both dimensions multiples of "
                           f"{FLOAT8_MULTIPLE}: nothing to convert; drop --float8")
-    return Float8Settings(chosen, linears)
+    # tensorwise: FSDP2 gathers the weights in float8 (half of bf16's bytes, same numbers), as torchtitan
+    # recommends with it; rowwise scales per row, which torchao's float8 all-gather does not run
+    return Float8Settings(chosen, linears, fsdp_all_gather=chosen is Recipe.TENSORWISE)
 
 
 def emulated(cluster: ClusterSpec) -> bool:
@@ -159,9 +184,10 @@ def emulated(cluster: ClusterSpec) -> bool:
                       f"{NEEDS}")
 
 
-def describe(settings: Float8Settings, dtype: str = "bf16") -> str:
+def describe(settings: Float8Settings, dtype: str = "bf16", *, sharded: bool = False) -> str:
     """One line for ``show``: the recipe and which linears of which layers (by their path inside the
-    layer, once per run of layers converting the same ones)."""
+    layer, once per run of layers converting the same ones), and, in a plan whose FSDP2 units gather
+    weights (``sharded``), whether they gather them in float8."""
     layers: dict[str, list[str]] = {}
     for l in settings.linears:
         rel = l.path[len(l.layer) + 1:] if l.path.startswith(l.layer + ".") else l.path
@@ -174,8 +200,9 @@ def describe(settings: Float8Settings, dtype: str = "bf16") -> str:
             runs.append((tuple(rels), [layer]))
     parts = [f"{', '.join(rels)} of {names[0]}" + (f" … {names[-1]} ({len(names)} layers)" if len(names) > 1 else "")
              for rels, names in runs]
+    gathered = "; FSDP2 gathers their weights in float8" if settings.fsdp_all_gather and sharded else ""
     return (f"{settings.recipe.value} scaling, {len(settings.linears)} linears: {'; '.join(parts)}; "
-            f"every other layer in {dtype}")
+            f"every other layer in {dtype}{gathered}")
 
 
 __all__ = ["FLOAT8_MULTIPLE", "NEEDS", "Float8Linear", "Float8Settings", "Recipe", "describe", "emulated",

@@ -564,7 +564,8 @@ def render_summary(plan: Plan) -> str:
     if plan.pins:
         lines.append("pins          " + " ".join(plan.pins))
     if plan.training.float8 is not None:
-        lines.append("float8        " + describe(plan.training.float8, plan.training.dtype))
+        sharded = m.dp > 1 and any(lp.choice.zero >= 1 for lp in plan.layers)
+        lines.append("float8        " + describe(plan.training.float8, plan.training.dtype, sharded=sharded))
     rows, header = _layer_rows(plan)
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)

@@ -83,6 +83,9 @@ def float8_equivalence(spec: Spec, recipe: str) -> Callable[[int, int], dict[str
         pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=graph,
                              optimizer=lambda p: torch.optim.SGD(p, **SGD))
         converted = sorted(n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear")
+        # FSDP2 gathers these in float8 (torchao's float8-cast weight inside the DTensor shard)
+        gathered = sorted(n for n, m in model.named_modules() if type(getattr(getattr(m, "weight", None),
+                          "_local_tensor", None)).__name__ == "WeightWithDynamicFloat8CastTensor")
         losses, grads = [], {}
         for k in range(STEPS):
             x, y = make_batch(inputs, model, spec.global_batch, seed=1 + k)
@@ -94,7 +97,7 @@ def float8_equivalence(spec: Spec, recipe: str) -> Callable[[int, int], dict[str
         out: dict[str, Any] = {"converted": converted, "planned": sorted(plan.training.float8.paths()),
                                "recipe": plan.training.float8.recipe.value, "zero": sorted({l.choice.zero
                                                                                           for l in plan.layers}),
-                               "losses": losses}
+                               "losses": losses, "gathered": gathered}
         for name, ref in refs.items():
             out[f"{name}_loss_rel"] = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"]))
             out[f"{name}_grad_rel"], out[f"{name}_grad_worst"] = _max_rel(grads, ref["grads"])

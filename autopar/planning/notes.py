@@ -121,7 +121,8 @@ def search_notes(graph: LayerGraph, pins: Pins, world_size: int) -> tuple[str, .
 
 
 def float8_notes(cluster: ClusterSpec, training: TrainingSpec, solution: Solution) -> tuple[str, ...]:
-    """What float8 prices otherwise than a reader may assume: emulation on a CPU, no float8 all-gather."""
+    """What float8 prices otherwise than a reader may assume: emulation on a CPU; how sharded weights are
+    gathered (in float8 under tensorwise scaling, in the plan's dtype under rowwise)."""
     if training.float8 is None:
         return ()
     notes = []
@@ -129,9 +130,12 @@ def float8_notes(cluster: ClusterSpec, training: TrainingSpec, solution: Solutio
         notes.append(f"float8 on {cluster.device.name} is torchao's emulation (real casts to float8, the "
                      f"matmuls in fp32 on the rounded values): its matmuls are priced at the "
                      f"{training.dtype} peak, plus the casts, with no float8 speedup")
-    if any(c.zero == 3 for c in solution.choices):
-        notes.append(f"float8: ZeRO-3 gathers the converted weights in {training.dtype}, as priced (FSDP2's "
-                     "float8 all-gather is not used)")
+    if any(c.zero >= 1 for c in solution.choices) and training.float8.fsdp_all_gather:
+        notes.append("float8: FSDP2 gathers the converted weights of sharded layers in float8, 1 byte an "
+                     "element, their scales from one all-reduce of the weights' amaxes a step, as priced")
+    elif any(c.zero >= 1 for c in solution.choices):
+        notes.append(f"float8: FSDP2 gathers the converted weights in {training.dtype}, as priced (its float8 "
+                     f"all-gather runs tensorwise scaling only, not {training.float8.recipe.value})")
     return tuple(notes)
 
 

@@ -67,6 +67,7 @@ from autopar.planning.sequence import region_s, sequence_activation_bytes, seque
 from autopar.planning.shared_prices import SharedPrices
 
 FP32_BYTES = 4  # the loss, and a bf16 plan's master gradients outside FSDP2, are fp32
+FLOAT8_BYTES = 1  # a weight FSDP2 gathers in float8 (torchao's float8 all-gather)
 
 
 def exposed_comm_s(comm_s: float, compute_s: float, overlap: float) -> float:
@@ -405,7 +406,10 @@ class PriceTable:
         dense = params - expert_price.split_params(self, layer)
         ez, edp = expert_price.expert_zero(self, layer, runs.zero), self.edp_group.size  # the experts' ZeRO over edp
         share = contract.collective_share(self.graph, layer.index, self.engine, c.mesh.pp, prec.grad_bytes)
-        dp_comm = self.dp_collectives_s(dense, runs.zero, share) + expert_price.collectives_s(self, experts, ez)
+        gathered = (self.training.float8.gathered_elements(layer.name)
+                    if self.training.float8 is not None and runs.zero >= 1 else (0, 0))
+        dp_comm = (self.dp_collectives_s(dense, runs.zero, share, gathered)
+                   + expert_price.collectives_s(self, experts, ez))
         fsdp_work = self._zero_overhead_s(dense, runs.zero, share)  # done by the host: never hidden
         fsdp_work += self._tied_sum_s(layer, runs.zero) + (expert_price.sync_s(self, layer) if ez == 0 else 0.0)
         if ez:  # FSDP2's own work around each of the experts unit's collectives
@@ -464,24 +468,38 @@ class PriceTable:
         passes/tensor_parallel.py): tensor-parallel, or data-parallel on FSDP2 (anything but DDP)."""
         return runs.tp is not None or self.engine in (Engine.REPLICATE, Engine.FULLY_SHARD)
 
-    def dp_collectives_s(self, params: int, zero: int, share: float = 1.0) -> float:
+    def dp_collectives_s(self, params: int, zero: int, share: float = 1.0,
+                         float8: tuple[int, int] = (0, 0)) -> float:
         """Per step: the collectives of :func:`autopar.contract.dp_collectives`. ``share``: the
-        layer's share of each collective's latency."""
+        layer's share of each collective's latency. ``float8``: (elements, weights) of the layer's
+        converted linears FSDP2 gathers in float8 (:meth:`autopar.float8.Float8Settings.gathered_elements`)."""
         if self.data_ranks <= 1 or params == 0:
             return 0.0
-        key = (params, zero, share, self.dp_group, self.config.microbatches, self.prec, id(self.cluster))
+        key = (params, zero, share, float8, self.dp_group, self.config.microbatches, self.prec, id(self.cluster))
         memo = self._shared.dp_collectives
         if key not in memo:
-            memo[key] = self._dp_collectives_s(params, zero, share)
+            memo[key] = self._dp_collectives_s(params, zero, share, float8)
         return memo[key]
 
-    def _dp_collectives_s(self, params: int, zero: int, share: float) -> float:
+    def _dp_collectives_s(self, params: int, zero: int, share: float, float8: tuple[int, int]) -> float:
+        """Weights gathered in float8 move 1 byte an element; their scales come from one all-reduce a
+        step of every gathered weight's amax (``runtime.float8.precompute_scales``: one fp32 value a
+        weight, this layer paying its weights' share of the latency). The casts stay priced on whole
+        weights (``layer_compute``), though the gather casts the rank's shard: an overestimate of at
+        most n·k·(1 − 1/dp) elements' cast a gather, beside the activations' casts."""
         group, cl = self.dp_group, self.cluster
-        grads, weights = self.prec.grad_bytes * params, self.prec.param_bytes * params
+        elements, weights_f8 = float8
+        grads = self.prec.grad_bytes * params
+        weights = self.prec.param_bytes * (params - elements) + FLOAT8_BYTES * elements
         all_reduce, reduce_scatter, all_gather = contract.dp_collectives(zero, self.config.microbatches)
+        scales = 0.0
+        if weights_f8 and all_gather:
+            every = len(self.training.float8.linears) if self.training.float8 is not None else weights_f8
+            scales = collective_time_s(Collective.ALL_REDUCE, FP32_BYTES * weights_f8, group, cl,
+                                       count=weights_f8 / every)
         return (all_reduce * collective_time_s(Collective.ALL_REDUCE, grads, group, cl, count=share)
                 + reduce_scatter * collective_time_s(Collective.REDUCE_SCATTER, grads, group, cl, count=share)
-                + all_gather * collective_time_s(Collective.ALL_GATHER, weights, group, cl, count=share))
+                + all_gather * collective_time_s(Collective.ALL_GATHER, weights, group, cl, count=share) + scales)
 
     def _tied_sum_s(self, layer: Layer, zero: int) -> float:
         """Per step, at each end of tied embeddings split across stages: the all-reduce of the tied

@@ -28,9 +28,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from autopar.contract import Engine, plan_layout
 from autopar.cost_models.gpu_figures import FP8_MIN_COMPUTE_CAPABILITY
 from autopar.errors import Float8Error
 from autopar.float8 import NEEDS, Float8Settings
+from autopar.graph import LayerGraph
 from autopar.plan import Plan
 
 # "tensorwise"/"rowwise": ``compile``'s float8 defaults to it (set by ``autopar run --float8``)
@@ -102,9 +104,24 @@ def _torchao() -> Any:
     return f8
 
 
-def convert(model: nn.Module, settings: Float8Settings, *, emulate: bool) -> list[str]:
+def gathered_in_float8(plan: Plan, graph: LayerGraph) -> frozenset[str]:
+    """The converted linears whose weights FSDP2 gathers in float8: with the plan's ``fsdp_all_gather``,
+    those of layers a ``fully_shard`` unit holds (the contract's role: ZeRO ≥ 1 over more than one data
+    rank), which is where pricing moves their all-gathers to 1 byte an element (``planning.pricing``);
+    a replicated layer's weights are never gathered."""
+    settings = plan.training.float8
+    if settings is None or not settings.fsdp_all_gather or plan.mesh.dp <= 1:
+        return frozenset()
+    sharded = {role.name for role in plan_layout(graph, plan).layers
+               if role.engine is Engine.FULLY_SHARD and role.zero >= 1}
+    return frozenset(l.path for l in settings.linears if l.layer in sharded)
+
+
+def convert(model: nn.Module, settings: Float8Settings, *, emulate: bool,
+            gathered: frozenset[str] = frozenset()) -> list[str]:
     """Swap the plan's linears of ``model`` for ``Float8Linear`` in place (``emulate``: torchao's fp32
-    matmuls, on a CPU); returns the paths converted, which must be all the plan names."""
+    matmuls, on a CPU; ``gathered``: the paths whose weights FSDP2 will gather in float8,
+    :func:`gathered_in_float8`); returns the paths converted, which must be all the plan names."""
     f8 = _torchao()
     config = f8.Float8LinearConfig.from_recipe_name(settings.recipe.value)
     if emulate:
@@ -114,8 +131,28 @@ def convert(model: nn.Module, settings: Float8Settings, *, emulate: bool) -> lis
     if missing:
         raise Float8Error(f"the plan's float8 linears {', '.join(missing[:3])} are not nn.Linear modules of this "
                           f"model: re-plan it with --float8")
-    f8.convert_to_float8_training(model, module_filter_fn=lambda _m, fqn: fqn in wanted, config=config)
+    if gathered:
+        f8.convert_to_float8_training(model, module_filter_fn=lambda _m, fqn: fqn in gathered,
+                                      config=dataclasses.replace(config, enable_fsdp_float8_all_gather=True))
+    f8.convert_to_float8_training(model, module_filter_fn=lambda _m, fqn: fqn in wanted - gathered, config=config)
     return sorted(p for p, m in model.named_modules() if type(m).__name__ == "Float8Linear")
+
+
+def precompute_scales(module: nn.Module) -> None:
+    """Before a step's forward: every float8-gathered weight's scale from one all-reduce of their amaxes
+    (torchao's ``precompute_float8_dynamic_scale_for_fsdp``; the same scale, to the bit, as each weight's
+    own all-reduce before its gather, which is what runs without it)."""
+    _torchao().precompute_float8_dynamic_scale_for_fsdp(module)
+
+
+def drop_scales(module: nn.Module) -> None:
+    """After the step has moved the weights: forget the scales :func:`precompute_scales` set, so that a
+    forward outside ``train_step`` (or after a checkpoint load) takes each weight's own amax again
+    rather than a scale of weights that no longer exist."""
+    for m in module.modules():
+        local = getattr(getattr(m, "weight", None), "_local_tensor", None)
+        if local is not None and hasattr(local, "_precomputed_scale"):
+            local._precomputed_scale = None
 
 
 def _get(model: nn.Module, path: str) -> nn.Module | None:
@@ -125,4 +162,5 @@ def _get(model: nn.Module, path: str) -> nn.Module | None:
         return None
 
 
-__all__ = ["FLOAT8_ENV", "check_device", "check_float8", "convert", "requested", "unsupported"]
+__all__ = ["FLOAT8_ENV", "check_device", "check_float8", "convert", "drop_scales", "gathered_in_float8",
+           "precompute_scales", "requested", "unsupported"]

@@ -49,7 +49,7 @@ from autopar.passes.expert_parallel import reduce_expert_grads
 from autopar.plan import Plan, Predicted
 from autopar.runtime.balance import BiasBalancer, bias_group, check_bias_update
 from autopar.runtime.compiled import block_paths, check_compiled, compile_blocks, requested
-from autopar.runtime.float8 import check_device, check_float8
+from autopar.runtime.float8 import check_device, check_float8, drop_scales, gathered_in_float8, precompute_scales
 from autopar.runtime.float8 import convert as convert_float8
 from autopar.runtime.float8 import requested as float8_requested
 from autopar.runtime.launch import (
@@ -126,6 +126,7 @@ class ParallelModel:
     entries: list[Entry] = field(default_factory=list)
     compiled: tuple[str, ...] = ()  # the blocks running under torch.compile (plan.training.compiled)
     balancer: BiasBalancer | None = None  # moe_bias_update > 0: the routers' expert biases it moves
+    float8_gathered: bool = False  # FSDP2 gathers float8 weights: their scales set once a step (runtime/float8.py)
     _checkpoint_group: Any = field(default=None, repr=False)
     _pending_save: Any = field(default=None, repr=False)
 
@@ -235,6 +236,8 @@ class ParallelModel:
         self._check_context(inputs, targets)
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
+        if self.float8_gathered:
+            precompute_scales(self.module)
         if self.balancer is not None:
             self.balancer.counting = True
         try:
@@ -255,6 +258,8 @@ class ParallelModel:
         self.optimizer.step()
         if self.masters is not None:
             self.masters.copy_to_params()
+        if self.float8_gathered:
+            drop_scales(self.module)
         if self.balancer is not None:  # the routers' biases moved by the step's token counts (balance.py)
             self.balancer.update()
         if self.scheduler is not None:
@@ -565,8 +570,9 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
     dtype = plan_dtype(plan.training.dtype)
     first: dict[int, str] = {}  # a tied weight under the model's first name, whichever stage module holds it
     canonical = {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
+    gathered = gathered_in_float8(plan, graph)
     if plan.training.float8 is not None:  # torchao's Float8Linear in place of the plan's linears, before lowering
-        convert_float8(model, plan.training.float8, emulate=check_device())
+        convert_float8(model, plan.training.float8, emulate=check_device(), gathered=gathered)
     if launched:
         lowered = lower(model, graph, plan, example_inputs=example_inputs,
                         loss_fn=fp32_loss(loss_fn) if dtype is not None else loss_fn, init_fn=init_fn)
@@ -586,7 +592,7 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
     pm = ParallelModel(plan, graph, module, opt, loss_fn, launched=launched, lowered=lowered,
                        scheduler=lr_scheduler(opt) if lr_scheduler is not None else None,
                        max_grad_norm=max_grad_norm, masters=masters, seed=seed, entries=entries,
-                       compiled=tuple(blocks),
+                       compiled=tuple(blocks), float8_gathered=bool(gathered),
                        balancer=BiasBalancer(routers, float(moe_bias_update), bias_group(lowered.mesh, plan))
                        if routers else None)
     if weights is not None:

@@ -123,6 +123,53 @@ def test_a_matmul_bound_plan_on_h100_is_faster_in_float8_and_a_tiny_one_is_not()
             > autopar.solve(g, 8, pins=["tp=1", "pp=1", "ep=1", "cp=1"], **tiny).predicted.step_time_s)
 
 
+def test_fsdp_gathers_tensorwise_weights_in_float8_priced_at_one_byte_an_element() -> None:
+    """ZeRO-3 all-gathers each converted weight twice a step; gathered in float8 (tensorwise, the
+    default) it moves 1 byte an element instead of bf16's 2, plus one all-reduce a step of every
+    weight's amax (a block's share of it). The same block priced otherwise differs by exactly that;
+    at ZeRO-0 nothing is gathered and the prices are equal."""
+    import dataclasses
+
+    from autopar.contract import DataParallelism
+    from autopar.cost_models.communication import Collective, collective_time_s
+    from autopar.cost_models.pipeline import Schedule, ScheduleKind
+    from autopar.mesh import Mesh
+    from autopar.planning.configuration import Configuration, TrainingSpec
+    from autopar.planning.pricing import PriceTable
+
+    model, _, g = _gpt(n_layer=4, d_model=1024, n_head=16, seq_len=1024)
+    gathered = settings_for(model, g, True)
+    assert gathered.fsdp_all_gather and not settings_for(model, g, "rowwise").fsdp_all_gather
+    plain = dataclasses.replace(gathered, fsdp_all_gather=False)
+    cluster = load_cluster("h100-80g").for_world_size(8)
+    config = Configuration(Mesh(dp=8), 1, Schedule(ScheduleKind.NONE), DataParallelism(True, 3))
+    tables = {f8: PriceTable(g, config, cluster, TrainingSpec(8, dtype="bf16", float8=f8)) for f8 in (gathered, plain)}
+    i = g.layer("blocks.0").index
+
+    def dp_comm(f8, zero: int) -> float:
+        table = tables[f8]
+        k = next(k for k, c in enumerate(table.choices[i]) if c.zero == zero and c.tp is None and not c.recompute)
+        return table.prices[i][k].dp_comm_s
+
+    group = tables[plain].dp_group
+    weights = 12 * 1024 * 1024  # the block's four converted weights: 3d·d + d·d + 4d·d + d·4d
+    saved = (2 * (collective_time_s(Collective.ALL_GATHER, 2 * weights, group, cluster)
+                  - collective_time_s(Collective.ALL_GATHER, weights, group, cluster))
+             - collective_time_s(Collective.ALL_REDUCE, 4 * 4, group, cluster, count=4 / 16))
+    assert saved > 0
+    assert dp_comm(plain, 3) - dp_comm(gathered, 3) == pytest.approx(saved, rel=1e-3)  # the unit's latency share
+    assert dp_comm(plain, 1) > dp_comm(gathered, 1)  # ZeRO-1/2 gather once a step, in float8 too
+    shown = [l for l in autopar.solve(g, 8, cluster="h100-80g", global_batch=8, float8=gathered,
+                                      pins=["tp=1", "pp=1", "dp=8", "zero=3"]).summary().splitlines()
+             if l.startswith("float8 ")]
+    assert shown[0].endswith("FSDP2 gathers their weights in float8")
+    with pytest.raises(PlanError, match="tensorwise scaling only"):
+        Float8Settings(Recipe.ROWWISE, gathered.linears, fsdp_all_gather=True)
+    assert Float8Settings.from_dict(gathered.to_dict()) == gathered
+    old = {k: v for k, v in gathered.to_dict().items() if k != "fsdp_all_gather"}  # a plan written before
+    assert Float8Settings.from_dict(old) == plain
+
+
 # ------------------------------------------------------------------ where it runs
 
 
@@ -139,7 +186,9 @@ def test_a_cpu_cluster_emulates_and_the_plan_says_so(gpt_tiny) -> None:
     model, _, g = gpt_tiny
     plan = autopar.solve(g, 2, cluster="cpu", float8=settings_for(model, g, "rowwise"), pins=["zero=3"])
     assert any("torchao's emulation" in n and "no float8 speedup" in n for n in plan.notes)
-    assert any("ZeRO-3 gathers the converted weights" in n for n in plan.notes)
+    assert any("gathers the converted weights in bf16" in n and "not rowwise" in n for n in plan.notes)
+    plan = autopar.solve(g, 2, cluster="cpu", float8=settings_for(model, g, True), pins=["zero=3"])
+    assert any("gathers the converted weights of sharded layers in float8" in n for n in plan.notes)
     assert {"tp=1", "pp=1", "ep=1", "cp=1"} <= set(plan.pins)
     with pytest.raises(Float8Error, match="does not run tensor parallelism"):
         autopar.solve(g, 2, cluster="cpu", float8=settings_for(model, g, True), pins=["tp=2"])

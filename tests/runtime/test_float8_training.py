@@ -57,6 +57,10 @@ def test_float8_trains_on_two_ranks_as_one_float8_process(w2: dict, case: str) -
         assert 1e-3 < m["fp32_grads_rel"] < FLOAT8_TOL and m["fp32_updates_rel"] < FLOAT8_TOL, m
         assert m["fp32_loss_rel"] < LOSS_TOL, m
     assert w2["ddp_tensorwise"]["zero"] == [0] and w2["zero3_tensorwise"]["zero"] == [3]
+    # tensorwise under ZeRO-3: FSDP2 gathers every converted weight in float8 (DDP and rowwise: none)
+    gathers = {"zero3_tensorwise": True, "hf_llama_zero3": True}.get(case, False)
+    for m in every_rank(w2[case]):
+        assert m["gathered"] == (m["planned"] if gathers else []), m
 
 
 # ------------------------------------------------------------------ refusals, one line each
