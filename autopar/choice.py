@@ -60,20 +60,24 @@ class CpAttention(StrEnum):
     ``ALL_GATHER`` gathers K and V over the cp group and runs each rank's query chunks against the key
     prefixes they see; ``ULYSSES`` (DeepSpeed-Ulysses) moves q, k and v by all-to-all from a split of the
     sequence to a split of the heads, runs causal attention over the whole sequence for the rank's
-    heads, and moves the output back (``passes/context_parallel.py``). A plan file written before the
-    method was a choice means all-gather.
+    heads, and moves the output back; ``RING`` passes K and V round the cp ring in cp − 1 steps, each
+    step's transfer overlapped with the attention of the chunk in hand, the partial outputs merged by
+    their log-sum-exp (torch's ``_templated_ring_attention``), so no rank holds the gathered K/V
+    (``passes/context_parallel.py``). A plan file written before the method was a choice means all-gather.
     """
 
     ALL_GATHER = "allgather"
     ULYSSES = "ulysses"
+    RING = "ring"
 
     @classmethod
     def of(cls, value: CpAttention | str) -> CpAttention:
         """A method from itself or its name (``all_gather``, ``all-gather``, ``a2a`` spelled as aliases)."""
         text = str(value).lower().replace("-", "").replace("_", "")
-        aliases = {"allgather": cls.ALL_GATHER, "ulysses": cls.ULYSSES, "a2a": cls.ULYSSES, "alltoall": cls.ULYSSES}
+        aliases = {"allgather": cls.ALL_GATHER, "ulysses": cls.ULYSSES, "a2a": cls.ULYSSES, "alltoall": cls.ULYSSES,
+                   "ring": cls.RING}
         if text not in aliases:
-            raise ValueError(f"cp_attention must be allgather or ulysses, got {value!r}")
+            raise ValueError(f"cp_attention must be allgather, ulysses or ring, got {value!r}")
         return aliases[text]
 
 

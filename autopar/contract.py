@@ -75,6 +75,8 @@ from autopar.contract_cp import (  # cp's rules, in a module of their own; the p
     cp_methods,  # noqa: F401
     cp_refusal,  # noqa: F401
     data_ranks,
+    method_refusal,  # noqa: F401
+    ring_refusal,  # noqa: F401
     ulysses_refusal,  # noqa: F401
 )
 from autopar.units import MiB

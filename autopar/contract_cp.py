@@ -108,11 +108,46 @@ def ulysses_refusal(graph: LayerGraph, mesh: Mesh) -> str | None:
     return None
 
 
+def ring_refusal(graph: LayerGraph, mesh: Mesh) -> str | None:
+    """Why ring attention (:attr:`CpAttention.RING`: K/V passed round the cp ring by torch's
+    ``_templated_ring_attention``, ``passes/context_ring.py``) cannot run ``graph``'s attention on ``mesh``
+    (None when it can). It replaces causal SDPA calls of 4-D [batch, heads, sequence, dim] tensors (torch's
+    ring passes dim 2; capture records their key/value heads only for such calls), so not attention
+    written by hand, whose masked softmax returns no log-sum-exp to merge partial outputs by. Run against
+    one device beside dp only (cp=2 and cp=4, the project's GPT and a Hugging Face Llama:
+    ``tests/runtime/test_context_ring.py``), so not offered beside tp, pp or ep."""
+    if mesh.cp <= 1:
+        return "ring attention passes K/V round the cp ranks, and cp is 1"
+    if graph.cp_manual:
+        return (f"ring attention does not run on attention written by hand ({next(iter(graph.cp_manual))}: its "
+                "masked softmax gives no log-sum-exp to merge the ring's partial outputs by); cp there gathers K/V")
+    beside = " × ".join(f"{n}={getattr(mesh, n)}" for n in ("tp", "pp", "ep") if getattr(mesh, n) > 1)
+    if beside:
+        return (f"ring attention at cp={mesh.cp} runs beside dp only, not beside {beside} (not run against one "
+                "device there yet)")
+    for layer in graph:
+        if layer.attention_calls and (not layer.kv_heads or 0 in layer.kv_heads):
+            return (f"ring attention needs each attention call's query, key and value [batch, heads, sequence, dim], "
+                    f"which capture did not record for {layer.name}")
+    return None
+
+
 def cp_methods(graph: LayerGraph, mesh: Mesh) -> tuple[CpAttention, ...]:
-    """The attention methods a cp mesh offers on ``graph``: all-gather always, Ulysses where it runs."""
+    """The attention methods a cp mesh offers on ``graph``: all-gather always, Ulysses and ring where they run."""
     if mesh.cp <= 1:
         return (CpAttention.ALL_GATHER,)
-    return (CpAttention.ALL_GATHER,) + (() if ulysses_refusal(graph, mesh) else (CpAttention.ULYSSES,))
+    return ((CpAttention.ALL_GATHER,) + (() if ulysses_refusal(graph, mesh) else (CpAttention.ULYSSES,))
+            + (() if ring_refusal(graph, mesh) else (CpAttention.RING,)))
 
 
-__all__ = ["cp_admits_sequence", "cp_admits_style", "cp_methods", "cp_refusal", "data_ranks", "ulysses_refusal"]
+def method_refusal(method: CpAttention, graph: LayerGraph, mesh: Mesh) -> str | None:
+    """Why ``method`` cannot run ``graph``'s attention on ``mesh`` (None when it can; all-gather always can)."""
+    if method is CpAttention.ULYSSES:
+        return ulysses_refusal(graph, mesh)
+    if method is CpAttention.RING:
+        return ring_refusal(graph, mesh)
+    return None
+
+
+__all__ = ["cp_admits_sequence", "cp_admits_style", "cp_methods", "cp_refusal", "data_ranks", "method_refusal",
+           "ring_refusal", "ulysses_refusal"]

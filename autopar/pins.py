@@ -17,11 +17,12 @@ it against the graph). ``sp=on|off`` (global or per layer) turns sequence
 parallelism on the layers' tensor-parallel styles on or off: a global
 ``sp=on`` applies to the layers whose style can take it at the plan's tp; a
 per-layer one on a layer that cannot is a PinError naming the layer.
-``cp_attention=allgather|ulysses`` fixes how attention sees the whole sequence
-under cp (K/V all-gather, or the head all-to-all of DeepSpeed-Ulysses); free,
-the solver prices both where both run and takes the cheaper. A Ulysses pin on a
-model whose key/value heads cp (× tp) does not divide is a PinError naming the
-head count (planning checks it against the graph).
+``cp_attention=allgather|ulysses|ring`` fixes how attention sees the whole sequence
+under cp (K/V all-gather, the head all-to-all of DeepSpeed-Ulysses, or K/V passed
+round the cp ring); free, the solver prices each that runs and takes the cheapest.
+A Ulysses pin on a model whose key/value heads cp (× tp) does not divide, or a
+ring pin where the ring cannot run, is a PinError naming why (planning checks it
+against the graph).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class Pins:
     zero: int | None = None
     recompute: Recompute | None = None
     sp: bool | None = None  # every layer whose style can take it (global), or none
-    cp_attention: CpAttention | None = None  # under cp: all-gather or Ulysses (None: the solver's choice)
+    cp_attention: CpAttention | None = None  # under cp: all-gather, Ulysses or ring (None: the solver's choice)
     layers: tuple[LayerPin, ...] = field(default_factory=tuple)
 
     @classmethod
@@ -267,7 +268,7 @@ def _global_value(key: str, value: str, item: str) -> Any:
         try:
             return CpAttention.of(value)
         except ValueError:
-            raise PinError(f"pin {item!r}: cp_attention must be allgather or ulysses, got {value!r}") from None
+            raise PinError(f"pin {item!r}: cp_attention must be allgather, ulysses or ring, got {value!r}") from None
     try:
         return SCHEDULE_NAMES[value.lower()]
     except KeyError:

@@ -434,14 +434,14 @@ def _record(cls: type, raw: Any, source: str) -> Any:
 
 
 def _cp_attention(d: dict, source: str) -> CpAttention:
-    """The ``cp_attention`` field: ``allgather`` or ``ulysses``; absent (an older plan) all-gather."""
+    """The ``cp_attention`` field: ``allgather``, ``ulysses`` or ``ring``; absent (an older plan) all-gather."""
     value = d.get("cp_attention", CpAttention.ALL_GATHER.value)
     if not isinstance(value, str):
         raise PlanError(f"{source}: field 'cp_attention' has the wrong type ({type(value).__name__})")
     try:
         return CpAttention(value)
     except ValueError:
-        raise PlanError(f"{source}: field 'cp_attention' is {value!r}; use allgather or ulysses") from None
+        raise PlanError(f"{source}: field 'cp_attention' is {value!r}; use allgather, ulysses or ring") from None
 
 
 def _runner_up(r: Any, source: str) -> RunnerUp:
@@ -471,8 +471,9 @@ def _check_consistent(plan: Plan, source: str) -> None:
     stages = [l.stage for l in plan.layers]
     if any(b < a for a, b in zip(stages, stages[1:])) or (stages and max(stages) >= plan.stages):
         raise PlanError(f"{source}: layer stages must be non-decreasing and below {plan.stages}")
-    if plan.cp_attention is CpAttention.ULYSSES and plan.mesh.cp <= 1:
-        raise PlanError(f"{source}: cp_attention 'ulysses' splits attention over cp ranks, but the mesh has cp=1")
+    if plan.cp_attention is not CpAttention.ALL_GATHER and plan.mesh.cp <= 1:
+        raise PlanError(f"{source}: cp_attention '{plan.cp_attention}' splits attention over cp ranks, but the mesh "
+                        "has cp=1")
     if any(l.choice.zero not in (0, 1, 2, 3) for l in plan.layers):
         raise PlanError(f"{source}: a layer's zero stage is not 0–3")
     p = plan.predicted
@@ -533,8 +534,8 @@ def _memory_line(plan: Plan) -> str:
 
 
 _METHOD = {CpAttention.ALL_GATHER: "allgather (K/V all-gather)",
-           CpAttention.ULYSSES: "ulysses (head all-to-all)"}
-_COMM = {CpAttention.ALL_GATHER: "K/V", CpAttention.ULYSSES: "all-to-all"}
+           CpAttention.ULYSSES: "ulysses (head all-to-all)", CpAttention.RING: "ring (K/V passed round the cp ring)"}
+_COMM = {CpAttention.ALL_GATHER: "K/V", CpAttention.ULYSSES: "all-to-all", CpAttention.RING: "ring K/V, unhidden"}
 
 
 def render_summary(plan: Plan) -> str:

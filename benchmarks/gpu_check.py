@@ -22,7 +22,9 @@ Ready for the day a machine with a GPU is lent (nothing here needs more than one
    master weights and AdamW state), timed training steps (median after
    warm-up) and peak memory (``torch.cuda.max_memory_allocated``; the
    profiler's allocation events on CPU), each against the plan priced on the
-   fitted cluster.
+   fitted cluster;
+4. ring attention's driver with the device's flash kernel at world size 1 (``gpu_ring.py``: the CUDA
+   plumbing of ``passes/context_ring.py``, output and gradients against one causal SDPA).
 
 Writes JSON: the device, the fit, and per plan the predicted and measured
 step time and peak memory and their ratios. Exits 1 if a plan fails to run.
@@ -246,6 +248,15 @@ def main() -> int:
     from gpu_compute import check as check_ops  # per-op compute terms: GEMM shapes, bandwidth, attention
     compute_ops, cluster = check_ops(args.dry, cluster)
     rows, failures, skipped = [], [], []
+    from gpu_ring import check as check_ring  # ring attention's driver with this device's flash kernel
+
+    try:
+        ring = check_ring(device)
+        if not ring["ok"]:
+            failures.append({"model": "-", "plan": "ring attention", "error": f"off by {ring['errors']}"})
+    except Exception as exc:  # noqa: BLE001 - reported, the plans still run
+        ring = {"error": f"{type(exc).__name__}: {exc}"}
+        failures.append({"model": "-", "plan": "ring attention", "error": ring["error"]})
     for model in DRY_MODELS if args.dry else GPU_MODELS:
         for name, pins in PLANS:
             try:
@@ -283,6 +294,7 @@ def main() -> int:
         "torch": torch.__version__, "cluster": cluster.to_dict(),
         "fit": {k: v for k, v in fit.items() if k != "layers"}, "probes": fit["layers"],
         "plans": rows, "skipped": skipped, "failures": failures, "compute_ops": compute_ops, "memory_terms": memory,
+        "ring": ring,
     }
     dist.destroy_process_group()
     text = json.dumps(result, indent=2, default=float)

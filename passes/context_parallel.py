@@ -1,5 +1,6 @@
-"""Context parallelism (cp): the sequence split over the cp ranks, attention by all-gathered K/V or by
-the head all-to-all (DeepSpeed-Ulysses), as the plan's ``cp_attention`` says.
+"""Context parallelism (cp): the sequence split over the cp ranks, attention by all-gathered K/V, by
+the head all-to-all (DeepSpeed-Ulysses) or by K/V passed round the cp ring (torch's ring attention,
+``passes/context_ring.py``), as the plan's ``cp_attention`` says.
 
 Every rank of a cp group holds, of each sequence of S tokens, two chunks of
 S/(2·cp): chunk ``r`` and chunk ``2·cp − 1 − r`` (head-tail load balancing:
@@ -195,11 +196,12 @@ def ulysses_attention(func: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 class ContextAttention(TorchFunctionMode):
     """Causal SDPA over the whole sequence from this rank's queries (see the module docstring), by
-    K/V all-gather or, with ``ulysses``, by the head all-to-all (:func:`ulysses_attention`)."""
+    K/V all-gather, with ``ulysses`` by the head all-to-all (:func:`ulysses_attention`), with ``ring`` by
+    K/V passed round the cp ring (``passes/context_ring.py``)."""
 
-    def __init__(self, group: Any, seq_len: int, cp: int, rank: int, ulysses: bool = False):
+    def __init__(self, group: Any, seq_len: int, cp: int, rank: int, ulysses: bool = False, ring: bool = False):
         super().__init__()
-        self.group, self.seq_len, self.cp, self.ulysses = group, seq_len, cp, ulysses
+        self.group, self.seq_len, self.cp, self.ulysses, self.ring = group, seq_len, cp, ulysses, ring
         chunk = seq_len // (2 * cp)
         self.starts = (rank * chunk, (2 * cp - 1 - rank) * chunk)  # the head and tail chunks (positions)
         gathered = torch.cat([positions(seq_len, cp, r) for r in range(cp)])  # global position of each row
@@ -231,6 +233,10 @@ class ContextAttention(TorchFunctionMode):
         if local * self.cp != self.seq_len:
             raise LoweringError(f"under cp={self.cp} attention expected {self.seq_len // self.cp} local tokens, "
                                 f"got {local}")
+        if self.ring:
+            from autopar.passes.context_ring import ring_attention
+
+            return ring_attention(q, k, v, self.group, kwargs)
         order = self.order.to(k.device)
         if self.ulysses:
             if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[1] % self.cp or q.shape[1] % self.cp:
@@ -255,6 +261,7 @@ class ContextParallelResult:
     hooks: list[Any]
     attention: tuple[str, ...]
     ulysses: bool = False  # the head all-to-all, not the K/V all-gather
+    ring: bool = False  # K/V passed round the cp ring, not all-gathered
 
 
 def _held(forward: Any, mode: Any) -> Any:
@@ -327,9 +334,11 @@ def check_context_parallel(graph: Any, plan: Any) -> None:
         raise LoweringError(f"cp={cp} with tp={plan.mesh.tp}: {', '.join(whole)} hold key/value projections "
                             "whole on every tp rank, which cp cannot gather per head; plan them with tp=none")
     from autopar.choice import CpAttention
-    from autopar.contract import ulysses_refusal
+    from autopar.contract import ring_refusal, ulysses_refusal
 
     if plan.cp_attention is CpAttention.ULYSSES and (why := ulysses_refusal(graph, plan.mesh)):
+        raise LoweringError(why)
+    if plan.cp_attention is CpAttention.RING and (why := ring_refusal(graph, plan.mesh)):
         raise LoweringError(why)
     if not graph.seq_len or graph.seq_len % (2 * cp):
         raise LoweringError(f"cp={cp} needs the sequence length divisible by 2·cp = {2 * cp}, "
@@ -371,7 +380,7 @@ def apply_context_parallel(module: nn.Module, graph: Any, plan: Any, mesh: Any,
     hooks = [module.get_submodule(path).register_forward_pre_hook(_global_positions(local), with_kwargs=True)
              for path in part_paths(graph, layers, graph.cp_positions)]
     group, cp = cp_mesh.get_group(), plan.mesh.cp
-    ulysses = str(plan.cp_attention) == "ulysses"
+    ulysses, ring = str(plan.cp_attention) == "ulysses", str(plan.cp_attention) == "ring"
     attention = part_paths(graph, layers, graph.cp_attention)
     from autopar.passes.manual_attention import ManualContextAttention, group_gather
 
@@ -381,8 +390,8 @@ def apply_context_parallel(module: nn.Module, graph: Any, plan: Any, mesh: Any,
         if path in graph.cp_manual:  # attention written by hand: kᵀ and v gathered, the rank's mask rows
             attn.forward = _held(attn.forward, lambda: ManualContextAttention(gather, local, seq_len))
         else:
-            attn.forward = _held(attn.forward, lambda: ContextAttention(group, seq_len, cp, rank, ulysses))
-    return ContextParallelResult(group, seq_len, plan.mesh.cp, rank, hooks, attention, ulysses)
+            attn.forward = _held(attn.forward, lambda: ContextAttention(group, seq_len, cp, rank, ulysses, ring))
+    return ContextParallelResult(group, seq_len, plan.mesh.cp, rank, hooks, attention, ulysses, ring)
 
 
 __all__ = ["DATA_DIM", "ContextAttention", "ContextParallelResult", "apply_context_parallel",

@@ -8,8 +8,9 @@ schedule (GPipe only where 1F1B cannot run, since under this cost model 1F1B
 has GPipe's time and never more memory; interleaved 1F1B with 2 or 4 chunks
 per rank), each data-parallel mode the contract offers
 (:func:`autopar.contract.data_parallel_modes`), and under cp each attention method
-that runs on the model (:func:`autopar.contract.cp_methods`: all-gather, and the head
-all-to-all where cp divides the key/value heads), so the solver takes the cheaper.
+that runs on the model (:func:`autopar.contract.cp_methods`: all-gather, the head
+all-to-all where cp divides the key/value heads, the ring where it runs), so the solver takes the
+cheapest.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
             continue  # cp inside pipeline stages runs, but is searched only where cp or pp is pinned: CP_UNSEARCHED
         methods = _cp_methods(graph, mesh, pins)
         if not methods:
-            unmet = unmet or contract.ulysses_refusal(graph, mesh) or ""
+            unmet = unmet or contract.method_refusal(pins.cp_attention, graph, mesh) or ""
             continue
         if training.compiled and (why := contract.compile_refusal(graph, mesh)):
             compile_refused.append(why)  # the compiled runtime would not run it: not offered
@@ -97,7 +98,7 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
                         for mode in contract.data_parallel_modes(graph, mesh.pp, contract.data_ranks(mesh), floor)
                         for method in methods]
     if not configs and unmet:
-        raise PinError(f"pin cp_attention=ulysses: {unmet} (and no other mesh the pins allow runs it)")
+        raise PinError(f"pin cp_attention={pins.cp_attention}: {unmet} (and no other mesh the pins allow runs it)")
     if not configs and split_refused:
         raise PinError(split_refused)
     if not configs and compile_refused:
@@ -118,18 +119,20 @@ def _cp_methods(graph: LayerGraph, mesh: Mesh, pins: Pins) -> tuple[CpAttention,
 
 
 def check_cp_attention_pin(graph: LayerGraph, pins: Pins, world_size: int) -> None:
-    """A Ulysses pin where no cp degree it may run at (the pinned one, else any above 1 dividing the
-    world) divides the key/value heads (× the pinned tp): one line naming the head count, before
-    anything is priced."""
-    if pins.cp_attention is not CpAttention.ULYSSES:
+    """A Ulysses or ring pin where no cp degree it may run at (the pinned one, else any above 1 dividing
+    the world) runs it beside the pinned tp, pp and ep (Ulysses: cp × tp dividing the key/value heads;
+    ring: beside dp only, on SDPA calls): one line naming why, before anything is priced."""
+    method = pins.cp_attention
+    if method is None or method is CpAttention.ALL_GATHER:
         return
     pinned = pins.mesh_degrees()
     if pinned.get("cp") == 1:
-        raise PinError("pin cp_attention=ulysses splits attention over cp ranks, but cp=1 is pinned")
+        raise PinError(f"pin cp_attention={method} splits attention over cp ranks, but cp=1 is pinned")
     degrees = [pinned["cp"]] if "cp" in pinned else [d for d in range(2, world_size + 1) if world_size % d == 0]
-    whys = [contract.ulysses_refusal(graph, Mesh.of({"cp": d, "tp": pinned.get("tp", 1)})) for d in degrees]
+    beside = {a: pinned.get(a, 1) for a in ("tp", "pp", "ep")}
+    whys = [contract.method_refusal(method, graph, Mesh.of({"cp": d, **beside})) for d in degrees]
     if whys and all(whys):
-        raise PinError(f"pin cp_attention=ulysses: {whys[0]}")
+        raise PinError(f"pin cp_attention={method}: {whys[0]}")
 
 
 def _check_pinned_mesh(pinned: dict[str, int], limits: AxisLimits) -> None:

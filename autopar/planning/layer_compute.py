@@ -36,7 +36,14 @@ per-kernel overhead, so the two calls are priced as two of half the pair's work 
 Under Ulysses (``cp_attention`` ``ulysses``: the head all-to-all) a rank runs one causal call over
 the whole sequence for heads/cp of the heads: 1/cp of the call's work, causal as at cp = 1 (no
 imbalance, no masked rectangle: :func:`cp_attention_share` is 1/cp, in one kernel).
+
+Under ring attention (``cp_attention`` ``ring``, torch's ring: ``passes/context_ring.py``) a call runs
+cp kernels on one rank: step 0 its 2L queries against its own 2L keys, causal ((2L)² = 1/cp² of the
+S × S work, at the causal rate), then cp − 1 steps of one unmasked 2L × L block each (the head-tail
+layout makes every later step half a block: 1/(2·cp²) of the work, at the non-causal rate):
+:func:`cp_attention_share` (cp + 1)/(2·cp²) (3/8 at cp = 2), the steps' times :func:`ring_step_times`.
 """
+
 
 from __future__ import annotations
 
@@ -66,7 +73,22 @@ def cp_attention_share(cp: int, method: CpAttention = CpAttention.ALL_GATHER) ->
     where the call runs causal and is priced so."""
     if cp <= 1:
         return 1.0
+    if method is CpAttention.RING:
+        return (cp + 1) / (2 * cp * cp)
     return 1 / cp if method is CpAttention.ULYSSES else (2 * cp + 1) / (4 * cp * cp)
+
+
+def ring_step_times(op: OpRecord, microbatch: int, style: str | None, tp: int, device: DeviceSpec,
+                    dtype: str, cp: int, *, share: float = 1.0) -> tuple[float, float, float, float]:
+    """Under ring attention, one call of ``op`` on one rank: (step 0 forward, a later step's forward,
+    step 0 backward, a later step's backward), seconds (module docstring: step 0 the causal (2L)²
+    block, each of the cp − 1 later steps one unmasked 2L × L block). ``share``: of the heads (a tp rank's)."""
+    work = microbatch * op.flops_per_sample * op.split(style, tp) * share
+    first, later = work / (cp * cp), work / (2 * cp * cp)
+    return (attention_time_s(first, device, dtype, causal=op.causal),
+            attention_time_s(later, device, dtype),
+            attention_time_s(first, device, dtype, backward=True, causal=op.causal),
+            attention_time_s(later, device, dtype, backward=True))
 
 
 def attention_op_time_s(op: OpRecord, microbatch: int, style: str | None, tp: int, device: DeviceSpec,
@@ -75,7 +97,11 @@ def attention_op_time_s(op: OpRecord, microbatch: int, style: str | None, tp: in
     """(forward, backward) time of ``op``'s attention kernels for one microbatch on one rank: at cp = 1
     its causal kernels; under cp by all-gather its :data:`CP_ATTENTION_CALLS` masked prefix kernels per
     call, doing :func:`cp_attention_share` of the full work together; under Ulysses its causal kernels
-    on 1/cp of the heads (module docstring)."""
+    on 1/cp of the heads; under ring its cp step kernels per call, their compute alone (the transfers
+    they hide or wait for: ``context_price.ring_s``) (module docstring)."""
+    if cp > 1 and method is CpAttention.RING:
+        f0, f, b0, b = ring_step_times(op, microbatch, style, tp, device, dtype, cp)
+        return op.count * (f0 + (cp - 1) * f), op.count * (b0 + (cp - 1) * b)
     work = microbatch * op.flops_per_sample * op.split(style, tp)
     if cp > 1 and method is CpAttention.ULYSSES:
         work /= cp
@@ -195,6 +221,47 @@ def layer_compute(layer: Layer, style: str | None, tp: int, microbatch: int, dev
             fwd += memory_bound_time_s(nbytes, device, op.count * fused)
             bwd += memory_bound_time_s(MEMORY_BOUND_BACKWARD_FACTOR * nbytes, device,
                                        MEMORY_BOUND_BACKWARD_FACTOR * op.count * fused)
+    if cp > 1 and method is CpAttention.RING:
+        m_fwd, m_bwd = ring_elementwise_s(layer, b, device, dtype, act_scale, cp,
+                                          share=1.0 / tp if style is not None and tp > 1 else 1.0)
+        fwd, bwd = fwd + m_fwd, bwd + m_bwd
     rest = max(0.0, flops - op_flops_per_sample(layer, style, tp)) * b / cp
     rate = device.peak_flops(dtype) * device.matmul_efficiency
     return LayerCompute(fwd + rest / rate, bwd + BACKWARD_FLOPS_FACTOR * rest / rate)
+
+
+def ring_elementwise_s(layer: Layer, microbatch: int, device: DeviceSpec, dtype: str, act_scale: float, cp: int,
+                       *, share: float = 1.0) -> tuple[float, float]:
+    """Ring attention's elementwise work around its kernels, (forward, backward) of one microbatch on the
+    heaviest rank, as torch's ``_templated_ring_attention`` and its backward do it, with E_o the rank's
+    output elements and E_kv its K and V elements of one call, p the plan dtype's bytes, c = p + 4 the
+    bytes of a cast to fp32 and back where p < 4 (0 at fp32, where the casts are no-ops):
+
+        forward:  per send (cp − 1) packing K/V, 2·p·E_kv; per step (cp) the block output cast to fp32,
+                  c·E_o, and once back; per later step (cp − 1) the merge ``out − σ(lse_b − lse)·(out −
+                  out_b)`` over the whole output on rank cp − 1 (three fp32 elementwise passes, 32·E_o)
+        backward: the fp32 gradient buffers zeroed, 4·(E_o + E_kv); step 0 accumulating both, A·(E_o +
+                  E_kv), A = 8 + p; each later step on rank 0 the K/V gradient plain, A·E_kv, and the
+                  query's into its second half, rebuilt whole (``_partial_update``: A/2 + 8 per element of
+                  E_o); per send packing K/V (cp − 1, 2·p·E_kv) and their fp32 gradients (cp, 8·E_kv);
+                  the gradients cast back, c·(E_o + E_kv)
+
+    The log-sum-exp's own updates (1/head_dim of the output's bytes) are left out. ``share``: of the
+    heads (a tp rank's). 0 where capture recorded no attention call's bytes."""
+    calls = layer.attention_calls
+    if cp <= 1 or not calls or not layer.qo_bytes_per_sample:
+        return 0.0, 0.0
+    p = 2.0 if dtype == "bf16" else 4.0
+    captured = p / act_scale  # the captured dtype's bytes
+    e_o = microbatch * layer.qo_bytes_per_sample / 2 / captured / cp / calls * share
+    e_kv = microbatch * layer.kv_bytes_per_sample / captured / cp / calls * share
+    c = p + 4 if p < 4 else 0.0
+    a = 8 + p
+    fwd = (cp - 1) * 2 * p * e_kv + (cp + 1) * c * e_o + (cp - 1) * 32 * e_o
+    bwd = (4 * (e_o + e_kv) + a * (e_o + e_kv) + (cp - 1) * (a * e_kv + (a / 2 + 8) * e_o)
+           + (cp - 1) * 2 * p * e_kv + cp * 8 * e_kv + c * (e_o + e_kv))
+    casts = 2 if c else 0
+    fwd_kernels = (cp - 1) + (cp + 1) * casts // 2 + (cp - 1) * 6
+    bwd_kernels = 2 + 2 + (cp - 1) * 3 + (cp - 1) + cp + casts
+    return (calls * memory_bound_time_s(fwd, device, fwd_kernels),
+            calls * memory_bound_time_s(bwd, device, bwd_kernels))

@@ -45,6 +45,10 @@ def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
         notes.append(f"cp attention by Ulysses' head all-to-all (cp={solution.config.mesh.cp}): not priced, the two "
                      "index-selects per all-to-all that put the gathered tokens in global order and back "
                      "(a copy of q, k, v and the output of each attention call)")
+    if solution.config.mesh.cp > 1 and solution.config.cp_attention is CpAttention.RING:
+        notes.append(f"cp attention by ring (cp={solution.config.mesh.cp}): not priced, the updates of each "
+                     "call's log-sum-exp as the ring merges its partial outputs (1/head_dim of the output's bytes "
+                     "a step)")
     cut = withdrawn_cut_notes(graph) if solution.config.mesh.pp > 1 else ()
     moe = moe_notes(graph, solution.config.mesh.ep, contract.data_ranks(solution.config.mesh))
     manual = manual_attention_notes(graph, solution.config.mesh.cp)

@@ -303,11 +303,13 @@ class PriceTable:
 
     @cached_property
     def workspace_bytes(self) -> int:
-        """Transient memory on every rank: the largest unit's gathered weights and one layer's activations."""
+        """Transient memory on every rank: the largest unit's gathered weights and one layer's activations
+        (under ring attention besides the K/V buffers its ring holds in flight)."""
         largest_act = max((context_price.context_part(self, l, l.activation_bytes_per_sample)[2]
                            for l in self.graph), default=0.0)
+        ring = max((context_price.ring_transient_bytes(self, l) for l in self.graph), default=0.0)
         return self.prec.param_bytes * self.largest_unit_params + math.ceil(
-            self.microbatch_size * largest_act * self.act_scale)
+            self.microbatch_size * largest_act * self.act_scale + ring)
 
     @cached_property
     def loss_bytes(self) -> int:

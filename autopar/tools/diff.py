@@ -38,7 +38,7 @@ def plan_key(plan: Plan) -> tuple:
 
 
 def cp_method(plan: Plan) -> str:
-    """How attention spans a cp plan's sequence (allgather or ulysses); "-" without cp, where it is moot."""
+    """How attention spans a cp plan's sequence (allgather, ulysses or ring); "-" without cp, where it is moot."""
     return str(plan.cp_attention) if plan.mesh.cp > 1 else "-"
 
 

@@ -62,7 +62,7 @@ class Figures:
     breakdown: Breakdown
     memory_per_rank_bytes: tuple[int, ...]
     optimal: bool = True  # False: a runner-up's short solve ran out of time first
-    cp_attention: str = "-"  # under cp: allgather or ulysses ("-" at cp = 1, where it is moot)
+    cp_attention: str = "-"  # under cp: allgather, ulysses or ring ("-" at cp = 1, where it is moot)
 
     @classmethod
     def of_plan(cls, plan: Plan) -> Figures:

@@ -95,8 +95,8 @@ def test_ulysses_attention_is_full_causal_attention_over_s_for_heads_over_cp() -
 
 def test_ulysses_is_offered_only_where_cp_times_tp_divides_every_kv_head_count() -> None:
     graph = _graph(heads=8, kv_heads=2)
-    assert cp_methods(graph, Mesh(cp=2)) == (ALL_GATHER, ULYSSES)
-    assert cp_methods(graph, Mesh(cp=4)) == (ALL_GATHER,)
+    assert cp_methods(graph, Mesh(cp=2)) == (ALL_GATHER, ULYSSES, CpAttention.RING)  # the ring beside dp
+    assert cp_methods(graph, Mesh(cp=4)) == (ALL_GATHER, CpAttention.RING)
     assert ulysses_refusal(graph, Mesh(cp=4)) == (
         "Ulysses at cp=4 needs 4 to divide the key/value heads, but blocks.0 has 2 key/value heads")
     assert "cp × tp = 2 × 2 = 4" in ulysses_refusal(graph, Mesh(cp=2, tp=2))
@@ -155,8 +155,8 @@ def test_a_ulysses_pin_cp_does_not_divide_the_kv_heads_is_refused_in_one_line() 
         autopar.solve(graph, 4, cluster="h100-80g", global_batch=1, pins=["cp=2", "tp=2", "cp_attention=ulysses"])
     with pytest.raises(PinError, match=r"cp=1 is pinned"):
         autopar.solve(graph, 4, cluster="h100-80g", global_batch=4, pins=["cp=1", "cp_attention=ulysses"])
-    with pytest.raises(PinError, match=r"cp_attention must be allgather or ulysses, got 'ring'"):
-        Pins.parse(["cp_attention=ring"])
+    with pytest.raises(PinError, match=r"cp_attention must be allgather, ulysses or ring, got 'zigzag'"):
+        Pins.parse(["cp_attention=zigzag"])
     # cp free: Ulysses pinned runs at the cp degrees it can (cp=2 here, beside dp=2), never at cp=4
     plan = autopar.solve(graph, 4, cluster="h100-80g", global_batch=2, pins=["cp_attention=ulysses", "tp=1",
                                                                             "pp=1", "dp=2"])
@@ -177,8 +177,8 @@ def test_the_method_is_in_the_plan_file_and_an_older_plan_loads_as_all_gather() 
     assert autopar.Plan.from_json(plan.to_json()).cp_attention is ULYSSES
     del data["cp_attention"]
     assert autopar.Plan.from_dict(data).cp_attention is ALL_GATHER
-    with pytest.raises(PlanError, match=r"field 'cp_attention' is 'ring'; use allgather or ulysses"):
-        autopar.Plan.from_dict({**data, "cp_attention": "ring"})
+    with pytest.raises(PlanError, match=r"field 'cp_attention' is 'zigzag'; use allgather, ulysses or ring"):
+        autopar.Plan.from_dict({**data, "cp_attention": "zigzag"})
     check_context_parallel(graph, plan)  # runs: cp=2 divides 2 key/value heads
     hand_made = replace(plan, mesh=Mesh(cp=4), world_size=4)  # a plan the solver would not make
     with pytest.raises(LoweringError, match=r"^Ulysses at cp=4 needs 4 to divide the key/value heads, but "

@@ -23,6 +23,8 @@ def test_the_gpu_check_runs_dry_on_cpu(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["dry"] and result["backend"] == "gloo" and result["world_size"] == 1
     assert not result["failures"]
+    ring = result["ring"]  # benchmarks/gpu_ring.py: ring attention's driver against one causal SDPA
+    assert ring["ok"] and set(ring["errors"]) == {"mha", "gqa"} and ring["tolerance"] == 1e-5
     ops = result["compute_ops"]  # benchmarks/gpu_compute.py: GEMM shapes, bandwidth, attention
     assert len(ops["gemms"]) >= 3 and all(g["seconds"] > 0 and g["predicted_s"] > 0 for g in ops["gemms"])
     if "fit" in ops:  # on a busy 2-core host the tiny GEMMs' times may not grow with size: said, not fatal
