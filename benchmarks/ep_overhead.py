@@ -11,7 +11,7 @@ rank holds 4 experts, dp=2 for everything else) twice:
   experts module keeps its own 4 experts as plain tensors; its forward
   sorts the routed rows by expert, exchanges the per-expert counts
   (``all_to_all_single``), dispatches the rows and combines them back with
-  the autograd ``torch.distributed.nn.functional.all_to_all_single``, runs
+  torch's autograd all-to-all (``all_to_all_single_autograd``), runs
   ``act(x·W_gate)·(x·W_up)·W_down`` per local expert and sums the top-k
   outputs per token; DDP averages the dense weights (the experts are
   ignored by it) and the experts' gradients are divided by dp after
@@ -66,7 +66,7 @@ def _logits_loss(out, y: torch.Tensor) -> torch.Tensor:
 def _hand_experts_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                           top_k_weights: torch.Tensor) -> torch.Tensor:
     """Hand-written EP forward of one experts module: dispatch, local experts, combine."""
-    from torch.distributed.nn.functional import all_to_all_single
+    from torch.distributed._functional_collectives import all_to_all_single_autograd as all_to_all
 
     ep, local = dist.get_world_size(), self.local_gate_up.shape[0]
     k = top_k_index.shape[-1]
@@ -79,7 +79,7 @@ def _hand_experts_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: to
     send = counts.view(ep, local).sum(1).tolist()
     by_source = received.view(ep, local)
     recv = by_source.sum(1).tolist()
-    rows = all_to_all_single(hidden.new_empty((sum(recv), hidden.shape[-1])), hidden[token], recv, send)
+    rows = all_to_all(hidden[token], recv, send, dist.group.WORLD)
     expert_of = torch.arange(local).repeat(ep).repeat_interleave(by_source.reshape(-1))
     regroup = torch.argsort(expert_of, stable=True)
     pieces = rows[regroup].split(by_source.sum(0).tolist())
@@ -88,7 +88,7 @@ def _hand_experts_forward(self: nn.Module, hidden: torch.Tensor, top_k_index: to
         gate, up = nn.functional.linear(piece, self.local_gate_up[e]).chunk(2, dim=-1)
         outs.append(nn.functional.linear(self.act_fn(gate) * up, self.local_down[e]))
     out = torch.cat(outs)[torch.argsort(regroup)]
-    back = all_to_all_single(out.new_empty((sum(send), out.shape[-1])), out, send, recv)
+    back = all_to_all(out.contiguous(), send, recv, dist.group.WORLD)
     weighted = back * top_k_weights.reshape(-1)[order, None]
     return torch.zeros_like(hidden).index_add(0, token, weighted.to(hidden.dtype))
 

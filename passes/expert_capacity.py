@@ -8,8 +8,8 @@ ExpertRegion`): GShard's layout. Each rank dispatches its own tokens into
 ``[E, C, M]`` exactly as one device does for the same tokens (its capacity C
 from its own token count; every rank of an ep group holds as many tokens, so
 the same C), sends the slice of experts ``[i·E/ep, (i+1)·E/ep)`` to ep rank
-``i`` with ``torch.distributed.nn.functional.all_to_all_single`` (autograd:
-its backward is the reverse all-to-all), runs its local experts on the
+``i`` with ``torch.distributed._functional_collectives.all_to_all_single_autograd``
+(its backward is the reverse all-to-all), runs its local experts on the
 received ``[E/ep, ep·C, M]`` (the ep ranks' slots side by side on dim 1), and
 sends the outputs back by the reverse all-to-all before the block's combine.
 
@@ -47,10 +47,9 @@ from autopar.moe import MoEFacts
 
 
 def _all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:
-    from torch.distributed.nn.functional import all_to_all_single
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-    x = x.contiguous()
-    return all_to_all_single(torch.empty_like(x), x, group=group)  # equal chunks of dim 0, one per rank
+    return all_to_all_single_autograd(x.contiguous(), None, None, group)  # equal chunks of dim 0, one per rank
 
 
 def to_experts(x: torch.Tensor, group: Any, ep: int) -> torch.Tensor:

@@ -2,8 +2,8 @@
 experts, ``passes/expert_list.py`` for module lists), and the gradient scaling their FSDP2 units need.
 
 Rows sorted by expert go to the rank of the ep group holding their expert with
-``torch.distributed.nn.functional.all_to_all_single`` (autograd: its backward
-is the reverse all-to-all), after one small all-to-all of the per-expert row
+``torch.distributed._functional_collectives.all_to_all_single_autograd`` (its
+backward is the reverse all-to-all), after one small all-to-all of the per-expert row
 counts; the outputs come back by the reverse all-to-all, in the rows' order.
 """
 
@@ -29,10 +29,9 @@ class ScaleGrad(torch.autograd.Function):
 
 
 def _all_to_all(rows: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
-    from torch.distributed.nn.functional import all_to_all_single
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-    out = rows.new_empty((sum(recv), *rows.shape[1:]))
-    return all_to_all_single(out, rows.contiguous(), recv, send, group=group)
+    return all_to_all_single_autograd(rows.contiguous(), recv, send, group)
 
 
 def exchange(rows: torch.Tensor, counts: torch.Tensor, group: Any, ep: int,

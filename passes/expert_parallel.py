@@ -35,8 +35,8 @@ by Mixtral's, Qwen2-MoE's and DeepSeek-V3's blocks): the router runs
 replicated, on this rank's own tokens, exactly as written (fp32 scores where
 the model computes them so). The T·k routed rows are sorted by expert, their
 per-expert counts exchanged (one small all-to-all), the rows dispatched to
-the rank holding their expert with ``torch.distributed.nn.functional.
-all_to_all_single`` (autograd: its backward is the reverse all-to-all), run
+the rank holding their expert with ``torch.distributed._functional_collectives.
+all_to_all_single_autograd`` (its backward is the reverse all-to-all), run
 through the local experts as Hugging Face's eager path runs one expert
 (``act(x·W_gate) * (x·W_up)`` then ``·W_down``), sent back by the reverse
 all-to-all, weighted by the router's top-k weights and summed per token
