@@ -51,8 +51,9 @@ CAUSAL_ATTENTION_RATE = 156.3 / 184.0
 # Principles", 2022: fused ``x.cos().cos()`` makes 2 memory accesses instead of 4, in one kernel
 # instead of two), conservative for longer chains. It applies only where the op model prices
 # memory-bound ops apart (a device with an ``op_model`` and a layer with op records); elsewhere a
-# compiled layer is priced as eager. ``autopar calibrate`` does not measure it yet.
-COMPILED_MEMORY_BOUND_FRACTION = 0.5
+# compiled layer is priced as eager. The presets take this fraction (``hardware.COMPILED_MEMORY_BOUND_FRACTION``,
+# 0.5); ``autopar calibrate`` measures it on its device (``OpModel.compiled_memory_bound_fraction``: a
+# two-op chain eager against compiled).
 
 
 # float8 training (torchao's Float8Linear, ``autopar.float8``) casts each operand of each of a converted

@@ -57,6 +57,11 @@ class ClusterError(CostModelError):
     """A cluster name is unknown or a cluster description is incomplete or invalid."""
 
 
+# torch.compile's memory-bound ops at this fraction of their eager time (the assumption, its source and
+# where pricing applies it: ``cost_models.compute``); ``autopar calibrate`` measures it per device
+COMPILED_MEMORY_BOUND_FRACTION = 0.5
+
+
 @dataclass(frozen=True)
 class OpModel:
     """The device's terms for pricing a layer op by op (``cost_models.compute``), beyond its peak.
@@ -67,7 +72,9 @@ class OpModel:
     ``kernel_overhead_s``; memory-bound ops move their bytes at
     ``bandwidth_fraction`` of the device's memory bandwidth; fused attention
     runs at ``attention_fwd`` (forward) and ``attention_bwd`` (backward) of the
-    large-GEMM rate. Presets cite each figure (``cost_models.compute``);
+    large-GEMM rate; under torch.compile memory-bound ops take
+    ``compiled_memory_bound_fraction`` of their eager time (inductor fuses
+    them with their neighbours). Presets cite each figure (``cost_models.compute``);
     ``autopar calibrate`` measures them on its host.
     """
 
@@ -79,6 +86,7 @@ class OpModel:
     bandwidth_fraction: float
     attention_fwd: float
     attention_bwd: float
+    compiled_memory_bound_fraction: float = COMPILED_MEMORY_BOUND_FRACTION
 
 
 @dataclass(frozen=True)
@@ -363,8 +371,12 @@ def _validate(c: ClusterSpec) -> None:
             non_negative[f"{level}.collectives.{kind}.latency_s"] = sub.latency_s
     ops = c.device.op_model
     if ops is not None:
-        for name in ("tile_m", "tile_n", "bandwidth_fraction", "attention_fwd", "attention_bwd"):
+        for name in ("tile_m", "tile_n", "bandwidth_fraction", "attention_fwd", "attention_bwd",
+                     "compiled_memory_bound_fraction"):
             positive[f"device.op_model.{name}"] = getattr(ops, name)
+        if ops.compiled_memory_bound_fraction > 1:
+            raise ClusterError(f"cluster {c.name!r}: device.op_model.compiled_memory_bound_fraction must be "
+                               f"≤ 1 (compiled no slower than eager), got {ops.compiled_memory_bound_fraction!r}")
         for name in ("sm_count", "gemm_k_half", "kernel_overhead_s"):
             non_negative[f"device.op_model.{name}"] = getattr(ops, name)
         if not all(isinstance(v, int) for v in (ops.sm_count, ops.tile_m, ops.tile_n)):
@@ -394,7 +406,7 @@ def _validate(c: ClusterSpec) -> None:
         raise ClusterError(f"cluster {c.name!r}: backend must be 'nccl' or 'gloo', got {c.backend!r}")
 
 
-_OPTIONAL_FIELDS = {"collectives", "op_model", "peak_flops_fp8"}
+_OPTIONAL_FIELDS = {"collectives", "op_model", "peak_flops_fp8", "compiled_memory_bound_fraction"}
 
 
 def _section(data: dict[str, Any], key: str, cls: type, source: str) -> Any:

@@ -10,7 +10,7 @@ Per microbatch of b samples, under a tensor-parallel style on tp ranks
                + 2 · rest
 
 Under torch.compile (a compiled block), the memory-bound term's bytes and kernels are scaled by
-:data:`~autopar.cost_models.compute.COMPILED_MEMORY_BOUND_FRACTION` (fusion); GEMMs and attention
+the op model's ``compiled_memory_bound_fraction`` (fusion; presets: 0.5); GEMMs and attention
 are priced as eager (inductor calls the same library kernels for them).
 
 with each GEMM's shape after the style's sharding (:meth:`autopar.graph.OpRecord.gemm_shape`),
@@ -52,7 +52,6 @@ from dataclasses import dataclass
 from autopar.choice import CpAttention
 from autopar.cost_models.compute import (
     BACKWARD_FLOPS_FACTOR,
-    COMPILED_MEMORY_BOUND_FRACTION,
     MEMORY_BOUND_BACKWARD_FACTOR,
     attention_time_s,
     compute_time_s,
@@ -179,7 +178,7 @@ def layer_compute(layer: Layer, style: str | None, tp: int, microbatch: int, dev
     ranks that split the sequence: every op does 1/cp of the tokens; attention its two query chunks
     against their key prefixes, or under Ulysses its heads/cp over S (``method``,
     :func:`attention_op_time_s`). ``compiled``: its memory-bound ops
-    fused by torch.compile (:data:`COMPILED_MEMORY_BOUND_FRACTION`). ``float8``: the (n, k) of the
+    fused by torch.compile (the op model's ``compiled_memory_bound_fraction``). ``float8``: the (n, k) of the
     layer's converted linears (:func:`is_float8`): their three GEMMs at the device's float8 peak (at
     ``dtype``'s on a device without one: emulated), plus their casts (:func:`float8_casts_s`)."""
     flops = style_flops_per_sample(layer, style, tp)
@@ -200,7 +199,7 @@ def layer_compute(layer: Layer, style: str | None, tp: int, microbatch: int, dev
                 bwd += BACKWARD_FLOPS_FACTOR * faster + op.count * c_bwd
         return LayerCompute(fwd, bwd)
     fwd = bwd = 0.0
-    fused = COMPILED_MEMORY_BOUND_FRACTION if compiled else 1.0
+    fused = device.op_model.compiled_memory_bound_fraction if compiled else 1.0
     for op in layer.ops:
         if op.kind is OpKind.GEMM:
             m, n, k, batch = op.gemm_shape(b, style, tp)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from autopar.choice import Recompute
-from autopar.cost_models.compute import COMPILED_MEMORY_BOUND_FRACTION, compute_time_s, memory_bound_time_s
+from autopar.cost_models.compute import compute_time_s, memory_bound_time_s
 from autopar.graph import Layer
 from autopar.planning.context_price import kept_bytes as context_kept_bytes
 from autopar.planning.sequence import sequence_input_bytes
@@ -33,7 +33,7 @@ def recompute_part(table: Any, layer: Layer, strategy: Any, fwd_s: float, acts: 
     (``context_price.kept_bytes``). In a block under
     torch.compile, full re-runs the compiled forward (``fwd_s`` as priced compiled) and
     selective's memory-bound re-run is fused as the forward's is
-    (:data:`~autopar.cost_models.compute.COMPILED_MEMORY_BOUND_FRACTION`, where the op model
+    (the op model's ``compiled_memory_bound_fraction``, where the op model
     prices memory-bound ops apart); what is kept is priced as eager (the partitioner keeps
     what the policy saves: measured on a tiny GPT block, compiled full kept the block's input).
     """
@@ -55,7 +55,7 @@ def recompute_part(table: Any, layer: Layer, strategy: Any, fwd_s: float, acts: 
              - split * getattr(layer, f"{p}_recompute_sharded_bytes_per_sample"))
     b, device = table.microbatch_size, table.cluster.device
     # a compiled block re-runs its memory-bound ops fused, as its forward does (layer_compute)
-    fused = (COMPILED_MEMORY_BOUND_FRACTION
+    fused = (device.op_model.compiled_memory_bound_fraction
              if table.training.compiled and table.graph.blocks[layer.index] and device.op_model is not None
              and layer.ops else 1.0)
     rerun = (compute_time_s(b * getattr(layer, f"{p}_recompute_flops_per_sample") / cp, device,

@@ -264,8 +264,7 @@ def test_a_compiled_plan_round_trips_and_old_plans_load_eager(graph) -> None:
 
 
 def test_compiled_pricing_fuses_memory_bound_ops_only(graph) -> None:
-    from autopar.cost_models.compute import COMPILED_MEMORY_BOUND_FRACTION
-    from autopar.cost_models.hardware import load_cluster
+    from autopar.cost_models.hardware import COMPILED_MEMORY_BOUND_FRACTION, load_cluster
     from autopar.planning.layer_compute import layer_compute
 
     _, _, g = graph
@@ -279,6 +278,11 @@ def test_compiled_pricing_fuses_memory_bound_ops_only(graph) -> None:
     m_eager = layer_compute(memory_only, None, 1, 2, device, "bf16")
     m_fused = layer_compute(memory_only, None, 1, 2, device, "bf16", compiled=True)
     assert m_fused.fwd_s == pytest.approx(COMPILED_MEMORY_BOUND_FRACTION * m_eager.fwd_s)
+    # a calibrated device prices them at its own measured fraction (autopar calibrate's fused chain)
+    measured = dataclasses.replace(device, op_model=dataclasses.replace(device.op_model,
+                                                                        compiled_memory_bound_fraction=0.3))
+    assert layer_compute(memory_only, None, 1, 2, measured, "bf16", compiled=True).fwd_s == pytest.approx(
+        0.3 * m_eager.fwd_s)
     # the plan: only the blocks are compiled, so only their compute is cheaper
     kwargs = dict(cluster="h100-80g", global_batch=4, pins=["tp=1", "pp=1", "recompute=none", "dp=2"])
     a = autopar.solve(g, 2, **kwargs)

@@ -342,3 +342,43 @@ def test_progress_counts_say_one_sweep_not_one_sweeps():
     from autopar.tools.calibrate.probes import _count
 
     assert (_count(1, "sweep"), _count(3, "round")) == ("1 sweep", "3 rounds")
+
+
+def test_the_compiled_fraction_is_measured_on_a_fused_chain_and_prices_compiled_blocks():
+    """calibrate times a two-op memory-bound chain eager and under torch.compile (inductor's C++ backend
+    here); the ratio becomes the op model's compiled_memory_bound_fraction, which pricing reads."""
+    import time as clock
+
+    import torch
+
+    from autopar.cost_models.hardware import COMPILED_MEMORY_BOUND_FRACTION
+    from autopar.tools.calibrate.op_probes import fused_chain
+
+    def timer(fn):
+        fn()
+        t = clock.perf_counter()
+        for _ in range(5):
+            fn()
+        return (clock.perf_counter() - t) / 5
+
+    fused = fused_chain(torch, torch.device("cpu"), torch.float32, 1 << 20, timer)
+    assert "error" not in fused, fused
+    assert fused["eager_s"] > 0 and fused["compiled_s"] > 0
+    # every rank must compile, or none times it (the timer is a collective)
+    assert fused_chain(torch, torch.device("cpu"), torch.float32, 1 << 10, timer, lambda ok: False) == {
+        "error": "torch.compile failed on another rank"}
+    points = _gemm_points(60e9, 96.0, 20e-6)
+    probes = {"gemm_shapes": points, "bandwidth": {"bytes": 3e8, "seconds": 0.05},
+              "attention": {"flops": 1e9, "fwd_s": 0.04, "bwd_s": 0.12}}
+    measured = build_cluster(_measurements(backend="nccl", fused={"eager_s": 2.0, "compiled_s": 0.7}, **probes))
+    assert measured.device.op_model.compiled_memory_bound_fraction == pytest.approx(0.35)
+    slower = build_cluster(_measurements(backend="nccl", fused={"eager_s": 1.0, "compiled_s": 1.3}, **probes))
+    assert slower.device.op_model.compiled_memory_bound_fraction == 1.0  # never priced slower than eager
+    unmeasured = build_cluster(_measurements(backend="nccl", fused={"error": "no compiler"}, **probes))
+    assert unmeasured.device.op_model.compiled_memory_bound_fraction == COMPILED_MEMORY_BOUND_FRACTION
+    again = ClusterSpec.from_dict(json.loads(json.dumps(measured.to_dict())), source="c.json")
+    assert again == measured
+    bad = measured.to_dict()
+    bad["device"]["op_model"]["compiled_memory_bound_fraction"] = 1.5
+    with pytest.raises(ClusterError, match="compiled_memory_bound_fraction must be ≤ 1"):
+        ClusterSpec.from_dict(bad, source="c.json")

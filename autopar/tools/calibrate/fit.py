@@ -11,7 +11,15 @@ from typing import Any
 
 from autopar.cost_models.communication import Collective, bus_factor, collective_time_s, place_group, ring_steps
 from autopar.cost_models.compute import ATTENTION_BACKWARD_FLOPS_FACTOR, CAUSAL_ATTENTION_RATE, CAUSAL_ATTENTION_WORK
-from autopar.cost_models.hardware import GEMM_TILE_M, GEMM_TILE_N, ClusterSpec, DeviceSpec, LinkSpec, OpModel
+from autopar.cost_models.hardware import (
+    COMPILED_MEMORY_BOUND_FRACTION,
+    GEMM_TILE_M,
+    GEMM_TILE_N,
+    ClusterSpec,
+    DeviceSpec,
+    LinkSpec,
+    OpModel,
+)
 from autopar.tools.calibrate.errors import CalibrationError
 
 
@@ -33,6 +41,7 @@ class Measurements:
     gemm_shapes: list[dict[str, float]] = field(default_factory=list)  # m, n, k, seconds (fp32)
     bandwidth: dict[str, float] = field(default_factory=dict)  # bytes, seconds of an elementwise add
     attention: dict[str, float] = field(default_factory=dict)  # flops, fwd_s, bwd_s (causal SDPA)
+    fused: dict[str, Any] = field(default_factory=dict)  # eager_s, compiled_s of a two-op chain (or error)
     sm_count: int = 0  # a GPU's streaming multiprocessors (0: a CPU, no waves of tiles)
     device_memory_bytes: int = 0
     device_name: str = "cpu"
@@ -150,8 +159,18 @@ def fit_op_model(m: Measurements, memory_bandwidth_bytes_s: float) -> tuple[floa
     tile_m, tile_n = (GEMM_TILE_M, GEMM_TILE_N) if m.sm_count > 0 else (1, 1)
     ops = OpModel(sm_count=m.sm_count, tile_m=tile_m, tile_n=tile_n, gemm_k_half=k_half, kernel_overhead_s=overhead,
                   bandwidth_fraction=m.bandwidth["bytes"] / m.bandwidth["seconds"] / memory_bandwidth_bytes_s,
-                  attention_fwd=fwd * causal, attention_bwd=bwd * causal)
+                  attention_fwd=fwd * causal, attention_bwd=bwd * causal,
+                  compiled_memory_bound_fraction=compiled_fraction(m.fused))
     return rate, ops
+
+
+def compiled_fraction(fused: dict[str, Any]) -> float:
+    """The op model's ``compiled_memory_bound_fraction`` from the fused-chain probe: compiled over eager
+    seconds of the same two-op chain, at most 1 (inductor never made it slower than eager, as priced:
+    a slower compiled chain is priced as eager); the presets' figure where it was not measured."""
+    if not fused.get("eager_s") or not fused.get("compiled_s"):
+        return COMPILED_MEMORY_BOUND_FRACTION
+    return min(1.0, fused["compiled_s"] / fused["eager_s"])
 
 
 def fit_link(collectives: dict[str, list[tuple[int, float]]], nproc: int) -> tuple[float, float]:
@@ -257,6 +276,7 @@ def cluster_document(cluster: ClusterSpec, m: Measurements) -> dict[str, Any]:
         "gemm_flops_s": m.gemm_flops_s, "layers": m.layers, "collectives": m.collectives,
         "overlap": m.overlap, "optimizer": m.optimizer, "tensor_parallel": m.tensor_parallel,
         "zero": m.zero, "gemm_shapes": m.gemm_shapes, "bandwidth": m.bandwidth, "attention": m.attention,
+        "fused": m.fused,
     }
     per_op = fit_op_model(m, cluster.device.memory_bandwidth_bytes_s)
     if per_op is not None and cluster.device.op_model is None:  # measured, not used (build_cluster)

@@ -4,8 +4,9 @@ What ``cost_models.compute`` prices op by op, timed on this device (``autopar
 calibrate`` on every rank at once; ``benchmarks/gpu_compute.py`` on a lent
 GPU): a sweep of GEMM shapes, from which :func:`autopar.tools.calibrate.fit.fit_gemm`
 fits the large-GEMM rate, the reduction depth at half rate and the per-kernel
-overhead; the bytes an elementwise add moves per second; and scaled dot-product
-attention forward and backward, as a fraction of the GEMM rate.
+overhead; the bytes an elementwise add moves per second; scaled dot-product
+attention forward and backward, as a fraction of the GEMM rate; and what
+torch.compile leaves of a chain of two memory-bound ops (:func:`fused_chain`).
 """
 
 from __future__ import annotations
@@ -76,3 +77,29 @@ def attention_times(torch: Any, device: Any, dtype: Any, shape: tuple[int, int, 
         out.backward(grad, retain_graph=True)
 
     return {"flops": 4.0 * b * h * s * s * d, "fwd_s": timer(forward), "bwd_s": timer(backward)}
+
+
+def fused_chain(torch: Any, device: Any, dtype: Any, elements: int, timer: Timer,
+                everyone: Callable[[bool], bool] = bool) -> dict[str, Any]:
+    """Seconds of ``relu(x · 2)`` eager (two kernels, each reading and writing the tensor) and compiled
+    (inductor fuses them into one pass): the measured form of pricing's assumption that a compiled
+    memory-bound op fuses with one neighbour (``cost_models.compute``), whose ratio is the op model's
+    ``compiled_memory_bound_fraction``. Empty where torch.compile cannot run here (no C++ compiler for
+    inductor's CPU backend, say): the fraction then stays the presets'; ``error`` says why.
+    ``everyone(ok)``: whether the compile worked on every rank (the timer is a collective: all time it,
+    or none)."""
+    x = torch.randn(elements, device=device, dtype=dtype)
+
+    def chain(t: Any) -> Any:
+        return torch.relu(t * 2.0)
+
+    eager = timer(lambda: chain(x))
+    error = ""
+    try:
+        fused = torch.compile(chain, fullgraph=True, dynamic=False)
+        fused(x)  # compiles
+    except Exception as exc:  # inductor's toolchain missing or broken: not measured, and said so
+        error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+    if not everyone(not error):
+        return {"error": error or "torch.compile failed on another rank"}
+    return {"elements": float(elements), "eager_s": eager, "compiled_s": timer(lambda: fused(x))}

@@ -22,6 +22,7 @@ from autopar.tools.calibrate.op_probes import (
     OpProbeSizes,
     attention_times,
     elementwise_bandwidth,
+    fused_chain,
     gemm_sweep,
 )
 from autopar.tools.host import cpu_count, threads_per_process
@@ -40,6 +41,7 @@ class ProbeSizes:
     message_bytes: tuple[int, ...]
     seconds_per_point: float
     rounds: int = 3  # sweeps of the compute and overlap probes, median taken
+    compiled: bool = True  # time a chain of memory-bound ops under torch.compile (a compile on every rank)
 
 
 CPU_SIZES = ProbeSizes(widths=(64, 128, 192, 256, 384, 512), tokens=(4, 64), gemm=768,
@@ -56,7 +58,7 @@ def probe_sizes(backend: str, quick: bool = False) -> ProbeSizes:
     if not quick:
         return sizes
     return ProbeSizes(widths=sizes.widths[:3], tokens=sizes.tokens, gemm=sizes.gemm // 2,
-                      message_bytes=sizes.message_bytes[:6], seconds_per_point=0.05, rounds=1)
+                      message_bytes=sizes.message_bytes[:6], seconds_per_point=0.05, rounds=1, compiled=False)
 
 
 # ------------------------------------------------------------------ the ranks
@@ -74,7 +76,7 @@ class _Rank:
         self.rank, self.nproc, self.sizes = rank, nproc, sizes
         self.device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         self.progress = progress
-        self.step, self.steps, self.start = 0, 9, time.perf_counter()
+        self.step, self.steps, self.start = 0, 9 + sizes.compiled, time.perf_counter()
 
     def say(self, what: str) -> None:
         self.step += 1
@@ -370,6 +372,12 @@ class _Rank:
         m.gemm_flops_s = self.gemm()
         self.say(f"compute per op: {len(self.op_sizes.gemms)} GEMM shapes, an elementwise add, attention")
         m.gemm_shapes, m.bandwidth, m.attention = self.ops()
+        if self.sizes.compiled:
+            self.say("compute per op: a memory-bound chain eager and under torch.compile")
+            m.fused = fused_chain(self.torch, self.device, self.torch.bfloat16 if self.device.type == "cuda"
+                                  else self.torch.float32, self.op_sizes.elementwise,
+                                  lambda fn: self.mean_over_ranks(self.timed(fn)),
+                                  lambda ok: self.max_over_ranks(0.0 if ok else 1.0) == 0.0)
         if self.device.type == "cuda":
             m.sm_count = self.torch.cuda.get_device_properties(self.device).multi_processor_count
         sizes = self.sizes.message_bytes
