@@ -138,6 +138,30 @@ def compiled_equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
     return case
 
 
+@torch.fx.wrap  # one call in capture's FX graph: capture never sees the branch
+def clamp_outliers(x: torch.Tensor) -> torch.Tensor:
+    """A guard a user might write: Python control flow on a tensor's value, which eager runs and
+    ``make_fx`` on fake tensors (no values) cannot decide."""
+    if bool((x.abs() > 1e4).any()):
+        return x.clamp(-1e4, 1e4)
+    return x
+
+
+def gpt_untraceable() -> tuple[torch.nn.Module, tuple]:
+    """gpt_tiny whose blocks first clamp outliers (:func:`clamp_outliers`): tensor parallel and compiled,
+    each block cannot be traced under the sharding rules and runs eagerly, said once on the plan."""
+    import gpt
+
+    class GuardedBlock(gpt.Block):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(clamp_outliers(x))
+
+    model, inputs = gpt_tiny()
+    for block in model.blocks:
+        block.__class__ = GuardedBlock
+    return model, inputs
+
+
 _EMBEDDINGS_OFF = ("tok_emb:recompute=none", "pos_emb:recompute=none", "drop:recompute=none",
                    "lm_head:recompute=none")
 PP2 = ("pp=2", "dp=1", "tp=1", "zero=0")
@@ -191,6 +215,9 @@ CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "tp2_sp_selective_gpt": compiled_equivalence(Spec(gpt_tiny, TP2_RC + GPT_TP + ("blocks.*:sp=on",
                                                                                 "blocks.*:recompute=selective")
                                                       + _EMBEDDINGS_OFF + ("ln_f:recompute=none",), 4)),
+    # W = 2: blocks make_fx cannot trace (a branch on a tensor value) run eagerly, their full recompute kept
+    "tp2_untraceable_gpt": compiled_equivalence(Spec(gpt_untraceable, TP2_RC + GPT_TP + (
+        "blocks.*:sp=off", "blocks.*:recompute=full") + _EMBEDDINGS_OFF + ("ln_f:recompute=none",), 4)),
     # W = 4: tp = 2 inside each stage of a pp = 2 1F1B pipeline, its blocks recomputed in full
     "pp2_tp2_full_gpt": compiled_equivalence(Spec(gpt_tiny, ("pp=2", "dp=1", "tp=2", "zero=0", "microbatches=2",
                                                              "schedule=1f1b", "blocks.*:recompute=full",

@@ -23,9 +23,11 @@ never runs half eager behind dynamo's back. A block whose code forces a graph
 break (an op or side effect dynamo cannot trace) runs eagerly instead, from
 its first call on: :class:`CompiledBlock` warns once, naming the block and
 the break, and :attr:`autopar.runtime.model.ParallelModel.plan`'s notes say
-so. Side effects inside a checkpointed block (Hugging Face's ``kernels``
-package sets and resets a context variable in every wrapped forward, from
-transformers 5.25) are traced once and not replayed in the backward's
+so; a tensor-parallel block ``make_fx`` cannot trace runs eagerly under the
+sharding rules for that call signature, told the same way
+(:class:`~autopar.runtime.sharded_trace.ShardedTrace`). Side effects inside
+a checkpointed block (Hugging Face's ``kernels`` package sets and resets a
+context variable in every wrapped forward, from transformers 5.25) are traced once and not replayed in the backward's
 recompute (dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint``, set
 only while a compiled block runs); without it dynamo breaks the graph at the
 checkpoint and the whole block ran eagerly, uncounted.
@@ -185,10 +187,14 @@ def compile_blocks(parts: list[nn.Module], paths: list[str], on_break: Callable[
                 # the compiled region (as a block that is not tensor parallel is compiled with its checkpoint)
                 kind = getattr(block, CHECKPOINTED_FORWARD, None)
                 eager = block.forward if kind is None else block.forward.__wrapped__
+
+                def wrap(fn: Callable[..., Any], kind: Any = kind) -> Callable[..., Any]:
+                    return fn if kind is None else _own_code(checkpointed(fn, kind))
+
                 block.forward = ShardedTrace(  # type: ignore[method-assign]
-                    block, eager, run, lambda gm, path=path, kind=kind: CompiledBlock(
-                        path, gm if kind is None else _own_code(checkpointed(gm, kind)), on_break, **options),
-                    shared.setdefault(kind, {}))
+                    block, eager, run, lambda gm, path=path, wrap=wrap: CompiledBlock(path, wrap(gm), on_break,
+                                                                                       **options),
+                    shared.setdefault(kind, {}), path=path, on_break=on_break, wrap=wrap)
             else:
                 block.forward = CompiledBlock(path, block.forward, on_break, **options)  # type: ignore[method-assign]
             done.append(path)

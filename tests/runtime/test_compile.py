@@ -100,7 +100,7 @@ TENSOR_PARALLEL = ["tp2_gpt", "tp2_sp_gpt", "hf_llama_tp2", "hf_llama_tp2_sp"]
 @pytest.fixture(scope="module")
 def tensor_parallel(ranks) -> dict[str, dict]:
     """tp = 2 with and without sequence parallelism on 2 ranks, and tp = 2 × dp = 2 (ZeRO-3) on 4."""
-    return (ranks(2).run([*TENSOR_PARALLEL, "tp2_sp_selective_gpt"], module="compile_cases")
+    return (ranks(2).run([*TENSOR_PARALLEL, "tp2_sp_selective_gpt", "tp2_untraceable_gpt"], module="compile_cases")
             | ranks(4).run(["dp2_tp2_gpt", "pp2_tp2_full_gpt"], module="compile_cases"))
 
 
@@ -150,6 +150,25 @@ def test_recomputed_tensor_parallel_blocks_and_tp_inside_pipeline_stages_compile
     assert sorted(p for m in ranks for p in m["compiled"]) == ["blocks.0", "blocks.0", "blocks.1", "blocks.1"]
     inputs = 8 * 16 * 32 * 4  # a step's block inputs on a rank: global batch 8 (2 microbatches), seq 16, width 32
     assert all(0 < m["saved_bytes"] < 2 * inputs for m in ranks), [m["saved_bytes"] for m in ranks]
+
+
+@pytest.mark.distributed
+def test_a_tensor_parallel_block_make_fx_cannot_trace_runs_eagerly_once_said_and_as_eager(
+        tensor_parallel: dict) -> None:
+    """Blocks that branch in Python on a tensor's value (compile_cases.clamp_outliers) cannot be traced
+    on fake tensors: each runs eagerly under the sharding rules instead of crashing the step, its full
+    recompute kept (it saves its input alone), with one note a block over 10 steps naming it and the
+    reason in one line, and the eager model's numbers."""
+    for m in every_rank(tensor_parallel["tp2_untraceable_gpt"]):
+        assert m["plan_compiled"] and m["sharded_traces"] == ["blocks.0", "blocks.1"], m
+        assert m["loss_rel"] < EXACT and m["grad_rel"] < EXACT and m["param_rel"] < EXACT, m
+        assert m["graphs"] == [0] * 10 and m["graph_breaks"] == {}, m  # nothing compiled behind the notes
+        assert [n.split(" runs eagerly")[0] for n in m["notes"]] == ["torch.compile: block 'blocks.0'",
+                                                                     "torch.compile: block 'blocks.1'"], m["notes"]
+        assert all("make_fx could not trace it under the sharding rules (GuardOnDataDependentSymNode" in n
+                   and "\n" not in n for n in m["notes"]), m["notes"]
+        assert m["checkpointed"] == {"blocks.0": "full", "blocks.1": "full"}
+        assert 0 < m["saved_bytes"] < 2 * 4 * 16 * 32 * 4, m["saved_bytes"]  # its input: batch 4, seq 16, width 32
 
 
 def test_a_compiled_solve_offers_tensor_parallelism_with_recompute_and_beside_pipelines(graph) -> None:
