@@ -94,8 +94,10 @@ def compiled_equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
         saved = SavedBytes(pm.module.get_submodule(pm.compiled[0]))
         try:
             for k, (x, y) in enumerate(batches):
-                with saved if k == 1 else contextlib.nullcontext():
+                with saved if k == 1 else contextlib.nullcontext(), tp_collectives() as issued:
                     losses.append(pm.train_step(pm.local_batch(x), pm.local_batch(y)))
+                if k == 1:
+                    collectives = dict(issued)
                 graphs.append(int(counters["stats"]["unique_graphs"]))
                 if k == 0:
                     grads = pm.full_grads()
@@ -115,7 +117,8 @@ def compiled_equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
             "sharded_traces": sorted(p for p in pm.compiled if isinstance(pm.module.get_submodule(p).forward,
                                                                          ShardedTrace)),
             "notes": [n for n in pm.plan.notes if n.startswith("torch.compile:")],
-            "saved_bytes": saved.bytes, "losses": losses[:COMPARED], "ref_losses": ref["losses"],
+            "saved_bytes": saved.bytes, "tp_collectives": collectives,
+            "losses": losses[:COMPARED], "ref_losses": ref["losses"],
             "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
             "recompute": {l.name: l.choice.recompute.name.lower() for l in plan.layers if l.choice.recompute},
             "policy_asked": sum(asked.values()), "policy_kept": {k: v for k, v in kept.items() if v},
@@ -275,6 +278,33 @@ class SavedBytes:
     def __exit__(self, *exc: Any) -> None:
         for h in self.handles:
             h.remove()
+
+
+@contextlib.contextmanager
+def tp_collectives() -> Any:
+    """Counts the tensor-parallel collectives the compiled blocks' custom ops issue while entered
+    (``passes/tensor_parallel_ops.py``: their kernels call these module globals at run time)."""
+    import autopar.passes.tensor_parallel_ops as ops
+
+    counts: Counter[str] = Counter()
+    saved = {"dist": ops.dist, "_all_gather": ops._all_gather, "_reduce_scatter": ops._reduce_scatter}
+
+    def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    class Dist:
+        all_reduce = staticmethod(counted("all_reduce", saved["dist"].all_reduce))
+
+    ops.dist, ops._all_gather = Dist, counted("all_gather", saved["_all_gather"])
+    ops._reduce_scatter = counted("reduce_scatter", saved["_reduce_scatter"])
+    try:
+        yield counts
+    finally:
+        for k, v in saved.items():
+            setattr(ops, k, v)
 
 
 def _saved_by_first_block(pm: Any, x: Any, y: Any) -> int:

@@ -145,11 +145,17 @@ def test_recomputed_tensor_parallel_blocks_and_tp_inside_pipeline_stages_compile
             assert m["guard_failures"] == [] and m["graph_breaks"] == {} and m["notes"] == [], m
     assert sel["sp"] == ["blocks.0", "blocks.1"] and sel["policy_asked"] > 0 and "aten::mm" in sel["policy_kept"]
     assert all(a["saved_bytes"] < b["saved_bytes"] for a, b in zip(every_rank(sel), every_rank(plain)))
+    # the backward re-runs forward collectives (the compiled graph's custom ops, counted in step 2): all-gathers
+    # the recomputed ops need again; pricing charges every forward collective again (an overcount)
+    assert all(a["tp_collectives"]["all_gather"] > b["tp_collectives"]["all_gather"]
+               for a, b in zip(every_rank(sel), every_rank(plain))), [m["tp_collectives"] for m in every_rank(sel)]
     ranks = every_rank(pp)
     assert pp["mesh"] == [2, 1, 2] and pp["schedule"] == "1f1b" and pp["tracer"] == "fx-layers"
     assert sorted(p for m in ranks for p in m["compiled"]) == ["blocks.0", "blocks.0", "blocks.1", "blocks.1"]
     inputs = 8 * 16 * 32 * 4  # a step's block inputs on a rank: global batch 8 (2 microbatches), seq 16, width 32
     assert all(0 < m["saved_bytes"] < 2 * inputs for m in ranks), [m["saved_bytes"] for m in ranks]
+    # a block unrecomputed all-reduces twice forward and twice backward a microbatch (2): recomputed, more
+    assert all(m["tp_collectives"]["all_reduce"] > 2 * 4 for m in ranks), [m["tp_collectives"] for m in ranks]
 
 
 @pytest.mark.distributed
@@ -168,6 +174,7 @@ def test_a_tensor_parallel_block_make_fx_cannot_trace_runs_eagerly_once_said_and
         assert all("make_fx could not trace it under the sharding rules (GuardOnDataDependentSymNode" in n
                    and "\n" not in n for n in m["notes"]), m["notes"]
         assert m["checkpointed"] == {"blocks.0": "full", "blocks.1": "full"}
+        assert m["tp_collectives"] == {}, m  # the eager runtime's collectives, none of the compiled graph's ops
         assert 0 < m["saved_bytes"] < 2 * 4 * 16 * 32 * 4, m["saved_bytes"]  # its input: batch 4, seq 16, width 32
 
 
