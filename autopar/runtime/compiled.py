@@ -27,10 +27,11 @@ so; a tensor-parallel block ``make_fx`` cannot trace runs eagerly under the
 sharding rules for that call signature, told the same way
 (:class:`~autopar.runtime.sharded_trace.ShardedTrace`). Side effects inside
 a checkpointed block (Hugging Face's ``kernels`` package sets and resets a
-context variable in every wrapped forward, from transformers 5.25) are traced once and not replayed in the backward's
-recompute (dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint``, set
-only while a compiled block runs); without it dynamo breaks the graph at the
-checkpoint and the whole block ran eagerly, uncounted.
+context variable in every wrapped forward, from transformers 5.25) are traced
+once and not replayed in the backward's recompute (dynamo's
+``skip_fwd_side_effects_in_bwd_under_checkpoint``, set only while a compiled
+block runs); without it dynamo breaks the graph at the checkpoint and the
+whole block ran eagerly, uncounted.
 
 What runs compiled is proven for DDP and FSDP2/ZeRO-1/2/3, with and without
 full and selective recompute, for pipelines (GPipe, 1F1B, interleaved

@@ -103,6 +103,7 @@ class ShardedTrace:
         self.traces: dict[Any, tuple[Callable[..., Any], Any, list[int]] | None] = {}  # None: runs eagerly
         self.untraced: dict[Any, str] = {}  # the signatures make_fx could not trace -> why
         self.fallback = wrap(self._under_rules)
+        self.eager_comm: MeshRank | None = None  # the eager runtime's collectives, made on the first fallback
         run.compiled = True  # the module's hooks stop entering the mode around this forward
 
     def _state(self) -> tuple[list[str], list[torch.Tensor], list[tuple[int, ...]]]:
@@ -145,7 +146,9 @@ class ShardedTrace:
     def _under_rules(self, *args: Any, **kwargs: Any) -> Any:
         """The block's forward under the sharding rules, as an eager plan runs it (the hooks, told the block
         is compiled, kept the sequence share only)."""
-        comm = MeshRank(self.run.tp_mesh)
+        if self.eager_comm is None:
+            self.eager_comm = MeshRank(self.run.tp_mesh)
+        comm = self.eager_comm
         with ShardMode(comm) as mode:
             if self.run.sequence is not None:
                 found = hidden_input(args, kwargs)
