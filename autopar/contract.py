@@ -495,14 +495,12 @@ def compile_refusal(graph: LayerGraph | None, mesh: Mesh) -> str | None:
     interleaved 1F1B, also beside dp and ZeRO-3: each block compiled inside the stage module the
     pipeline lowering built, which calls the model's own block module), and tensor parallelism with
     and without sequence parallelism, also beside dp and ZeRO-3 (each block traced once under the
-    sharding rules, :mod:`autopar.runtime.sharded_trace`; not recomputed: the search offers no
-    recompute on a compiled tensor-parallel block); proven by ``tests/compile_cases.py`` against one
-    eager process. Not: expert and context parallelism, tp beside pp (not proven yet), and a pipeline
+    sharding rules, :mod:`autopar.runtime.sharded_trace`; a recomputed one with its checkpoint
+    around the traced graph), also inside a pipeline's stages (tp beside pp); proven by
+    ``tests/compile_cases.py`` against one eager process. Not: expert and context parallelism, and a pipeline
     of a model whose export graph lost its layers' module calls (:func:`tp_applies`): its stages call
     no block module, so nothing would run compiled that was priced compiled. ``graph`` None: axes only."""
-    why = [f"tensor parallelism beside a pipeline (tp={mesh.tp}, pp={mesh.pp})"] if mesh.tp > 1 and mesh.pp > 1 else []
-    if mesh.ep > 1:
-        why.append(f"expert parallelism (ep={mesh.ep})")
+    why = [f"expert parallelism (ep={mesh.ep})"] if mesh.ep > 1 else []
     if mesh.cp > 1:
         why.append(f"context parallelism (cp={mesh.cp})")
     if graph is not None and mesh.pp > 1 and not tp_applies(graph, mesh.pp):

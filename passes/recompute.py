@@ -31,7 +31,7 @@ planner price them as recomputed.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch.nn as nn
@@ -87,20 +87,26 @@ def selective_context() -> tuple[Any, Any]:
 CHECKPOINTED_FORWARD = "_autopar_checkpointed_forward"
 
 
-def checkpoint_forward(module: nn.Module, kind: Recompute) -> None:
-    """Replace ``module.forward`` (in place) with ``torch.utils.checkpoint.checkpoint`` of it,
-    non-reentrant, with ``kind``'s policy: the form torch.compile traces as one checkpointed region."""
+def checkpointed(fn: Callable[..., Any], kind: Recompute) -> Callable[..., Any]:
+    """``fn`` under ``torch.utils.checkpoint.checkpoint``, non-reentrant, with ``kind``'s policy: the
+    form torch.compile traces as one checkpointed region. ``fn`` stays reachable as ``__wrapped__``
+    (a tensor-parallel block is traced without the checkpoint, which then wraps the traced graph)."""
     from torch.utils.checkpoint import checkpoint
 
-    inner = module.forward
     policy = {Recompute.SELECTIVE: selective_context, Recompute.ALTERNATE_MM: alternate_context}.get(kind)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if policy is None:
-            return checkpoint(inner, *args, use_reentrant=False, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, context_fn=policy, **kwargs)
+            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=policy, **kwargs)
 
-    module.forward = forward  # type: ignore[method-assign]
+    forward.__wrapped__ = fn  # type: ignore[attr-defined]
+    return forward
+
+
+def checkpoint_forward(module: nn.Module, kind: Recompute) -> None:
+    """Replace ``module.forward`` (in place) with :func:`checkpointed` of it."""
+    module.forward = checkpointed(module.forward, kind)  # type: ignore[method-assign]
     setattr(module, CHECKPOINTED_FORWARD, kind)
 
 

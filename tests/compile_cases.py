@@ -21,6 +21,7 @@ the composable hooks (full).
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -89,9 +90,14 @@ def compiled_equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
             return verdict
 
         recompute_pass.keep_matmul_outputs = counted
+        # what this rank's first compiled block saves for backward in the first step (a recompute case keeps less)
+        saved = SavedBytes(pm.module.get_submodule(pm.compiled[0]))
         try:
             for k, (x, y) in enumerate(batches):
-                losses.append(pm.train_step(pm.local_batch(x), pm.local_batch(y)))
+                with saved if k == 1 else contextlib.nullcontext(), tp_collectives() as issued:
+                    losses.append(pm.train_step(pm.local_batch(x), pm.local_batch(y)))
+                if k == 1:
+                    collectives = dict(issued)
                 graphs.append(int(counters["stats"]["unique_graphs"]))
                 if k == 0:
                     grads = pm.full_grads()
@@ -111,6 +117,7 @@ def compiled_equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
             "sharded_traces": sorted(p for p in pm.compiled if isinstance(pm.module.get_submodule(p).forward,
                                                                          ShardedTrace)),
             "notes": [n for n in pm.plan.notes if n.startswith("torch.compile:")],
+            "saved_bytes": saved.bytes, "tp_collectives": collectives,
             "losses": losses[:COMPARED], "ref_losses": ref["losses"],
             "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
             "recompute": {l.name: l.choice.recompute.name.lower() for l in plan.layers if l.choice.recompute},
@@ -134,10 +141,35 @@ def compiled_equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
     return case
 
 
+@torch.fx.wrap  # one call in capture's FX graph: capture never sees the branch
+def clamp_outliers(x: torch.Tensor) -> torch.Tensor:
+    """A guard a user might write: Python control flow on a tensor's value, which eager runs and
+    ``make_fx`` on fake tensors (no values) cannot decide."""
+    if bool((x.abs() > 1e4).any()):
+        return x.clamp(-1e4, 1e4)
+    return x
+
+
+def gpt_untraceable() -> tuple[torch.nn.Module, tuple]:
+    """gpt_tiny whose blocks first clamp outliers (:func:`clamp_outliers`): tensor parallel and compiled,
+    each block cannot be traced under the sharding rules and runs eagerly, said once on the plan."""
+    import gpt
+
+    class GuardedBlock(gpt.Block):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(clamp_outliers(x))
+
+    model, inputs = gpt_tiny()
+    for block in model.blocks:
+        block.__class__ = GuardedBlock
+    return model, inputs
+
+
 _EMBEDDINGS_OFF = ("tok_emb:recompute=none", "pos_emb:recompute=none", "drop:recompute=none",
                    "lm_head:recompute=none")
 PP2 = ("pp=2", "dp=1", "tp=1", "zero=0")
 TP2 = PP1 + ("dp=1", "tp=2", "zero=0", "microbatches=1")
+TP2_RC = ("pp=1", "dp=1", "tp=2", "zero=0", "microbatches=1")  # recompute as each case pins it
 LLAMA_TP = ("model.layers.*:tp=megatron", "model.embed_tokens:tp=vocab")
 ZERO3 = ("pp=1", "dp=2", "tp=1", "zero=3", "microbatches=1")
 
@@ -177,6 +209,23 @@ CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
     # W = 4: tp = 2 beside dp = 2 with ZeRO-3 (FSDP2 over the tensor-parallel shards)
     "dp2_tp2_gpt": compiled_equivalence(Spec(gpt_tiny, PP1 + ("dp=2", "tp=2", "zero=3", "microbatches=1") + GPT_TP
                                              + ("blocks.*:sp=off",), 8)),
+    # W = 4: tp = 2 inside each stage of a pp = 2 1F1B pipeline (each stage's block traced under the rules)
+    "pp2_tp2_gpt": compiled_equivalence(Spec(gpt_tiny, ("pp=2", "dp=1", "tp=2", "zero=0", "microbatches=2",
+                                                        "schedule=1f1b", "recompute=none") + GPT_TP
+                                             + ("blocks.*:sp=off",), 8)),
+    # W = 2: tensor-parallel blocks recomputed selectively, the checkpoint around the traced graph inside the
+    # compiled region (compared with tp2_sp_gpt for what the first block saves)
+    "tp2_sp_selective_gpt": compiled_equivalence(Spec(gpt_tiny, TP2_RC + GPT_TP + ("blocks.*:sp=on",
+                                                                                "blocks.*:recompute=selective")
+                                                      + _EMBEDDINGS_OFF + ("ln_f:recompute=none",), 4)),
+    # W = 2: blocks make_fx cannot trace (a branch on a tensor value) run eagerly, their full recompute kept
+    "tp2_untraceable_gpt": compiled_equivalence(Spec(gpt_untraceable, TP2_RC + GPT_TP + (
+        "blocks.*:sp=off", "blocks.*:recompute=full") + _EMBEDDINGS_OFF + ("ln_f:recompute=none",), 4)),
+    # W = 4: tp = 2 inside each stage of a pp = 2 1F1B pipeline, its blocks recomputed in full
+    "pp2_tp2_full_gpt": compiled_equivalence(Spec(gpt_tiny, ("pp=2", "dp=1", "tp=2", "zero=0", "microbatches=2",
+                                                             "schedule=1f1b", "blocks.*:recompute=full",
+                                                             "ln_f:recompute=none") + _EMBEDDINGS_OFF + GPT_TP
+                                                  + ("blocks.*:sp=off",), 8)),
     # W = 4: pp = 2 beside dp = 2 with ZeRO-3 units inside each stage
     "pp2_dp2_zero3": compiled_equivalence(Spec(gpt_tiny, ("pp=2", "dp=2", "tp=1", "zero=3", "microbatches=2",
                                                           "schedule=1f1b", "recompute=none"), 8)),
@@ -188,36 +237,81 @@ CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
 _ONE = ("pp=1", "dp=1", "tp=1") + _EMBEDDINGS_OFF + ("ln_f:recompute=none",)
 
 
-def _saved_by_first_block(pm: Any, x: Any, y: Any) -> int:
-    """Bytes of non-parameter tensors ``blocks.0``'s call saves for backward in one train step:
-    its compiled forward's saved tensors reach saved-tensor hooks pushed around the call (the
-    module's hooks run outside the compiled region)."""
-    block = pm.module.get_submodule("blocks.0")
-    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    seen: dict[int, int] = {}
+class SavedBytes:
+    """Bytes of non-parameter tensors ``block``'s calls save for backward while entered (``bytes``):
+    a compiled forward's saved tensors reach saved-tensor hooks pushed around the call (the
+    module's hooks run outside the compiled region). A tensor-parallel block's parameters are
+    counted by their local shards' storage."""
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def __init__(self, block: Any) -> None:
+        from torch.distributed.tensor import DTensor
+
+        self.block, self.seen, self.ctx, self.handles = block, {}, [], []
+        self.params = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+                       for p in block.parameters()}
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.seen.values())
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        from torch._subclasses.fake_tensor import is_fake
+
+        if is_fake(t):  # a tensor-parallel block's trace, made on fake tensors on its first call
+            return t
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in self.params:
+            self.seen[storage.data_ptr()] = storage.nbytes()
         return t
 
-    ctx: list[Any] = []
+    def _pre(self, module: Any, args: Any) -> None:
+        self.ctx.append(torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t))
+        self.ctx[-1].__enter__()
 
-    def pre(module: Any, args: Any) -> None:
-        ctx.append(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
-        ctx[-1].__enter__()
+    def _post(self, module: Any, args: Any, out: Any) -> None:
+        self.ctx.pop().__exit__(None, None, None)
 
-    def post(module: Any, args: Any, out: Any) -> None:
-        ctx.pop().__exit__(None, None, None)
+    def __enter__(self) -> SavedBytes:
+        self.handles = [self.block.register_forward_pre_hook(self._pre), self.block.register_forward_hook(self._post)]
+        return self
 
-    handles = [block.register_forward_pre_hook(pre), block.register_forward_hook(post)]
-    try:
-        pm.train_step(x, y)
-    finally:
-        for h in handles:
+    def __exit__(self, *exc: Any) -> None:
+        for h in self.handles:
             h.remove()
-    return sum(seen.values())
+
+
+@contextlib.contextmanager
+def tp_collectives() -> Any:
+    """Counts the tensor-parallel collectives the compiled blocks' custom ops issue while entered
+    (``passes/tensor_parallel_ops.py``: their kernels call these module globals at run time)."""
+    import autopar.passes.tensor_parallel_ops as ops
+
+    counts: Counter[str] = Counter()
+    saved = {"dist": ops.dist, "_all_gather": ops._all_gather, "_reduce_scatter": ops._reduce_scatter}
+
+    def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    class Dist:
+        all_reduce = staticmethod(counted("all_reduce", saved["dist"].all_reduce))
+
+    ops.dist, ops._all_gather = Dist, counted("all_gather", saved["_all_gather"])
+    ops._reduce_scatter = counted("reduce_scatter", saved["_reduce_scatter"])
+    try:
+        yield counts
+    finally:
+        for k, v in saved.items():
+            setattr(ops, k, v)
+
+
+def _saved_by_first_block(pm: Any, x: Any, y: Any) -> int:
+    """Bytes ``blocks.0``'s call saves for backward in one train step (:class:`SavedBytes`)."""
+    with SavedBytes(pm.module.get_submodule("blocks.0")) as saved:
+        pm.train_step(x, y)
+    return saved.bytes
 
 
 def compiled_one_process(kind: str) -> dict[str, Any]:

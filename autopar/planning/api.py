@@ -81,26 +81,12 @@ def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | No
     solution = _solve(graph, world_size, spec, training, pins=parsed,
                       memory_budget_bytes=memory_budget(spec, memory_gb),
                       options=SolverOptions(time_limit_s=time_limit_s), runners_up=runners_up)
-    plan = build_plan(graph, solution, spec, training, parsed)
-    if compiled:
-        _check_compiled_tp_recompute(graph, plan)
-    return plan
-
-
-def _check_compiled_tp_recompute(graph: LayerGraph, plan: Plan) -> None:
-    """A compiled tensor-parallel block is traced without its checkpoint (autopar.runtime.sharded_trace), so
-    the search offers it no recompute; a pin that asks for both is refused here, not at train time."""
-    blocks = {layer.name for layer, block in zip(graph.layers, graph.blocks) if block}
-    both = [lp.name for lp in plan.layers if lp.name in blocks and lp.choice.tp is not None and lp.choice.recompute]
-    if both:
-        raise CompileError(f"torch.compile does not run recompute on tensor-parallel blocks yet ({', '.join(both)} "
-                           "are pinned to both): pin them recompute=none, or tp=none, or drop --compile")
+    return build_plan(graph, solution, spec, training, parsed)
 
 
 # What the compiled runtime runs (autopar.runtime.compiled): no expert or context parallelism; pipelines,
-# recompute of any kind, and tensor parallelism (not beside pp, nor with recompute on a block). A compiled plan
-# is searched there only (the search skips what contract.compile_refusal refuses, and offers no recompute on a
-# compiled tensor-parallel block), so nothing it cannot run is offered.
+# recompute of any kind, and tensor parallelism (also beside pp, and recomputed). A compiled plan is searched
+# there only (the search skips what contract.compile_refusal refuses), so nothing it cannot run is offered.
 COMPILED_PINS = ("ep=1", "cp=1")
 
 

@@ -202,10 +202,7 @@ class PriceTable:
                     sp = s.admits_sequence(tp) and contract.cp_admits_sequence(self.graph.seq_len or 0,
                                                                                self.config.mesh)
                     styles += [(s.name, False)] + ([(s.name, True)] if sp else [])
-        # a compiled tensor-parallel block is traced without its checkpoint (runtime/sharded_trace.py): no recompute
-        sharded_compiled = self.training.compiled and self.graph.blocks[layer.index]
-        return [LayerChoice(t, z, r, sp) for t, sp in styles for z in zeros for r in self._recompute_options(layer)
-                if not (sharded_compiled and t is not None and r)]
+        return [LayerChoice(t, z, r, sp) for t, sp in styles for z in zeros for r in self._recompute_options(layer)]
 
     def index_of(self, i: int, choice: LayerChoice) -> int:
         """``choice``'s index in layer ``i``'s row, pricing it there first if the search space

@@ -23,12 +23,15 @@ never runs half eager behind dynamo's back. A block whose code forces a graph
 break (an op or side effect dynamo cannot trace) runs eagerly instead, from
 its first call on: :class:`CompiledBlock` warns once, naming the block and
 the break, and :attr:`autopar.runtime.model.ParallelModel.plan`'s notes say
-so. Side effects inside a checkpointed block (Hugging Face's ``kernels``
-package sets and resets a context variable in every wrapped forward, from
-transformers 5.25) are traced once and not replayed in the backward's
-recompute (dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint``, set
-only while a compiled block runs); without it dynamo breaks the graph at the
-checkpoint and the whole block ran eagerly, uncounted.
+so; a tensor-parallel block ``make_fx`` cannot trace runs eagerly under the
+sharding rules for that call signature, told the same way
+(:class:`~autopar.runtime.sharded_trace.ShardedTrace`). Side effects inside
+a checkpointed block (Hugging Face's ``kernels`` package sets and resets a
+context variable in every wrapped forward, from transformers 5.25) are traced
+once and not replayed in the backward's recompute (dynamo's
+``skip_fwd_side_effects_in_bwd_under_checkpoint``, set only while a compiled
+block runs); without it dynamo breaks the graph at the checkpoint and the
+whole block ran eagerly, uncounted.
 
 What runs compiled is proven for DDP and FSDP2/ZeRO-1/2/3, with and without
 full and selective recompute, for pipelines (GPipe, 1F1B, interleaved
@@ -37,21 +40,24 @@ pipeline's stage modules call the model's own block modules (``fx-layers`` and
 ``export-layers`` splits), so each block is compiled where its stage calls it
 and the schedule, its sends and its gradient scaling stay eager; and for tensor
 parallelism with and without sequence parallelism (tp = 2, and beside dp = 2
-with ZeRO-3; the GPT and Llama). A tensor-parallel block's own forward runs
+with ZeRO-3; the GPT and Llama), with selective recompute (with sp), and
+inside each stage of a pp = 2 1F1B pipeline with full recompute (the GPT; the
+Llama without recompute, by hand). A tensor-parallel block's own forward runs
 under the sharding rules' ``TorchFunctionMode``, which rewrites ops in Python
 per call and which dynamo cannot trace (with it active, dynamo failed inside
 ``ShardMode.__torch_function__``, "cls_source must not be None for MRO walk",
 at the mode's first ``@property``; past it lie tags set on tensors, ``id()``-keyed
 books and a thread-local mode stack, not tried one by one); so the block is traced once under the mode by
 ``make_fx`` into a graph of local ops and custom-op collectives, and that graph
-is compiled (:mod:`autopar.runtime.sharded_trace`). The tests compare 3 SGD
-steps with eager within 1e-5 and count recompiles over 10.
+is compiled (:mod:`autopar.runtime.sharded_trace`). A recomputed
+tensor-parallel block is traced without its checkpoint (``make_fx`` would
+flatten it into the forward) and the checkpoint then wraps the traced graph,
+so dynamo traces that checkpointed region as it does any recomputed block's.
+The tests compare 3 SGD steps with eager within 1e-5 and count recompiles over 10.
 :func:`check_compilable` refuses every other lowering
 (:func:`autopar.contract.compile_refusal`) with a
 :class:`~autopar.errors.CompileError` before the first collective: expert and
-context parallelism, tensor parallelism beside a pipeline (not proven yet), a
-tensor-parallel block that is also recomputed (its trace has no checkpoint: the
-search does not offer that pair compiled), and pipelines whose stages call no
+context parallelism, and pipelines whose stages call no
 block module (an export graph without its layers' module calls;
 ``passes/pipeline.py`` refuses the split's own FX fallback the same way).
 """
@@ -83,16 +89,11 @@ def requested(torch_compile: bool | None) -> bool | None:
 
 def unsupported(plan: Plan, graph: LayerGraph | None = None) -> list[str]:
     """What in ``plan`` the compiled runtime does not run yet (empty when it does): the contract's
-    :func:`~autopar.contract.compile_refusal` (``graph`` None: the mesh's axes only), and any layer
-    planned tensor parallel."""
+    :func:`~autopar.contract.compile_refusal` (``graph`` None: the mesh's axes only), and a layer
+    planned tensor parallel on a mesh without tp."""
     why = [r] if (r := compile_refusal(graph, plan.mesh)) else []
     if plan.mesh.tp == 1 and any(lp.choice.tp is not None for lp in plan.layers):
         why.append("tensor parallelism (tp=1 with tensor-parallel layer choices)")
-    if graph is not None:  # a tensor-parallel block is traced without its checkpoint (runtime/sharded_trace.py)
-        blocks = {layer.name for layer, block in zip(graph.layers, graph.blocks) if block}
-        both = [lp.name for lp in plan.layers if lp.name in blocks and lp.choice.tp is not None and lp.choice.recompute]
-        if both:
-            why.append(f"recompute of tensor-parallel blocks ({', '.join(both)}: pin them recompute=none)")
     return why
 
 
@@ -101,10 +102,9 @@ def check_compilable(plan: Plan, graph: LayerGraph | None = None) -> None:
     why = unsupported(plan, graph)
     if why:
         raise CompileError(f"torch.compile runs DDP, ZeRO/FSDP2, pipeline and tensor-parallel plans (with or "
-                           f"without recompute, but not both on one block) only; this plan has "
-                           f"{' and '.join(why)}: run it eagerly (drop --compile / torch_compile), or pin it to "
-                           f"what compiles (ep=1 cp=1, pp=1 for a refused pipeline, recompute=none on "
-                           f"tensor-parallel blocks)")
+                           f"without recompute) only; this plan has {' and '.join(why)}: run it eagerly (drop "
+                           f"--compile / torch_compile), or pin it to what compiles (ep=1 cp=1, pp=1 for a "
+                           f"refused pipeline)")
 
 
 def check_compiled(plan: Plan, torch_compile: bool | None, graph: LayerGraph | None = None) -> None:
@@ -155,15 +155,27 @@ class CompiledBlock:
         return self.eager(*args, **kwargs)
 
 
+def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with a code object of its own. Dynamo keeps its cache, guards and recompile limit per code
+    object; every :func:`~autopar.passes.recompute.checkpointed` wrapper shares one, and each traced
+    graph is a class of its own, so without this each further trace would count as a recompile of one
+    frame (and a ``fullgraph`` compile fails at the limit)."""
+    import types
+
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                              fn.__closure__)
+
+
 def compile_blocks(parts: list[nn.Module], paths: list[str], on_break: Callable[[str, str], None] | None = None,
                    **options: Any) -> list[str]:
     """Replace each block's ``forward`` with a :class:`CompiledBlock` of it (in place; the module, its
     hooks, FQNs and state-dict keys are unchanged); returns the paths compiled."""
+    from autopar.passes.recompute import CHECKPOINTED_FORWARD, checkpointed
     from autopar.passes.tensor_parallel import SHARDED_RUN
     from autopar.runtime.sharded_trace import ShardedTrace
 
     done: list[str] = []
-    shared: dict = {}  # a tensor-parallel block's trace -> its compiled runner, shared by matching blocks
+    shared: dict = {}  # recompute kind -> a tensor-parallel block's trace -> its compiled runner (matching blocks)
     for part in parts:
         for path in paths:
             try:
@@ -172,9 +184,18 @@ def compile_blocks(parts: list[nn.Module], paths: list[str], on_break: Callable[
                 continue
             run = getattr(block, SHARDED_RUN, None)
             if run is not None:  # tensor parallel: compile the forward as traced under the sharding rules
+                # a recomputed block is traced without its checkpoint, which then wraps the traced graph inside
+                # the compiled region (as a block that is not tensor parallel is compiled with its checkpoint)
+                kind = getattr(block, CHECKPOINTED_FORWARD, None)
+                eager = block.forward if kind is None else block.forward.__wrapped__
+
+                def wrap(fn: Callable[..., Any], kind: Any = kind) -> Callable[..., Any]:
+                    return fn if kind is None else _own_code(checkpointed(fn, kind))
+
                 block.forward = ShardedTrace(  # type: ignore[method-assign]
-                    block, block.forward, run, lambda gm, path=path: CompiledBlock(path, gm, on_break, **options),
-                    shared)
+                    block, eager, run, lambda gm, path=path, wrap=wrap: CompiledBlock(path, wrap(gm), on_break,
+                                                                                       **options),
+                    shared.setdefault(kind, {}), path=path, on_break=on_break, wrap=wrap)
             else:
                 block.forward = CompiledBlock(path, block.forward, on_break, **options)  # type: ignore[method-assign]
             done.append(path)

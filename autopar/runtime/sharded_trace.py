@@ -25,10 +25,17 @@ A trace holds the shapes, dtypes and non-tensor arguments it was made with (a vi
 constants in it), so it is kept per *signature* of the call (those, plus grad mode and the
 module's training flag) and a call with a new one is traced afresh (and dynamo compiles the new
 graph): a trace never runs on inputs it was not made for.
+
+A block ``make_fx`` cannot trace (Python control flow on a tensor's value, ``.item()``: fake
+tensors hold no values; any error the trace raises) runs eagerly for that signature instead,
+under the sharding rules as an eager plan runs it: tried once per block and signature, with one
+warning and ``on_break(path, reason)`` told once (the compiled runtime's note on the plan: priced
+compiled, it runs eager), never a crash for what an eager plan runs.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +43,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from autopar.passes.tensor_parallel import ShardedRun
+from autopar.passes.tensor_parallel import MeshRank, ShardedRun
 from autopar.passes.tensor_parallel_ops import TracedMeshRank
 from autopar.sharding.check import SEQ_DIM, hidden_input
 from autopar.sharding.rules import ShardMode
@@ -82,13 +89,21 @@ class ShardedTrace:
     """A tensor-parallel block's forward (replacing ``module.forward``): the block traced under
     ``ShardMode`` once per call signature and run by ``compile(graph)``, a compiled runner of that
     graph (:class:`~autopar.runtime.compiled.CompiledBlock`), shared by the blocks whose traces match
-    (``shared``: the trace's code and constants -> runner)."""
+    (``shared``: the trace's code and constants -> runner). ``wrap`` is put around what runs (the
+    block's checkpoint, when it is recomputed); a signature ``make_fx`` cannot trace runs
+    ``wrap(eager under the rules)`` (module docstring), ``on_break(path, reason)`` told once."""
 
     def __init__(self, module: nn.Module, eager: Callable[..., Any], run: ShardedRun,
-                 compile: Callable[[torch.fx.GraphModule], Callable[..., Any]], shared: dict) -> None:
+                 compile: Callable[[torch.fx.GraphModule], Callable[..., Any]], shared: dict, *, path: str = "",
+                 on_break: Callable[[str, str], None] | None = None,
+                 wrap: Callable[[Callable[..., Any]], Callable[..., Any]] = lambda fn: fn) -> None:
         self.module, self.eager, self.run, self.compile, self.shared = module, eager, run, compile, shared
+        self.path, self.on_break = path, on_break
         self.comm = TracedMeshRank(run.tp_mesh)
-        self.traces: dict[Any, tuple[Callable[..., Any], Any, list[int]]] = {}
+        self.traces: dict[Any, tuple[Callable[..., Any], Any, list[int]] | None] = {}  # None: runs eagerly
+        self.untraced: dict[Any, str] = {}  # the signatures make_fx could not trace -> why
+        self.fallback = wrap(self._under_rules)
+        self.eager_comm: MeshRank | None = None  # the eager runtime's collectives, made on the first fallback
         run.compiled = True  # the module's hooks stop entering the mode around this forward
 
     def _state(self) -> tuple[list[str], list[torch.Tensor], list[tuple[int, ...]]]:
@@ -107,10 +122,39 @@ class ShardedTrace:
         key = (tuple(names), tuple(_signature(t) for t in state), str(spec), tuple(_signature(x) for x in leaves),
                torch.is_grad_enabled(), self.module.training)
         if key not in self.traces:
-            self.traces[key] = self._trace(names, state, shapes, leaves, spec, at)
-        runner, out_spec, _ = self.traces[key]
+            try:
+                self.traces[key] = self._trace(names, state, shapes, leaves, spec, at)
+            except Exception as exc:  # untraceable: eager for this signature, said once (module docstring)
+                self.traces[key] = None
+                self._untraced(key, exc)
+        traced = self.traces[key]
+        if traced is None:
+            return self.fallback(*args, **kwargs)
+        runner, out_spec, _ = traced
         flat = runner(*state, *(leaves[i] for i in at))
         return pytree.tree_unflatten(list(flat), out_spec)
+
+    def _untraced(self, key: Any, exc: Exception) -> None:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        why = self.untraced[key] = (f"make_fx could not trace it under the sharding rules ({type(exc).__name__}"
+                                    + (f": {first[:200]})" if first else ")"))
+        warnings.warn(f"torch.compile: block {self.path!r} runs eagerly (the plan priced it compiled): {why}",
+                      stacklevel=3)
+        if self.on_break is not None:
+            self.on_break(self.path, why)
+
+    def _under_rules(self, *args: Any, **kwargs: Any) -> Any:
+        """The block's forward under the sharding rules, as an eager plan runs it (the hooks, told the block
+        is compiled, kept the sequence share only)."""
+        if self.eager_comm is None:
+            self.eager_comm = MeshRank(self.run.tp_mesh)
+        comm = self.eager_comm
+        with ShardMode(comm) as mode:
+            if self.run.sequence is not None:
+                found = hidden_input(args, kwargs)
+                if found is not None:
+                    mode.enter_sequence(found[1], SEQ_DIM, found[1].shape[SEQ_DIM] * comm.tp)
+            return self.eager(*args, **kwargs)
 
     def _trace(self, names: list[str], state: list[torch.Tensor], shapes: list[tuple[int, ...]],
                leaves: list[Any], spec: Any, at: list[int]) -> tuple[Callable[..., Any], Any, list[int]]:
