@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from autopar.choice import CpAttention
 
 if TYPE_CHECKING:
-    from autopar.graph import LayerGraph, TPStyle
+    from autopar.graph import Layer, LayerGraph, TPStyle
     from autopar.mesh import Mesh
 
 
@@ -83,6 +83,10 @@ def ulysses_refusal(graph: LayerGraph, mesh: Mesh) -> str | None:
     heads, so cp must divide the key/value heads (a query head's key/value head then lands on its rank:
     grouped-query heads stay grouped); beside tp it splits the tp rank's share, so cp × tp must divide
     them (a layer tp leaves whole holds all its heads: cp alone would do, cp × tp is asked of all).
+    Attention written by hand (``graph.cp_manual``, ``passes/manual_attention.py``) moves q, kᵀ, v and its
+    output alike, its heads recorded at capture from q, kᵀ and v; it runs beside dp only (run against one
+    device at cp=2, also with selective recompute over 2 microbatches, cp=4 and cp=2 × dp=2 at ZeRO-3,
+    nanoGPT: ``tests/runtime/test_context_ulysses.py``), so it is not offered beside tp, pp or ep.
     Head counts come from capture (``capturing.context``); a graph captured before they were recorded,
     or a call whose key and value are not 4-D [batch, heads, sequence, dim], gets no Ulysses. Inside
     pipeline stages it runs as the all-gather does there (each stage's attention modules hold the mode;
@@ -90,13 +94,14 @@ def ulysses_refusal(graph: LayerGraph, mesh: Mesh) -> str | None:
     ZeRO-3 with full recompute, interleaved 1F1B: ``tests/runtime/test_context_ulysses.py``)."""
     if mesh.cp <= 1:
         return "Ulysses splits attention over the cp ranks, and cp is 1"
-    if graph.cp_manual:  # Ulysses reroutes SDPA calls; attention by hand gathers K/V instead
-        return (f"Ulysses does not run on attention written by hand ({next(iter(graph.cp_manual))}: Ulysses "
-                "reroutes SDPA calls only); cp there gathers K/V")
+    beside = " × ".join(f"{n}={getattr(mesh, n)}" for n in ("tp", "pp", "ep") if getattr(mesh, n) > 1)
+    if graph.cp_manual and beside:
+        return (f"Ulysses on attention written by hand ({next(iter(graph.cp_manual))}) runs beside dp only, not "
+                f"beside {beside} (not run against one device there yet); cp there gathers K/V")
     split, by = mesh.cp * mesh.tp, (f"cp × tp = {mesh.cp} × {mesh.tp} = {mesh.cp * mesh.tp}" if mesh.tp > 1
                                      else f"cp={mesh.cp}")
     for layer in graph:
-        if not layer.attention_calls:
+        if not layer.attention_calls and not _holds_manual(graph, layer):
             continue
         if not layer.kv_heads or 0 in layer.kv_heads:
             return (f"Ulysses needs each attention call's key/value head count, which capture did not record "
@@ -106,6 +111,12 @@ def ulysses_refusal(graph: LayerGraph, mesh: Mesh) -> str | None:
             return (f"Ulysses at {by} needs {split} to divide the key/value heads, but {layer.name} has "
                     f"{wrong[0]} key/value heads")
     return None
+
+
+def _holds_manual(graph: LayerGraph, layer: Layer) -> bool:
+    """Whether ``layer``'s module holds attention written by hand (``graph.cp_manual``)."""
+    mp = layer.module_path
+    return bool(mp) and any(p == mp or p.startswith(mp + ".") for p in graph.cp_manual)
 
 
 def ring_refusal(graph: LayerGraph, mesh: Mesh) -> str | None:

@@ -314,8 +314,9 @@ class Layer:
     # all-gathers (capturing.context)
     kv_bytes_per_sample: float = 0.0
     attention_calls: int = 0  # its SDPA calls: under cp each saves its prefix causal masks as biases
-    # Q and output bytes per sample (whole sequence) of those calls, and their key/value head counts:
-    # what cp's head all-to-all (Ulysses) moves, and what its degree must divide (empty: not recorded)
+    # Q and output bytes per sample (whole sequence) of those calls and of attention written by hand, and
+    # their key/value head counts (by hand: the heads of q, kᵀ and v): what cp's head all-to-all (Ulysses)
+    # moves, and what its degree must divide (empty: not recorded)
     qo_bytes_per_sample: float = 0.0
     kv_heads: tuple[int, ...] = ()
 

@@ -166,32 +166,40 @@ def _tp_heads(args: tuple, kwargs: dict) -> tuple[Any, Any] | None:
     return mode, layouts[0]
 
 
+def to_heads(x: torch.Tensor, order: torch.Tensor, group: Any, cp: int) -> torch.Tensor:
+    """The head all-to-all's first move: ``x`` [b, h, S/cp, d] (this rank's tokens, all heads) to
+    [b, h/cp, S, d] (head group j to rank j, every rank's tokens), put in global token order by ``order``
+    (the gathered rows' argsort). ``all_to_all_single_autograd``: its backward is the reverse all-to-all."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    b, h, n, d = x.shape
+    chunks = x.reshape(b, cp, h // cp, n, d).transpose(0, 1).contiguous()  # [cp (head group), b, h/cp, n, d]
+    got = all_to_all_single_autograd(chunks.flatten(0, 1), None, None, group)
+    got = got.reshape(cp, b, h // cp, n, d).permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * n, d)
+    return got.index_select(2, order)  # [b, h/cp, S, d] in global token order
+
+
+def to_tokens(x: torch.Tensor, order: torch.Tensor, group: Any, cp: int) -> torch.Tensor:
+    """The inverse of :func:`to_heads`: [b, h/cp, S, d] in global order back to [b, h, S/cp, d], this
+    rank's tokens in its chunk order."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    b, g, s, d = x.shape
+    x = x.index_select(2, torch.argsort(order))  # back to rank order: rank r's tokens r·S/cp onwards
+    chunks = x.reshape(b, g, cp, s // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # [cp (rank), b, g, n, d]
+    got = all_to_all_single_autograd(chunks.flatten(0, 1), None, None, group)
+    return got.reshape(cp, b, g, s // cp, d).transpose(0, 1).reshape(b, cp * g, s // cp, d)
+
+
 def ulysses_attention(func: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, order: torch.Tensor,
                       group: Any, cp: int, kwargs: dict) -> torch.Tensor:
     """Causal SDPA by the head all-to-all (DeepSpeed-Ulysses): ``q``, ``k``, ``v`` [b, heads, S/cp, d] hold
-    this rank's tokens; each goes by one all-to-all over ``group`` to [b, heads/cp, S, d] — head group j
-    to rank j, every rank's tokens in rank order — is put in global token order by ``order`` (the
-    gathered rows' argsort), and ``func`` runs causal over the whole sequence; the output goes back
-    by the inverse permutation and one all-to-all. ``all_to_all_single_autograd`` is torch's
+    this rank's tokens; each goes by one all-to-all over ``group`` to [b, heads/cp, S, d] in global token
+    order (:func:`to_heads`), ``func`` runs causal over the whole sequence, and the output goes back by the
+    inverse permutation and one all-to-all (:func:`to_tokens`). ``all_to_all_single_autograd`` is torch's
     autograd-aware collective (its backward the reverse all-to-all; gloo and NCCL run it)."""
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
-
-    def to_heads(x: torch.Tensor) -> torch.Tensor:
-        b, h, n, d = x.shape
-        chunks = x.reshape(b, cp, h // cp, n, d).transpose(0, 1).contiguous()  # [cp (head group), b, h/cp, n, d]
-        got = all_to_all_single_autograd(chunks.flatten(0, 1), None, None, group)
-        got = got.reshape(cp, b, h // cp, n, d).permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * n, d)
-        return got.index_select(2, order)  # [b, h/cp, S, d] in global token order
-
-    def to_tokens(x: torch.Tensor) -> torch.Tensor:
-        b, g, s, d = x.shape
-        x = x.index_select(2, torch.argsort(order))  # back to rank order: rank r's tokens r·S/cp onwards
-        chunks = x.reshape(b, g, cp, s // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # [cp (rank), b, g, n, d]
-        got = all_to_all_single_autograd(chunks.flatten(0, 1), None, None, group)
-        return got.reshape(cp, b, g, s // cp, d).transpose(0, 1).reshape(b, cp * g, s // cp, d)
-
-    out = func(to_heads(q), to_heads(k), to_heads(v), **{**kwargs, "attn_mask": None, "is_causal": True})
-    return to_tokens(out)
+    q, k, v = (to_heads(x, order, group, cp) for x in (q, k, v))
+    return to_tokens(func(q, k, v, **{**kwargs, "attn_mask": None, "is_causal": True}), order, group, cp)
 
 
 class ContextAttention(TorchFunctionMode):
@@ -382,13 +390,13 @@ def apply_context_parallel(module: nn.Module, graph: Any, plan: Any, mesh: Any,
     group, cp = cp_mesh.get_group(), plan.mesh.cp
     ulysses, ring = str(plan.cp_attention) == "ulysses", str(plan.cp_attention) == "ring"
     attention = part_paths(graph, layers, graph.cp_attention)
-    from autopar.passes.manual_attention import ManualContextAttention, group_gather
+    from autopar.passes.manual_attention import ManualContextAttention, group_gather, group_move
 
-    gather = group_gather(group, seq_len, cp)
+    gather, move = group_gather(group, seq_len, cp), (group_move(group, seq_len, cp) if ulysses else None)
     for path in attention:
         attn = module.get_submodule(path)
-        if path in graph.cp_manual:  # attention written by hand: kᵀ and v gathered, the rank's mask rows
-            attn.forward = _held(attn.forward, lambda: ManualContextAttention(gather, local, seq_len))
+        if path in graph.cp_manual:  # by hand: kᵀ and v gathered (the rank's mask rows), or heads all-to-all'd
+            attn.forward = _held(attn.forward, lambda: ManualContextAttention(gather, local, seq_len, move))
         else:
             attn.forward = _held(attn.forward, lambda: ContextAttention(group, seq_len, cp, rank, ulysses, ring))
     return ContextParallelResult(group, seq_len, plan.mesh.cp, rank, hooks, attention, ulysses, ring)
@@ -396,4 +404,4 @@ def apply_context_parallel(module: nn.Module, graph: Any, plan: Any, mesh: Any,
 
 __all__ = ["DATA_DIM", "ContextAttention", "ContextParallelResult", "apply_context_parallel",
            "check_context_parallel", "data_mesh", "is_held", "owning_layer", "part_paths", "positions",
-           "prefix_attention", "shard_sequence", "ulysses_attention"]
+           "prefix_attention", "shard_sequence", "to_heads", "to_tokens", "ulysses_attention"]

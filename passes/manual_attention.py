@@ -22,6 +22,18 @@ T × S = S/cp × S scores per rank: a hand-written softmax really holds its
 score matrix, and is priced so (its ops' activations ÷ cp), never as a fused
 kernel.
 
+Under Ulysses (``plan.cp_attention`` ``ulysses``: a ``move`` given) the same three ops instead
+move heads, by the head all-to-all of ``passes/context_parallel.py`` (:func:`to_heads`,
+:func:`to_tokens`, autograd-aware): q [b, h, T, d] and kᵀ [b, h, d, T] go to [b, h/cp, S, d] and
+[b, h/cp, d, S] (every token in global order, the rank's heads), so the scores are S × S for h/cp
+heads; ``masked_fill``'s mask, proved the local causal one as above, becomes the causal mask over
+all S; ``probs @ v`` takes v moved likewise, and its [b, h/cp, S, d] output goes back by the inverse
+all-to-all to [b, h, T, d], the rank's tokens in its chunk order. The module holds S × S for h/cp
+heads per rank: the same count as T × S for h heads.
+
+Dropout on the probabilities runs as written under both (as on one device, a draw per element; the
+ranks draw other numbers than one device, as any dropout under cp does).
+
 :func:`prove_manual_attention` checks the rewrite before any process group
 starts, on a float64 copy of each module with its own buffers (its mask) and
 random weights where the model is on the meta device: cp ranks simulated in
@@ -49,16 +61,19 @@ from autopar.errors import LoweringError
 from autopar.passes.context_chunks import positions
 
 Gather = Callable[[torch.Tensor, int], torch.Tensor]  # (this rank's tensor, its sequence dim) → all S, in order
+Move = Callable[[torch.Tensor, str], torch.Tensor]  # (tensor, HEADS or TOKENS) → moved by the head all-to-all
+HEADS, TOKENS = "to heads", "to tokens"  # [b, h, T, d] → [b, h/cp, S, d] (global order), and back
 RAW, MASKED, PROBS = "scores", "masked scores", "probabilities"
 PROOF_TOLERANCE = 1e-9  # float64: rounding only
+SETTLE_PASSES = 6  # simulated Ulysses: passes for the ranks' all-to-alls to settle (two per chain in a row)
 
 
 class ManualContextAttention(TorchFunctionMode):
     """Hand-written causal attention over the whole sequence from this rank's T queries (module docstring)."""
 
-    def __init__(self, gather: Gather, rows: torch.Tensor, seq_len: int):
+    def __init__(self, gather: Gather, rows: torch.Tensor, seq_len: int, move: Move | None = None):
         super().__init__()
-        self.gather, self.rows, self.seq_len = gather, rows, seq_len
+        self.gather, self.rows, self.seq_len, self.move = gather, rows, seq_len, move
         self.local = rows.numel()
         self.live: dict[int, tuple[torch.Tensor, str]] = {}  # id → (tensor, stage), kept alive for the call
 
@@ -68,7 +83,10 @@ class ManualContextAttention(TorchFunctionMode):
         first = args[0] if args else None
         hit = self.live.get(id(first)) if isinstance(first, torch.Tensor) else None
         if hit is None:
-            if self._is_scores(name, args, kwargs):  # q @ kᵀ: kᵀ over all S keys
+            if self._is_scores(name, args, kwargs):  # q @ kᵀ: kᵀ over all S keys (Ulysses: q too, h/cp heads)
+                if self.move is not None:
+                    q, kt = self._heads(args[0]), self._heads(args[1].transpose(-2, -1)).transpose(-2, -1)
+                    return self._track(func(q, kt), RAW)
                 return self._track(self._product(func, args[0], args[1], args[1].dim() - 1), RAW)
             return func(*args, **kwargs)
         out = self._step(func, name, args, kwargs, hit[1])
@@ -121,6 +139,8 @@ class ManualContextAttention(TorchFunctionMode):
             return self._track(func(*args, **kwargs), PROBS)
         if name in PRODUCTS and stage == PROBS and len(args) == 2 and not kwargs:
             v = args[1]
+            if self.move is not None:  # the rank's heads over all S, back to all heads over its tokens
+                return self.move(func(args[0], self._heads(v)), TOKENS)
             return self._product(func, args[0], v, v.dim() - 2)
         out = func(*args, **kwargs)
         if any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out)):  # not metadata (shape, dtype)
@@ -128,16 +148,33 @@ class ManualContextAttention(TorchFunctionMode):
                                 "not see there (the model changed since it was captured): capture it again")
         return out
 
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [b, h, T, d] moved to [b, h/cp, S, d] (Ulysses): plain 4-D tensors with cp dividing h only."""
+        from autopar.sharding.rules import current_mode
+
+        mode, cp = current_mode(), self.seq_len // self.local
+        if mode is not None and mode.layout(x) is not None:
+            raise LoweringError("Ulysses on a hand-written attention does not run beside tp (cp gathers K/V there)")
+        if x.dim() != 4 or x.shape[1] % cp:
+            raise LoweringError(f"Ulysses at cp={cp} needs a hand-written attention's q, k and v [batch, heads, "
+                                f"sequence, dim] with heads divisible by {cp}, got {list(x.shape)} (capture "
+                                "recorded them otherwise: the model changed since)")
+        assert self.move is not None
+        return self.move(x, HEADS)
+
     def _rows_mask(self, mask: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """The rank's rows of the causal mask over all S keys, once ``mask`` is proved the local causal one."""
+        """The rank's rows of the causal mask over all S keys (under Ulysses all S rows), once ``mask`` is
+        proved the local causal one."""
         t = self.local
         causal = torch.ones(t, t, dtype=torch.bool, device=mask.device).triu(1)
         if tuple(mask.shape[-2:]) != (t, t) or not torch.equal(mask.bool(), causal.expand_as(mask)):
             raise LoweringError(f"under cp a hand-written attention's mask is not the causal mask of its {t} "
-                                "local tokens, the one cp's rewrite replaces by the rank's rows of the causal mask")
+                                "local tokens, the one cp's rewrite replaces by (the rank's rows of) the causal "
+                                "mask over all S")
         keys = torch.arange(self.seq_len, device=mask.device)
-        rows = keys[None, :] > self.rows.to(mask.device)[:, None]  # True: masked (a key after the query)
-        return rows.view(*([1] * (scores.dim() - 2)), t, self.seq_len)
+        queries = keys if self.move is not None else self.rows.to(mask.device)
+        rows = keys[None, :] > queries[:, None]  # True: masked (a key after the query)
+        return rows.view(*([1] * (scores.dim() - 2)), queries.numel(), self.seq_len)
 
 
 def _number(x: Any) -> bool:
@@ -156,6 +193,19 @@ def group_gather(group: Any, seq_len: int, cp: int) -> Gather:
         return full.index_select(dim, order.to(t.device))
 
     return gather
+
+
+def group_move(group: Any, seq_len: int, cp: int) -> Move:
+    """The head all-to-all over the cp ``group`` (``passes/context_parallel.py``'s :func:`to_heads` and
+    :func:`to_tokens`), the gathered tokens in global order."""
+    from autopar.passes.context_parallel import to_heads, to_tokens
+
+    order = torch.argsort(torch.cat([positions(seq_len, cp, r) for r in range(cp)]))
+
+    def move(t: torch.Tensor, kind: str) -> torch.Tensor:
+        return (to_heads if kind == HEADS else to_tokens)(t, order.to(t.device), group, cp)
+
+    return move
 
 
 # ---------------------------------------------------------------- the proof
@@ -210,16 +260,55 @@ def _simulate(module: nn.Module, xs: list[torch.Tensor], seq_len: int, cp: int) 
     return outs
 
 
+def _moved(parts: list[torch.Tensor], kind: str, r: int, seq_len: int, cp: int) -> torch.Tensor:
+    """What simulated rank ``r`` gets from the head all-to-all, given every rank's tensor ``parts``: its head
+    group of every rank's tokens in global order (HEADS), or its tokens of every rank's head group (TOKENS)."""
+    if kind == HEADS:
+        g = parts[0].shape[1] // cp
+        order = torch.argsort(torch.cat([positions(seq_len, cp, q) for q in range(cp)]))
+        return torch.cat([p[:, r * g:(r + 1) * g] for p in parts], 2).index_select(2, order)
+    return torch.cat([p.index_select(2, positions(seq_len, cp, r)) for p in parts], 1)
+
+
+def _simulate_ulysses(module: nn.Module, xs: list[torch.Tensor], seq_len: int, cp: int) -> list[torch.Tensor]:
+    """Each simulated cp rank's output under Ulysses. A rank's all-to-all takes every rank's tensor of the
+    same call; the ranks run one after another, so each pass takes the other ranks' tensors from the pass
+    before (the first from stand-ins) and its own live, until a pass moves what the one before did (the
+    chain's output move needs the moves before it right: two passes for one chain). Gradients reach every
+    rank through the earlier pass's tensors, as in :func:`_simulate`."""
+    rows = [positions(seq_len, cp, r) for r in range(cp)]
+    local = [[x.index_select(1, rows[r]) for x in xs] for r in range(cp)]
+    before: list[list[torch.Tensor]] | None = None
+    for _ in range(SETTLE_PASSES):
+        now: list[list[torch.Tensor]] = [[] for _ in range(cp)]
+        outs = []
+        for r in range(cp):
+            def move(t: torch.Tensor, kind: str, r: int = r) -> torch.Tensor:
+                i = len(now[r])
+                now[r].append(t)
+                if before is None or i >= len(before[r]):  # stand-ins for the others' tensors
+                    return _moved([t] * cp, kind, r, seq_len, cp)
+                return _moved([t if q == r else before[q][i] for q in range(cp)], kind, r, seq_len, cp)
+            with ManualContextAttention(lambda t, dim: t, rows[r], seq_len, move):
+                outs.append(module(*local[r]))
+        if before is not None and all(len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+                                      for a, b in zip(now, before)):
+            return outs
+        before = now
+    raise LoweringError("its chains feed each other (the ranks' all-to-alls did not settle)")
+
+
 def _rel(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     if a is None or b is None:
         return 0.0 if a is None and b is None else math.inf
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def prove_one(module: nn.Module, path: str, specs: tuple, seq_len: int, cp: int) -> None:
-    """Raise :class:`LoweringError` unless the rewrite of ``module`` gives its own forward and gradients
-    (module docstring); ``specs``: its positional inputs' (shape, dtype) from capture."""
-    why = f"cp cannot prove the hand-written attention of {path}: "
+def prove_one(module: nn.Module, path: str, specs: tuple, seq_len: int, cp: int, ulysses: bool = False) -> None:
+    """Raise :class:`LoweringError` unless the rewrite of ``module`` (the head all-to-all's with ``ulysses``)
+    gives its own forward and gradients (module docstring); ``specs``: its positional inputs' (shape,
+    dtype) from capture."""
+    why = f"cp{' (Ulysses)' if ulysses else ''} cannot prove the hand-written attention of {path}: "
     if not specs or any(s is None or not torch.empty(0, dtype=getattr(torch, s[1].split(".")[-1])).is_floating_point()
                         for s in specs):
         raise LoweringError(why + "its inputs are not floating-point tensors only (given positionally)")
@@ -233,7 +322,7 @@ def prove_one(module: nn.Module, path: str, specs: tuple, seq_len: int, cp: int)
     grad_out = torch.randn(ref.shape, generator=g, dtype=torch.float64)
     ref_grads = torch.autograd.grad(ref, xs + weights, grad_out, allow_unused=True)
     try:
-        outs = _simulate(twin, xs, seq_len, cp)
+        outs = (_simulate_ulysses if ulysses else _simulate)(twin, xs, seq_len, cp)
     except LoweringError as exc:
         raise LoweringError(why + str(exc)) from None
     got = torch.empty_like(ref)
@@ -253,10 +342,11 @@ def prove_one(module: nn.Module, path: str, specs: tuple, seq_len: int, cp: int)
                             "attention is not the pattern cp reroutes")
 
 
-def prove_manual_attention(model: nn.Module, graph: Any, cp: int) -> None:
+def prove_manual_attention(model: nn.Module, graph: Any, cp: int, ulysses: bool = False) -> None:
     """:func:`prove_one` for every hand-written attention module capture found (``graph.cp_manual``)."""
     for path, specs in graph.cp_manual.items():
-        prove_one(model.get_submodule(path), path, specs, graph.seq_len, cp)
+        prove_one(model.get_submodule(path), path, specs, graph.seq_len, cp, ulysses)
 
 
-__all__ = ["ManualContextAttention", "group_gather", "prove_manual_attention", "prove_one"]
+__all__ = ["HEADS", "TOKENS", "ManualContextAttention", "group_gather", "group_move", "prove_manual_attention",
+           "prove_one"]

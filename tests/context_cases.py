@@ -156,6 +156,11 @@ SPECS: dict[str, Spec] = {
     # beside tp (W=4): Megatron blocks, the products' gathers on the tp rank's heads; sp off and on
     "cp2_tp2_nanogpt": Spec(nanogpt, _pins(2, tp=2) + NANO_TP, 2),
     "cp2_tp2_sp_nanogpt": Spec(nanogpt, _pins(2, tp=2) + NANO_TP + ("transformer.h.*:sp=on",), 2),
+    # Ulysses on attention written by hand: q, kᵀ, v all-to-all'd to heads/cp over all S, the S × S causal mask
+    "uly_cp2_nanogpt": Spec(nanogpt, _pins(2) + ULYSSES, 2),
+    "uly_cp4_nanogpt": Spec(nanogpt, _pins(4) + ULYSSES, 2),  # 4 heads, one a rank
+    "uly_cp2_selective_accum_nanogpt": Spec(nanogpt, _pins(2, recompute="selective", m=2) + ULYSSES, 2),
+    "uly_cp2_dp2_zero3_nanogpt": Spec(nanogpt, _pins(2, dp=2, zero=3) + ULYSSES, 4),
     # cp × pp (W=4): each stage's attention gathers K/V over its cp pair; the stages send S/cp tokens
     "cp2_pp2_1f1b_gpt": Spec(gpt_tiny, PP + ("schedule=1f1b",), 4),
     "cp2_pp2_1f1b_llama": Spec(hf_llama, PP + ("schedule=1f1b",), 4),
@@ -238,15 +243,16 @@ def cp2_refuses_labels(rank: int, world_size: int) -> dict[str, Any]:
 CASES["cp2_refuses_labels"] = cp2_refuses_labels
 
 
-def uly_cp2_runs_all_to_alls(rank: int, world_size: int) -> dict[str, Any]:
+def uly_cp2_runs_all_to_alls(rank: int, world_size: int, spec: str = "uly_cp2_gpt") -> dict[str, Any]:
     """The Ulysses plan lowers to the head all-to-all, not the all-gather: one training step of the GPT
-    (2 blocks, one SDPA each) calls ``all_to_all_single_autograd`` 4 times a block in forward (q, k, v,
-    the output; backward runs autograd's reverse all-to-alls) and ``all_gather_tensor_autograd`` never."""
+    (2 blocks, one SDPA each; or nanoGPT's 2 blocks, attention by hand) calls ``all_to_all_single_autograd``
+    4 times a block in forward (q, k (kᵀ), v, the output; backward runs autograd's reverse all-to-alls) and
+    ``all_gather_tensor_autograd`` never."""
     import torch.distributed._functional_collectives as fc
 
-    plan, graph = plan_for(SPECS["uly_cp2_gpt"], world_size)
+    plan, graph = plan_for(SPECS[spec], world_size)
     torch.manual_seed(0)
-    model, inputs = gpt_tiny()
+    model, inputs = SPECS[spec].build()
     pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=graph)
     calls = {"all_to_all": 0, "all_gather": 0}
     real_a2a, real_ag = fc.all_to_all_single_autograd, fc.all_gather_tensor_autograd
@@ -261,7 +267,7 @@ def uly_cp2_runs_all_to_alls(rank: int, world_size: int) -> dict[str, Any]:
 
     fc.all_to_all_single_autograd, fc.all_gather_tensor_autograd = a2a, ag
     try:
-        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
         pm.train_step(pm.local_batch(ids), pm.local_batch(ids.roll(-1, 1)))
     finally:
         fc.all_to_all_single_autograd, fc.all_gather_tensor_autograd = real_a2a, real_ag
@@ -269,3 +275,5 @@ def uly_cp2_runs_all_to_alls(rank: int, world_size: int) -> dict[str, Any]:
 
 
 CASES["uly_cp2_runs_all_to_alls"] = uly_cp2_runs_all_to_alls
+CASES["uly_cp2_nanogpt_runs_all_to_alls"] = lambda rank, world_size: uly_cp2_runs_all_to_alls(rank, world_size,
+                                                                                             "uly_cp2_nanogpt")

@@ -335,6 +335,10 @@ def context_facts(model: nn.Module, args: tuple, kwargs: dict, seq_len: int | No
         return ContextFacts(probe.problems[0] if probe.problems else probe.manual.unfinished())
     for where, nbytes in probe.manual.kv_bytes.items():  # hand-written attention's kᵀ and v: gathered alike
         probe.kv_bytes[where] = probe.kv_bytes.get(where, 0.0) + nbytes
+    for where, nbytes in probe.manual.qo_bytes.items():  # and its q and output, heads: what Ulysses moves
+        probe.qo_bytes[where] = probe.qo_bytes.get(where, 0.0) + nbytes
+    for where, heads in probe.manual.heads.items():
+        probe.kv_heads[where] = tuple(sorted({*probe.kv_heads.get(where, ()), *heads}))
     if not probe.kv_bytes:
         return ContextFacts("it calls no scaled_dot_product_attention (nothing to split attention across)")
     if "" in probe.kv_bytes:

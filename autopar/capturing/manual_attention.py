@@ -21,7 +21,10 @@ rewrite is checked against the module's own forward before any group starts
 (the mask's values are unknown here: capture runs on fake or meta tensors).
 
 Such a module really holds its S × S score matrix (S/cp × S per rank under
-cp): it is priced as its ops run, and the plan says so in its notes.
+cp): it is priced as its ops run, and the plan says so in its notes. Each chain's
+q and output bytes and its head count (q, kᵀ and v 4-D with one head count, else
+0) are recorded too: what cp's head all-to-all (Ulysses) moves and what its
+degree must divide.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class ManualChains:
         self.live: dict[int, tuple[torch.Tensor, str, str, int]] = {}  # id → (tensor, stage, module, chain)
         self.finished: set[int] = set()
         self.kv_bytes: dict[str, float] = {}  # per module: kᵀ and v bytes per sample
+        self.qo_bytes: dict[str, float] = {}  # per module: q and output bytes per sample (Ulysses moves them)
+        self.heads: dict[str, tuple[int, ...]] = {}  # per module: each chain's heads (0: not 4-D [b, h, S, d])
         self.calls: dict[str, int] = {}  # per module: completed chains
         self.problem = ""
 
@@ -68,6 +73,10 @@ class ManualChains:
             return False
         self.live[id(out)] = (out, RAW, where, len(self.live))
         self._bytes(where, acts[1])
+        self._bytes(where, acts[0], self.qo_bytes)
+        q, kt = acts
+        heads = q.shape[1] if q.dim() == 4 and kt.dim() == 4 and q.shape[1] == kt.shape[1] else 0
+        self.heads[where] = tuple(sorted({*self.heads.get(where, ()), heads}))
         return True
 
     def advance(self, name: str, args: tuple, kwargs: dict, out: Any, stage: str, where: str) -> None:
@@ -83,6 +92,10 @@ class ManualChains:
             return
         if nxt == "done":
             self._bytes(chain[2], args[1])
+            self._bytes(chain[2], out, self.qo_bytes)
+            v, heads = args[1], self.heads.get(chain[2], (0,))
+            if v.dim() != 4 or v.shape[1] not in heads:  # v's heads not the scores' (Ulysses moves them alike)
+                self.heads[chain[2]] = tuple(sorted({*heads, 0}))
             self.calls[chain[2]] = self.calls.get(chain[2], 0) + 1
             self.finished.add(chain[3])
             return
@@ -108,9 +121,10 @@ class ManualChains:
             return "done" if v.dim() >= 2 and v.shape[-2] == self.seq_len and id(v) not in self.live else None
         return None
 
-    def _bytes(self, where: str, t: Any) -> None:
+    def _bytes(self, where: str, t: Any, into: dict[str, float] | None = None) -> None:
+        into = self.kv_bytes if into is None else into
         if isinstance(t, torch.Tensor):
-            self.kv_bytes[where] = self.kv_bytes.get(where, 0.0) + t.numel() * t.element_size() / self.batch
+            into[where] = into.get(where, 0.0) + t.numel() * t.element_size() / self.batch
 
     def unfinished(self) -> str:
         """Why a chain that never reached · v cannot be rerouted ("" when every chain finished)."""

@@ -19,7 +19,11 @@ Ulysses (the head all-to-all), with Q = the query's and O = the output's bytes:
     backward: the same four, reversed (autograd's all-to-all of each gradient)
     kept activations: acts / cp — SDPA keeps q, k, v and the output of heads/cp over S, the bytes
                       of all heads over S/cp that one device's activations ÷ cp already count
-                      (the all-to-alls save nothing; the causal mask is SDPA's own, not a bias)
+                      (the all-to-alls save nothing; the causal mask is SDPA's own, not a bias).
+                      Attention written by hand (``passes/manual_attention.py``) moves q, kᵀ, v and its
+                      output alike (capture records their bytes and heads); its masked softmax keeps
+                      S × S scores for heads/cp, as many as S/cp × S for every head under all-gather:
+                      one device's ÷ cp again (its S × S boolean mask beyond that: a plan note)
 
 Ring (K/V passed round the cp ring by torch's ring, ``passes/context_ring.py``), per attention call,
 with x the time to pass the rank's K/V (b · S/cp · h_kv · bytes: ``kv_bytes`` / calls / cp) to the

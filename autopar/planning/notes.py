@@ -51,7 +51,7 @@ def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
                      "a step)")
     cut = withdrawn_cut_notes(graph) if solution.config.mesh.pp > 1 else ()
     moe = moe_notes(graph, solution.config.mesh.ep, contract.data_ranks(solution.config.mesh))
-    manual = manual_attention_notes(graph, solution.config.mesh.cp)
+    manual = manual_attention_notes(graph, solution.config.mesh.cp, solution.config.cp_attention)
     return tuple(notes) + refusal_notes(graph) + cut + moe + manual + unpriced_notes(graph)
 
 
@@ -150,18 +150,29 @@ def unpriced_notes(graph: LayerGraph) -> tuple[str, ...]:
                  for names, ops in _runs(graph, lambda l: l.unpriced_ops))
 
 
-def manual_attention_notes(graph: LayerGraph, cp: int) -> tuple[str, ...]:
+def manual_attention_notes(graph: LayerGraph, cp: int,
+                           method: CpAttention = CpAttention.ALL_GATHER) -> tuple[str, ...]:
     """Attention written by hand (capture followed its masked softmax: ``graph.cp_manual``) really holds
-    its score matrix: S × S a sample, S/cp × S a rank under cp; priced so, never as a fused kernel."""
+    its score matrix: S × S a sample and head; a rank under cp S/cp × S for every head (all-gather) or
+    S × S for heads/cp (Ulysses), the same count, one device's ÷ cp; priced so, never as a fused kernel.
+    Under Ulysses the S × S boolean causal mask each call keeps for ``masked_fill``'s backward is not
+    priced beyond one device's ÷ cp (S² bytes a call: small beside the scores, b · heads/cp · S² elements):
+    a note says so."""
     if not graph.cp_manual:
         return ()
     paths = list(graph.cp_manual)
     seq = f"S = {graph.seq_len}" if graph.seq_len else "S"
-    share = (f" (S/cp × S = {graph.seq_len // cp} × {graph.seq_len} a rank under cp={cp})"
-             if cp > 1 and graph.seq_len else "")
+    ulysses = cp > 1 and method is CpAttention.ULYSSES
+    share = ""
+    if cp > 1 and graph.seq_len:
+        share = (f" (S × S for heads/cp a rank under cp={cp} by Ulysses, as many elements as S/cp × S for every "
+                 "head)" if ulysses else f" (S/cp × S = {graph.seq_len // cp} × {graph.seq_len} a rank under cp={cp})")
+    mask = ("; not priced beyond one device's ÷ cp, the S × S boolean causal mask each call keeps for "
+            "masked_fill's backward under Ulysses (S² bytes a call, where the all-gather keeps S/cp × S)"
+            if ulysses else "")
     return (f"{_who(paths)}: attention written by hand (softmax over a masked q · kᵀ) holds its S × S score matrix "
-            f"for backward, {seq}{share}, and is priced so; scaled_dot_product_attention(is_causal=True) would "
-            "let a fused kernel keep it out of memory",)
+            f"per head for backward, {seq}{share}, and is priced so; scaled_dot_product_attention(is_causal=True) "
+            f"would let a fused kernel keep it out of memory{mask}",)
 
 
 def refusal_notes(graph: LayerGraph) -> tuple[str, ...]:

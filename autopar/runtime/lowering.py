@@ -109,7 +109,7 @@ def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: An
     if plan.mesh.cp > 1 and graph.cp_manual:  # attention written by hand: its rewrite checked on the module
         from autopar.passes.manual_attention import prove_manual_attention
 
-        prove_manual_attention(model, graph, plan.mesh.cp)
+        prove_manual_attention(model, graph, plan.mesh.cp, str(plan.cp_attention) == "ulysses")
     # the plan mesh's axes, outermost first (autopar.mesh: the rank layout pricing assumed)
     mesh = init_device_mesh(device.type, plan.mesh.degrees, mesh_dim_names=plan.mesh.dim_names())
     if plan.mesh.cp > 1:  # the flattened dp × cp dimension data parallelism wraps over, made by every rank

@@ -61,3 +61,21 @@ def test_meta_weights_beside_a_real_mask_are_proved_on_random_weights(nano) -> N
         owner, _, leaf = name.rpartition(".")
         setattr(attn.get_submodule(owner), leaf, torch.nn.Parameter(torch.empty_like(p, device="meta")))
     prove_one(attn, PATH, graph.cp_manual[PATH], 24, 2)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ulysses_rewrite_of_nanogpt_attention_is_proved_against_its_own_forward(nano, cp: int) -> None:
+    model, graph = nano  # 4 heads: 2 or 1 a rank, the scores S × S for them
+    prove_manual_attention(model, graph, cp, ulysses=True)
+
+
+def test_ulysses_refuses_a_sliding_window_mask_and_heads_cp_does_not_divide(nano) -> None:
+    model, graph = nano
+    attn = zoo.NanoCausalSelfAttention(zoo.NanoConfig(block_size=24))
+    attn.load_state_dict(model.get_submodule(PATH).state_dict())
+    ones = torch.ones(24, 24)
+    attn.bias.copy_((torch.tril(ones) - torch.tril(ones, -12)).view(1, 1, 24, 24))  # causal over T = 12, not S
+    with pytest.raises(LoweringError, match=r"^cp \(Ulysses\) cannot prove .* differs from .* at cp=2"):
+        prove_one(attn, PATH, graph.cp_manual[PATH], 24, 2, ulysses=True)
+    with pytest.raises(LoweringError, match="heads divisible by 3"):  # 4 heads over 3 ranks
+        prove_one(model.get_submodule(PATH), PATH, graph.cp_manual[PATH], 24, 3, ulysses=True)

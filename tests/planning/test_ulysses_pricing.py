@@ -108,16 +108,27 @@ def test_ulysses_is_offered_only_where_cp_times_tp_divides_every_kv_head_count()
     assert (1, ULYSSES) not in methods
 
 
-def test_ulysses_is_offered_inside_pipeline_stages_and_not_on_attention_written_by_hand() -> None:
+def test_ulysses_is_offered_inside_pipeline_stages_and_on_attention_written_by_hand_beside_dp() -> None:
     """Inside pipeline stages Ulysses runs as the all-gather does (run against one device at cp=2 × pp=2);
-    on attention written by hand cp gathers K/V: Ulysses is not offered there."""
+    on attention written by hand it runs beside dp only (its heads recorded at capture, cp dividing them)."""
     graph = _graph(heads=8, kv_heads=2)
     assert ulysses_refusal(graph, Mesh(pp=2, cp=2)) is None
     assert cp_methods(graph, Mesh(pp=2, cp=2)) == (ALL_GATHER, ULYSSES)
     assert cp_methods(graph, Mesh(pp=2, cp=4)) == (ALL_GATHER,)  # the head rule holds in stages too
     by_hand = _graph(heads=8, kv_heads=2)
     by_hand.cp_manual = {"blocks.0.attn": ()}  # as capture records a nanoGPT's attention
-    assert "attention written by hand (blocks.0.attn" in ulysses_refusal(by_hand, Mesh(cp=2))
+    assert ulysses_refusal(by_hand, Mesh(cp=2, dp=2)) is None and ULYSSES in cp_methods(by_hand, Mesh(cp=2))
+    assert ulysses_refusal(by_hand, Mesh(pp=2, cp=2)) == (
+        "Ulysses on attention written by hand (blocks.0.attn) runs beside dp only, not beside pp=2 (not run against "
+        "one device there yet); cp there gathers K/V")
+    assert "beside tp=2" in ulysses_refusal(by_hand, Mesh(cp=2, tp=2))
+    assert "needs 4 to divide the key/value heads" in ulysses_refusal(by_hand, Mesh(cp=4))
+    unrecorded = _graph(heads=8, kv_heads=2, recorded=False)
+    unrecorded = LayerGraph([replace(l, attention_calls=0) for l in unrecorded], model_name="cp", example_batch=1,
+                            dtype_bytes=unrecorded.dtype_bytes, seq_len=64, cp_refusal="",
+                            output_bytes_per_sample=unrecorded.output_bytes_per_sample,
+                            cp_manual={"blocks.0.attn": ()})  # by hand: no SDPA call, heads not recorded
+    assert "capture did not record for blocks.0" in ulysses_refusal(unrecorded, Mesh(cp=2))
 
 
 def _best(graph: LayerGraph, world: int, pins: list[str]) -> autopar.Plan:

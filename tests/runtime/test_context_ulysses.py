@@ -5,7 +5,9 @@ microbatches), cp=4 (W=4, the GPT: one head a rank), cp=2 × dp=2 (W=4; the GPT 
 ranks, and at ZeRO-1 over 2 microbatches), cp=2 × tp=2 (W=4; Megatron blocks, the GPT's 4 heads and a
 Llama's 4 key/value heads split over tp, then over cp; the GPT also with sequence parallelism) and cp=2 × pp=2
 (W=4; inside pipeline stages: both models under 1F1B, the Llama under GPipe at ZeRO-3 with full recompute, the
-GPT under interleaved 1F1B).
+GPT under interleaved 1F1B). nanoGPT's attention written by hand (``passes/manual_attention.py``: q, kᵀ and v
+all-to-all'd, the S × S causal mask, the output back) at cp=2 (W=2; also with selective recompute over 2
+microbatches), cp=4 and cp=2 × dp=2 at ZeRO-3 (W=4).
 
 Bars (DESIGN.md, fp32 on CPU): first-step loss and gradients, SGD losses and parameters within 1e-5
 relative per tensor; AdamW losses within 1e-3. The lowering really is the all-to-all: a step calls
@@ -24,14 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 pytestmark = pytest.mark.distributed
 
-W2 = ["uly_cp2_gpt", "uly_cp2_llama", "uly_cp2_recompute_llama", "uly_cp2_selective_accum_llama"]
+W2 = ["uly_cp2_gpt", "uly_cp2_llama", "uly_cp2_recompute_llama", "uly_cp2_selective_accum_llama", "uly_cp2_nanogpt",
+      "uly_cp2_selective_accum_nanogpt"]
 W4 = ["uly_cp4_gpt", "uly_cp2_dp2_gpt", "uly_cp2_dp2_llama", "uly_cp2_tp2_gpt", "uly_cp2_tp2_llama",
-      "uly_cp2_dp2_zero1_accum_gpt", "uly_cp2_tp2_sp_gpt"]
+      "uly_cp2_dp2_zero1_accum_gpt", "uly_cp2_tp2_sp_gpt", "uly_cp4_nanogpt", "uly_cp2_dp2_zero3_nanogpt"]
 
 
 @pytest.fixture(scope="module")
 def w2(ranks) -> dict[str, dict]:
-    return ranks(2).run(W2 + ["uly_cp2_runs_all_to_alls"], module="context_cases")
+    return ranks(2).run(W2 + ["uly_cp2_runs_all_to_alls", "uly_cp2_nanogpt_runs_all_to_alls"], module="context_cases")
 
 
 W4_PP = ["uly_cp2_pp2_1f1b_gpt", "uly_cp2_pp2_1f1b_llama", "uly_cp2_pp2_gpipe_zero3_recompute_llama",
@@ -49,11 +52,12 @@ def test_ulysses_cp2_on_two_ranks_matches_one_device(w2: dict, case: str) -> Non
     assert w2[case]["cp_attention"] == "ulysses"
     for r in every_rank(w2[case]):
         assert r["mesh_dims"] == ["pp", "dp", "cp", "tp"]
-    decoders = {p: k for p, k in w2[case]["recomputed"].items() if p.startswith("model.layers.")}
+    prefix = "transformer.h." if "nanogpt" in case else "model.layers."
+    decoders = {p: k for p, k in w2[case]["recomputed"].items() if p.startswith(prefix)}
     if "recompute" in case:  # the recomputed forward runs the all-to-alls again
-        assert decoders == {"model.layers.0": "full", "model.layers.1": "full"}
+        assert decoders == {f"{prefix}0": "full", f"{prefix}1": "full"}
     if "selective" in case:  # the selective replay issues them again; 2 microbatches
-        assert decoders == {"model.layers.0": "selective", "model.layers.1": "selective"}
+        assert decoders == {f"{prefix}0": "selective", f"{prefix}1": "selective"}
         assert w2[case]["microbatches"] == 2
 
 
@@ -73,8 +77,9 @@ def test_ulysses_cp4_and_beside_dp_or_tp_on_four_ranks_matches_one_device(w4: di
         assert {tuple(u) for u in w4[case]["units"]} >= {("", 1, "fully_shard")}
 
 
-def test_the_ulysses_plan_runs_the_head_all_to_all_not_the_kv_all_gather(w2: dict) -> None:
-    for r in every_rank(w2["uly_cp2_runs_all_to_alls"]):
+@pytest.mark.parametrize("case", ["uly_cp2_runs_all_to_alls", "uly_cp2_nanogpt_runs_all_to_alls"])
+def test_the_ulysses_plan_runs_the_head_all_to_all_not_the_kv_all_gather(w2: dict, case: str) -> None:
+    for r in every_rank(w2[case]):
         assert r["method"] == "ulysses" and r["ulysses"] is True
         assert r["calls"] == {"all_to_all": 8, "all_gather": 0}  # 2 blocks × (q, k, v, output)
 
