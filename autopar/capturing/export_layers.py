@@ -22,6 +22,20 @@ import torch.fx as fx
 import torch.nn as nn
 
 
+@contextlib.contextmanager
+def no_stack_traces():
+    """Capture's exports without each node's Python stack trace (``torch.fx.config``): nothing in
+    autopar reads ``meta["stack_trace"]``, and symbolizing one per traced op took ~5% of capturing
+    Llama 3 70B."""
+    config = fx.config
+    before = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
+
+
 def _inline(root: nn.Module, graph: fx.Graph, keep: set[str], prefix: str = "") -> None:
     """Inline, in place, every ``call_module`` of ``graph`` (a module of ``root`` at ``prefix``)
     whose target is not in ``keep``; targets and ``get_attr`` paths become ``root``-relative."""

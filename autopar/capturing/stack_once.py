@@ -36,7 +36,7 @@ import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from autopar.capturing import twins
-from autopar.capturing.export_layers import export_with_layer_calls
+from autopar.capturing.export_layers import export_with_layer_calls, no_stack_traces
 from autopar.capturing.layers import expanded_paths, group_layers, is_compute
 from autopar.stacks import Unsupported as _Unsupported
 from autopar.stacks import block_kind, find_stack, stack_kinds
@@ -74,7 +74,12 @@ def _in_block(node: fx.Node, path: str) -> int | None:
 
 
 def _rename(text: str, path: str, src: int, dst: int) -> str:
-    return re.sub("^" + re.escape(f"{path}.{src}") + r"(?=[.@]|$)", f"{path}.{dst}", text)
+    """``text`` with a leading ``path.src`` (followed by ``.``, ``@`` or nothing) made ``path.dst``
+    (string tests, not a regular expression: it runs ~40,000 times on Llama 3 70B)."""
+    old = f"{path}.{src}"
+    if text.startswith(old) and (len(text) == len(old) or text[len(old)] in ".@"):
+        return f"{path}.{dst}{text[len(old):]}"
+    return text
 
 
 def _write_stack(gm: fx.GraphModule, path: str, kinds: list[int], k: int, is_compute: Any) -> fx.Graph:
@@ -201,7 +206,7 @@ def export_once_per_kind(model: nn.Module, args: tuple, kwargs: dict) -> fx.Grap
         with _prefix(model, path, stack, k):
             # one export serves both: its graph, and (unflattened) whether each layer stays one call
             candidates = _layer_candidates(model)
-            with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+            with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings(), no_stack_traces():
                 warnings.simplefilter("ignore")
                 ep = torch.export.export(model, args, kwargs=kwargs, strict=False,
                                          preserve_module_call_signature=tuple(sorted(candidates)))

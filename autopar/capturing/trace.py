@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.capturing import boundary, context, cuts, hf_masks, moe, op_costs, stack_once, twins
-from autopar.capturing.export_layers import export_with_layer_calls
+from autopar.capturing.export_layers import export_with_layer_calls, no_stack_traces
 from autopar.capturing.layers import group_layers, layer_names
 from autopar.capturing.op_costs import OpRecorder, extra_flop_rules, is_causal, layer_ops, selective_costs
 from autopar.capturing.stateful import batch_norm_channels, recompute_refusal
@@ -109,7 +109,7 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, once_per_kind: bool = Fa
     try:
         # A failed export prints its partial graph to stderr (torch/export/_trace.py);
         # CaptureError says what failed, so that dump is dropped.
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(io.StringIO()), no_stack_traces():
             ep = torch.export.export(model, args, kwargs=kwargs, strict=False)
         gm = ep.module()
         return gm, pytree.tree_leaves((args, kwargs)), "export"

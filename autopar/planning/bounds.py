@@ -19,6 +19,7 @@ from autopar.planning.pricing import PriceTable
 
 Curve = list[tuple[int, list[tuple[int, float]]]]  # (room in bytes, strategy frontier) per buffer choice
 EXACT_WORK = 4096  # most count combinations tried for one rank's least time (beyond: the LP's bound)
+_ROUNDING = 1 + 1e-12  # a count is skipped only when its least time is past the best by more than rounding
 
 
 def lower_bound_s(table: PriceTable, allowed: list[list[int]], budget: int | None = None,
@@ -241,12 +242,14 @@ def _least_integer_time(front: list[tuple[int, float]], room: int, n: int) -> fl
     if len(front) == 2:
         fast = min(n, (room - n * m_small) // (m_fast - m_small))
         return fast * t_fast + (n - fast) * t_small
+    # x middle layers and the rest all on the fastest strategy take x·t_mid + (n − x)·t_fast at
+    # least, which grows with x: past ``best`` (with room for rounding), no larger x can beat it
     if len(front) == 3:  # the usual frontier, with the two-strategy case inlined (bounds call it ~10⁵ times)
         (m_mid, t_mid), span = front[1], m_fast - m_small
         best = math.inf
         for x in range(n + 1):
             left, k = room - x * m_mid, n - x
-            if left < k * m_small:
+            if left < k * m_small or x * t_mid + k * t_fast > best * _ROUNDING:
                 break
             fast = k if k * m_fast <= left else min(k, (left - k * m_small) // span)
             best = min(best, x * t_mid + fast * t_fast + (k - fast) * t_small)
@@ -255,7 +258,7 @@ def _least_integer_time(front: list[tuple[int, float]], room: int, n: int) -> fl
     best = math.inf
     for x in range(n + 1):
         left = room - x * m_mid
-        if left < (n - x) * m_small:
+        if left < (n - x) * m_small or x * t_mid + (n - x) * t_fast > best * _ROUNDING:
             break  # each more middle layer takes more room than a small one saves
         best = min(best, x * t_mid + _least_integer_time(rest, left, n - x))
     return best

@@ -10,13 +10,11 @@
     autopar verify examples/gpt.py:gpt_tiny --world-size 2 --pin tp=2
     autopar calibrate --nproc 2 -o cluster.json
 
-Exit codes: 0 done; 1 ``verify`` found a difference above 1e-5 or one of its
-ranks crashed (that rank's error and file:line on stderr), or a ``run``
-process failed; 2 bad input (also a ``run`` whose failed ranks all exited with 2, the
-script's own bad-input code) (one ``autopar: error: …`` line on stderr, no
-traceback); 3 no feasible plan; 130 interrupted (``calibrate`` then writes
-nothing). Torch is imported only by commands that
-capture a model, so ``show`` starts in a fraction of a second.
+Exit codes: 0 done; 1 ``verify`` found a difference above 1e-5 or one of its ranks crashed (that
+rank's error and file:line on stderr), or a ``run`` process failed; 2 bad input (also a ``run`` whose
+failed ranks all exited with 2, the script's own bad-input code) (one ``autopar: error: …`` line on
+stderr, no traceback); 3 no feasible plan; 130 interrupted (``calibrate`` then writes nothing). Torch
+is imported only by commands that capture a model, so ``show`` starts in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import Mesh
+from autopar.tools import startup
 from autopar.units import device_noun, format_bytes, format_flop_rate
 
 if TYPE_CHECKING:
@@ -200,6 +199,8 @@ def _load(args: argparse.Namespace, device: str = "meta") -> tuple[Any, Any]:
 def _capture(args: argparse.Namespace, model: Any, inputs: Any) -> LayerGraph:
     from autopar.capturing import capture
     from autopar.tools import hf_spec
+
+    startup.resume()  # the libraries are imported and the model built
 
     name = hf_spec.model_name(args.spec) if hf_spec.is_config_spec(args.spec) else args.spec.rpartition(":")[2]
     return capture(model, inputs, name=name)
@@ -575,18 +576,19 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-# Commands that only read and write files: once their output is flushed, nothing is left for the
-# interpreter's teardown to do but free the captured model and graph, which took 0.5-1 s of a
-# 10 s `autopar plan` (torch, transformers and OR-Tools loaded); these skip it.
+# Commands that only read and write files: once their output is flushed, nothing is left for the interpreter's
+# teardown but freeing the model and graph (0.5-1 s of a 10 s `autopar plan`); these skip it.
 _FAST_EXIT = frozenset({"plan", "show", "compare", "explain", "diff"})
 
 
 def console() -> None:
-    """The ``autopar`` console script: :func:`main`, then exit — at once after a command of
-    :data:`_FAST_EXIT` (its files are closed and its output flushed first)."""
+    """The ``autopar`` console script: :func:`main`, then exit — at once after a :data:`_FAST_EXIT` command."""
     argv = sys.argv[1:]
+    fast = bool(argv) and argv[0] in _FAST_EXIT
+    if fast:
+        startup.pause()  # until _capture: what the imports leave is not scanned again and again
     code = main(argv)
-    if argv and argv[0] in _FAST_EXIT:
+    if fast:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

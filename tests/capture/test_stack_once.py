@@ -82,3 +82,24 @@ def test_a_block_with_a_hook_is_exported_whole(monkeypatch: pytest.MonkeyPatch) 
     capture(model, inputs)
     handle.remove()
     assert depths[0] == 5  # the hook could make block 3 differ: no prefix
+
+
+def test_renaming_moves_only_the_block_prefix() -> None:
+    from autopar.capturing.stack_once import _rename
+
+    path = "model.layers"
+    assert _rename("model.layers.1", path, 1, 7) == "model.layers.7"
+    assert _rename("model.layers.1.self_attn.q_proj", path, 1, 7) == "model.layers.7.self_attn.q_proj"
+    assert _rename("model.layers.1@2", path, 1, 7) == "model.layers.7@2"
+    for other in ("model.layers.10.mlp", "model.layers.1x", "xmodel.layers.1", "model.layers", ""):
+        assert _rename(other, path, 1, 7) == other
+
+
+def test_capture_exports_record_no_stack_traces_and_restore_the_setting() -> None:
+    from autopar.capturing.export_layers import no_stack_traces
+
+    before = torch.fx.config.do_not_emit_stack_traces
+    with no_stack_traces():
+        ep = torch.export.export(torch.nn.Linear(4, 4), (torch.randn(2, 4),), strict=False)
+    assert torch.fx.config.do_not_emit_stack_traces == before
+    assert not any(n.meta.get("stack_trace") for n in ep.graph.nodes)

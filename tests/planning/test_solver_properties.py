@@ -74,3 +74,23 @@ def test_every_plan_is_valid_and_fits(graph, preset, world, per_rank, memory_gib
     assert again == sol.prediction
     assert max(again.memory_per_rank_bytes) <= cluster.memory_budget_bytes
     assert sol.status == "OPTIMAL" or sol.gap > 0
+
+
+def test_least_integer_time_is_the_least_over_every_count_mix() -> None:
+    """The bounds' exact rank time (with its early stop) against enumerating every mix of counts."""
+    import itertools
+    import math
+    import random
+
+    from autopar.planning.bounds import _frontier, _least_integer_time
+
+    rng = random.Random(0)
+    for _ in range(300):
+        points = [(rng.randint(1, 60), rng.uniform(1.0, 10.0)) for _ in range(rng.randint(2, 6))]
+        front = _frontier(points)
+        n, room = rng.randint(1, 6), rng.randint(1, 400)
+        best = min((sum(front[k][1] for k in mix)
+                    for mix in itertools.combinations_with_replacement(range(len(front)), n)
+                    if sum(front[k][0] for k in mix) <= room), default=math.inf)
+        got = _least_integer_time(front, room, n)
+        assert got == best or math.isclose(got, best, rel_tol=1e-12), (front, room, n)
