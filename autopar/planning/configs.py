@@ -30,15 +30,13 @@ from autopar.pins import Pins
 from autopar.planning.configuration import Configuration, TrainingSpec
 
 INTERLEAVED_CHUNKS = (2, 4)
-# Why the free search leaves ep out of pipelines (a pin on ep brings it in): DeepSeek-V3 on 1,024 H100s
-# has 2,812 configurations with both instead of 640, and CP-SAT's models of its 61-layer pipelines ran
-# out the 30 s limit with the plan 32-57% from its bound (FEASIBLE, 74-81 s whole process, where the
-# search without them is OPTIMAL in about 3 s). Pinned, ep with pp is planned and lowered like any mesh.
-UNSEARCHED = "ep inside pipeline stages is planned where ep is pinned, not searched"
-# Likewise cp inside pipeline stages (a pin on cp or pp brings it in): Llama 3 70B at 131,072 tokens on
-# 512 H100s has 4,250 configurations with both instead of 878, and CP-SAT ran out the 30 s limit with the
-# plan 3.4% from its bound (FEASIBLE, 66 s whole process on a loaded machine, where the search without
-# them is OPTIMAL in about 4 s). Pinned, cp with pp is planned and lowered like any mesh.
+# Why the free search leaves cp out of pipeline stages (a pin on cp or pp brings it in): Llama 3 70B at
+# 131,072 tokens on 512 H100s has 4,250 configurations with both instead of 878, and CP-SAT ran out the
+# 30 s limit with the plan 3.4% from its bound (FEASIBLE, 66 s whole process on a loaded machine, where
+# the search without them is OPTIMAL in about 4 s). With the deferred solves that made ep × pp
+# searchable (solver._solve_deferred) it is OPTIMAL, pp=2 × dp=4 × cp=64 1.6% faster, but at 17 s of
+# CPU for the whole process where the search without them takes 9 s: past long_sequence.py's 10 s goal.
+# Pinned, cp with pp is planned and lowered like any mesh.
 CP_UNSEARCHED = "cp inside pipeline stages is planned where cp or pp is pinned, not searched"
 
 
@@ -74,8 +72,8 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
     compile_refused: list[str] = []
     split_refused = ""  # why a configuration was left out only because it splits a capacity block's tokens
     for mesh in meshes(limits, pinned):
-        if contract.ep_refusal(mesh, graph) or (mesh.ep > 1 and mesh.pp > 1 and "ep" not in pinned):
-            continue  # ep inside pipeline stages runs, but is searched only where ep is pinned: UNSEARCHED
+        if contract.ep_refusal(mesh, graph):
+            continue
         if contract.cp_refusal(mesh, graph) or (mesh.cp > 1 and mesh.pp > 1 and not {"cp", "pp"} & set(pinned)):
             continue  # cp inside pipeline stages runs, but is searched only where cp or pp is pinned: CP_UNSEARCHED
         methods = _cp_methods(graph, mesh, pins)

@@ -13,7 +13,7 @@ from autopar.float8 import emulated
 from autopar.graph import LayerGraph
 from autopar.moe import Dispatch, ExpertLayout
 from autopar.pins import Pins
-from autopar.planning.configs import CP_UNSEARCHED, UNSEARCHED
+from autopar.planning.configs import CP_UNSEARCHED
 from autopar.planning.configuration import TrainingSpec
 from autopar.planning.cut_checks import withdrawn_cut_notes
 from autopar.planning.evaluate import evaluate
@@ -114,10 +114,6 @@ def moe_notes(graph: LayerGraph, ep: int = 1, dp: int = 1) -> tuple[str, ...]:
 def search_notes(graph: LayerGraph, pins: Pins, world_size: int) -> tuple[str, ...]:
     """What the search left out on its own, for a reader who would take OPTIMAL for the whole space."""
     pinned = pins.mesh_degrees()
-    if (world_size > 1 and "ep" not in pinned and pinned.get("pp") != 1
-            and any(m.num_experts > 1 and not m.ep_refusal for layer in graph for m in layer.moe)):
-        return (f"{UNSEARCHED} (OPTIMAL is over the meshes searched): pin ep, e.g. --pin ep=8, to plan meshes "
-                "with both, or price one with autopar explain --why-not 'pp=8 ep=8'",)
     if world_size > 3 and not {"cp", "pp"} & set(pinned) and graph.seq_len and graph.cp_refusal == "":
         return (f"{CP_UNSEARCHED} (OPTIMAL is over the meshes searched): pin cp or pp, e.g. --pin pp=2, to plan "
                 "meshes with both, or price one with autopar explain --why-not 'pp=2 cp=2'",)

@@ -17,7 +17,10 @@ Search, in two levels:
    bound), so the answer is optimal over the whole space when every inner
    solve is. Before a configuration is solved, a bound with its memory terms
    (:func:`.bounds.lower_bound_s`: a knapsack over all ranks' memory, and rank
-   by rank with in-flight activations and FSDP2's buffers) may skip it. When
+   by rank with in-flight activations and FSDP2's buffers) may skip it. A
+   configuration's first solve is short (``SolverOptions.first_solve_s``); one
+   that runs out is solved again, held to the better plans found since, after
+   the others (:func:`_solve_deferred`). When
    nothing fits, :mod:`.infeasible` names the least memory a plan needs.
 
 2. **Per configuration, a CP-SAT model** (:func:`.model.build_model`) over runs of
@@ -225,8 +228,9 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     #    that cannot (a runner-up at most) wait, so runners-up never take the time the optimum needs
     later: list[tuple[float, Configuration, PriceTable, list[list[int]] | None, float]] = []
     rest, unexamined = len(candidates), 0
+    deferred: list[_Deferred] = []  # configurations whose first, short solve ran out: solved again below
     with _overlap_pool(options) as pool:
-        flight = _InFlight(pool)
+        flight = _InFlight(pool, deferred)
         for index, (cheap, config, table) in enumerate(candidates):
             # what this configuration needs is prepared while the previous one's CP-SAT solve runs;
             # every decision below is taken after that solve has landed, as the sequential search takes it
@@ -258,6 +262,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
                 _prepare(table, allowed, layer_pins, cuts_ok, budget)
             flight.submit(search, later, prepared, remaining, options, (cheap, config, table, allowed, bound))
         flight.land(search, later)
+    _solve_deferred(search, deferred, later, start, options)
     later.sort(key=lambda item: (item[0], item[1]))
     # 2. runners-up, in what time is left: short solves of configurations that cannot be chosen
     if search.best is not None and runners_up > 0:
@@ -333,25 +338,94 @@ def _bound_objective(search: _Search, prepared: _Prepared, runner_up: bool) -> N
     if not runner_up and search.best is not None:
         must_beat = min(must_beat, search.best.step_time_s)
     if not math.isinf(must_beat):
-        d = built.scale
-        slack = 4 * (len(table.graph) + table.config.stages) * (table.config.microbatches * d + table.config.mesh.pp)
-        built.model.Add(built.objective <= int(must_beat * d / prepared.units.unit_s) + slack)
+        built.model.Add(built.objective <= int(must_beat * built.scale / prepared.units.unit_s) + _slack(prepared))
 
 
-def _finish(search: _Search, prepared: _Prepared, solver: cp_model.CpSolver, status: int, runner_up: bool) -> bool:
-    """Offer a solved configuration's plan to the search; whether there was one."""
+def _slack(prepared: _Prepared) -> int:
+    """What rounding the times to integer units may move the objective by, in objective units."""
+    c = prepared.table.config
+    return 4 * (len(prepared.table.graph) + c.stages) * (c.microbatches * prepared.built.scale + c.mesh.pp)
+
+
+def _finish(search: _Search, prepared: _Prepared, solver: cp_model.CpSolver, status: int, runner_up: bool,
+            defer: tuple[list[_Deferred], tuple] | None = None, again: bool = False) -> bool:
+    """Offer a solved configuration's plan to the search; whether there was one. ``defer``: where a
+    solve that ran out its time goes to be solved again (with the entry it came with), its bound
+    open until then; ``again``: this is such a solve (the configuration was counted the first time)."""
     table, built, units = prepared.table, prepared.built, prepared.units
-    search.solved += 1
+    search.solved += not again
+    cp_bound = solver.BestObjectiveBound() * units.unit_s / built.scale
+    if defer is not None and status in (cp_model.FEASIBLE, cp_model.UNKNOWN):
+        cheap, config, _, allowed, bound = defer[1]
+        sound = max(bound, (solver.BestObjectiveBound() - _slack(prepared)) * units.unit_s / built.scale)
+        defer[0].append(_Deferred(sound, (cheap, config, table, allowed, sound), prepared))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        if status == cp_model.UNKNOWN and not runner_up:
+        if status == cp_model.UNKNOWN and not runner_up and defer is None:
             search.open_bounds.append(lower_bound_s(table, prepared.allowed, prepared.budget, prepared.cuts_ok))
-        return False
+        return defer is not None and status == cp_model.UNKNOWN
     stages, choices = extract(solver, built, table, prepared.runs)
     prediction = evaluate(table, stages, choices)
-    if status == cp_model.FEASIBLE and not runner_up:  # a runner-up's bound is above the chosen plan's
-        search.open_bounds.append(solver.BestObjectiveBound() * units.unit_s / built.scale)
+    if status == cp_model.FEASIBLE and not runner_up and defer is None:  # a runner-up's is above the chosen plan's
+        search.open_bounds.append(cp_bound)
     search.offer(Candidate(table.config, stages, choices, prediction, table, status == cp_model.OPTIMAL))
     return True
+
+
+def _ruled_out(search: _Search, item: _Deferred) -> bool:
+    """Whether a deferred configuration's bound proves it cannot be chosen (it may still be a runner-up)."""
+    best = search.best
+    return item.bound >= search.threshold(item.entry[1]) or (best is not None and item.bound >= best.step_time_s)
+
+
+@dataclass
+class _Deferred:
+    """A configuration whose solve ran out its time before proving its plan best, or none better than the
+    search's: its model (with the cutoffs it had) and a sound lower bound on its step time (CP-SAT's, less
+    the rounding slack, or the search's bound if higher). The plan found is not given to the next solve as a
+    hint: the proof that DeepSeek-V3 × 1,024's pp=8 × ep=8 plan is best took 3.6 deterministic seconds with
+    it, 0.66 without."""
+
+    bound: float
+    entry: tuple  # (cheap bound, configuration, price table, allowed choices, bound): as the runners-up keep it
+    prepared: _Prepared
+
+
+def _solve_deferred(search: _Search, deferred: list[_Deferred], later: list, start: float,
+                    options: SolverOptions) -> None:
+    """Solve again, lowest bound first and with four times the time each round (the last one open: all
+    that is left), every configuration whose first solve ran out, until each is proved (its plan best,
+    or none better than what it must beat), ruled out by its bound, or the time limit is reached (its
+    bound then stays open: the plan is FEASIBLE).
+
+    Why: a configuration solved early must beat only the plans found before it, and proving a slow
+    configuration's own optimum can take CP-SAT most of the time limit, where proving that it cannot
+    beat a good plan found later takes a fraction of a second (DeepSeek-V3 × 1,024 with ep inside
+    pipeline stages: pp=4 × ep=8's own optimum, 8.12 s a step, took 18 s to prove; that no plan of it
+    beats pp=8 × ep=8's 6.34 s, 0.08 s). Nothing is dropped on a heuristic: each configuration leaves
+    only on a proof (CP-SAT's, or a bound at least what it must beat)."""
+    limit = options.first_solve_s
+    while deferred:
+        limit *= 4
+        current = sorted(deferred, key=lambda d: (d.bound, d.entry[1]))
+        deferred.clear()
+        for n, item in enumerate(current):
+            config = item.entry[1]
+            if item.bound >= search.threshold(config):
+                continue  # proved: it cannot enter the plans kept
+            if _ruled_out(search, item):
+                later.append(item.entry)  # cannot be chosen: a runner-up at most
+                continue
+            remaining = options.time_limit_s - (time.perf_counter() - start)
+            if remaining <= 0:
+                search.open_bounds.append(item.bound)
+                continue
+            model = item.prepared.built.model
+            _bound_objective(search, item.prepared, runner_up=False)
+            alone = not deferred and all(_ruled_out(search, other) for other in current[n + 1:])
+            solver = cp_solver(remaining if alone else min(remaining, limit), options, again=True)
+            if not _finish(search, item.prepared, solver, solver.Solve(model), runner_up=False,
+                           defer=(deferred, item.entry), again=True):
+                later.append(item.entry)
 
 
 def _stops(search: _Search, cheap: float) -> bool:
@@ -395,14 +469,15 @@ class _InFlight:
     to the search, or its configuration kept for the runners-up) before the search is read again.
     Without a pool each solve lands as it is submitted: the sequential search."""
 
-    def __init__(self, pool: ThreadPoolExecutor | None):
+    def __init__(self, pool: ThreadPoolExecutor | None, deferred: list[_Deferred]):
         self.pool = pool
+        self.deferred = deferred
         self.job: tuple | None = None
 
     def submit(self, search: _Search, later: list, prepared: _Prepared, time_limit_s: float,
                options: SolverOptions, entry: tuple) -> None:
         _bound_objective(search, prepared, runner_up=False)
-        solver = cp_solver(time_limit_s, options)
+        solver = cp_solver(min(time_limit_s, options.first_solve_s), options)
         if self.pool is None:
             self._land(search, later, solver, solver.Solve(prepared.built.model), prepared, entry)
         else:
@@ -414,10 +489,9 @@ class _InFlight:
             self.job = None
             self._land(search, later, solver, future.result(), prepared, entry)
 
-    @staticmethod
-    def _land(search: _Search, later: list, solver: cp_model.CpSolver, status: int, prepared: _Prepared,
+    def _land(self, search: _Search, later: list, solver: cp_model.CpSolver, status: int, prepared: _Prepared,
               entry: tuple) -> None:
-        if not _finish(search, prepared, solver, status, runner_up=False):
+        if not _finish(search, prepared, solver, status, runner_up=False, defer=(self.deferred, entry)):
             later.append(entry)  # nothing beats the best: a runner-up?
 
 

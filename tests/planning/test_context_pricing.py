@@ -143,8 +143,8 @@ def test_cp_is_searched_where_the_logits_bind_and_pinned_or_refused_in_one_line(
 
 
 def test_cp_inside_pipeline_stages_is_searched_where_cp_or_pp_is_pinned_and_noted_otherwise() -> None:
-    """Like ep, cp × pp widens the free search past what CP-SAT proves in its time (configs.CP_UNSEARCHED):
-    searched where cp or pp is pinned, and the plan says what was left out."""
+    """cp × pp widens the free search past the long-sequence plan's time goal (configs.CP_UNSEARCHED; ep × pp
+    is searched): searched where cp or pp is pinned, and the plan says what was left out."""
     graph = _graph()
     cluster = PRESETS["h100-80g"].for_world_size(8)
 

@@ -185,6 +185,31 @@ def test_overlapped_solves_decide_as_the_sequential_search(blocks, hidden, seq, 
     assert overlapped.configs_solved == sequential.configs_solved
 
 
+def test_solves_that_run_out_are_solved_again_until_the_plan_is_proved(monkeypatch):
+    """Every configuration's first solve starved (it stops before CP-SAT can prove anything): each is solved
+    again, held to the plans found since (solver._solve_deferred), until proved or ruled out by its bound,
+    so the plan is the one the plain search proves, and it is OPTIMAL."""
+    from autopar.planning import solver as solver_module
+
+    graph = transformer_graph(32, 8192, 2048, vocab=32768, heads=64)
+    cluster = PRESETS["a100-40g"].for_world_size(64)
+    plain = solve(graph, 64, cluster, TrainingSpec(128, "bf16"), runners_up=0)
+    real, seconds = solver_module.cp_solver, []
+
+    def starved(time_limit_s, options, again=False):
+        solver = real(time_limit_s, options, again)
+        seconds.append(again)
+        if not again:
+            solver.parameters.max_deterministic_time = 1e-9
+        return solver
+
+    monkeypatch.setattr(solver_module, "cp_solver", starved)
+    cut = solve(graph, 64, cluster, TrainingSpec(128, "bf16"), runners_up=0)
+    assert plain.config.mesh.pp > 1 and plain.status == cut.status == "OPTIMAL"
+    assert cut.prediction.step_time_s == pytest.approx(plain.prediction.step_time_s, rel=1e-9)
+    assert any(seconds)  # configurations were solved a second time
+
+
 def test_rediscovers_data_parallel_when_memory_is_ample():
     graph = transformer_graph(4, 512, 256, vocab=8192, heads=8)  # a small model on big GPUs
     cluster = PRESETS["a100-80g"].for_world_size(8)
