@@ -23,7 +23,7 @@ score matrix, and is priced so (its ops' activations ÷ cp), never as a fused
 kernel.
 
 Under Ulysses (``plan.cp_attention`` ``ulysses``: a ``move`` given) the same three ops instead
-move heads, by the head all-to-all of ``passes/context_parallel.py`` (:func:`to_heads`,
+move heads, by the head all-to-all of ``passes/context_chunks.py`` (:func:`to_heads`,
 :func:`to_tokens`, autograd-aware): q [b, h, T, d] and kᵀ [b, h, d, T] go to [b, h/cp, S, d] and
 [b, h/cp, d, S] (every token in global order, the rank's heads), so the scores are S × S for h/cp
 heads; ``masked_fill``'s mask, proved the local causal one as above, becomes the causal mask over
@@ -58,7 +58,7 @@ from torch.overrides import TorchFunctionMode
 
 from autopar.capturing.manual_attention import PRODUCTS, SCALES
 from autopar.errors import LoweringError
-from autopar.passes.context_chunks import positions
+from autopar.passes.context_chunks import positions, to_heads, to_tokens
 
 Gather = Callable[[torch.Tensor, int], torch.Tensor]  # (this rank's tensor, its sequence dim) → all S, in order
 Move = Callable[[torch.Tensor, str], torch.Tensor]  # (tensor, HEADS or TOKENS) → moved by the head all-to-all
@@ -196,9 +196,8 @@ def group_gather(group: Any, seq_len: int, cp: int) -> Gather:
 
 
 def group_move(group: Any, seq_len: int, cp: int) -> Move:
-    """The head all-to-all over the cp ``group`` (``passes/context_parallel.py``'s :func:`to_heads` and
+    """The head all-to-all over the cp ``group`` (``passes/context_chunks.py``'s :func:`to_heads` and
     :func:`to_tokens`), the gathered tokens in global order."""
-    from autopar.passes.context_parallel import to_heads, to_tokens
 
     order = torch.argsort(torch.cat([positions(seq_len, cp, r) for r in range(cp)]))
 
