@@ -111,6 +111,7 @@ def float8_equivalence(spec: Spec, recipe: str) -> Callable[[int, int], dict[str
 
 DDP = PP1 + ("dp=2", "tp=1", "zero=0", "microbatches=1")
 ZERO3 = PP1 + ("dp=2", "tp=1", "zero=3", "microbatches=1")
+CP2 = PP1 + ("dp=1", "cp=2", "tp=1", "zero=3", "microbatches=1")
 
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "ddp_tensorwise": float8_equivalence(Spec(gpt_tiny, DDP, 4), "tensorwise"),
@@ -118,4 +119,7 @@ CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "zero3_rowwise": float8_equivalence(Spec(gpt_tiny, ZERO3, 4), "rowwise"),
     "hf_llama_zero3": float8_equivalence(Spec(hf_llama, ZERO3, 4), "tensorwise"),
     "hf_llama_ddp_rowwise": float8_equivalence(Spec(hf_llama, DDP, 4), "rowwise"),
+    "cp2_rowwise": float8_equivalence(Spec(gpt_tiny, CP2 + ("cp_attention=allgather",), 2), "rowwise"),
+    "cp2_ulysses_tensorwise": float8_equivalence(Spec(gpt_tiny, CP2 + ("cp_attention=ulysses",), 2), "tensorwise"),
+    "hf_llama_cp2_ring_rowwise": float8_equivalence(Spec(hf_llama, CP2 + ("cp_attention=ring",), 2), "rowwise"),
 }

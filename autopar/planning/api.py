@@ -90,9 +90,9 @@ def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | No
 COMPILED_PINS = ("ep=1", "cp=1")
 
 
-# What the float8 runtime runs (autopar.runtime.float8): torchao's Float8Linear under DDP or FSDP2; no
-# tensor parallelism (autopar's sharding runtime, not torchao's float8 styles), pipelines, experts or cp.
-FLOAT8_PINS = ("tp=1", "pp=1", "ep=1", "cp=1")
+# What the float8 runtime runs (autopar.runtime.float8): torchao's Float8Linear under DDP or FSDP2, also
+# beside cp; no tensor parallelism (autopar's sharding runtime, not torchao's float8 styles), pipelines or experts.
+FLOAT8_PINS = ("tp=1", "pp=1", "ep=1")
 
 
 def _restricted_pins(pins: Pins, restriction: tuple[str, ...], error: type[AutoparError], what: str) -> Pins:
@@ -102,7 +102,7 @@ def _restricted_pins(pins: Pins, restriction: tuple[str, ...], error: type[Autop
         combined.check_form()
         return combined
     except PinError as exc:
-        raise error(f"{what} does not run tensor parallelism, pipelines, expert or context parallelism yet "
+        raise error(f"{what} does not run tensor parallelism, pipelines or expert parallelism yet "
                     f"(its plans are solved with {' '.join(restriction)}): {exc}") from None
 
 

@@ -12,11 +12,13 @@ fp32), which is what the tests train with. Any other device is refused with
 one line naming it. torchao is optional (``pip install 'autopar[float8]'``)
 and imported only here, when a plan asks for float8.
 
-What runs is proven for DDP and FSDP2/ZeRO plans (``tests/runtime/test_float8_training.py``);
+What runs is proven for DDP and FSDP2/ZeRO plans, also under context parallelism
+(cp=2 at ZeRO-3 with each attention method: a cp rank's linears see its S/cp
+tokens, and FSDP2 gathers over dp × cp; ``tests/runtime/test_float8_training.py``);
 :func:`check_float8` refuses the other lowerings (tensor parallelism: autopar's
 sharding runtime rewrites the linears' ops itself and torchao's float8 tensor-
-parallel styles are not wired in; pipelines, experts, context parallelism:
-not tried) before the first collective.
+parallel styles are not wired in; pipelines, experts: not tried) before the
+first collective.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autopar.contract import Engine, plan_layout
+from autopar.contract import Engine, data_ranks, plan_layout
 from autopar.cost_models.gpu_figures import FP8_MIN_COMPUTE_CAPABILITY
 from autopar.errors import Float8Error
 from autopar.float8 import NEEDS, Float8Settings
@@ -52,7 +54,7 @@ def unsupported(plan: Plan) -> list[str]:
     why = []
     if m.tp > 1 or any(lp.choice.tp is not None for lp in plan.layers):
         why.append(f"tensor parallelism (tp={m.tp})")
-    for axis, what in (("pp", "a pipeline"), ("ep", "expert parallelism"), ("cp", "context parallelism")):
+    for axis, what in (("pp", "a pipeline"), ("ep", "expert parallelism")):
         if getattr(m, axis) > 1:
             why.append(f"{what} ({axis}={getattr(m, axis)})")
     return why
@@ -74,7 +76,7 @@ def check_float8(plan: Plan, float8: Any = None) -> None:
     why = unsupported(plan)
     if why:
         raise Float8Error(f"float8 training runs DDP and ZeRO/FSDP2 plans only; this plan has "
-                          f"{' and '.join(why)}: re-plan with --float8 (which pins tp=1 pp=1 ep=1 cp=1)")
+                          f"{' and '.join(why)}: re-plan with --float8 (which pins tp=1 pp=1 ep=1)")
     check_device()
 
 
@@ -107,10 +109,10 @@ def _torchao() -> Any:
 def gathered_in_float8(plan: Plan, graph: LayerGraph) -> frozenset[str]:
     """The converted linears whose weights FSDP2 gathers in float8: with the plan's ``fsdp_all_gather``,
     those of layers a ``fully_shard`` unit holds (the contract's role: ZeRO ≥ 1 over more than one data
-    rank), which is where pricing moves their all-gathers to 1 byte an element (``planning.pricing``);
+    rank, dp × cp), which is where pricing moves their all-gathers to 1 byte an element (``planning.pricing``);
     a replicated layer's weights are never gathered."""
     settings = plan.training.float8
-    if settings is None or not settings.fsdp_all_gather or plan.mesh.dp <= 1:
+    if settings is None or not settings.fsdp_all_gather or data_ranks(plan.mesh) <= 1:
         return frozenset()
     sharded = {role.name for role in plan_layout(graph, plan).layers
                if role.engine is Engine.FULLY_SHARD and role.zero >= 1}

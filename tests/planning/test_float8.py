@@ -189,7 +189,9 @@ def test_a_cpu_cluster_emulates_and_the_plan_says_so(gpt_tiny) -> None:
     assert any("gathers the converted weights in bf16" in n and "not rowwise" in n for n in plan.notes)
     plan = autopar.solve(g, 2, cluster="cpu", float8=settings_for(model, g, True), pins=["zero=3"])
     assert any("gathers the converted weights of sharded layers in float8" in n for n in plan.notes)
-    assert {"tp=1", "pp=1", "ep=1", "cp=1"} <= set(plan.pins)
+    assert {"tp=1", "pp=1", "ep=1"} <= set(plan.pins) and "cp=1" not in plan.pins  # float8 runs beside cp
+    beside_cp = autopar.solve(g, 2, cluster="cpu", float8=settings_for(model, g, True), pins=["cp=2", "zero=3"])
+    assert beside_cp.mesh.cp == 2 and beside_cp.training.float8 is not None
     with pytest.raises(Float8Error, match="does not run tensor parallelism"):
         autopar.solve(g, 2, cluster="cpu", float8=settings_for(model, g, True), pins=["tp=2"])
 

@@ -1,6 +1,7 @@
 """float8 training (issue 24, third slice) on CPU, through torchao's emulation: the plan's linears are
 converted and nothing else, training on 2 gloo ranks matches one float8 process, and float8 moves
-training by its rounding only.
+training by its rounding only: under DDP and ZeRO over dp, and under context parallelism (cp=2 at
+ZeRO-3, K/V all-gather, Ulysses and ring attention), where a rank's linears see its S/cp tokens.
 
 torchao's CPU emulation (``Float8LinearConfig.emulate``) casts for real, so what differs from a GPU
 is only the GEMM's accumulation. Two bars, by recipe:
@@ -32,7 +33,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 EXACT = 1e-5
 FLOAT8_TOL = 0.15  # gradients and SGD updates over all tensors together (docstring)
 LOSS_TOL = 1e-2
-CASES = ["ddp_tensorwise", "zero3_tensorwise", "zero3_rowwise", "hf_llama_zero3", "hf_llama_ddp_rowwise"]
+CASES = ["ddp_tensorwise", "zero3_tensorwise", "zero3_rowwise", "hf_llama_zero3", "hf_llama_ddp_rowwise",
+         "cp2_rowwise", "cp2_ulysses_tensorwise", "hf_llama_cp2_ring_rowwise"]
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +59,9 @@ def test_float8_trains_on_two_ranks_as_one_float8_process(w2: dict, case: str) -
         assert 1e-3 < m["fp32_grads_rel"] < FLOAT8_TOL and m["fp32_updates_rel"] < FLOAT8_TOL, m
         assert m["fp32_loss_rel"] < LOSS_TOL, m
     assert w2["ddp_tensorwise"]["zero"] == [0] and w2["zero3_tensorwise"]["zero"] == [3]
-    # tensorwise under ZeRO-3: FSDP2 gathers every converted weight in float8 (DDP and rowwise: none)
-    gathers = {"zero3_tensorwise": True, "hf_llama_zero3": True}.get(case, False)
+    # tensorwise under ZeRO-3: FSDP2 gathers every converted weight in float8 (DDP and rowwise: none),
+    # over dp × cp under cp (dp=1 × cp=2: the cp pair holds the shards)
+    gathers = case in ("zero3_tensorwise", "hf_llama_zero3", "cp2_ulysses_tensorwise")
     for m in every_rank(w2[case]):
         assert m["gathered"] == (m["planned"] if gathers else []), m
 
