@@ -83,7 +83,7 @@ class Spec:
     world_size: int | None = None  # the plan's, when it differs from the launch (error cases)
     classes: int | None = None  # targets are one class index per sample (an image classifier)
     synthetic: bool = False  # batches as verify makes them (any inputs; targets that fit the output)
-    ep: int = 1  # expert-parallel degree set on the solved plan (ep is not searched: no pin sets it yet)
+    ep: int = 1  # expert-parallel degree set on the plan after solving (that mesh runs, whatever was picked)
 
 
 def make_batch(model_inputs: tuple, model: nn.Module, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
