@@ -154,8 +154,8 @@ def test_cp_with_ep_pinned_beside_tp_is_refused_with_its_reason() -> None:
                        cp_refusal="")
     plan = autopar.solve(graph, 4, cluster="h100-80g", global_batch=2, pins=["cp=2", "ep=2", "tp=1", "pp=1"])
     assert (plan.mesh.cp, plan.mesh.ep) == (2, 2)
-    with pytest.raises(PinError, match=r"cp=2 with ep=2 runs beside dp only, not beside tp=2"):
-        autopar.solve(graph, 4, cluster="h100-80g", global_batch=2, pins=["cp=2", "ep=2", "tp=2"])
+    with pytest.raises(PinError, match=r"cp=2 with ep=2 runs beside dp, tp or pp, not beside tp=2 × pp=2 together"):
+        autopar.solve(graph, 8, cluster="h100-80g", global_batch=2, pins=["cp=2", "ep=2", "tp=2", "pp=2"])
 
 
 def test_an_all_to_all_moves_n_minus_1_over_n_of_the_bytes_over_nvlink_or_the_nic_share() -> None:
