@@ -202,6 +202,11 @@ SPECS |= {
     # W=4 beside tp (Megatron attention, the experts whole per tp rank) and inside pipeline stages
     "cp2_tp2_ep2_mixtral": Spec(hf_mixtral, _pins(2, tp=2) + EP2 + ("model.layers.*:tp=megatron",), 2),
     "cp2_pp2_ep2_mixtral": Spec(hf_mixtral, PP + ("schedule=1f1b",) + EP2, 4),
+    "cp2_pp2_tp2_ep2_mixtral": Spec(hf_mixtral, ("pp=2", "tp=2", "dp=1", "cp=2", "zero=0", "recompute=none",
+                                                 "microbatches=2", "schedule=1f1b", "model.layers.*:tp=megatron")
+                                    + EP2, 8),
+    "uly_cp2_pp2_tp2_nanogpt": Spec(nanogpt, ("pp=2", "tp=2", "dp=1", "cp=2", "zero=0", "recompute=none",
+                                              "microbatches=2", "schedule=1f1b") + NANO_TP + ULYSSES, 8),
 }
 
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}

@@ -44,6 +44,8 @@ SPECS: dict[str, Spec] = {
     "ring_cp2_pp2_1f1b_gpt": Spec(gpt_tiny, PP + ("schedule=1f1b",) + RING, 4),
     "ring_cp2_pp2_gpipe_recompute_llama": Spec(hf_llama, PP[:-2] + ("recompute=full", "microbatches=2",
                                                                     "schedule=gpipe") + RING, 4),
+    "ring_cp2_pp2_tp2_gpt": Spec(gpt_tiny, ("pp=2", "tp=2", "dp=1", "cp=2", "zero=0", "recompute=none",
+                                            "microbatches=2", "schedule=1f1b", "blocks.*:tp=megatron") + RING, 8),
 }
 
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}

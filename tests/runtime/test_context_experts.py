@@ -4,7 +4,8 @@ ranks from dp × cp, so the ep group is the cp pair; also under Ulysses, and at 
 and at dp=2 × cp=2 on four ranks with ep=2 (the ep group the cp pair, the experts averaged over the dp pair;
 replicated, ZeRO-1 and ZeRO-3 over 2 microbatches, and Ulysses) and ep=4 (one expert a rank, over all four);
 and at cp=2 × ep=2 on four ranks beside tp=2 (Megatron attention, the ep group the cp pair of each tp rank)
-and inside pp=2 stages (1F1B, the ep group each stage's cp pair), Mixtral.
+and inside pp=2 stages (1F1B, the ep group each stage's cp pair), Mixtral; and both on eight ranks (Mixtral
+at cp=2 × ep=2 inside pp=2 stages beside tp=2).
 
 An MoE block on a cp rank routes that rank's S/cp tokens: the routers are per token, with no capacity rule
 (tests/moe_cases.py says why routing cannot flip between the runs), so splitting the sequence changes no
@@ -63,6 +64,18 @@ def test_cp2_ep2_beside_tp2_or_inside_pp2_stages_matches_one_device(w4: dict, ca
         assert r["ep"] == 2 and r["mesh"] == ([1, 1, 2] if "tp2" in case else [2, 1, 1])
     if "pp2" in case:
         assert sorted(set(w4[case]["stages"])) == [0, 1] and w4[case]["schedule"] == "1f1b"
+
+
+@pytest.fixture(scope="module")
+def w8(ranks) -> dict[str, dict]:
+    return ranks(8).run(["cp2_pp2_tp2_ep2_mixtral"], module="context_cases")
+
+
+def test_cp2_ep2_inside_pp2_stages_beside_tp2_on_eight_ranks_matches_one_device(w8: dict) -> None:
+    m = w8["cp2_pp2_tp2_ep2_mixtral"]
+    check_equivalent(m)
+    for r in every_rank(m):
+        assert r["ep"] == 2 and r["mesh"] == [2, 1, 2]
 
 
 def test_beside_tp_or_pp_the_ep_group_is_the_cp_pair_of_each_tp_rank_or_stage(w4: dict) -> None:

@@ -6,7 +6,7 @@ recompute over 2 microbatches), cp=4 (W=4; the Llama with full recompute), cp=2 
 ZeRO-3 over the dp × cp ranks, 2 microbatches), cp=2 × tp=2 (W=4; Megatron blocks, each tp rank's heads passed
 round its cp pair: the GPT with vocab-parallel embeddings, the Llama, its one key/value head a tp rank, with
 sequence parallelism) and cp=2 × pp=2 (W=4; each stage's attention modules run the ring: the GPT under 1F1B,
-the Llama under GPipe with full recompute).
+the Llama under GPipe with full recompute), and cp=2 × pp=2 × tp=2 (W=8, the GPT's Megatron blocks under 1F1B).
 
 Bars (DESIGN.md, fp32 on CPU): first-step loss and gradients, SGD losses and parameters within 1e-5 relative per
 tensor; AdamW losses within 1e-3. The lowering really is the ring: a step runs torch's ring forward and backward
@@ -72,6 +72,20 @@ def test_ring_cp4_and_beside_dp_on_four_ranks_matches_one_device(w4: dict, case:
     if "zero3" in case:  # the weights are sharded over all four dp × cp ranks
         assert all(r["local_bytes_frac"] < 0.3 for r in every_rank(w4[case]))
         assert w4[case]["microbatches"] == 2
+
+
+@pytest.fixture(scope="module")
+def w8(ranks) -> dict[str, dict]:
+    return ranks(8).run(["ring_cp2_pp2_tp2_gpt"], module="ring_cases")
+
+
+def test_ring_inside_pp2_stages_beside_tp2_on_eight_ranks_matches_one_device(w8: dict) -> None:
+    """The ring over each tp rank's heads inside each pipeline stage: (pp, dp, cp, tp) = (2, 1, 2, 2)."""
+    m = w8["ring_cp2_pp2_tp2_gpt"]
+    check_equivalent(m)
+    assert m["cp_attention"] == "ring" and sorted(set(m["stages"])) == [0, 1]
+    for r in every_rank(m):
+        assert r["mesh"] == [2, 1, 2]
 
 
 @pytest.mark.parametrize("case", W4_TP_PP)

@@ -8,7 +8,7 @@ Llama's 4 key/value heads split over tp, then over cp; the GPT also with sequenc
 GPT under interleaved 1F1B). nanoGPT's attention written by hand (``passes/manual_attention.py``: q, kᵀ and v
 all-to-all'd, the S × S causal mask, the output back) at cp=2 (W=2; also with selective recompute over 2
 microbatches), cp=4, cp=2 × dp=2 at ZeRO-3, cp=2 × tp=2 (Megatron blocks, the tp rank's 2 heads split again
-over cp; sp off and on) and cp=2 × pp=2 (1F1B, the module inside a stage) (W=4).
+over cp; sp off and on) and cp=2 × pp=2 (1F1B, the module inside a stage) (W=4), and cp=2 × pp=2 × tp=2 (W=8).
 
 Bars (DESIGN.md, fp32 on CPU): first-step loss and gradients, SGD losses and parameters within 1e-5
 relative per tensor; AdamW losses within 1e-3. The lowering really is the all-to-all: a step calls
@@ -85,6 +85,20 @@ def test_the_ulysses_plan_runs_the_head_all_to_all_not_the_kv_all_gather(w2: dic
     for r in every_rank(w2[case]):
         assert r["method"] == "ulysses" and r["ulysses"] is True
         assert r["calls"] == {"all_to_all": 8, "all_gather": 0}  # 2 blocks × (q, k, v, output)
+
+
+@pytest.fixture(scope="module")
+def w8(ranks) -> dict[str, dict]:
+    return ranks(8).run(["uly_cp2_pp2_tp2_nanogpt"], module="context_cases")
+
+
+def test_ulysses_on_hand_written_attention_inside_pp2_stages_beside_tp2_matches_one_device(w8: dict) -> None:
+    """nanoGPT's attention by hand, Megatron blocks inside 1F1B stages: each tp rank's 2 heads split over cp."""
+    m = w8["uly_cp2_pp2_tp2_nanogpt"]
+    check_equivalent(m)
+    assert m["cp_attention"] == "ulysses" and sorted(set(m["stages"])) == [0, 1]
+    for r in every_rank(m):
+        assert r["mesh"] == [2, 1, 2]
 
 
 @pytest.mark.parametrize("case", W4_PP)
