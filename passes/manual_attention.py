@@ -33,7 +33,7 @@ heads per rank: the same count as T × S for h heads. Beside tensor parallelism 
 are moved as plain tensors and split again over cp, and the scores are tagged with a head layout of
 h/cp heads (:meth:`ManualContextAttention._ulysses_scores`), so the TP rules run the mask, softmax and
 dropout on them; the output, moved back, carries v's layout (trained against one device at cp=2 × tp=2,
-sp off and on, and at cp=2 × pp=2: ``tests/runtime/test_context_ulysses.py``).
+sp off and on, at cp=2 × pp=2 and at cp=2 × pp=2 × tp=2: ``tests/runtime/test_context_ulysses.py``).
 
 Dropout on the probabilities runs as written under both (as on one device, a draw per element; the
 ranks draw other numbers than one device, as any dropout under cp does).
