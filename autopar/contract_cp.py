@@ -40,13 +40,15 @@ def cp_refusal(mesh: Mesh, graph: LayerGraph | None = None) -> str | None:
     attention module is called for cp to gather K and V in. Attention written by hand (nanoGPT's masked
     softmax, ``graph.cp_manual``: ``passes/manual_attention.py``) runs under cp beside dp, pp and tp (run
     against one device at cp=2, cp=2 × dp=2, cp=2 × pp=2 and cp=2 × tp=2 with sp off and on: beside tp its
-    two products gather the tp rank's heads of kᵀ and v). Beside ep (beside dp, not
-    beside tp or pp), ep borrows its ranks from dp × cp (:mod:`autopar.mesh`): an MoE block dispatches
-    the rank's S/cp tokens over its ep group, which may hold cp ranks of the same samples; the router is
-    per token, with no capacity or drop rule in the blocks ep lowers, so splitting the sequence changes
-    no routing decision, and the experts average over the (dp × cp)/ep ranks holding the same ones (run
-    against one device at cp=2 × ep=2 on W=2 and at dp=2 × cp=2 × ep=2 on W=4, Mixtral and
-    Qwen2-MoE, all-gather and Ulysses, ``tests/runtime/test_context_experts.py``)."""
+    two products gather the tp rank's heads of kᵀ and v). Beside ep (beside dp, tp and pp), ep borrows its
+    ranks from dp × cp (:mod:`autopar.mesh`): an MoE block dispatches the rank's S/cp tokens over its ep
+    group, which may hold cp ranks of the same samples; the router is per token, with no capacity or drop
+    rule in the blocks ep lowers, so splitting the sequence changes no routing decision, and the experts
+    average over the (dp × cp)/ep ranks holding the same ones (run against one device at cp=2 × ep=2 on
+    W=2 and at dp=2 × cp=2 × ep=2 on W=4, Mixtral and Qwen2-MoE, all-gather and Ulysses; at cp=2 × ep=2
+    beside tp=2, Megatron attention with the ep group the cp pair of each tp rank, and inside pp=2 stages
+    under 1F1B, the ep group each stage's cp pair, W=4; and inside pp=2 stages beside tp=2, W=8; Mixtral:
+    ``tests/runtime/test_context_experts.py``)."""
     if mesh.cp <= 1:
         return None
     capped = next((layer.name for layer in graph or () for m in layer.moe if m.capacity_factor is not None), None)
@@ -54,10 +56,6 @@ def cp_refusal(mesh: Mesh, graph: LayerGraph | None = None) -> str | None:
         return (f"cp={mesh.cp} cannot split {graph.model_name}'s sequence: the mixture-of-experts block of "
                 f"{capped} drops tokens past a capacity computed from the tokens of each call, so a rank's S/cp "
                 "tokens would drop others than one device drops; use cp=1")
-    if mesh.ep > 1 and (mesh.tp > 1 or mesh.pp > 1):
-        beside = " × ".join(f"{n}={getattr(mesh, n)}" for n in ("tp", "pp") if getattr(mesh, n) > 1)
-        return (f"cp={mesh.cp} with ep={mesh.ep} runs beside dp only, not beside {beside} (not run against "
-                "one device there yet)")
     if graph is not None and mesh.pp > 1 and graph.tracer == "export":  # contract.tp_applies's rule
         return (f"cp={mesh.cp} with pp={mesh.pp} cannot run on {graph.model_name}: its pipeline stages are "
                 "single ATen graphs (torch.export could not keep its layers' module calls), in which no "
@@ -84,9 +82,11 @@ def ulysses_refusal(graph: LayerGraph, mesh: Mesh) -> str | None:
     grouped-query heads stay grouped); beside tp it splits the tp rank's share, so cp × tp must divide
     them (a layer tp leaves whole holds all its heads: cp alone would do, cp × tp is asked of all).
     Attention written by hand (``graph.cp_manual``, ``passes/manual_attention.py``) moves q, kᵀ, v and its
-    output alike, its heads recorded at capture from q, kᵀ and v; it runs beside dp only (run against one
-    device at cp=2, also with selective recompute over 2 microbatches, cp=4 and cp=2 × dp=2 at ZeRO-3,
-    nanoGPT: ``tests/runtime/test_context_ulysses.py``), so it is not offered beside tp, pp or ep.
+    output alike, its heads recorded at capture from q, kᵀ and v (beside tp the tp rank's heads, split
+    again over cp); it runs beside dp, tp and pp (run against one device at cp=2, also with selective
+    recompute over 2 microbatches, cp=4, cp=2 × dp=2 at ZeRO-3, cp=2 × tp=2 with sp off and on, cp=2 ×
+    pp=2 under 1F1B and cp=2 × pp=2 × tp=2, nanoGPT: ``tests/runtime/test_context_ulysses.py``), so it is
+    not offered beside ep.
     Head counts come from capture (``capturing.context``); a graph captured before they were recorded,
     or a call whose key and value are not 4-D [batch, heads, sequence, dim], gets no Ulysses. Inside
     pipeline stages it runs as the all-gather does there (each stage's attention modules hold the mode;
@@ -94,10 +94,9 @@ def ulysses_refusal(graph: LayerGraph, mesh: Mesh) -> str | None:
     ZeRO-3 with full recompute, interleaved 1F1B: ``tests/runtime/test_context_ulysses.py``)."""
     if mesh.cp <= 1:
         return "Ulysses splits attention over the cp ranks, and cp is 1"
-    beside = " × ".join(f"{n}={getattr(mesh, n)}" for n in ("tp", "pp", "ep") if getattr(mesh, n) > 1)
-    if graph.cp_manual and beside:
-        return (f"Ulysses on attention written by hand ({next(iter(graph.cp_manual))}) runs beside dp only, not "
-                f"beside {beside} (not run against one device there yet); cp there gathers K/V")
+    if graph.cp_manual and mesh.ep > 1:
+        return (f"Ulysses on attention written by hand ({next(iter(graph.cp_manual))}) runs beside dp, tp and pp, "
+                f"not beside ep={mesh.ep} (not run against one device there yet); cp there gathers K/V")
     split, by = mesh.cp * mesh.tp, (f"cp × tp = {mesh.cp} × {mesh.tp} = {mesh.cp * mesh.tp}" if mesh.tp > 1
                                      else f"cp={mesh.cp}")
     for layer in graph:
@@ -124,18 +123,21 @@ def ring_refusal(graph: LayerGraph, mesh: Mesh) -> str | None:
     ``_templated_ring_attention``, ``passes/context_ring.py``) cannot run ``graph``'s attention on ``mesh``
     (None when it can). It replaces causal SDPA calls of 4-D [batch, heads, sequence, dim] tensors (torch's
     ring passes dim 2; capture records their key/value heads only for such calls), so not attention
-    written by hand, whose masked softmax returns no log-sum-exp to merge partial outputs by. Run against
-    one device beside dp only (cp=2 and cp=4, the project's GPT and a Hugging Face Llama:
-    ``tests/runtime/test_context_ring.py``), so not offered beside tp, pp or ep."""
+    written by hand, whose masked softmax returns no log-sum-exp to merge partial outputs by. Beside tp each
+    tp rank passes its heads' K/V (h_kv/tp) round its cp group; inside pipeline stages each stage's
+    attention modules run the ring over their cp group. Run against one device beside dp (cp=2 and cp=4,
+    cp=2 × dp=2), beside tp (cp=2 × tp=2, the GPT's Megatron blocks and vocab-parallel embeddings, and a
+    Llama's with sequence parallelism), inside pp stages (cp=2 × pp=2, the GPT under 1F1B and a Llama
+    under GPipe with full recompute) and both (cp=2 × pp=2 × tp=2, the GPT), the project's GPT and a Hugging
+    Face Llama: ``tests/runtime/test_context_ring.py``; so not offered beside ep."""
     if mesh.cp <= 1:
         return "ring attention passes K/V round the cp ranks, and cp is 1"
     if graph.cp_manual:
         return (f"ring attention does not run on attention written by hand ({next(iter(graph.cp_manual))}: its "
                 "masked softmax gives no log-sum-exp to merge the ring's partial outputs by); cp there gathers K/V")
-    beside = " × ".join(f"{n}={getattr(mesh, n)}" for n in ("tp", "pp", "ep") if getattr(mesh, n) > 1)
-    if beside:
-        return (f"ring attention at cp={mesh.cp} runs beside dp only, not beside {beside} (not run against one "
-                "device there yet)")
+    if mesh.ep > 1:
+        return (f"ring attention at cp={mesh.cp} runs beside dp, tp and pp, not beside ep={mesh.ep} (not run "
+                "against one device there yet)")
     for layer in graph:
         if layer.attention_calls and (not layer.kv_heads or 0 in layer.kv_heads):
             return (f"ring attention needs each attention call's query, key and value [batch, heads, sequence, dim], "

@@ -53,8 +53,9 @@ ranks of one cp × dp position hold the same tokens and split the heads and MLP 
 attention module then runs inside its layer's TP ``ShardMode`` (``passes/tensor_parallel.py``), so
 q, k and v reach this mode as plain tensors holding the tp rank's heads, tagged by the TP rules;
 :func:`_tp_heads` finds them, the gather, reorder and masked SDPA run as plain ops on those
-shards (K and V gathered over the cp group alone) and the output is tagged with the query's head
-layout, as the TP rules' SDPA would. A style holding key or value projections whole on every tp
+shards (K and V gathered over the cp group alone; under Ulysses the tp rank's heads all-to-all'd
+over it, under the ring the tp rank's heads' K/V passed round it) and the output is tagged with the
+query's head layout, as the TP rules' SDPA would. A style holding key or value projections whole on every tp
 rank is refused (:func:`check_context_parallel`). A vocab-parallel position embedding gets its
 positions as a replicated DTensor (its style's input hook runs first), which the position hook
 swaps in its local tensor. Sequence parallelism composes: a block's hidden state is the tp rank's

@@ -21,8 +21,11 @@ autograd function: the forward template, and the backward template for its gradi
 ``aten._scaled_dot_product_flash_attention``. Grouped-query K/V travel with their own heads and are
 repeated to the query's inside the op (their gradients summed back there), so the ring moves h_kv
 heads. Equal to one device's causal SDPA within 1e-5 in fp32, forward and gradients, at cp = 2 and 4
-on gloo (``tests/runtime/test_context_ring.py``, the ``ring_op`` case). The CUDA branch is torch's own
-calls of its flash kernel and is not run on this project's CPU machines.
+on gloo (``tests/runtime/test_context_ring.py``, the ``ring_op`` case). Beside tensor parallelism q, k and
+v reach it as the tp rank's head shards (``passes/context_parallel._tp_heads``), so each tp rank passes
+its h_kv/tp heads' K/V round its cp group; inside pipeline stages each stage's attention modules call it
+(trained against one device at cp=2 × tp=2 and cp=2 × pp=2, ``tests/runtime/test_context_ring.py``).
+The CUDA branch is torch's own calls of its flash kernel and is not run on this project's CPU machines.
 """
 
 from __future__ import annotations

@@ -29,7 +29,11 @@ move heads, by the head all-to-all of ``passes/context_chunks.py`` (:func:`to_he
 heads; ``masked_fill``'s mask, proved the local causal one as above, becomes the causal mask over
 all S; ``probs @ v`` takes v moved likewise, and its [b, h/cp, S, d] output goes back by the inverse
 all-to-all to [b, h, T, d], the rank's tokens in its chunk order. The module holds S × S for h/cp
-heads per rank: the same count as T × S for h heads.
+heads per rank: the same count as T × S for h heads. Beside tensor parallelism the tp rank's h/tp heads
+are moved as plain tensors and split again over cp, and the scores are tagged with a head layout of
+h/cp heads (:meth:`ManualContextAttention._ulysses_scores`), so the TP rules run the mask, softmax and
+dropout on them; the output, moved back, carries v's layout (trained against one device at cp=2 × tp=2,
+sp off and on, at cp=2 × pp=2 and at cp=2 × pp=2 × tp=2: ``tests/runtime/test_context_ulysses.py``).
 
 Dropout on the probabilities runs as written under both (as on one device, a draw per element; the
 ranks draw other numbers than one device, as any dropout under cp does).
@@ -47,6 +51,7 @@ other) is refused with what differs.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -85,8 +90,7 @@ class ManualContextAttention(TorchFunctionMode):
         if hit is None:
             if self._is_scores(name, args, kwargs):  # q @ kᵀ: kᵀ over all S keys (Ulysses: q too, h/cp heads)
                 if self.move is not None:
-                    q, kt = self._heads(args[0]), self._heads(args[1].transpose(-2, -1)).transpose(-2, -1)
-                    return self._track(func(q, kt), RAW)
+                    return self._track(self._ulysses_scores(func, args[0], args[1]), RAW)
                 return self._track(self._product(func, args[0], args[1], args[1].dim() - 1), RAW)
             return func(*args, **kwargs)
         out = self._step(func, name, args, kwargs, hit[1])
@@ -100,19 +104,41 @@ class ManualContextAttention(TorchFunctionMode):
         per head, and the output is tagged with ``a``'s head layout, as the TP rules' product would tag it
         (the same as ``passes/context_parallel.py`` does for SDPA). The scale, mask, softmax and dropout
         between the two products run through the TP rules as they do without cp."""
-        from autopar.sharding.rules import current_mode
-
-        mode = current_mode()
-        layouts = (mode.layout(a), mode.layout(b)) if mode is not None else (None, None)
-        if layouts == (None, None):
+        tp = _tp_heads(a, b)
+        if tp is None:
             return func(a, self.gather(b, dim))
-        la, lb = layouts
-        if la is None or lb is None or la.dim != lb.dim or la.dim >= min(a.dim(), b.dim()) - 2:
-            raise LoweringError("cp beside tp needs a hand-written attention's q, k and v each split on their heads "
-                                f"(a batch dim before the last two), got layouts {la} and {lb}")
+        mode, la = tp
         with torch._C.DisableTorchFunction():
             out = func(a, self.gather(b, dim))
         return mode.tag(out, la)
+
+    def _ulysses_scores(self, func: Any, q: torch.Tensor, kt: torch.Tensor) -> torch.Tensor:
+        """``q @ kᵀ`` over all S for the rank's heads/cp (Ulysses). Beside tensor parallelism q and kᵀ hold
+        the tp rank's heads (as in :meth:`_product`): they move as plain tensors, the tp rank's h/tp heads
+        split again over cp, and the S × S scores are tagged with a head layout of h/cp heads (each segment
+        ÷ cp), so the TP rules run the mask, softmax and dropout on them as on any head shard."""
+        tp = _tp_heads(q, kt)
+        if tp is None:
+            return func(self._heads(q), self._heads(kt.transpose(-2, -1)).transpose(-2, -1))
+        mode, layout = tp
+        cp = self.seq_len // self.local
+        if any(s % (cp * mode.tp) for i, s in enumerate(layout.segments) if i not in layout.whole) or layout.whole:
+            raise LoweringError(f"Ulysses at cp={cp} beside tp={mode.tp} needs cp × tp to divide a hand-written "
+                                f"attention's heads, got head segments {layout.segments}")
+        with torch._C.DisableTorchFunction():
+            out = func(self._heads(q), self._heads(kt.transpose(-2, -1)).transpose(-2, -1))
+        return mode.tag(out, dataclasses.replace(layout, segments=tuple(s // cp for s in layout.segments)))
+
+    def _ulysses_output(self, func: Any, probs: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``probs @ v`` for the rank's heads over all S, moved back to all (the tp rank's) heads over its
+        tokens; beside tp as plain tensors, tagged with v's head layout (:meth:`_ulysses_scores`)."""
+        tp = _tp_heads(probs, v)
+        if tp is None:
+            return self.move(func(probs, self._heads(v)), TOKENS)
+        mode = tp[0]
+        with torch._C.DisableTorchFunction():
+            out = self.move(func(probs, self._heads(v)), TOKENS)
+        return mode.tag(out, mode.layout(v))
 
     def _is_scores(self, name: str, args: tuple, kwargs: dict) -> bool:
         if name not in PRODUCTS or len(args) != 2 or kwargs:
@@ -140,7 +166,7 @@ class ManualContextAttention(TorchFunctionMode):
         if name in PRODUCTS and stage == PROBS and len(args) == 2 and not kwargs:
             v = args[1]
             if self.move is not None:  # the rank's heads over all S, back to all heads over its tokens
-                return self.move(func(args[0], self._heads(v)), TOKENS)
+                return self._ulysses_output(func, args[0], v)
             return self._product(func, args[0], v, v.dim() - 2)
         out = func(*args, **kwargs)
         if any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out)):  # not metadata (shape, dtype)
@@ -149,12 +175,9 @@ class ManualContextAttention(TorchFunctionMode):
         return out
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [b, h, T, d] moved to [b, h/cp, S, d] (Ulysses): plain 4-D tensors with cp dividing h only."""
-        from autopar.sharding.rules import current_mode
-
-        mode, cp = current_mode(), self.seq_len // self.local
-        if mode is not None and mode.layout(x) is not None:
-            raise LoweringError("Ulysses on a hand-written attention does not run beside tp (cp gathers K/V there)")
+        """``x`` [b, h, T, d] moved to [b, h/cp, S, d] (Ulysses): 4-D tensors with cp dividing h only (beside
+        tp: the tp rank's h/tp heads, as plain tensors)."""
+        cp = self.seq_len // self.local
         if x.dim() != 4 or x.shape[1] % cp:
             raise LoweringError(f"Ulysses at cp={cp} needs a hand-written attention's q, k and v [batch, heads, "
                                 f"sequence, dim] with heads divisible by {cp}, got {list(x.shape)} (capture "
@@ -175,6 +198,22 @@ class ManualContextAttention(TorchFunctionMode):
         queries = keys if self.move is not None else self.rows.to(mask.device)
         rows = keys[None, :] > queries[:, None]  # True: masked (a key after the query)
         return rows.view(*([1] * (scores.dim() - 2)), queries.numel(), self.seq_len)
+
+
+def _tp_heads(a: torch.Tensor, b: torch.Tensor) -> tuple[Any, Any] | None:
+    """Beside tensor parallelism (the module inside its layer's TP ``ShardMode``), the mode and ``a``'s head
+    layout, ``a`` and ``b`` each holding the tp rank's heads; None without TP."""
+    from autopar.sharding.rules import current_mode
+
+    mode = current_mode()
+    layouts = (mode.layout(a), mode.layout(b)) if mode is not None else (None, None)
+    if layouts == (None, None):
+        return None
+    la, lb = layouts
+    if la is None or lb is None or la.dim != lb.dim or la.dim >= min(a.dim(), b.dim()) - 2:
+        raise LoweringError("cp beside tp needs a hand-written attention's q, k and v each split on their heads "
+                            f"(a batch dim before the last two), got layouts {la} and {lb}")
+    return mode, la
 
 
 def _number(x: Any) -> bool:

@@ -179,6 +179,10 @@ SPECS: dict[str, Spec] = {
                                                                "recompute=full", "microbatches=2", "schedule=gpipe")
                                                     + ULYSSES, 4),
     "uly_cp2_pp2_interleaved_gpt": Spec(gpt_four, PP + ("schedule=interleaved_1f1b", "chunks=2") + ULYSSES, 4),
+    # Ulysses on attention written by hand beside tp and inside pipeline stages (W=4)
+    "uly_cp2_pp2_1f1b_nanogpt": Spec(nanogpt, PP + ("schedule=1f1b",) + ULYSSES, 4),
+    "uly_cp2_tp2_nanogpt": Spec(nanogpt, _pins(2, tp=2) + NANO_TP + ULYSSES, 2),
+    "uly_cp2_tp2_sp_nanogpt": Spec(nanogpt, _pins(2, tp=2) + NANO_TP + ("transformer.h.*:sp=on",) + ULYSSES, 2),
 }
 
 # cp beside ep (ep borrows its ranks from dp × cp, the cp ranks of a sample first): an MoE block dispatches
@@ -195,6 +199,14 @@ SPECS |= {
     "cp2_dp2_ep2_zero1_mixtral": Spec(hf_mixtral, _pins(2, dp=2, zero=1, m=2) + EP2, 4),
     "cp2_dp2_ep4_mixtral": Spec(hf_mixtral, _pins(2, dp=2) + ("ep=4",), 4),
     "uly_cp2_dp2_ep2_qwen2_moe": Spec(hf_qwen2_moe, _pins(2, dp=2) + EP2 + ULYSSES, 4),
+    # W=4 beside tp (Megatron attention, the experts whole per tp rank) and inside pipeline stages
+    "cp2_tp2_ep2_mixtral": Spec(hf_mixtral, _pins(2, tp=2) + EP2 + ("model.layers.*:tp=megatron",), 2),
+    "cp2_pp2_ep2_mixtral": Spec(hf_mixtral, PP + ("schedule=1f1b",) + EP2, 4),
+    "cp2_pp2_tp2_ep2_mixtral": Spec(hf_mixtral, ("pp=2", "tp=2", "dp=1", "cp=2", "zero=0", "recompute=none",
+                                                 "microbatches=2", "schedule=1f1b", "model.layers.*:tp=megatron")
+                                    + EP2, 8),
+    "uly_cp2_pp2_tp2_nanogpt": Spec(nanogpt, ("pp=2", "tp=2", "dp=1", "cp=2", "zero=0", "recompute=none",
+                                              "microbatches=2", "schedule=1f1b") + NANO_TP + ULYSSES, 8),
 }
 
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}
@@ -219,7 +231,8 @@ def expert_groups(spec_name: str) -> Callable[[int, int], dict[str, Any]]:
     return case
 
 
-CASES |= {f"groups_{k}": expert_groups(k) for k in ("cp2_ep2_mixtral", "cp2_dp2_ep2_mixtral", "cp2_dp2_ep4_mixtral")}
+CASES |= {f"groups_{k}": expert_groups(k) for k in ("cp2_ep2_mixtral", "cp2_dp2_ep2_mixtral", "cp2_dp2_ep4_mixtral",
+                                                    "cp2_tp2_ep2_mixtral", "cp2_pp2_ep2_mixtral")}
 
 
 def cp2_refuses_labels(rank: int, world_size: int) -> dict[str, Any]:

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from context_cases import _pins, hf_llama
-from equivalence_cases import Spec, equivalence, gpt_tiny, plan_for
+from context_cases import LLAMA_TP, PP, _pins, hf_llama
+from equivalence_cases import GPT_TP, Spec, equivalence, gpt_tiny, plan_for
 
 import autopar
 from autopar.passes.context_chunks import positions
@@ -36,6 +36,16 @@ SPECS: dict[str, Spec] = {
     "ring_cp4_recompute_llama": Spec(hf_llama, _pins(4, recompute="full") + RING, 2),
     # beside dp: ZeRO-3 over the dp × cp ranks, 2 microbatches
     "ring_cp2_dp2_zero3_accum_gpt": Spec(gpt_tiny, _pins(2, dp=2, zero=3, m=2) + RING, 4),
+    # beside tp (W=4): each tp rank's heads (the Llama: its one key/value head) passed round the cp ring;
+    # the GPT's embeddings vocab-parallel, the Llama with sequence parallelism
+    "ring_cp2_tp2_gpt": Spec(gpt_tiny, _pins(2, tp=2) + GPT_TP + RING, 2),
+    "ring_cp2_tp2_sp_llama": Spec(hf_llama, _pins(2, tp=2) + LLAMA_TP + ("model.layers.*:sp=on",) + RING, 2),
+    # inside pipeline stages (W=4): each stage's attention modules run the ring over their cp pair
+    "ring_cp2_pp2_1f1b_gpt": Spec(gpt_tiny, PP + ("schedule=1f1b",) + RING, 4),
+    "ring_cp2_pp2_gpipe_recompute_llama": Spec(hf_llama, PP[:-2] + ("recompute=full", "microbatches=2",
+                                                                    "schedule=gpipe") + RING, 4),
+    "ring_cp2_pp2_tp2_gpt": Spec(gpt_tiny, ("pp=2", "tp=2", "dp=1", "cp=2", "zero=0", "recompute=none",
+                                            "microbatches=2", "schedule=1f1b", "blocks.*:tp=megatron") + RING, 8),
 }
 
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}
@@ -65,13 +75,14 @@ def ring_op(rank: int, world_size: int) -> dict[str, Any]:
     return {"errors": errors}
 
 
-def ring_cp2_runs_ring(rank: int, world_size: int) -> dict[str, Any]:
-    """One training step of the GPT (2 blocks, one SDPA each) under the ring plan: torch's ring forward
-    runs once per block (twice in all), its backward once per block, and K/V are never all-gathered."""
+def ring_cp2_runs_ring(rank: int, world_size: int, spec: str = "ring_cp2_gpt") -> dict[str, Any]:
+    """One training step of the GPT (2 blocks, one SDPA each) under the ring plan (``spec``: also beside tp):
+    torch's ring forward runs once per block (twice in all), its backward once per block, and K/V are never
+    all-gathered."""
     import torch.distributed._functional_collectives as fc
     from torch.distributed.tensor.experimental._context_parallel import _attention as ring
 
-    plan, graph = plan_for(SPECS["ring_cp2_gpt"], world_size)
+    plan, graph = plan_for(SPECS[spec], world_size)
     torch.manual_seed(0)
     model, inputs = gpt_tiny()
     pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=graph)
@@ -97,3 +108,4 @@ def ring_cp2_runs_ring(rank: int, world_size: int) -> dict[str, Any]:
 
 CASES["ring_op"] = ring_op
 CASES["ring_cp2_runs_ring"] = ring_cp2_runs_ring
+CASES["ring_cp2_tp2_runs_ring"] = lambda rank, world_size: ring_cp2_runs_ring(rank, world_size, "ring_cp2_tp2_gpt")

@@ -144,7 +144,8 @@ def ring_transient_bytes(table: Any, layer: Layer, heads_split: int = 1) -> floa
     """The buffers ring attention holds in flight while one call runs, per microbatch (plan dtype): a
     received and a sent K/V of the rank, and in the backward besides them the accumulated, the sent
     and the received K/V gradient in fp32 (``_templated_ring_attention_backward``); 0 under the other
-    methods."""
+    methods. The workspace asks it with ``heads_split`` 1 whatever the layer's style (one figure for every
+    choice): beside tp an upper bound, a style splitting the heads holding h_kv/tp heads' buffers."""
     if table.config.mesh.cp <= 1 or table.config.cp_attention is not CpAttention.RING:
         return 0.0
     calls = max(layer.attention_calls, 1)

@@ -166,13 +166,15 @@ def test_nanogpt_as_its_author_writes_it_is_captured_for_cp_and_noted_to_hold_s_
                               pins=["cp=2", "tp=2", "transformer.h.*:tp=megatron"])
     assert (beside_tp.mesh.cp, beside_tp.mesh.tp) == (2, 2)
     # Ulysses moves q, kᵀ, v and the output by heads (run against one device: test_context_ulysses.py): their
-    # heads and q/output bytes recorded; offered beside dp only, so refused beside tp in one line
+    # heads and q/output bytes recorded; offered beside dp, tp (cp × tp dividing the heads) or pp
     blocks = [l for l in graph if l.name.startswith("transformer.h.")]
     assert [(l.kv_heads, l.qo_bytes_per_sample) for l in blocks] == [((4,), 4096.0)] * 2
     uly = autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=2, pins=["cp=2", "cp_attention=ulysses"])
     assert str(uly.cp_attention) == "ulysses"
     assert any("S × S for heads/cp a rank under cp=2 by Ulysses" in n for n in uly.notes)
-    with pytest.raises(PinError, match=r"Ulysses on attention written by hand \(transformer.h.0.attn\) runs beside "
-                                       r"dp only, not beside tp=2"):
-        autopar.solve(graph, 4, cluster="cpu", dtype="fp32", global_batch=2,
-                      pins=["cp=2", "tp=2", "cp_attention=ulysses", "transformer.h.*:tp=megatron"])
+    uly_tp = autopar.solve(graph, 4, cluster="cpu", dtype="fp32", global_batch=2,
+                           pins=["cp=2", "tp=2", "cp_attention=ulysses", "transformer.h.*:tp=megatron"])
+    assert (uly_tp.mesh.cp, uly_tp.mesh.tp, str(uly_tp.cp_attention)) == (2, 2, "ulysses")
+    with pytest.raises(PinError, match=r"Ulysses at cp × tp = 4 × 2 = 8 needs 8 to divide the key/value heads"):
+        autopar.solve(graph, 8, cluster="cpu", dtype="fp32", global_batch=2,
+                      pins=["cp=4", "tp=2", "cp_attention=ulysses", "transformer.h.*:tp=megatron"])

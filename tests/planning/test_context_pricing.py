@@ -129,11 +129,10 @@ def test_cp_is_searched_where_the_logits_bind_and_pinned_or_refused_in_one_line(
     with pytest.raises(PinError, match=r"cp=2 cannot split this model's sequence: cumsum"):
         autopar.solve(refused, 2, cluster="h100-80g", global_batch=1, pins=["cp=2"])
     assert cp_refusal(Mesh(dp=2, cp=2)) is None and cp_refusal(Mesh(pp=2, cp=2), graph) is None
-    # cp beside ep runs beside dp (ep borrows dp × cp's ranks); beside tp or pp it is not run yet
+    # cp beside ep runs beside dp (ep borrows dp × cp's ranks), tp and pp
     assert cp_refusal(Mesh(dp=2, cp=2, ep=2)) is None and cp_refusal(Mesh(cp=2, ep=2)) is None
-    assert cp_refusal(Mesh(cp=2, ep=2, tp=2)) == ("cp=2 with ep=2 runs beside dp only, not beside tp=2 (not run "
-                                                  "against one device there yet)")
-    assert "not beside pp=2" in cp_refusal(Mesh(pp=2, dp=2, cp=2, ep=2))
+    assert cp_refusal(Mesh(cp=2, ep=2, tp=2)) is None and cp_refusal(Mesh(pp=2, dp=2, cp=2, ep=2)) is None
+    assert cp_refusal(Mesh(pp=2, cp=2, ep=2, tp=2)) is None
     # a model whose pipeline stages are single ATen graphs calls no attention module there: refused under pp
     export = LayerGraph(list(graph), model_name="exported", example_batch=1, dtype_bytes=2, seq_len=S,
                         cp_refusal="", tracer="export")

@@ -145,17 +145,20 @@ def test_cp_is_refused_on_a_block_that_drops_tokens_past_a_capacity() -> None:
         "device drops; use cp=1")
 
 
-def test_cp_with_ep_pinned_beside_tp_is_refused_with_its_reason() -> None:
+def test_cp_with_ep_pinned_solves_and_runs_beside_tp_and_pp() -> None:
     import autopar
-    from autopar.errors import PinError
 
     graph = _moe_graph()
     graph = LayerGraph(list(graph), model_name="moe", example_batch=1, dtype_bytes=graph.dtype_bytes, seq_len=64,
                        cp_refusal="")
     plan = autopar.solve(graph, 4, cluster="h100-80g", global_batch=2, pins=["cp=2", "ep=2", "tp=1", "pp=1"])
     assert (plan.mesh.cp, plan.mesh.ep) == (2, 2)
-    with pytest.raises(PinError, match=r"cp=2 with ep=2 runs beside dp only, not beside tp=2"):
-        autopar.solve(graph, 4, cluster="h100-80g", global_batch=2, pins=["cp=2", "ep=2", "tp=2"])
+    from autopar.contract import cp_refusal
+
+    # beside tp and pp as well (run against one device: test_context_experts.py)
+    beside_tp = autopar.solve(graph, 4, cluster="h100-80g", global_batch=2, pins=["cp=2", "ep=2", "tp=2"])
+    assert (beside_tp.mesh.cp, beside_tp.mesh.ep, beside_tp.mesh.tp) == (2, 2, 2)
+    assert cp_refusal(Mesh(pp=2, cp=2, ep=2), graph) is None and cp_refusal(Mesh(pp=2, cp=2, ep=2, tp=2), graph) is None
 
 
 def test_an_all_to_all_moves_n_minus_1_over_n_of_the_bytes_over_nvlink_or_the_nic_share() -> None:

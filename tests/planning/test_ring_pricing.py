@@ -130,13 +130,17 @@ def test_ring_keeps_no_gathered_kv_and_counts_its_buffers_in_flight() -> None:
         2 * local + 3 * 2 * local - 4 * context_price.kept_bytes(gather_table, layer), abs=4)
 
 
-def test_ring_is_offered_beside_dp_on_sdpa_and_refused_elsewhere_in_one_line() -> None:
+def test_ring_is_offered_beside_dp_tp_or_pp_on_sdpa_and_refused_elsewhere_in_one_line() -> None:
     graph = _graph()
     assert cp_methods(graph, Mesh(cp=2)) == (ALL_GATHER, ULYSSES, RING)
     assert cp_methods(graph, Mesh(cp=2, dp=2)) == (ALL_GATHER, ULYSSES, RING)
-    assert RING not in cp_methods(graph, Mesh(cp=2, tp=2)) and RING not in cp_methods(graph, Mesh(cp=2, pp=2))
-    assert ring_refusal(graph, Mesh(cp=2, tp=2)) == (
-        "ring attention at cp=2 runs beside dp only, not beside tp=2 (not run against one device there yet)")
+    # beside tp (cp × tp = 4 does not divide the 2 key/value heads: no Ulysses) and inside pipeline stages
+    assert cp_methods(graph, Mesh(cp=2, tp=2)) == (ALL_GATHER, RING)
+    assert cp_methods(graph, Mesh(cp=2, pp=2)) == (ALL_GATHER, ULYSSES, RING)
+    assert ring_refusal(graph, Mesh(pp=2, cp=2, tp=2)) is None
+    assert RING not in cp_methods(graph, Mesh(cp=2, ep=2))
+    assert ring_refusal(graph, Mesh(cp=2, ep=2)) == (
+        "ring attention at cp=2 runs beside dp, tp and pp, not beside ep=2 (not run against one device there yet)")
     by_hand = _graph()
     by_hand.cp_manual = {"blocks.0.attn": ()}  # as capture records a nanoGPT's attention
     why = ring_refusal(by_hand, Mesh(cp=2))
@@ -147,11 +151,32 @@ def test_ring_is_offered_beside_dp_on_sdpa_and_refused_elsewhere_in_one_line() -
         enumerate_configs(by_hand, 4, cluster, TrainingSpec(4, dtype="bf16"), Pins.parse(["cp_attention=ring"]))
     with pytest.raises(PinError, match="^pin cp_attention=ring splits attention over cp ranks, but cp=1 is pinned"):
         enumerate_configs(graph, 4, cluster, TrainingSpec(4, dtype="bf16"), Pins.parse(["cp_attention=ring", "cp=1"]))
-    with pytest.raises(PinError, match="^pin cp_attention=ring: ring attention at cp=2 runs beside dp only"):
-        enumerate_configs(graph, 4, cluster, TrainingSpec(4, dtype="bf16"),
-                          Pins.parse(["cp_attention=ring", "cp=2", "tp=2"]))
     configs = enumerate_configs(graph, 4, cluster, TrainingSpec(4, dtype="bf16"), Pins())
-    assert {(c.mesh.cp, c.cp_attention) for c in configs} >= {(2, RING), (4, RING)}
+    # the free search offers the ring beside dp and tp; cp × pp is offered where pp is pinned (as all-gather's)
+    assert {(c.mesh.cp, c.mesh.tp, c.cp_attention) for c in configs} >= {(2, 1, RING), (4, 1, RING), (2, 2, RING)}
+    staged = enumerate_configs(graph, 4, cluster, TrainingSpec(4, dtype="bf16"), Pins.parse(["pp=2", "cp=2"]))
+    assert {c.cp_attention for c in staged} == {ALL_GATHER, ULYSSES, RING}
+
+
+def test_ring_beside_tp_passes_the_tp_ranks_heads_kv_round_the_cp_ring() -> None:
+    """Beside tp (run against one device: test_context_ring.py) a layer whose style splits the heads passes
+    its tp rank's K/V, h_kv/tp heads, round the cp ring: x and y halve at tp=2, and the layer's cp time is
+    the ring's stepped time at that share; a layer tp leaves whole passes all h_kv heads."""
+    graph = _graph()
+    config = Configuration(Mesh(cp=2, tp=2), 1, Schedule(ScheduleKind.NONE), REPLICATED, RING)
+    table = PriceTable(graph, config, PRESETS["h100-80g"].for_world_size(4), TrainingSpec(4, dtype="bf16"))
+    i = next(l.index for l in graph if l.kind == "Block")
+    layer, choices = graph[i], table.choices[i]
+    split = table.prices[i][choices.index(LayerChoice("megatron", 0, False))]
+    whole = table.prices[i][choices.index(LayerChoice(None, 0, False))]
+    local = 4 * layer.kv_bytes_per_sample / 2 / 2  # the rank's K/V of its tp half of the heads, bf16, cp=2
+    sync = table.cluster.collective_sync_s
+    assert context_price.ring_transfers_s(table, layer, 2) == pytest.approx(
+        (p2p_time_s(local, inter_node=False, cluster=table.cluster) + sync,
+         p2p_time_s(2 * local, inter_node=False, cluster=table.cluster) + sync))  # the gradient in fp32
+    assert split.cp_comm_mb_s == pytest.approx(sum(context_price.ring_s(table, layer, 2)), rel=1e-9)
+    assert whole.cp_comm_mb_s == pytest.approx(sum(context_price.ring_s(table, layer, 1)), rel=1e-9)
+    assert 0 < split.cp_comm_mb_s < whole.cp_comm_mb_s  # a short sequence: the transfers wait on the link
 
 
 def test_a_ring_pin_solves_to_a_ring_plan_that_explains_and_round_trips(tmp_path) -> None:

@@ -108,21 +108,25 @@ def test_ulysses_is_offered_only_where_cp_times_tp_divides_every_kv_head_count()
     assert (1, ULYSSES) not in methods
 
 
-def test_ulysses_is_offered_inside_pipeline_stages_and_on_attention_written_by_hand_beside_dp() -> None:
+def test_ulysses_is_offered_inside_pipeline_stages_and_on_attention_written_by_hand_beside_dp_tp_or_pp() -> None:
     """Inside pipeline stages Ulysses runs as the all-gather does (run against one device at cp=2 × pp=2);
-    on attention written by hand it runs beside dp only (its heads recorded at capture, cp dividing them)."""
+    on attention written by hand it runs beside dp, tp and pp (its heads recorded at capture, cp dividing
+    them; beside tp cp × tp), not beside ep."""
     graph = _graph(heads=8, kv_heads=2)
     assert ulysses_refusal(graph, Mesh(pp=2, cp=2)) is None
-    assert cp_methods(graph, Mesh(pp=2, cp=2)) == (ALL_GATHER, ULYSSES)
-    assert cp_methods(graph, Mesh(pp=2, cp=4)) == (ALL_GATHER,)  # the head rule holds in stages too
-    by_hand = _graph(heads=8, kv_heads=2)
+    assert cp_methods(graph, Mesh(pp=2, cp=2)) == (ALL_GATHER, ULYSSES, CpAttention.RING)
+    assert cp_methods(graph, Mesh(pp=2, cp=4)) == (ALL_GATHER, CpAttention.RING)  # the head rule holds in stages too
+    by_hand = _graph(heads=8, kv_heads=4)
     by_hand.cp_manual = {"blocks.0.attn": ()}  # as capture records a nanoGPT's attention
     assert ulysses_refusal(by_hand, Mesh(cp=2, dp=2)) is None and ULYSSES in cp_methods(by_hand, Mesh(cp=2))
-    assert ulysses_refusal(by_hand, Mesh(pp=2, cp=2)) == (
-        "Ulysses on attention written by hand (blocks.0.attn) runs beside dp only, not beside pp=2 (not run against "
-        "one device there yet); cp there gathers K/V")
-    assert "beside tp=2" in ulysses_refusal(by_hand, Mesh(cp=2, tp=2))
-    assert "needs 4 to divide the key/value heads" in ulysses_refusal(by_hand, Mesh(cp=4))
+    assert ulysses_refusal(by_hand, Mesh(pp=2, cp=2)) is None and ulysses_refusal(by_hand, Mesh(cp=2, tp=2)) is None
+    assert ULYSSES in cp_methods(by_hand, Mesh(cp=2, tp=2)) and ULYSSES in cp_methods(by_hand, Mesh(pp=2, cp=2))
+    assert ulysses_refusal(by_hand, Mesh(pp=2, cp=2, tp=2)) is None
+    assert ulysses_refusal(by_hand, Mesh(cp=2, ep=2)) == (
+        "Ulysses on attention written by hand (blocks.0.attn) runs beside dp, tp and pp, not beside ep=2 (not run "
+        "against one device there yet); cp there gathers K/V")
+    assert "needs 8 to divide the key/value heads" in ulysses_refusal(by_hand, Mesh(cp=4, tp=2))
+    assert "needs 8 to divide the key/value heads" in ulysses_refusal(by_hand, Mesh(cp=8))
     unrecorded = _graph(heads=8, kv_heads=2, recorded=False)
     unrecorded = LayerGraph([replace(l, attention_calls=0) for l in unrecorded], model_name="cp", example_batch=1,
                             dtype_bytes=unrecorded.dtype_bytes, seq_len=64, cp_refusal="",
