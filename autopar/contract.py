@@ -76,6 +76,7 @@ from autopar.contract_cp import (  # cp's rules, in a module of their own; the p
     cp_refusal,  # noqa: F401
     data_ranks,
     method_refusal,  # noqa: F401
+    ring_device_refusal,  # noqa: F401
     ring_refusal,  # noqa: F401
     ulysses_refusal,  # noqa: F401
 )

@@ -145,6 +145,17 @@ def ring_refusal(graph: LayerGraph, mesh: Mesh) -> str | None:
     return None
 
 
+def ring_device_refusal(backend: str, dtype: str) -> str | None:
+    """Why ring attention cannot run on a cluster of ``backend`` at the plan's ``dtype`` (None when it can).
+    On CUDA (an NCCL cluster) the ring drives SDPA's flash kernel (``passes/context_ring.py``), which
+    takes fp16 and bf16 tensors only; a plan trained in fp32 would hand it fp32 ones. On CPU (gloo) the
+    flash kernel takes fp32 too."""
+    if backend != "gloo" and dtype == "fp32":
+        return ("ring attention on CUDA runs SDPA's flash kernel, which takes fp16 and bf16 tensors, not this "
+                "plan's fp32; cp there gathers K/V or uses Ulysses")
+    return None
+
+
 def cp_methods(graph: LayerGraph, mesh: Mesh) -> tuple[CpAttention, ...]:
     """The attention methods a cp mesh offers on ``graph``: all-gather always, Ulysses and ring where they run."""
     if mesh.cp <= 1:
@@ -163,4 +174,4 @@ def method_refusal(method: CpAttention, graph: LayerGraph, mesh: Mesh) -> str | 
 
 
 __all__ = ["cp_admits_sequence", "cp_admits_style", "cp_methods", "cp_refusal", "data_ranks", "method_refusal",
-           "ring_refusal", "ulysses_refusal"]
+           "ring_device_refusal", "ring_refusal", "ulysses_refusal"]

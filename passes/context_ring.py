@@ -102,6 +102,9 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
                 scale: float | None) -> torch.Tensor:
         ring, options = ring_runtime()
+        if q.device.type == "cuda" and q.dtype == torch.float32:  # contract.ring_device_refusal's rule
+            raise LoweringError("ring attention on CUDA runs SDPA's flash kernel, which takes fp16 and bf16 "
+                                "tensors, not fp32: re-plan with --dtype bf16, or pin cp_attention=allgather")
         fwd_op, _ = _flash_ops(q.device)
         groups = q.shape[1] // k.shape[1]
 

@@ -66,6 +66,9 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
     pinned = pins.mesh_degrees()
     _check_pinned_mesh(pinned, limits)
     check_cp_attention_pin(graph, pins, world_size)
+    ring_device = contract.ring_device_refusal(cluster.backend, training.dtype)
+    if ring_device and pins.cp_attention is CpAttention.RING:
+        raise PinError(f"pin cp_attention=ring: {ring_device}")
     pinned_zeros = [pin.get("zero") for pin in pins.resolve_layers([layer.name for layer in graph])]
     configs: list[Configuration] = []
     unmet = ""  # why a mesh was left out only because the pinned method cannot run on it
@@ -76,7 +79,7 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
             continue
         if contract.cp_refusal(mesh, graph) or (mesh.cp > 1 and mesh.pp > 1 and not {"cp", "pp"} & set(pinned)):
             continue  # cp inside pipeline stages runs, but is searched only where cp or pp is pinned: CP_UNSEARCHED
-        methods = _cp_methods(graph, mesh, pins)
+        methods = tuple(m for m in _cp_methods(graph, mesh, pins) if not (ring_device and m is CpAttention.RING))
         if not methods:
             unmet = unmet or contract.method_refusal(pins.cp_attention, graph, mesh) or ""
             continue

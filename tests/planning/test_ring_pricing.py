@@ -158,6 +158,20 @@ def test_ring_is_offered_beside_dp_tp_or_pp_on_sdpa_and_refused_elsewhere_in_one
     assert {c.cp_attention for c in staged} == {ALL_GATHER, ULYSSES, RING}
 
 
+def test_ring_is_not_offered_at_fp32_on_cuda_whose_flash_kernel_takes_half_precision_only() -> None:
+    """On an NCCL (CUDA) cluster the ring drives SDPA's flash kernel, fp16/bf16 only: an fp32 plan gets
+    no ring, and a ring pin at fp32 is one line; on CPU (gloo) fp32 keeps the ring."""
+    graph = _graph()
+    cluster = PRESETS["h100-80g"].for_world_size(4)
+    fp32 = enumerate_configs(graph, 4, cluster, TrainingSpec(4, dtype="fp32"), Pins())
+    assert {c.cp_attention for c in fp32 if c.mesh.cp > 1} == {ALL_GATHER, ULYSSES}
+    with pytest.raises(PinError, match=r"^pin cp_attention=ring: ring attention on CUDA runs SDPA's flash kernel, "
+                                       r"which takes fp16 and bf16 tensors, not this plan's fp32"):
+        enumerate_configs(graph, 4, cluster, TrainingSpec(4, dtype="fp32"), Pins.parse(["cp_attention=ring"]))
+    cpu = enumerate_configs(graph, 4, PRESETS["cpu"].for_world_size(4), TrainingSpec(4, dtype="fp32"), Pins())
+    assert RING in {c.cp_attention for c in cpu}
+
+
 def test_ring_beside_tp_passes_the_tp_ranks_heads_kv_round_the_cp_ring() -> None:
     """Beside tp (run against one device: test_context_ring.py) a layer whose style splits the heads passes
     its tp rank's K/V, h_kv/tp heads, round the cp ring: x and y halve at tp=2, and the layer's cp time is
