@@ -39,7 +39,25 @@ def check_recompute_pins(graph: LayerGraph, pins: Pins) -> None:
 
 
 def allowed_choices(table: PriceTable, layer_pins: list[dict[str, Any]]) -> list[list[int]]:
-    """Indices of each layer's strategies that satisfy its pins."""
+    """Indices of each layer's strategies that satisfy its pins. They read the rows, the mesh and the
+    data-parallel mode, not the schedule: tables alike (:attr:`PriceTable.alike`) whose rows no pin
+    extended share them."""
+    key = (table.alike, id(layer_pins))
+    shared = table.shared.allowed
+    if key in shared and _rows_shared(table):
+        return [list(ks) for ks in shared[key][1]]
+    allowed = _allowed_choices(table, layer_pins)
+    if _rows_shared(table):
+        shared[key] = (layer_pins, [list(ks) for ks in allowed])
+    return allowed
+
+
+def _rows_shared(table: PriceTable) -> bool:
+    """Whether every layer's row is still the one tables alike share (``index_of`` extends a copy)."""
+    return all(a is b for a, b in zip(table.choices, table._rows[0]))
+
+
+def _allowed_choices(table: PriceTable, layer_pins: list[dict[str, Any]]) -> list[list[int]]:
     allowed = []
     memo: dict[tuple, list[int]] = {}
     classes = table.graph.cost_classes

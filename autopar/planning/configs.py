@@ -36,6 +36,9 @@ INTERLEAVED_CHUNKS = (2, 4)
 # the search without them is OPTIMAL in about 4 s). With the deferred solves that made ep × pp
 # searchable (solver._solve_deferred) it is OPTIMAL, pp=2 × dp=4 × cp=64 1.6% faster, but at 17 s of
 # CPU for the whole process where the search without them takes 9 s: past long_sequence.py's 10 s goal.
+# Tables alike but for the schedule share their rows (SharedPrices) since: that solve took 7.6 s of CPU
+# instead of 9.9 (1.7 without cp × pp; loaded machine), most of it pricing 1,058 configurations of which
+# the memory bound then finds 707 cannot fit at all.
 # Pinned, cp with pp is planned and lowered like any mesh.
 CP_UNSEARCHED = "cp inside pipeline stages is planned where cp or pp is pinned, not searched"
 

@@ -139,7 +139,7 @@ class PriceTable:
         self.edp_group = place_group(self.data_ranks // mesh.ep, mesh.stride("ep") * mesh.ep, cluster.gpus_per_node)
         self.pp_inter_node = edges.ranks_inter_node(0, config.mesh.pp - 1, self)  # the tied ends' all-reduce
         self.engine = config.engine
-        self._shared = SharedPrices() if shared is None else shared
+        self.shared = self._shared = SharedPrices() if shared is None else shared
         self._style_memo = self._shared.styles
         self._p2p_memo: dict[tuple[int, int | None], float] = {}
         self._runs_memo: dict[tuple[int, LayerChoice], LayerChoice] = {}
@@ -151,7 +151,10 @@ class PriceTable:
 
         Layers of one cost class (the repeated blocks) share one priced row; a row
         is copied before a layer's row is extended (see solver._pinned_outside_search).
-        """
+        Tables :attr:`alike` share them (a price is per microbatch or per step; the schedule sets only the
+        microbatches in flight, which :meth:`activation_bytes` applies)."""
+        if (alike := self.alike) in self._shared.rows:
+            return self._shared.rows[alike][1]
         rows: dict[tuple, tuple[list[LayerChoice], list[LayerPrice]]] = {}
         keys = []
         for layer in self.graph:
@@ -161,19 +164,35 @@ class PriceTable:
                 choices = self._choices(layer, zeros)
                 rows[key] = (choices, [self._price(layer, s) for s in choices])
             keys.append(key)
-        return [rows[k][0] for k in keys], [rows[k][1] for k in keys]
+        out = [rows[k][0] for k in keys], [rows[k][1] for k in keys]
+        self._shared.rows[alike] = (self.graph, out)  # the graph is kept, so its id is not reused
+        return out
+
+    @cached_property
+    def alike(self) -> tuple:
+        """What the rows depend on: tables equal in it (their configurations differ in the schedule at most,
+        which :class:`Configuration` equality leaves out) share them."""
+        return id(self.graph), id(self.cluster), id(self.training), self.config
 
     @cached_property
     def choices(self) -> list[list[LayerChoice]]:
-        return self._rows[0]
+        return list(self._rows[0])  # this table's own list: index_of replaces a layer's row in it
 
     @cached_property
     def prices(self) -> list[list[LayerPrice]]:
-        return self._rows[1]
+        return list(self._rows[1])
 
     def fastest_time_mb_s(self) -> list[float]:
         """Per layer, the least per-microbatch time any choice could take: its fastest style's, plus what
-        every choice adds (ep's all-to-alls, norm statistics sync; without them ep's bounds were ep=1's)."""
+        every choice adds (ep's all-to-alls, norm statistics sync; without them ep's bounds were ep=1's).
+        It reads the mesh, microbatches and cp's method only: tables alike in those share it."""
+        c = self.config
+        alike = (id(self.graph), id(self.cluster), id(self.training), c.mesh, c.microbatches, c.cp_attention)
+        if alike not in self._shared.fastest:
+            self._shared.fastest[alike] = (self.graph, self._fastest_time_mb_s())
+        return list(self._shared.fastest[alike][1])
+
+    def _fastest_time_mb_s(self) -> list[float]:
         memo: dict[int, float] = {}
         out = []
         for layer, cls in zip(self.graph, self.graph.cost_classes):
@@ -192,7 +211,13 @@ class PriceTable:
         return memo[key]
 
     def _choices(self, layer: Layer, zeros: tuple[int, ...]) -> list[LayerChoice]:
-        """What the contract lets this layer run as (styles, ZeRO stages, recompute)."""
+        """What the contract lets this layer run as (styles, ZeRO stages, recompute); tables of one mesh share it."""
+        key = (id(layer), zeros, self.config.mesh)
+        if key not in self._shared.choices:  # the layer is kept, so its id is not reused
+            self._shared.choices[key] = (layer, self._new_choices(layer, zeros))
+        return list(self._shared.choices[key][1])
+
+    def _new_choices(self, layer: Layer, zeros: tuple[int, ...]) -> list[LayerChoice]:
         styles: list[tuple[str | None, bool]] = [(None, False)]
         tp = self.config.mesh.tp
         if tp > 1 and contract.tp_applies(self.graph, self.config.mesh.pp) \
@@ -302,9 +327,11 @@ class PriceTable:
     def workspace_bytes(self) -> int:
         """Transient memory on every rank: the largest unit's gathered weights and one layer's activations
         (under ring attention besides the K/V buffers its ring holds in flight)."""
+        alike = list({(l.activation_bytes_per_sample, l.kv_bytes_per_sample, l.attention_calls): l  # what they read
+                      for l in self.graph}.values())
         largest_act = max((context_price.context_part(self, l, l.activation_bytes_per_sample)[2]
-                           for l in self.graph), default=0.0)
-        ring = max((context_price.ring_transient_bytes(self, l) for l in self.graph), default=0.0)
+                           for l in alike), default=0.0)
+        ring = max((context_price.ring_transient_bytes(self, l) for l in alike), default=0.0)
         return self.prec.param_bytes * self.largest_unit_params + math.ceil(
             self.microbatch_size * largest_act * self.act_scale + ring)
 

@@ -9,9 +9,13 @@ kinds again. One :class:`SharedPrices` per search, handed to every
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from autopar.choice import Recompute
-from autopar.graph import Layer
+from autopar.choice import LayerChoice, Recompute
+from autopar.graph import Layer, LayerGraph
+
+if TYPE_CHECKING:
+    from autopar.planning.pricing import LayerPrice
 
 
 @dataclass
@@ -24,6 +28,15 @@ class SharedPrices:
     styles: dict[tuple, tuple[Layer, tuple[float, float, float, float, float]]] = field(default_factory=dict)
     recomputes: dict[tuple[int, int, int], tuple[Recompute, ...]] = field(default_factory=dict)  # (graph id, layer, pp)
     dp_collectives: dict[tuple, float] = field(default_factory=dict)  # PriceTable.dp_collectives_s's arguments
+    # (graph id, cluster id, training id, configuration: equal whatever the schedule) → (the graph, kept so its
+    # id is not reused; every layer's choices and prices, PriceTable._rows)
+    rows: dict[tuple, tuple[LayerGraph, tuple[list[list[LayerChoice]], list[list[LayerPrice]]]]] = \
+        field(default_factory=dict)
+    # (graph id, cluster id, training id, mesh, microbatches, cp method) → (the graph; PriceTable.fastest_time_mb_s)
+    fastest: dict[tuple, tuple[LayerGraph, list[float]]] = field(default_factory=dict)
+    choices: dict[tuple, tuple[Layer, list[LayerChoice]]] = field(default_factory=dict)  # (layer id, zeros, mesh)
+    # (PriceTable.alike, layer pins' id) → (the pins, kept so their id is not reused; choices.allowed_choices)
+    allowed: dict[tuple, tuple[list, list[list[int]]]] = field(default_factory=dict)
 
 
 __all__ = ["SharedPrices"]

@@ -6,6 +6,7 @@ it is searched with the other axes, pinned, and refused with one line where it c
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -23,11 +24,14 @@ from autopar.graph import Layer, LayerGraph, OpKind, OpRecord, SampleDim
 from autopar.mesh import Mesh
 from autopar.passes.context_parallel import positions
 from autopar.pins import Pins
+from autopar.planning.bounds import lower_bound_s
+from autopar.planning.choices import allowed_choices
 from autopar.planning.configs import enumerate_configs
 from autopar.planning.configuration import Configuration, TrainingSpec
 from autopar.planning.evaluate import evaluate
 from autopar.planning.layer_compute import layer_compute
 from autopar.planning.pricing import PriceTable
+from autopar.planning.shared_prices import SharedPrices
 
 S, H, HEADS, KV_HEADS = 64, 256, 4, 2
 KV = 2.0 * S * KV_HEADS * (H // HEADS) * 2  # K and V of one sample, bf16: 2 · S · h_kv · bytes
@@ -156,6 +160,28 @@ def test_cp_inside_pipeline_stages_is_searched_where_cp_or_pp_is_pinned_and_note
     assert any(n.startswith("cp inside pipeline stages is planned where cp or pp is pinned") for n in plan.notes)
     pinned = autopar.solve(graph, 8, cluster="h100-80g", global_batch=4, pins=["pp=2"])
     assert not any(n.startswith("cp inside pipeline stages") for n in pinned.notes)
+
+
+def test_tables_alike_but_for_the_schedule_share_their_rows_and_price_as_their_own() -> None:
+    """The search's tables of configurations that differ only in the schedule share their rows, fastest
+    times and allowed choices (pipeline meshes, cp with pp pinned among them), yet every one prices, allows
+    and bounds what a table of its own does: the sharing drops no work a schedule changes."""
+    graph = _graph()
+    cluster = PRESETS["h100-80g"].for_world_size(8)
+    training = TrainingSpec(4, dtype="bf16")
+    shared, free = SharedPrices(), [{}] * len(graph)
+    configs = [c for pins in ([], ["pp=2"]) for c in enumerate_configs(graph, 8, cluster, training, Pins.parse(pins))]
+    assert any(c.mesh.cp > 1 and c.mesh.pp > 1 for c in configs)
+    bounds = []
+    for config in configs:
+        table, own = PriceTable(graph, config, cluster, training, shared), PriceTable(graph, config, cluster, training)
+        assert allowed_choices(table, free) == allowed_choices(own, free)
+        assert table.prices == own.prices and table.choices == own.choices
+        assert table.fastest_time_mb_s() == own.fastest_time_mb_s() and table.workspace_bytes == own.workspace_bytes
+        bounds.append(lower_bound_s(table, allowed_choices(table, free), 2**24))  # 16 MiB: memory binds
+        assert bounds[-1] == lower_bound_s(own, allowed_choices(own, free), 2**24)
+    assert len(shared.rows) < len(configs)  # some configurations differ only in their schedule
+    assert any(b == math.inf for b in bounds) and any(b < math.inf for b in bounds)
 
 
 def test_cp_inside_pipeline_stages_is_planned_and_its_sends_carry_s_over_cp_tokens() -> None:
