@@ -357,7 +357,7 @@ def test_a_compiled_plan_round_trips_and_old_plans_load_eager(graph) -> None:
     _, _, g = graph
     plan = autopar.solve(g, 2, cluster="cpu", global_batch=4, compiled=True)
     assert plan.training.compiled and Plan.from_json(plan.to_json()) == plan
-    assert {"ep=1", "cp=1"} <= set(plan.pins) and not {"tp=1", "pp=1", "recompute=none"} & set(plan.pins)
+    assert "ep=1" in plan.pins and not {"tp=1", "pp=1", "cp=1", "recompute=none"} & set(plan.pins)
     assert "blocks under torch.compile" in plan.summary().splitlines()[0]
     old = json.loads(plan.to_json())
     del old["training"]["compiled"]  # a plan written before the field
