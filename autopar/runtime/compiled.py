@@ -175,8 +175,10 @@ def outside_graph(plan: Plan) -> tuple[str, ...]:
     """What of ``plan``'s blocks runs eagerly between their compiled graphs (empty: each block one graph):
     ring attention (``passes/context_ring.ring_attention``, ``torch.compiler.disable``: torch's private
     ``_templated_ring_attention`` does not trace). Attention is priced at its eager kernels' time compiled
-    or not (``planning/layer_compute.py``) and the ring's sends are priced as collectives outside the
-    compute, so the break changes nothing priced."""
+    or not, the ring's merges, casts and packing copies unfused compiled or not
+    (``planning/layer_compute.ring_elementwise_s``), and its K/V sends apart from the compute
+    (``planning/context_price.py``), so the break changes nothing priced; the block's other memory-bound
+    ops stay fused, in the graphs on either side of it."""
     return ("ring attention",) if plan.mesh.cp > 1 and str(plan.cp_attention) == "ring" else ()
 
 
