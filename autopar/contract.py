@@ -497,13 +497,21 @@ def compile_refusal(graph: LayerGraph | None, mesh: Mesh) -> str | None:
     pipeline lowering built, which calls the model's own block module), and tensor parallelism with
     and without sequence parallelism, also beside dp and ZeRO-3 (each block traced once under the
     sharding rules, :mod:`autopar.runtime.sharded_trace`; a recomputed one with its checkpoint
-    around the traced graph), also inside a pipeline's stages (tp beside pp); proven by
-    ``tests/compile_cases.py`` against one eager process. Not: expert and context parallelism, and a pipeline
+    around the traced graph), also inside a pipeline's stages (tp beside pp); and context parallelism
+    (cp = 2: K/V all-gather and Ulysses inside each block's one graph, dynamo tracing the attention
+    mode and torch's functional collectives; ring attention run eagerly between the block's graphs,
+    :func:`autopar.runtime.compiled.outside_graph`), also at ZeRO-3 with full recompute and beside
+    dp = 2 at ZeRO-3; proven by ``tests/compile_cases.py`` against one eager process. Not: expert
+    parallelism (its all-to-all's split sizes and local experts' loop are data-dependent: dynamo
+    fails on them; run eagerly they would leave the experts' ops unfused but priced fused), context
+    parallelism beside tensor parallelism or a pipeline (not tested compiled), and a pipeline
     of a model whose export graph lost its layers' module calls (:func:`tp_applies`): its stages call
     no block module, so nothing would run compiled that was priced compiled. ``graph`` None: axes only."""
     why = [f"expert parallelism (ep={mesh.ep})"] if mesh.ep > 1 else []
-    if mesh.cp > 1:
-        why.append(f"context parallelism (cp={mesh.cp})")
+    if mesh.cp > 1 and mesh.tp > 1:
+        why.append(f"context parallelism beside tensor parallelism (cp={mesh.cp}, tp={mesh.tp})")
+    if mesh.cp > 1 and mesh.pp > 1:
+        why.append(f"context parallelism inside a pipeline (cp={mesh.cp}, pp={mesh.pp})")
     if graph is not None and mesh.pp > 1 and not tp_applies(graph, mesh.pp):
         why.append(f"a pipeline (pp={mesh.pp}) of {graph.model_name}, whose stages are single ATen graphs "
                    "(torch.export could not keep its layers' module calls) that call no block module")

@@ -12,6 +12,10 @@ The pipeline cases (pp = 2; GPipe, 1F1B and interleaved 1F1B, with and without r
 beside dp = 2 with ZeRO-3 on 4 ranks) compile each rank's blocks inside its stage modules; every
 rank compares the full gradients and parameters, and counts the graphs of its own blocks.
 
+The context-parallel cases (cp = 2: Ulysses, the ring, the K/V all-gather at ZeRO-3 with full recompute,
+and beside dp = 2 at ZeRO-3 on 4 ranks) compile each block with the attention mode inside; under the ring
+torch's ring attention runs eagerly between the block's graphs (``runtime/compiled.outside_graph``).
+
 The Hugging Face cases build LlamaForCausalLM and Qwen2ForCausalLM from tiny configs (nothing
 is downloaded) and compile each decoder layer. The recompute cases checkpoint both blocks inside
 their compiled forward (full, or selective with autopar's policy, counted as recompute_cases
@@ -28,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from context_cases import ULYSSES, _pins
 from cut_cases import qwen2
 from equivalence_cases import (
     GPT_TP,
@@ -41,6 +46,7 @@ from equivalence_cases import (
     make_batch,
     run_reference,
 )
+from ring_cases import RING
 
 import autopar
 import autopar.passes.recompute as recompute_pass
@@ -108,7 +114,8 @@ def compiled_equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
         ref = from_rank0(lambda: run_reference(spec, lambda p: torch.optim.SGD(p, **SGD)))
         out: dict[str, Any] = {
             "compiled": list(pm.compiled), "plan_compiled": plan.training.compiled, "graphs": graphs,
-            "mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp], "schedule": plan.schedule.value,
+            "mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp],
+            "cp": plan.mesh.cp, "cp_attention": str(plan.cp_attention), "schedule": plan.schedule.value,
             "tracer": pm.lowered.pipeline.tracer if pm.lowered.pipeline is not None else None,
             "zero": sorted({l.choice.zero for l in plan.layers}),
             "sp": sorted(l.name for l in plan.layers if l.choice.sp),
@@ -226,6 +233,13 @@ CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
                                                              "schedule=1f1b", "blocks.*:recompute=full",
                                                              "ln_f:recompute=none") + _EMBEDDINGS_OFF + GPT_TP
                                                   + ("blocks.*:sp=off",), 8)),
+    # context parallelism (W = 2, cp = 2): the head all-to-all (Ulysses), the ring
+    "uly_cp2_llama": compiled_equivalence(Spec(hf_llama, _pins(2) + ULYSSES, 2)),
+    "ring_cp2_gpt": compiled_equivalence(Spec(gpt_tiny, _pins(2) + RING, 2)),
+    # K/V all-gathered, at ZeRO-3 with full recompute (the attention mode re-entered in the compiled recomputation)
+    "cp2_zero3_full_llama": compiled_equivalence(Spec(hf_llama, _pins(2, zero=3, recompute="full"), 2)),
+    # W = 4: dp = 2 × cp = 2 at ZeRO-3 (FSDP2 over the dp × cp ranks)
+    "dp2_cp2_zero3_gpt": compiled_equivalence(Spec(gpt_tiny, _pins(2, dp=2, zero=3), 4)),
     # W = 4: pp = 2 beside dp = 2 with ZeRO-3 units inside each stage
     "pp2_dp2_zero3": compiled_equivalence(Spec(gpt_tiny, ("pp=2", "dp=2", "tp=1", "zero=3", "microbatches=2",
                                                           "schedule=1f1b", "recompute=none"), 8)),

@@ -84,10 +84,11 @@ def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | No
     return build_plan(graph, solution, spec, training, parsed)
 
 
-# What the compiled runtime runs (autopar.runtime.compiled): no expert or context parallelism; pipelines,
-# recompute of any kind, and tensor parallelism (also beside pp, and recomputed). A compiled plan is searched
-# there only (the search skips what contract.compile_refusal refuses), so nothing it cannot run is offered.
-COMPILED_PINS = ("ep=1", "cp=1")
+# What the compiled runtime runs (autopar.runtime.compiled): no expert parallelism; pipelines, recompute of
+# any kind, tensor parallelism (also beside pp, and recomputed) and context parallelism (not beside tp or pp).
+# A compiled plan is searched there only (the search skips what contract.compile_refusal refuses, cp × tp and
+# cp × pp among them), so nothing it cannot run is offered.
+COMPILED_PINS = ("ep=1",)
 
 
 # What the float8 runtime runs (autopar.runtime.float8): torchao's Float8Linear under DDP or FSDP2, also
@@ -113,7 +114,7 @@ def _compiled_pins(pins: Pins) -> Pins:
         combined.check_form()  # a layer's recompute pin meets the global recompute=none here
         return combined
     except PinError as exc:
-        raise CompileError(f"torch.compile does not run expert or context parallelism yet "
+        raise CompileError(f"torch.compile does not run expert parallelism yet "
                            f"(compiled plans are solved with {' '.join(COMPILED_PINS)}): {exc}") from None
 
 

@@ -53,11 +53,16 @@ is compiled (:mod:`autopar.runtime.sharded_trace`). A recomputed
 tensor-parallel block is traced without its checkpoint (``make_fx`` would
 flatten it into the forward) and the checkpoint then wraps the traced graph,
 so dynamo traces that checkpointed region as it does any recomputed block's.
+Context parallelism (cp = 2, also at ZeRO-3 with full recompute and beside dp = 2):
+with the K/V all-gather and Ulysses each block is still one graph (dynamo traces the
+attention mode held over the attention module's forward, ``passes/context_parallel.py``,
+and torch's functional collectives); ring attention runs eagerly between the block's
+graphs (:func:`outside_graph`: torch's private ring does not trace), the only break.
 The tests compare 3 SGD steps with eager within 1e-5 and count recompiles over 10.
 :func:`check_compilable` refuses every other lowering
 (:func:`autopar.contract.compile_refusal`) with a
-:class:`~autopar.errors.CompileError` before the first collective: expert and
-context parallelism, and pipelines whose stages call no
+:class:`~autopar.errors.CompileError` before the first collective: expert
+parallelism, context parallelism beside tp or pp, and pipelines whose stages call no
 block module (an export graph without its layers' module calls;
 ``passes/pipeline.py`` refuses the split's own FX fallback the same way).
 """
@@ -101,10 +106,10 @@ def check_compilable(plan: Plan, graph: LayerGraph | None = None) -> None:
     """Raise :class:`CompileError` naming what ``plan`` lowers that torch.compile does not run yet."""
     why = unsupported(plan, graph)
     if why:
-        raise CompileError(f"torch.compile runs DDP, ZeRO/FSDP2, pipeline and tensor-parallel plans (with or "
-                           f"without recompute) only; this plan has {' and '.join(why)}: run it eagerly (drop "
-                           f"--compile / torch_compile), or pin it to what compiles (ep=1 cp=1, pp=1 for a "
-                           f"refused pipeline)")
+        raise CompileError(f"torch.compile runs DDP, ZeRO/FSDP2, pipeline, tensor- and context-parallel plans "
+                           f"(with or without recompute; cp not beside tp or pp) only; this plan has "
+                           f"{' and '.join(why)}: run it eagerly (drop --compile / torch_compile), or pin it to "
+                           f"what compiles (ep=1; cp=1, or tp=1 pp=1 beside cp; pp=1 for a refused pipeline)")
 
 
 def check_compiled(plan: Plan, torch_compile: bool | None, graph: LayerGraph | None = None) -> None:
@@ -131,11 +136,11 @@ class CompiledBlock:
     ``on_break(path, reason)`` is told once."""
 
     def __init__(self, path: str, eager: Callable[..., Any], on_break: Callable[[str, str], None] | None = None,
-                 **options: Any) -> None:
+                 fullgraph: bool = True, **options: Any) -> None:
         import torch
 
         self.path, self.eager, self.on_break = path, eager, on_break
-        self.compiled = torch.compile(eager, fullgraph=True, **options)
+        self.compiled = torch.compile(eager, fullgraph=fullgraph, **options)
         self.broken: str | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -166,10 +171,22 @@ def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
                               fn.__closure__)
 
 
+def outside_graph(plan: Plan) -> tuple[str, ...]:
+    """What of ``plan``'s blocks runs eagerly between their compiled graphs (empty: each block one graph):
+    ring attention (``passes/context_ring.ring_attention``, ``torch.compiler.disable``: torch's private
+    ``_templated_ring_attention`` does not trace). Attention is priced at its eager kernels' time compiled
+    or not, the ring's merges, casts and packing copies unfused compiled or not
+    (``planning/layer_compute.ring_elementwise_s``), and its K/V sends apart from the compute
+    (``planning/context_price.py``), so the break changes nothing priced; the block's other memory-bound
+    ops stay fused, in the graphs on either side of it."""
+    return ("ring attention",) if plan.mesh.cp > 1 and str(plan.cp_attention) == "ring" else ()
+
+
 def compile_blocks(parts: list[nn.Module], paths: list[str], on_break: Callable[[str, str], None] | None = None,
-                   **options: Any) -> list[str]:
+                   fullgraph: bool = True, **options: Any) -> list[str]:
     """Replace each block's ``forward`` with a :class:`CompiledBlock` of it (in place; the module, its
-    hooks, FQNs and state-dict keys are unchanged); returns the paths compiled."""
+    hooks, FQNs and state-dict keys are unchanged); returns the paths compiled. ``fullgraph`` False:
+    dynamo may break the block's graph (:func:`outside_graph` says where the plan needs it)."""
     from autopar.passes.recompute import CHECKPOINTED_FORWARD, checkpointed
     from autopar.passes.tensor_parallel import SHARDED_RUN
     from autopar.runtime.sharded_trace import ShardedTrace
@@ -194,13 +211,14 @@ def compile_blocks(parts: list[nn.Module], paths: list[str], on_break: Callable[
 
                 block.forward = ShardedTrace(  # type: ignore[method-assign]
                     block, eager, run, lambda gm, path=path, wrap=wrap: CompiledBlock(path, wrap(gm), on_break,
-                                                                                       **options),
+                                                                                       fullgraph, **options),
                     shared.setdefault(kind, {}), path=path, on_break=on_break, wrap=wrap)
             else:
-                block.forward = CompiledBlock(path, block.forward, on_break, **options)  # type: ignore[method-assign]
+                block.forward = CompiledBlock(path, block.forward, on_break, fullgraph,  # type: ignore[method-assign]
+                                              **options)
             done.append(path)
     return done
 
 
 __all__ = ["COMPILE_ENV", "CompiledBlock", "block_paths", "check_compilable", "check_compiled", "compile_blocks",
-           "requested", "unsupported"]
+           "outside_graph", "requested", "unsupported"]
