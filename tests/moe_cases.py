@@ -275,6 +275,15 @@ SPECS: dict[str, Spec] = {
                                                                  "microbatches=1", BLOCKS_TP), 4, ep=2),
 }
 
+# expert tensor parallelism: the MoE layers' routed experts split across their hidden dim over tp=2 beside
+# attention (autopar/sharding/experts.py, passes/expert_tensor.py); the router replicated
+SPECS |= {
+    "etp2_mixtral": Spec(hf_mixtral, PLAIN[:1] + ("tp=2", "recompute=none", "zero=0", "dp=1", "microbatches=2",
+                                                  "model.layers.*:tp=megatron+experts"), 4),
+    "etp2_deepseek_v3": Spec(hf_deepseek_v3, PLAIN[:1] + ("tp=2", "recompute=none", "zero=0", "dp=1",
+                                                          "microbatches=1", "model.layers.1:tp=megatron+experts"), 4),
+}
+
 # ep inside pipeline stages (the stages call the model's own layer modules, so each stage's experts are
 # rerouted as the whole model's are): ep pinned, so the planner offers it with pp; 1F1B over 2 stages
 PP2_EP2 = ("pp=2", "tp=1", "recompute=none", "microbatches=2", "schedule=1f1b", "ep=2")

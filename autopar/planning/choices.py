@@ -160,6 +160,8 @@ def _pinned_outside_search(table: PriceTable, i: int, pin: dict[str, Any]) -> li
         if not layer.tp_style(style).admits(tp) or contract.tied_across_stages(table.graph, i, table.config.mesh.pp) \
                 or not contract.cp_admits_style(layer.tp_style(style), table.config.mesh):
             return []
+        if why := contract.experts_split_refusal(layer.tp_style(style), table.config.mesh):
+            raise PinError(f"layer {layer.name!r}: {why}")
     sp = bool(pin.get("sp", False))
     if sp and (style is None or not layer.tp_style(style).admits_sequence(tp)
                or not contract.cp_admits_sequence(table.graph.seq_len or 0, table.config.mesh)):
