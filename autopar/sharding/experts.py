@@ -78,7 +78,8 @@ def settle(layers: list[Layer]) -> list[Layer]:
     """Each drafted :data:`EXPERTS_STYLE` rebuilt from the layer's proved ``megatron`` style (dropped where it
     was withdrawn): its projections, proof and divisors, plus the intermediate size I; the routed experts'
     parameters and forward FLOPs (top-k experts a token) split; one more all-reduce of the [tokens, H]
-    output forward (the partials' sum) and of the input's gradient backward; no sequence parallelism."""
+    output forward (the partials' sum), and backward two: the input's gradient [tokens, H] and the router's
+    top-k weights' [tokens, k] (``passes/expert_tensor.py``); no sequence parallelism."""
     out = []
     for layer in layers:
         drafted = next((s for s in layer.tp_styles if s.name == EXPERTS_STYLE), None)
@@ -103,8 +104,8 @@ def settle(layers: list[Layer]) -> list[Layer]:
             sharded_flops_per_sample=base.sharded_flops_per_sample + flops,
             fwd_allreduce_elems=base.fwd_allreduce_elems + stream * count,
             fwd_allreduce_count=base.fwd_allreduce_count + count,
-            bwd_allreduce_elems=base.bwd_allreduce_elems + stream * count,
-            bwd_allreduce_count=base.bwd_allreduce_count + count,
+            bwd_allreduce_elems=base.bwd_allreduce_elems + stream * count + tokens * sum(m.top_k for m in layer.moe),
+            bwd_allreduce_count=base.bwd_allreduce_count + 2 * count,
             sequence=(), sequence_linked=False,
             sequence_refusal="sequence parallelism is not run beside experts split across their hidden dim")
         out.append(dataclasses.replace(layer, tp_styles=(*others, style)))

@@ -1,7 +1,9 @@
 """Expert tensor parallelism against one process, on gloo (W=2): tiny Hugging Face Mixtral and DeepSeek-V3
 (its MoE layer: routed experts beside a shared expert, MLA attention) trained 3 steps with the MoE
 layers' routed experts split across their hidden dim over tp=2 (``megatron+experts``), attention (and
-DeepSeek-V3's shared expert) split as ``megatron`` splits it, the routers replicated.
+DeepSeek-V3's shared expert) split as ``megatron`` splits it, the routers replicated; under selective
+(Mixtral) and full (DeepSeek-V3) recompute, so the split forward and its collectives also re-run in the
+backward.
 
 Bars as ``test_expert_parallel.py``'s (fp32 on CPU: first-step loss and full gradients, SGD losses and
 full parameters within 1e-5 relative per tensor, AdamW losses within 1e-3): the full gradients and
@@ -37,6 +39,7 @@ def test_experts_split_over_tp_match_one_device(w2, case):
     for r in every_rank(w2[case]):
         assert r["mesh"] == [1, 1, 2] and r["ep"] == 1
         assert any(layer[1] == "megatron+experts" for layer in r["layers"])
+        assert r["recomputed"]  # under recompute (selective, full): the split forward re-runs in the backward
 
 
 
