@@ -89,3 +89,6 @@ def test_the_solver_splits_the_experts_where_cheaper_and_the_plan_says_so(graph)
                       pins=["tp=2", "dp=2", "pp=1", f"model.layers.*:tp={EXPERTS_STYLE}"])
     plan = autopar.solve(graph, 4, cluster="h100-80g", global_batch=8, pins=["tp=2", "dp=2", "pp=1"])
     assert all(l.choice.tp != EXPERTS_STYLE for l in plan.layers)
+    # nor compiled (its forward runs eagerly): a compiled solve keeps the experts replicated
+    plan = autopar.solve(graph, TP, cluster="h100-80g", global_batch=8, pins=["tp=2", "dp=1", "pp=1"], compiled=True)
+    assert all(l.choice.tp != EXPERTS_STYLE for l in plan.layers)
