@@ -231,14 +231,15 @@ def recompute_runs_as(graph: LayerGraph, index: int, pp: int, kind: Recompute | 
 def experts_split_refusal(style: TPStyle, mesh: Mesh) -> str | None:
     """Why ``style``'s experts split across their hidden dim (``autopar/sharding/experts.py``) cannot run
     under ``mesh`` (None when it can, or when the style splits no experts). ``passes/expert_tensor.py`` runs
-    it with tp alone: beside dp, cp, ep or pp its DTensor layout (``_StridedShard``) and gradients are not
+    it with tp, beside dp at every ZeRO stage (the DDP/FSDP2 engines take its DTensors as any tensor-parallel
+    weight: ``tests/runtime/test_expert_tensor.py``); beside cp, ep or pp its layout and gradients are not
     proved against one device, so those meshes price and run the experts replicated over tp instead."""
     if not style.experts:
         return None
-    others = {"dp": mesh.dp, "cp": mesh.cp, "ep": mesh.ep, "pp": mesh.pp}
+    others = {"cp": mesh.cp, "ep": mesh.ep, "pp": mesh.pp}
     beside = [f"{k}={v}" for k, v in others.items() if v > 1]
     if beside:
-        return (f"style {style.name!r} (experts split over tp) runs with tp alone, not beside "
+        return (f"style {style.name!r} (experts split over tp) runs beside dp, not beside "
                 f"{', '.join(beside)}; plan the layer with tp=megatron (experts replicated over tp)")
     return None
 

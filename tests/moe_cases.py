@@ -276,10 +276,11 @@ SPECS: dict[str, Spec] = {
 }
 
 # expert tensor parallelism: the MoE layers' routed experts split across their hidden dim over tp=2 beside
-# attention (autopar/sharding/experts.py, passes/expert_tensor.py); the router replicated
+# attention (autopar/sharding/experts.py, passes/expert_tensor.py), the router replicated; Mixtral beside dp=2
+# at ZeRO-3 (FSDP2 over (dp, tp))
 SPECS |= {
-    "etp2_mixtral": Spec(hf_mixtral, PLAIN[:1] + ("tp=2", "recompute=selective", "zero=0", "dp=1", "microbatches=2",
-                                                  "model.layers.*:tp=megatron+experts"), 4),
+    "etp2_dp2_zero3_mixtral": Spec(hf_mixtral, PLAIN[:1] + ("tp=2", "recompute=selective", "zero=3", "dp=2",
+                                                            "microbatches=2", "model.layers.*:tp=megatron+experts"), 4),
     "etp2_deepseek_v3": Spec(hf_deepseek_v3, PLAIN[:1] + ("tp=2", "recompute=full", "zero=0", "dp=1",
                                                           "microbatches=1", "model.layers.1:tp=megatron+experts"), 4),
 }

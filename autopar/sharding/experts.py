@@ -18,7 +18,7 @@ layout :func:`experts_refusal` accepts; ``tests/runtime/test_expert_tensor.py`` 
 
 What it leaves out, and why: its experts' saved activations are priced whole on every rank (some are split,
 some are the replicated inputs; an overestimate, never an underestimate); sequence parallelism, ep,
-cp, dp and pp beside it are not run (:func:`autopar.contract.experts_split_refusal`).
+cp and pp beside it are not run (:func:`autopar.contract.experts_split_refusal`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ in the solver, on a Hugging Face Mixtral captured on the meta device: against ``
 replicated over tp), the split layer holds and computes 1/tp of its routed experts and pays one more
 all-reduce of the [tokens, H] output forward and two backward (the input's and the top-k weights'
 gradients); the solver picks it per layer where it is cheaper, the plan says so, and it is offered with
-tp alone (a pin beside dp is refused with one line)."""
+tp and dp (a pin beside pp, cp or ep is refused with one line), and eagerly only."""
 
 from __future__ import annotations
 
@@ -83,11 +83,11 @@ def test_the_solver_splits_the_experts_where_cheaper_and_the_plan_says_so(graph)
     moe = [l for l in plan.layers if graph.layer(l.name).moe]
     assert moe and all(l.choice.tp == EXPERTS_STYLE for l in moe)
     assert EXPERTS_STYLE in plan.summary()
-    # beside dp the style is not offered (passes/expert_tensor.py runs it with tp alone): a pin says why
-    with pytest.raises(PinError, match="runs with tp alone, not beside dp=2"):
+    # beside pp the style is not offered (passes/expert_tensor.py does not run it there): a pin says why
+    with pytest.raises(PinError, match=r"splitting experts over tp \(megatron\+experts\) meets pp, cp or ep"):
         autopar.solve(graph, 4, cluster="h100-80g", global_batch=8,
-                      pins=["tp=2", "dp=2", "pp=1", f"model.layers.*:tp={EXPERTS_STYLE}"])
-    plan = autopar.solve(graph, 4, cluster="h100-80g", global_batch=8, pins=["tp=2", "dp=2", "pp=1"])
+                      pins=["tp=2", "dp=1", "pp=2", f"model.layers.*:tp={EXPERTS_STYLE}"])
+    plan = autopar.solve(graph, 4, cluster="h100-80g", global_batch=8, pins=["tp=2", "dp=1", "pp=2"])
     assert all(l.choice.tp != EXPERTS_STYLE for l in plan.layers)
     # nor compiled (its forward runs eagerly): a compiled solve keeps the experts replicated
     plan = autopar.solve(graph, TP, cluster="h100-80g", global_batch=8, pins=["tp=2", "dp=1", "pp=1"], compiled=True)
