@@ -3,11 +3,14 @@
 Lowers the ``megatron+experts`` style (:mod:`autopar.sharding.experts`, which prices it) for the layers
 whose plan picks it, from the tensor-parallel pass (``passes/tensor_parallel.py``). Rank ``r`` of the tp
 group holds rows ``[r·I/tp, (r+1)·I/tp)`` of the gate half and the same rows of the up half of
-``gate_up_proj`` [E, 2I, H] — a DTensor placed ``_StridedShard(1, split_factor=2)``, so the model's own
-``chunk(2, dim=-1)`` of its output still parts gate from up, and ``full_tensor()`` (the runtime's full
-state dict, checkpoints, the safetensors export) gives back the one-device [E, 2I, H] — and columns
-``[r·I/tp, (r+1)·I/tp)`` of ``down_proj`` [E, H, I] (``Shard(2)``). Parameter FQNs and global shapes
-are unchanged.
+``gate_up_proj`` [E, 2I, H], so the model's own ``chunk(2, dim=-1)`` of its output still parts gate from
+up, and columns ``[r·I/tp, (r+1)·I/tp)`` of ``down_proj`` [E, H, I] (``Shard(2)``). ``gate_up_proj``'s
+rows are held reordered ``[gate_0 up_0 gate_1 up_1 …]`` and placed ``Shard(1)``, the way the
+tensor-parallel pass holds a dense fused projection's segments (its ``Permutation``, which the runtime's
+full state dict, DCP checkpoints and the safetensors export undo: one device's [E, 2I, H] comes back).
+DTensor's ``_StridedShard(1, split_factor=2)`` would place the same shards without reordering, but DCP
+cannot save it (torch 2.13 writes its two runs as one overlapping chunk). Parameter FQNs and global
+shapes are unchanged.
 
 **Forward**: the model's own experts forward (Hugging Face's ``grouped_mm`` or eager loop, whichever its
 config selects) runs on this rank's shards, on the same tokens and routing every tp rank sees (the router
@@ -22,6 +25,7 @@ device's: the output's gradient reaching every rank is the whole one.
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,13 +34,15 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from autopar.errors import LoweringError
 from autopar.sharding.experts import experts_refusal
+from autopar.sharding.rules import segment_permutation
 
 
-def split_experts(experts: nn.Module, path: str, tp_mesh: Any, copy: Any, reduce: Any) -> None:
+def split_experts(experts: nn.Module, path: str, tp_mesh: Any, copy: Any, reduce: Any,
+                  record: Callable[[str, torch.Tensor, int], None]) -> None:
     """Shard ``experts``' two weights across their hidden dim over ``tp_mesh`` and reroute its forward
-    through ``copy`` (Megatron's f) and ``reduce`` (g), autograd functions of (tensor, group)."""
+    through ``copy`` (Megatron's f) and ``reduce`` (g), autograd functions of (tensor, group); ``record``
+    (fqn, index, dim) keeps ``gate_up_proj``'s row order for the full state dict and checkpoints."""
     from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
 
     if why := experts_refusal(experts):
         raise LoweringError(f"experts {path!r} cannot be split across their hidden dim: {why}")
@@ -44,14 +50,15 @@ def split_experts(experts: nn.Module, path: str, tp_mesh: Any, copy: Any, reduce
     width = experts.down_proj.shape[2]
     if width % tp:
         raise LoweringError(f"experts {path!r}: tp={tp} does not divide their hidden dim {width}")
+    order = segment_permutation((width, width), tp)  # [gate_0 up_0 gate_1 up_1 …]: rank r's rows contiguous
     with torch.no_grad():
-        gate, up = experts.gate_up_proj.detach().chunk(2, dim=1)
-        gate_up = torch.cat([gate.chunk(tp, dim=1)[rank], up.chunk(tp, dim=1)[rank]], dim=1).clone()
+        gate_up = experts.gate_up_proj.detach().index_select(1, order.to(experts.gate_up_proj.device))
+        gate_up = gate_up.chunk(tp, dim=1)[rank].clone()
         down = experts.down_proj.detach().chunk(tp, dim=2)[rank].clone()
-    for name, local, placement in (("gate_up_proj", gate_up, _StridedShard(1, split_factor=2)),
-                                   ("down_proj", down, Shard(2))):
+    record(f"{path}.gate_up_proj", order, 1)
+    for name, piece, dim in (("gate_up_proj", gate_up, 1), ("down_proj", down, 2)):
         old = getattr(experts, name)
-        setattr(experts, name, nn.Parameter(DTensor.from_local(local, tp_mesh, [placement], run_check=False),
+        setattr(experts, name, nn.Parameter(DTensor.from_local(piece, tp_mesh, [Shard(dim)], run_check=False),
                                             requires_grad=old.requires_grad))
     experts._autopar_etp = (tp_mesh.get_group(), copy, reduce)
     experts.forward = types.MethodType(_etp_forward, experts)

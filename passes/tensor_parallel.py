@@ -360,7 +360,8 @@ def _megatron(model: nn.Module, layer: Layer, style: TPStyle, tp_mesh: Any, resu
     for path in style.experts:  # its routed experts split across their hidden dim too (sharding/experts.py)
         from autopar.passes.expert_tensor import split_experts
 
-        split_experts(model.get_submodule(path), path, tp_mesh, _CopyToTP, _ReduceFromTP)
+        split_experts(model.get_submodule(path), path, tp_mesh, _CopyToTP, _ReduceFromTP,
+                      lambda fqn, index, dim: result.permutations.__setitem__(fqn, Permutation(index, dim)))
 
 
 @dataclass

@@ -7,9 +7,10 @@ re-run in the backward; at ZeRO-3 FSDP2 shards the experts' tp DTensors over dp.
 
 Bars as ``test_expert_parallel.py``'s (fp32 on CPU: first-step loss and full gradients, SGD losses and
 full parameters within 1e-5 relative per tensor, AdamW losses within 1e-3): the full gradients and
-parameters are read through the runtime's full state dict, so the experts' ``_StridedShard`` gate/up
-layout gathers back to one device's [E, 2I, H]. Each rank really holds half of the experts (its parameter
-bytes).
+parameters are read through the runtime's full state dict, so the experts' reordered gate/up rows
+come back as one device's [E, 2I, H]. Each rank really holds half of the experts (its parameter
+bytes). A checkpoint (DCP) and the safetensors export of a split run hold one device's tensors, and
+restore with the experts split or replicated over tp.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def w2(ranks) -> dict[str, dict]:
-    return ranks(2).run(["etp2_deepseek_v3"], module="moe_cases")
+    return ranks(2).run(["etp2_deepseek_v3", "resume_across_etp"], module="moe_cases")
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,17 @@ def _checked(m: dict, mesh: list[int]) -> list[dict]:
 
 def test_deepseek_v3_experts_split_over_tp_match_one_device(w2) -> None:
     _checked(w2["etp2_deepseek_v3"], [1, 1, 2])
+
+
+def test_a_checkpoint_and_exported_weights_hold_one_devices_experts(w2) -> None:
+    """DCP and the safetensors export of a split run hold one device's expert tensors: restored split or
+    replicated over tp, the third step is the saved run's (exact up to summation order)."""
+    for r in every_rank(w2["resume_across_etp"]):
+        assert r["split"] == 1 and r["exported_rel"] == 0.0, r
+        for name in ("split", "whole"):
+            assert r[f"loaded_rel_{name}"] == 0.0, (name, r)
+            assert r[f"loss_rel_{name}"] < 1e-5 and r[f"param_rel_{name}"] < 1e-5, (name, r)
+        assert r["weights_rel_whole"] == 0.0, r
 
 
 def test_mixtral_experts_split_over_tp_beside_zero3_match_one_device_and_are_really_split(w4) -> None:
