@@ -83,7 +83,7 @@ from autopar.contract_cp import (  # cp's rules, in a module of their own; the p
 from autopar.units import MiB
 
 if TYPE_CHECKING:
-    from autopar.graph import Layer, LayerGraph
+    from autopar.graph import Layer, LayerGraph, TPStyle
     from autopar.mesh import Mesh
     from autopar.plan import Plan
 
@@ -227,6 +227,22 @@ def recompute_runs_as(graph: LayerGraph, index: int, pp: int, kind: Recompute | 
     """The recompute layer ``index`` asking for ``kind`` runs with: ``kind``, or none where it does not apply."""
     kind = Recompute.of(kind)
     return kind if recompute_applies(graph, index, pp, kind) else Recompute.NONE
+
+
+def experts_split_refusal(style: TPStyle, mesh: Mesh) -> str | None:
+    """Why ``style``'s experts split across their hidden dim (``autopar/sharding/experts.py``) cannot run
+    under ``mesh`` (None when it can, or when the style splits no experts). ``passes/expert_tensor.py`` runs
+    it with tp, beside dp at every ZeRO stage (the DDP/FSDP2 engines take its DTensors as any tensor-parallel
+    weight: ``tests/runtime/test_expert_tensor.py``); beside cp, ep or pp its layout and gradients are not
+    proved against one device, so those meshes price and run the experts replicated over tp instead."""
+    if not style.experts:
+        return None
+    others = {"cp": mesh.cp, "ep": mesh.ep, "pp": mesh.pp}
+    beside = [f"{k}={v}" for k, v in others.items() if v > 1]
+    if beside:
+        return (f"style {style.name!r} (experts split over tp) runs beside dp, not beside "
+                f"{', '.join(beside)}; plan the layer with tp=megatron (experts replicated over tp)")
+    return None
 
 
 def tp_applies(graph: LayerGraph, pp: int) -> bool:

@@ -94,6 +94,11 @@ class TPStyle:
     sequence_grad_sums: int = 0
     sequence_grad_sum_elems: int = 0
     sequence_stream_elems: float = 0.0
+    # routed experts modules split across their hidden dimension (Megatron-Core's expert tensor parallelism,
+    # ``passes/expert_tensor.py``): their FLOPs and parameters are in ``sharded_*``, their output's all-reduce
+    # in the all-reduce counts (``autopar/sharding/experts.py``)
+    experts: tuple[str, ...] = ()
+    expert_width: int = 0  # their intermediate size I, which tp divides (gate_up_proj [E, 2I, H], down_proj [E, H, I])
 
     def admits_sequence(self, tp: int) -> bool:
         """Whether sequence parallelism on this style runs exact on ``tp`` ranks."""
@@ -113,11 +118,11 @@ class TPStyle:
                 self.fwd_allreduce_elems, self.fwd_allreduce_count, self.bwd_allreduce_elems,
                 self.bwd_allreduce_count, self.fwd_allgather_elems, self.sequence,
                 self.sequence_gathers, self.sequence_gather_elems, self.sequence_grad_sums,
-                self.sequence_grad_sum_elems, self.sequence_stream_elems)
+                self.sequence_grad_sum_elems, self.sequence_stream_elems, bool(self.experts))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for key in ("column", "row", "vocab", "divisors", "checked", "sequence"):
+        for key in ("column", "row", "vocab", "divisors", "checked", "sequence", "experts"):
             d[key] = list(d[key])
         d["segments"] = {k: list(v) for k, v in self.segments.items()}
         d["whole"] = {k: list(v) for k, v in self.whole.items()}
@@ -127,7 +132,7 @@ class TPStyle:
     def from_dict(cls, d: dict[str, Any]) -> TPStyle:
         d = dict(d)
         d.pop("heads", None)  # older graphs: head counts, now read from the graph by simulation
-        for key in ("column", "row", "vocab", "divisors", "checked", "sequence"):
+        for key in ("column", "row", "vocab", "divisors", "checked", "sequence", "experts"):
             d[key] = tuple(d.get(key, ()))
         d["segments"] = {k: tuple(v) for k, v in d.get("segments", {}).items()}
         d["whole"] = {k: tuple(v) for k, v in d.get("whole", {}).items()}

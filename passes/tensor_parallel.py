@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from autopar.contract import experts_split_refusal
 from autopar.errors import LoweringError
 from autopar.graph import Layer, LayerGraph, TPStyle
 from autopar.plan import Plan
@@ -112,6 +113,8 @@ def check_tensor_parallel(model: nn.Module, graph: LayerGraph, plan: Plan, tp: i
                 dims[0] if path in style.row else dims[1])  # type: ignore[index]
             if size % tp and path not in style.whole:
                 raise LoweringError(f"module {path!r}: tp={tp} does not divide its width {size}")
+        if why := experts_split_refusal(style, plan.mesh):
+            raise LoweringError(f"layer {layer.name!r}: {why}")
         lp = next(lp for lp in plan.layers if lp.name == layer.name)
         if lp.choice.sp and not style.admits_sequence(tp):
             why = style.sequence_refusal or f"capture proved it at tp={list(style.sequence)}"
@@ -354,6 +357,11 @@ def _megatron(model: nn.Module, layer: Layer, style: TPStyle, tp_mesh: Any, resu
     install_projection_hooks(owner, style.column, style.row, style.segments, prefix=layer.module_path,
                              whole=style.whole)
     _run_sharded(owner, tp_mesh, sequence)
+    for path in style.experts:  # its routed experts split across their hidden dim too (sharding/experts.py)
+        from autopar.passes.expert_tensor import split_experts
+
+        split_experts(model.get_submodule(path), path, tp_mesh, _CopyToTP, _ReduceFromTP,
+                      lambda fqn, index, dim: result.permutations.__setitem__(fqn, Permutation(index, dim)))
 
 
 @dataclass

@@ -275,6 +275,16 @@ SPECS: dict[str, Spec] = {
                                                                  "microbatches=1", BLOCKS_TP), 4, ep=2),
 }
 
+# expert tensor parallelism: the MoE layers' routed experts split across their hidden dim over tp=2 beside
+# attention (autopar/sharding/experts.py, passes/expert_tensor.py), the router replicated; Mixtral beside dp=2
+# at ZeRO-3 (FSDP2 over (dp, tp))
+SPECS |= {
+    "etp2_dp2_zero3_mixtral": Spec(hf_mixtral, PLAIN[:1] + ("tp=2", "recompute=selective", "zero=3", "dp=2",
+                                                            "microbatches=2", "model.layers.*:tp=megatron+experts"), 4),
+    "etp2_deepseek_v3": Spec(hf_deepseek_v3, PLAIN[:1] + ("tp=2", "recompute=full", "zero=0", "dp=1",
+                                                          "microbatches=1", "model.layers.1:tp=megatron+experts"), 4),
+}
+
 # ep inside pipeline stages (the stages call the model's own layer modules, so each stage's experts are
 # rerouted as the whole model's are): ep pinned, so the planner offers it with pp; 1F1B over 2 stages
 PP2_EP2 = ("pp=2", "tp=1", "recompute=none", "microbatches=2", "schedule=1f1b", "ep=2")
@@ -406,6 +416,61 @@ def resume_across_ep(rank: int, world_size: int, spec_name: str = "ep2_dp4_mixtr
 CASES["resume_across_ep"] = resume_across_ep
 CASES["resume_across_ep_hand_mixtral"] = lambda rank, world_size: resume_across_ep(rank, world_size,
                                                                                    "ep2_dp4_hand_mixtral")
+
+
+def resume_across_etp(rank: int, world_size: int, spec_name: str = "etp2_deepseek_v3") -> dict[str, Any]:
+    """Two SGD steps with the experts split over tp, saved (DCP) and exported (safetensors): the file holds
+    one device's [E, 2I, H] / [E, H, I]; the checkpoint restored with the experts split and with them
+    replicated over tp (``megatron``) trains a third step as the saved run does, and the exported weights
+    load into the replicated layout as they were."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    spec = SPECS[spec_name]
+    torch.manual_seed(0)
+    model, inputs = spec.build()
+    plan, graph = ec.plan_for(spec, world_size)
+    batches = ec._batches(spec, inputs, model)
+    where = ec.from_rank0(lambda: tempfile.mkdtemp(prefix="autopar-etp-resume-"))
+    whole = dataclasses.replace(plan, layers=[
+        dataclasses.replace(lp, choice=dataclasses.replace(lp.choice, tp="megatron"))
+        if lp.choice.tp == "megatron+experts" else lp for lp in plan.layers])
+
+    def at(p: Any, seed: int) -> Any:
+        torch.manual_seed(seed)
+        fresh, _ = spec.build()
+        return autopar.compile(fresh, example_inputs=inputs, graph=graph, plan=p,
+                               optimizer=lambda q: torch.optim.SGD(q, **ec.SGD))
+
+    def step(pm: Any, k: int) -> float:
+        x, y = batches[k]
+        return pm.train_step(pm.local_batch(x), pm.local_batch(y))
+
+    saved = at(plan, 0)
+    for k in range(2):
+        step(saved, k)
+    saved.save(f"{where}/dcp")
+    saved.export(f"{where}/weights.safetensors")
+    weights = {n: v.clone() for n, v in saved.state_dict(full=True).items()}
+    third = step(saved, 2)
+    after = saved.state_dict(full=True)
+    out: dict[str, Any] = {"split": sum(lp.choice.tp == "megatron+experts" for lp in plan.layers)}
+    exported = load_file(f"{where}/weights.safetensors")
+    out["exported_rel"] = max(ec.rel(exported[n], weights[n]) for n in weights if ".experts." in n)
+    for name, p in (("split", plan), ("whole", whole)):
+        pm = at(p, 1)
+        pm.load(f"{where}/dcp")
+        out[f"loaded_rel_{name}"] = max(ec.rel(v, weights[n]) for n, v in pm.state_dict(full=True).items())
+        out[f"loss_rel_{name}"] = abs(step(pm, 2) - third) / abs(third)
+        out[f"param_rel_{name}"] = max(ec.rel(v, after[n]) for n, v in pm.state_dict(full=True).items())
+    pm = at(whole, 1)
+    pm.load_weights(f"{where}/weights.safetensors")
+    out["weights_rel_whole"] = max(ec.rel(v, weights[n]) for n, v in pm.state_dict(full=True).items())
+    return out
+
+
+CASES["resume_across_etp"] = resume_across_etp
 
 
 # ------------------------------------------------------------------ DeepSeek-V3's bias update (moe_bias_update)

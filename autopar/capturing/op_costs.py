@@ -322,7 +322,10 @@ def _per_sample(m: float, batch: float, is_batched: bool, samples: int) -> tuple
 
 
 def _gemm_shard(paths: tuple[str, ...], node: fx.Node, style: TPStyle, between: set[fx.Node],
-                batched: bool) -> ShardDim | None:
+                batched: bool, k: float = 0.0) -> ShardDim | None:
+    if any(p == e or p.startswith(e + ".") for e in style.experts for p in paths):
+        # a routed expert split across its hidden dim I (sharding/experts.py): down_proj's reduction, gate_up's outputs
+        return ShardDim.K if k == style.expert_width else ShardDim.N
     if any(p in style.column for p in paths):
         return ShardDim.N
     if any(p in style.row for p in paths):
@@ -346,7 +349,7 @@ def layer_ops(nodes: list[fx.Node], costs: dict[fx.Node, NodeOpCosts],
             batched = b > 1  # a batched product (attention's math path, grouped convolutions)
             m_ps, b_ps, dim = _per_sample(m, b, batched, batch)
             shard = tuple(sorted((s.name, d) for s in styles
-                                 if (d := _gemm_shard(mine, n, s, between[s.name], batched))))
+                                 if (d := _gemm_shard(mine, n, s, between[s.name], batched, k))))
             key = (OpKind.GEMM, m_ps, nn_, k, b_ps, dim, 0.0, 0.0, False, shard)
             found[key] = found.get(key, 0) + 1
         for flops, causal in c.attention:

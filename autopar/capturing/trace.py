@@ -32,6 +32,7 @@ from autopar.capturing.op_costs import OpRecorder, extra_flop_rules, is_causal, 
 from autopar.capturing.stateful import batch_norm_channels, recompute_refusal
 from autopar.errors import CaptureError
 from autopar.graph import Layer, LayerGraph
+from autopar.sharding import experts
 from autopar.sharding.detect import LayerView, NodeStats, detect_tp_styles, embedding_tables, megatron_refusal
 from autopar.sharding.verify import verify_styles
 
@@ -522,7 +523,8 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, name: str | None, repl
     for i, (key, nodes) in enumerate(runs):
         mine = [p for p, owner in owners.items() if owner == i]
         view = LayerView(model, key, nodes, stats, batch, dtype_bytes, tables)
-        styles = detect_tp_styles(view)
+        moe_facts = _moe_facts(key, nodes, stats, ops, blocks, hf_static, stand_in, batch)  # + experts split:
+        styles = experts.draft(model, detect_tp_styles(view), moe_facts)
         sac = selective_costs(key, nodes, ops, lambda x: stats[x].paths, styles, batch)
         layers.append(
             Layer(
@@ -551,11 +553,11 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, name: str | None, repl
                 tied_param_bytes=sum(params[p].numel() * params[p].element_size() for p in tied.get(i, ())),
                 tied_borrowed=i == n - 1 and bool(tied.get(i)) and n - 1 != first_owner,
                 ops=layer_ops(nodes, ops, lambda x: stats[x].paths, styles, batch),
-                moe=_moe_facts(key, nodes, stats, ops, blocks, hf_static, stand_in, batch),
+                moe=moe_facts,
                 unpriced_ops=tuple(sorted({op for x in nodes if x in ops for op in ops[x].unpriced})),
             )
         )
-    layers = verify_styles(model, args, kwargs, layers, batch, seq_len)
+    layers = experts.settle(verify_styles(model, args, kwargs, layers, batch, seq_len))
     if stand_in:  # a block run as a stand-in is not the layer's program: no style is proved on it
         layers = [dataclasses.replace(l, tp_styles=(), tp_refusal=f"tensor parallelism withdrawn: "
                                       f"{l.moe[0].module_path} is traced whole (its routing loop cannot run "
@@ -579,8 +581,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, name: str | None, repl
 
 def _moe_facts(key: str | None, nodes: list[fx.Node], stats: dict[fx.Node, NodeStats], ops: dict,
                blocks: list[moe.Block], hf_static: set[str], stand_in: bool, batch: int) -> tuple:
-    """The MoE blocks inside layer ``key``, with how their dispatch was captured and what their
-    routed experts saved for backward."""
+    """The MoE blocks inside layer ``key``: how their dispatch was captured, what their experts saved."""
     facts = []
     for b in blocks:
         if key is None or not (b.path == key or b.path.startswith(key + ".")):
@@ -590,8 +591,7 @@ def _moe_facts(key: str | None, nodes: list[fx.Node], stats: dict[fx.Node, NodeS
         grouped = any(g in op_costs.GROUPED_MM_OPS for x in inside if x in ops for g in ops[x].op_names)
         dispatch = (moe.Dispatch.STAND_IN if stand_in else moe.Dispatch.GROUPED if grouped
                     else moe.Dispatch.CAPACITY if b.capacity_factor is not None else moe.Dispatch.LOOP)
-        if b.experts_path in hf_static:
-            dispatch = moe.Dispatch.HF_EAGER
+        dispatch = moe.Dispatch.HF_EAGER if b.experts_path in hf_static else dispatch
         saved = sum(nb for x in inside for nb, _ in stats[x].saved) / batch
         facts.append(b.facts(dispatch, saved))
     return tuple(facts)

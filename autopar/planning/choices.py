@@ -178,6 +178,11 @@ def _pinned_outside_search(table: PriceTable, i: int, pin: dict[str, Any]) -> li
         if not layer.tp_style(style).admits(tp) or contract.tied_across_stages(table.graph, i, table.config.mesh.pp) \
                 or not contract.cp_admits_style(layer.tp_style(style), table.config.mesh):
             return []
+        if contract.experts_split_refusal(layer.tp_style(style), table.config.mesh):
+            return []  # not on this mesh (another may take it; the infeasibility names it where none does)
+        if table.training.compiled and layer.tp_style(style).experts:
+            raise PinError(f"layer {layer.name!r}: style {style!r} (experts split over tp) runs eagerly only; "
+                           "plan it without --compile, or with tp=megatron")
     sp = bool(pin.get("sp", False))
     if sp and (style is None or not layer.tp_style(style).admits_sequence(tp)
                or not contract.cp_admits_sequence(table.graph.seq_len or 0, table.config.mesh)):

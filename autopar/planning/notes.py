@@ -50,7 +50,16 @@ def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
                      "call's log-sum-exp as the ring merges its partial outputs (1/head_dim of the output's bytes "
                      "a step)")
     cut = withdrawn_cut_notes(graph) if solution.config.mesh.pp > 1 else ()
-    moe = moe_notes(graph, solution.config.mesh.ep, contract.data_ranks(solution.config.mesh))
+    split = [layer.name for layer, c in zip(graph, solution.choices) if c.tp and layer.tp_style(c.tp).experts]
+    moe = moe_notes(graph, solution.config.mesh.ep, contract.data_ranks(solution.config.mesh), bool(split))
+    if split:  # autopar/sharding/experts.py, passes/expert_tensor.py
+        tp = solution.config.mesh.tp
+        notes.append(f"{', '.join(split[:3])}{' …' if len(split) > 3 else ''} ({len(split)}): routed experts split "
+                     f"across their hidden dim over tp={tp} (style megatron+experts): 1/{tp} of each expert's "
+                     f"parameters, gradients, optimizer state and FLOPs per rank, the router replicated; one "
+                     "all-reduce of the experts' [tokens, H] output forward and two backward (the input's and the "
+                     "top-k weights' gradients); their saved activations priced whole on every rank (an "
+                     "overestimate)")
     manual = manual_attention_notes(graph, solution.config.mesh.cp, solution.config.cp_attention)
     return tuple(notes) + refusal_notes(graph) + cut + moe + manual + unpriced_notes(graph)
 
@@ -73,9 +82,10 @@ def _who(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{names[0]} … {names[-1]} ({len(names)})"
 
 
-def _held(f, ep: int, dp: int) -> str:
+def _held(f, ep: int, dp: int, tp_split: bool = False) -> str:
     if ep <= 1:
-        return f"every expert's {f.routed_params:,} parameters held with their gradients and optimizer state"
+        where = " (1/tp of each on the layers whose experts the plan splits over tp: see that note)" if tp_split else ""
+        return f"every expert's {f.routed_params:,} parameters held with their gradients and optimizer state{where}"
     return (f"1/{ep} of the experts' {f.routed_params:,} parameters held per rank (ep={ep}), with their "
             f"gradients and optimizer state: whole over the {dp // ep} ranks of the expert-data-parallel group "
             "where the layer is at ZeRO-0, an FSDP2 unit of their own sharded over those ranks at ZeRO 1-3 (the "
@@ -83,7 +93,7 @@ def _held(f, ep: int, dp: int) -> str:
             "breakdown's ep all-to-all line)")
 
 
-def moe_notes(graph: LayerGraph, ep: int = 1, dp: int = 1) -> tuple[str, ...]:
+def moe_notes(graph: LayerGraph, ep: int = 1, dp: int = 1, tp_split: bool = False) -> tuple[str, ...]:
     """Each run of mixture-of-experts layers: what capture read of the block and how it is priced (at
     expert-parallel degree ``ep`` over ``dp``, the dp × cp ranks ep borrows from)."""
     notes = []
@@ -94,7 +104,7 @@ def moe_notes(graph: LayerGraph, ep: int = 1, dp: int = 1) -> tuple[str, ...]:
         for f in facts:
             note = (f"{_who(names)}: mixture of experts, {f.describe()}; priced at top-{f.top_k} experts "
                     f"+ router{' + shared experts' if f.shared_params else ''} per token "
-                    f"({f.flops_per_token / 1e9:.3g} GFLOP forward), {_held(f, ep, dp)}")
+                    f"({f.flops_per_token / 1e9:.3g} GFLOP forward), {_held(f, ep, dp, tp_split)}")
             if f.dispatch is Dispatch.STAND_IN:
                 note += ("; its routing loop cannot run on the meta device: the block is traced whole and "
                          "priced from its structure, a balanced step (the router, each expert on "

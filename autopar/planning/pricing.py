@@ -223,7 +223,9 @@ class PriceTable:
         if tp > 1 and contract.tp_applies(self.graph, self.config.mesh.pp) \
                 and not contract.tied_across_stages(self.graph, layer.index, self.config.mesh.pp):
             for s in layer.tp_styles:
-                if s.admits(tp) and contract.cp_admits_style(s, self.config.mesh):
+                if s.admits(tp) and contract.cp_admits_style(s, self.config.mesh) \
+                        and not contract.experts_split_refusal(s, self.config.mesh) \
+                        and not (s.experts and self.training.compiled):  # eager only (runtime/compiled.py)
                     sp = s.admits_sequence(tp) and contract.cp_admits_sequence(self.graph.seq_len or 0,
                                                                                self.config.mesh)
                     styles += [(s.name, False)] + ([(s.name, True)] if sp else [])

@@ -289,7 +289,9 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
                            f"styles admit none of the degrees the pins leave ({degrees}), or the pinned ZeRO "
                            "stages cannot run (inside an export-captured model's pipeline stages every layer "
                            "is replicated), or under cp a pinned style holds key/value projections whole on "
-                           "every tp rank or pinned sp leaves S/cp tokens tp does not divide")
+                           "every tp rank or pinned sp leaves S/cp tokens tp does not divide, or a pinned style "
+                           "splitting experts over tp (megatron+experts) meets pp, cp or ep, which it does not "
+                           "run beside")
         raise_infeasible(priced, layer_pins, cuts_ok, budget, options, unexamined)
     best, *runners_up = search.ranked()
     step = best.step_time_s

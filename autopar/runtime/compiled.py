@@ -94,11 +94,15 @@ def requested(torch_compile: bool | None) -> bool | None:
 
 def unsupported(plan: Plan, graph: LayerGraph | None = None) -> list[str]:
     """What in ``plan`` the compiled runtime does not run yet (empty when it does): the contract's
-    :func:`~autopar.contract.compile_refusal` (``graph`` None: the mesh's axes only), and a layer
-    planned tensor parallel on a mesh without tp."""
+    :func:`~autopar.contract.compile_refusal` (``graph`` None: the mesh's axes only), a layer
+    planned tensor parallel on a mesh without tp, and experts split over tp (eager only)."""
     why = [r] if (r := compile_refusal(graph, plan.mesh)) else []
     if plan.mesh.tp == 1 and any(lp.choice.tp is not None for lp in plan.layers):
         why.append("tensor parallelism (tp=1 with tensor-parallel layer choices)")
+    split = [lp.name for lp in plan.layers if graph is not None and lp.choice.tp is not None
+             and graph.layer(lp.name).tp_style(lp.choice.tp).experts]
+    if split:  # passes/expert_tensor.py's forward is eager only (not traced under the sharding rules)
+        why.append(f"routed experts split over tp (megatron+experts: {', '.join(split[:2])})")
     return why
 
 
