@@ -9,13 +9,9 @@ kinds again. One :class:`SharedPrices` per search, handed to every
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from autopar.choice import LayerChoice, Recompute
 from autopar.graph import Layer, LayerGraph
-
-if TYPE_CHECKING:
-    from autopar.planning.pricing import LayerPrice
 
 
 @dataclass
@@ -29,8 +25,9 @@ class SharedPrices:
     recomputes: dict[tuple[int, int, int], tuple[Recompute, ...]] = field(default_factory=dict)  # (graph id, layer, pp)
     dp_collectives: dict[tuple, float] = field(default_factory=dict)  # PriceTable.dp_collectives_s's arguments
     # (graph id, cluster id, training id, configuration: equal whatever the schedule) → (the graph, kept so its
-    # id is not reused; every layer's choices and prices, PriceTable._rows)
-    rows: dict[tuple, tuple[LayerGraph, tuple[list[list[LayerChoice]], list[list[LayerPrice]]]]] = \
+    # id is not reused; every layer's choices and their pricing.LayerPrice rows, PriceTable._rows: pricing
+    # imports this module, so the row type is not named here)
+    rows: dict[tuple, tuple[LayerGraph, tuple[list[list[LayerChoice]], list[list]]]] = \
         field(default_factory=dict)
     # (graph id, cluster id, training id, mesh, microbatches, cp method) → (the graph; PriceTable.fastest_time_mb_s)
     fastest: dict[tuple, tuple[LayerGraph, list[float]]] = field(default_factory=dict)
