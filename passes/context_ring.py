@@ -135,6 +135,9 @@ class RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+# Under torch.compile (autopar.runtime.compiled) the ring stays eager, a graph break the block compiles around:
+# dynamo cannot trace torch's private ring (an lse buffer it keeps aliases a higher-order op's output).
+@torch.compiler.disable
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, kwargs: dict) -> torch.Tensor:
     """Causal SDPA of this rank's head-tail tokens ``q`` [b, h, S/cp, d] against every key, by
     :class:`RingAttention` over ``group``; ``kwargs``: the call's other SDPA arguments (``scale``,

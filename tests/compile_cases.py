@@ -22,12 +22,14 @@ the composable hooks (full).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from context_cases import ULYSSES, _pins
 from cut_cases import qwen2
 from equivalence_cases import (
     GPT_TP,
@@ -41,6 +43,8 @@ from equivalence_cases import (
     make_batch,
     run_reference,
 )
+from moe_cases import hf_mixtral
+from ring_cases import RING
 
 import autopar
 import autopar.passes.recompute as recompute_pass
@@ -59,6 +63,8 @@ def _compiled_plan(spec: Spec, world_size: int) -> tuple[Plan, LayerGraph]:
         graph = autopar.capture(model, inputs)
         plan = autopar.solve(graph, world_size, cluster="cpu", dtype="fp32", pins=list(spec.pins),
                              global_batch=spec.global_batch, compiled=True)
+        if spec.ep > 1:  # ep is not searched from pins (equivalence_cases.plan_for sets it the same way)
+            plan = dataclasses.replace(plan, mesh=plan.mesh.replace(ep=spec.ep))
         return plan.to_json(), graph.to_dict()
 
     text, graph = from_rank0(make)
@@ -108,7 +114,8 @@ def compiled_equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
         ref = from_rank0(lambda: run_reference(spec, lambda p: torch.optim.SGD(p, **SGD)))
         out: dict[str, Any] = {
             "compiled": list(pm.compiled), "plan_compiled": plan.training.compiled, "graphs": graphs,
-            "mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp], "schedule": plan.schedule.value,
+            "mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp], "ep": plan.mesh.ep, "cp": plan.mesh.cp,
+            "schedule": plan.schedule.value,
             "tracer": pm.lowered.pipeline.tracer if pm.lowered.pipeline is not None else None,
             "zero": sorted({l.choice.zero for l in plan.layers}),
             "sp": sorted(l.name for l in plan.layers if l.choice.sp),
@@ -227,6 +234,16 @@ CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
                                                              "ln_f:recompute=none") + _EMBEDDINGS_OFF + GPT_TP
                                                   + ("blocks.*:sp=off",), 8)),
     # W = 4: pp = 2 beside dp = 2 with ZeRO-3 units inside each stage
+    # W = 2: expert parallelism (ep = 2 beside dp = 2) and context parallelism (cp = 2: K/V all-gather, Ulysses
+    # head all-to-all, ring), each block compiled around the exchanges that stay eager
+    "ep2_mixtral": compiled_equivalence(Spec(hf_mixtral, PP1 + ("dp=2", "tp=1", "zero=0", "microbatches=1"), 4,
+                                             ep=2)),
+    "cp2_gpt": compiled_equivalence(Spec(gpt_tiny, _pins(2), 2)),
+    "uly_cp2_llama": compiled_equivalence(Spec(hf_llama, _pins(2) + ULYSSES, 2)),
+    "ring_cp2_gpt": compiled_equivalence(Spec(gpt_tiny, _pins(2) + RING, 2)),
+    "cp2_full_gpt": compiled_equivalence(Spec(gpt_tiny, ("pp=1", "tp=1", "dp=1", "cp=2", "zero=0", "microbatches=1",
+                                                        "blocks.*:recompute=full", "ln_f:recompute=none")
+                                              + _EMBEDDINGS_OFF, 2)),
     "pp2_dp2_zero3": compiled_equivalence(Spec(gpt_tiny, ("pp=2", "dp=2", "tp=1", "zero=3", "microbatches=2",
                                                           "schedule=1f1b", "recompute=none"), 8)),
 }

@@ -341,6 +341,16 @@ class PriceTable:
         sharded = layer.tp_style(choice.tp).sharded_params
         return layer.param_count - sharded + math.ceil(sharded / self.config.mesh.tp)
 
+    def compiled_ops(self, layer: Layer) -> bool:
+        """Whether ``layer``'s memory-bound ops are priced fused (``layer_compute``'s ``compiled``): a block of a
+        compiled plan, except a mixture-of-experts block under ep, whose experts run eagerly inside the
+        exchange the compiled block breaks around (``passes/expert_dispatch.py``); capture does not tell
+        the experts' ops from the rest of the layer's, so the whole layer is priced unfused, an upper bound
+        on its compute. Under the ring the block compiles around ``ring_attention``, whose kernels and
+        elementwise work are priced as eager already (``ring_elementwise_s``, ``attention_op_time_s``)."""
+        return (self.training.compiled and self.graph.blocks[layer.index]
+                and not (self.config.mesh.ep > 1 and bool(layer.moe)))  # contract.compiled_break's ep half
+
     def _style_part(self, layer: Layer, style_name: str | None,
                     sp: bool = False) -> tuple[float, float, float, float, float, float, float]:
         """What a tensor-parallel style (or none; with sequence parallelism or not) sets, whatever the
@@ -348,7 +358,7 @@ class PriceTable:
         (tp's and cp's), saved activations, and cp's forward and backward part of that communication."""
         c, b = self.config, self.microbatch_size
         key = (id(layer), style_name, sp, c.mesh.tp, b, self.tp_group, self.act_scale, self.dtype_for_compute,
-               id(self.cluster), self.training.compiled, c.mesh.cp, self.cp_group, c.cp_attention,
+               id(self.cluster), self.training.compiled, c.mesh.ep, c.mesh.cp, self.cp_group, c.cp_attention,
                id(self.training.float8))
         if key in self._style_memo:
             return self._style_memo[key][1]
@@ -376,7 +386,7 @@ class PriceTable:
                 acts = sequence_activation_bytes(layer, style, c.mesh.tp, self.graph.dtype_bytes)
         times = layer_compute(layer, style_name, c.mesh.tp, b, self.cluster.device, self.dtype_for_compute,
                               self.act_scale, c.mesh.cp, method=c.cp_attention,
-                              compiled=self.training.compiled and self.graph.blocks[layer.index],
+                              compiled=self.compiled_ops(layer),
                               float8=self.training.float8.shapes(layer.name) if self.training.float8 else frozenset())
         heads_split = c.mesh.tp if style_name is not None else 1  # K/V of this tp rank's heads only
         kv_fwd, kv_bwd, acts = context_price.context_part(self, layer, acts, heads_split)

@@ -56,7 +56,7 @@ def recompute_part(table: Any, layer: Layer, strategy: Any, fwd_s: float, acts: 
     b, device = table.microbatch_size, table.cluster.device
     # a compiled block re-runs its memory-bound ops fused, as its forward does (layer_compute)
     fused = (device.op_model.compiled_memory_bound_fraction
-             if table.training.compiled and table.graph.blocks[layer.index] and device.op_model is not None
+             if table.compiled_ops(layer) and device.op_model is not None
              and layer.ops else 1.0)
     rerun = (compute_time_s(b * getattr(layer, f"{p}_recompute_flops_per_sample") / cp, device,
                             table.dtype_for_compute)

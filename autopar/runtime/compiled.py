@@ -53,11 +53,23 @@ is compiled (:mod:`autopar.runtime.sharded_trace`). A recomputed
 tensor-parallel block is traced without its checkpoint (``make_fx`` would
 flatten it into the forward) and the checkpoint then wraps the traced graph,
 so dynamo traces that checkpointed region as it does any recomputed block's.
+Expert and context parallelism run compiled too (ep = 2 beside dp = 2 on a
+Hugging Face Mixtral; cp = 2 by K/V all-gather, also with full recompute, and
+the ring on the GPT, Ulysses on a Llama). All-gather and Ulysses trace whole:
+dynamo traces the cp attention mode and the functional collectives. The
+experts' exchange (``passes/expert_dispatch.py``: data-dependent split sizes,
+which traced would recompile every step) and the ring
+(``passes/context_ring.py``: torch's private ring does not trace) run under
+``torch.compiler.disable``, and a plan with either compiles its blocks with
+``fullgraph=False`` (:func:`breaks_at_exchanges`), each block around that one
+break; such a block is not recomputed (dynamo ran the whole checkpointed block
+eagerly: :func:`autopar.contract.compiled_break`).
 The tests compare 3 SGD steps with eager within 1e-5 and count recompiles over 10.
 :func:`check_compilable` refuses every other lowering
 (:func:`autopar.contract.compile_refusal`) with a
-:class:`~autopar.errors.CompileError` before the first collective: expert and
-context parallelism, and pipelines whose stages call no
+:class:`~autopar.errors.CompileError` before the first collective: expert or
+context parallelism beside tp, pp or each other, recompute of a block that
+breaks at an eager exchange, and pipelines whose stages call no
 block module (an export graph without its layers' module calls;
 ``passes/pipeline.py`` refuses the split's own FX fallback the same way).
 """
@@ -71,7 +83,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from autopar.contract import compile_refusal, compiled_block_paths
+from autopar.contract import compile_refusal, compiled_block_paths, compiled_break
 from autopar.errors import CompileError
 from autopar.graph import LayerGraph
 from autopar.plan import Plan
@@ -92,6 +104,13 @@ def unsupported(plan: Plan, graph: LayerGraph | None = None) -> list[str]:
     :func:`~autopar.contract.compile_refusal` (``graph`` None: the mesh's axes only), and a layer
     planned tensor parallel on a mesh without tp."""
     why = [r] if (r := compile_refusal(graph, plan.mesh)) else []
+    if graph is not None:
+        index = {layer.name: layer.index for layer in graph}
+        broken = sorted(lp.name for lp in plan.layers if lp.choice.recompute and lp.name in index
+                        and compiled_break(graph, index[lp.name], plan.mesh, plan.cp_attention))
+        if broken:
+            why.append(f"recompute of {', '.join(broken)}, compiled around an eager "
+                       f"{'experts dispatch (ep)' if plan.mesh.ep > 1 else 'ring (cp)'}")
     if plan.mesh.tp == 1 and any(lp.choice.tp is not None for lp in plan.layers):
         why.append("tensor parallelism (tp=1 with tensor-parallel layer choices)")
     return why
@@ -101,10 +120,10 @@ def check_compilable(plan: Plan, graph: LayerGraph | None = None) -> None:
     """Raise :class:`CompileError` naming what ``plan`` lowers that torch.compile does not run yet."""
     why = unsupported(plan, graph)
     if why:
-        raise CompileError(f"torch.compile runs DDP, ZeRO/FSDP2, pipeline and tensor-parallel plans (with or "
-                           f"without recompute) only; this plan has {' and '.join(why)}: run it eagerly (drop "
-                           f"--compile / torch_compile), or pin it to what compiles (ep=1 cp=1, pp=1 for a "
-                           f"refused pipeline)")
+        raise CompileError(f"torch.compile runs DDP, ZeRO/FSDP2, pipeline, tensor-, expert- and context-parallel "
+                           f"plans (with or without recompute) only; this plan has {' and '.join(why)}: run it "
+                           f"eagerly (drop --compile / torch_compile), or pin it to what compiles (ep or cp beside "
+                           f"dp alone, pp=1 for a refused pipeline)")
 
 
 def check_compiled(plan: Plan, torch_compile: bool | None, graph: LayerGraph | None = None) -> None:
@@ -131,11 +150,11 @@ class CompiledBlock:
     ``on_break(path, reason)`` is told once."""
 
     def __init__(self, path: str, eager: Callable[..., Any], on_break: Callable[[str, str], None] | None = None,
-                 **options: Any) -> None:
+                 fullgraph: bool = True, **options: Any) -> None:
         import torch
 
         self.path, self.eager, self.on_break = path, eager, on_break
-        self.compiled = torch.compile(eager, fullgraph=True, **options)
+        self.compiled = torch.compile(eager, fullgraph=fullgraph, **options)
         self.broken: str | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -166,10 +185,19 @@ def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
                               fn.__closure__)
 
 
+def breaks_at_exchanges(plan: Plan) -> bool:
+    """Whether the plan's blocks compile around eager exchanges (graph breaks, module docstring): the experts'
+    all-to-all dispatch under ep, the ring under cp's ring attention."""
+    from autopar.choice import CpAttention
+
+    return plan.mesh.ep > 1 or (plan.mesh.cp > 1 and plan.cp_attention is CpAttention.RING)
+
+
 def compile_blocks(parts: list[nn.Module], paths: list[str], on_break: Callable[[str, str], None] | None = None,
-                   **options: Any) -> list[str]:
+                   fullgraph: bool = True, **options: Any) -> list[str]:
     """Replace each block's ``forward`` with a :class:`CompiledBlock` of it (in place; the module, its
-    hooks, FQNs and state-dict keys are unchanged); returns the paths compiled."""
+    hooks, FQNs and state-dict keys are unchanged); returns the paths compiled. ``fullgraph`` False: the
+    block may break at the exchanges kept eager (:func:`breaks_at_exchanges`)."""
     from autopar.passes.recompute import CHECKPOINTED_FORWARD, checkpointed
     from autopar.passes.tensor_parallel import SHARDED_RUN
     from autopar.runtime.sharded_trace import ShardedTrace
@@ -194,13 +222,14 @@ def compile_blocks(parts: list[nn.Module], paths: list[str], on_break: Callable[
 
                 block.forward = ShardedTrace(  # type: ignore[method-assign]
                     block, eager, run, lambda gm, path=path, wrap=wrap: CompiledBlock(path, wrap(gm), on_break,
-                                                                                       **options),
+                                                                                       fullgraph, **options),
                     shared.setdefault(kind, {}), path=path, on_break=on_break, wrap=wrap)
             else:
-                block.forward = CompiledBlock(path, block.forward, on_break, **options)  # type: ignore[method-assign]
+                block.forward = CompiledBlock(path, block.forward, on_break, fullgraph,  # type: ignore[method-assign]
+                                              **options)
             done.append(path)
     return done
 
 
-__all__ = ["COMPILE_ENV", "CompiledBlock", "block_paths", "check_compilable", "check_compiled", "compile_blocks",
-           "requested", "unsupported"]
+__all__ = ["COMPILE_ENV", "CompiledBlock", "block_paths", "breaks_at_exchanges", "check_compilable", "check_compiled",
+           "compile_blocks", "requested", "unsupported"]
