@@ -193,6 +193,15 @@ def breaks_at_exchanges(plan: Plan) -> bool:
     return plan.mesh.ep > 1 or (plan.mesh.cp > 1 and plan.cp_attention is CpAttention.RING)
 
 
+def compile_plan_blocks(parts: list[nn.Module], graph: LayerGraph, plan: Plan,
+                        on_break: Callable[[str, str], None] | None = None) -> list[str]:
+    """The plan's blocks in ``parts`` compiled (:func:`compile_blocks`; none for a plan priced eager), whole
+    unless the plan breaks them at an eager exchange (:func:`breaks_at_exchanges`)."""
+    if not plan.training.compiled:
+        return []
+    return compile_blocks(parts, block_paths(graph, plan), on_break, fullgraph=not breaks_at_exchanges(plan))
+
+
 def compile_blocks(parts: list[nn.Module], paths: list[str], on_break: Callable[[str, str], None] | None = None,
                    fullgraph: bool = True, **options: Any) -> list[str]:
     """Replace each block's ``forward`` with a :class:`CompiledBlock` of it (in place; the module, its
@@ -232,4 +241,4 @@ def compile_blocks(parts: list[nn.Module], paths: list[str], on_break: Callable[
 
 
 __all__ = ["COMPILE_ENV", "CompiledBlock", "block_paths", "breaks_at_exchanges", "check_compilable", "check_compiled",
-           "compile_blocks", "requested", "unsupported"]
+           "compile_blocks", "compile_plan_blocks", "requested", "unsupported"]
