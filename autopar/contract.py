@@ -68,7 +68,7 @@ from enum import Enum, IntEnum
 from typing import TYPE_CHECKING
 from weakref import WeakKeyDictionary
 
-from autopar.choice import LayerChoice, Recompute
+from autopar.choice import CpAttention, LayerChoice, Recompute
 from autopar.contract_cp import (  # cp's rules, in a module of their own; the planner reads them as contract.*
     cp_admits_sequence,  # noqa: F401
     cp_admits_style,  # noqa: F401
@@ -503,6 +503,17 @@ def compiled_block_paths(graph: LayerGraph, plan: Plan) -> list[str]:
     return [layer.module_path for layer, block in zip(graph.layers, graph.blocks) if block and layer.name in names]
 
 
+def compiled_break(graph: LayerGraph, i: int, mesh: Mesh, cp_attention: CpAttention) -> bool:
+    """Whether layer ``i``, compiled, breaks its graph at an exchange kept eager (``torch.compiler.disable``):
+    an MoE block's experts dispatch under ep (``passes/expert_dispatch.py``: data-dependent split sizes), any
+    block's ring attention under cp (``passes/context_ring.py``: torch's private ring does not trace). Such a
+    block is not recomputed compiled: dynamo cannot break inside the checkpoint, so the whole checkpointed
+    block ran eagerly (measured: no graph compiled over 10 steps), not as priced."""
+    if not graph.blocks[i]:
+        return False
+    return (mesh.ep > 1 and bool(graph[i].moe)) or (mesh.cp > 1 and cp_attention is CpAttention.RING)
+
+
 def compile_refusal(graph: LayerGraph | None, mesh: Mesh) -> str | None:
     """Why the compiled runtime (torch.compile per block, :mod:`autopar.runtime.compiled`) does not
     run ``mesh`` on ``graph`` (None when it does). A compiled search skips such meshes, and a
@@ -513,21 +524,20 @@ def compile_refusal(graph: LayerGraph | None, mesh: Mesh) -> str | None:
     pipeline lowering built, which calls the model's own block module), and tensor parallelism with
     and without sequence parallelism, also beside dp and ZeRO-3 (each block traced once under the
     sharding rules, :mod:`autopar.runtime.sharded_trace`; a recomputed one with its checkpoint
-    around the traced graph), also inside a pipeline's stages (tp beside pp); and context parallelism
-    (cp = 2: K/V all-gather and Ulysses inside each block's one graph, dynamo tracing the attention
-    mode and torch's functional collectives; ring attention run eagerly between the block's graphs,
-    :func:`autopar.runtime.compiled.outside_graph`), also at ZeRO-3 with full recompute and beside
-    dp = 2 at ZeRO-3; proven by ``tests/compile_cases.py`` against one eager process. Not: expert
-    parallelism (its all-to-all's split sizes and local experts' loop are data-dependent: dynamo
-    fails on them; run eagerly they would leave the experts' ops unfused but priced fused), context
-    parallelism beside tensor parallelism or a pipeline (not tested compiled), and a pipeline
-    of a model whose export graph lost its layers' module calls (:func:`tp_applies`): its stages call
-    no block module, so nothing would run compiled that was priced compiled. ``graph`` None: axes only."""
-    why = [f"expert parallelism (ep={mesh.ep})"] if mesh.ep > 1 else []
-    if mesh.cp > 1 and mesh.tp > 1:
-        why.append(f"context parallelism beside tensor parallelism (cp={mesh.cp}, tp={mesh.tp})")
-    if mesh.cp > 1 and mesh.pp > 1:
-        why.append(f"context parallelism inside a pipeline (cp={mesh.cp}, pp={mesh.pp})")
+    around the traced graph), also inside a pipeline's stages (tp beside pp); expert parallelism
+    (ep = 2 beside dp = 2: the block compiles around the experts' exchange, kept eager) and context
+    parallelism (cp = 2: K/V all-gather and Ulysses traced whole, the ring kept eager inside the
+    compiled block; blocks with such a break are not recomputed, :func:`compiled_break`); proven by
+    ``tests/compile_cases.py`` against one eager process. Not: ep or cp beside tp, pp or each other
+    (not run compiled), and a pipeline of a model whose export graph lost its layers' module calls
+    (:func:`tp_applies`): its stages call no block module, so nothing would run compiled that was
+    priced compiled. ``graph`` None: axes only."""
+    why: list[str] = []
+    axes = (("tp", mesh.tp), ("pp", mesh.pp), ("ep", mesh.ep), ("cp", mesh.cp))
+    for name, axis, degree in (("expert parallelism", "ep", mesh.ep), ("context parallelism", "cp", mesh.cp)):
+        beside = [f"{a}={n}" for a, n in axes if n > 1 and a != axis]
+        if degree > 1 and beside:
+            why.append(f"{name} ({axis}={degree}) beside {' and '.join(beside)}")
     if graph is not None and mesh.pp > 1 and not tp_applies(graph, mesh.pp):
         why.append(f"a pipeline (pp={mesh.pp}) of {graph.model_name}, whose stages are single ATen graphs "
                    "(torch.export could not keep its layers' module calls) that call no block module")

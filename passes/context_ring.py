@@ -141,12 +141,14 @@ class RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-@torch.compiler.disable  # torch's private ring does not trace (dynamo: "lse_3 ... aliases an input or output")
+# Under torch.compile (autopar.runtime.compiled) the ring stays eager, a graph break the block compiles around:
+# dynamo cannot trace torch's private ring (an lse buffer it keeps aliases a higher-order op's output).
+@torch.compiler.disable
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, kwargs: dict) -> torch.Tensor:
     """Causal SDPA of this rank's head-tail tokens ``q`` [b, h, S/cp, d] against every key, by
     :class:`RingAttention` over ``group``; ``kwargs``: the call's other SDPA arguments (``scale``,
     ``enable_gqa``; no dropout, no mask: the ring's kernels run causal blocks without either). Under
-    torch.compile it runs eagerly, the block compiled around it (``autopar.runtime.compiled.outside_graph``)."""
+    torch.compile it runs eagerly, the block compiled around it (``autopar.runtime.compiled.breaks_at_exchanges``)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise LoweringError(f"ring attention needs query, key and value [batch, heads, sequence, dim], got "
                             f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)} (capture proved them: the model "

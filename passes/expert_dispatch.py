@@ -34,6 +34,9 @@ def _all_to_all(rows: torch.Tensor, send: list[int], recv: list[int], group: Any
     return all_to_all_single_autograd(rows.contiguous(), recv, send, group)
 
 
+# Under torch.compile (autopar.runtime.compiled) the exchange stays eager, a graph break the block compiles around:
+# its split sizes are the step's routing (data-dependent), so traced they would recompile every step.
+@torch.compiler.disable
 def exchange(rows: torch.Tensor, counts: torch.Tensor, group: Any, ep: int,
              run_local: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> torch.Tensor:
     """Rows sorted by expert (``counts[e]`` rows for expert ``e`` of E = ``counts.numel()``) sent to the

@@ -305,7 +305,8 @@ def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # rows sorted by expert: by destination rank, then expert
     token = order // k
-    counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
+    # rows per expert, by scatter-add rather than bincount: a static shape, so a compiled block traces it
+    counts = flat.new_zeros(self.gate_up_proj.shape[0]).scatter_add_(0, flat, torch.ones_like(flat))
     back = exchange(hidden_states[token], counts, group, ep, lambda rows, n: _local_experts(self, rows, n))
     weighted = back * top_k_weights.reshape(-1)[order, None]
     final = torch.zeros_like(hidden_states)

@@ -12,9 +12,10 @@ The pipeline cases (pp = 2; GPipe, 1F1B and interleaved 1F1B, with and without r
 beside dp = 2 with ZeRO-3 on 4 ranks) compile each rank's blocks inside its stage modules; every
 rank compares the full gradients and parameters, and counts the graphs of its own blocks.
 
-The context-parallel cases (cp = 2: Ulysses, the ring, the K/V all-gather at ZeRO-3 with full recompute,
-and beside dp = 2 at ZeRO-3 on 4 ranks) compile each block with the attention mode inside; under the ring
-torch's ring attention runs eagerly between the block's graphs (``runtime/compiled.outside_graph``).
+The expert- and context-parallel cases (ep = 2 beside dp = 2; cp = 2: the K/V all-gather, also with full
+recompute, Ulysses and the ring) compile each block with the attention mode inside; the experts' exchange
+and torch's ring attention run eagerly, the block compiled around them
+(``runtime/compiled.breaks_at_exchanges``).
 
 The Hugging Face cases build LlamaForCausalLM and Qwen2ForCausalLM from tiny configs (nothing
 is downloaded) and compile each decoder layer. The recompute cases checkpoint both blocks inside
@@ -26,6 +27,7 @@ the composable hooks (full).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -46,6 +48,7 @@ from equivalence_cases import (
     make_batch,
     run_reference,
 )
+from moe_cases import hf_mixtral
 from ring_cases import RING
 
 import autopar
@@ -65,6 +68,8 @@ def _compiled_plan(spec: Spec, world_size: int) -> tuple[Plan, LayerGraph]:
         graph = autopar.capture(model, inputs)
         plan = autopar.solve(graph, world_size, cluster="cpu", dtype="fp32", pins=list(spec.pins),
                              global_batch=spec.global_batch, compiled=True)
+        if spec.ep > 1:  # ep is not searched from pins (equivalence_cases.plan_for sets it the same way)
+            plan = dataclasses.replace(plan, mesh=plan.mesh.replace(ep=spec.ep))
         return plan.to_json(), graph.to_dict()
 
     text, graph = from_rank0(make)
@@ -114,8 +119,8 @@ def compiled_equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
         ref = from_rank0(lambda: run_reference(spec, lambda p: torch.optim.SGD(p, **SGD)))
         out: dict[str, Any] = {
             "compiled": list(pm.compiled), "plan_compiled": plan.training.compiled, "graphs": graphs,
-            "mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp],
-            "cp": plan.mesh.cp, "cp_attention": str(plan.cp_attention), "schedule": plan.schedule.value,
+            "mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp], "ep": plan.mesh.ep, "cp": plan.mesh.cp,
+            "schedule": plan.schedule.value,
             "tracer": pm.lowered.pipeline.tracer if pm.lowered.pipeline is not None else None,
             "zero": sorted({l.choice.zero for l in plan.layers}),
             "sp": sorted(l.name for l in plan.layers if l.choice.sp),
@@ -233,13 +238,16 @@ CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
                                                              "schedule=1f1b", "blocks.*:recompute=full",
                                                              "ln_f:recompute=none") + _EMBEDDINGS_OFF + GPT_TP
                                                   + ("blocks.*:sp=off",), 8)),
-    # context parallelism (W = 2, cp = 2): the head all-to-all (Ulysses), the ring
+    # W = 2: expert parallelism (ep = 2 beside dp = 2) and context parallelism (cp = 2: K/V all-gather, Ulysses
+    # head all-to-all, ring), each block compiled around the exchanges that stay eager
+    "ep2_mixtral": compiled_equivalence(Spec(hf_mixtral, PP1 + ("dp=2", "tp=1", "zero=0", "microbatches=1"), 4,
+                                             ep=2)),
+    "cp2_gpt": compiled_equivalence(Spec(gpt_tiny, _pins(2), 2)),
     "uly_cp2_llama": compiled_equivalence(Spec(hf_llama, _pins(2) + ULYSSES, 2)),
     "ring_cp2_gpt": compiled_equivalence(Spec(gpt_tiny, _pins(2) + RING, 2)),
-    # K/V all-gathered, at ZeRO-3 with full recompute (the attention mode re-entered in the compiled recomputation)
-    "cp2_zero3_full_llama": compiled_equivalence(Spec(hf_llama, _pins(2, zero=3, recompute="full"), 2)),
-    # W = 4: dp = 2 × cp = 2 at ZeRO-3 (FSDP2 over the dp × cp ranks)
-    "dp2_cp2_zero3_gpt": compiled_equivalence(Spec(gpt_tiny, _pins(2, dp=2, zero=3), 4)),
+    "cp2_full_gpt": compiled_equivalence(Spec(gpt_tiny, ("pp=1", "tp=1", "dp=1", "cp=2", "zero=0", "microbatches=1",
+                                                        "blocks.*:recompute=full", "ln_f:recompute=none")
+                                              + _EMBEDDINGS_OFF, 2)),
     # W = 4: pp = 2 beside dp = 2 with ZeRO-3 units inside each stage
     "pp2_dp2_zero3": compiled_equivalence(Spec(gpt_tiny, ("pp=2", "dp=2", "tp=1", "zero=3", "microbatches=2",
                                                           "schedule=1f1b", "recompute=none"), 8)),

@@ -15,7 +15,7 @@ from typing import Any
 from autopar import contract
 from autopar.cost_models.hardware import ClusterSpec, load_cluster
 from autopar.cost_models.memory import PRECISIONS
-from autopar.errors import AutoparError, CompileError, Float8Error, InfeasibleError, PinError
+from autopar.errors import AutoparError, Float8Error, InfeasibleError, PinError
 from autopar.float8 import Float8Settings, emulated
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
@@ -56,7 +56,7 @@ def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | No
     is the per-rank budget in GiB (default: device memory less the cluster's reserve).
     The plan records the best plans of the next ``runners_up`` distinct configurations
     (``Plan.runners_up``; 0 searches least). ``compiled``: each block priced under
-    torch.compile, in the plans the compiled runtime runs (:data:`COMPILED_PINS`). ``float8``: the
+    torch.compile, in the plans the compiled runtime runs (:func:`autopar.contract.compile_refusal`). ``float8``: the
     linears that run float8 matmuls (:func:`autopar.float8.settings_for` picks them from the model),
     priced at the device's float8 peak plus the casts, in the plans the float8 runtime runs
     (:data:`FLOAT8_PINS`); a device without float8 matmuls raises :class:`Float8Error` (a CPU cluster
@@ -74,8 +74,6 @@ def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | No
         emulated(spec)  # a device without float8 matmuls: refused here, naming it
     training = TrainingSpec(global_batch=batch, dtype=dtype, compiled=compiled, float8=float8)
     parsed = Pins.from_any(pins)
-    if compiled:
-        parsed = _compiled_pins(parsed)
     if float8 is not None:
         parsed = _restricted_pins(parsed, FLOAT8_PINS, Float8Error, "float8 training")
     solution = _solve(graph, world_size, spec, training, pins=parsed,
@@ -84,12 +82,10 @@ def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | No
     return build_plan(graph, solution, spec, training, parsed)
 
 
-# What the compiled runtime runs (autopar.runtime.compiled): no expert parallelism; pipelines, recompute of
-# any kind, tensor parallelism (also beside pp, and recomputed) and context parallelism (not beside tp or pp).
-# A compiled plan is searched there only (the search skips what contract.compile_refusal refuses, cp × tp and
-# cp × pp among them), so nothing it cannot run is offered.
-COMPILED_PINS = ("ep=1",)
-
+# What the compiled runtime runs (autopar.runtime.compiled) is searched alone: the search skips the meshes
+# contract.compile_refusal refuses (ep or cp beside tp, pp or each other, a pipeline whose stages call no block)
+# and the recompute of a block compiled around an eager exchange (contract.compiled_break), so nothing it cannot
+# run is offered.
 
 # What the float8 runtime runs (autopar.runtime.float8): torchao's Float8Linear under DDP or FSDP2, also
 # beside cp; no tensor parallelism (autopar's sharding runtime, not torchao's float8 styles), pipelines or experts.
@@ -105,17 +101,6 @@ def _restricted_pins(pins: Pins, restriction: tuple[str, ...], error: type[Autop
     except PinError as exc:
         raise error(f"{what} does not run tensor parallelism, pipelines or expert parallelism yet "
                     f"(its plans are solved with {' '.join(restriction)}): {exc}") from None
-
-
-def _compiled_pins(pins: Pins) -> Pins:
-    pins.check_form()  # the user's own contradictions are theirs, not compile's
-    try:
-        combined = Pins.parse(pins.to_strings() + list(COMPILED_PINS))
-        combined.check_form()  # a layer's recompute pin meets the global recompute=none here
-        return combined
-    except PinError as exc:
-        raise CompileError(f"torch.compile does not run expert parallelism yet "
-                           f"(compiled plans are solved with {' '.join(COMPILED_PINS)}): {exc}") from None
 
 
 def reprice(graph: LayerGraph, plan: Plan, cluster: str | ClusterSpec | None = None, *,

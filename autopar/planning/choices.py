@@ -77,7 +77,10 @@ def _allowed_choices(table: PriceTable, layer_pins: list[dict[str, Any]]) -> lis
         if not ks:  # a pinned choice outside the search space extends this layer's row only
             allowed.append(_pinned_outside_search(table, i, pin))
             continue
-        memo[key] = _undominated_alike(table, i, ks)
+        if table.training.compiled and contract.compiled_break(table.graph, i, table.config.mesh,
+                                                               table.config.cp_attention):
+            ks = [k for k in ks if not strategies[k].recompute]  # the runtime would run it eagerly: not offered
+        memo[key] = _undominated_alike(table, i, ks) if ks else []
         allowed.append(memo[key])
     return allowed
 

@@ -106,9 +106,8 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
     if not configs and split_refused:
         raise PinError(split_refused)
     if not configs and compile_refused:
-        raise CompileError(f"torch.compile does not run {compile_refused[0]}: pin "
-                           f"{'cp=1, or tp=1 pp=1' if 'context' in compile_refused[0] else 'pp=1'}, or plan it "
-                           "eager (drop --compile / torch_compile)")
+        raise CompileError(f"torch.compile does not run {compile_refused[0]}: pin pp=1 for a refused pipeline, "
+                           "ep or cp beside dp alone, or plan it eager (drop --compile / torch_compile)")
     if not configs:
         raise PinError(why_no_config(graph, world_size, training, pins, limits.max_stages))
     return configs

@@ -62,7 +62,7 @@ from autopar.graph import Layer, LayerGraph
 from autopar.planning import context_price, edges, expert_price
 from autopar.planning.configuration import Configuration, TrainingSpec
 from autopar.planning.layer_compute import layer_compute
-from autopar.planning.recompute_price import recompute_part
+from autopar.planning.recompute_price import compiled_ops, recompute_part
 from autopar.planning.sequence import region_s, sequence_activation_bytes, sequence_comm_s
 from autopar.planning.shared_prices import SharedPrices
 
@@ -71,10 +71,7 @@ FLOAT8_BYTES = 1  # a weight FSDP2 gathers in float8 (torchao's float8 all-gathe
 
 
 def exposed_comm_s(comm_s: float, compute_s: float, overlap: float) -> float:
-    """What ``comm_s`` of collectives adds to ``compute_s`` of compute they run beside.
-
-    Both together take max(c, d) + (1 − ω)·min(c, d) (see the module docstring).
-    """
+    """What ``comm_s`` of collectives adds to ``compute_s`` beside it: together max(c, d) + (1 − ω)·min(c, d)."""
     return max(comm_s - overlap * compute_s, (1.0 - overlap) * comm_s, 0.0)
 
 
@@ -370,6 +367,9 @@ class PriceTable:
         sharded = layer.tp_style(choice.tp).sharded_params
         return layer.param_count - sharded + math.ceil(sharded / self.config.mesh.tp)
 
+    def compiled_ops(self, layer: Layer) -> bool:
+        return compiled_ops(self, layer)
+
     def _style_part(self, layer: Layer, style_name: str | None,
                     sp: bool = False) -> tuple[float, float, float, float, float, float, float]:
         """What a tensor-parallel style (or none; with sequence parallelism or not) sets, whatever the
@@ -377,7 +377,7 @@ class PriceTable:
         (tp's and cp's), saved activations, and cp's forward and backward part of that communication."""
         c, b = self.config, self.microbatch_size
         key = (id(layer), style_name, sp, c.mesh.tp, b, self.tp_group, self.act_scale, self.dtype_for_compute,
-               id(self.cluster), self.training.compiled, c.mesh.cp, self.cp_group, c.cp_attention,
+               id(self.cluster), self.training.compiled, c.mesh.ep, c.mesh.cp, self.cp_group, c.cp_attention,
                id(self.training.float8))
         if key in self._style_memo:
             return self._style_memo[key][1]
@@ -405,7 +405,7 @@ class PriceTable:
                 acts = sequence_activation_bytes(layer, style, c.mesh.tp, self.graph.dtype_bytes)
         times = layer_compute(layer, style_name, c.mesh.tp, b, self.cluster.device, self.dtype_for_compute,
                               self.act_scale, c.mesh.cp, method=c.cp_attention,
-                              compiled=self.training.compiled and self.graph.blocks[layer.index],
+                              compiled=self.compiled_ops(layer),
                               float8=self.training.float8.shapes(layer.name) if self.training.float8 else frozenset())
         heads_split = c.mesh.tp if style_name is not None else 1  # K/V of this tp rank's heads only
         kv_fwd, kv_bwd, acts = context_price.context_part(self, layer, acts, heads_split)

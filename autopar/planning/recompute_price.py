@@ -17,6 +17,17 @@ from autopar.planning.context_price import kept_bytes as context_kept_bytes
 from autopar.planning.sequence import sequence_input_bytes
 
 
+def compiled_ops(table: Any, layer: Layer) -> bool:
+    """Whether ``layer``'s memory-bound ops are priced fused (``layer_compute``'s ``compiled``): a block of a
+    compiled plan, except a mixture-of-experts block under ep, whose experts run eagerly inside the
+    exchange the compiled block breaks around (``passes/expert_dispatch.py``); capture does not tell
+    the experts' ops from the rest of the layer's, so the whole layer is priced unfused, an upper bound
+    on its compute. Under the ring the block compiles around ``ring_attention``, whose kernels and
+    elementwise work are priced as eager already (``ring_elementwise_s``, ``attention_op_time_s``)."""
+    return (table.training.compiled and table.graph.blocks[layer.index]
+            and not (table.config.mesh.ep > 1 and bool(layer.moe)))  # contract.compiled_break's ep half
+
+
 def recompute_part(table: Any, layer: Layer, strategy: Any, fwd_s: float, acts: float) -> tuple[float, float]:
     """(time re-run in backward per microbatch, bytes kept per sample) under the layer's recompute.
 
@@ -56,7 +67,7 @@ def recompute_part(table: Any, layer: Layer, strategy: Any, fwd_s: float, acts: 
     b, device = table.microbatch_size, table.cluster.device
     # a compiled block re-runs its memory-bound ops fused, as its forward does (layer_compute)
     fused = (device.op_model.compiled_memory_bound_fraction
-             if table.training.compiled and table.graph.blocks[layer.index] and device.op_model is not None
+             if compiled_ops(table, layer) and device.op_model is not None
              and layer.ops else 1.0)
     rerun = (compute_time_s(b * getattr(layer, f"{p}_recompute_flops_per_sample") / cp, device,
                             table.dtype_for_compute)

@@ -53,16 +53,23 @@ is compiled (:mod:`autopar.runtime.sharded_trace`). A recomputed
 tensor-parallel block is traced without its checkpoint (``make_fx`` would
 flatten it into the forward) and the checkpoint then wraps the traced graph,
 so dynamo traces that checkpointed region as it does any recomputed block's.
-Context parallelism (cp = 2, also at ZeRO-3 with full recompute and beside dp = 2):
-with the K/V all-gather and Ulysses each block is still one graph (dynamo traces the
-attention mode held over the attention module's forward, ``passes/context_parallel.py``,
-and torch's functional collectives); ring attention runs eagerly between the block's
-graphs (:func:`outside_graph`: torch's private ring does not trace), the only break.
+Expert and context parallelism run compiled too (ep = 2 beside dp = 2 on a
+Hugging Face Mixtral; cp = 2 by K/V all-gather, also with full recompute, and
+the ring on the GPT, Ulysses on a Llama). All-gather and Ulysses trace whole:
+dynamo traces the cp attention mode and the functional collectives. The
+experts' exchange (``passes/expert_dispatch.py``: data-dependent split sizes,
+which traced would recompile every step) and the ring
+(``passes/context_ring.py``: torch's private ring does not trace) run under
+``torch.compiler.disable``, and a plan with either compiles its blocks with
+``fullgraph=False`` (:func:`breaks_at_exchanges`), each block around that one
+break; such a block is not recomputed (dynamo ran the whole checkpointed block
+eagerly: :func:`autopar.contract.compiled_break`).
 The tests compare 3 SGD steps with eager within 1e-5 and count recompiles over 10.
 :func:`check_compilable` refuses every other lowering
 (:func:`autopar.contract.compile_refusal`) with a
-:class:`~autopar.errors.CompileError` before the first collective: expert
-parallelism, context parallelism beside tp or pp, and pipelines whose stages call no
+:class:`~autopar.errors.CompileError` before the first collective: expert or
+context parallelism beside tp, pp or each other, recompute of a block that
+breaks at an eager exchange, and pipelines whose stages call no
 block module (an export graph without its layers' module calls;
 ``passes/pipeline.py`` refuses the split's own FX fallback the same way).
 """
@@ -76,7 +83,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from autopar.contract import compile_refusal, compiled_block_paths
+from autopar.contract import compile_refusal, compiled_block_paths, compiled_break
 from autopar.errors import CompileError
 from autopar.graph import LayerGraph
 from autopar.plan import Plan
@@ -97,6 +104,13 @@ def unsupported(plan: Plan, graph: LayerGraph | None = None) -> list[str]:
     :func:`~autopar.contract.compile_refusal` (``graph`` None: the mesh's axes only), a layer
     planned tensor parallel on a mesh without tp, and experts split over tp (eager only)."""
     why = [r] if (r := compile_refusal(graph, plan.mesh)) else []
+    if graph is not None:
+        index = {layer.name: layer.index for layer in graph}
+        broken = sorted(lp.name for lp in plan.layers if lp.choice.recompute and lp.name in index
+                        and compiled_break(graph, index[lp.name], plan.mesh, plan.cp_attention))
+        if broken:
+            why.append(f"recompute of {', '.join(broken)}, compiled around an eager "
+                       f"{'experts dispatch (ep)' if plan.mesh.ep > 1 else 'ring (cp)'}")
     if plan.mesh.tp == 1 and any(lp.choice.tp is not None for lp in plan.layers):
         why.append("tensor parallelism (tp=1 with tensor-parallel layer choices)")
     split = [lp.name for lp in plan.layers if graph is not None and lp.choice.tp is not None
@@ -110,10 +124,10 @@ def check_compilable(plan: Plan, graph: LayerGraph | None = None) -> None:
     """Raise :class:`CompileError` naming what ``plan`` lowers that torch.compile does not run yet."""
     why = unsupported(plan, graph)
     if why:
-        raise CompileError(f"torch.compile runs DDP, ZeRO/FSDP2, pipeline, tensor- and context-parallel plans "
-                           f"(with or without recompute; cp not beside tp or pp) only; this plan has "
-                           f"{' and '.join(why)}: run it eagerly (drop --compile / torch_compile), or pin it to "
-                           f"what compiles (ep=1; cp=1, or tp=1 pp=1 beside cp; pp=1 for a refused pipeline)")
+        raise CompileError(f"torch.compile runs DDP, ZeRO/FSDP2, pipeline, tensor-, expert- and context-parallel "
+                           f"plans (with or without recompute) only; this plan has {' and '.join(why)}: run it "
+                           f"eagerly (drop --compile / torch_compile), or pin it to what compiles (ep or cp beside "
+                           f"dp alone, pp=1 for a refused pipeline)")
 
 
 def check_compiled(plan: Plan, torch_compile: bool | None, graph: LayerGraph | None = None) -> None:
@@ -175,22 +189,28 @@ def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
                               fn.__closure__)
 
 
-def outside_graph(plan: Plan) -> tuple[str, ...]:
-    """What of ``plan``'s blocks runs eagerly between their compiled graphs (empty: each block one graph):
-    ring attention (``passes/context_ring.ring_attention``, ``torch.compiler.disable``: torch's private
-    ``_templated_ring_attention`` does not trace). Attention is priced at its eager kernels' time compiled
-    or not, the ring's merges, casts and packing copies unfused compiled or not
-    (``planning/layer_compute.ring_elementwise_s``), and its K/V sends apart from the compute
-    (``planning/context_price.py``), so the break changes nothing priced; the block's other memory-bound
-    ops stay fused, in the graphs on either side of it."""
-    return ("ring attention",) if plan.mesh.cp > 1 and str(plan.cp_attention) == "ring" else ()
+def breaks_at_exchanges(plan: Plan) -> bool:
+    """Whether the plan's blocks compile around eager exchanges (graph breaks, module docstring): the experts'
+    all-to-all dispatch under ep, the ring under cp's ring attention."""
+    from autopar.choice import CpAttention
+
+    return plan.mesh.ep > 1 or (plan.mesh.cp > 1 and plan.cp_attention is CpAttention.RING)
+
+
+def compile_plan_blocks(parts: list[nn.Module], graph: LayerGraph, plan: Plan,
+                        on_break: Callable[[str, str], None] | None = None) -> list[str]:
+    """The plan's blocks in ``parts`` compiled (:func:`compile_blocks`; none for a plan priced eager), whole
+    unless the plan breaks them at an eager exchange (:func:`breaks_at_exchanges`)."""
+    if not plan.training.compiled:
+        return []
+    return compile_blocks(parts, block_paths(graph, plan), on_break, fullgraph=not breaks_at_exchanges(plan))
 
 
 def compile_blocks(parts: list[nn.Module], paths: list[str], on_break: Callable[[str, str], None] | None = None,
                    fullgraph: bool = True, **options: Any) -> list[str]:
     """Replace each block's ``forward`` with a :class:`CompiledBlock` of it (in place; the module, its
-    hooks, FQNs and state-dict keys are unchanged); returns the paths compiled. ``fullgraph`` False:
-    dynamo may break the block's graph (:func:`outside_graph` says where the plan needs it)."""
+    hooks, FQNs and state-dict keys are unchanged); returns the paths compiled. ``fullgraph`` False: the
+    block may break at the exchanges kept eager (:func:`breaks_at_exchanges`)."""
     from autopar.passes.recompute import CHECKPOINTED_FORWARD, checkpointed
     from autopar.passes.tensor_parallel import SHARDED_RUN
     from autopar.runtime.sharded_trace import ShardedTrace
@@ -224,5 +244,5 @@ def compile_blocks(parts: list[nn.Module], paths: list[str], on_break: Callable[
     return done
 
 
-__all__ = ["COMPILE_ENV", "CompiledBlock", "block_paths", "check_compilable", "check_compiled", "compile_blocks",
-           "outside_graph", "requested", "unsupported"]
+__all__ = ["COMPILE_ENV", "CompiledBlock", "block_paths", "breaks_at_exchanges", "check_compilable", "check_compiled",
+           "compile_blocks", "compile_plan_blocks", "requested", "unsupported"]

@@ -48,7 +48,7 @@ from autopar.graph import LayerGraph
 from autopar.passes.expert_parallel import reduce_expert_grads
 from autopar.plan import Plan, Predicted
 from autopar.runtime.balance import BiasBalancer, bias_group, check_bias_update
-from autopar.runtime.compiled import block_paths, check_compiled, compile_blocks, outside_graph, requested
+from autopar.runtime.compiled import check_compiled, compile_plan_blocks, requested
 from autopar.runtime.float8 import check_device, check_float8, drop_scales, gathered_in_float8, precompute_scales
 from autopar.runtime.float8 import convert as convert_float8
 from autopar.runtime.float8 import requested as float8_requested
@@ -583,7 +583,7 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
         pm.plan = replace(pm.plan, notes=(*pm.plan.notes, f"torch.compile: block {path!r} runs eagerly, not as "
                                           f"priced: {reason}"))
 
-    blocks = compile_blocks(lowered.parts, block_paths(graph, plan), eager_block, not outside_graph(plan))
+    blocks = compile_plan_blocks(lowered.parts, graph, plan, eager_block)
     masters = _mixed_precision(lowered, plan)
     entries = param_entries([(canonical.get(n, n), p) for n, p in lowered.named_parameters()], masters,
                             lowered.permutations)

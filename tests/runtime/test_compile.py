@@ -92,6 +92,42 @@ def test_the_blocks_share_one_graph_and_later_steps_compile_nothing(w2: dict, ca
         assert m["guard_failures"] == [] and m["graph_breaks"] == {}
 
 
+# ------------------------------------------------------------------ expert and context parallelism (W = 2)
+
+EXCHANGES = {"ep2_mixtral": "exchange", "ring_cp2_gpt": "ring_attention"}  # the function each block breaks at
+
+
+@pytest.fixture(scope="module")
+def experts_and_context(ranks) -> dict[str, dict]:
+    return ranks(2).run(["cp2_gpt", "uly_cp2_llama", "ring_cp2_gpt", "ep2_mixtral", "cp2_full_gpt"],
+                        module="compile_cases")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["cp2_gpt", "uly_cp2_llama", "ring_cp2_gpt", "ep2_mixtral", "cp2_full_gpt"])
+def test_expert_and_context_parallel_blocks_compile_once_and_train_as_one_eager_device(experts_and_context: dict,
+                                                                                     case: str) -> None:
+    """ep = 2 beside dp = 2 (a Hugging Face Mixtral) and cp = 2 by K/V all-gather (the GPT, also with full
+    recompute), Ulysses (a Hugging Face Llama) and the ring (the GPT): every rank's 3 SGD steps within 1e-5 of
+    one eager process, the same number of graphs after every step over 10 (compiled on the first, none after:
+    no recompile), no guard failure, no block fallen back to eager. All-gather and Ulysses trace whole (one
+    graph the blocks share, no break); the experts' exchange and the ring stay eager, the one break each
+    block compiles around."""
+    blocks = ["blocks.0", "blocks.1"] if case.endswith("_gpt") else ["model.layers.0", "model.layers.1"]
+    for m in every_rank(experts_and_context[case]):
+        assert m["plan_compiled"] and m["compiled"] == blocks, m
+        assert (m["ep"], m["cp"]) == ((2, 1) if case.startswith("ep2") else (1, 2)), m
+        assert m["loss_rel"] < EXACT and m["grad_rel"] < EXACT and m["param_rel"] < EXACT, m
+        assert m["graphs"][0] > 0 and m["graphs"] == m["graphs"][:1] * 10, m
+        assert m["guard_failures"] == [] and m["notes"] == [], m
+        if case in EXCHANGES:
+            assert len(m["graph_breaks"]) == 1, m["graph_breaks"]
+            assert f"function `<function {EXCHANGES[case]} at" in next(iter(m["graph_breaks"])), m["graph_breaks"]
+        else:
+            assert m["graphs"] == [1] * 10 and m["graph_breaks"] == {}, m
+    assert experts_and_context["cp2_full_gpt"]["checkpointed"] == {"blocks.0": "full", "blocks.1": "full"}
+
+
 # ------------------------------------------------------------------ tensor parallelism: blocks traced under the rules
 
 TENSOR_PARALLEL = ["tp2_gpt", "tp2_sp_gpt", "hf_llama_tp2", "hf_llama_tp2_sp"]
@@ -211,41 +247,6 @@ def test_a_compiled_solve_offers_tensor_parallelism_with_recompute_and_beside_pi
 # ------------------------------------------------------------------ context parallelism: the attention mode compiled
 
 
-@pytest.fixture(scope="module")
-def context(ranks) -> dict[str, dict]:
-    """cp = 2 on 2 ranks (Ulysses, the ring, the K/V all-gather at ZeRO-3 with full recompute), and
-    dp = 2 × cp = 2 at ZeRO-3 on 4."""
-    return (ranks(2).run(["uly_cp2_llama", "ring_cp2_gpt", "cp2_zero3_full_llama"], module="compile_cases")
-            | ranks(4).run(["dp2_cp2_zero3_gpt"], module="compile_cases"))
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("case", ["uly_cp2_llama", "ring_cp2_gpt", "cp2_zero3_full_llama", "dp2_cp2_zero3_gpt"])
-def test_context_parallel_blocks_compile_and_train_as_one_eager_device(context: dict, case: str) -> None:
-    """cp = 2, the project's GPT and a Hugging Face Llama: every block compiled, 3 SGD steps within 1e-5 of
-    one eager process on every rank, graphs compiled on the first step only over 10 steps, no guard failure,
-    no block fallen back to eager. Under the K/V all-gather and Ulysses each block is one graph (the attention
-    mode and its collectives inside it, with full recompute too); under the ring, torch's ring attention is
-    the one graph break (``torch.compiler.disable``), the block compiled around it."""
-    res = context[case]
-    blocks = ["model.layers.0", "model.layers.1"] if "llama" in case else ["blocks.0", "blocks.1"]
-    method = {"uly": "ulysses", "rin": "ring"}.get(case[:3], "allgather")
-    for m in every_rank(res):
-        assert m["plan_compiled"] and m["cp"] == 2 and m["cp_attention"] == method and m["compiled"] == blocks, m
-        assert m["loss_rel"] < EXACT and m["grad_rel"] < EXACT and m["param_rel"] < EXACT, m
-        assert m["guard_failures"] == [] and m["notes"] == [], m
-        first = m["graphs"][0]
-        assert m["graphs"] == [first] * 10 and (first == 1) == (method != "ring"), m["graphs"]
-        if method == "ring":  # the graphs around the eager ring, shared by both blocks
-            assert first > 1 and len(m["graph_breaks"]) == 1, m["graph_breaks"]
-            assert "ring_attention" in next(iter(m["graph_breaks"])), m["graph_breaks"]
-        else:
-            assert m["graph_breaks"] == {}, m["graph_breaks"]
-    assert context["cp2_zero3_full_llama"]["checkpointed"] == {p: "full" for p in ["model.layers.0", "model.layers.1"]}
-    assert context["cp2_zero3_full_llama"]["zero"] == [3] and context["dp2_cp2_zero3_gpt"]["zero"] == [3]
-    assert context["dp2_cp2_zero3_gpt"]["mesh"] == [1, 2, 1]
-
-
 def test_a_compiled_solve_offers_context_parallelism_but_not_beside_tp(graph) -> None:
     """cp runs compiled, so a compiled solve pinned to cp = 2 plans it (it raised CompileError before), with
     no cp pin of its own; cp beside tp is not offered compiled: pinning both is one CompileError line."""
@@ -256,9 +257,9 @@ def test_a_compiled_solve_offers_context_parallelism_but_not_beside_tp(graph) ->
     for method in ("allgather", "ulysses", "ring"):
         plan = autopar.solve(g, 2, **kwargs, pins=["cp=2", f"cp_attention={method}"])
         assert plan.training.compiled and plan.mesh.cp == 2 and str(plan.cp_attention) == method
-        assert not any(p.startswith("cp=1") for p in plan.pins) and "ep=1" in plan.pins
+        assert not any(p.startswith(("cp=1", "ep=1")) for p in plan.pins)
         check_compilable(plan, g)
-    with pytest.raises(CompileError, match=r"beside tensor parallelism \(cp=2, tp=2\): pin cp=1, or tp=1 pp=1,"):
+    with pytest.raises(CompileError, match=r"context parallelism \(cp=2\) beside tp=2: pin pp=1 for a refused"):
         autopar.solve(g, 4, **kwargs, pins=["cp=2", "tp=2", "pp=1"])
 
 
@@ -341,23 +342,38 @@ def test_hugging_face_decoder_layers_are_the_compiled_blocks() -> None:
 # ------------------------------------------------------------------ the plan says it
 
 
-def test_a_compiled_solve_offers_no_expert_parallelism_the_compiled_runtime_refuses() -> None:
-    """A mixture of experts would take ep on 4 ranks; compiled, the search keeps every axis the compiled
-    runtime does not run at 1, so train time never meets a CompileError for what the planner chose."""
+def test_a_compiled_solve_offers_expert_and_context_parallelism_it_now_runs(graph) -> None:
+    """Compiled, the search offers ep on a mixture of experts and cp on a long sequence (it skipped both
+    before), prices an MoE block under ep with its memory-bound ops unfused (its experts run eagerly in the
+    exchange the block compiles around) and the same block without ep fused."""
     import moe_cases  # tests/ is on the path (conftest)
 
+    from autopar.choice import CpAttention
+    from autopar.cost_models.pipeline import Schedule, ScheduleKind
+    from autopar.plan import Mesh
+    from autopar.planning.configuration import Configuration, TrainingSpec
+    from autopar.planning.pricing import PriceTable
+
     g = autopar.capture(*moe_cases.hf_mixtral())
-    plan = autopar.solve(g, 4, cluster="cpu", global_batch=8, dtype="fp32", compiled=True, pins=["dp=4"])
-    assert (plan.mesh.ep, plan.mesh.cp, plan.mesh.tp, plan.mesh.pp) == (1, 1, 1, 1)
-    assert "ep=1" in plan.pins
-    assert autopar.solve(g, 4, cluster="cpu", global_batch=8, dtype="fp32", pins=["dp=4", "ep=2"]).mesh.ep == 2
+    plan = autopar.solve(g, 4, cluster="cpu", global_batch=8, dtype="fp32", compiled=True, pins=["dp=4", "ep=2"])
+    assert plan.training.compiled and plan.mesh.ep == 2 and (plan.mesh.tp, plan.mesh.pp) == (1, 1)
+    moe = next(layer for layer in g if layer.moe and g.blocks[layer.index])
+    cluster = autopar.planning.api.resolve_cluster("cpu", 4)
+    tables = {ep: PriceTable(g, Configuration(Mesh(dp=4, ep=ep), 1, Schedule(ScheduleKind.NONE)), cluster,
+                             TrainingSpec(8, compiled=True)) for ep in (1, 2)}
+    assert tables[1].compiled_ops(moe) and not tables[2].compiled_ops(moe)
+    _, _, long = graph  # cp on the GPT: a compiled search with cp pinned solves it, all-gather and Ulysses
+    for method in (CpAttention.ALL_GATHER, CpAttention.ULYSSES):
+        cp = autopar.solve(long, 2, cluster="cpu", global_batch=4, compiled=True, pins=["cp=2",
+                                                                                      f"cp_attention={method}"])
+        assert cp.training.compiled and cp.mesh.cp == 2 and cp.cp_attention is method
 
 
 def test_a_compiled_plan_round_trips_and_old_plans_load_eager(graph) -> None:
     _, _, g = graph
     plan = autopar.solve(g, 2, cluster="cpu", global_batch=4, compiled=True)
     assert plan.training.compiled and Plan.from_json(plan.to_json()) == plan
-    assert "ep=1" in plan.pins and not {"tp=1", "pp=1", "cp=1", "recompute=none"} & set(plan.pins)
+    assert not {"ep=1", "cp=1", "tp=1", "pp=1", "recompute=none"} & set(plan.pins)  # nothing pinned away
     assert "blocks under torch.compile" in plan.summary().splitlines()[0]
     old = json.loads(plan.to_json())
     del old["training"]["compiled"]  # a plan written before the field
@@ -513,19 +529,17 @@ def test_a_block_that_breaks_the_graph_runs_eagerly_and_the_plan_says_so() -> No
 
 def test_compile_refuses_what_it_does_not_run(graph) -> None:
     model, inputs, g = graph
-    with pytest.raises(CompileError, match="does not run expert parallelism.*ep pinned to both 2 and 1"):
-        autopar.solve(g, 2, cluster="cpu", global_batch=4, compiled=True, pins=["ep=2"])
-    from autopar.contract import compile_refusal
-    from autopar.mesh import Mesh
-
-    assert compile_refusal(g, Mesh(dp=2, cp=2)) is None  # proven: the context-parallel cases
-    assert compile_refusal(g, Mesh(cp=2, tp=2)) == "context parallelism beside tensor parallelism (cp=2, tp=2)"
-    assert compile_refusal(None, Mesh(pp=2, cp=2, ep=2)) == ("expert parallelism (ep=2) and context parallelism "
-                                                              "inside a pipeline (cp=2, pp=2)")
-    cp_tp = autopar.solve(g, 4, cluster="cpu", global_batch=4, pins=["cp=2", "tp=2", "pp=1", "blocks.*:tp=megatron"])
-    cp_tp = dataclasses.replace(cp_tp, training=dataclasses.replace(cp_tp.training, compiled=True))
-    with pytest.raises(CompileError, match=r"context parallelism beside tensor parallelism \(cp=2, tp=2\)"):
-        autopar.compile(model, 4, inputs, graph=g, plan=cp_tp)
+    with pytest.raises(CompileError, match=r"context parallelism \(cp=2\) beside tp=2: .*ep or cp beside dp alone"):
+        autopar.solve(g, 4, cluster="cpu", global_batch=4, compiled=True, pins=["cp=2", "tp=2"])
+    # a block compiled around the eager ring is not recomputed (dynamo would run the checkpointed block eagerly)
+    ring = autopar.solve(g, 2, cluster="cpu", global_batch=4, compiled=True, pins=["cp=2", "cp_attention=ring"])
+    assert ring.training.compiled and ring.mesh.cp == 2
+    assert not [lp.name for lp in ring.layers if lp.name.startswith("blocks.") and lp.choice.recompute]
+    plain = autopar.solve(g, 2, cluster="cpu", global_batch=4, pins=["cp=2", "cp_attention=ring",
+                                                                    "blocks.*:recompute=full"])
+    forced = dataclasses.replace(plain, training=dataclasses.replace(plain.training, compiled=True))
+    with pytest.raises(CompileError, match=r"recompute of blocks.0, blocks.1, compiled around an eager ring \(cp\)"):
+        autopar.compile(model, 2, inputs, graph=g, plan=forced)
     recomputed = autopar.solve(g, 2, cluster="cpu", global_batch=4, compiled=True, pins=["blocks.*:recompute=full"])
     assert {str(lp.choice.recompute) for lp in recomputed.layers if lp.name.startswith("blocks.")} == {"full"}
     tp = autopar.solve(g, 2, cluster="cpu", global_batch=4, pins=["tp=2", "pp=1", "blocks.*:tp=megatron"])
@@ -551,7 +565,7 @@ def test_cli_verify_compile_refuses_an_eager_plan_and_context_beside_tensor_para
     assert len(err.splitlines()) == 1 and "priced eager" in err
     assert main(["verify", GPT, "--world-size", "4", "--compile", "--pin", "cp=2", "--pin", "tp=2"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "context parallelism beside tensor parallelism" in err, err
+    assert len(err.splitlines()) == 1 and "does not run context parallelism (cp=2) beside tp=2" in err
 
 
 def test_run_compile_reaches_the_scripts_compile_through_the_environment(monkeypatch) -> None:
