@@ -144,8 +144,12 @@ def _rank_time_bound_s(table: PriceTable, allowed: list[list[int]], budget: int,
 def layer_groups(table: PriceTable, allowed: list[list[int]]) -> dict[tuple[int, tuple[int, ...]], list[int]]:
     """Layers that price alike and allow the same strategies, keyed by (first layer, strategies)."""
     rows: dict[tuple, list[int]] = {}
+    keys: dict[tuple, tuple] = {}  # one row object and strategies give one key: hashed once, not a layer
     for i, ks in enumerate(allowed):
-        rows.setdefault(group_key(table, i, ks), []).append(i)
+        by_row = (table.graph.cost_classes[i], id(table.choices[i]), tuple(ks))
+        if by_row not in keys:
+            keys[by_row] = group_key(table, i, ks)
+        rows.setdefault(keys[by_row], []).append(i)
     return {(members[0], tuple(allowed[members[0]])): members for members in rows.values()}
 
 
