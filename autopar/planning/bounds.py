@@ -96,20 +96,21 @@ def knapsack_dual_bound(groups: list[tuple[tuple[tuple[float, int], ...], int]],
     def dual(lam: float) -> float:
         return sum(n * min(t + lam * m for t, m in points) for points, n in groups) - lam * capacity
 
+    fastest = [(min(points), n) for points, n in groups]  # at λ = 0: the fastest, the smallest among them
+    if sum(n * m for (_, m), n in fastest) <= capacity:
+        return sum(n * t for (t, _), n in fastest)
+    if sum(n * min(m for _, m in points) for points, n in groups) > capacity:
+        return math.inf
     used, events = 0, []
     for points, n in groups:
         least: dict[int, float] = {}  # one vertex a memory: the fastest
         for t, m in points:
             least[m] = min(t, least.get(m, math.inf))
         hull = lower_convex_hull(list(least.items()))
-        fastest = min(range(len(hull)), key=lambda v: (hull[v][1], hull[v][0]))
-        used += n * hull[fastest][0]
-        for (m0, t0), (m1, t1) in zip(hull[:fastest], hull[1:fastest + 1]):
+        first = min(range(len(hull)), key=lambda v: (hull[v][1], hull[v][0]))
+        used += n * hull[first][0]
+        for (m0, t0), (m1, t1) in zip(hull[:first], hull[1:first + 1]):
             events.append(((t0 - t1) / (m1 - m0), n * (m1 - m0)))
-    if used <= capacity:
-        return dual(0.0)
-    if sum(n * min(m for _, m in points) for points, n in groups) > capacity:
-        return math.inf
     events.sort()
     for lam, freed in events:
         used -= freed
