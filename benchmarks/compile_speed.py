@@ -5,7 +5,9 @@
 On W gloo ranks (CPU, one thread a rank), the project's GPT (``examples/gpt.py``; the width of
 ``runtime_overhead.py``'s: d_model 256, 8 heads, vocab 2048, sequence 64, batch 8) is trained with
 SGD under each lowering autopar compiles: DDP, ZeRO-1/2/3, a 1F1B pipeline (pp = 2, 4
-microbatches), and selective and full recompute (under DDP). Per lowering, two models under the
+microbatches), selective and full recompute (under DDP), tensor parallelism (tp = 2) and context
+parallelism (cp = 2: K/V all-gather, Ulysses, ring). Expert parallelism is not here: the GPT has no
+experts (its compiled parity is ``tests/compile_cases.py``'s ``ep2_mixtral``). Per lowering, two models under the
 same pins, one planned eager and one planned compiled (``solve(..., compiled=True)``: each block
 under ``torch.compile``, inductor's C++ backend), take turns step by step (the order flipped
 every step, after 3 warm-ups) so machine noise hits both alike; the table prints the median step
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -50,6 +53,10 @@ LOWERINGS: dict[str, list[str]] = {
     "PP 1F1B": ["pp=2", "tp=1", "zero=0", "microbatches=4", "schedule=1f1b", "recompute=none"],
     "selective": DP + ["zero=0", "blocks.*:recompute=selective"] + _OFF,
     "full": DP + ["zero=0", "blocks.*:recompute=full"] + _OFF,
+    "TP": ["pp=1", "tp=2", "microbatches=1", "zero=0", "recompute=none"],
+    "cp all-gather": DP + ["cp=2", "cp_attention=allgather", "zero=0", "recompute=none"],
+    "cp Ulysses": DP + ["cp=2", "cp_attention=ulysses", "zero=0", "recompute=none"],
+    "cp ring": DP + ["cp=2", "cp_attention=ring", "zero=0", "recompute=none"],
 }
 CACHE_OFF = "TORCHINDUCTOR_FORCE_DISABLE_CACHES"  # each compile from nothing: no FX graph / kernel cache hits
 
@@ -57,8 +64,8 @@ CACHE_OFF = "TORCHINDUCTOR_FORCE_DISABLE_CACHES"  # each compile from nothing: n
 def pins_for(lowering: str, world_size: int) -> list[str]:
     """The pins that make ``lowering`` on ``world_size`` ranks (the rest of the mesh is dp)."""
     pins = LOWERINGS[lowering]
-    pp = 2 if "pp=2" in pins else 1
-    return pins + [f"dp={world_size // pp}"]
+    split = math.prod(int(p.split("=")[1]) for p in pins if p.split("=")[0] in ("pp", "tp", "cp"))
+    return pins + [f"dp={world_size // split}"]
 
 
 def build(n_layer: int = 4) -> tuple[Any, tuple]:

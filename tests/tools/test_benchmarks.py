@@ -52,7 +52,8 @@ def speed_graph():
     return autopar.capture(model, inputs)
 
 
-@pytest.mark.parametrize("lowering", ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "PP 1F1B", "selective", "full"])
+@pytest.mark.parametrize("lowering", ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "PP 1F1B", "selective", "full", "TP",
+                                      "cp all-gather", "cp Ulysses", "cp ring"])
 def test_each_compile_speed_row_is_the_lowering_it_names_and_compiles(speed_graph, lowering):
     """Both models of a row are that lowering (the eager and the compiled plan the same mesh, ZeRO stage,
     schedule and recompute), and the compiled one is a plan the compiled runtime runs."""
@@ -72,9 +73,14 @@ def test_each_compile_speed_row_is_the_lowering_it_names_and_compiles(speed_grap
     zeros = {z for z, _ in blocks[0]}
     recompute = {r for _, r in blocks[0]}
     want = {"DDP": (1, 2, {0}), "ZeRO-1": (1, 2, {1}), "ZeRO-2": (1, 2, {2}), "ZeRO-3": (1, 2, {3}),
-            "PP 1F1B": (2, 1, {0}), "selective": (1, 2, {0}), "full": (1, 2, {0})}[lowering]
+            "PP 1F1B": (2, 1, {0}), "selective": (1, 2, {0}), "full": (1, 2, {0}), "TP": (1, 1, {0}),
+            "cp all-gather": (1, 1, {0}), "cp Ulysses": (1, 1, {0}), "cp ring": (1, 1, {0})}[lowering]
     assert (eager.mesh.pp, eager.mesh.dp, zeros) == want, (eager.mesh, zeros)
     assert recompute == ({lowering} if lowering in ("selective", "full") else {"none"}), recompute
+    assert (eager.mesh.tp, eager.mesh.cp) == ((2, 1) if lowering == "TP" else (1, 2) if lowering.startswith("cp")
+                                              else (1, 1))
+    if lowering.startswith("cp"):
+        assert str(eager.cp_attention) == str(compiled.cp_attention) == lowering.split()[1].lower().replace("-", "")
     if lowering == "PP 1F1B":
         assert eager.schedule.value == "1f1b" and eager.microbatches == 4
 
