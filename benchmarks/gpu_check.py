@@ -24,7 +24,12 @@ Ready for the day a machine with a GPU is lent (nothing here needs more than one
    profiler's allocation events on CPU), each against the plan priced on the
    fitted cluster;
 4. ring attention's driver with the device's flash kernel at world size 1 (``gpu_ring.py``: the CUDA
-   plumbing of ``passes/context_ring.py``, output and gradients against one causal SDPA).
+   plumbing of ``passes/context_ring.py``, output and gradients against one causal SDPA);
+5. one ring step's attention kernels at torchtitan's long-context shapes, every SDPA backend, against
+   their priced times (``gpu_attention_steps.py``).
+
+``--models`` picks some of the models; the JSON is rewritten after every plan, so a check stopped at a
+time limit still leaves what it measured.
 
 Writes JSON: the device, the fit, and per plan the predicted and measured
 step time and peak memory and their ratios. Exits 1 if a plan fails to run.
@@ -59,7 +64,9 @@ class Model:
     seq: int
 
 
-GPU_MODELS = (Model("gpt-125m", 12, 768, 12, 50304, 1024), Model("gpt-350m", 24, 1024, 16, 50304, 1024))
+GPU_MODELS = (Model("gpt-125m", 12, 768, 12, 50304, 1024),
+              Model("gpt-125m-8k", 12, 768, 12, 50304, 8192),  # 8,192 tokens: attention priced as the kernel runs
+              Model("gpt-350m", 24, 1024, 16, 50304, 1024))
 DRY_MODELS = (Model("gpt-dry-a", 2, 32, 4, 256, 16), Model("gpt-dry-b", 3, 48, 4, 256, 16))
 PLANS = (  # (name, pins): every choice a single-device plan has
     ("m1", ("recompute=none", "microbatches=1")),
@@ -232,6 +239,9 @@ def main() -> int:
     parser.add_argument("--dry", action="store_true", help="CPU and tiny models: check the script runs")
     parser.add_argument("--json", default=None, metavar="FILE", help="write the results here")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per plan (default 10; dry 2)")
+    parser.add_argument("--models", default=None, metavar="NAMES",
+                        help="comma-separated model names to run (default all: " +
+                        ", ".join(m.name for m in GPU_MODELS) + "; dry " + ", ".join(m.name for m in DRY_MODELS) + ")")
     args = parser.parse_args()
     import torch
     import torch.distributed as dist
@@ -257,13 +267,45 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001 - reported, the plans still run
         ring = {"error": f"{type(exc).__name__}: {exc}"}
         failures.append({"model": "-", "plan": "ring attention", "error": ring["error"]})
-    for model in DRY_MODELS if args.dry else GPU_MODELS:
+    from gpu_attention_steps import measure as attention_steps  # one ring step's kernels at torchtitan's shapes
+
+    try:
+        steps_at_length = attention_steps(args.dry)
+    except Exception as exc:  # noqa: BLE001 - reported, the plans still run
+        steps_at_length = {"error": f"{type(exc).__name__}: {exc}"}
+        failures.append({"model": "-", "plan": "attention steps", "error": steps_at_length["error"]})
+
+    backend, world_size = dist.get_backend(), dist.get_world_size()
+
+    def result() -> dict[str, Any]:
+        return {
+            "dry": args.dry, "backend": backend, "world_size": world_size,
+            "device": torch.cuda.get_device_name(0) if device.type == "cuda" else f"cpu ({platform.processor()})",
+            "torch": torch.__version__, "cluster": cluster.to_dict(),
+            "fit": {k: v for k, v in fit.items() if k != "layers"}, "probes": fit["layers"],
+            "plans": rows, "skipped": skipped, "failures": failures, "compute_ops": compute_ops,
+            "memory_terms": memory, "ring": ring, "attention_steps": steps_at_length,
+        }
+
+    def write() -> None:  # after every plan: a check stopped at its time limit still leaves what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(result(), indent=2, default=float) + "\n")
+
+    write()
+    models = DRY_MODELS if args.dry else GPU_MODELS
+    if args.models:
+        wanted = args.models.split(",")
+        if unknown := sorted(set(wanted) - {m.name for m in models}):
+            parser.error(f"--models: no model named {', '.join(unknown)} (have {', '.join(m.name for m in models)})")
+        models = tuple(m for m in models if m.name in wanted)
+    for model in models:
         for name, pins in PLANS:
             try:
                 rows.append(run_plan(model, name, pins, cluster, device, steps, batch=4 if args.dry else 8))
             except Exception as exc:  # noqa: BLE001 - one plan's failure is reported, the others still run
                 failures.append({"model": model.name, "plan": name, "error": f"{type(exc).__name__}: {exc}"})
             print(f"gpu_check: {model.name} {name} done", file=sys.stderr, flush=True)
+            write()
         for name, pins in COMPILED_PLANS:
             batch = 4 if args.dry else 8
             try:
@@ -275,6 +317,8 @@ def main() -> int:
                     rows.append(run_plan(model, name, pins, cluster, device, steps, batch, compiled=True))
             except Exception as exc:  # noqa: BLE001 - one plan's failure is reported, the others still run
                 failures.append({"model": model.name, "plan": name, "error": f"{type(exc).__name__}: {exc}"})
+            print(f"gpu_check: {model.name} {name} done", file=sys.stderr, flush=True)
+            write()
         refusal = float8_refusal(device)
         for name, pins, compiled, recipe in FLOAT8_PLANS:
             batch = 4 if args.dry else 8
@@ -288,18 +332,10 @@ def main() -> int:
                                 "why": refusal or "--dry: compiled plans are not run"})
             except Exception as exc:  # noqa: BLE001 - one plan's failure is reported, the others still run
                 failures.append({"model": model.name, "plan": name, "error": f"{type(exc).__name__}: {exc}"})
-    result = {
-        "dry": args.dry, "backend": dist.get_backend(), "world_size": dist.get_world_size(),
-        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else f"cpu ({platform.processor()})",
-        "torch": torch.__version__, "cluster": cluster.to_dict(),
-        "fit": {k: v for k, v in fit.items() if k != "layers"}, "probes": fit["layers"],
-        "plans": rows, "skipped": skipped, "failures": failures, "compute_ops": compute_ops, "memory_terms": memory,
-        "ring": ring,
-    }
+            print(f"gpu_check: {model.name} {name} done", file=sys.stderr, flush=True)
+            write()
     dist.destroy_process_group()
-    text = json.dumps(result, indent=2, default=float)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    write()
     print(f"{'model':10s} {'plan':18s} {'float8':10s} step time / predicted, peak memory / predicted")
     for r in rows:
         print(f"{r['model']:10s} {r['plan']:18s} {r['float8'] or '-':10s} step {r['measured_step_s']:.4f} s / "
@@ -309,6 +345,10 @@ def main() -> int:
     for r in skipped:
         print(f"{r['model']:10s} {r['plan']:18s} {r.get('float8') or '-':10s} predicted "
               f"{r['predicted_step_s']:.4f} s, not run: {r['why']}")
+    if "kernels" in steps_at_length:
+        from gpu_attention_steps import summary as attention_summary
+
+        print(attention_summary(steps_at_length))
     print("memory terms: " + ", ".join(f"{k} {v}" for k, v in memory.items() if k != "priced"))
     for f in failures:
         print(f"FAILED {f['model']} {f['plan']}: {f['error']}", file=sys.stderr)

@@ -4,7 +4,7 @@ On a world of one rank, NCCL's collectives say nothing of time, but memory they 
 
 - ``cuda_context_bytes``: device memory a fresh process takes when it starts CUDA
   (the free memory the parent sees drop while a child holds a context, less the
-  child's own caching-allocator reservation); the preset prices 400 MB
+  child's own caching-allocator reservation); the presets price what an H200 showed, 645 MB
   (:data:`~autopar.cost_models.hardware.CUDA_CONTEXT_BYTES`).
 - ``nccl_world1_bytes``: what a one-rank NCCL communicator takes at its first
   collective (outside the caching allocator). Not the eight-rank ring the preset

@@ -12,9 +12,11 @@ NVLINK_STEP_LATENCY_S = 3.4e-6
 NET_STEP_LATENCY_S = 14.0e-6
 
 # What a GPU rank keeps outside the planner's tensors (ClusterSpec.memory_budget):
-# - the CUDA context: "around 400MB if CUDA >= 11.7 is used and lazy module loading enabled
-#   (default in PyTorch)" (pytorch/pytorch#109888; ~300 MB in pytorch/pytorch#107667).
-CUDA_CONTEXT_BYTES = 400 * 10**6
+# - the CUDA context: 645,464,064 bytes measured on an H200 (torch 2.11.0+cu130, the free memory a
+#   parent sees drop while a child holds a context: benchmarks/gpu_memory.py, run by the GPU check on
+#   2026-12-04, docs/benchmarks.md); the figure cited before it, "around 400MB if CUDA >= 11.7 is used
+#   and lazy module loading enabled" (pytorch/pytorch#109888), was 0.62 of it.
+CUDA_CONTEXT_BYTES = 645_464_064
 # - NCCL's buffers, allocated by NCCL outside the caching allocator, per communicator: each
 #   channel's ring keeps 2 connections whatever the scale (sjeaugey, NVIDIA/nccl#864 / #986),
 #   each with a FIFO per protocol: Simple NCCL_BUFFSIZE 4 MiB (DEFAULT_BUFFSIZE, src/init.cc),

@@ -38,9 +38,8 @@ CPU host whose collectives take turns with compute on its cores has ω < 1.
 
 and the memory of rank j (integer bytes):
 
-    M_j  = Σ model_states(zero, dp, tp) + Σ ⌈activations per microbatch · in_flight(j)⌉ + workspace
-           + (the loss's output-sized tensors, last rank) + (FSDP2's buffers if j has ZeRO layers)
-
+    M_j  = Σ model_states(zero, dp, tp) + Σ ⌈activations per microbatch · in_flight(j)⌉ + workspace (one layer's
+           or, last rank, the loss's if larger) + (FSDP2's buffers if j has ZeRO layers)
 Expert parallelism (``ep``) is priced in :mod:`.expert_price`.
 """
 
@@ -309,10 +308,9 @@ class PriceTable:
 
     @cached_property
     def largest_unit_params(self) -> int:
-        """Parameters of the largest FSDP unit (:func:`autopar.contract.largest_unit_params`). Under ep an MoE
-        layer's split experts leave its unit: they are a unit of their own holding this rank's 1/ep of them
-        (``passes/expert_parallel.py``), or outside FSDP2 at ZeRO-0 (counted as a unit all the same: an
-        upper bound)."""
+        """Parameters of the largest FSDP unit (:func:`autopar.contract.largest_unit_params`); under ep an MoE
+        layer's split experts are a unit of their own (its 1/ep; ``passes/expert_parallel.py``; at ZeRO-0 outside
+        FSDP2, a unit all the same: an upper bound)."""
         w = contract.wrapping(self.graph, self.config.mesh.pp)
         if self.config.mesh.ep <= 1:
             return w.largest_unit_params
@@ -324,28 +322,31 @@ class PriceTable:
 
     @cached_property
     def workspace_bytes(self) -> int:
-        """Transient memory on every rank: the largest unit's gathered weights and one layer's activations
-        (under ring attention besides the K/V buffers its ring holds in flight)."""
+        """Transient on every rank: the largest unit gathered, one layer's activations (and ring's K/V in flight)."""
+        return self.prec.param_bytes * self.largest_unit_params + self.layer_transient_bytes
+
+    @cached_property
+    def layer_transient_bytes(self) -> int:
         alike = list({(l.activation_bytes_per_sample, l.kv_bytes_per_sample, l.attention_calls): l  # what they read
                       for l in self.graph}.values())
         largest_act = max((context_price.context_part(self, l, l.activation_bytes_per_sample)[2]
                            for l in alike), default=0.0)
         ring = max((context_price.ring_transient_bytes(self, l) for l in alike), default=0.0)
-        return self.prec.param_bytes * self.largest_unit_params + math.ceil(
-            self.microbatch_size * largest_act * self.act_scale + ring)
+        return math.ceil(self.microbatch_size * largest_act * self.act_scale + ring)
 
     @cached_property
-    def loss_bytes(self) -> int:
-        """The loss on the last pipeline rank: a tensor the size of the model's output (cross-entropy's
-        log-probabilities) kept per microbatch in flight there, plus the output's gradient (S/cp tokens')."""
+    def loss_bytes(self) -> tuple[int, int]:
+        """The last rank's loss (at its peak, beside a layer's backward) in fp32 logits of S/cp tokens: log-probs
+        kept per microbatch in flight and, while log-softmax's backward runs, the gradients it takes and gives,
+        gone before any layer's (three at a bf16 GPT's peak on an H200: ``benchmarks/gpu_memory_peak.py``)."""
         kept = self.config.microbatches if self.config.schedule.kind is ScheduleKind.GPIPE else 1
-        # in fp32 whatever the plan's dtype: the runtime upcasts a bf16 output before the loss
-        return math.ceil((kept + 1) * self.microbatch_size * self.graph.output_bytes_per_sample
-                         * FP32_BYTES / self.graph.dtype_bytes / self.config.mesh.cp)
+        one = self.microbatch_size * self.graph.output_bytes_per_sample * FP32_BYTES / self.graph.dtype_bytes
+        return math.ceil((kept + 2) * one / self.config.mesh.cp), math.ceil((kept - 1) * one / self.config.mesh.cp)
 
     def rank_workspace_bytes(self, rank: int) -> int:
-        """:attr:`workspace_bytes`, and :attr:`loss_bytes` on the last pipeline rank."""
-        return self.workspace_bytes + (self.loss_bytes if rank == self.config.mesh.pp - 1 else 0)
+        """:attr:`workspace_bytes`, on the last pipeline rank the loss's peak in one layer's stead if larger."""
+        peak, beside = self.loss_bytes if rank == self.config.mesh.pp - 1 else (0, 0)
+        return self.workspace_bytes + max(peak - self.layer_transient_bytes, beside)
 
     @cached_property
     def reduce_scatter_buffer_bytes(self) -> int:

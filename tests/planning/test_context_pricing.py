@@ -81,7 +81,7 @@ def test_cp_keeps_one_cp_th_of_the_activations_plus_the_gathered_kv_and_masks() 
     assert {L * L + L * 4 * L, L * 2 * L + L * 3 * L} == {5 * L * L}
     mask = 5 * L * L * 2
     assert two.activation_mb_bytes == pytest.approx(one.activation_mb_bytes / 2 + gathered + mask, abs=2)
-    assert table.loss_bytes * 2 == pytest.approx(_price(1)[0].loss_bytes, abs=2)  # the logits of S/cp tokens
+    assert table.loss_bytes[0] * 2 == pytest.approx(_price(1)[0].loss_bytes[0], abs=2)  # the logits of S/cp tokens
 
 
 def _attention_layer(flops: float) -> Layer:
