@@ -506,12 +506,19 @@ def compiled_block_paths(graph: LayerGraph, plan: Plan) -> list[str]:
 def compiled_break(graph: LayerGraph, i: int, mesh: Mesh, cp_attention: CpAttention) -> bool:
     """Whether layer ``i``, compiled, breaks its graph at an exchange kept eager (``torch.compiler.disable``):
     an MoE block's experts dispatch under ep (``passes/expert_dispatch.py``: data-dependent split sizes), any
-    block's ring attention under cp (``passes/context_ring.py``: torch's private ring does not trace). Such a
-    block is not recomputed compiled: dynamo cannot break inside the checkpoint, so the whole checkpointed
-    block ran eagerly (measured: no graph compiled over 10 steps), not as priced."""
+    block's ring attention under cp (``passes/context_ring.py``: torch's private ring does not trace). Dynamo
+    cannot break inside the checkpoint it traces (a checkpointed block with such a break ran wholly eagerly:
+    no graph compiled over 10 steps), so such a block recomputes only in full (:data:`BREAK_RECOMPUTES`), with
+    the nesting inverted: its module compiled around the break, and an eager non-reentrant checkpoint around
+    that, whose backward reruns the compiled forward (``runtime/compiled.py``). A selective or alternate-mm
+    policy would not see the ops inside the compiled code: not offered, and refused in a compiled plan."""
     if not graph.blocks[i]:
         return False
     return (mesh.ep > 1 and bool(graph[i].moe)) or (mesh.cp > 1 and cp_attention is CpAttention.RING)
+
+
+# what a block compiled around an eager exchange (:func:`compiled_break`) recomputes: none, or in full
+BREAK_RECOMPUTES = frozenset({Recompute.NONE, Recompute.FULL})
 
 
 def compile_refusal(graph: LayerGraph | None, mesh: Mesh) -> str | None:
@@ -527,7 +534,8 @@ def compile_refusal(graph: LayerGraph | None, mesh: Mesh) -> str | None:
     around the traced graph), also inside a pipeline's stages (tp beside pp); expert parallelism
     (ep = 2 beside dp = 2: the block compiles around the experts' exchange, kept eager) and context
     parallelism (cp = 2: K/V all-gather and Ulysses traced whole, the ring kept eager inside the
-    compiled block; blocks with such a break are not recomputed, :func:`compiled_break`); proven by
+    compiled block; such a block recomputes in full only, its checkpoint eager around the compiled
+    module, :func:`compiled_break`); proven by
     ``tests/compile_cases.py`` against one eager process. Not: ep or cp beside tp, pp or each other
     (not run compiled), and a pipeline of a model whose export graph lost its layers' module calls
     (:func:`tp_applies`): its stages call no block module, so nothing would run compiled that was

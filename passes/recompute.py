@@ -22,7 +22,13 @@ block after wrapping it for activation checkpointing: dynamo traces the
 checkpoint as a region and AOTAutograd's partitioner keeps only what the
 policy saves. The composable hooks cannot stay around a compiled forward: a
 selective policy's caching mode outside the compiled region sees the
-compiled kernels' outputs mutated and fails in backward.
+compiled kernels' outputs mutated and fails in backward. A block compiled
+around an eager exchange (``autopar.contract.compiled_break``: the ring under
+cp, the experts' dispatch under ep) is checkpointed the same way here, in full
+only, and the compiled runtime then inverts the nesting: it compiles the
+module's own forward (``__wrapped__``) and keeps this checkpoint eager around
+the compiled callable, whose backward reruns the compiled forward (dynamo
+cannot break inside a checkpoint it traces).
 
 Layers without a module of their own (glue between modules, or the root)
 cannot be checkpointed without an FX rewrite, so the contract never lets the

@@ -15,7 +15,9 @@ rank compares the full gradients and parameters, and counts the graphs of its ow
 The expert- and context-parallel cases (ep = 2 beside dp = 2; cp = 2: the K/V all-gather, also with full
 recompute, Ulysses and the ring) compile each block with the attention mode inside; the experts' exchange
 and torch's ring attention run eagerly, the block compiled around them
-(``runtime/compiled.breaks_at_exchanges``).
+(``runtime/compiled.breaks_at_exchanges``). Recomputed in full (the ring, and the experts' exchange under
+ZeRO-3), such a block keeps its checkpoint eager around the compiled forward, which the backward calls
+again (:class:`BlockCalls` counts the calls).
 
 The Hugging Face cases build LlamaForCausalLM and Qwen2ForCausalLM from tiny configs (nothing
 is downloaded) and compile each decoder layer. The recompute cases checkpoint both blocks inside
@@ -103,9 +105,11 @@ def compiled_equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
         recompute_pass.keep_matmul_outputs = counted
         # what this rank's first compiled block saves for backward in the first step (a recompute case keeps less)
         saved = SavedBytes(pm.module.get_submodule(pm.compiled[0]))
+        calls = BlockCalls()
         try:
             for k, (x, y) in enumerate(batches):
-                with saved if k == 1 else contextlib.nullcontext(), tp_collectives() as issued:
+                with saved if k == 1 else contextlib.nullcontext(), calls if k == 1 else contextlib.nullcontext(), \
+                        tp_collectives() as issued:
                     losses.append(pm.train_step(pm.local_batch(x), pm.local_batch(y)))
                 if k == 1:
                     collectives = dict(issued)
@@ -130,6 +134,7 @@ def compiled_equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
                                                                          ShardedTrace)),
             "notes": [n for n in pm.plan.notes if n.startswith("torch.compile:")],
             "saved_bytes": saved.bytes, "tp_collectives": collectives,
+            "block_calls": calls.counts.get(pm.compiled[0], 0),  # its compiled forward's calls in a step
             "losses": losses[:COMPARED], "ref_losses": ref["losses"],
             "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"])),
             "recompute": {l.name: l.choice.recompute.name.lower() for l in plan.layers if l.choice.recompute},
@@ -179,6 +184,8 @@ def gpt_untraceable() -> tuple[torch.nn.Module, tuple]:
 
 _EMBEDDINGS_OFF = ("tok_emb:recompute=none", "pos_emb:recompute=none", "drop:recompute=none",
                    "lm_head:recompute=none")
+_HF_ENDS_OFF = ("model.embed_tokens:recompute=none", "model.rotary_emb:recompute=none", "model.norm:recompute=none",
+                "lm_head:recompute=none")
 PP2 = ("pp=2", "dp=1", "tp=1", "zero=0")
 TP2 = PP1 + ("dp=1", "tp=2", "zero=0", "microbatches=1")
 TP2_RC = ("pp=1", "dp=1", "tp=2", "zero=0", "microbatches=1")  # recompute as each case pins it
@@ -248,6 +255,15 @@ CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "cp2_full_gpt": compiled_equivalence(Spec(gpt_tiny, ("pp=1", "tp=1", "dp=1", "cp=2", "zero=0", "microbatches=1",
                                                         "blocks.*:recompute=full", "ln_f:recompute=none")
                                               + _EMBEDDINGS_OFF, 2)),
+    # W = 2: blocks compiled around the eager ring and the experts' exchange, recomputed in full: the checkpoint
+    # eager around the compiled block (runtime/compiled.py), its backward rerunning the compiled forward;
+    # the Mixtral's decoder layers are FSDP2 units (ZeRO-3 over dp = 2, beside ep = 2)
+    "ring_cp2_full_gpt": compiled_equivalence(Spec(gpt_tiny, ("pp=1", "tp=1", "dp=1", "cp=2", "zero=0",
+                                                             "microbatches=1", "blocks.*:recompute=full",
+                                                             "ln_f:recompute=none") + _EMBEDDINGS_OFF + RING, 2)),
+    "ep2_full_mixtral": compiled_equivalence(Spec(hf_mixtral, ("pp=1", "dp=2", "tp=1", "zero=3", "microbatches=1",
+                                                               "model.layers.*:recompute=full") + _HF_ENDS_OFF, 4,
+                                                  ep=2)),
     # W = 4: pp = 2 beside dp = 2 with ZeRO-3 units inside each stage
     "pp2_dp2_zero3": compiled_equivalence(Spec(gpt_tiny, ("pp=2", "dp=2", "tp=1", "zero=3", "microbatches=2",
                                                           "schedule=1f1b", "recompute=none"), 8)),
@@ -300,6 +316,31 @@ class SavedBytes:
     def __exit__(self, *exc: Any) -> None:
         for h in self.handles:
             h.remove()
+
+
+class BlockCalls:
+    """Calls of each compiled block's compiled forward (:class:`~autopar.runtime.compiled.CompiledBlock`, by path)
+    while entered: once a step, or twice where an eager checkpoint around it reruns it in backward."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    def __enter__(self) -> BlockCalls:
+        from autopar.runtime.compiled import CompiledBlock
+
+        self.call = CompiledBlock.__call__
+
+        def counted(block: CompiledBlock, *args: Any, **kwargs: Any) -> Any:
+            self.counts[block.path] += 1
+            return self.call(block, *args, **kwargs)
+
+        CompiledBlock.__call__ = counted  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from autopar.runtime.compiled import CompiledBlock
+
+        CompiledBlock.__call__ = self.call  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

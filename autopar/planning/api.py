@@ -84,8 +84,8 @@ def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | No
 
 # What the compiled runtime runs (autopar.runtime.compiled) is searched alone: the search skips the meshes
 # contract.compile_refusal refuses (ep or cp beside tp, pp or each other, a pipeline whose stages call no block)
-# and the recompute of a block compiled around an eager exchange (contract.compiled_break), so nothing it cannot
-# run is offered.
+# and the selective or alternate-mm recompute of a block compiled around an eager exchange (contract.compiled_break;
+# full recompute runs there, its checkpoint eager around the compiled block), so nothing it cannot run is offered.
 
 # What the float8 runtime runs (autopar.runtime.float8): torchao's Float8Linear under DDP or FSDP2, also
 # beside cp; no tensor parallelism (autopar's sharding runtime, not torchao's float8 styles), pipelines or experts.

@@ -79,7 +79,9 @@ def _allowed_choices(table: PriceTable, layer_pins: list[dict[str, Any]]) -> lis
             continue
         if table.training.compiled and contract.compiled_break(table.graph, i, table.config.mesh,
                                                                table.config.cp_attention):
-            ks = [k for k in ks if not strategies[k].recompute]  # the runtime would run it eagerly: not offered
+            # full recompute runs with the checkpoint eager around the compiled block; a selective or
+            # alternate-mm policy would not see the compiled ops: not offered
+            ks = [k for k in ks if strategies[k].recompute in contract.BREAK_RECOMPUTES]
         memo[key] = _undominated_alike(table, i, ks) if ks else []
         allowed.append(memo[key])
     return allowed

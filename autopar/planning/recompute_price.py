@@ -47,6 +47,10 @@ def recompute_part(table: Any, layer: Layer, strategy: Any, fwd_s: float, acts: 
     (the op model's ``compiled_memory_bound_fraction``, where the op model
     prices memory-bound ops apart); what is kept is priced as eager (the partitioner keeps
     what the policy saves: measured on a tiny GPT block, compiled full kept the block's input).
+    A block compiled around an eager exchange (``contract.compiled_break``: the ring, ep's dispatch)
+    recomputes in full only, its eager checkpoint rerunning the compiled forward, the exchange
+    included: ``fwd_s`` as priced for that block (the ring's work unfused, an MoE block under ep
+    unfused whole) and, in ``pricing``, the exchange's forward collectives again; it keeps its input.
     """
     kind = strategy.recompute
     if kind is Recompute.NONE:

@@ -291,8 +291,9 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
                            "is replicated), or under cp a pinned style holds key/value projections whole on "
                            "every tp rank or pinned sp leaves S/cp tokens tp does not divide, or a pinned style "
                            "splitting experts over tp (megatron+experts) meets pp, cp or ep, which it does not "
-                           "run beside, or under --compile a pinned recompute meets a block compiled around an "
-                           "eager exchange (ep's dispatch, cp's ring), which is not recomputed compiled")
+                           "run beside, or under --compile a pinned selective or alternate-mm recompute meets a block "
+                           "compiled around an eager exchange (ep's dispatch, cp's ring), which recomputes "
+                           "compiled in full only")
         raise_infeasible(priced, layer_pins, cuts_ok, budget, options, unexamined)
     best, *runners_up = search.ranked()
     step = best.step_time_s

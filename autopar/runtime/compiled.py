@@ -54,22 +54,32 @@ tensor-parallel block is traced without its checkpoint (``make_fx`` would
 flatten it into the forward) and the checkpoint then wraps the traced graph,
 so dynamo traces that checkpointed region as it does any recomputed block's.
 Expert and context parallelism run compiled too (ep = 2 beside dp = 2 on a
-Hugging Face Mixtral; cp = 2 by K/V all-gather, also with full recompute, and
-the ring on the GPT, Ulysses on a Llama). All-gather and Ulysses trace whole:
+Hugging Face Mixtral, also with full recompute under ZeRO-3; cp = 2 by K/V
+all-gather and by the ring, each also with full recompute, on the GPT, Ulysses
+on a Llama). All-gather and Ulysses trace whole:
 dynamo traces the cp attention mode and the functional collectives. The
 experts' exchange (``passes/expert_dispatch.py``: data-dependent split sizes,
 which traced would recompile every step) and the ring
 (``passes/context_ring.py``: torch's private ring does not trace) run under
 ``torch.compiler.disable``, and a plan with either compiles its blocks with
 ``fullgraph=False`` (:func:`breaks_at_exchanges`), each block around that one
-break; such a block is not recomputed (dynamo ran the whole checkpointed block
-eagerly: :func:`autopar.contract.compiled_break`).
+break. Such a block is recomputed in full only, with the nesting inverted
+(:func:`autopar.contract.compiled_break`): dynamo cannot break inside the
+checkpoint it traces (the checkpointed block ran wholly eagerly: no graph
+compiled over 10 steps), so the block's own forward is compiled around the
+break and an eager non-reentrant ``torch.utils.checkpoint.checkpoint`` wraps
+the compiled callable; its backward reruns the compiled forward (guards hit,
+no recompile: graphs flat over 10 steps) and the eager exchange with it, and
+the RNG state is restored before the rerun (``preserve_rng_state``: dropout in
+the compiled graphs replayed bit for bit, measured on a toy block). A
+selective or alternate-mm policy cannot see the ops inside the compiled
+graphs, so those kinds are neither offered nor run there.
 The tests compare 3 SGD steps with eager within 1e-5 and count recompiles over 10.
 :func:`check_compilable` refuses every other lowering
 (:func:`autopar.contract.compile_refusal`) with a
 :class:`~autopar.errors.CompileError` before the first collective: expert or
-context parallelism beside tp, pp or each other, recompute of a block that
-breaks at an eager exchange, and pipelines whose stages call no
+context parallelism beside tp, pp or each other, selective or alternate-mm
+recompute of a block that breaks at an eager exchange, and pipelines whose stages call no
 block module (an export graph without its layers' module calls;
 ``passes/pipeline.py`` refuses the split's own FX fallback the same way).
 """
@@ -78,12 +88,12 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch.nn as nn
 
-from autopar.contract import compile_refusal, compiled_block_paths, compiled_break
+from autopar.contract import BREAK_RECOMPUTES, compile_refusal, compiled_block_paths, compiled_break
 from autopar.errors import CompileError
 from autopar.graph import LayerGraph
 from autopar.plan import Plan
@@ -106,11 +116,13 @@ def unsupported(plan: Plan, graph: LayerGraph | None = None) -> list[str]:
     why = [r] if (r := compile_refusal(graph, plan.mesh)) else []
     if graph is not None:
         index = {layer.name: layer.index for layer in graph}
-        broken = sorted(lp.name for lp in plan.layers if lp.choice.recompute and lp.name in index
+        broken = sorted(f"{lp.name} ({lp.choice.recompute})" for lp in plan.layers
+                        if lp.choice.recompute not in BREAK_RECOMPUTES and lp.name in index
                         and compiled_break(graph, index[lp.name], plan.mesh, plan.cp_attention))
-        if broken:
-            why.append(f"recompute of {', '.join(broken)}, compiled around an eager "
-                       f"{'experts dispatch (ep)' if plan.mesh.ep > 1 else 'ring (cp)'}")
+        if broken:  # full recompute runs there, the checkpoint eager around the compiled block
+            why.append(f"recompute of {', '.join(broken)} in a block compiled around an eager "
+                       f"{'experts dispatch (ep)' if plan.mesh.ep > 1 else 'ring (cp)'}, whose compiled ops an "
+                       f"op-level policy cannot see (pin recompute=full there)")
     if plan.mesh.tp == 1 and any(lp.choice.tp is not None for lp in plan.layers):
         why.append("tensor parallelism (tp=1 with tensor-parallel layer choices)")
     split = [lp.name for lp in plan.layers if graph is not None and lp.choice.tp is not None
@@ -203,14 +215,20 @@ def compile_plan_blocks(parts: list[nn.Module], graph: LayerGraph, plan: Plan,
     unless the plan breaks them at an eager exchange (:func:`breaks_at_exchanges`)."""
     if not plan.training.compiled:
         return []
-    return compile_blocks(parts, block_paths(graph, plan), on_break, fullgraph=not breaks_at_exchanges(plan))
+    broken = {layer.module_path for layer in graph
+              if compiled_break(graph, layer.index, plan.mesh, plan.cp_attention)}
+    return compile_blocks(parts, block_paths(graph, plan), on_break, fullgraph=not breaks_at_exchanges(plan),
+                          checkpoint_outside=broken)
 
 
 def compile_blocks(parts: list[nn.Module], paths: list[str], on_break: Callable[[str, str], None] | None = None,
-                   fullgraph: bool = True, **options: Any) -> list[str]:
+                   fullgraph: bool = True, checkpoint_outside: Collection[str] = (), **options: Any) -> list[str]:
     """Replace each block's ``forward`` with a :class:`CompiledBlock` of it (in place; the module, its
     hooks, FQNs and state-dict keys are unchanged); returns the paths compiled. ``fullgraph`` False: the
-    block may break at the exchanges kept eager (:func:`breaks_at_exchanges`)."""
+    block may break at the exchanges kept eager (:func:`breaks_at_exchanges`). A checkpointed block of
+    ``checkpoint_outside`` (one that breaks there, :func:`autopar.contract.compiled_break`; full recompute
+    only) keeps its checkpoint eager around the compiled forward (module docstring)."""
+    from autopar.choice import Recompute
     from autopar.passes.recompute import CHECKPOINTED_FORWARD, checkpointed
     from autopar.passes.tensor_parallel import SHARDED_RUN
     from autopar.runtime.sharded_trace import ShardedTrace
@@ -237,6 +255,12 @@ def compile_blocks(parts: list[nn.Module], paths: list[str], on_break: Callable[
                     block, eager, run, lambda gm, path=path, wrap=wrap: CompiledBlock(path, wrap(gm), on_break,
                                                                                        fullgraph, **options),
                     shared.setdefault(kind, {}), path=path, on_break=on_break, wrap=wrap)
+            elif path in checkpoint_outside and (kind := getattr(block, CHECKPOINTED_FORWARD, None)) is not None:
+                if kind is not Recompute.FULL:  # check_compilable refused it before the lowering
+                    raise CompileError(f"block {path!r} breaks at an eager exchange: {kind} recompute does not run "
+                                       "compiled there (full does)")
+                compiled = CompiledBlock(path, block.forward.__wrapped__, on_break, fullgraph, **options)
+                block.forward = checkpointed(compiled, kind)  # type: ignore[method-assign]
             else:
                 block.forward = CompiledBlock(path, block.forward, on_break, fullgraph,  # type: ignore[method-assign]
                                               **options)
