@@ -19,14 +19,12 @@ import context_cases
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from context_cases import LLAMA_TP, PP, _pins, hf_llama
+from context_cases import LLAMA_TP, PP, RING, _pins, hf_llama
 from equivalence_cases import GPT_TP, Spec, equivalence, gpt_tiny, plan_for
 
 import autopar
 from autopar.passes.context_chunks import positions
 from autopar.passes.context_ring import ring_attention
-
-RING = ("cp_attention=ring",)  # K/V passed round the cp ring instead of all-gathered
 
 SPECS: dict[str, Spec] = {
     "ring_cp2_gpt": Spec(gpt_tiny, _pins(2) + RING, 2),
