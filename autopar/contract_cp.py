@@ -38,17 +38,20 @@ def cp_refusal(mesh: Mesh, graph: LayerGraph | None = None) -> str | None:
     before stage 0 (run against one device at cp=2 × pp=2 under GPipe, 1F1B and interleaved 1F1B);
     not where the stages are single ATen graphs (``graph``'s tracer ``"export"``), in which no
     attention module is called for cp to gather K and V in. Attention written by hand (nanoGPT's masked
-    softmax, ``graph.cp_manual``: ``passes/manual_attention.py``) runs under cp beside dp, pp and tp (run
-    against one device at cp=2, cp=2 × dp=2, cp=2 × pp=2 and cp=2 × tp=2 with sp off and on: beside tp its
-    two products gather the tp rank's heads of kᵀ and v). Beside ep (beside dp, tp and pp), ep borrows its
+    softmax, ``graph.cp_manual``: ``passes/manual_attention.py``) runs under cp beside dp, pp, tp and ep (run
+    against one device at cp=2, cp=2 × dp=2, cp=2 × pp=2, cp=2 × tp=2 with sp off and on, and cp=2 × ep=2:
+    beside tp its two products gather the tp rank's heads of kᵀ and v). Beside ep (beside dp, tp and pp), ep borrows its
     ranks from dp × cp (:mod:`autopar.mesh`): an MoE block dispatches the rank's S/cp tokens over its ep
     group, which may hold cp ranks of the same samples; the router is per token, with no capacity or drop
     rule in the blocks ep lowers, so splitting the sequence changes no routing decision, and the experts
     average over the (dp × cp)/ep ranks holding the same ones (run against one device at cp=2 × ep=2 on
-    W=2 and at dp=2 × cp=2 × ep=2 on W=4, Mixtral and Qwen2-MoE, all-gather and Ulysses; at cp=2 × ep=2
-    beside tp=2, Megatron attention with the ep group the cp pair of each tp rank, and inside pp=2 stages
-    under 1F1B, the ep group each stage's cp pair, W=4; and inside pp=2 stages beside tp=2, W=8; Mixtral:
-    ``tests/runtime/test_context_experts.py``)."""
+    W=2 and at dp=2 × cp=2 × ep=2 on W=4, Mixtral and Qwen2-MoE, all-gather, Ulysses and the ring; at cp=2 ×
+    ep=2 beside tp=2, Megatron attention with the ep group the cp pair of each tp rank, and inside pp=2
+    stages under 1F1B, the ep group each stage's cp pair, W=4, all-gather and the ring; and inside pp=2
+    stages beside tp=2, W=8; Mixtral; and attention written by hand at cp=2 × ep=2, nanoGPT with Mixtral's
+    sparse MoE blocks for MLPs, all-gather and Ulysses: ``tests/runtime/test_context_experts.py``). The ring's
+    sends and Ulysses' all-to-alls run on the cp group, the dispatch on the ep group, there the same pair (on
+    two ranks the very same process group, at dp=2 × cp=2 another one); every rank issues them in one order."""
     if mesh.cp <= 1:
         return None
     capped = next((layer.name for layer in graph or () for m in layer.moe if m.capacity_factor is not None), None)
@@ -83,10 +86,10 @@ def ulysses_refusal(graph: LayerGraph, mesh: Mesh) -> str | None:
     them (a layer tp leaves whole holds all its heads: cp alone would do, cp × tp is asked of all).
     Attention written by hand (``graph.cp_manual``, ``passes/manual_attention.py``) moves q, kᵀ, v and its
     output alike, its heads recorded at capture from q, kᵀ and v (beside tp the tp rank's heads, split
-    again over cp); it runs beside dp, tp and pp (run against one device at cp=2, also with selective
+    again over cp); it runs beside dp, tp, pp and ep (run against one device at cp=2, also with selective
     recompute over 2 microbatches, cp=4, cp=2 × dp=2 at ZeRO-3, cp=2 × tp=2 with sp off and on, cp=2 ×
-    pp=2 under 1F1B and cp=2 × pp=2 × tp=2, nanoGPT: ``tests/runtime/test_context_ulysses.py``), so it is
-    not offered beside ep.
+    pp=2 under 1F1B and cp=2 × pp=2 × tp=2, nanoGPT: ``tests/runtime/test_context_ulysses.py``; cp=2 ×
+    ep=2, nanoGPT with Mixtral's sparse MoE blocks for MLPs: ``tests/runtime/test_context_experts.py``).
     Head counts come from capture (``capturing.context``); a graph captured before they were recorded,
     or a call whose key and value are not 4-D [batch, heads, sequence, dim], gets no Ulysses. Inside
     pipeline stages it runs as the all-gather does there (each stage's attention modules hold the mode;
@@ -94,9 +97,6 @@ def ulysses_refusal(graph: LayerGraph, mesh: Mesh) -> str | None:
     ZeRO-3 with full recompute, interleaved 1F1B: ``tests/runtime/test_context_ulysses.py``)."""
     if mesh.cp <= 1:
         return "Ulysses splits attention over the cp ranks, and cp is 1"
-    if graph.cp_manual and mesh.ep > 1:
-        return (f"Ulysses on attention written by hand ({next(iter(graph.cp_manual))}) runs beside dp, tp and pp, "
-                f"not beside ep={mesh.ep} (not run against one device there yet); cp there gathers K/V")
     split, by = mesh.cp * mesh.tp, (f"cp × tp = {mesh.cp} × {mesh.tp} = {mesh.cp * mesh.tp}" if mesh.tp > 1
                                      else f"cp={mesh.cp}")
     for layer in graph:
@@ -129,15 +129,15 @@ def ring_refusal(graph: LayerGraph, mesh: Mesh) -> str | None:
     cp=2 × dp=2), beside tp (cp=2 × tp=2, the GPT's Megatron blocks and vocab-parallel embeddings, and a
     Llama's with sequence parallelism), inside pp stages (cp=2 × pp=2, the GPT under 1F1B and a Llama
     under GPipe with full recompute) and both (cp=2 × pp=2 × tp=2, the GPT), the project's GPT and a Hugging
-    Face Llama: ``tests/runtime/test_context_ring.py``; so not offered beside ep."""
+    Face Llama: ``tests/runtime/test_context_ring.py``; and beside ep (cp=2 × ep=2 on W=2, dp=2 × cp=2 × ep=2,
+    and cp=2 × ep=2 beside tp=2 or inside pp=2 stages on W=4, a Hugging Face Mixtral:
+    ``tests/runtime/test_context_experts.py``), its K/V passed round the cp group while the MoE blocks
+    dispatch over the ep group."""
     if mesh.cp <= 1:
         return "ring attention passes K/V round the cp ranks, and cp is 1"
     if graph.cp_manual:
         return (f"ring attention does not run on attention written by hand ({next(iter(graph.cp_manual))}: its "
                 "masked softmax gives no log-sum-exp to merge the ring's partial outputs by); cp there gathers K/V")
-    if mesh.ep > 1:
-        return (f"ring attention at cp={mesh.cp} runs beside dp, tp and pp, not beside ep={mesh.ep} (not run "
-                "against one device there yet)")
     for layer in graph:
         if layer.attention_calls and (not layer.kv_heads or 0 in layer.kv_heads):
             return (f"ring attention needs each attention call's query, key and value [batch, heads, sequence, dim], "

@@ -24,7 +24,11 @@ heads. Equal to one device's causal SDPA within 1e-5 in fp32, forward and gradie
 on gloo (``tests/runtime/test_context_ring.py``, the ``ring_op`` case). Beside tensor parallelism q, k and
 v reach it as the tp rank's head shards (``passes/context_parallel._tp_heads``), so each tp rank passes
 its h_kv/tp heads' K/V round its cp group; inside pipeline stages each stage's attention modules call it
-(trained against one device at cp=2 × tp=2 and cp=2 × pp=2, ``tests/runtime/test_context_ring.py``).
+(trained against one device at cp=2 × tp=2 and cp=2 × pp=2, ``tests/runtime/test_context_ring.py``). Beside
+expert parallelism the MoE blocks dispatch over the ep group, which may hold the cp group's ranks or be the cp
+group itself (cp=2 × ep=2 on two ranks: torch's world group); the ring's sends are awaited inside the call,
+before the block's dispatch, in the same order on every rank (trained against one device at cp=2 × ep=2, also
+beside dp, tp and inside pp stages, ``tests/runtime/test_context_experts.py``).
 The CUDA branch is torch's own calls of its flash kernel and is not run on this project's CPU machines.
 """
 

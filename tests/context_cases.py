@@ -43,11 +43,32 @@ def nanogpt() -> tuple[nn.Module, tuple]:
     return zoo.NanoGPT(zoo.NanoConfig()), zoo._ids()
 
 
+def nanogpt_moe() -> tuple[nn.Module, tuple]:
+    """nanoGPT as its author writes it (attention by hand), each block's MLP a Hugging Face Mixtral sparse MoE
+    block (4 experts, top-2, from a tiny config), its weights drawn as Hugging Face draws Mixtral's (normal,
+    std ``initializer_range``; built alone the block's parameters are left uninitialised)."""
+    import transformers
+    import zoo
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    config = zoo.NanoConfig()
+    cfg = transformers.MixtralConfig(hidden_size=config.n_embd, intermediate_size=64, num_local_experts=4,
+                                     num_experts_per_tok=2)
+    cfg._experts_implementation = "eager"  # HF's loop over experts, which a block built alone falls back to (warning)
+    model = zoo.NanoGPT(config)
+    for block in model.transformer.h:
+        block.mlp = MixtralSparseMoeBlock(cfg)
+        for p in block.mlp.parameters():
+            nn.init.normal_(p, std=cfg.initializer_range)
+    return model, zoo._ids()
+
+
 def _pins(cp: int, dp: int = 1, zero: int = 0, recompute: str = "none", m: int = 1, tp: int = 1) -> tuple[str, ...]:
     return ("pp=1", f"tp={tp}", f"dp={dp}", f"cp={cp}", f"zero={zero}", f"recompute={recompute}", f"microbatches={m}")
 
 
 ULYSSES = ("cp_attention=ulysses",)  # the head all-to-all instead of the K/V all-gather
+RING = ("cp_attention=ring",)  # K/V passed round the cp ring instead of all-gathered
 
 
 def hf_llama_kv4() -> tuple[nn.Module, tuple]:
@@ -199,6 +220,15 @@ SPECS |= {
     "cp2_dp2_ep2_zero1_mixtral": Spec(hf_mixtral, _pins(2, dp=2, zero=1, m=2) + EP2, 4),
     "cp2_dp2_ep4_mixtral": Spec(hf_mixtral, _pins(2, dp=2) + ("ep=4",), 4),
     "uly_cp2_dp2_ep2_qwen2_moe": Spec(hf_qwen2_moe, _pins(2, dp=2) + EP2 + ULYSSES, 4),
+    # ring attention beside ep: K/V passed round the cp pair, which (dp=1) is also the ep group; beside dp=2
+    # the ep group is each dp rank's cp pair, the experts averaged over the dp pair
+    "ring_cp2_ep2_mixtral": Spec(hf_mixtral, _pins(2) + EP2 + RING, 2),
+    "ring_cp2_dp2_ep2_mixtral": Spec(hf_mixtral, _pins(2, dp=2) + EP2 + RING, 4),
+    "ring_cp2_pp2_ep2_mixtral": Spec(hf_mixtral, PP + ("schedule=1f1b",) + EP2 + RING, 4),
+    "ring_cp2_tp2_ep2_mixtral": Spec(hf_mixtral, _pins(2, tp=2) + EP2 + RING + ("model.layers.*:tp=megatron",), 2),
+    # Ulysses on attention written by hand beside ep: nanoGPT's masked softmax, its MLPs Mixtral's MoE blocks
+    "uly_cp2_ep2_nanogpt_moe": Spec(nanogpt_moe, _pins(2) + EP2 + ULYSSES, 2),
+    "cp2_ep2_nanogpt_moe": Spec(nanogpt_moe, _pins(2) + EP2, 2),  # kᵀ and v gathered, the rank's mask rows
     # W=4 beside tp (Megatron attention, the experts whole per tp rank) and inside pipeline stages
     "cp2_tp2_ep2_mixtral": Spec(hf_mixtral, _pins(2, tp=2) + EP2 + ("model.layers.*:tp=megatron",), 2),
     "cp2_pp2_ep2_mixtral": Spec(hf_mixtral, PP + ("schedule=1f1b",) + EP2, 4),
@@ -213,7 +243,8 @@ CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for 
 
 
 def expert_groups(spec_name: str) -> Callable[[int, int], dict[str, Any]]:
-    """The global ranks of this rank's ep and edp groups, and its expert parameter bytes, as lowered."""
+    """The global ranks of this rank's ep, edp and cp groups, its expert parameter bytes, and whether its cp
+    group is its ep group itself, as lowered."""
 
     def case(rank: int, world_size: int) -> dict[str, Any]:
         plan, graph = plan_for(SPECS[spec_name], world_size)
@@ -225,8 +256,12 @@ def expert_groups(spec_name: str) -> Callable[[int, int], dict[str, Any]]:
         ranks = [dist.get_process_group_ranks(g) if g is not None else [rank]
                  for g in (experts.ep_group, experts.edp_group)]
         local = sum(p.to_local().numel() for p in experts.params)
+        context = pm.lowered.context  # the group the ring and Ulysses run on (None: kept by pipeline stages)
+        cp_group = context.group if context is not None else None
         dist.barrier()
-        return {"ep_ranks": ranks[0], "edp_ranks": ranks[1], "experts_frac": local / total, "dp": experts.dp}
+        return {"ep_ranks": ranks[0], "edp_ranks": ranks[1], "experts_frac": local / total, "dp": experts.dp,
+                "cp_ranks": dist.get_process_group_ranks(cp_group) if cp_group is not None else None,
+                "cp_is_ep": cp_group is experts.ep_group}
 
     return case
 
@@ -259,7 +294,8 @@ CASES["cp2_refuses_labels"] = cp2_refuses_labels
 def uly_cp2_runs_all_to_alls(rank: int, world_size: int, spec: str = "uly_cp2_gpt") -> dict[str, Any]:
     """The Ulysses plan lowers to the head all-to-all, not the all-gather: one training step of the GPT
     (2 blocks, one SDPA each; or nanoGPT's 2 blocks, attention by hand) calls ``all_to_all_single_autograd``
-    4 times a block in forward (q, k (kᵀ), v, the output; backward runs autograd's reverse all-to-alls) and
+    4 times a block in forward (q, k (kᵀ), v, the output; backward runs autograd's reverse all-to-alls; beside
+    ep, ep's dispatch 2 more a block: the rows out to their experts' ranks and back) and
     ``all_gather_tensor_autograd`` never."""
     import torch.distributed._functional_collectives as fc
 
@@ -290,3 +326,5 @@ def uly_cp2_runs_all_to_alls(rank: int, world_size: int, spec: str = "uly_cp2_gp
 CASES["uly_cp2_runs_all_to_alls"] = uly_cp2_runs_all_to_alls
 CASES["uly_cp2_nanogpt_runs_all_to_alls"] = lambda rank, world_size: uly_cp2_runs_all_to_alls(rank, world_size,
                                                                                              "uly_cp2_nanogpt")
+CASES["uly_cp2_ep2_nanogpt_moe_runs_all_to_alls"] = lambda rank, world_size: uly_cp2_runs_all_to_alls(
+    rank, world_size, "uly_cp2_ep2_nanogpt_moe")

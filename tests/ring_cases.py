@@ -6,7 +6,8 @@ gradients of q, k and v, fp32, with as many key/value heads as query heads and w
 (2 query heads a key/value head). The ``ring_*`` equivalence cases (:func:`equivalence_cases.equivalence`:
 3 SGD-with-momentum steps and 3 AdamW steps against one process, fp32 on gloo) train the project's GPT and
 a tiny Hugging Face Llama (grouped-query) with ``cp_attention=ring``; ``ring_cp2_runs_ring`` checks one
-training step calls torch's ring once per attention call and never gathers K/V.
+training step calls torch's ring once per attention call and never gathers K/V (also beside tp, and beside ep on
+``context_cases``' ring Mixtral, whose only autograd all-to-alls are then ep's dispatch).
 """
 
 from __future__ import annotations
@@ -14,17 +15,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import context_cases
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from context_cases import LLAMA_TP, PP, _pins, hf_llama
+from context_cases import LLAMA_TP, PP, RING, _pins, hf_llama
 from equivalence_cases import GPT_TP, Spec, equivalence, gpt_tiny, plan_for
 
 import autopar
 from autopar.passes.context_chunks import positions
 from autopar.passes.context_ring import ring_attention
-
-RING = ("cp_attention=ring",)  # K/V passed round the cp ring instead of all-gathered
 
 SPECS: dict[str, Spec] = {
     "ring_cp2_gpt": Spec(gpt_tiny, _pins(2) + RING, 2),
@@ -76,18 +76,21 @@ def ring_op(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def ring_cp2_runs_ring(rank: int, world_size: int, spec: str = "ring_cp2_gpt") -> dict[str, Any]:
-    """One training step of the GPT (2 blocks, one SDPA each) under the ring plan (``spec``: also beside tp):
-    torch's ring forward runs once per block (twice in all), its backward once per block, and K/V are never
-    all-gathered."""
+    """One training step under the ring plan ``spec`` (the GPT's, also beside tp; or a Mixtral's beside ep, from
+    ``context_cases``): torch's ring forward runs once per attention call (2 blocks, one SDPA each), its backward
+    once per call, K/V are never all-gathered, and the autograd all-to-alls are ep's dispatch alone (2 a block
+    in forward: the rows out to their experts' ranks and back; none without ep)."""
     import torch.distributed._functional_collectives as fc
     from torch.distributed.tensor.experimental._context_parallel import _attention as ring
 
-    plan, graph = plan_for(SPECS[spec], world_size)
+    specs = SPECS | context_cases.SPECS
+    plan, graph = plan_for(specs[spec], world_size)
     torch.manual_seed(0)
-    model, inputs = gpt_tiny()
+    model, inputs = specs[spec].build()
     pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=graph)
-    calls = {"ring": 0, "ring_backward": 0, "all_gather": 0}
-    real = ring._templated_ring_attention, ring._templated_ring_attention_backward, fc.all_gather_tensor_autograd
+    calls = {"ring": 0, "ring_backward": 0, "all_gather": 0, "all_to_all": 0}
+    real = (ring._templated_ring_attention, ring._templated_ring_attention_backward, fc.all_gather_tensor_autograd,
+            fc.all_to_all_single_autograd)
 
     def counted(key: str, fn: Callable) -> Callable:
         def run(*a: Any, **k: Any) -> Any:
@@ -98,14 +101,18 @@ def ring_cp2_runs_ring(rank: int, world_size: int, spec: str = "ring_cp2_gpt") -
     ring._templated_ring_attention = counted("ring", real[0])
     ring._templated_ring_attention_backward = counted("ring_backward", real[1])
     fc.all_gather_tensor_autograd = counted("all_gather", real[2])
+    fc.all_to_all_single_autograd = counted("all_to_all", real[3])
     try:
-        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
         pm.train_step(pm.local_batch(ids), pm.local_batch(ids.roll(-1, 1)))
     finally:
-        ring._templated_ring_attention, ring._templated_ring_attention_backward, fc.all_gather_tensor_autograd = real
+        (ring._templated_ring_attention, ring._templated_ring_attention_backward, fc.all_gather_tensor_autograd,
+         fc.all_to_all_single_autograd) = real
     return {"calls": calls, "method": str(plan.cp_attention), "ring": pm.lowered.context.ring}
 
 
 CASES["ring_op"] = ring_op
 CASES["ring_cp2_runs_ring"] = ring_cp2_runs_ring
 CASES["ring_cp2_tp2_runs_ring"] = lambda rank, world_size: ring_cp2_runs_ring(rank, world_size, "ring_cp2_tp2_gpt")
+CASES["ring_cp2_ep2_runs_ring"] = lambda rank, world_size: ring_cp2_runs_ring(rank, world_size,
+                                                                              "ring_cp2_ep2_mixtral")

@@ -128,7 +128,7 @@ def _cp_methods(graph: LayerGraph, mesh: Mesh, pins: Pins) -> tuple[CpAttention,
 def check_cp_attention_pin(graph: LayerGraph, pins: Pins, world_size: int) -> None:
     """A Ulysses or ring pin where no cp degree it may run at (the pinned one, else any above 1 dividing
     the world) runs it beside the pinned tp, pp and ep (Ulysses: cp × tp dividing the key/value heads;
-    ring: beside dp, tp and pp, not ep, on SDPA calls): one line naming why, before anything is priced."""
+    ring: on SDPA calls): one line naming why, before anything is priced."""
     method = pins.cp_attention
     if method is None or method is CpAttention.ALL_GATHER:
         return

@@ -130,7 +130,7 @@ def test_ring_keeps_no_gathered_kv_and_counts_its_buffers_in_flight() -> None:
         2 * local + 3 * 2 * local - 4 * context_price.kept_bytes(gather_table, layer), abs=4)
 
 
-def test_ring_is_offered_beside_dp_tp_or_pp_on_sdpa_and_refused_elsewhere_in_one_line() -> None:
+def test_ring_is_offered_beside_dp_tp_pp_or_ep_on_sdpa_and_refused_elsewhere_in_one_line() -> None:
     graph = _graph()
     assert cp_methods(graph, Mesh(cp=2)) == (ALL_GATHER, ULYSSES, RING)
     assert cp_methods(graph, Mesh(cp=2, dp=2)) == (ALL_GATHER, ULYSSES, RING)
@@ -138,9 +138,8 @@ def test_ring_is_offered_beside_dp_tp_or_pp_on_sdpa_and_refused_elsewhere_in_one
     assert cp_methods(graph, Mesh(cp=2, tp=2)) == (ALL_GATHER, RING)
     assert cp_methods(graph, Mesh(cp=2, pp=2)) == (ALL_GATHER, ULYSSES, RING)
     assert ring_refusal(graph, Mesh(pp=2, cp=2, tp=2)) is None
-    assert RING not in cp_methods(graph, Mesh(cp=2, ep=2))
-    assert ring_refusal(graph, Mesh(cp=2, ep=2)) == (
-        "ring attention at cp=2 runs beside dp, tp and pp, not beside ep=2 (not run against one device there yet)")
+    # beside ep (run against one device: tests/runtime/test_context_experts.py)
+    assert ring_refusal(graph, Mesh(cp=2, ep=2)) is None and ring_refusal(graph, Mesh(dp=2, cp=2, ep=2)) is None
     by_hand = _graph()
     by_hand.cp_manual = {"blocks.0.attn": ()}  # as capture records a nanoGPT's attention
     why = ring_refusal(by_hand, Mesh(cp=2))
@@ -208,3 +207,25 @@ def test_a_ring_pin_solves_to_a_ring_plan_that_explains_and_round_trips(tmp_path
     path.write_text(json.dumps(data))
     with pytest.raises(PlanError, match="cp_attention 'ring' splits attention over cp ranks, but the mesh has cp=1"):
         autopar.Plan.load(path)
+
+
+def test_a_tiny_mixtral_plans_the_ring_beside_ep_priced_as_any_ring() -> None:
+    """A tiny Hugging Face Mixtral (SDPA attention, 4 experts) captured and solved at cp=2 × ep=2 on two CPU
+    ranks: the free search over the pinned mesh offers the ring beside the all-gather and Ulysses, and a ring pin
+    solves to a ring plan whose cp comm is the ring's price without ep (the dispatch's all-to-alls apart, in ep
+    comm: the ring passes the rank's S/cp tokens' K/V whatever the MLP does)."""
+    from moe_cases import hf_mixtral
+
+    model, inputs = hf_mixtral()
+    graph = autopar.capture(model, inputs)
+    spec, cluster = TrainingSpec(2, dtype="fp32"), PRESETS["cpu"].for_world_size(2)
+    configs = enumerate_configs(graph, 2, cluster, spec, Pins.parse(["cp=2", "ep=2"]))
+    assert {c.cp_attention for c in configs if (c.mesh.cp, c.mesh.ep) == (2, 2)} == {ALL_GATHER, ULYSSES, RING}
+    plan = autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=2, runners_up=0,
+                         pins=["cp=2", "ep=2", "cp_attention=ring"])
+    assert (plan.mesh.cp, plan.mesh.ep, plan.cp_attention) == (2, 2, RING)
+    alone = autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=2, runners_up=0,
+                          pins=["cp=2", "ep=1", "cp_attention=ring"])
+    ring, dense = plan.predicted.breakdown, alone.predicted.breakdown
+    assert ring.cp_comm_s == pytest.approx(dense.cp_comm_s) and ring.cp_comm_s > 0  # ep leaves the ring as it is
+    assert ring.ep_comm_s > 0 and dense.ep_comm_s == 0

@@ -111,4 +111,4 @@ def test_the_ring_plan_runs_torchs_ring_not_the_kv_all_gather(world: str, case: 
                                                                 request: pytest.FixtureRequest) -> None:
     for r in every_rank(request.getfixturevalue(world)[case]):
         assert r["method"] == "ring" and r["ring"] is True
-        assert r["calls"] == {"ring": 2, "ring_backward": 2, "all_gather": 0}  # 2 blocks, one SDPA each
+        assert r["calls"] == {"ring": 2, "ring_backward": 2, "all_gather": 0, "all_to_all": 0}  # 2 blocks
