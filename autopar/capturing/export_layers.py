@@ -26,8 +26,12 @@ import torch.nn as nn
 def no_stack_traces():
     """Capture's exports without each node's Python stack trace (``torch.fx.config``): nothing in
     autopar reads ``meta["stack_trace"]``, and symbolizing one per traced op took ~5% of capturing
-    Llama 3 70B."""
-    config = fx.config
+    Llama 3 70B. A torch without the switch (2.11 has none: seen on a GPU machine's image) exports as it
+    always does."""
+    config = getattr(fx, "config", None)
+    if not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
     before = config.do_not_emit_stack_traces
     config.do_not_emit_stack_traces = True
     try:

@@ -103,3 +103,16 @@ def test_capture_exports_record_no_stack_traces_and_restore_the_setting() -> Non
         ep = torch.export.export(torch.nn.Linear(4, 4), (torch.randn(2, 4),), strict=False)
     assert torch.fx.config.do_not_emit_stack_traces == before
     assert not any(n.meta.get("stack_trace") for n in ep.graph.nodes)
+
+
+def test_capture_exports_on_a_torch_without_the_stack_trace_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11 (a GPU machine's image) has no ``fx.config.do_not_emit_stack_traces``: export as always."""
+    import types
+
+    from autopar.capturing import export_layers
+
+    monkeypatch.setattr(export_layers, "fx", types.SimpleNamespace(config=types.SimpleNamespace()))
+    before = torch.fx.config.do_not_emit_stack_traces
+    with export_layers.no_stack_traces():
+        ep = torch.export.export(torch.nn.Linear(4, 4), (torch.randn(2, 4),), strict=False)
+    assert len(list(ep.graph.nodes)) > 2 and torch.fx.config.do_not_emit_stack_traces == before
