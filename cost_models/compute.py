@@ -160,13 +160,16 @@ def gemm_time_s(m: float, n: float, k: float, batch: float, device: DeviceSpec, 
 
 
 def attention_time_s(flops: float, device: DeviceSpec, dtype: str, *, backward: bool = False,
-                     causal: bool = False) -> float:
+                     causal: bool = False, masked: bool = False) -> float:
     """Time of one fused attention kernel (forward, or its backward) doing ``flops`` of the
-    forward's counted FLOPs (the full T×T work: causal skips half, at its own rate)."""
+    forward's counted FLOPs (the full T×T work: causal skips half, at its own rate); ``masked``: a call
+    with an explicit ``attn_mask``, at the device's masked rate (on CUDA the memory-efficient kernel's)."""
     if flops <= 0:
         return 0.0
     ops = device.op_model
     relative = 1.0 if ops is None else (ops.attention_bwd if backward else ops.attention_fwd)
+    if masked and ops is not None:
+        relative *= ops.masked_attention_bwd if backward else ops.masked_attention_fwd
     work = flops * (ATTENTION_BACKWARD_FLOPS_FACTOR if backward else 1.0)
     if causal:
         work, relative = work * CAUSAL_ATTENTION_WORK, relative * CAUSAL_ATTENTION_RATE

@@ -90,6 +90,12 @@ GPU_BANDWIDTH_FRACTION = 0.75
 #   tl_doc/flash_perf.md), so 0.82 × 0.74 of the GEMM rate.
 ATTENTION_FWD_RELATIVE = 0.82
 ATTENTION_BWD_RELATIVE = 0.82 * 0.74
+# - A call with an explicit attn_mask (cp's all-gather, passes/context_parallel.py) cannot run SDPA's flash
+#   kernel on CUDA, which takes none: the memory-efficient kernel runs it. Measured on an H200 (torch 2.11,
+#   bf16, 32 heads of 128, 32,768 × 16,384 and 16,384 × 32,768 unmasked: benchmarks/gpu_attention_steps.py,
+#   2026-12-04): forward 180.5 TFLOP/s against flash's 351.6, backward 137.9 against 309.6.
+MASKED_ATTENTION_FWD = 180.5 / 351.6
+MASKED_ATTENTION_BWD = 137.9 / 309.6
 # - What every kernel adds, however small: back-to-back asynchronous launches of an empty kernel
 #   peak at about 334,000 a second (3 µs each; http://www.cs.virginia.edu/~mwb7w/cuda_support/kernel_overhead.html).
 GPU_KERNEL_OVERHEAD_S = 1 / 334_000

@@ -33,6 +33,8 @@ from autopar.cost_models.gpu_figures import (  # noqa: F401 - the figures, impor
     GEMM_TILE_N,
     GPU_BANDWIDTH_FRACTION,
     GPU_KERNEL_OVERHEAD_S,
+    MASKED_ATTENTION_BWD,
+    MASKED_ATTENTION_FWD,
     NCCL_BUFFER_BYTES,
     NCCL_CHANNELS,
     NCCL_COMMUNICATORS,
@@ -72,7 +74,9 @@ class OpModel:
     ``kernel_overhead_s``; memory-bound ops move their bytes at
     ``bandwidth_fraction`` of the device's memory bandwidth; fused attention
     runs at ``attention_fwd`` (forward) and ``attention_bwd`` (backward) of the
-    large-GEMM rate; under torch.compile memory-bound ops take
+    large-GEMM rate, a call with an explicit mask at ``masked_attention_fwd`` /
+    ``masked_attention_bwd`` of those (1 where the fused kernel takes masks, as
+    on a CPU; on CUDA the flash kernel takes none); under torch.compile memory-bound ops take
     ``compiled_memory_bound_fraction`` of their eager time (inductor fuses
     them with their neighbours). Presets cite each figure (``cost_models.compute``);
     ``autopar calibrate`` measures them on its host.
@@ -87,6 +91,8 @@ class OpModel:
     attention_fwd: float
     attention_bwd: float
     compiled_memory_bound_fraction: float = COMPILED_MEMORY_BOUND_FRACTION
+    masked_attention_fwd: float = 1.0
+    masked_attention_bwd: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -372,7 +378,7 @@ def _validate(c: ClusterSpec) -> None:
     ops = c.device.op_model
     if ops is not None:
         for name in ("tile_m", "tile_n", "bandwidth_fraction", "attention_fwd", "attention_bwd",
-                     "compiled_memory_bound_fraction"):
+                     "compiled_memory_bound_fraction", "masked_attention_fwd", "masked_attention_bwd"):
             positive[f"device.op_model.{name}"] = getattr(ops, name)
         if ops.compiled_memory_bound_fraction > 1:
             raise ClusterError(f"cluster {c.name!r}: device.op_model.compiled_memory_bound_fraction must be "
@@ -406,7 +412,8 @@ def _validate(c: ClusterSpec) -> None:
         raise ClusterError(f"cluster {c.name!r}: backend must be 'nccl' or 'gloo', got {c.backend!r}")
 
 
-_OPTIONAL_FIELDS = {"collectives", "op_model", "peak_flops_fp8", "compiled_memory_bound_fraction"}
+_OPTIONAL_FIELDS = {"collectives", "op_model", "peak_flops_fp8", "compiled_memory_bound_fraction",
+                    "masked_attention_fwd", "masked_attention_bwd"}
 
 
 def _section(data: dict[str, Any], key: str, cls: type, source: str) -> Any:
@@ -498,7 +505,8 @@ def _op_model(name: str, bf16: float, hbm: float) -> OpModel:
     return OpModel(sm_count=SM_COUNT[name.split("-")[0]], tile_m=GEMM_TILE_M, tile_n=GEMM_TILE_N,
                    gemm_k_half=gemm_k_half(bf16 * 1e12, hbm * GB), kernel_overhead_s=GPU_KERNEL_OVERHEAD_S,
                    bandwidth_fraction=GPU_BANDWIDTH_FRACTION, attention_fwd=ATTENTION_FWD_RELATIVE,
-                   attention_bwd=ATTENTION_BWD_RELATIVE)
+                   attention_bwd=ATTENTION_BWD_RELATIVE, masked_attention_fwd=MASKED_ATTENTION_FWD,
+                   masked_attention_bwd=MASKED_ATTENTION_BWD)
 
 
 def _gpu(name: str, mem_gib: float, bf16: float, fp32: float, hbm: float, eff: float) -> DeviceSpec:

@@ -23,7 +23,8 @@ Under context parallelism (cp ranks split the sequence, ``passes/context_paralle
 does 1/cp of the tokens, but attention does what the lowering runs: each rank holds two query
 chunks of L = S/(2·cp) tokens, chunk r and chunk 2·cp − 1 − r, and runs one SDPA per chunk on the
 key prefix it can see, under an explicit boolean mask (so the kernel computes the whole rectangle,
-at the non-causal rate): L × (r + 1)·L and L × (2·cp − r)·L, together L × (2·cp + 1)·L whatever r
+at the non-causal rate of a masked call: on CUDA the memory-efficient kernel's, flash taking no mask,
+``OpModel.masked_attention_fwd``): L × (r + 1)·L and L × (2·cp − r)·L, together L × (2·cp + 1)·L whatever r
 (the head-tail balance). Against the full S × S = 4·cp²·L² work each kernel's FLOPs are counted
 for, that is
 
@@ -108,8 +109,8 @@ def attention_op_time_s(op: OpRecord, microbatch: int, style: str | None, tp: in
         return (op.count * attention_time_s(work, device, dtype, causal=op.causal),
                 op.count * attention_time_s(work, device, dtype, backward=True, causal=op.causal))
     calls, each = op.count * CP_ATTENTION_CALLS, work * cp_attention_share(cp) / CP_ATTENTION_CALLS
-    return (calls * attention_time_s(each, device, dtype),
-            calls * attention_time_s(each, device, dtype, backward=True))
+    return (calls * attention_time_s(each, device, dtype, masked=True),
+            calls * attention_time_s(each, device, dtype, backward=True, masked=True))
 
 
 @dataclass(frozen=True)

@@ -105,9 +105,10 @@ def test_cp_attention_is_priced_as_the_two_prefix_products_every_rank_runs(cp: i
         last = positions(seq, cp, rank).reshape(2, chunk)[:, -1]
         works = [b * flops * chunk * (int(p) + 1) / seq**2 for p in last]
         got = layer_compute(layer, None, 1, b, device, "bf16", cp=cp)
-        assert got.fwd_s == pytest.approx(sum(attention_time_s(w, device, "bf16") for w in works), rel=1e-12)
-        assert got.bwd_s == pytest.approx(sum(attention_time_s(w, device, "bf16", backward=True) for w in works),
+        assert got.fwd_s == pytest.approx(sum(attention_time_s(w, device, "bf16", masked=True) for w in works),
                                           rel=1e-12)
+        assert got.bwd_s == pytest.approx(sum(attention_time_s(w, device, "bf16", backward=True, masked=True)
+                                              for w in works), rel=1e-12)
         assert sum(works) / old_work == pytest.approx((2 * cp + 1) / (4 * cp), rel=1e-12)
     # without an op model (FLOPs priced as a whole), the attention record's share replaces its 1/cp
     flat = replace(device, op_model=None)
@@ -326,3 +327,19 @@ def test_a_whole_kv_style_pinned_under_cp_is_refused_by_the_solver_and_by_the_cp
     cp_plan = replace(plan, mesh=plan.mesh.replace(cp=2, dp=1))  # a hand-made plan the solver would not make
     with pytest.raises(LoweringError, match=r"blocks.0, blocks.1 hold key/value projections whole on every tp rank"):
         check_context_parallel(mq, cp_plan)
+
+
+def test_a_masked_call_is_priced_at_the_memory_efficient_kernels_rate_on_a_gpu_only() -> None:
+    """cp's all-gather passes SDPA an explicit mask, which CUDA's flash kernel does not take: the
+    memory-efficient kernel runs it, measured on an H200 at 0.51 (forward) and 0.45 (backward) of
+    flash's rate (``benchmarks/gpu_attention_steps.py``). A CPU's flash kernel takes masks."""
+    from autopar.cost_models.gpu_figures import MASKED_ATTENTION_BWD, MASKED_ATTENTION_FWD
+
+    gpu, cpu, work = PRESETS["h100-80g"].device, PRESETS["cpu"].device, 1e13
+    overhead = gpu.op_model.kernel_overhead_s
+    for backward, share in ((False, MASKED_ATTENTION_FWD), (True, MASKED_ATTENTION_BWD)):
+        plain = attention_time_s(work, gpu, "bf16", backward=backward) - overhead
+        masked = attention_time_s(work, gpu, "bf16", backward=backward, masked=True) - overhead
+        assert masked * share == pytest.approx(plain, rel=1e-9) and 0.4 < share < 0.6
+        assert attention_time_s(work, cpu, "fp32", backward=backward, masked=True) == attention_time_s(
+            work, cpu, "fp32", backward=backward)

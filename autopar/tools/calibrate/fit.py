@@ -11,6 +11,7 @@ from typing import Any
 
 from autopar.cost_models.communication import Collective, bus_factor, collective_time_s, place_group, ring_steps
 from autopar.cost_models.compute import ATTENTION_BACKWARD_FLOPS_FACTOR, CAUSAL_ATTENTION_RATE, CAUSAL_ATTENTION_WORK
+from autopar.cost_models.gpu_figures import MASKED_ATTENTION_BWD, MASKED_ATTENTION_FWD
 from autopar.cost_models.hardware import (
     COMPILED_MEMORY_BOUND_FRACTION,
     GEMM_TILE_M,
@@ -160,7 +161,10 @@ def fit_op_model(m: Measurements, memory_bandwidth_bytes_s: float) -> tuple[floa
     ops = OpModel(sm_count=m.sm_count, tile_m=tile_m, tile_n=tile_n, gemm_k_half=k_half, kernel_overhead_s=overhead,
                   bandwidth_fraction=m.bandwidth["bytes"] / m.bandwidth["seconds"] / memory_bandwidth_bytes_s,
                   attention_fwd=fwd * causal, attention_bwd=bwd * causal,
-                  compiled_memory_bound_fraction=compiled_fraction(m.fused))
+                  compiled_memory_bound_fraction=compiled_fraction(m.fused),
+                  # a masked call: not probed; on a GPU the presets' measured memory-efficient kernel's share
+                  **({"masked_attention_fwd": MASKED_ATTENTION_FWD, "masked_attention_bwd": MASKED_ATTENTION_BWD}
+                     if m.sm_count > 0 else {}))
     return rate, ops
 
 
