@@ -91,7 +91,9 @@ GPU_BANDWIDTH_FRACTION = 0.75
 ATTENTION_FWD_RELATIVE = 0.82
 ATTENTION_BWD_RELATIVE = 0.82 * 0.74
 # - A call with an explicit attn_mask (cp's all-gather, passes/context_parallel.py) cannot run SDPA's flash
-#   kernel on CUDA, which takes none: the memory-efficient kernel runs it. Measured on an H200 (torch 2.11,
+#   kernel on CUDA, which takes none: next in torch's default order (flash, memory-efficient, math, cuDNN:
+#   aten/src/ATen/Context.h sdp_priority_order) the memory-efficient kernel runs it (the order read, the
+#   masked call's backend not itself observed on the device). Measured on an H200 (torch 2.11,
 #   bf16, 32 heads of 128, 32,768 × 16,384 and 16,384 × 32,768 unmasked: benchmarks/gpu_attention_steps.py,
 #   2026-12-04): forward 180.5 TFLOP/s against flash's 351.6, backward 137.9 against 309.6.
 MASKED_ATTENTION_FWD = 180.5 / 351.6
