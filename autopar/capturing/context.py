@@ -30,6 +30,23 @@ weights are on) under a ``TorchFunctionMode`` and proves what it can:
 
 Whatever fails is :attr:`ContextFacts.refusal`, one line naming the op and
 the module; the planner then refuses cp with it (``AxisLimits.context_refusal``).
+
+These checks know the sequence dimension by its size S, and S often equals
+another dimension (Llama 3 8B and Mixtral 8x7B: hidden 4096 at 4096 tokens,
+where RMSNorm's mean over the hidden dim looks like a mean over tokens). So the
+forward runs twice (shapes only, about 0.05 s for a 70B): at S, whose run gives
+the facts, and at a shorter S' (the inputs' dim 1 cut to S', which any model
+taking S tokens takes, a position cache or nanoGPT's ``block_size`` among them)
+chosen as a size no tensor of the first run has, so at S' a dimension of size S'
+is the sequence. A refusal at S stands unless S' runs the same calls in the same
+modules with no refusal and the same attention and positions: then the call
+refused at S did not touch the sequence (at S' it would have been refused too),
+and a real mixer (a mean or cumsum over tokens, a token shift) is refused at both.
+A run at S' that refuses, or finds other attention or positions, withdraws what
+S allowed (a cross-attention whose memory happens to be S long). Where S' cannot
+be chosen or its run fails, the verdict at S stands. (Following the sequence
+dimension through every op, as positions are followed, would need a rule per op
+for how dims move; two runs need none.)
 The per-layer K/V bytes of the attention calls (:attr:`ContextFacts.kv_bytes`)
 are what pricing all-gathers; their Q and output bytes and key/value head counts
 (:attr:`ContextFacts.qo_bytes`, :attr:`ContextFacts.kv_heads`) what the head
@@ -116,6 +133,8 @@ class _Probe(TorchFunctionMode):
         self.qo_bytes: dict[str, float] = {}
         self.kv_heads: dict[str, tuple[int, ...]] = {}
         self.manual = ManualChains(seq_len, batch)  # attention written by hand, followed op by op
+        self.trace: list[tuple[str, str]] = []  # (call, module) of every call: the runs at S and S' compared
+        self.sizes: set[int] = set()  # every dimension's size seen: S' is none of them
 
     def _where(self) -> str:
         return self.stack[-1] if self.stack and self.stack[-1] else "the model's forward"
@@ -129,11 +148,14 @@ class _Probe(TorchFunctionMode):
         name = getattr(func, "__name__", str(func))
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         tainted = any(id(t) in self.tainted for t in tensors)
+        self.trace.append((name, self._where()))
+        self.sizes.update(d for t in tensors for d in t.shape)
         chain = self.manual.on_chain(tensors)
         if chain is not None:  # a step of attention written by hand (its softmax is over S, rightly)
             out = func(*args, **kwargs)
             self.manual.advance(name, args, kwargs, out, chain[0], self._where())
             self._taint(tainted, out)
+            self._seen(out)
             return out
         if func is F.scaled_dot_product_attention:
             self._attention(args, kwargs, tainted)
@@ -151,7 +173,11 @@ class _Probe(TorchFunctionMode):
         if name in _PRODUCTS and self._scores(tensors, out) and not self.manual.starts(name, tensors, out,
                                                                                         self._where()):
             self._refuse(f"{name} makes an S × S score matrix (attention written by hand)")
+        self._seen(out)
         return out
+
+    def _seen(self, out: Any) -> None:
+        self.sizes.update(d for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) for d in t.shape)
 
     def _taint(self, tainted: bool, out: Any) -> None:
         if tainted:
@@ -287,13 +313,86 @@ def _copy_twins(found: dict[str, Any], twins: dict[str, str], shaped: dict[str, 
     return out
 
 
+@dataclass(frozen=True)
+class _Run:
+    """One forward of the probe: its facts (``refusal`` set where it refused, the fields filled all the same),
+    whether it ran at all, its calls in order and every dimension size it saw."""
+
+    facts: ContextFacts
+    ran: bool
+    trace: tuple[tuple[str, str], ...] = ()
+    sizes: frozenset[int] = frozenset()
+
+    def shape(self) -> tuple:
+        """What cp is built from, beside the byte counts (which scale with S): compared across lengths."""
+        f = self.facts
+        return f.positions, tuple(sorted(f.kv_bytes)), f.calls, f.kv_heads, tuple(sorted(f.manual))
+
+
 def context_facts(model: nn.Module, args: tuple, kwargs: dict, seq_len: int | None, batch: int,
                   twins: dict[str, str] | None = None) -> ContextFacts:
-    """Run ``model`` once on the example inputs and say what cp needs (see the module docstring);
-    ``twins`` (:func:`twin_paths`) run as the first of their kind did."""
+    """Run ``model`` on the example inputs, then at a second sequence length, and say what cp needs (see
+    the module docstring); ``twins`` (:func:`twin_paths`) run as the first of their kind did."""
     if not seq_len or seq_len < 2:
         return ContextFacts("the inputs have no sequence dimension")
-    twins, shaped = twins or {}, {}
+    first = _probe_once(model, args, kwargs, seq_len, batch, twins or {})
+    other = _other_length(seq_len, first.sizes) if first.ran else None
+    resized = _resized(args, kwargs, seq_len, other) if other else None
+    if resized is None:  # no second length to check at: the verdict at S stands
+        return first.facts if not first.facts.refusal else ContextFacts(first.facts.refusal)
+    second = _probe_once(model, *resized, other, batch, twins or {})
+    return _verdict(first, second, seq_len, other)
+
+
+def _verdict(first: _Run, second: _Run, seq_len: int, other: int) -> ContextFacts:
+    """The facts at S where the run at S' (whose size no other dimension has) agrees; see the module docstring."""
+    agree = second.ran and not second.facts.refusal and second.shape() == first.shape()
+    at = f" (checked again at sequence length {other}, a size no other dimension has"
+    if first.facts.refusal:  # cleared only where S' ran the very same calls, none of them refused
+        if agree and second.trace == first.trace:
+            return replace(first.facts, refusal="")
+        if second.ran and second.facts.refusal and second.facts.refusal != first.facts.refusal:
+            return ContextFacts(f"{second.facts.refusal}{at})")  # the op that is no size coincidence
+        return ContextFacts(first.facts.refusal)
+    if not second.ran or agree:
+        return first.facts
+    if second.facts.refusal:
+        return ContextFacts(f"{second.facts.refusal}{at}; at {seq_len} a dimension of that size passed for the "
+                            "sequence)")
+    return ContextFacts(f"its attention modules, heads or positions differ between sequence lengths {seq_len} and "
+                        f"{other} (a dimension of size {seq_len} passed for the sequence)")
+
+
+def _other_length(seq_len: int, seen: frozenset[int]) -> int | None:
+    """A length below S (so that position caches and limits such as nanoGPT's ``block_size`` hold) that no
+    dimension of the run at S has, divisible by as large a power of two as S allows (as models may need)."""
+    step = seq_len & -seq_len
+    while step >= 1:
+        for length in range(seq_len - step, 1, -step):
+            if length not in seen:
+                return length
+        step //= 2
+    return None
+
+
+def _resized(args: tuple, kwargs: dict, seq_len: int, other: int) -> tuple[tuple, dict] | None:
+    """The inputs with their sequence dimension (dim 1 where it is S long, as capture found S) cut to
+    ``other``; None where no input has one."""
+    cut = []
+
+    def one(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[1] == seq_len:
+            cut.append(t)
+            return t.narrow(1, 0, other)
+        return t
+    out = pytree.tree_map(one, (args, kwargs))
+    return (tuple(out[0]), dict(out[1])) if cut else None
+
+
+def _probe_once(model: nn.Module, args: tuple, kwargs: dict, seq_len: int, batch: int,
+                twins: dict[str, str]) -> _Run:
+    """One forward under the probe at ``seq_len``."""
+    shaped: dict[str, bool] = {}
     stack: list[str] = []
     names = {id(m): n for n, m in model.named_modules()}
     probe = _Probe(seq_len, batch, stack)
@@ -326,28 +425,29 @@ def context_facts(model: nn.Module, args: tuple, kwargs: dict, seq_len: int | No
         with torch.no_grad(), fake, probe:
             model(*args, **kwargs)
     except Exception as exc:  # noqa: BLE001 — a model the probe cannot run gets no cp, with the reason
-        return ContextFacts(f"its forward could not be run to check it ({type(exc).__name__}: {str(exc)[:120]})")
+        return _Run(ContextFacts(f"its forward could not be run to check it ({type(exc).__name__}: "
+                                 f"{str(exc)[:120]})"), False)
     finally:
         for h in handles:
             h.remove()
         _restore(model, before)
-    if probe.problems or probe.manual.unfinished():
-        return ContextFacts(probe.problems[0] if probe.problems else probe.manual.unfinished())
     for where, nbytes in probe.manual.kv_bytes.items():  # hand-written attention's kᵀ and v: gathered alike
         probe.kv_bytes[where] = probe.kv_bytes.get(where, 0.0) + nbytes
     for where, nbytes in probe.manual.qo_bytes.items():  # and its q and output, heads: what Ulysses moves
         probe.qo_bytes[where] = probe.qo_bytes.get(where, 0.0) + nbytes
     for where, heads in probe.manual.heads.items():
         probe.kv_heads[where] = tuple(sorted({*probe.kv_heads.get(where, ()), *heads}))
-    if not probe.kv_bytes:
-        return ContextFacts("it calls no scaled_dot_product_attention (nothing to split attention across)")
-    if "" in probe.kv_bytes:
-        return ContextFacts("scaled_dot_product_attention is called outside any submodule (the runtime wraps "
-                            "the modules that call it)")
+    refusal = probe.problems[0] if probe.problems else probe.manual.unfinished()
+    if not refusal and not probe.kv_bytes:
+        refusal = "it calls no scaled_dot_product_attention (nothing to split attention across)"
+    elif not refusal and "" in probe.kv_bytes:
+        refusal = ("scaled_dot_product_attention is called outside any submodule (the runtime wraps the modules "
+                   "that call it)")
     manual = {where: inputs.get(where, (None,)) for where in probe.manual.calls}
-    return ContextFacts("", tuple(positions), _copy_twins(probe.kv_bytes, twins, shaped),
-                        _copy_twins(probe.calls, twins, shaped), _copy_twins(probe.qo_bytes, twins, shaped),
-                        _copy_twins(probe.kv_heads, twins, shaped), _copy_twins(manual, twins, shaped))
+    facts = ContextFacts(refusal, tuple(positions), _copy_twins(probe.kv_bytes, twins, shaped),
+                         _copy_twins(probe.calls, twins, shaped), _copy_twins(probe.qo_bytes, twins, shaped),
+                         _copy_twins(probe.kv_heads, twins, shaped), _copy_twins(manual, twins, shaped))
+    return _Run(facts, True, tuple(probe.trace), frozenset(probe.sizes))
 
 
 __all__ = ["SEQUENCE_MIXING", "ContextFacts", "context_facts", "probe_layers", "twin_paths", "with_attention"]
