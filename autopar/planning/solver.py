@@ -249,7 +249,8 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
                 rest = index
                 break
             remaining = options.time_limit_s - (time.perf_counter() - start)
-            if remaining <= 0 and (priced or search.best is not None):  # else: price one, never blame the pins
+            # else: price one, never blame the pins (a configuration the screen dropped was examined: it cannot fit)
+            if remaining <= 0 and (priced or screened or search.best is not None):
                 search.open_bounds += [b for b, *_ in candidates[index:]]
                 unexamined = len(candidates) - index
                 rest = len(candidates)
