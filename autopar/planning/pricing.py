@@ -46,6 +46,7 @@ Expert parallelism (``ep``) is priced in :mod:`.expert_price`.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from functools import cached_property
@@ -55,13 +56,14 @@ from autopar.choice import LayerChoice, Recompute
 from autopar.contract import Buffers, Engine
 from autopar.cost_models.communication import Collective, collective_time_s, p2p_time_s, place_group
 from autopar.cost_models.hardware import ClusterSpec, idle_core_speedup
-from autopar.cost_models.memory import model_state_bytes, optimizer_shard_params
+from autopar.cost_models.memory import optimizer_shard_params
 from autopar.cost_models.pipeline import ScheduleKind, in_flight
 from autopar.graph import Layer, LayerGraph
 from autopar.planning import context_price, edges, expert_price
 from autopar.planning.configuration import Configuration, TrainingSpec
 from autopar.planning.layer_compute import layer_compute
-from autopar.planning.recompute_price import compiled_ops, recompute_part
+from autopar.planning.memory_floor import held_bytes, kept_mb_bytes
+from autopar.planning.recompute_price import compiled_ops
 from autopar.planning.sequence import region_s, sequence_activation_bytes, sequence_comm_s
 from autopar.planning.shared_prices import SharedPrices
 
@@ -153,16 +155,24 @@ class PriceTable:
             return self._shared.rows[alike][1]
         rows: dict[tuple, tuple[list[LayerChoice], list[LayerPrice]]] = {}
         keys = []
-        for layer in self.graph:
-            zeros = contract.offered_zeros(self.graph, layer.index, self.config.data_parallel, self.config.mesh.pp)
-            key = (self.graph.cost_classes[layer.index], zeros, self._recompute_options(layer))
+        for layer, key, zeros in self.row_keys():
             if key not in rows:
-                choices = self._choices(layer, zeros)
+                choices = self.offered_choices(layer, zeros)
                 rows[key] = (choices, [self._price(layer, s) for s in choices])
             keys.append(key)
         out = [rows[k][0] for k in keys], [rows[k][1] for k in keys]
         self._shared.rows[alike] = (self.graph, out)  # the graph is kept, so its id is not reused
         return out
+
+    def row_keys(self) -> Iterator[tuple[Layer, tuple, tuple[int, ...]]]:
+        """Each layer, what its row depends on (layers equal in it share one), and its ZeRO stages offered."""
+        for layer in self.graph:
+            zeros = contract.offered_zeros(self.graph, layer.index, self.config.data_parallel, self.config.mesh.pp)
+            yield layer, (self.graph.cost_classes[layer.index], zeros, self._recompute_options(layer)), zeros
+
+    def style_activation_bytes(self, layer: Layer, style_name: str | None, sp: bool = False) -> float:
+        """Activation bytes per sample ``layer`` saves under a style (:meth:`_style_part`'s)."""
+        return self._style_part(layer, style_name, sp)[4]
 
     @cached_property
     def alike(self) -> tuple:
@@ -193,7 +203,7 @@ class PriceTable:
         out = []
         for layer, cls in zip(self.graph, self.graph.cost_classes):
             if cls not in memo:
-                styles = {(s.tp, s.sp) for s in self._choices(layer, (0,))}
+                styles = {(s.tp, s.sp) for s in self.offered_choices(layer, (0,))}
                 every = sum(expert_price.dispatch_s(self, layer)) + 2 * self._norm_sync_s(layer)
                 memo[cls] = every + min(sum(self._style_part(layer, t, sp)[:4]) for t, sp in styles)
             out.append(memo[cls])
@@ -206,7 +216,7 @@ class PriceTable:
             memo[key] = contract.offered_recomputes(self.graph, layer.index, self.config.mesh.pp)
         return memo[key]
 
-    def _choices(self, layer: Layer, zeros: tuple[int, ...]) -> list[LayerChoice]:
+    def offered_choices(self, layer: Layer, zeros: tuple[int, ...]) -> list[LayerChoice]:
         """What the contract lets this layer run as (styles, ZeRO stages, recompute); tables of one mesh share it."""
         key = (id(layer), zeros, self.config.mesh)
         if key not in self._shared.choices:  # the layer is kept, so its id is not reused
@@ -417,14 +427,13 @@ class PriceTable:
     def _price(self, layer: Layer, choice: LayerChoice) -> LayerPrice:
         """The layer priced as it runs (:meth:`runs_as`)."""
         runs = self.runs_as(layer.index, choice)
-        c, b, prec, device = self.config, self.microbatch_size, self.prec, self.cluster.device
+        c, prec, device = self.config, self.prec, self.cluster.device
         fwd, bwd, tp_comm_fwd, tp_comm_bwd, acts, kv_fwd, kv_bwd = self._style_part(layer, runs.tp, runs.sp)
         a2a_fwd, a2a_bwd = expert_price.dispatch_s(self, layer)
         tp_comm_fwd, tp_comm_bwd = tp_comm_fwd + a2a_fwd, tp_comm_bwd + a2a_bwd
-        acts += expert_price.imbalance_bytes(self, layer)
         norm_sync = self._norm_sync_s(layer)
         fwd, bwd = fwd + norm_sync, bwd + norm_sync
-        refwd, kept = recompute_part(self, layer, runs, fwd, acts)
+        refwd, activation_mb = kept_mb_bytes(self, layer, runs, fwd, acts)
         compute = fwd + bwd + refwd
         # a recomputed forward issues its collectives again (selective keeps only matmul-class outputs)
         tp_comm = tp_comm_fwd + tp_comm_bwd + (tp_comm_fwd if runs.recompute else 0.0)
@@ -443,16 +452,7 @@ class PriceTable:
         fsdp_work += self._tied_sum_s(layer, runs.zero) + (expert_price.sync_s(self, layer) if ez == 0 else 0.0)
         if ez:  # FSDP2's own work around each of the experts unit's collectives
             fsdp_work += self.cluster.zero_overhead_s * sum(contract.dp_collectives(ez, c.microbatches))
-        weights = (prec.param_bytes * (dense if runs.zero < 3 else dense // self.data_ranks)
-                   + prec.param_bytes * (experts if ez < 3 else experts // edp))
-        grads = (prec.grad_bytes * (dense if runs.zero < 2 else dense // self.data_ranks)
-                 + prec.grad_bytes * (experts if ez < 2 else experts // edp))
-        # outside FSDP2 the experts' gradients are fp32 whatever the plan's dtype (fp32 weights on bf16 copies)
-        expert_grads = max(FP32_BYTES - prec.grad_bytes, 0) * experts if ez == 0 else 0
-        grads += expert_grads
-        buckets = prec.grad_bytes * dense if self.engine is Engine.DDP else 0  # ep's experts: outside DDP
-        state = (model_state_bytes(dense, runs.zero, self.data_ranks, prec) + model_state_bytes(experts, ez, edp, prec)
-                 + expert_grads + buckets + self._master_grad_bytes(dense))
+        weights, grads, optimizer, buckets = held_bytes(self, layer, runs)
         return LayerPrice(
             forward_mb_s=fwd,
             compute_mb_s=compute,
@@ -468,9 +468,9 @@ class PriceTable:
             * self.cluster.optimizer_dtensor_s,
             params_bytes=weights,
             grads_bytes=grads,
-            optimizer_bytes=state - weights - grads - buckets,  # what the ZeRO formula leaves, rounding included
+            optimizer_bytes=optimizer,  # what the ZeRO formula leaves, rounding included
             buckets_bytes=buckets,
-            activation_mb_bytes=math.ceil(b * max(kept, 0.0) * self.act_scale),
+            activation_mb_bytes=activation_mb,
             ep_comm_mb_s=ep_comm,
             cp_comm_mb_s=cp_comm,
         )
@@ -483,14 +483,6 @@ class PriceTable:
             return 0.0
         return sum(2 * collective_time_s(Collective.ALL_REDUCE, FP32_BYTES * c, self.dp_group, self.cluster)
                    for c in layer.sync_norm_channels)
-
-    def _master_grad_bytes(self, params: int) -> int:
-        """Where no FSDP2 unit holds a bf16 plan's weights (dp = 1, or DDP), the runtime keeps fp32
-        masters whose gradients are fp32 (runtime/precision.py): 2 bytes a parameter more than
-        the bf16 gradients the ZeRO formula counts."""
-        if self.prec.grad_bytes >= FP32_BYTES or self.engine not in (Engine.NONE, Engine.DDP):
-            return 0
-        return (FP32_BYTES - self.prec.grad_bytes) * params
 
     def _dtensor(self, runs: LayerChoice) -> bool:
         """Whether the layer's parameters are DTensors once lowered (passes/zero.py,

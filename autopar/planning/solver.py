@@ -17,7 +17,10 @@ Search, in two levels:
    bound), so the answer is optimal over the whole space when every inner
    solve is. Before a configuration is solved, a bound with its memory terms
    (:func:`.bounds.lower_bound_s`: a knapsack over all ranks' memory, and rank
-   by rank with in-flight activations and FSDP2's buffers) may skip it. A
+   by rank with in-flight activations and FSDP2's buffers) may skip it; one whose
+   least memory over every choice its rows offer exceeds the ranks' budgets
+   (:func:`.memory_floor.memory_floor_bytes`, the knapsack's own test) is dropped
+   before its rows are priced (most of a long-sequence search cannot fit). A
    configuration's first solve is short (``SolverOptions.first_solve_s``); one
    that runs out is solved again, held to the better plans found since, after
    the others (:func:`_solve_deferred`). When
@@ -100,6 +103,7 @@ from autopar.planning.configuration import Configuration, TrainingSpec
 from autopar.planning.cut_checks import check_stage_pins
 from autopar.planning.evaluate import Evaluation, evaluate
 from autopar.planning.infeasible import raise_infeasible
+from autopar.planning.memory_floor import memory_floor_bytes
 from autopar.planning.model import BuiltModel, SolverOptions, Units, build_model, cp_solver, extract
 from autopar.planning.pricing import PriceTable
 from autopar.planning.shared_prices import SharedPrices
@@ -224,6 +228,10 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
         candidates.append((cheap, config, table))
     candidates.sort(key=lambda x: (x[0], x[1]))
     search, priced = _Search(keep=1 + max(0, runners_up)), []
+    # configurations no plan of which fits (memory_floor: what the bound would find), dropped before pricing;
+    # a pin outside the search space may extend a row with a choice holding less: no screen then
+    screened: list[tuple[float, Configuration, PriceTable]] = []
+    fits = _Screen(budget if not any(layer_pins) else None, screened)
     # 1. the chosen plan: every configuration that could beat the best so far, solved in full; those
     #    that cannot (a runner-up at most) wait, so runners-up never take the time the optimum needs
     later: list[tuple[float, Configuration, PriceTable, list[list[int]] | None, float]] = []
@@ -234,18 +242,21 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
         for index, (cheap, config, table) in enumerate(candidates):
             # what this configuration needs is prepared while the previous one's CP-SAT solve runs;
             # every decision below is taken after that solve has landed, as the sequential search takes it
-            ahead = _look_ahead(search, cheap, table, layer_pins, budget, cuts_ok) if flight.job else None
+            ahead = _look_ahead(search, cheap, table, layer_pins, budget, cuts_ok, fits) if flight.job else None
             flight.land(search, later)
             best = search.best
             if _stops(search, cheap):
                 rest = index
                 break
             remaining = options.time_limit_s - (time.perf_counter() - start)
-            if remaining <= 0 and (priced or search.best is not None):  # else: price one, never blame the pins
+            # else: price one, never blame the pins (a configuration the screen dropped was examined: it cannot fit)
+            if remaining <= 0 and (priced or screened or search.best is not None):
                 search.open_bounds += [b for b, *_ in candidates[index:]]
                 unexamined = len(candidates) - index
                 rest = len(candidates)
                 break
+            if not (ahead or fits(cheap, table)):
+                continue
             allowed = ahead.allowed if ahead else allowed_choices(table, layer_pins)
             if any(not ks for ks in allowed):
                 continue
@@ -273,6 +284,8 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
             if remaining <= 0 or cheap >= search.cutoff:
                 break
             if allowed is None:
+                if not fits(cheap, table):
+                    continue
                 allowed = allowed_choices(table, layer_pins)
                 if any(not ks for ks in allowed):
                     continue
@@ -283,6 +296,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
                           min(remaining, RUNNER_UP_SOLVE_S), options, runner_up=True)
     wall = time.perf_counter() - start
     if search.best is None:
+        priced = _with_screened(priced, screened, layer_pins)
         if not priced:
             degrees = ", ".join(f"tp={t}" for t in sorted({config.mesh.tp for _, config, _ in candidates}))
             raise PinError(f"no configuration the pins allow can run every layer: the pinned tensor-parallel "
@@ -302,6 +316,35 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     return Solution(best.config, best.stages, best.choices, best.prediction, best.table,
                     "OPTIMAL" if gap <= 1e-9 else "FEASIBLE", gap, wall,
                     len(candidates), search.solved, budget, tuple(runners_up))
+
+
+@dataclass
+class _Screen:
+    """Whether a configuration may fit in ``budget`` (None: every one may), by the least memory its pipeline
+    ranks hold together (:func:`memory_floor_bytes`); one that cannot is kept in ``screened``, once."""
+
+    budget: int | None
+    screened: list[tuple[float, Configuration, PriceTable]]
+    seen: set[int] = field(default_factory=set)
+
+    def __call__(self, cheap: float, table: PriceTable) -> bool:
+        if self.budget is None or memory_floor_bytes(table) <= table.config.mesh.pp * self.budget:
+            return True
+        if id(table) not in self.seen:
+            self.seen.add(id(table))
+            self.screened.append((cheap, table.config, table))
+        return False
+
+
+def _with_screened(priced: list, screened: list[tuple[float, Configuration, PriceTable]], layer_pins) -> list:
+    """What the search priced and the configurations the memory screen dropped, priced now, in the search's
+    order (its cheap bound): what the search for the least memory a plan needs is given, as before the screen."""
+    out = list(priced)
+    for cheap, config, table in screened:
+        allowed = allowed_choices(table, layer_pins)
+        if not any(not ks for ks in allowed):
+            out.append((cheap, config, table, allowed))
+    return sorted(out, key=lambda item: (item[0], item[1]))
 
 
 def _solve_config(search: _Search, table: PriceTable, allowed, layer_pins, cuts_ok, budget,
@@ -449,11 +492,12 @@ class _Ahead:
     prepared: _Prepared | None = None
 
 
-def _look_ahead(search: _Search, cheap: float, table: PriceTable, layer_pins, budget, cuts_ok) -> _Ahead | None:
+def _look_ahead(search: _Search, cheap: float, table: PriceTable, layer_pins, budget, cuts_ok,
+                fits: _Screen) -> _Ahead | None:
     """Prepare what the search will most likely need of this configuration, judged on the search as it is
     before the solve in flight lands. That search is never ahead of the landed one (its best and thresholds
     only fall), so what it rules out stays ruled out; what it lets through is checked again after landing."""
-    if _stops(search, cheap):
+    if _stops(search, cheap) or not fits(cheap, table):
         return None
     ahead = _Ahead(allowed_choices(table, layer_pins))
     if any(not ks for ks in ahead.allowed):
