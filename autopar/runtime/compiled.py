@@ -161,8 +161,10 @@ def block_paths(graph: LayerGraph, plan: Plan) -> list[str]:
 
 
 class CompiledBlock:
-    """A block's ``forward`` under ``torch.compile(fullgraph=True)``, or its eager ``forward`` from the
-    first graph break on (module docstring). ``broken`` is the break's first line (None while compiled);
+    """A block's ``forward`` under ``torch.compile(fullgraph=fullgraph)``, or its eager ``forward`` from the
+    first graph break on (module docstring; ``fullgraph`` False only where the plan breaks blocks at an
+    exchange kept eager, :func:`breaks_at_exchanges`: there a break elsewhere in the user's code runs
+    that part eagerly, and no note says so). ``broken`` is the break's first line (None while compiled);
     ``on_break(path, reason)`` is told once."""
 
     def __init__(self, path: str, eager: Callable[..., Any], on_break: Callable[[str, str], None] | None = None,
