@@ -191,18 +191,13 @@ def float8_refusal(device: Any) -> str | None:
     return None
 
 
-def run_plan(model: Model, name: str, pins: tuple[str, ...], cluster: Any, device: Any, steps: int,
-             batch: int, compiled: bool = False, float8: str | None = None) -> dict[str, Any]:
-    """Compile one bf16 plan of ``model`` (its blocks under torch.compile if ``compiled``, its blocks'
-    linears in float8 if ``float8``), train, and set measured against predicted."""
+def train_and_time(net: Any, inputs: tuple, graph: Any, plan: Any, batch: tuple, device: Any,
+                   steps: int) -> tuple[Any, int, float]:
+    """Compile ``plan`` (AdamW at lr 1e-4, gradients clipped at norm 1), train two steps measuring the peak
+    (:func:`measure_peak`), then ``steps`` more: (the parallel model, peak bytes, median step seconds)."""
     import torch
 
     import autopar
-
-    net, inputs, graph, plan = solve_plan(model, pins, cluster, batch, compiled, float8)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, model.vocab, (batch, model.seq), generator=g)
-    y = torch.randint(0, model.vocab, (batch, model.seq), generator=g)
 
     def compile_and_train() -> Any:
         from fidelity import _TRAINING
@@ -211,7 +206,7 @@ def run_plan(model: Model, name: str, pins: tuple[str, ...], cluster: Any, devic
                              optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
         with torch.profiler.record_function(_TRAINING):
             for _ in range(2):
-                pm.train_step(x, y)
+                pm.train_step(*batch)
         return pm
 
     pm, peak = measure_peak(compile_and_train, device)
@@ -220,9 +215,27 @@ def run_plan(model: Model, name: str, pins: tuple[str, ...], cluster: Any, devic
         if device.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        pm.train_step(x, y)
+        pm.train_step(*batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-    measured_s, predicted_s = statistics.median(times), plan.predicted.step_time_s
+    return pm, peak, statistics.median(times)
+
+
+def run_plan(model: Model, name: str, pins: tuple[str, ...], cluster: Any, device: Any, steps: int,
+             batch: int, compiled: bool = False, float8: str | None = None) -> dict[str, Any]:
+    """Compile one bf16 plan of ``model`` (its blocks under torch.compile if ``compiled``, its blocks'
+    linears in float8 if ``float8``), train, and set measured against predicted."""
+    import torch
+
+
+    net, inputs, graph, plan = solve_plan(model, pins, cluster, batch, compiled, float8)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, model.vocab, (batch, model.seq), generator=g)
+    y = torch.randint(0, model.vocab, (batch, model.seq), generator=g)
+
+    pm, peak, measured_s = train_and_time(net, inputs, graph, plan, (x, y), device, steps)
+    predicted_s = plan.predicted.step_time_s
     predicted_bytes = plan.predicted.memory_per_rank_bytes[0]
     return {"model": model.name, "plan": name, "pins": list(pins), "microbatches": plan.microbatches,
             "compiled": list(pm.compiled), "float8": float8,

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +46,7 @@ def build(config: dict[str, Any], seq: int) -> tuple[Any, tuple]:
 def run(config: dict[str, Any], seq: int, pins: tuple[str, ...], device: Any, cluster: Any,
         steps: int) -> dict[str, Any]:
     import torch
-    from gpu_check import measure_peak
+    from gpu_check import train_and_time
 
     import autopar
 
@@ -58,28 +56,8 @@ def run(config: dict[str, Any], seq: int, pins: tuple[str, ...], device: Any, cl
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, config["vocab_size"], (1, seq), generator=g) for _ in range(2))
 
-    def compile_and_train() -> Any:
-        from fidelity import _TRAINING
-
-        pm = autopar.compile(net, example_inputs=inputs, plan=plan, graph=graph, max_grad_norm=1.0,
-                             optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
-        with torch.profiler.record_function(_TRAINING):
-            for _ in range(2):
-                pm.train_step(x, y)
-        return pm
-
-    pm, peak = measure_peak(compile_and_train, device)
-    times = []
-    for _ in range(steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        pm.train_step(x, y)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+    pm, peak, measured = train_and_time(net, inputs, graph, plan, (x, y), device, steps)
     predicted = plan.predicted.memory_per_rank_bytes[0]
-    measured = statistics.median(times)
     del pm
     if device.type == "cuda":
         torch.cuda.empty_cache()

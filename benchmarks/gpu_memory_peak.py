@@ -4,7 +4,7 @@
 
 The GPU check (``gpu_check.py``) sets each plan's measured peak beside the priced one; where they differ,
 this says by what. One bf16 single-device plan per (model, pins) of the check's GPT sizes is compiled and
-warmed up one step; the next step runs under the CUDA caching allocator's history
+warmed up two steps; the next step runs under the CUDA caching allocator's history
 (``torch.cuda.memory._record_memory_history``), whose trace is replayed to the moment most bytes were
 live. Those blocks are grouped by the innermost Python frame in the project's, the model's or torch's
 module code that allocated them; the bytes already live when recording began (weights, masters, AdamW
@@ -64,9 +64,8 @@ def peak_live(trace: list[dict[str, Any]]) -> tuple[int, dict[int, dict[str, Any
 
 def run(model_name: str, pins: tuple[str, ...], device: Any) -> dict[str, Any]:
     import torch
-    from gpu_check import GPU_MODELS, solve_plan
+    from gpu_check import GPU_MODELS, solve_plan, train_and_time
 
-    import autopar
     from autopar.cost_models.hardware import load_cluster
     from autopar.runtime.launch import local_cluster
 
@@ -75,10 +74,7 @@ def run(model_name: str, pins: tuple[str, ...], device: Any) -> dict[str, Any]:
     net, inputs, graph, plan = solve_plan(model, pins, cluster, batch=8)
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, model.vocab, (8, model.seq), generator=g) for _ in range(2))
-    pm = autopar.compile(net, example_inputs=inputs, plan=plan, graph=graph, max_grad_norm=1.0,
-                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
-    pm.train_step(x, y)
-    torch.cuda.synchronize()
+    pm = train_and_time(net, inputs, graph, plan, (x, y), device, steps=0)[0]  # compiled, two steps warm
     start = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
