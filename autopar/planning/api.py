@@ -175,7 +175,7 @@ def build_plan(graph: LayerGraph, solution: Solution, cluster: ClusterSpec,
                                   float8=training.float8),
         pins=tuple(pins.to_strings()),
         notes=(contract_notes(graph, solution) + choice_notes(graph, solution)
-               + search_notes(graph, pins, c.world_size) + float8_notes(cluster, training, solution)),
+               + search_notes(solution) + float8_notes(cluster, training, solution)),
         runners_up=tuple(runner_up(graph, r) for r in solution.runners_up),
         cp_attention=c.cp_attention,
     )

@@ -58,6 +58,13 @@ def lower_bound_s(table: PriceTable, allowed: list[list[int]], budget: int | Non
     return balanced_step_s(table, total + sends, slowest)
 
 
+def pooled_bound_s(table: PriceTable, allowed: list[list[int]], budget: int | None = None,
+                   cuts_ok: list[int] | None = None) -> float:
+    """:func:`lower_bound_s` without its rank by rank part, which costs most of it: what the search keys a
+    configuration by until it comes next (the full bound is computed only for those that do)."""
+    return lower_bound_s(table, allowed, budget, cuts_ok, enough=-math.inf)
+
+
 def balanced_step_s(table: PriceTable, total: float, slowest_layer: float) -> float:
     """The least step (:meth:`PriceTable.pipeline_s`) when S ≥ ``total`` and T ≥ S/pp, T ≥ any one
     layer (``slowest_layer`` may be any lower bound on T): a node's k ranks hold at least k/pp

@@ -30,24 +30,15 @@ from autopar.pins import Pins
 from autopar.planning.configuration import Configuration, TrainingSpec
 
 INTERLEAVED_CHUNKS = (2, 4)
-# Why the free search leaves cp out of pipeline stages (a pin on cp or pp brings it in): Llama 3 70B at
-# 131,072 tokens on 512 H100s has 4,250 configurations with both instead of 878, and CP-SAT ran out the
-# 30 s limit with the plan 3.4% from its bound (FEASIBLE, 66 s whole process on a loaded machine, where
-# the search without them is OPTIMAL in about 4 s). With the deferred solves that made ep × pp
-# searchable (solver._solve_deferred) it is OPTIMAL, pp=2 × dp=4 × cp=64 1.6% faster, but at 17 s of
-# CPU for the whole process where the search without them takes 9 s: past long_sequence.py's 10 s goal.
-# Tables alike but for the schedule share their rows (SharedPrices) since: that solve took 7.6 s of CPU
-# instead of 9.9 (1.7 without cp × pp; loaded machine), most of it pricing 1,058 configurations of which
-# the memory bound then finds 707 cannot fit at all. With the knapsack dual solved exactly
-# (bounds.knapsack_dual_bound): 16.4 s of CPU for the whole process against 10.5 without cp × pp (loaded
-# machine; imports and capture ~8 s of either); of the solve's ~9.5 s (cProfile), pricing the rows of 956
-# tables alike ~35%, the bounds ~20%, the cheap bound's fastest times ~9%, CP-SAT ~15%. With the memory screen
-# (memory_floor: of the 1,626 configurations the search reaches, 1,060 are dropped before pricing as no plan of
-# them fits, and 275 row sets are priced): 12.0-12.9 s of CPU for the whole process against 6.2-6.4 without cp × pp
-# (7.0-7.1 before the screen; loaded machine); of the solve's 6.9 s of CPU, 34 CP-SAT solves take 3.3 s (pp = 2
-# models proving no plan beats the best), which no screen shortens. Llama 3 8B × 64: 6.6 s against 5.1-5.4.
-# Pinned, cp with pp is planned and lowered like any mesh.
-CP_UNSEARCHED = "cp inside pipeline stages is planned where cp or pp is pinned, not searched"
+# cp inside pipeline stages (a mesh with both above 1, neither pinned) multiplies the configurations: Llama 3
+# 70B at 131,072 tokens on 512 H100s has 8,914 with them against 1,318 without, DeepSeek-V3 on 1,024 100,954
+# against 13,552. The free search takes them where the whole count stays within CP_PP_SEARCHED_UP_TO: the 70B
+# then plans pp=2 × dp=8 × cp=32, 5.6% faster than the best plan without (OPTIMAL, 3.9 s of solve, 9.2-9.3 s
+# whole process on an idle machine, best-first search: solver.solve), where DeepSeek-V3's 100,954 took 11.5 s
+# to key by their cheap bounds alone and its search ran out the 30 s limit FEASIBLE. Past it they are left
+# out and the plan says so (notes.search_notes); pinned, cp with pp is planned and lowered like any mesh.
+CP_PP_SEARCHED_UP_TO = 16_384
+CP_UNSEARCHED = "cp inside pipeline stages was not searched"
 
 
 def _divisors(n: int) -> list[int]:
@@ -70,7 +61,15 @@ def axis_limits(graph: LayerGraph, world_size: int, cluster: ClusterSpec, traini
 
 def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
                       training: TrainingSpec, pins: Pins) -> list[Configuration]:
-    """Every configuration the pins allow; raises PinError naming why none remain."""
+    """Every configuration the search takes (:func:`searched_configs`)."""
+    return searched_configs(graph, world_size, cluster, training, pins)[0]
+
+
+def searched_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
+                     training: TrainingSpec, pins: Pins) -> tuple[list[Configuration], int]:
+    """Every configuration the pins allow, less those with cp inside pipeline stages where neither is pinned
+    and the whole count would pass :data:`CP_PP_SEARCHED_UP_TO`, and how many those are (0: none left out);
+    raises PinError naming why none remain."""
     pins.check_form()
     limits = axis_limits(graph, world_size, cluster, training)
     pinned = pins.mesh_degrees()
@@ -84,11 +83,10 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
     unmet = ""  # why a mesh was left out only because the pinned method cannot run on it
     compile_refused: list[str] = []
     split_refused = ""  # why a configuration was left out only because it splits a capacity block's tokens
+    staged: list[Configuration] = []  # cp inside pipeline stages, neither pinned: searched up to a count
     for mesh in meshes(limits, pinned):
-        if contract.ep_refusal(mesh, graph):
+        if contract.ep_refusal(mesh, graph) or contract.cp_refusal(mesh, graph):
             continue
-        if contract.cp_refusal(mesh, graph) or (mesh.cp > 1 and mesh.pp > 1 and not {"cp", "pp"} & set(pinned)):
-            continue  # cp inside pipeline stages runs, but is searched only where cp or pp is pinned: CP_UNSEARCHED
         methods = tuple(m for m in _cp_methods(graph, mesh, pins) if not (ring_device and m is CpAttention.RING))
         if not methods:
             unmet = unmet or contract.method_refusal(pins.cp_attention, graph, mesh) or ""
@@ -104,10 +102,13 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
             if why := split_refusal(graph, mesh, m):
                 split_refused = split_refused or why  # not one device's numbers: never offered
                 continue
-            configs += [Configuration(mesh, m, s, mode, method)
-                        for s in _schedules(mesh.pp, m, limits.max_stages, pins)
-                        for mode in contract.data_parallel_modes(graph, mesh.pp, contract.data_ranks(mesh), floor)
-                        for method in methods]
+            into = staged if mesh.cp > 1 and mesh.pp > 1 and not {"cp", "pp"} & set(pinned) else configs
+            into += [Configuration(mesh, m, s, mode, method)
+                     for s in _schedules(mesh.pp, m, limits.max_stages, pins)
+                     for mode in contract.data_parallel_modes(graph, mesh.pp, contract.data_ranks(mesh), floor)
+                     for method in methods]
+    left_out = len(staged) if configs and len(configs) + len(staged) > CP_PP_SEARCHED_UP_TO else 0
+    configs += [] if left_out else staged
     if not configs and unmet:
         raise PinError(f"pin cp_attention={pins.cp_attention}: {unmet} (and no other mesh the pins allow runs it)")
     if not configs and split_refused:
@@ -117,7 +118,7 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
                            "ep or cp beside dp alone, or plan it eager (drop --compile / torch_compile)")
     if not configs:
         raise PinError(why_no_config(graph, world_size, training, pins, limits.max_stages))
-    return configs
+    return configs, left_out
 
 
 def _cp_methods(graph: LayerGraph, mesh: Mesh, pins: Pins) -> tuple[CpAttention, ...]:

@@ -51,15 +51,21 @@ class SolverOptions:
     # 4,096: 25 → 18 s, the same plans, OPTIMAL (benchmarks/plan_time.py).
     probing_level: int = 0
     # One configuration's CP-SAT solve runs in a thread while the next one is priced, bounded and built
-    # (planning/solver.py ``_InFlight``); the search decides as the sequential one does. False: sequential.
+    # (planning/solves.py ``InFlight``); the search decides as the sequential one does. False: sequential.
     overlap: bool = True
     # CP-SAT deterministic seconds of a configuration's first solve on the way to the chosen plan: one that
-    # runs out is solved again once the search has better plans to hold it to (solver._solve_deferred)
+    # runs out is solved again once the search has better plans to hold it to (solves.solve_deferred)
     first_solve_s: float = 0.5
     # Probing where a configuration is solved again: those are the hard models, and there it pays. The proof
     # that DeepSeek-V3 × 1,024's pp=8 × ep=8 plan is best: 3.46 deterministic seconds without, 0.62 at level 1
     # (2.82 at CP-SAT's default, 2)
     again_probing_level: int = 1
+    # CP-SAT's inclusion detection in presolve. OR-Tools 9.15.6755's presolve refutes some feasible models
+    # (google/or-tools#5274, fixed after that release): one of ours, with no compute, was "INFEASIBLE" under a
+    # budget its own least-memory plan fits, and solves without it. Off everywhere, DeepSeek-V3 × 1,024's
+    # search took 22.9 s instead of 17.2, so it is turned off only where a search finds no plan although one
+    # fits (solver.solve searches again).
+    presolve_inclusion: bool = True
 
 
 class Units:
@@ -415,4 +421,6 @@ def cp_solver(time_limit_s: float, options: SolverOptions, again: bool = False) 
     solver.parameters.log_search_progress = options.log
     solver.parameters.linearization_level = options.linearization_level
     solver.parameters.cp_model_probing_level = options.again_probing_level if again else options.probing_level
+    if not options.presolve_inclusion:
+        solver.parameters.presolve_inclusion_work_limit = 0
     return solver

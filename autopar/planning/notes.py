@@ -12,8 +12,7 @@ from autopar.cost_models.hardware import ClusterSpec
 from autopar.float8 import emulated
 from autopar.graph import LayerGraph
 from autopar.moe import Dispatch, ExpertLayout
-from autopar.pins import Pins
-from autopar.planning.configs import CP_UNSEARCHED
+from autopar.planning.configs import CP_PP_SEARCHED_UP_TO, CP_UNSEARCHED
 from autopar.planning.configuration import TrainingSpec
 from autopar.planning.cut_checks import withdrawn_cut_notes
 from autopar.planning.evaluate import evaluate
@@ -121,12 +120,12 @@ def moe_notes(graph: LayerGraph, ep: int = 1, dp: int = 1, tp_split: bool = Fals
     return tuple(notes)
 
 
-def search_notes(graph: LayerGraph, pins: Pins, world_size: int) -> tuple[str, ...]:
+def search_notes(solution: Solution) -> tuple[str, ...]:
     """What the search left out on its own, for a reader who would take OPTIMAL for the whole space."""
-    pinned = pins.mesh_degrees()
-    if world_size > 3 and not {"cp", "pp"} & set(pinned) and graph.seq_len and graph.cp_refusal == "":
-        return (f"{CP_UNSEARCHED} (OPTIMAL is over the meshes searched): pin cp or pp, e.g. --pin pp=2, to plan "
-                "meshes with both, or price one with autopar explain --why-not 'pp=2 cp=2'",)
+    if left := solution.cp_pp_left_out:
+        return (f"{CP_UNSEARCHED}: its {left:,} configurations would have taken the search past "
+                f"{CP_PP_SEARCHED_UP_TO:,} (OPTIMAL is over the meshes searched): pin cp or pp, e.g. --pin pp=2, "
+                "to plan meshes with both, or price one with autopar explain --why-not 'pp=2 cp=2'",)
     return ()
 
 

@@ -24,9 +24,10 @@ from autopar.graph import Layer, LayerGraph, OpKind, OpRecord, SampleDim
 from autopar.mesh import Mesh
 from autopar.passes.context_parallel import positions
 from autopar.pins import Pins
+from autopar.planning import configs as configs_module
 from autopar.planning.bounds import lower_bound_s
 from autopar.planning.choices import allowed_choices
-from autopar.planning.configs import enumerate_configs
+from autopar.planning.configs import CP_UNSEARCHED, enumerate_configs, searched_configs
 from autopar.planning.configuration import Configuration, TrainingSpec
 from autopar.planning.evaluate import evaluate
 from autopar.planning.layer_compute import layer_compute
@@ -146,21 +147,31 @@ def test_cp_is_searched_where_the_logits_bind_and_pinned_or_refused_in_one_line(
         autopar.solve(export, 4, cluster="h100-80g", global_batch=2, pins=["cp=2", "pp=2"])
 
 
-def test_cp_inside_pipeline_stages_is_searched_where_cp_or_pp_is_pinned_and_noted_otherwise() -> None:
-    """cp × pp widens the free search past the long-sequence plan's time goal (configs.CP_UNSEARCHED; ep × pp
-    is searched): searched where cp or pp is pinned, and the plan says what was left out."""
+def test_cp_inside_pipeline_stages_is_searched_up_to_a_count_and_noted_past_it(monkeypatch) -> None:
+    """cp × pp multiplies the configurations (configs.CP_PP_SEARCHED_UP_TO): the free search takes them while
+    the whole count stays within the limit, always where cp or pp is pinned, and past the limit leaves them
+    out and the plan says how many, and how to plan one."""
     graph = _graph()
     cluster = PRESETS["h100-80g"].for_world_size(8)
 
-    def both(pins: list[str]) -> bool:
-        configs = enumerate_configs(graph, 8, cluster, TrainingSpec(4, dtype="bf16"), Pins.parse(pins))
-        return any(c.mesh.cp > 1 and c.mesh.pp > 1 for c in configs)
+    def searched(pins: list[str]) -> tuple[bool, int]:
+        configs, left_out = searched_configs(graph, 8, cluster, TrainingSpec(4, dtype="bf16"), Pins.parse(pins))
+        return any(c.mesh.cp > 1 and c.mesh.pp > 1 for c in configs), left_out
 
-    assert not both([]) and both(["pp=2"]) and both(["cp=2"]) and not both(["pp=1"])
+    assert searched([]) == (True, 0) and searched(["pp=1"]) == (False, 0)
+    free = autopar.solve(graph, 8, cluster="h100-80g", global_batch=4)
+    assert not any(n.startswith(CP_UNSEARCHED) for n in free.notes)
+    total = len(enumerate_configs(graph, 8, cluster, TrainingSpec(4, dtype="bf16"), Pins()))
+    monkeypatch.setattr(configs_module, "CP_PP_SEARCHED_UP_TO", total - 1)
+    both, left_out = searched([])
+    assert not both and left_out > 0 and searched(["pp=2"]) == (True, 0) and searched(["cp=2"]) == (True, 0)
+    assert len(enumerate_configs(graph, 8, cluster, TrainingSpec(4, dtype="bf16"), Pins())) == total - left_out
     plan = autopar.solve(graph, 8, cluster="h100-80g", global_batch=4)
-    assert any(n.startswith("cp inside pipeline stages is planned where cp or pp is pinned") for n in plan.notes)
+    note = next(n for n in plan.notes if n.startswith(CP_UNSEARCHED))
+    assert f"its {left_out:,} configurations" in note and "--pin pp=2" in note
+    assert plan.solver.configs_considered == total - left_out
     pinned = autopar.solve(graph, 8, cluster="h100-80g", global_batch=4, pins=["pp=2"])
-    assert not any(n.startswith("cp inside pipeline stages") for n in pinned.notes)
+    assert not any(n.startswith(CP_UNSEARCHED) for n in pinned.notes)
 
 
 def test_tables_alike_but_for_the_schedule_share_their_rows_and_price_as_their_own() -> None:

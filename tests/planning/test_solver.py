@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 import pytest
+from ortools.sat.python import cp_model
 from synthetic import transformer_graph
 
 from autopar import contract
@@ -23,6 +24,7 @@ from autopar.errors import InfeasibleError, PinError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
 from autopar.planning import edges
+from autopar.planning.choices import allowed_choices
 from autopar.planning.configuration import TrainingSpec
 from autopar.planning.evaluate import evaluate
 from autopar.planning.pricing import PriceTable
@@ -169,11 +171,10 @@ def test_same_inputs_same_plan():
 
 
 @pytest.mark.parametrize("blocks,hidden,seq,world,batch,preset", [
-    (12, 4096, 2048, 64, 256, "a100-80g"), (16, 4096, 4096, 32, 64, "h100-80g"), (8, 2048, 1024, 32, 64, "a100-40g")])
+    (12, 4096, 2048, 64, 256, "a100-80g"), (32, 8192, 2048, 64, 128, "a100-40g"), (8, 2048, 1024, 32, 64, "a100-40g")])
 def test_overlapped_solves_decide_as_the_sequential_search(blocks, hidden, seq, world, batch, preset):
     """The next configuration is prepared while a solve runs in a thread; the plan and how many configurations
-    were solved are the sequential search's (runners-up, solved in what wall time is left, are left out).
-    Deciding before the solve in flight has landed solves more of these (6 for 5, 4 for 2)."""
+    were solved are the sequential search's (runners-up, solved in what wall time is left, are left out)."""
     graph = transformer_graph(blocks, hidden, seq, vocab=32768, heads=32)
     cluster = PRESETS[preset].for_world_size(world)
     runs = [solve(graph, world, cluster, TrainingSpec(batch, "bf16"), options=SolverOptions(overlap=overlap),
@@ -187,14 +188,14 @@ def test_overlapped_solves_decide_as_the_sequential_search(blocks, hidden, seq, 
 
 def test_solves_that_run_out_are_solved_again_until_the_plan_is_proved(monkeypatch):
     """Every configuration's first solve starved (it stops before CP-SAT can prove anything): each is solved
-    again, held to the plans found since (solver._solve_deferred), until proved or ruled out by its bound,
+    again, held to the plans found since (solves.solve_deferred), until proved or ruled out by its bound,
     so the plan is the one the plain search proves, and it is OPTIMAL."""
-    from autopar.planning import solver as solver_module
+    from autopar.planning import solves as solves_module
 
     graph = transformer_graph(32, 8192, 2048, vocab=32768, heads=64)
     cluster = PRESETS["a100-40g"].for_world_size(64)
     plain = solve(graph, 64, cluster, TrainingSpec(128, "bf16"), runners_up=0)
-    real, seconds = solver_module.cp_solver, []
+    real, seconds = solves_module.cp_solver, []
 
     def starved(time_limit_s, options, again=False):
         solver = real(time_limit_s, options, again)
@@ -203,11 +204,45 @@ def test_solves_that_run_out_are_solved_again_until_the_plan_is_proved(monkeypat
             solver.parameters.max_deterministic_time = 1e-9
         return solver
 
-    monkeypatch.setattr(solver_module, "cp_solver", starved)
+    monkeypatch.setattr(solves_module, "cp_solver", starved)
     cut = solve(graph, 64, cluster, TrainingSpec(128, "bf16"), runners_up=0)
     assert plain.config.mesh.pp > 1 and plain.status == cut.status == "OPTIMAL"
     assert cut.prediction.step_time_s == pytest.approx(plain.prediction.step_time_s, rel=1e-9)
     assert any(seconds)  # configurations were solved a second time
+
+
+def test_a_plan_cp_sat_presolve_refutes_is_found_by_searching_again() -> None:
+    """OR-Tools 9.15.6755's presolve calls some feasible models infeasible (google/or-tools#5274). This graph,
+    found by test_solver_properties.py, is one: no compute, a pipeline cut, FSDP2 buffers and the root units'
+    one ZeRO stage, and every configuration "INFEASIBLE" under a budget its own least-memory plan fits. The
+    search, finding no plan where one fits, searches again without presolve's inclusion detection."""
+    from dataclasses import replace
+
+    from autopar.graph import Layer, TPStyle
+    from autopar.planning.model import cp_solver
+    from autopar.planning.solves import prepare
+
+    style = TPStyle("megatron", divisors=(1,), sharded_params=0, sharded_flops_per_sample=0.0,
+                    sharded_activation_elems_per_sample=0.0, fwd_allreduce_elems=0.0, fwd_allreduce_count=2,
+                    bwd_allreduce_elems=0.0, bwd_allreduce_count=2, sequence=(), sequence_linked=True)
+    shapes = [(0, 456_320_082.0, False, ()), (309_899, 0.0, False, (style,)), (18_154, 809_998_107.0, True, (style,)),
+              (226, 0.0, False, (style,)), (1_218_930_998, 0.0, False, ()), (0, 0.0, False, ())]
+    graph = LayerGraph([Layer(f"layer{i}", i, "Block", flops_per_sample=0.0, param_count=n, param_bytes=2 * n,
+                              activation_bytes_per_sample=act, input_bytes_per_sample=0.0,
+                              boundary_bytes_per_sample=0.0, can_cut_after=cut, tp_styles=styles)
+                        for i, (n, act, cut, styles) in enumerate(shapes)], model_name="random", example_batch=1,
+                       dtype_bytes=2)
+    base = PRESETS["a100-40g"]
+    cluster = replace(base, device=replace(base.device, memory_bytes=29_527_900_160)).for_world_size(16)
+    training = TrainingSpec(16, "fp32")
+    plan = solve(graph, 16, cluster, training)
+    assert max(plan.prediction.memory_per_rank_bytes) <= cluster.memory_budget_bytes
+    # the configuration it plans, solved with presolve as it is: refuted, though the plan above fits
+    table = PriceTable(graph, plan.config, cluster, training)
+    prepared = prepare(table, allowed_choices(table, [{}] * len(graph)), [{}] * len(graph), cut_positions(graph),
+                       cluster.memory_budget_bytes)
+    refuted = cp_solver(20, SolverOptions()).Solve(prepared.built.model)
+    assert refuted == cp_model.INFEASIBLE, "OR-Tools presolve now solves it: SolverOptions.presolve_inclusion may go"
 
 
 def test_rediscovers_data_parallel_when_memory_is_ample():
