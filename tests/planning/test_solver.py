@@ -186,6 +186,27 @@ def test_overlapped_solves_decide_as_the_sequential_search(blocks, hidden, seq, 
     assert overlapped.configs_solved == sequential.configs_solved
 
 
+def test_the_search_solves_best_first_and_only_what_could_beat_the_plan(monkeypatch):
+    """A configuration goes to CP-SAT only when its full bound is the least key the search holds: the bounds
+    it solves at come in rising order, each below the plan chosen (a higher one can only be a runner-up;
+    that the plan is the cheapest is test_solver_matches_brute_force's)."""
+    from autopar.planning import solves as solves_module
+
+    graph = transformer_graph(8, 2048, 1024, vocab=32768, heads=32)
+    cluster = PRESETS["a100-40g"].for_world_size(32)
+    bounds = []
+    real = solves_module.InFlight.submit
+
+    def submit(self, search, later, prepared, time_limit_s, options, entry):
+        bounds.append(entry[4])
+        return real(self, search, later, prepared, time_limit_s, options, entry)
+
+    monkeypatch.setattr(solves_module.InFlight, "submit", submit)
+    plan = solve(graph, 32, cluster, TrainingSpec(64, "bf16"), runners_up=0)
+    assert len(bounds) > 1 and bounds == sorted(bounds)
+    assert all(b < plan.prediction.step_time_s * (1 + 1e-9) for b in bounds)
+
+
 def test_solves_that_run_out_are_solved_again_until_the_plan_is_proved(monkeypatch):
     """Every configuration's first solve starved (it stops before CP-SAT can prove anything): each is solved
     again, held to the plans found since (solves.solve_deferred), until proved or ruled out by its bound,
