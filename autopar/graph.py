@@ -175,7 +175,8 @@ class OpRecord:
     A GEMM multiplies ``batch`` (m × k) by (k × n) matrices; ``per_sample``
     (:class:`SampleDim`) names the dimension that grows with the microbatch, and
     that dimension is held per sample. Attention and memory-bound records carry
-    ``flops_per_sample`` (attention's full T×T work; ``causal`` when masked) and
+    ``flops_per_sample`` (attention's full T×T work; ``causal`` when masked so, ``masked`` when it
+    takes an explicit mask tensor) and
     ``bytes_per_sample`` (read + written, captured dtype; a memory-bound record
     totals its ``count`` kernels, the others are per kernel). ``shard`` says, per
     tensor-parallel style, what the style divides by the tp degree
@@ -193,6 +194,7 @@ class OpRecord:
     bytes_per_sample: float = 0.0
     causal: bool = False
     shard: dict[str, ShardDim] = field(default_factory=dict)
+    masked: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", OpKind(self.kind))
@@ -227,7 +229,7 @@ class OpRecord:
         return (self.kind.value, self.count, round(self.m, 3), round(self.n, 3), round(self.k, 3),
                 round(self.batch, 3), self.per_sample.value, round(self.flops_per_sample, 3),
                 round(self.bytes_per_sample, 3), self.causal,
-                tuple(sorted((k, v.value) for k, v in self.shard.items())))
+                tuple(sorted((k, v.value) for k, v in self.shard.items())), self.masked)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

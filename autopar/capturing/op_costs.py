@@ -96,7 +96,7 @@ class NodeOpCosts:
     rerun_bytes: float = 0.0  # also the memory-bound bytes the per-op model prices
     kernels: int = 0  # memory-bound kernels
     gemms: list[tuple[float, float, float, float]] = field(default_factory=list)  # (m, n, k, batch), totals
-    attention: list[tuple[float, bool]] = field(default_factory=list)  # (forward FLOPs, causal), totals
+    attention: list[tuple[float, bool, bool]] = field(default_factory=list)  # (forward FLOPs, causal, masked)
     fused: dict[Any, float] = field(default_factory=dict)  # fused attention's outputs (kept by both policies)
     # each matmul-class op in order: (is aten::mm, {storage key: output bytes}, FLOPs, bytes read and written)
     matmuls: list[tuple[bool, dict[Any, float], float, float]] = field(default_factory=list)
@@ -130,9 +130,10 @@ class OpRecorder(TorchDispatchMode):
             if c is not None:
                 self.costs[n] = c
 
-    def record_attention(self, node: fx.Node, flops: float, causal: bool) -> None:
-        """A fused attention kernel at ``node`` doing ``flops`` (the full T×T work)."""
-        self.costs.setdefault(node, NodeOpCosts()).attention.append((float(flops), causal))
+    def record_attention(self, node: fx.Node, flops: float) -> None:
+        """A fused attention kernel at ``node`` (an SDPA call) doing ``flops`` (the full T×T work)."""
+        self.costs.setdefault(node, NodeOpCosts()).attention.append((float(flops), is_causal(node),
+                                                                      has_mask(node)))
 
     def keep_fused(self, node: fx.Node, out: torch.Tensor, lse_bytes: float) -> None:
         """Fused attention at ``node``: SAC keeps its output and its log-sum-exp."""
@@ -172,7 +173,7 @@ class OpRecorder(TorchDispatchMode):
             if shape is not None:
                 costs.gemms.append(shape)
             elif flops > 0:  # an attention kernel reached at the ATen level
-                costs.attention.append((float(flops), False))
+                costs.attention.append((float(flops), False, False))
             return
         in_keys = {self.storage_key(t)[0] for t in ins}
         if not outs or (not func._schema.is_mutable and all(self.storage_key(t)[0] in in_keys for t in outs)):
@@ -312,6 +313,12 @@ def is_causal(n: fx.Node) -> bool:
     return flag if isinstance(flag, bool) else False
 
 
+def has_mask(n: fx.Node) -> bool:
+    """Whether an SDPA node passes an explicit ``attn_mask`` (keyword or fourth argument): CUDA's flash
+    kernel takes none, so such a call runs another kernel there (``OpModel.masked_attention_fwd``)."""
+    return n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None) is not None
+
+
 def _per_sample(m: float, batch: float, is_batched: bool, samples: int) -> tuple[float, float, SampleDim]:
     """(m, batch, the dimension that carries the samples) with that dimension divided by ``samples``."""
     if is_batched and batch % samples == 0:
@@ -350,19 +357,19 @@ def layer_ops(nodes: list[fx.Node], costs: dict[fx.Node, NodeOpCosts],
             m_ps, b_ps, dim = _per_sample(m, b, batched, batch)
             shard = tuple(sorted((s.name, d) for s in styles
                                  if (d := _gemm_shard(mine, n, s, between[s.name], batched, k))))
-            key = (OpKind.GEMM, m_ps, nn_, k, b_ps, dim, 0.0, 0.0, False, shard)
+            key = (OpKind.GEMM, m_ps, nn_, k, b_ps, dim, 0.0, 0.0, False, shard, False)
             found[key] = found.get(key, 0) + 1
-        for flops, causal in c.attention:
+        for flops, causal, masked in c.attention:
             shard = tuple(sorted((s.name, ShardDim.ALL) for s in styles if n in between[s.name]))
-            key = (OpKind.ATTENTION, 0.0, 0.0, 0.0, 1.0, SampleDim.NONE, flops / batch, 0.0, causal, shard)
+            key = (OpKind.ATTENTION, 0.0, 0.0, 0.0, 1.0, SampleDim.NONE, flops / batch, 0.0, causal, shard, masked)
             found[key] = found.get(key, 0) + 1
         if c.kernels:
             shard = tuple(sorted((s.name, ShardDim.ALL) for s in styles if n in between[s.name]))
             totals = memory.setdefault(shard, [0.0, 0.0])
             totals[0] += c.rerun_bytes / batch
             totals[1] += c.kernels
-    records = [OpRecord(kind, count, m, n_, k, b, dim, flops, nbytes, causal, dict(shard))
-               for (kind, m, n_, k, b, dim, flops, nbytes, causal, shard), count in found.items()]
+    records = [OpRecord(kind, count, m, n_, k, b, dim, flops, nbytes, causal, dict(shard), masked)
+               for (kind, m, n_, k, b, dim, flops, nbytes, causal, shard, masked), count in found.items()]
     records += [OpRecord(OpKind.MEMORY, int(kernels), bytes_per_sample=nbytes, per_sample=SampleDim.NONE,
                          shard=dict(shard))
                 for shard, (nbytes, kernels) in memory.items()]

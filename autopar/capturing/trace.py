@@ -28,7 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autopar.capturing import boundary, context, cuts, hf_masks, moe, op_costs, stack_once, twins
 from autopar.capturing.export_layers import export_with_layer_calls, no_stack_traces
 from autopar.capturing.layers import group_layers, layer_names
-from autopar.capturing.op_costs import OpRecorder, extra_flop_rules, is_causal, layer_ops, selective_costs
+from autopar.capturing.op_costs import OpRecorder, extra_flop_rules, layer_ops, selective_costs
 from autopar.capturing.stateful import batch_norm_channels, recompute_refusal
 from autopar.errors import CaptureError
 from autopar.graph import Layer, LayerGraph
@@ -290,7 +290,7 @@ class _Meter(fx.Interpreter):
         st.flops = float(self.counter.get_total_flops() - before)
         if _is_sdpa(n) and isinstance(result, torch.Tensor):
             st.flops = _sdpa_flops(n, self)
-            self.ops.record_attention(n, st.flops, is_causal(n))
+            self.ops.record_attention(n, st.flops)
         for t in pytree.tree_leaves(result):
             if isinstance(t, torch.Tensor):
                 self._note(t)

@@ -9,6 +9,10 @@ Per microbatch of b samples, under a tensor-parallel style on tp ranks
                + Σ_attention count · t_attn_bwd(b·F / share) + t_mem(2 · b · bytes / share, 2 · kernels)
                + 2 · rest
 
+An attention call that passes its own ``attn_mask`` (a padding or sliding-window mask; capture
+records it, ``OpRecord.masked``) is priced at the device's masked rate: CUDA's flash kernel takes no
+mask, so such a call runs the memory-efficient one there (``OpModel.masked_attention_fwd``; 1 on a CPU).
+
 Under torch.compile (a compiled block), the memory-bound term's bytes and kernels are scaled by
 the op model's ``compiled_memory_bound_fraction`` (fusion; presets: 0.5); GEMMs and attention
 are priced as eager (inductor calls the same library kernels for them).
@@ -105,9 +109,10 @@ def attention_op_time_s(op: OpRecord, microbatch: int, style: str | None, tp: in
     work = microbatch * op.flops_per_sample * op.split(style, tp)
     if cp > 1 and method is CpAttention.ULYSSES:
         work /= cp
-    if cp <= 1 or method is CpAttention.ULYSSES:
-        return (op.count * attention_time_s(work, device, dtype, causal=op.causal),
-                op.count * attention_time_s(work, device, dtype, backward=True, causal=op.causal))
+    if cp <= 1 or method is CpAttention.ULYSSES:  # a call with its own mask at the masked rate
+        return (op.count * attention_time_s(work, device, dtype, causal=op.causal, masked=op.masked),
+                op.count * attention_time_s(work, device, dtype, backward=True, causal=op.causal,
+                                            masked=op.masked))
     calls, each = op.count * CP_ATTENTION_CALLS, work * cp_attention_share(cp) / CP_ATTENTION_CALLS
     return (calls * attention_time_s(each, device, dtype, masked=True),
             calls * attention_time_s(each, device, dtype, backward=True, masked=True))

@@ -39,7 +39,7 @@ def test_hf_llama_capture_is_linear_in_the_sequence_and_causal():
         assert b.boundary_bytes_per_sample == pytest.approx(2 * a.boundary_bytes_per_sample)
         assert b.activation_bytes_per_sample == pytest.approx(2 * a.activation_bytes_per_sample, rel=0.02)
         attention = [o for o in b.ops if o.kind is OpKind.ATTENTION]
-        assert attention and all(o.causal for o in attention)
+        assert attention and all(o.causal and not o.masked for o in attention)
 
 
 def test_a_padding_mask_keeps_hugging_face_s_mask():
@@ -52,7 +52,29 @@ def test_a_padding_mask_keeps_hugging_face_s_mask():
     a, b = _blocks(small)[0], _blocks(large)[0]
     assert b.input_bytes_per_sample > 2.5 * a.input_bytes_per_sample  # linear would be 2×: the S × S mask
     attention = [o for o in b.ops if o.kind is OpKind.ATTENTION]
-    assert attention and not any(o.causal for o in attention)
+    assert attention and not any(o.causal for o in attention) and all(o.masked for o in attention)
+
+
+def test_a_call_with_its_own_mask_is_priced_at_the_masked_rate():
+    """CUDA's flash kernel takes no mask: an SDPA call given one runs the memory-efficient kernel there, and
+    is priced at that rate (OpModel.masked_attention_fwd/bwd); a CPU's kernels take masks (rate 1)."""
+    from dataclasses import replace
+
+    from autopar.cost_models.hardware import PRESETS
+    from autopar.planning.layer_compute import attention_op_time_s
+
+    model, ids = _llama(256)
+    graph = capture(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    op = next(o for o in _blocks(graph)[0].ops if o.kind is OpKind.ATTENTION)
+    gpu, cpu = PRESETS["h100-80g"].device, PRESETS["cpu"].device
+    fwd, bwd = attention_op_time_s(op, 4, None, 1, gpu, "bf16")
+    plain_fwd, plain_bwd = attention_op_time_s(replace(op, masked=False), 4, None, 1, gpu, "bf16")
+    overhead = op.count * gpu.op_model.kernel_overhead_s
+    assert gpu.op_model.masked_attention_fwd < 1 and gpu.op_model.masked_attention_bwd < 1
+    assert fwd - overhead == pytest.approx((plain_fwd - overhead) / gpu.op_model.masked_attention_fwd)
+    assert bwd - overhead == pytest.approx((plain_bwd - overhead) / gpu.op_model.masked_attention_bwd)
+    assert attention_op_time_s(op, 4, None, 1, cpu, "fp32") == \
+        attention_op_time_s(replace(op, masked=False), 4, None, 1, cpu, "fp32")
 
 
 def test_stage_trace_runs_sdpa_causal_and_matches_eager():
@@ -119,3 +141,38 @@ def test_a_boolean_mask_is_saved_as_a_bias_per_call_as_cpu_runs_it():
     assert priced == pytest.approx(measured, rel=0.01)
     block = [l for l in graph.layers if l.name == "blocks.1"][0]
     assert block.activation_bytes_per_sample >= 128 * 128 * 4  # the fp32 bias of the 128 × 128 mask
+
+
+def test_a_mask_passed_by_position_or_keyword_is_recorded():
+    """SDPA's ``attn_mask`` is its fourth argument or a keyword; ``is_causal`` alone is no mask."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Attend(nn.Module):
+        def __init__(self, how: str) -> None:
+            super().__init__()
+            self.how, self.proj = how, nn.Linear(16, 48)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.proj(x).view(x.shape[0], x.shape[1], 3, 2, 8).permute(2, 0, 3, 1, 4)
+            mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
+            if self.how == "position":
+                out = F.scaled_dot_product_attention(q, k, v, mask)
+            elif self.how == "keyword":
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return out.transpose(1, 2).reshape(x.shape)
+
+    class Net(nn.Module):
+        def __init__(self, how: str) -> None:
+            super().__init__()
+            self.attend = Attend(how)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attend(x).sum()
+
+    x = torch.randn(2, 8, 16)
+    for how, masked in (("position", True), ("keyword", True), ("causal", False)):
+        ops = [o for layer in capture(Net(how), (x,)).layers for o in layer.ops if o.kind is OpKind.ATTENTION]
+        assert ops and all(o.masked is masked for o in ops), how
