@@ -48,6 +48,12 @@ def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
         notes.append(f"cp attention by ring (cp={solution.config.mesh.cp}): not priced, the updates of each "
                      "call's log-sum-exp as the ring merges its partial outputs (1/head_dim of the output's bytes "
                      "a step)")
+    broken = [layer.name for layer in graph if solution.table.training.compiled and contract.compiled_break(
+        graph, layer.index, solution.config.mesh, solution.config.cp_attention)]
+    if broken:  # runtime/compiled.py: fullgraph=False where blocks break at an eager exchange
+        notes.append(f"{broken[0]}{' …' if len(broken) > 1 else ''} ({len(broken)}): compiled around an eager "
+                     "exchange (ep's dispatch or cp's ring) with fullgraph=False, so a graph break in the model's "
+                     "own code there runs that part eagerly without a warning, priced as compiled")
     cut = withdrawn_cut_notes(graph) if solution.config.mesh.pp > 1 else ()
     split = [layer.name for layer, c in zip(graph, solution.choices) if c.tp and layer.tp_style(c.tp).experts]
     moe = moe_notes(graph, solution.config.mesh.ep, contract.data_ranks(solution.config.mesh), bool(split))

@@ -321,6 +321,10 @@ def test_a_compiled_solve_offers_expert_and_context_parallelism_it_now_runs(grap
     g = autopar.capture(*moe_cases.hf_mixtral())
     plan = autopar.solve(g, 4, cluster="cpu", global_batch=8, dtype="fp32", compiled=True, pins=["dp=4", "ep=2"])
     assert plan.training.compiled and plan.mesh.ep == 2 and (plan.mesh.tp, plan.mesh.pp) == (1, 1)
+    # its MoE blocks compile around the eager dispatch with fullgraph=False: the plan says what that lets by
+    assert any("with fullgraph=False, so a graph break in the model's own code" in n for n in plan.notes)
+    whole = autopar.solve(g, 4, cluster="cpu", global_batch=8, dtype="fp32", compiled=True, pins=["dp=4", "ep=1"])
+    assert not any("fullgraph=False" in n for n in whole.notes)
     moe = next(layer for layer in g if layer.moe and g.blocks[layer.index])
     cluster = autopar.planning.api.resolve_cluster("cpu", 4)
     tables = {ep: PriceTable(g, Configuration(Mesh(dp=4, ep=ep), 1, Schedule(ScheduleKind.NONE)), cluster,
@@ -331,6 +335,7 @@ def test_a_compiled_solve_offers_expert_and_context_parallelism_it_now_runs(grap
         cp = autopar.solve(long, 2, cluster="cpu", global_batch=4, compiled=True, pins=["cp=2",
                                                                                       f"cp_attention={method}"])
         assert cp.training.compiled and cp.mesh.cp == 2 and cp.cp_attention is method
+        assert not any("fullgraph=False" in n for n in cp.notes)  # they trace whole
 
 
 def test_a_compiled_plan_round_trips_and_old_plans_load_eager(graph) -> None:
