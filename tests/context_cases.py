@@ -223,6 +223,7 @@ SPECS |= {
     # ring attention beside ep: K/V passed round the cp pair, which (dp=1) is also the ep group; beside dp=2
     # the ep group is each dp rank's cp pair, the experts averaged over the dp pair
     "ring_cp2_ep2_mixtral": Spec(hf_mixtral, _pins(2) + EP2 + RING, 2),
+    "ring_cp2_ep2_zero3_recompute_mixtral": Spec(hf_mixtral, _pins(2, zero=3, recompute="full") + EP2 + RING, 2),
     "ring_cp2_dp2_ep2_mixtral": Spec(hf_mixtral, _pins(2, dp=2) + EP2 + RING, 4),
     "ring_cp2_pp2_ep2_mixtral": Spec(hf_mixtral, PP + ("schedule=1f1b",) + EP2 + RING, 4),
     "ring_cp2_tp2_ep2_mixtral": Spec(hf_mixtral, _pins(2, tp=2) + EP2 + RING + ("model.layers.*:tp=megatron",), 2),

@@ -1,13 +1,13 @@
-"""Context parallelism beside expert parallelism (cp × ep) against one process, on gloo: tiny Hugging Face
-Mixtral and Qwen2-MoE (tests/moe_cases.py) trained 3 steps at cp=2 × ep=2 on two ranks (ep borrows its
-ranks from dp × cp, so the ep group is the cp pair; also under Ulysses and the ring, and at ZeRO-3 with full
-recompute), and at dp=2 × cp=2 on four ranks with ep=2 (the ep group the cp pair, the experts averaged over the
-dp pair; replicated, ZeRO-1 and ZeRO-3 over 2 microbatches, Ulysses and the ring) and ep=4 (one expert a rank,
-over all four); and at cp=2 × ep=2 on four ranks beside tp=2 (Megatron attention, the ep group the cp pair of
-each tp rank) and inside pp=2 stages (1F1B, the ep group each stage's cp pair), Mixtral, by all-gather and by
-the ring; and both on eight ranks (Mixtral at cp=2 × ep=2 inside pp=2 stages beside tp=2). Attention written
-by hand beside ep: nanoGPT's masked softmax with Mixtral's sparse MoE blocks for MLPs
-(``context_cases.nanogpt_moe``), at cp=2 × ep=2 by the kᵀ/v all-gather and by Ulysses.
+"""Context parallelism beside expert parallelism (cp × ep) against one process, on gloo: tiny Hugging Face Mixtral and
+Qwen2-MoE (tests/moe_cases.py) trained 3 steps at cp=2 × ep=2 on two ranks (ep borrows its ranks from dp × cp, so
+the ep group is the cp pair; also under Ulysses and the ring, and at ZeRO-3 with full recompute, by all-gather and
+by the ring), and at dp=2 × cp=2 on four ranks with ep=2 (the ep group the cp pair, the experts averaged over the dp
+pair; replicated, ZeRO-1 and ZeRO-3 over 2 microbatches, Ulysses and the ring) and ep=4 (one expert a rank, over all
+four); and at cp=2 × ep=2 on four ranks beside tp=2 (Megatron attention, the ep group the cp pair of each tp rank)
+and inside pp=2 stages (1F1B, the ep group each stage's cp pair), Mixtral, by all-gather and by the ring; and both
+on eight ranks (Mixtral at cp=2 × ep=2 inside pp=2 stages beside tp=2). Attention written by hand beside ep:
+nanoGPT's masked softmax with Mixtral's sparse MoE blocks for MLPs (``context_cases.nanogpt_moe``), at cp=2 × ep=2
+by the kᵀ/v all-gather and by Ulysses.
 
 An MoE block on a cp rank routes that rank's S/cp tokens: the routers are per token, with no capacity rule
 (tests/moe_cases.py says why routing cannot flip between the runs), so splitting the sequence changes no
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 pytestmark = pytest.mark.distributed
 
 W2 = ["cp2_ep2_mixtral", "cp2_ep2_qwen2_moe", "uly_cp2_ep2_mixtral", "cp2_ep2_zero3_recompute_mixtral",
-      "ring_cp2_ep2_mixtral", "cp2_ep2_nanogpt_moe", "uly_cp2_ep2_nanogpt_moe"]
+      "ring_cp2_ep2_mixtral", "ring_cp2_ep2_zero3_recompute_mixtral", "cp2_ep2_nanogpt_moe", "uly_cp2_ep2_nanogpt_moe"]
 W4 = ["cp2_dp2_ep2_mixtral", "cp2_dp2_ep2_zero3_qwen2_moe", "cp2_dp2_ep2_zero1_mixtral", "cp2_dp2_ep4_mixtral",
       "uly_cp2_dp2_ep2_qwen2_moe", "ring_cp2_dp2_ep2_mixtral"]
 W4_TP_PP = ["cp2_tp2_ep2_mixtral", "cp2_pp2_ep2_mixtral", "ring_cp2_tp2_ep2_mixtral", "ring_cp2_pp2_ep2_mixtral"]
