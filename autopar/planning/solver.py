@@ -193,7 +193,8 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     #    with that; the least key is taken next, and solved once it is the full bound. The first plan found is
     #    then most often the best, a configuration whose bound it beats is never solved, and most are never
     #    bounded rank by rank. Those that can only be runners-up wait, so runners-up never take the time the
-    #    optimum needs.
+    #    optimum needs. With no plan found by half the time limit, each configuration examined is solved at once
+    #    (a search too large to reach its first solve in time still returns a plan).
     queue: list[_Queued] = [_Queued(cheap, n) for n, (cheap, _, _) in enumerate(candidates)]  # sorted: a heap
     later: list[tuple[float, Configuration, PriceTable, list[list[int]] | None, float]] = []
     unexamined = 0
@@ -226,7 +227,12 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
                     continue
                 priced.append((cheap, config, table, allowed))
                 bound = ahead.bound if ahead else pooled_bound_s(table, allowed, budget, cuts_ok)
-                if not (math.isinf(bound) or bound >= enough):
+                if math.isinf(bound) or bound >= enough:
+                    continue
+                if best is None and remaining < options.time_limit_s / 2:  # no plan yet, half the time gone
+                    flight.submit(search, later, prepare(table, allowed, layer_pins, cuts_ok, budget), remaining,
+                                  options, (cheap, config, table, allowed, bound))
+                else:
                     heapq.heappush(queue, _Queued(bound, head.index, allowed))
                 continue
             if not head.full:  # next in line: its full bound becomes its key
@@ -269,9 +275,10 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
                            "compiled around an eager exchange (ep's dispatch, cp's ring), which recomputes "
                            "compiled in full only")
         try:
-            raise_infeasible(priced, layer_pins, cuts_ok, budget, options, unexamined)
+            raise_infeasible(priced, layer_pins, cuts_ok, budget, options, unexamined,
+                             timed_out=wall >= options.time_limit_s)
         except InfeasibleError as exc:
-            if not (exc.binding == "memory" and exc.min_memory_bytes <= budget and options.presolve_inclusion):
+            if not (exc.binding == "solver" and options.presolve_inclusion):
                 raise
             # a plan fits that no solve found: CP-SAT's presolve refuted a feasible model (SolverOptions.
             # presolve_inclusion); searched again without the step that does

@@ -398,14 +398,32 @@ def test_memory_bound_never_exceeds_the_least_peak_a_configuration_reaches():
     assert checked >= 10
 
 
+def test_however_short_the_time_limit_a_plan_that_fits_is_returned():
+    """The search is best first, so its first solve may come late; with no plan by half the time limit each
+    configuration it examines is solved at once: a spent limit still returns a plan, FEASIBLE unless proved."""
+    graph = transformer_graph(4, 1024, 512, vocab=8192, heads=8)
+    cluster = PRESETS["a100-80g"].for_world_size(8)
+    plan = solve(graph, 8, cluster, TrainingSpec(16), options=SolverOptions(time_limit_s=1e-9))
+    assert plan.status in ("FEASIBLE", "OPTIMAL") and plan.configs_solved >= 1
+    assert max(plan.prediction.memory_per_rank_bytes) <= cluster.memory_budget_bytes
+    full = solve(graph, 8, cluster, TrainingSpec(16))
+    assert full.status == "OPTIMAL" and full.prediction.step_time_s <= plan.prediction.step_time_s * (1 + 1e-9)
+
+
 def test_a_spent_time_limit_never_blames_pins_that_were_not_given():
     """Megatron's 1T row without tensor parallelism: bounding its thousand configurations spent the
     time limit, no solve ran, and the unpinned search said the pins conflict. However short the
-    limit, the least memory is still found for the most promising configuration."""
+    limit, the least memory is still found for the most promising configuration, and said to be the least
+    found, not the least there is (configurations were left unexamined); given the time, it is proved."""
     graph = transformer_graph(4, 4096, 2048, vocab=50304, heads=32)
     cluster = PRESETS["a100-80g"].for_world_size(2)
     with pytest.raises(InfeasibleError) as err:
         solve(graph, 2, cluster, TrainingSpec(2), memory_budget_bytes=1 * GiB,
               options=SolverOptions(time_limit_s=1e-9))
-    assert err.value.binding == "memory", str(err.value)
+    assert err.value.binding == "time", str(err.value)
     assert "pins" not in str(err.value) and err.value.min_memory_bytes > 1 * GiB
+    assert "is not proved least" in str(err.value) and "--time-limit" in str(err.value)
+    with pytest.raises(InfeasibleError) as proved:
+        solve(graph, 2, cluster, TrainingSpec(2), memory_budget_bytes=1 * GiB)
+    assert proved.value.binding == "memory" and "at best" in str(proved.value)
+    assert proved.value.min_memory_bytes <= err.value.min_memory_bytes
