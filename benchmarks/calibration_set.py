@@ -23,16 +23,15 @@ The published peaks are the caching allocator's peak reserved memory
 (torchtitan's ``max_reserved_gib``); the predicted column is the plan's
 allocated peak times 1 + the preset's ``allocator_overhead_fraction``.
 
-How the presets' ``matmul_efficiency`` was fitted (``--fit``): the graphs
-carry per-op records, so the runs are priced by the per-op compute model,
-whose only fitted term is η_max (``matmul_efficiency``: the large-GEMM
-efficiency; the GEMM-shape, attention, bandwidth and kernel-overhead terms
-are cited measurements, ``cost_models/hardware.py``). η is solved per run by
-fixed-point iteration to reproduce the published tokens/s, and each device
-family takes the geometric mean over its runs (H100: the two 8B runs; A100:
-8B and 70B). V100 borrows A100's value and H200 H100's (same compute die).
-No other public figure is used for fitting: the rest are kept back to
-validate the model.
+How the presets' ``matmul_efficiency`` is made and what ``--fit`` fits: the graphs carry per-op
+records, so the runs are priced by the per-op compute model, whose large-GEMM efficiency η_max is a
+device fact times a stack fact (``cost_models/hardware.py``). The device's is each family's best
+measured GEMM (``gpu_figures.BEST_GEMM``, cited); the stack's, ``TORCH_EAGER_GEMM_SHARE``, is what
+``--fit`` fits: η is solved per run by fixed-point iteration to reproduce the published tokens/s,
+and the A100 runs' geometric mean over A100's device efficiency is the eager stack's share (the only
+runs of this stack on a part whose GEMM rate is measured). The H100 runs then fit the one device figure
+no measurement gives, the 500 W part's share of the 700 W part's GEMM rate (``H100_500W_GEMM_SHARE``).
+No other public figure is used for fitting: the rest are kept back to validate the model.
 
 :func:`calibration_rows` returns the table's rows (``benchmarks/suite.py``
 puts them in its report).
@@ -151,19 +150,25 @@ def render(rows: list[CalibrationRow]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fit", action="store_true", help="fit matmul_efficiency per device family")
+    parser.add_argument("--fit", action="store_true", help="fit the eager stack's GEMM share (and the 500 W H100's)")
     args = parser.parse_args()
     graphs = capture_graphs()
     print(render(calibration_rows(graphs)))
     if args.fit:
+        from autopar.cost_models.hardware import device_gemm_efficiency
+
         fitted: dict[str, list[float]] = {}
         for run in RUNS:
             fitted.setdefault(FAMILY[run.cluster], []).append(fit_efficiency(run, graphs[run.model]))
+        mean = {family: math.exp(sum(map(math.log, etas)) / len(etas)) for family, etas in fitted.items()}
         for family, etas in fitted.items():
-            mean = math.exp(sum(map(math.log, etas)) / len(etas))
-            runs = ", ".join(f"{e:.3f}" for e in etas)
-            print(f"{family}: matmul_efficiency per run {runs} → geometric mean {mean:.3f}")
-
+            print(f"{family}: η_max per run {', '.join(f'{e:.3f}' for e in etas)} → geometric mean {mean[family]:.3f}")
+        stack = mean["A100"] / device_gemm_efficiency("A100")
+        power = mean["H100"] / (device_gemm_efficiency("H100") * stack)
+        print(f"TORCH_EAGER_GEMM_SHARE = {stack:.3f} (A100's {mean['A100']:.3f} over its device efficiency "
+              f"{device_gemm_efficiency('A100'):.3f})")
+        print(f"H100_500W_GEMM_SHARE = {power:.3f} (the 500 W H100's {mean['H100']:.3f} over the 700 W part's "
+              f"{device_gemm_efficiency('H100'):.3f} × the stack's {stack:.3f})")
 
 if __name__ == "__main__":
     main()

@@ -26,8 +26,6 @@ f the achievable share of the memory bandwidth; the presets cite each
 
 from __future__ import annotations
 
-import math
-
 from .hardware import DeviceSpec
 
 BACKWARD_FLOPS_FACTOR = 2.0  # backward = grad wrt inputs + grad wrt weights (2× forward)
@@ -81,6 +79,29 @@ def float8_cast_time_s(elements: float, element_bytes: float, device: DeviceSpec
     if compiled:
         return memory_bound_time_s(elements * (2 * element_bytes + 1), device, FLOAT8_CAST_COMPILED_KERNELS)
     return memory_bound_time_s(elements * FLOAT8_CAST_EAGER_BYTES_PER_ELEMENT, device, FLOAT8_CAST_EAGER_KERNELS)
+
+
+# The loss: cross-entropy over the logits in fp32 (a bf16 plan's loss runs in full precision,
+# ``runtime.model.fp32_loss``), memory-bound. Per logit element, with p the plan dtype's bytes: forward
+# the cast to fp32 (p read, 4 written; nothing at fp32) and log-softmax (the input read twice, for its max
+# and its sum of exponentials, the output written: 12), nll_loss's gather negligible; backward
+# nll_loss's gradient zeroed (4), log-softmax's backward (the gradient and the output read, the input's
+# gradient written: 12) and the cast back (4 read, p written). Kernels: 3 forward, 4 backward, each an op
+# the host issues too. Counted from torch's eager kernels (aten::_log_softmax, its backward, nll_loss),
+# not measured; the loss's memory is priced apart (``planning.pricing.PriceTable.loss_bytes``).
+LOSS_FWD_KERNELS, LOSS_BWD_KERNELS = 3, 4
+
+
+def loss_time_s(elements: float, element_bytes: float, device: DeviceSpec) -> tuple[float, float]:
+    """(forward, backward) seconds of the default cross-entropy over ``elements`` logits of
+    ``element_bytes`` each (the constants above), each at least the host's time issuing its ops."""
+    if elements <= 0:
+        return 0.0, 0.0
+    cast = element_bytes + 4.0 if element_bytes < 4 else 0.0
+    fwd = memory_bound_time_s(elements * (cast + 12.0), device, LOSS_FWD_KERNELS)
+    bwd = memory_bound_time_s(elements * (cast + 16.0), device, LOSS_BWD_KERNELS)
+    host = device.op_model.host_op_s if device.op_model is not None else 0.0
+    return max(fwd, LOSS_FWD_KERNELS * host), max(bwd, LOSS_BWD_KERNELS * host)
 
 
 def efficiency(work_flops: float, device: DeviceSpec) -> float:
@@ -141,13 +162,7 @@ def gemm_efficiency(m: float, n: float, k: float, batch: float, device: DeviceSp
     ops = device.op_model
     if ops is None:
         return device.matmul_efficiency
-    ramp = k / (k + ops.gemm_k_half)
-    used = 1.0
-    if ops.sm_count > 0:
-        tiles = math.ceil(m / ops.tile_m) * math.ceil(n / ops.tile_n) * math.ceil(batch)
-        waves = math.ceil(tiles / ops.sm_count)
-        used = m * n * batch / (waves * ops.sm_count * ops.tile_m * ops.tile_n)
-    return device.matmul_efficiency * ramp * min(used, 1.0)
+    return device.matmul_efficiency * ops.shape_factor(m, n, k, batch)
 
 
 def gemm_time_s(m: float, n: float, k: float, batch: float, device: DeviceSpec, dtype: str) -> float:

@@ -80,6 +80,37 @@ def gemm_k_half(peak_flops: float, bandwidth_bytes_s: float) -> float:
     return GEMM_K_HALF * (peak_flops / bandwidth_bytes_s) / (H800_BF16_FLOPS / H800_HBM_BYTES_S)
 
 
+# - The device's best GEMM: the fastest dense bf16 matmul measured on the part, at the shape it was
+#   measured (a device fact, apart from any training stack). stas00/ml-engineering,
+#   compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS comparison table" (mamf-finder.py
+#   over many shapes, CUDA 12.1): A100 SXM 267.9 TFLOP/s of 312 at 6912 × 16384 × 2048 (85.9%), H100 SXM
+#   792.1 of 989 at 6144 × 17920 × 2816 (80.1%). H200: 787 TFLOP/s at 4096 × 4096 × 4096 (this project's
+#   GPU check on one H200, torch 2.11.0+cu130, 2026-12-04; docs/benchmarks.md "One H200"), 0.80 of peak as
+#   the H100's table row. V100 has no measured row: it borrows A100's (hardware.py says so). Each preset's
+#   large-GEMM efficiency is solved from its row so that the op model's GEMM at that shape runs at the
+#   measured rate (``hardware.device_gemm_efficiency``), the shape's k-ramp and wave quantisation included.
+#   family → (FLOP/s measured, (m, n, k), the bf16 peak and HBM bandwidth of the part measured)
+BEST_GEMM = {
+    "A100": (267.9e12, (6912, 16384, 2048), 312e12, 2039e9),
+    "H100": (792.1e12, (6144, 17920, 2816), 989e12, 3350e9),
+    "H200": (787.0e12, (4096, 4096, 4096), 989e12, 4800e9),
+}
+# - The host: eager PyTorch dispatches every op from one CPU thread (Python, the dispatcher, autograd's
+#   bookkeeping, the launch), so a layer cannot run faster than its host issues its kernels. On the one
+#   H200 host this project was lent, back-to-back eager bf16 ``torch.mm`` calls cost 28 µs each
+#   (benchmarks/gpu_compute.py's GEMM sweep fitted by calibrate's ``fit_gemm``: its per-call term, the
+#   host's, not the 3 µs a launch alone costs; docs/benchmarks.md "One H200"). One measurement of one
+#   host: the presets charge it per op, forward and backward alike (autograd's engine runs backward's
+#   ops through the same dispatcher), and ``autopar calibrate`` measures it on the user's.
+HOST_OP_S = 37e-6
+# - A checkpointed call's machinery on the host, beyond the ops it re-runs (torch's non-reentrant checkpoint:
+#   a saved-tensor hook per tensor saved, the recompute triggered from one, the selective policy asked about
+#   every op), in ops of the block's own host time per recorded op, per forward op of the block. Measured
+#   where kernels are negligible (one CPU thread, tiny tensors: ``python benchmarks/host_overheads.py``, the
+#   median over a GPT block and a Hugging Face Llama decoder layer, docs/benchmarks.md "The host"), and
+#   carried to a GPU's host by its per-op time. On the H200 a recomputed GPT-125M block cost 2.7–2.8 ms more
+#   per microbatch than an eager one, where its forward's ops alone are 11 × 28 µs (docs/benchmarks.md).
+CHECKPOINT_HOST_OPS = {"full": 5.0, "selective": 13.0, "alternate_mm": 13.0}
 # - Achievable HBM bandwidth: a device-to-device copy on an A100 80 GB SXM4 moves 1536 GB/s of
 #   its 2039 (0.75; AnjaliSandip/FastIceFlo, output/EffectiveMemoryThroughput.md).
 GPU_BANDWIDTH_FRACTION = 0.75

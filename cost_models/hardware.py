@@ -5,9 +5,10 @@ node, devices talk over ``intra_node`` (NVLink: bandwidth is the nccl-tests
 *bus* bandwidth); between nodes over ``inter_node`` (bandwidth is one NIC's),
 with ``nics_per_node`` NICs shared by the node's devices.
 
-Preset figures are public (DESIGN.md "Cost model facts"); compute efficiency
-(``matmul_efficiency``) is fitted to the calibration set — see
-``benchmarks/calibration_set.py``, which prints the fit.
+Preset figures are public (DESIGN.md "Cost model facts") or measured on a GPU this project
+was lent (``gpu_figures``); a preset's compute efficiency (``matmul_efficiency``) is the
+device's measured GEMM efficiency times the eager stack's share of it, the one figure fitted
+to the calibration set (``benchmarks/calibration_set.py --fit`` prints the fit).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from autopar.cost_models.gpu_figures import (  # noqa: F401 - the figures, impor
     ALLOCATOR_OVERHEAD_FRACTION,
     ATTENTION_BWD_RELATIVE,
     ATTENTION_FWD_RELATIVE,
+    BEST_GEMM,
     CUDA_CONTEXT_BYTES,
     FP8_DENSE_TFLOPS,
     FP8_MIN_COMPUTE_CAPABILITY,
@@ -33,6 +35,7 @@ from autopar.cost_models.gpu_figures import (  # noqa: F401 - the figures, impor
     GEMM_TILE_N,
     GPU_BANDWIDTH_FRACTION,
     GPU_KERNEL_OVERHEAD_S,
+    HOST_OP_S,
     MASKED_ATTENTION_BWD,
     MASKED_ATTENTION_FWD,
     NCCL_BUFFER_BYTES,
@@ -78,8 +81,10 @@ class OpModel:
     ``masked_attention_bwd`` of those (1 where the fused kernel takes masks, as
     on a CPU; on CUDA the flash kernel takes none); under torch.compile memory-bound ops take
     ``compiled_memory_bound_fraction`` of their eager time (inductor fuses
-    them with their neighbours). Presets cite each figure (``cost_models.compute``);
-    ``autopar calibrate`` measures them on its host.
+    them with their neighbours). ``host_op_s`` is what the host spends issuing one eager op (Python,
+    the dispatcher, autograd, the launch): a layer takes at least its ops' host time, however fast its
+    kernels (0 where the host is the device, as on a CPU, whose ``kernel_overhead_s`` already holds it).
+    Presets cite each figure (``cost_models.gpu_figures``); ``autopar calibrate`` measures them on its host.
     """
 
     sm_count: int
@@ -93,6 +98,18 @@ class OpModel:
     compiled_memory_bound_fraction: float = COMPILED_MEMORY_BOUND_FRACTION
     masked_attention_fwd: float = 1.0
     masked_attention_bwd: float = 1.0
+    host_op_s: float = 0.0
+
+    def shape_factor(self, m: float, n: float, k: float, batch: float = 1.0) -> float:
+        """The share of the large-GEMM rate one GEMM of ``batch`` (m × k)·(k × n) products reaches: the
+        ramp in its reduction depth, k / (k + k½), times the tile and wave quantisation of its m × n output
+        (``cost_models.compute``'s module docstring)."""
+        ramp = k / (k + self.gemm_k_half)
+        if self.sm_count <= 0:
+            return ramp
+        tiles = math.ceil(m / self.tile_m) * math.ceil(n / self.tile_n) * math.ceil(batch)
+        waves = math.ceil(tiles / self.sm_count)
+        return ramp * min(1.0, m * n * batch / (waves * self.sm_count * self.tile_m * self.tile_n))
 
 
 @dataclass(frozen=True)
@@ -383,7 +400,7 @@ def _validate(c: ClusterSpec) -> None:
         if ops.compiled_memory_bound_fraction > 1:
             raise ClusterError(f"cluster {c.name!r}: device.op_model.compiled_memory_bound_fraction must be "
                                f"≤ 1 (compiled no slower than eager), got {ops.compiled_memory_bound_fraction!r}")
-        for name in ("sm_count", "gemm_k_half", "kernel_overhead_s"):
+        for name in ("sm_count", "gemm_k_half", "kernel_overhead_s", "host_op_s"):
             non_negative[f"device.op_model.{name}"] = getattr(ops, name)
         if not all(isinstance(v, int) for v in (ops.sm_count, ops.tile_m, ops.tile_n)):
             raise ClusterError(f"cluster {c.name!r}: device.op_model's sm_count, tile_m and tile_n "
@@ -413,7 +430,7 @@ def _validate(c: ClusterSpec) -> None:
 
 
 _OPTIONAL_FIELDS = {"collectives", "op_model", "peak_flops_fp8", "compiled_memory_bound_fraction",
-                    "masked_attention_fwd", "masked_attention_bwd"}
+                    "masked_attention_fwd", "masked_attention_bwd", "host_op_s"}
 
 
 def _section(data: dict[str, Any], key: str, cls: type, source: str) -> Any:
@@ -480,18 +497,34 @@ def _cluster_from_dict(data: dict[str, Any], source: str) -> ClusterSpec:
         raise ClusterError(f"{source}: {exc}") from None
 
 
-# Fitted compute efficiencies: `python benchmarks/calibration_set.py --fit`
-# reproduces them from torchtitan's Llama 3.1 runs (8B FSDP on 8 and 128 H100;
-# 8B and 70B FSDP on 64 A100), geometric mean per family. V100 borrows A100's,
-# H200 H100's (same compute die). The H100 runs' hardware is the preset h100-96g: torchtitan's
-# docs/performance.md gives its Grand Teton H100s as "96GB HBM2e with 2.4 TB/sec peak memory
-# bandwidth" at a 500 W power limit (fitted at 3.35 TB/s, the HBM3 part's, η_max came out 0.446:
-# the memory-bound time the slower memory takes had been charged to the GEMMs).
-H100_EFFICIENCY = 0.480
-A100_EFFICIENCY = 0.726
+# A preset's large-GEMM efficiency (``DeviceSpec.matmul_efficiency``, η_max) is a device fact times a
+# stack fact, kept apart:
+# - the device's: the large-k, whole-wave efficiency its best measured GEMM implies
+#   (:func:`device_gemm_efficiency` of ``gpu_figures.BEST_GEMM``: A100 0.914, H100 0.892, H200 0.856);
+# - the stack's, :data:`TORCH_EAGER_GEMM_SHARE`: the share of it a training step's GEMMs reach under eager
+#   PyTorch with FSDP2 in bf16 (torch's kernel choices against cuBLAS's best shape, and what the per-op
+#   model leaves out: the stack's fragmentation of the step, its unmodelled copies). Fitted on the
+#   calibration set's A100 runs (``python benchmarks/calibration_set.py --fit``: torchtitan's 8B and 70B
+#   on 64 A100, geometric mean), the only runs of this stack on a part whose GEMM rate is measured.
+TORCH_EAGER_GEMM_SHARE = 0.799
+# - torchtitan's H100 runs used a power-limited part (96 GB HBM2e at 500 W, docs/performance.md of
+#   torchtitan), whose clocks under a GEMM sit below the 700 W SXM5's: no GEMM rate of it is published,
+#   so its share of the 700 W part's rate is the one device figure the calibration set fits
+#   (``--fit``: its two 8B runs, given the stack share above). It prices that part alone (``h100-96g``).
+H100_500W_GEMM_SHARE = 0.687
 # Work per layer call at which a GPU reaches half its large-layer efficiency:
 # about a 1024×1024×1024 bf16 GEMM (2 GFLOP). Not fitted; a stated assumption.
 GPU_HALF_EFFICIENCY_FLOPS = 2e9
+
+
+def device_gemm_efficiency(family: str) -> float:
+    """The large-k, whole-wave GEMM efficiency of a GPU family: its best measured GEMM's rate over its bf16
+    peak (``gpu_figures.BEST_GEMM``), divided by the shape factor the op model gives that GEMM's shape on the
+    part measured, so that the op model prices the measured GEMM at the measured rate."""
+    rate, (m, n, k), peak, hbm = BEST_GEMM[family]
+    ops = _op_model(family, peak / 1e12, hbm / GB)
+    return rate / peak / ops.shape_factor(m, n, k)
+
 
 _NVLINK_A100 = LinkSpec(bandwidth_bytes_s=230 * GB, latency_s=NVLINK_STEP_LATENCY_S)
 _NVLINK_H100 = LinkSpec(bandwidth_bytes_s=370 * GB, latency_s=NVLINK_STEP_LATENCY_S)
@@ -506,10 +539,14 @@ def _op_model(name: str, bf16: float, hbm: float) -> OpModel:
                    gemm_k_half=gemm_k_half(bf16 * 1e12, hbm * GB), kernel_overhead_s=GPU_KERNEL_OVERHEAD_S,
                    bandwidth_fraction=GPU_BANDWIDTH_FRACTION, attention_fwd=ATTENTION_FWD_RELATIVE,
                    attention_bwd=ATTENTION_BWD_RELATIVE, masked_attention_fwd=MASKED_ATTENTION_FWD,
-                   masked_attention_bwd=MASKED_ATTENTION_BWD)
+                   masked_attention_bwd=MASKED_ATTENTION_BWD, host_op_s=HOST_OP_S)
 
 
-def _gpu(name: str, mem_gib: float, bf16: float, fp32: float, hbm: float, eff: float) -> DeviceSpec:
+def _gpu(name: str, mem_gib: float, bf16: float, fp32: float, hbm: float, family: str,
+         share: float = 1.0) -> DeviceSpec:
+    """A GPU whose GEMMs reach ``family``'s measured efficiency (× ``share`` for a power-limited part), × the
+    eager stack's share of it."""
+    eff = device_gemm_efficiency(family) * share * TORCH_EAGER_GEMM_SHARE
     return DeviceSpec(name, int(mem_gib * GiB), bf16 * 1e12, fp32 * 1e12, hbm * GB, eff,
                       GPU_HALF_EFFICIENCY_FLOPS, _op_model(name, bf16, hbm),
                       FP8_DENSE_TFLOPS.get(name.split("-")[0], 0.0) * 1e12)
@@ -540,12 +577,14 @@ _CPU = ClusterSpec(
 PRESETS: dict[str, ClusterSpec] = {
     c.name: c
     for c in [
-        _dgx("a100-40g", _gpu("A100-SXM4-40GB", 40, 312, 19.5, 1555, A100_EFFICIENCY), _NVLINK_A100, _HDR_NIC),
-        _dgx("a100-80g", _gpu("A100-SXM4-80GB", 80, 312, 19.5, 2039, A100_EFFICIENCY), _NVLINK_A100, _HDR_NIC),
-        _dgx("h100-80g", _gpu("H100-SXM5-80GB", 80, 989, 67, 3350, H100_EFFICIENCY), _NVLINK_H100, _NDR_NIC),
-        _dgx("h100-96g", _gpu("H100-SXM5-96GB-500W", 95, 989, 67, 2400, H100_EFFICIENCY), _NVLINK_H100, _NDR_NIC),
-        _dgx("h200", _gpu("H200-SXM-141GB", 140, 989, 67, 4800, H100_EFFICIENCY), _NVLINK_H100, _NDR_NIC),
-        _dgx("v100-16g", _gpu("V100-SXM2-16GB", 16, 125, 15.7, 900, A100_EFFICIENCY), _NVLINK_V100, _EDR_NIC),
+        _dgx("a100-40g", _gpu("A100-SXM4-40GB", 40, 312, 19.5, 1555, "A100"), _NVLINK_A100, _HDR_NIC),
+        _dgx("a100-80g", _gpu("A100-SXM4-80GB", 80, 312, 19.5, 2039, "A100"), _NVLINK_A100, _HDR_NIC),
+        _dgx("h100-80g", _gpu("H100-SXM5-80GB", 80, 989, 67, 3350, "H100"), _NVLINK_H100, _NDR_NIC),
+        _dgx("h100-96g", _gpu("H100-SXM5-96GB-500W", 95, 989, 67, 2400, "H100", H100_500W_GEMM_SHARE),
+             _NVLINK_H100, _NDR_NIC),
+        _dgx("h200", _gpu("H200-SXM-141GB", 140, 989, 67, 4800, "H200"), _NVLINK_H100, _NDR_NIC),
+        # no measured V100 GEMM: A100's efficiency (BEST_GEMM), a stated borrowing
+        _dgx("v100-16g", _gpu("V100-SXM2-16GB", 16, 125, 15.7, 900, "A100"), _NVLINK_V100, _EDR_NIC),
         _CPU,
     ]
 }

@@ -13,6 +13,10 @@ An attention call that passes its own ``attn_mask`` (a padding or sliding-window
 records it, ``OpRecord.masked``) is priced at the device's masked rate: CUDA's flash kernel takes no
 mask, so such a call runs the memory-efficient one there (``OpModel.masked_attention_fwd``; 1 on a CPU).
 
+Each direction takes at least the host's time issuing its ops (:func:`host_time_s`): eager PyTorch
+dispatches every op from one CPU thread, so a layer of small kernels runs at the host's pace, not the
+device's (``OpModel.host_op_s``; 0 on a CPU, where the host is the device).
+
 Under torch.compile (a compiled block), the memory-bound term's bytes and kernels are scaled by
 the op model's ``compiled_memory_bound_fraction`` (fusion; presets: 0.5); GEMMs and attention
 are priced as eager (inductor calls the same library kernels for them).
@@ -57,6 +61,8 @@ from dataclasses import dataclass
 from autopar.choice import CpAttention
 from autopar.cost_models.compute import (
     BACKWARD_FLOPS_FACTOR,
+    FLOAT8_CAST_COMPILED_KERNELS,
+    FLOAT8_CAST_EAGER_KERNELS,
     MEMORY_BOUND_BACKWARD_FACTOR,
     attention_time_s,
     compute_time_s,
@@ -120,10 +126,60 @@ def attention_op_time_s(op: OpRecord, microbatch: int, style: str | None, tp: in
 
 @dataclass(frozen=True)
 class LayerCompute:
-    """Forward and backward compute time of one layer call, seconds."""
+    """Forward and backward time of one layer call, seconds: each the longer of its kernels' time on the
+    device and the host's time issuing them (:func:`host_time_s`)."""
 
-    fwd_s: float
-    bwd_s: float
+    device_fwd_s: float
+    device_bwd_s: float
+    host_fwd_s: float = 0.0
+    host_bwd_s: float = 0.0
+
+    @property
+    def fwd_s(self) -> float:
+        return max(self.device_fwd_s, self.host_fwd_s)
+
+    @property
+    def bwd_s(self) -> float:
+        return max(self.device_bwd_s, self.host_bwd_s)
+
+
+def host_ops(layer: Layer, cp: int = 1, method: CpAttention = CpAttention.ALL_GATHER,
+             fused: float = 1.0, float8: frozenset[tuple[int, int]] = frozenset(),
+             compiled: bool = False) -> tuple[float, float]:
+    """(forward, backward) ops the host issues for one call of ``layer``, from capture's records: each
+    GEMM once forward and twice backward (dX, dW), each attention kernel once each way (under cp its
+    :data:`CP_ATTENTION_CALLS` chunks, or the ring's cp steps), each memory-bound kernel once forward
+    and :data:`MEMORY_BOUND_BACKWARD_FACTOR` times backward (``fused``: the share a compiled block keeps),
+    and backward's gradient accumulation, one op per parameter; a float8 linear's casts (:func:`float8_casts_s`:
+    two forward, four backward, each ``cost_models.compute``'s eager or compiled kernel count). Views, which
+    launch nothing, are not counted (an underestimate where a layer is all views)."""
+    gemms = attention = memory = casts = 0.0
+    calls = cp if cp > 1 and method is CpAttention.RING else (
+        CP_ATTENTION_CALLS if cp > 1 and method is CpAttention.ALL_GATHER else 1)
+    for op in layer.ops:
+        if op.kind is OpKind.GEMM:
+            gemms += op.count
+            casts += op.count if float8 and is_float8(op, float8) else 0
+        elif op.kind is OpKind.ATTENTION:
+            attention += op.count * calls
+        else:
+            memory += op.count * fused
+    params = len(layer.param_names)
+    per_cast = FLOAT8_CAST_COMPILED_KERNELS if compiled else FLOAT8_CAST_EAGER_KERNELS
+    return (gemms + attention + memory + 2 * casts * per_cast,
+            2 * gemms + attention + MEMORY_BOUND_BACKWARD_FACTOR * memory + params + 4 * casts * per_cast)
+
+
+def host_time_s(layer: Layer, device: DeviceSpec, cp: int = 1, method: CpAttention = CpAttention.ALL_GATHER,
+                fused: float = 1.0, float8: frozenset[tuple[int, int]] = frozenset(),
+                compiled: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds the host spends issuing one call of ``layer`` (:func:`host_ops` ×
+    the op model's ``host_op_s``); 0 without an op model or records (the FLOPs model's per-call
+    overhead covers it there)."""
+    if device.op_model is None or not layer.ops or device.op_model.host_op_s <= 0:
+        return 0.0, 0.0
+    fwd, bwd = host_ops(layer, cp, method, fused, float8, compiled)
+    return fwd * device.op_model.host_op_s, bwd * device.op_model.host_op_s
 
 
 def style_flops_per_sample(layer: Layer, style: str | None, tp: int) -> float:
@@ -232,7 +288,9 @@ def layer_compute(layer: Layer, style: str | None, tp: int, microbatch: int, dev
         fwd, bwd = fwd + m_fwd, bwd + m_bwd
     rest = max(0.0, flops - op_flops_per_sample(layer, style, tp)) * b / cp
     rate = device.peak_flops(dtype) * device.matmul_efficiency
-    return LayerCompute(fwd + rest / rate, bwd + BACKWARD_FLOPS_FACTOR * rest / rate)
+    fwd, bwd = fwd + rest / rate, bwd + BACKWARD_FLOPS_FACTOR * rest / rate
+    host_fwd, host_bwd = host_time_s(layer, device, cp, method, fused, float8, compiled)
+    return LayerCompute(fwd, bwd, host_fwd, host_bwd)
 
 
 def ring_elementwise_s(layer: Layer, microbatch: int, device: DeviceSpec, dtype: str, act_scale: float, cp: int,

@@ -53,11 +53,13 @@ def master_grad_bytes(table: Any, params: int) -> int:
     return (FP32_BYTES - table.prec.grad_bytes) * params
 
 
-def kept_mb_bytes(table: Any, layer: Layer, runs: LayerChoice, fwd_s: float, acts: float) -> tuple[float, int]:
+def kept_mb_bytes(table: Any, layer: Layer, runs: LayerChoice, fwd_s: float, acts: float,
+                  times: Any = None) -> tuple[float, int]:
     """(forward re-run in backward per microbatch, activation bytes kept per microbatch) of ``layer``
-    running as ``runs``, from its style's saved activations per sample ``acts``."""
+    running as ``runs``, from its style's saved activations per sample ``acts`` (``times``: its
+    compute's device and host parts, for the re-run's)."""
     acts += expert_price.imbalance_bytes(table, layer)
-    refwd, kept = recompute_part(table, layer, runs, fwd_s, acts)
+    refwd, kept = recompute_part(table, layer, runs, fwd_s, acts, times)
     return refwd, math.ceil(table.microbatch_size * max(kept, 0.0) * table.act_scale)
 
 

@@ -55,13 +55,14 @@ from autopar import contract
 from autopar.choice import LayerChoice, Recompute
 from autopar.contract import Buffers, Engine
 from autopar.cost_models.communication import Collective, collective_time_s, p2p_time_s, place_group
+from autopar.cost_models.compute import loss_time_s
 from autopar.cost_models.hardware import ClusterSpec, idle_core_speedup
 from autopar.cost_models.memory import optimizer_shard_params
 from autopar.cost_models.pipeline import ScheduleKind, in_flight
 from autopar.graph import Layer, LayerGraph
 from autopar.planning import context_price, edges, expert_price
 from autopar.planning.configuration import Configuration, TrainingSpec
-from autopar.planning.layer_compute import layer_compute
+from autopar.planning.layer_compute import LayerCompute, layer_compute
 from autopar.planning.memory_floor import held_bytes, kept_mb_bytes
 from autopar.planning.recompute_price import compiled_ops
 from autopar.planning.sequence import region_s, sequence_activation_bytes, sequence_comm_s
@@ -353,6 +354,13 @@ class PriceTable:
         one = self.microbatch_size * self.graph.output_bytes_per_sample * FP32_BYTES / self.graph.dtype_bytes
         return math.ceil((kept + 2) * one / self.config.mesh.cp), math.ceil((kept - 1) * one / self.config.mesh.cp)
 
+    @cached_property
+    def loss_time_s(self) -> tuple[float, float]:
+        """(forward, backward) of the loss per microbatch on the last layer's rank: cross-entropy over the
+        output's S/cp tokens in fp32 (``cost_models.compute.loss_time_s``)."""
+        elements = self.microbatch_size * self.graph.output_bytes_per_sample / self.graph.dtype_bytes
+        return loss_time_s(elements / self.config.mesh.cp, self.prec.activation_bytes, self.cluster.device)
+
     def rank_workspace_bytes(self, rank: int) -> int:
         """:attr:`workspace_bytes`, on the last pipeline rank the loss's peak in one layer's stead if larger."""
         peak, beside = self.loss_bytes if rank == self.config.mesh.pp - 1 else (0, 0)
@@ -382,10 +390,11 @@ class PriceTable:
         return compiled_ops(self, layer)
 
     def _style_part(self, layer: Layer, style_name: str | None,
-                    sp: bool = False) -> tuple[float, float, float, float, float, float, float]:
+                    sp: bool = False) -> tuple[float, float, float, float, float, float, float, LayerCompute]:
         """What a tensor-parallel style (or none; with sequence parallelism or not) sets, whatever the
         ZeRO stage and recompute: forward and backward compute, forward and backward communication
-        (tp's and cp's), saved activations, and cp's forward and backward part of that communication."""
+        (tp's and cp's), saved activations, cp's forward and backward part of that communication, and
+        the compute's device and host parts (:class:`~.layer_compute.LayerCompute`)."""
         c, b = self.config, self.microbatch_size
         key = (id(layer), style_name, sp, c.mesh.tp, b, self.tp_group, self.act_scale, self.dtype_for_compute,
                id(self.cluster), self.training.compiled, c.mesh.ep, c.mesh.cp, self.cp_group, c.cp_attention,
@@ -420,7 +429,7 @@ class PriceTable:
                               float8=self.training.float8.shapes(layer.name) if self.training.float8 else frozenset())
         heads_split = c.mesh.tp if style_name is not None else 1  # K/V of this tp rank's heads only
         kv_fwd, kv_bwd, acts = context_price.context_part(self, layer, acts, heads_split)
-        part = (times.fwd_s, times.bwd_s, tp_comm_fwd + kv_fwd, tp_comm_bwd + kv_bwd, acts, kv_fwd, kv_bwd)
+        part = (times.fwd_s, times.bwd_s, tp_comm_fwd + kv_fwd, tp_comm_bwd + kv_bwd, acts, kv_fwd, kv_bwd, times)
         self._style_memo[key] = (layer, part)  # the layer is kept, so its id is not reused while the memo lives
         return part
 
@@ -428,12 +437,13 @@ class PriceTable:
         """The layer priced as it runs (:meth:`runs_as`)."""
         runs = self.runs_as(layer.index, choice)
         c, prec, device = self.config, self.prec, self.cluster.device
-        fwd, bwd, tp_comm_fwd, tp_comm_bwd, acts, kv_fwd, kv_bwd = self._style_part(layer, runs.tp, runs.sp)
+        fwd, bwd, tp_comm_fwd, tp_comm_bwd, acts, kv_fwd, kv_bwd, times = self._style_part(layer, runs.tp, runs.sp)
         a2a_fwd, a2a_bwd = expert_price.dispatch_s(self, layer)
         tp_comm_fwd, tp_comm_bwd = tp_comm_fwd + a2a_fwd, tp_comm_bwd + a2a_bwd
         norm_sync = self._norm_sync_s(layer)
-        fwd, bwd = fwd + norm_sync, bwd + norm_sync
-        refwd, activation_mb = kept_mb_bytes(self, layer, runs, fwd, acts)
+        loss_fwd, loss_bwd = self.loss_time_s if layer.index == len(self.graph) - 1 else (0.0, 0.0)
+        fwd, bwd = fwd + norm_sync + loss_fwd, bwd + norm_sync + loss_bwd
+        refwd, activation_mb = kept_mb_bytes(self, layer, runs, fwd, acts, times)
         compute = fwd + bwd + refwd
         # a recomputed forward issues its collectives again (selective keeps only matmul-class outputs)
         tp_comm = tp_comm_fwd + tp_comm_bwd + (tp_comm_fwd if runs.recompute else 0.0)

@@ -12,8 +12,10 @@ from typing import Any
 
 from autopar.choice import Recompute
 from autopar.cost_models.compute import compute_time_s, memory_bound_time_s
-from autopar.graph import Layer
+from autopar.cost_models.gpu_figures import CHECKPOINT_HOST_OPS
+from autopar.graph import Layer, OpKind
 from autopar.planning.context_price import kept_bytes as context_kept_bytes
+from autopar.planning.layer_compute import LayerCompute, host_ops
 from autopar.planning.sequence import sequence_input_bytes
 
 
@@ -28,7 +30,8 @@ def compiled_ops(table: Any, layer: Layer) -> bool:
             and not (table.config.mesh.ep > 1 and bool(layer.moe)))  # contract.compiled_break's ep half
 
 
-def recompute_part(table: Any, layer: Layer, strategy: Any, fwd_s: float, acts: float) -> tuple[float, float]:
+def recompute_part(table: Any, layer: Layer, strategy: Any, fwd_s: float, acts: float,
+                   times: LayerCompute | None = None) -> tuple[float, float]:
     """(time re-run in backward per microbatch, bytes kept per sample) under the layer's recompute.
 
     Checkpointing the module keeps its inputs (with sequence parallelism, this rank's
@@ -61,8 +64,12 @@ def recompute_part(table: Any, layer: Layer, strategy: Any, fwd_s: float, acts: 
         inputs = sequence_input_bytes(layer, layer.tp_style(strategy.tp), c.mesh.tp, table.graph.dtype_bytes)
     cp = c.mesh.cp
     base = (inputs + layer.glue_saved_bytes_per_sample) / cp
-    if kind is Recompute.FULL:
-        return fwd_s, base
+    machinery = checkpoint_host_s(table, layer, kind)
+    if kind is Recompute.FULL:  # the device re-runs the forward, the host re-issues it after the machinery
+        if times is None:
+            return fwd_s, base
+        device_rerun = fwd_s - times.fwd_s + times.device_fwd_s  # a BatchNorm's sync again, on the device's side
+        return backward_share(times, device_rerun, times.host_fwd_s + machinery), base
     split = 1 - 1 / c.mesh.tp if strategy.tp is not None and layer.tp_style(strategy.tp).row else 0.0
     p = "alternate" if kind is Recompute.ALTERNATE_MM else "selective"  # torchtitan's policy, or autopar's
     saved = getattr(layer, f"{p}_saved_bytes_per_sample") - split * getattr(layer, f"{p}_sharded_bytes_per_sample")
@@ -76,8 +83,41 @@ def recompute_part(table: Any, layer: Layer, strategy: Any, fwd_s: float, acts: 
     rerun = (compute_time_s(b * getattr(layer, f"{p}_recompute_flops_per_sample") / cp, device,
                             table.dtype_for_compute)
              + memory_bound_time_s(b * moved * table.act_scale * fused / cp, device))
+    if times is not None:
+        host = machinery + selective_host_s(layer, device, fused, alternate=kind is Recompute.ALTERNATE_MM)
+        rerun = backward_share(times, rerun, host)
     # cp's attention: under all-gather the gathered K/V and prefix masks, per sample; nothing under Ulysses
     return rerun, base + saved / cp + context_kept_bytes(table, layer)
 
 
-__all__ = ["recompute_part"]
+def backward_share(times: LayerCompute, device_rerun_s: float, host_rerun_s: float) -> float:
+    """What a re-run adds to its layer's backward: backward and re-run together take the longer of the
+    device's and the host's time for both, so a re-run the host issues while the device is still busy with
+    backward's kernels costs only what the host's side then outlasts."""
+    together = max(times.device_bwd_s + device_rerun_s, times.host_bwd_s + host_rerun_s)
+    return together - times.bwd_s
+
+
+def checkpoint_host_s(table: Any, layer: Layer, kind: Recompute) -> float:
+    """What a checkpointed call of ``layer`` costs the host beyond the ops it re-runs: the non-reentrant
+    checkpoint's saved-tensor hooks, its recompute and (selective) its policy called on every op,
+    :data:`~autopar.cost_models.gpu_figures.CHECKPOINT_HOST_OPS` per forward op at the host's per-op time
+    (``benchmarks/host_overheads.py`` measures it). A compiled block traces the checkpoint away: nothing."""
+    ops = table.cluster.device.op_model
+    if ops is None or ops.host_op_s <= 0 or not layer.ops or compiled_ops(table, layer):
+        return 0.0
+    return CHECKPOINT_HOST_OPS[kind.name.lower()] * host_ops(layer)[0] * ops.host_op_s
+
+
+def selective_host_s(layer: Layer, device: Any, fused: float, *, alternate: bool) -> float:
+    """The host's time issuing a selective re-run: the layer's memory-bound ops again (``fused``: the share a
+    compiled block keeps), and under torchtitan's policy every other GEMM too (``layer_compute.host_time_s``)."""
+    ops = device.op_model
+    if ops is None or not layer.ops or ops.host_op_s <= 0:
+        return 0.0
+    memory = sum(op.count for op in layer.ops if op.kind is OpKind.MEMORY) * fused
+    gemms = sum(op.count for op in layer.ops if op.kind is OpKind.GEMM) / 2 if alternate else 0.0
+    return (memory + gemms) * ops.host_op_s
+
+
+__all__ = ["checkpoint_host_s", "recompute_part", "selective_host_s"]

@@ -93,20 +93,27 @@ def test_converted_gemms_run_at_the_float8_peak_plus_their_casts() -> None:
     for compiled in (False, True):
         bf16 = layer_compute(block, None, 1, 8, h100, "bf16", compiled=compiled)
         f8 = layer_compute(block, None, 1, 8, h100, "bf16", compiled=compiled, float8=shapes)
-        assert f8.fwd_s != bf16.fwd_s and f8.bwd_s != bf16.bwd_s
-    # compiled (casts fused), the block's GEMMs dominate and float8 pays (10% at this width, more when
-    # wider: the next test); eager, its 33 bytes an element of casts cost more than the GEMMs save
+        assert f8.device_fwd_s != bf16.device_fwd_s and f8.device_bwd_s != bf16.device_bwd_s
+    # compiled (casts fused) the casts cost far less than eager (33 bytes an element in 10 kernels), but at this
+    # width, with the H100's GEMMs at their measured rate, they cost about what the faster GEMMs save (within
+    # 5%; an H200 measured compiled float8 1.3× slower than bf16 at d = 1,024: docs/benchmarks.md): float8 pays
+    # only wider (the next test); eager, its casts cost more than the GEMMs save
+    def total(t):
+        return t.device_fwd_s + t.device_bwd_s
+
     compiled_bf16 = layer_compute(block, None, 1, 8, h100, "bf16", compiled=True)
     compiled_f8 = layer_compute(block, None, 1, 8, h100, "bf16", compiled=True, float8=shapes)
-    assert compiled_f8.fwd_s + compiled_f8.bwd_s < 0.95 * (compiled_bf16.fwd_s + compiled_bf16.bwd_s)
     eager_bf16 = layer_compute(block, None, 1, 8, h100, "bf16")
     eager_f8 = layer_compute(block, None, 1, 8, h100, "bf16", float8=shapes)
-    assert eager_f8.fwd_s + eager_f8.bwd_s > eager_bf16.fwd_s + eager_bf16.bwd_s
+    assert total(compiled_f8) == pytest.approx(total(compiled_bf16), rel=0.05)
+    assert total(eager_f8) > 1.1 * total(compiled_f8) and total(eager_f8) > total(eager_bf16)
+    # the host issues each eager cast's 10 kernels: float8 triples an eager block's host time here
+    assert eager_f8.host_fwd_s > 2.5 * eager_bf16.host_fwd_s and compiled_f8.host_fwd_s < eager_f8.host_fwd_s
     # a device without a float8 peak (the CPU's emulation) gains nothing and pays the casts
     cpu = load_cluster("cpu").device
     plain, emulated = layer_compute(block, None, 1, 1, cpu, "fp32"), layer_compute(block, None, 1, 1, cpu, "fp32",
                                                                                     float8=shapes)
-    assert emulated.fwd_s > plain.fwd_s and emulated.bwd_s > plain.bwd_s
+    assert emulated.device_fwd_s > plain.device_fwd_s and emulated.device_bwd_s > plain.device_bwd_s
 
 
 def test_a_matmul_bound_plan_on_h100_is_faster_in_float8_and_a_tiny_one_is_not() -> None:

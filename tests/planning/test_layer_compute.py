@@ -83,14 +83,14 @@ def test_a_layer_costs_its_gemms_plus_its_memory_bound_work(gpt_graph):
     times = layer_compute(block, None, 1, 4, device, "bf16")
     gemms = sum(o.count * gemm_time_s(*o.gemm_shape(4, None, 1), device, "bf16")
                 for o in block.ops if o.kind is OpKind.GEMM)
-    assert times.fwd_s > gemms and times.bwd_s > 2 * gemms * 0.9
+    assert times.device_fwd_s > gemms and times.device_bwd_s > 2 * gemms * 0.9
 
 
 def test_sharding_a_thin_layer_speeds_it_up_less_than_tp_fold(gpt_graph):
     block, device = _block(gpt_graph), A100.device
     whole = layer_compute(block, None, 1, 1, device, "bf16")
     split = layer_compute(block, "megatron", 8, 1, device, "bf16")
-    assert whole.fwd_s / 8 < split.fwd_s < whole.fwd_s
+    assert whole.device_fwd_s / 8 < split.device_fwd_s < whole.device_fwd_s
 
 
 def test_layers_without_op_records_or_devices_without_an_op_model_price_by_flops(gpt_graph):
@@ -98,11 +98,11 @@ def test_layers_without_op_records_or_devices_without_an_op_model_price_by_flops
     block, device = graph[1], A100.device
     times = layer_compute(block, "megatron", 4, 2, device, "bf16")
     flops = 2 * style_flops_per_sample(block, "megatron", 4)
-    assert times.fwd_s == compute_time_s(flops, device, "bf16")
-    assert times.bwd_s == compute_time_s(BACKWARD_FLOPS_FACTOR * flops, device, "bf16")
+    assert times.device_fwd_s == compute_time_s(flops, device, "bf16")
+    assert times.device_bwd_s == compute_time_s(BACKWARD_FLOPS_FACTOR * flops, device, "bf16")
     flat = replace(device, op_model=None)
     captured = _block(gpt_graph)
-    assert layer_compute(captured, None, 1, 2, flat, "bf16").fwd_s == compute_time_s(
+    assert layer_compute(captured, None, 1, 2, flat, "bf16").device_fwd_s == compute_time_s(
         2 * captured.flops_per_sample, flat, "bf16")
     table = PriceTable(graph, Configuration(Mesh(tp=4), 1, _schedule()), A100, TrainingSpec(8))
     assert all(p.compute_mb_s > 0 for row in table.prices[1:-1] for p in row)
@@ -116,8 +116,8 @@ def test_memory_bound_backward_moves_twice_the_forwards_bytes():
     times = layer_compute(norm, None, 1, 8, A100.device, "bf16", act_scale=0.5)
     o = A100.device.op_model
     fwd = 8 * 1e6 * 0.5 / (A100.device.memory_bandwidth_bytes_s * o.bandwidth_fraction)
-    assert times.fwd_s == pytest.approx(fwd + 4 * o.kernel_overhead_s)
-    assert times.bwd_s == pytest.approx(MEMORY_BOUND_BACKWARD_FACTOR * (fwd + 4 * o.kernel_overhead_s))
+    assert times.device_fwd_s == pytest.approx(fwd + 4 * o.kernel_overhead_s)
+    assert times.device_bwd_s == pytest.approx(MEMORY_BOUND_BACKWARD_FACTOR * (fwd + 4 * o.kernel_overhead_s))
 
 
 def test_records_count_identical_kernels_once():
