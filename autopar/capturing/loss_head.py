@@ -45,7 +45,7 @@ def find_loss_head(model: nn.Module, args: tuple, kwargs: dict, last: Layer) -> 
 
 def _head_of(model: nn.Module, out: Any, calls: dict[int, list[torch.Tensor]],
              linears: dict[int, tuple[str, nn.Module]], last: Layer) -> tuple[LossHead | None, str]:
-    from autopar.runtime.loss import prediction
+    from autopar.inputs import prediction
 
     loss = getattr(out, "loss", None)
     if isinstance(loss, torch.Tensor) and loss.dim() == 0:

@@ -570,10 +570,7 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, name: str | None, repl
         tracer = "export-layers"  # pipeline stages can call the layer modules (TP, recompute, FSDP per layer)
     head, no_head = find_loss_head(model, args, kwargs, layers[-1])  # what the chunked loss runs on
     return LayerGraph(
-        layers,
-        model_name=name or type(model).__name__,
-        example_batch=batch,
-        dtype_bytes=dtype_bytes,
+        layers, model_name=name or type(model).__name__, example_batch=batch, dtype_bytes=dtype_bytes,
         edges=[(names[a], names[b], v / batch) for (a, b), v in edges.items()],
         tracer=tracer, seq_len=seq_len,
         output_bytes_per_sample=_output_bytes(gm, stats) / batch,

@@ -14,6 +14,7 @@ from autopar.graph import LayerGraph
 from autopar.loss_head import NOT_CHECKED
 from autopar.moe import Dispatch, ExpertLayout
 from autopar.pins import Pins
+from autopar.planning import loss_price
 from autopar.planning.configs import CP_PP_SEARCHED_UP_TO, CP_UNSEARCHED
 from autopar.planning.configuration import TrainingSpec
 from autopar.planning.cut_checks import withdrawn_cut_notes
@@ -161,9 +162,9 @@ def loss_notes(graph: LayerGraph, solution: Solution, pins: Pins) -> tuple[str, 
     table = solution.table
     head = graph.loss_head
     if table.loss is LossKind.CHUNKED and head is not None:
-        chunk = contract.loss_chunk_tokens(head.out_features)
+        chunk, peak = loss_price.chunk_tokens(table), _bytes(loss_price.chunked_peak_bytes(table))
         return (f"loss: chunked cross-entropy on {head.module_path}'s weight, {chunk:,} tokens a chunk (fp32 logits "
-                f"of one chunk at a time, {_bytes(table.chunked_loss_bytes)} at its peak; each chunk's logits "
+                f"of one chunk at a time, {peak} at its peak; each chunk's logits "
                 "recomputed in backward): the whole logits are never held; pin loss=full to hold them",)
     if graph.loss_refusal == NOT_CHECKED:
         return ()

@@ -59,7 +59,7 @@ from autopar.cost_models.hardware import ClusterSpec, idle_core_speedup
 from autopar.cost_models.memory import optimizer_shard_params
 from autopar.cost_models.pipeline import ScheduleKind, in_flight
 from autopar.graph import Layer, LayerGraph
-from autopar.planning import context_price, edges, expert_price
+from autopar.planning import context_price, edges, expert_price, loss_price
 from autopar.planning.configuration import Configuration, TrainingSpec
 from autopar.planning.layer_compute import layer_compute
 from autopar.planning.memory_floor import held_bytes, kept_mb_bytes
@@ -169,7 +169,7 @@ class PriceTable:
         for layer in self.graph:
             zeros = contract.offered_zeros(self.graph, layer.index, self.config.data_parallel, self.config.mesh.pp)
             yield layer, (self.graph.cost_classes[layer.index], zeros, self._recompute_options(layer),
-                          self._loss_recomputes(layer)), zeros
+                          loss_price.recomputes(self, layer)), zeros
 
     def style_activation_bytes(self, layer: Layer, style_name: str | None, sp: bool = False) -> float:
         """Activation bytes per sample ``layer`` saves under a style (:meth:`_style_part`'s)."""
@@ -346,59 +346,20 @@ class PriceTable:
         return math.ceil(self.microbatch_size * largest_act * self.act_scale + ring)
 
     @cached_property
-    def loss(self) -> LossKind:
-        """The loss this configuration runs: the chunked one where the training asks for it and the
-        contract lets it run here (:func:`autopar.contract.chunked_loss_refusal`), else the full one."""
-        if self.training.loss is LossKind.CHUNKED and not contract.chunked_loss_refusal(
-                self.graph, self.config.mesh, self.training.float8):
-            return LossKind.CHUNKED
-        return LossKind.FULL
+    def loss(self) -> LossKind:  # the loss this configuration runs (loss_price.loss_runs)
+        return loss_price.loss_runs(self)
 
     @cached_property
     def loss_bytes(self) -> tuple[int, int]:
-        """The last rank's loss at its peak (beside a layer's backward), and what it keeps beside the
-        other layers' peaks.
-
-        Full: fp32 logits of S/cp tokens: log-probs kept per microbatch in flight and, while log-softmax's
-        backward runs, the gradients it takes and gives, gone before any layer's (three at a bf16 GPT's
-        peak on an H200: ``benchmarks/gpu_memory_peak.py``). Chunked: :meth:`chunked_loss_bytes`, nothing
-        kept between microbatches (the hidden state it reads is the head layer's saved activation)."""
+        """The last rank's loss (at its peak, beside a layer's backward) in fp32 logits of S/cp tokens: log-probs
+        kept per microbatch in flight and, while log-softmax's backward runs, the gradients it takes and gives,
+        gone before any layer's (three at a bf16 GPT's peak on an H200: ``benchmarks/gpu_memory_peak.py``);
+        chunked, one chunk's (:func:`.loss_price.chunked_peak_bytes`), nothing kept between microbatches."""
         if self.loss is LossKind.CHUNKED:
-            return self.chunked_loss_bytes, 0
+            return loss_price.chunked_peak_bytes(self), 0
         kept = self.config.microbatches if self.config.schedule.kind is ScheduleKind.GPIPE else 1
         one = self.microbatch_size * self.graph.output_bytes_per_sample * FP32_BYTES / self.graph.dtype_bytes
         return math.ceil((kept + 2) * one / self.config.mesh.cp), math.ceil((kept - 1) * one / self.config.mesh.cp)
-
-    @cached_property
-    def chunked_loss_bytes(self) -> int:
-        """The chunked loss's peak (:mod:`autopar.runtime.chunked_loss`): two fp32 logits of one chunk —
-        the chunk's logits and its log-softmax in forward, its logits (softmax in place) and the
-        log-sum-exp's temporary in backward; measured at 2.0–2.1 chunks on a CPU beside the gradients
-        of h and W, ``tests/runtime/test_chunked_loss.py`` — and, where the head's weight is not fp32,
-        the weight's gradient accumulated over the chunks in fp32 (cast to the weight's dtype at the end)."""
-        head = self.graph.loss_head
-        assert head is not None
-        vocab = head.out_features
-        positions = self.graph.output_bytes_per_sample / self.graph.dtype_bytes / vocab  # tokens a sample
-        tokens = math.ceil(self.microbatch_size * positions / self.config.mesh.cp)
-        chunk = min(contract.loss_chunk_tokens(vocab), max(tokens, 1))
-        accumulator = FP32_BYTES * vocab * head.in_features if self.prec.param_bytes != FP32_BYTES else 0
-        return 2 * chunk * vocab * FP32_BYTES + accumulator
-
-    def _loss_recomputes(self, layer: Layer) -> bool:
-        return self.loss is LossKind.CHUNKED and layer.index == len(self.graph) - 1
-
-    def loss_recompute_s(self, layer: Layer, forward_s: float) -> float:
-        """Per microbatch, what the chunked loss adds to the last layer: the head's GEMM forward again, in
-        backward (each chunk's logits recomputed): the layer's forward time in the share of its FLOPs
-        that is the head's GEMM (2 · hidden · vocab a token)."""
-        if not self._loss_recomputes(layer) or layer.flops_per_sample <= 0:
-            return 0.0
-        head = self.graph.loss_head
-        assert head is not None
-        positions = self.graph.output_bytes_per_sample / self.graph.dtype_bytes / head.out_features
-        head_flops = 2.0 * head.in_features * head.out_features * positions
-        return forward_s * min(1.0, head_flops / layer.flops_per_sample)
 
     def rank_workspace_bytes(self, rank: int) -> int:
         """:attr:`workspace_bytes`, on the last pipeline rank the loss's peak in one layer's stead if larger."""
@@ -481,7 +442,7 @@ class PriceTable:
         norm_sync = self._norm_sync_s(layer)
         fwd, bwd = fwd + norm_sync, bwd + norm_sync
         refwd, activation_mb = kept_mb_bytes(self, layer, runs, fwd, acts)
-        compute = fwd + bwd + refwd + self.loss_recompute_s(layer, fwd)
+        compute = fwd + bwd + refwd + loss_price.recompute_s(self, layer, fwd)
         # a recomputed forward issues its collectives again (selective keeps only matmul-class outputs)
         tp_comm = tp_comm_fwd + tp_comm_bwd + (tp_comm_fwd if runs.recompute else 0.0)
         ep_comm = a2a_fwd + a2a_bwd + (a2a_fwd if runs.recompute else 0.0)

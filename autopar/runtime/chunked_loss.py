@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from typing import Any
 
@@ -35,10 +35,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autopar.choice import LossKind
 from autopar.contract import loss_chunk_tokens
 from autopar.errors import LossError
+from autopar.graph import LayerGraph
+from autopar.inputs import prediction
 from autopar.loss_head import LossHead
-from autopar.runtime.loss import prediction
+from autopar.plan import Plan
+from autopar.runtime.loss import default_loss
 
 IGNORE_INDEX = -100  # F.cross_entropy's default, which the default loss uses
 
@@ -161,4 +165,27 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None
 
 
-__all__ = ["ChunkedLoss", "chunked_cross_entropy", "install_head", "returning_hidden"]
+
+
+def plan_loss(model: nn.Module, graph: LayerGraph, plan: Plan, loss_fn: Any) -> tuple[Any, bool]:
+    """The loss ``plan`` trains with, and whether it is the chunked one: ``loss_fn`` (default
+    :func:`~autopar.runtime.loss.default_loss`) under a full loss; under a chunked one the head of
+    ``model`` is replaced (:func:`install_head`) and the loss is :class:`ChunkedLoss`. A chunked plan
+    given a loss function is refused: only the default cross-entropy runs chunked."""
+    if plan.training.loss is not LossKind.CHUNKED:
+        return loss_fn or default_loss, False
+    if loss_fn is not None:
+        raise LossError("the plan runs the chunked cross-entropy loss (training.loss 'chunked'), which is the "
+                        "default loss's: drop the loss function, or re-plan with the pin loss=full")
+    if graph.loss_head is None:
+        raise LossError(f"the plan runs the chunked loss but the graph has no head for it ({graph.loss_refusal}): "
+                        "re-plan the model")
+    return ChunkedLoss(install_head(model, graph.loss_head)), True
+
+
+def hidden_head(chunked: bool) -> AbstractContextManager[None]:
+    """:func:`returning_hidden` for a chunked plan's train step or evaluation; nothing otherwise."""
+    return returning_hidden() if chunked else nullcontext()
+
+
+__all__ = ["ChunkedLoss", "chunked_cross_entropy", "hidden_head", "install_head", "plan_loss", "returning_hidden"]
