@@ -60,10 +60,14 @@ def returning_hidden() -> Iterator[None]:
 
 
 class _Seen:
-    """The head's weight and bias as its last forward saw them."""
+    """The head's weight and bias as its last forward saw them, and the FSDP2 units that hold them."""
 
     weight: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    units: tuple[nn.Module, ...] = ()
+
+
+HEAD_MARK = "_autopar_chunked_head"  # on the head module's instance (no state_dict entry): found after lowering
 
 
 def install_head(model: nn.Module, head: LossHead) -> _Seen:
@@ -84,6 +88,7 @@ def install_head(model: nn.Module, head: LossHead) -> _Seen:
 
     # a bound method: a deep copy of the module (a pipeline stage's) rebinds it to the copy, sharing ``seen``
     module.forward = types.MethodType(forward, module)
+    setattr(module, HEAD_MARK, True)
     return seen
 
 
@@ -94,7 +99,24 @@ class ChunkedLoss:
     def __init__(self, seen: _Seen, chunk_tokens: int | None = None):
         self.seen, self.chunk_tokens = seen, chunk_tokens
 
+    def attach(self, parts: list[nn.Module]) -> None:
+        """Find, in the lowered ``parts``, the FSDP2 unit holding the head (the innermost ``FSDPModule``
+        around it): a ZeRO-3 unit reshards after forward, so the loss gathers it again (:meth:`__call__`)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        units = []
+        for part in parts:
+            named = dict(part.named_modules())
+            for path in (p for p, m in named.items() if getattr(m, HEAD_MARK, False)):
+                around = [q for q, m in named.items() if isinstance(m, FSDPModule)
+                          and (q == "" or path == q or path.startswith(q + "."))]
+                if around:
+                    units.append(named[max(around, key=len)])
+        self.seen.units = tuple(units)
+
     def __call__(self, output: Any, targets: torch.Tensor | None) -> torch.Tensor:
+        for unit in self.seen.units:  # the weight the forward saw, gathered again (FSDP2 reuses its tensor)
+            unit.unshard()  # type: ignore[operator]
         hidden = prediction(output)
         weight, bias = self.seen.weight, self.seen.bias
         if hidden is None or weight is None:

@@ -573,6 +573,8 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
                         loss_fn=fp32_loss(loss_fn) if dtype is not None else loss_fn, init_fn=init_fn)
     else:
         lowered = lower_local(model, graph, plan, init_fn)
+    if chunked:  # the FSDP2 unit that holds the head, gathered again for the loss under ZeRO-3
+        loss_fn.attach(lowered.parts)
 
     def eager_block(path: str, reason: str) -> None:  # a graph break: the block runs eagerly from now on
         pm.plan = replace(pm.plan, notes=(*pm.plan.notes, f"torch.compile: block {path!r} runs eagerly, not as "
