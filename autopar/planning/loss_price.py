@@ -7,14 +7,13 @@ reads these (``loss``, ``loss_bytes``, the last layer's compute); the rules are 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 from autopar import contract
 from autopar.choice import LossKind
 from autopar.graph import Layer
 
-if TYPE_CHECKING:
-    from autopar.planning.pricing import PriceTable
+PriceTable = Any  # a planning.pricing.PriceTable (not imported: pricing imports this module)
 
 FP32_BYTES = 4
 
