@@ -563,8 +563,7 @@ def render_summary(plan: Plan) -> str:
         f"autopar plan — {plan.model} on {plan.world_size} × {plan.cluster.device.name}"
         f" ({plan.cluster.name}, {plan.training.dtype}"
         + (", blocks under torch.compile" if plan.training.compiled else "")
-        + (", float8 linears" if plan.training.float8 is not None else "")
-        + (", chunked loss" if plan.training.loss is LossKind.CHUNKED else "") + ")",
+        + (", float8 linears" if plan.training.float8 is not None else "") + ")",
         f"mesh          {m.describe()}" + (f"   cp attention {_METHOD[plan.cp_attention]}" if m.cp > 1 else ""),
         f"batch         {plan.training.global_batch} = dp {m.dp} × {plan.microbatches} microbatches"
         f" × {plan.microbatch_size}   schedule {sched}",
@@ -582,6 +581,8 @@ def render_summary(plan: Plan) -> str:
     if plan.training.float8 is not None:
         sharded = m.dp > 1 and any(lp.choice.zero >= 1 for lp in plan.layers)
         lines.append("float8        " + describe(plan.training.float8, plan.training.dtype, sharded=sharded))
+    if plan.training.loss is LossKind.CHUNKED:
+        lines.append("loss          chunked: the head's GEMM and cross-entropy a chunk of tokens at a time")
     rows, header = _layer_rows(plan)
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)

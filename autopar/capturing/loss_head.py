@@ -54,8 +54,8 @@ def _head_of(model: nn.Module, out: Any, calls: dict[int, list[torch.Tensor]],
     if isinstance(aux, torch.Tensor) and aux.dim() == 0:
         return None, "the model's output carries an auxiliary loss (.aux_loss)"
     pred = prediction(out)
-    if pred is None or pred.dim() < 2:
-        return None, "the model's output holds no prediction with a class dim"
+    if pred is None or pred.dim() < 3:  # (batch, classes): small logits, and maybe a regression's output
+        return None, "the model's prediction is not per position (batch, positions, classes)"
     found = [key for key, outs in calls.items() if any(o is pred for o in outs)]
     if not found:
         return None, "the prediction is not the output of a plain nn.Linear (something runs after the head)"

@@ -196,7 +196,7 @@ def plan_loss(model: nn.Module, graph: LayerGraph, plan: Plan, loss_fn: Any) -> 
     given a loss function is refused: only the default cross-entropy runs chunked."""
     if plan.training.loss is not LossKind.CHUNKED:
         return loss_fn or default_loss, False
-    if loss_fn is not None:
+    if loss_fn is not None and loss_fn is not default_loss:  # the default given by name is no loss of the user's
         raise LossError("the plan runs the chunked cross-entropy loss (training.loss 'chunked'), which is the "
                         "default loss's: drop the loss function, or re-plan with the pin loss=full")
     if graph.loss_head is None:
@@ -205,9 +205,18 @@ def plan_loss(model: nn.Module, graph: LayerGraph, plan: Plan, loss_fn: Any) -> 
     return ChunkedLoss(install_head(model, graph.loss_head)), True
 
 
+def refuse_labels(inputs: Any) -> None:
+    """A chunked plan's model must not compute its own loss: its head returns the hidden state, on which a
+    Hugging Face model given ``labels`` would compute a loss over the wrong dim."""
+    if isinstance(inputs, dict) and inputs.get("labels") is not None:
+        raise LossError("the plan runs the chunked loss, so the model cannot compute its own loss from "
+                        "'labels': pass the next-token targets to train_step, or re-plan with the pin loss=full")
+
+
 def hidden_head(chunked: bool) -> AbstractContextManager[None]:
     """:func:`returning_hidden` for a chunked plan's train step or evaluation; nothing otherwise."""
     return returning_hidden() if chunked else nullcontext()
 
 
-__all__ = ["ChunkedLoss", "chunked_cross_entropy", "hidden_head", "install_head", "plan_loss", "returning_hidden"]
+__all__ = ["ChunkedLoss", "chunked_cross_entropy", "hidden_head", "install_head", "plan_loss", "refuse_labels",
+           "returning_hidden"]

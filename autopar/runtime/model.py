@@ -48,7 +48,7 @@ from autopar.graph import LayerGraph
 from autopar.passes.expert_parallel import reduce_expert_grads
 from autopar.plan import Plan, Predicted
 from autopar.runtime.balance import BiasBalancer, bias_group, check_bias_update
-from autopar.runtime.chunked_loss import hidden_head, plan_loss
+from autopar.runtime.chunked_loss import hidden_head, plan_loss, refuse_labels
 from autopar.runtime.compiled import check_compiled, compile_plan_blocks, requested
 from autopar.runtime.float8 import check_device, check_float8, drop_scales, gathered_in_float8, precompute_scales
 from autopar.runtime.float8 import convert as convert_float8
@@ -62,6 +62,7 @@ from autopar.runtime.launch import (
     launch_hint,
     resolve_plan,
 )
+from autopar.runtime.loss import default_loss
 from autopar.runtime.lowering import Lowered, gather_all, held_params, lower, lower_local
 from autopar.runtime.precision import MasterWeights, attach_masters, cast_floating, plan_dtype
 from autopar.runtime.state import Entry, full_tensor, param_entries, persistent_buffers
@@ -212,6 +213,8 @@ class ParallelModel:
                      what: str = "train_step") -> None:
         check_batch(inputs, targets, self.local_batch_size, self.plan.microbatches,
                     self.plan.microbatch_size, what)
+        if self.chunked_loss:
+            refuse_labels(inputs)
 
     def _loss(self, output: Any, targets: torch.Tensor | None) -> torch.Tensor:
         if self.plan.training.dtype == "bf16":
@@ -546,7 +549,7 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
             raise LaunchError("compile needs world_size outside a process group "
                               "(or launch under torchrun so it can be read)")
         world_size = dist.get_world_size()
-    kwargs = dict(solve_kwargs, cluster=cluster, pins=pins, custom_loss=loss_fn is not None)
+    kwargs = dict(solve_kwargs, cluster=cluster, pins=pins, custom_loss=loss_fn not in (None, default_loss))
     torch_compile = requested(torch_compile)
     if plan is None and torch_compile:
         kwargs["compiled"] = True

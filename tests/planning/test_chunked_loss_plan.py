@@ -36,7 +36,7 @@ def test_the_common_pattern_is_chunked_and_says_so() -> None:
     plan = _solve(graph)
     assert plan.training.loss is LossKind.CHUNKED
     assert "chunked cross-entropy on lm_head's weight" in _loss_note(plan)
-    assert ", chunked loss)" in plan.summary().splitlines()[0]
+    assert "\nloss          chunked: the head's GEMM and cross-entropy a chunk" in plan.summary()
     again = Plan.from_json(plan.to_json())
     assert again.training.loss is LossKind.CHUNKED and json.loads(plan.to_json())["training"]["loss"] == "chunked"
     older = json.loads(plan.to_json())

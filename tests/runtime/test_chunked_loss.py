@@ -93,9 +93,20 @@ def test_a_loss_function_with_a_chunked_plan_is_refused() -> None:
     graph = autopar.capture(model, inputs)
     plan = autopar.solve(graph, 1, cluster="cpu", dtype="fp32", global_batch=2)
     assert plan.training.loss is LossKind.CHUNKED
+
+    def mine(output, targets):
+        return default_loss(output, targets)
+
     with pytest.raises(LossError, match="loss=full"):
-        autopar.compile(model, 1, plan=plan, graph=graph, loss_fn=default_loss)
-    own = autopar.compile(model, 1, graph=graph, loss_fn=default_loss, dtype="fp32", global_batch=2)
+        autopar.compile(model, 1, plan=plan, graph=graph, loss_fn=mine)
+    named = autopar.compile(model, 1, plan=plan, graph=graph, loss_fn=default_loss)  # the default, by name
+    assert named.chunked_loss
+    x = torch.zeros(2, 16, dtype=torch.long)
+    with pytest.raises(LossError, match="labels"):  # the model must not compute its own loss on the hidden state
+        named.train_step({"idx": x, "labels": x}, x)
+    torch.manual_seed(0)
+    model, inputs = gpt_tiny()
+    own = autopar.compile(model, 1, graph=graph, loss_fn=mine, dtype="fp32", global_batch=2)
     assert own.plan.training.loss is LossKind.FULL
     assert any("a loss function was given" in n for n in own.plan.notes)
 
