@@ -81,6 +81,29 @@ class CpAttention(StrEnum):
         return aliases[text]
 
 
+class LossKind(StrEnum):
+    """How the plan's loss runs: one choice for the plan (``training.loss`` in the file).
+
+    ``FULL`` runs the head on every token and the loss on the whole logits (the model as written;
+    torch's cross-entropy holds fp32 logits-sized tensors at its peak); ``CHUNKED`` runs the head's
+    linear and the cross-entropy a chunk of tokens at a time, recomputing each chunk's logits in
+    backward, so the whole logits are never held (:mod:`autopar.runtime.chunked_loss`; where it runs:
+    :func:`autopar.contract.chunked_loss_refusal`). A plan file written before the choice means full.
+    """
+
+    FULL = "full"
+    CHUNKED = "chunked"
+
+    @classmethod
+    def of(cls, value: LossKind | str) -> LossKind:
+        """A loss kind from itself or its name (``full`` / ``chunked``; ``off`` / ``on`` as aliases)."""
+        text = str(value).lower()
+        aliases = {"full": cls.FULL, "off": cls.FULL, "chunked": cls.CHUNKED, "chunk": cls.CHUNKED, "on": cls.CHUNKED}
+        if text not in aliases:
+            raise ValueError(f"loss must be full or chunked, got {value!r}")
+        return aliases[text]
+
+
 @dataclass(frozen=True)
 class LayerChoice:
     """One layer's choices: tensor-parallel style (None = replicated over tp), ZeRO stage over dp,
@@ -135,4 +158,4 @@ CHOICE_FIELDS = tuple(f.name for f in fields(LayerChoice))
 # fields every plan file has had; one added later (sp, a new axis's) loads with its default when absent
 REQUIRED_IN_FILE = ("zero", "recompute")
 
-__all__ = ["CHOICE_FIELDS", "CpAttention", "LayerChoice", "Recompute"]
+__all__ = ["CHOICE_FIELDS", "CpAttention", "LayerChoice", "LossKind", "Recompute"]

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import networkx as nx
 
+from autopar.loss_head import NOT_CHECKED, LossHead
 from autopar.moe import MoEFacts
 
 
@@ -393,7 +394,9 @@ class LayerGraph:
     the example inputs the costs were divided by; ``dtype_bytes`` the element
     size of the captured floating-point dtype. ``output_bytes_per_sample`` is
     the model's first floating-point output (the logits a loss reads), whose
-    loss keeps a same-sized tensor for backward.
+    loss keeps a same-sized tensor for backward. ``loss_head`` is the plain linear head whose output
+    that is (:class:`~autopar.loss_head.LossHead`, what the chunked loss runs in chunks), None with
+    ``loss_refusal`` saying why there is none.
     """
 
     def __init__(
@@ -411,6 +414,8 @@ class LayerGraph:
         cp_positions: tuple[str, ...] = (),
         cp_attention: tuple[str, ...] = (),
         cp_manual: dict[str, Any] | None = None,
+        loss_head: LossHead | None = None,
+        loss_refusal: str = NOT_CHECKED,
     ):
         names = [layer.name for layer in layers]
         if len(set(names)) != len(names):
@@ -429,6 +434,8 @@ class LayerGraph:
         # inputs' (shape, dtype), None for one that is not a tensor (what the lowering proves them on)
         self.cp_manual: dict[str, tuple] = {k: tuple(None if a is None else (tuple(a[0]), a[1]) for a in v)
                                             for k, v in (cp_manual or {}).items()}
+        self.loss_head = loss_head
+        self.loss_refusal = "" if loss_head is not None else loss_refusal
         self._edges = list(edges or [])
         self._by_name = {layer.name: layer for layer in self.layers}
 
@@ -528,6 +535,7 @@ class LayerGraph:
                               output_bytes_per_sample=self.output_bytes_per_sample,
                               cp_refusal=self.cp_refusal, cp_positions=self.cp_positions,
                               cp_attention=self.cp_attention, cp_manual=self.cp_manual,
+                              loss_head=self.loss_head, loss_refusal=self.loss_refusal,
                               edges=[(u, v, d["bytes_per_sample"]) for u, v, d in self.graph.edges(data=True)])
         self.__dict__["_pipeline_view"] = view
         return view
@@ -555,6 +563,8 @@ class LayerGraph:
             "cp_positions": list(self.cp_positions),
             "cp_attention": list(self.cp_attention),
             "cp_manual": {k: [None if a is None else [list(a[0]), a[1]] for a in v] for k, v in self.cp_manual.items()},
+            "loss_head": self.loss_head.to_dict() if self.loss_head is not None else None,
+            "loss_refusal": self.loss_refusal,
             "layers": [layer.to_dict() for layer in self.layers],
             "edges": [[u, v, d["bytes_per_sample"]] for u, v, d in self.graph.edges(data=True)],
         }
@@ -574,4 +584,6 @@ class LayerGraph:
             cp_positions=tuple(d.get("cp_positions", ())),
             cp_attention=tuple(d.get("cp_attention", ())),
             cp_manual=d.get("cp_manual", {}),
+            loss_head=LossHead.from_dict(d["loss_head"]) if d.get("loss_head") else None,
+            loss_refusal=d.get("loss_refusal", NOT_CHECKED),
         )

@@ -170,5 +170,17 @@ def to(inputs: Any, device: torch.device) -> Inputs:
     return tuple(one(v) for v in inputs)
 
 
+def prediction(output: Any) -> torch.Tensor | None:
+    """The tensor a loss compares with the targets: ``.logits``, else the first tensor of a
+    tuple, list or mapping (``ModelOutput``), else the output itself if it is a tensor."""
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, torch.Tensor):
+        return output
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
+    return next((v for v in values if isinstance(v, torch.Tensor) and v.dim() > 0), None)
+
+
 __all__ = ["Inputs", "batch_size", "call", "check_signature", "chunks", "describe", "named", "normalise",
-           "rebuild", "shard", "split", "tensors", "to"]
+           "prediction", "rebuild", "shard", "split", "tensors", "to"]

@@ -20,6 +20,10 @@ per-layer one on a layer that cannot is a PinError naming the layer.
 ``cp_attention=allgather|ulysses|ring`` fixes how attention sees the whole sequence
 under cp (K/V all-gather, the head all-to-all of DeepSpeed-Ulysses, or K/V passed
 round the cp ring); free, the solver prices each that runs and takes the cheapest.
+``loss=full|chunked`` fixes how the loss runs (:class:`~autopar.choice.LossKind`): ``full`` holds the
+whole logits as the model computes them; ``chunked`` (the default wherever the contract offers it)
+runs the head and the cross-entropy a chunk of tokens at a time. A ``chunked`` pin on a model whose
+head or loss cannot run chunked is a PinError naming why.
 A Ulysses pin on a model whose key/value heads cp (× tp) does not divide, or a
 ring pin where the ring cannot run, is a PinError naming why (planning checks it
 against the graph).
@@ -33,13 +37,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autopar import mesh
-from autopar.choice import CpAttention, Recompute
+from autopar.choice import CpAttention, LossKind, Recompute
 from autopar.cost_models.pipeline import ScheduleKind
 from autopar.errors import PinError
 
 _UNSET: Any = object()
 # the global keys besides the axes
-PLAN_KEYS = ("microbatches", "schedule", "chunks", "zero", "recompute", "sp", "cp_attention")
+PLAN_KEYS = ("microbatches", "schedule", "chunks", "zero", "recompute", "sp", "cp_attention", "loss")
 LAYER_KEYS = ("stage", "tp", "zero", "recompute", "sp")
 _RECOMPUTE = {**dict.fromkeys(("full", "all", "on", "true", "yes", "1"), Recompute.FULL),
               **dict.fromkeys(("none", "off", "false", "no", "0"), Recompute.NONE),
@@ -82,6 +86,7 @@ class Pins:
     recompute: Recompute | None = None
     sp: bool | None = None  # every layer whose style can take it (global), or none
     cp_attention: CpAttention | None = None  # under cp: all-gather, Ulysses or ring (None: the solver's choice)
+    loss: LossKind | None = None  # full or chunked (None: chunked wherever it runs)
     layers: tuple[LayerPin, ...] = field(default_factory=tuple)
 
     @classmethod
@@ -269,6 +274,11 @@ def _global_value(key: str, value: str, item: str) -> Any:
             return CpAttention.of(value)
         except ValueError:
             raise PinError(f"pin {item!r}: cp_attention must be allgather, ulysses or ring, got {value!r}") from None
+    if key == "loss":
+        try:
+            return LossKind.of(value)
+        except ValueError:
+            raise PinError(f"pin {item!r}: loss must be full or chunked, got {value!r}") from None
     try:
         return SCHEDULE_NAMES[value.lower()]
     except KeyError:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from autopar.choice import CpAttention, LayerChoice
+from autopar.choice import CpAttention, LayerChoice, LossKind
 from autopar.cost_models.hardware import ClusterSpec, CostModelError
 from autopar.cost_models.pipeline import ScheduleKind
 from autopar.errors import MeshError, PlanError
@@ -186,6 +186,9 @@ class TrainingSettings:
     ``compile`` (plans written before the field load as eager). ``float8``:
     the linears that run float8 matmuls and their scaling recipe
     (:mod:`autopar.float8`), None for none (plans written before the field).
+    ``loss``: how the loss runs (:class:`~autopar.choice.LossKind`): ``chunked`` runs the head and
+    the cross-entropy a chunk of tokens at a time (:mod:`autopar.runtime.chunked_loss`), ``full``
+    as the model is written (plans written before the field).
     """
 
     global_batch: int
@@ -194,10 +197,12 @@ class TrainingSettings:
     optimizer: str
     compiled: bool = False
     float8: Float8Settings | None = None
+    loss: LossKind = LossKind.FULL
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["float8"] = self.float8.to_dict() if self.float8 is not None else None
+        d["loss"] = self.loss.value
         return d
 
     @classmethod
@@ -326,7 +331,7 @@ def _cluster_from_dict(d: dict, source: str) -> ClusterSpec:
         raise PlanError(f"{source}: {exc}") from None
 
 
-_TRAINING_FIELDS = ("global_batch", "dtype", "seq_len", "optimizer", "compiled", "float8")
+_TRAINING_FIELDS = ("global_batch", "dtype", "seq_len", "optimizer", "compiled", "float8", "loss")
 
 
 def _training_from_dict(t: Any, source: str) -> TrainingSettings:
@@ -346,7 +351,16 @@ def _training_from_dict(t: Any, source: str) -> TrainingSettings:
         compiled=_require(t, "compiled", bool, source) if "compiled" in t else False,
         float8=(Float8Settings.from_dict(t["float8"], f"{source}.float8")
                 if t.get("float8") is not None else None),
+        loss=_loss_kind(t, source),
     )
+
+
+def _loss_kind(t: dict, source: str) -> LossKind:
+    """The ``loss`` field: ``full`` or ``chunked``; absent (an older plan) full."""
+    value = t.get("loss", LossKind.FULL.value)
+    if not isinstance(value, str) or value not in {k.value for k in LossKind}:
+        raise PlanError(f"{source}: field 'loss' is {value!r}; use full or chunked")
+    return LossKind(value)
 
 
 def _plan_from_dict(d: Any, source: str) -> Plan:
@@ -567,6 +581,8 @@ def render_summary(plan: Plan) -> str:
     if plan.training.float8 is not None:
         sharded = m.dp > 1 and any(lp.choice.zero >= 1 for lp in plan.layers)
         lines.append("float8        " + describe(plan.training.float8, plan.training.dtype, sharded=sharded))
+    if plan.training.loss is LossKind.CHUNKED:
+        lines.append("loss          chunked: the head's GEMM and cross-entropy a chunk of tokens at a time")
     rows, header = _layer_rows(plan)
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)

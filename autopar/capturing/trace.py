@@ -28,6 +28,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autopar.capturing import boundary, context, cuts, hf_masks, moe, op_costs, stack_once, twins
 from autopar.capturing.export_layers import export_with_layer_calls, no_stack_traces
 from autopar.capturing.layers import group_layers, layer_names
+from autopar.capturing.loss_head import find_loss_head
 from autopar.capturing.op_costs import OpRecorder, extra_flop_rules, layer_ops, selective_costs
 from autopar.capturing.stateful import batch_norm_channels, recompute_refusal
 from autopar.errors import CaptureError
@@ -567,14 +568,13 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, name: str | None, repl
     if calls or (calls is None and
                  export_with_layer_calls(model, args, kwargs, {k for k, _ in runs if k}) is not None):
         tracer = "export-layers"  # pipeline stages can call the layer modules (TP, recompute, FSDP per layer)
+    head, no_head = find_loss_head(model, args, kwargs, layers[-1])  # what the chunked loss runs on
     return LayerGraph(
-        layers,
-        model_name=name or type(model).__name__,
-        example_batch=batch,
-        dtype_bytes=dtype_bytes,
+        layers, model_name=name or type(model).__name__, example_batch=batch, dtype_bytes=dtype_bytes,
         edges=[(names[a], names[b], v / batch) for (a, b), v in edges.items()],
         tracer=tracer, seq_len=seq_len,
         output_bytes_per_sample=_output_bytes(gm, stats) / batch,
+        loss_head=head, loss_refusal=no_head,
         **facts.graph_fields(),
     )
 

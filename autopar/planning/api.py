@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from autopar import contract
+from autopar.choice import LossKind
 from autopar.cost_models.hardware import ClusterSpec, load_cluster
 from autopar.cost_models.memory import PRECISIONS
 from autopar.errors import AutoparError, Float8Error, InfeasibleError, PinError
@@ -21,7 +22,7 @@ from autopar.graph import LayerGraph
 from autopar.pins import Pins
 from autopar.plan import LayerPlan, Plan, Predicted, RunnerUp, SolverReport, TrainingSettings
 from autopar.planning.configuration import Configuration, TrainingSpec
-from autopar.planning.notes import choice_notes, contract_notes, float8_notes, search_notes
+from autopar.planning.notes import choice_notes, contract_notes, float8_notes, loss_notes, search_notes
 from autopar.planning.solver import RUNNERS_UP, Candidate, Solution, SolverOptions
 from autopar.planning.solver import solve as _solve
 from autopar.units import GiB
@@ -49,7 +50,8 @@ def memory_budget(cluster: ClusterSpec, memory_gb: float | None) -> int:
 def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | None = None,
           nodes: int | None = None, global_batch: int | None = None, dtype: str = "bf16",
           memory_gb: float | None = None, pins: PinsLike = None, time_limit_s: float = 30.0,
-          runners_up: int = RUNNERS_UP, compiled: bool = False, float8: Float8Settings | None = None) -> Plan:
+          runners_up: int = RUNNERS_UP, compiled: bool = False, float8: Float8Settings | None = None,
+          custom_loss: bool = False) -> Plan:
     """The fastest plan for ``graph`` on ``world_size`` devices that fits in memory.
 
     ``global_batch`` (samples per step) defaults to ``world_size``; ``memory_gb``
@@ -60,7 +62,10 @@ def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | No
     linears that run float8 matmuls (:func:`autopar.float8.settings_for` picks them from the model),
     priced at the device's float8 peak plus the casts, in the plans the float8 runtime runs
     (:data:`FLOAT8_PINS`); a device without float8 matmuls raises :class:`Float8Error` (a CPU cluster
-    emulates, unsped). Raises :class:`InfeasibleError` when nothing fits, :class:`PinError` for bad pins.
+    emulates, unsped). The loss runs chunked (:class:`~autopar.choice.LossKind`) wherever the contract
+    offers it, unless pinned ``loss=full`` or ``custom_loss`` (a loss function of the user's: only the
+    default cross-entropy runs chunked). Raises :class:`InfeasibleError` when nothing fits,
+    :class:`PinError` for bad pins.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise AutoparError(f"world size must be a positive integer, got {world_size!r}")
@@ -72,14 +77,25 @@ def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | No
     spec = resolve_cluster(cluster, world_size, nodes=nodes)
     if float8 is not None:
         emulated(spec)  # a device without float8 matmuls: refused here, naming it
-    training = TrainingSpec(global_batch=batch, dtype=dtype, compiled=compiled, float8=float8)
     parsed = Pins.from_any(pins)
+    training = TrainingSpec(global_batch=batch, dtype=dtype, compiled=compiled, float8=float8,
+                            loss=loss_asked(graph, parsed, custom_loss))
     if float8 is not None:
         parsed = _restricted_pins(parsed, FLOAT8_PINS, Float8Error, "float8 training")
     solution = _solve(graph, world_size, spec, training, pins=parsed,
                       memory_budget_bytes=memory_budget(spec, memory_gb),
                       options=SolverOptions(time_limit_s=time_limit_s), runners_up=runners_up)
     return build_plan(graph, solution, spec, training, parsed)
+
+
+def loss_asked(graph: LayerGraph, pins: Pins, custom_loss: bool) -> LossKind:
+    """The loss the search prices (:attr:`TrainingSpec.loss`): chunked unless pinned off, a loss function
+    was given, or the graph has no head it runs on; a ``loss=chunked`` pin there is a PinError."""
+    why = ("a loss function was given (only the default cross-entropy runs chunked)" if custom_loss
+           else graph.loss_refusal if graph.loss_head is None else "")
+    if pins.loss is LossKind.CHUNKED and why:
+        raise PinError(f"pin loss=chunked: the chunked loss does not run here: {why}")
+    return LossKind.FULL if why or pins.loss is LossKind.FULL else LossKind.CHUNKED
 
 
 # What the compiled runtime runs (autopar.runtime.compiled) is searched alone: the search skips the meshes
@@ -120,7 +136,7 @@ def reprice(graph: LayerGraph, plan: Plan, cluster: str | ClusterSpec | None = N
     if plan.training.float8 is not None:
         emulated(spec)
     training = TrainingSpec(global_batch=plan.training.global_batch, dtype=plan.training.dtype,
-                            compiled=plan.training.compiled, float8=plan.training.float8)
+                            compiled=plan.training.compiled, float8=plan.training.float8, loss=plan.training.loss)
     stages = tuple(l.stage for l in plan.layers)
     choices = tuple(l.choice for l in plan.layers)
     # the data-parallel mode the plan lowers in; a choice the search space leaves out is priced all the same
@@ -172,10 +188,11 @@ def build_plan(graph: LayerGraph, solution: Solution, cluster: ClusterSpec,
         cluster=cluster,
         training=TrainingSettings(global_batch=training.global_batch, dtype=training.dtype,
                                   seq_len=graph.seq_len, optimizer="adam", compiled=training.compiled,
-                                  float8=training.float8),
+                                  float8=training.float8, loss=solution.table.loss),
         pins=tuple(pins.to_strings()),
         notes=(contract_notes(graph, solution) + choice_notes(graph, solution)
-               + search_notes(solution) + float8_notes(cluster, training, solution)),
+               + search_notes(solution) + float8_notes(cluster, training, solution)
+               + loss_notes(graph, solution, pins)),
         runners_up=tuple(runner_up(graph, r) for r in solution.runners_up),
         cp_attention=c.cp_attention,
     )

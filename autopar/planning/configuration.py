@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autopar import contract
-from autopar.choice import CpAttention
+from autopar.choice import CpAttention, LossKind
 from autopar.contract import REPLICATED, DataParallelism, Engine
 from autopar.cost_models.memory import Precision, precision
 from autopar.cost_models.pipeline import Schedule
@@ -58,12 +58,14 @@ class Configuration:
 class TrainingSpec:
     """What the plan trains with: global batch (samples per step), precision, whether each
     block runs under torch.compile (its memory-bound ops priced fused), and which linears run float8
-    matmuls (:mod:`autopar.float8`; None: none)."""
+    matmuls (:mod:`autopar.float8`; None: none), and the loss asked for (:class:`~autopar.choice.LossKind`:
+    chunked runs where :func:`autopar.contract.chunked_loss_refusal` lets it, full elsewhere)."""
 
     global_batch: int
     dtype: str = "bf16"
     compiled: bool = False
     float8: Float8Settings | None = None
+    loss: LossKind = LossKind.FULL
 
     @property
     def precision(self) -> Precision:

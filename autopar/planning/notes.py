@@ -7,11 +7,14 @@ from dataclasses import replace
 from typing import Any
 
 from autopar import contract
-from autopar.choice import CpAttention, Recompute
+from autopar.choice import CpAttention, LossKind, Recompute
 from autopar.cost_models.hardware import ClusterSpec
 from autopar.float8 import emulated
 from autopar.graph import LayerGraph
+from autopar.loss_head import NOT_CHECKED
 from autopar.moe import Dispatch, ExpertLayout
+from autopar.pins import Pins
+from autopar.planning import loss_price
 from autopar.planning.configs import CP_PP_SEARCHED_UP_TO, CP_UNSEARCHED
 from autopar.planning.configuration import TrainingSpec
 from autopar.planning.cut_checks import withdrawn_cut_notes
@@ -152,6 +155,27 @@ def float8_notes(cluster: ClusterSpec, training: TrainingSpec, solution: Solutio
         notes.append(f"float8: FSDP2 gathers the converted weights in {training.dtype}, as priced (its float8 "
                      f"all-gather runs tensorwise scaling only, not {training.float8.recipe.value})")
     return tuple(notes)
+
+
+def loss_notes(graph: LayerGraph, solution: Solution, pins: Pins) -> tuple[str, ...]:
+    """How the loss runs, in one line: chunked (and its chunk), or full and why it is not chunked."""
+    table = solution.table
+    head = graph.loss_head
+    if table.loss is LossKind.CHUNKED and head is not None:
+        chunk, peak = loss_price.chunk_tokens(table), _bytes(loss_price.chunked_peak_bytes(table))
+        return (f"loss: chunked cross-entropy on {head.module_path}'s weight, {chunk:,} tokens a chunk (fp32 logits "
+                f"of one chunk at a time, {peak} at its peak; each chunk's logits "
+                "recomputed in backward): the whole logits are never held; pin loss=full to hold them",)
+    if graph.loss_refusal == NOT_CHECKED:
+        return ()
+    if pins.loss is LossKind.FULL:
+        why = "pinned loss=full"
+    elif head is None:
+        why = graph.loss_refusal
+    else:
+        why = (contract.chunked_loss_refusal(graph, solution.config.mesh, table.training.float8)
+               or "a loss function was given (only the default cross-entropy runs chunked)")
+    return (f"loss: the whole logits are held (not chunked: {why})",)
 
 
 def unpriced_notes(graph: LayerGraph) -> tuple[str, ...]:

@@ -52,7 +52,7 @@ from fractions import Fraction
 from functools import cached_property
 
 from autopar import contract
-from autopar.choice import LayerChoice, Recompute
+from autopar.choice import LayerChoice, LossKind, Recompute
 from autopar.contract import Buffers, Engine
 from autopar.cost_models.communication import Collective, collective_time_s, p2p_time_s, place_group
 from autopar.cost_models.compute import loss_time_s
@@ -60,7 +60,7 @@ from autopar.cost_models.hardware import ClusterSpec, idle_core_speedup
 from autopar.cost_models.memory import optimizer_shard_params
 from autopar.cost_models.pipeline import ScheduleKind, in_flight
 from autopar.graph import Layer, LayerGraph
-from autopar.planning import context_price, edges, expert_price
+from autopar.planning import context_price, edges, expert_price, loss_price
 from autopar.planning.configuration import Configuration, TrainingSpec
 from autopar.planning.layer_compute import LayerCompute, layer_compute
 from autopar.planning.memory_floor import held_bytes, kept_mb_bytes
@@ -169,7 +169,8 @@ class PriceTable:
         """Each layer, what its row depends on (layers equal in it share one), and its ZeRO stages offered."""
         for layer in self.graph:
             zeros = contract.offered_zeros(self.graph, layer.index, self.config.data_parallel, self.config.mesh.pp)
-            yield layer, (self.graph.cost_classes[layer.index], zeros, self._recompute_options(layer)), zeros
+            yield layer, (self.graph.cost_classes[layer.index], zeros, self._recompute_options(layer),
+                          loss_price.recomputes(self, layer)), zeros
 
     def style_activation_bytes(self, layer: Layer, style_name: str | None, sp: bool = False) -> float:
         """Activation bytes per sample ``layer`` saves under a style (:meth:`_style_part`'s)."""
@@ -346,10 +347,17 @@ class PriceTable:
         return math.ceil(self.microbatch_size * largest_act * self.act_scale + ring)
 
     @cached_property
+    def loss(self) -> LossKind:  # the loss this configuration runs (loss_price.loss_runs)
+        return loss_price.loss_runs(self)
+
+    @cached_property
     def loss_bytes(self) -> tuple[int, int]:
         """The last rank's loss (at its peak, beside a layer's backward) in fp32 logits of S/cp tokens: log-probs
         kept per microbatch in flight and, while log-softmax's backward runs, the gradients it takes and gives,
-        gone before any layer's (three at a bf16 GPT's peak on an H200: ``benchmarks/gpu_memory_peak.py``)."""
+        gone before any layer's (three at a bf16 GPT's peak on an H200: ``benchmarks/gpu_memory_peak.py``);
+        chunked, one chunk's (:func:`.loss_price.chunked_peak_bytes`), nothing kept between microbatches."""
+        if self.loss is LossKind.CHUNKED:
+            return loss_price.chunked_peak_bytes(self), 0
         kept = self.config.microbatches if self.config.schedule.kind is ScheduleKind.GPIPE else 1
         one = self.microbatch_size * self.graph.output_bytes_per_sample * FP32_BYTES / self.graph.dtype_bytes
         return math.ceil((kept + 2) * one / self.config.mesh.cp), math.ceil((kept - 1) * one / self.config.mesh.cp)
@@ -441,10 +449,11 @@ class PriceTable:
         a2a_fwd, a2a_bwd = expert_price.dispatch_s(self, layer)
         tp_comm_fwd, tp_comm_bwd = tp_comm_fwd + a2a_fwd, tp_comm_bwd + a2a_bwd
         norm_sync = self._norm_sync_s(layer)
-        loss_fwd, loss_bwd = self.loss_time_s if layer.index == len(self.graph) - 1 else (0.0, 0.0)
-        fwd, bwd = fwd + norm_sync + loss_fwd, bwd + norm_sync + loss_bwd
+        fwd, bwd = fwd + norm_sync, bwd + norm_sync
         refwd, activation_mb = kept_mb_bytes(self, layer, runs, fwd, acts, times)
-        compute = fwd + bwd + refwd
+        loss_fwd, loss_bwd = self.loss_time_s if layer.index == len(self.graph) - 1 else (0.0, 0.0)
+        fwd, bwd = fwd + loss_fwd, bwd + loss_bwd  # the loss's kernels, on the last layer's rank
+        compute = fwd + bwd + refwd + loss_price.recompute_s(self, layer, times.device_fwd_s)
         # a recomputed forward issues its collectives again (selective keeps only matmul-class outputs)
         tp_comm = tp_comm_fwd + tp_comm_bwd + (tp_comm_fwd if runs.recompute else 0.0)
         ep_comm = a2a_fwd + a2a_bwd + (a2a_fwd if runs.recompute else 0.0)

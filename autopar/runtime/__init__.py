@@ -2,6 +2,7 @@
 checkpoint it (:func:`latest_checkpoint`)."""
 
 from autopar.runtime.checkpoint import latest_checkpoint
-from autopar.runtime.model import ParallelModel, compile, default_loss, default_optimizer
+from autopar.runtime.loss import default_loss
+from autopar.runtime.model import ParallelModel, compile, default_optimizer
 
 __all__ = ["ParallelModel", "compile", "default_loss", "default_optimizer", "latest_checkpoint"]

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from autopar.errors import LossError
+from autopar.inputs import prediction  # the model's prediction: what a loss, and capture's head search, read
 
 LOG = logging.getLogger("autopar")
 _said: set[str] = set()
@@ -51,18 +52,6 @@ class LossChoice:
 def _own_loss(output: Any) -> torch.Tensor | None:
     loss = getattr(output, "loss", None)
     return loss if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
-
-
-def prediction(output: Any) -> torch.Tensor | None:
-    """The tensor a loss compares with the targets: ``.logits``, else the first tensor of a
-    tuple, list or mapping (``ModelOutput``), else the output itself if it is a tensor."""
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits
-    if isinstance(output, torch.Tensor):
-        return output
-    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else ()
-    return next((v for v in values if isinstance(v, torch.Tensor) and v.dim() > 0), None)
 
 
 def _shape(t: Any) -> str:

@@ -48,6 +48,7 @@ from autopar.graph import LayerGraph
 from autopar.passes.expert_parallel import reduce_expert_grads
 from autopar.plan import Plan, Predicted
 from autopar.runtime.balance import BiasBalancer, bias_group, check_bias_update
+from autopar.runtime.chunked_loss import hidden_head, plan_loss, refuse_labels
 from autopar.runtime.compiled import check_compiled, compile_plan_blocks, requested
 from autopar.runtime.float8 import check_device, check_float8, drop_scales, gathered_in_float8, precompute_scales
 from autopar.runtime.float8 import convert as convert_float8
@@ -65,13 +66,7 @@ from autopar.runtime.loss import default_loss
 from autopar.runtime.lowering import Lowered, gather_all, held_params, lower, lower_local
 from autopar.runtime.precision import MasterWeights, attach_masters, cast_floating, plan_dtype
 from autopar.runtime.state import Entry, full_tensor, param_entries, persistent_buffers
-from autopar.runtime.training import (
-    check_batch,
-    check_loss,
-    clip_grads_,
-    global_grad_norm,
-    step_rng,
-)
+from autopar.runtime.training import check_batch, check_loss, clip_grads_, global_grad_norm, step_rng
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -127,6 +122,7 @@ class ParallelModel:
     compiled: tuple[str, ...] = ()  # the blocks running under torch.compile (plan.training.compiled)
     balancer: BiasBalancer | None = None  # moe_bias_update > 0: the routers' expert biases it moves
     float8_gathered: bool = False  # FSDP2 gathers float8 weights: their scales set once a step (runtime/float8.py)
+    chunked_loss: bool = False  # the head returns the hidden state in a step; the loss runs it in chunks
     _checkpoint_group: Any = field(default=None, repr=False)
     _pending_save: Any = field(default=None, repr=False)
 
@@ -217,6 +213,8 @@ class ParallelModel:
                      what: str = "train_step") -> None:
         check_batch(inputs, targets, self.local_batch_size, self.plan.microbatches,
                     self.plan.microbatch_size, what)
+        if self.chunked_loss:
+            refuse_labels(inputs)
 
     def _loss(self, output: Any, targets: torch.Tensor | None) -> torch.Tensor:
         if self.plan.training.dtype == "bf16":
@@ -241,7 +239,7 @@ class ParallelModel:
         if self.balancer is not None:
             self.balancer.counting = True
         try:
-            with step_rng(self.seed, self.step, self._stream(), self._device()):
+            with step_rng(self.seed, self.step, self._stream(), self._device()), hidden_head(self.chunked_loss):
                 if lowered.pipeline is not None:  # the schedule runs the microbatches through the stages
                     loss = self._pipeline_step(lowered, inputs, targets)
                 else:
@@ -348,7 +346,7 @@ class ParallelModel:
         for part in lowered.parts:
             part.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), hidden_head(self.chunked_loss):
                 if lowered.pipeline is not None:
                     loss = lowered.pipeline.evaluate(_one_or_all(inputs), targets)
                     loss = (torch.zeros((), dtype=torch.float64) if loss is None else loss.double()).to(device())
@@ -551,7 +549,7 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
             raise LaunchError("compile needs world_size outside a process group "
                               "(or launch under torchrun so it can be read)")
         world_size = dist.get_world_size()
-    kwargs = dict(solve_kwargs, cluster=cluster, pins=pins)
+    kwargs = dict(solve_kwargs, cluster=cluster, pins=pins, custom_loss=loss_fn not in (None, default_loss))
     torch_compile = requested(torch_compile)
     if plan is None and torch_compile:
         kwargs["compiled"] = True
@@ -564,7 +562,7 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
     check_compiled(plan, torch_compile, graph)
     check_float8(plan, float8)
     routers = check_bias_update(model, graph, plan, moe_bias_update)
-    loss_fn = loss_fn or default_loss
+    loss_fn, chunked = plan_loss(model, graph, plan, loss_fn)  # a chunked plan's head returns the hidden state
     if not launched and world_size > 1:
         return ParallelModel(plan, graph, model, None, loss_fn, launched=False)
     dtype = plan_dtype(plan.training.dtype)
@@ -578,6 +576,8 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
                         loss_fn=fp32_loss(loss_fn) if dtype is not None else loss_fn, init_fn=init_fn)
     else:
         lowered = lower_local(model, graph, plan, init_fn)
+    if chunked:  # the FSDP2 unit that holds the head, gathered again for the loss under ZeRO-3
+        loss_fn.attach(lowered.parts)
 
     def eager_block(path: str, reason: str) -> None:  # a graph break: the block runs eagerly from now on
         pm.plan = replace(pm.plan, notes=(*pm.plan.notes, f"torch.compile: block {path!r} runs eagerly, not as "
@@ -592,7 +592,7 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
     pm = ParallelModel(plan, graph, module, opt, loss_fn, launched=launched, lowered=lowered,
                        scheduler=lr_scheduler(opt) if lr_scheduler is not None else None,
                        max_grad_norm=max_grad_norm, masters=masters, seed=seed, entries=entries,
-                       compiled=tuple(blocks), float8_gathered=bool(gathered),
+                       compiled=tuple(blocks), float8_gathered=bool(gathered), chunked_loss=chunked,
                        balancer=BiasBalancer(routers, float(moe_bias_update), bias_group(lowered.mesh, plan))
                        if routers else None)
     if weights is not None:

@@ -37,6 +37,8 @@ LEVELS: dict[str, int] = {
     "autopar.pins": 2,
     "autopar.contract": 2,
     "autopar.contract_cp": 2,
+    "autopar.contract_loss": 2,
+    "autopar.loss_head": 2,
     "autopar.inputs": 2,
     "autopar.stacks": 2,
     "autopar.sharding": 3,
