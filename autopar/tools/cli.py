@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import Mesh
-from autopar.tools import startup
+from autopar.tools import quiet, startup
 from autopar.units import device_noun, format_bytes, format_flop_rate
 
 if TYPE_CHECKING:
@@ -93,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="autopar", description="Plan how to parallelise a PyTorch model's training.")
     parser.add_argument("--version", action="version", version=f"autopar {__version__}")
+    _add_verbose(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     plan = sub.add_parser("plan", help="find the fastest plan that fits")
     _add_problem_args(plan)
@@ -144,7 +145,15 @@ def _parser() -> argparse.ArgumentParser:
                            help="the cluster's name (default: the -o file's stem, else HOST-BACKEND-xN)")
     calibrate.add_argument("--quick", action="store_true",
                            help="fewer sizes and repetitions: rougher figures, faster (6-9 s with 2 ranks on 2 cores)")
+    for command in sub.choices.values():  # after the verb too: `autopar plan … -v`
+        _add_verbose(command, default=argparse.SUPPRESS)
     return parser
+
+
+def _add_verbose(p: argparse.ArgumentParser, default: object = False) -> None:
+    p.add_argument("-v", "--verbose", action="store_true", default=default,
+                   help="also show the libraries' own warnings that autopar hides (torchao's kernels that do not "
+                        "load on this machine, torch's notes to torchao), here and on the ranks it starts")
 
 
 def _add_picture_args(p: argparse.ArgumentParser) -> None:
@@ -561,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
             raise _UsageError(f"only `autopar run` takes arguments after --, got {' '.join(rest)}")
         if args.command == "run":
             args.args = [*args.args, *rest]
-        return _COMMANDS[args.command](args)
+        with quiet.cli_filters(args.verbose):
+            return _COMMANDS[args.command](args)
     except InfeasibleError as exc:
         _err(str(exc))
         return EXIT_INFEASIBLE
