@@ -3,7 +3,7 @@
 Search, in two levels:
 
 1. **Configurations** (:func:`enumerate_configs`): every mesh of the declared
-   axes (:mod:`autopar.mesh`: pp × dp × tp = world size, each degree dividing
+   axes (:mod:`autopar.mesh`: pp × dp × cp × tp = world size, ep folded into dp × cp, each degree dividing
    what its axis splits, tp within a node unless pinned), microbatch count m dividing the
    per-replica batch, schedule (GPipe only where 1F1B cannot run, since
    under this cost model 1F1B has GPipe's time and never more memory;
