@@ -561,7 +561,7 @@ def wrap_line(line: str, indent: int, sep: str = " ") -> list[str]:
         joined = part if current is None else f"{current}{sep}{part}"
         if len(joined) > WIDTH and current is not None and current.strip():
             out.append(current.rstrip())
-            current = " " * indent + part
+            current = " " * indent + (sep.strip() + " " if sep.strip() else "") + part  # "· optimizer …"
         else:
             current = joined
     return out + [current.rstrip()]
