@@ -534,17 +534,51 @@ def _layer_rows(plan: Plan) -> tuple[list[tuple[str, ...]], tuple[str, ...]]:
     return rows, header
 
 
-def _memory_line(plan: Plan) -> str:
-    """Peak memory of each pipeline rank (all the ranks of one pipeline rank hold alike), and the
-    budget with what the cluster keeps back from it (unless the budget was given)."""
-    p = plan.predicted
+WIDTH = 120  # the columns a summary (and autopar diff's table) keeps within: a terminal's, side by side
+
+
+def per_rank_memory(memory: tuple[int, ...], width: int) -> str:
+    """Each pipeline rank's peak memory, listed when that fits in ``width`` columns, else their range with the
+    rank that holds the most named (all the ranks of one pipeline rank hold alike)."""
+    listed = "  ".join(f"rank {j}: {format_bytes(x)}" for j, x in enumerate(memory))
+    if len(memory) == 1 or len(listed) <= width:
+        return listed if len(memory) > 1 else format_bytes(memory[0])
+    spread, most = memory_range(memory)
+    return f"{spread} over {len(memory)} pipeline ranks, most on rank {most}"
+
+
+def memory_range(memory: tuple[int, ...]) -> tuple[str, int]:
+    """("68.82–70.56 GiB", the rank holding the most) of the pipeline ranks' peak memory."""
+    low, high = format_bytes(min(memory)), format_bytes(max(memory))
+    unit = high.rpartition(" ")[2]
+    return f"{low.removesuffix(' ' + unit)}–{high}", max(range(len(memory)), key=lambda j: memory[j])
+
+
+def _memory_lines(plan: Plan) -> list[str]:
+    """Peak memory of each pipeline rank, and the budget with what the cluster keeps back from it (unless the
+    budget was given), wrapped to :data:`WIDTH`."""
+    p, head = plan.predicted, "memory/rank   "
     budget = format_bytes(p.memory_budget_bytes)
     if p.memory_budget_bytes == plan.cluster.memory_budget_bytes:
         budget += ": " + plan.cluster.memory_budget().describe()
-    if len(p.memory_per_rank_bytes) == 1:
-        return f"{format_bytes(p.memory_per_rank_bytes[0])}  (budget {budget})"
-    return ("  ".join(f"rank {j}: {format_bytes(x)}" for j, x in enumerate(p.memory_per_rank_bytes))
-            + f"  (per pipeline rank; budget {budget})")
+    ranks = per_rank_memory(p.memory_per_rank_bytes, WIDTH - len(head))
+    per = "per pipeline rank; " if "rank 1:" in ranks else ""
+    return wrap_line(f"{head}{ranks}  ({per}budget {budget})", len(head))
+
+
+def wrap_line(line: str, indent: int, sep: str = " ") -> list[str]:
+    """``line`` in lines of at most :data:`WIDTH` columns, broken at ``sep``, the rest indented by ``indent``."""
+    if len(line) <= WIDTH:
+        return [line]
+    out, current = [], None
+    for part in line.split(sep):
+        joined = part if current is None else f"{current}{sep}{part}"
+        if len(joined) > WIDTH and current is not None and current.strip():
+            out.append(current.rstrip())
+            current = " " * indent + (sep.strip() + " " if sep.strip() else "") + part  # "· optimizer …"
+        else:
+            current = joined
+    return out + [current.rstrip()]
 
 
 _METHOD = {CpAttention.ALL_GATHER: "allgather (K/V all-gather)",
@@ -559,6 +593,10 @@ def render_summary(plan: Plan) -> str:
     noun = device_noun(plan.cluster)
     tokens = f"  ({p.tokens_per_s_per_gpu:,.0f} tokens/s per {noun})" if p.tokens_per_s_per_gpu else ""
     b = p.breakdown
+    breakdown = (f"  breakdown   compute {b.compute_s:.4g} s · bubble {b.bubble_s:.4g} s · tp {b.tp_comm_s:.4g} s"
+                 + (f" · ep all-to-all {b.ep_comm_s:.4g} s" if m.ep > 1 else "")
+                 + (f" · cp {_COMM[plan.cp_attention]} {b.cp_comm_s:.4g} s" if m.cp > 1 else "")
+                 + f" · dp {b.dp_comm_s:.4g} s · pp {b.pp_comm_s:.4g} s · optimizer {b.optimizer_s:.4g} s")
     lines = [
         f"autopar plan — {plan.model} on {plan.world_size} × {plan.cluster.device.name}"
         f" ({plan.cluster.name}, {plan.training.dtype}"
@@ -568,11 +606,8 @@ def render_summary(plan: Plan) -> str:
         f"batch         {plan.training.global_batch} = dp {m.dp} × {plan.microbatches} microbatches"
         f" × {plan.microbatch_size}   schedule {sched}",
         f"step time     {p.step_time_s:.4g} s   {format_flop_rate(p.tflops_per_gpu * 1e12)} per {noun}{tokens}",
-        f"  breakdown   compute {b.compute_s:.4g} s · bubble {b.bubble_s:.4g} s · tp {b.tp_comm_s:.4g} s"
-        + (f" · ep all-to-all {b.ep_comm_s:.4g} s" if m.ep > 1 else "")
-        + (f" · cp {_COMM[plan.cp_attention]} {b.cp_comm_s:.4g} s" if m.cp > 1 else "")
-        + f" · dp {b.dp_comm_s:.4g} s · pp {b.pp_comm_s:.4g} s · optimizer {b.optimizer_s:.4g} s",
-        "memory/rank   " + _memory_line(plan),
+        *wrap_line(breakdown, 14, " · "),
+        *_memory_lines(plan),
         f"solver        {plan.solver.status}{gap} in {plan.solver.wall_s:.2f} s"
         f" ({plan.solver.configs_solved} of {plan.solver.configs_considered} configurations solved)",
     ]
@@ -589,5 +624,5 @@ def render_summary(plan: Plan) -> str:
     lines += ["", fmt.format(*header), fmt.format(*("-" * w for w in widths))]
     lines += [fmt.format(*r) for r in rows]
     if plan.notes:
-        lines += [""] + [f"note: {note}" for note in plan.notes]
+        lines += [""] + [wrapped for note in plan.notes for wrapped in wrap_line(f"note: {note}", 6)]
     return "\n".join(line.rstrip() for line in lines)

@@ -18,10 +18,11 @@ warm-up then cosine decay of the learning rate, a distributed checkpoint every
 job restarted by ``autopar run --max-restarts`` (torchrun's elastic agent)
 loses only the steps since the last checkpoint. Every ``--log-every`` steps
 rank 0 reports (:class:`autopar.runtime.metrics.MetricsLogger`) the loss,
-gradient norm, learning rate, tokens/s, TFLOP/s per device, MFU and peak
-memory, each beside the plan's prediction and the ratio (on CPU the memory
-is the process's resident set, which also holds the interpreter and its
-libraries): a progress bar on a terminal, plain lines otherwise; one JSON
+gradient norm, learning rate, tokens/s and TFLOP/s per rank, MFU and peak
+memory, each beside the plan's prediction and the ratio (on CPU no MFU, the
+preset's peak being a guess, and the memory is the host's resident set, which
+also holds the interpreter and its libraries, shown without a ratio): a
+progress bar on a terminal, plain lines otherwise; one JSON
 object a report in ``--metrics-file``, TensorBoard events in ``--tensorboard``.
 
 ``--data PATH``: a ``.bin`` of token ids (``--data-dtype`` uint16 or uint32,

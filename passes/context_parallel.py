@@ -18,7 +18,7 @@ refused there):
   ``TorchFunctionMode`` held over the forward of each module capture saw
   calling SDPA (``graph.cp_attention``; a recomputed forward too), turns each causal
   ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` into: K and V
-  all-gathered over the cp group with autograd (``all_gather_tensor_autograd``:
+  all-gathered over the cp group with autograd (``all_gather_single_autograd``:
   its backward reduce-scatters their gradients, summing every rank's
   queries' contributions), put back in global order, and, per query chunk,
   SDPA against only the keys it can see (:func:`prefix_attention`: chunk c's
@@ -108,10 +108,9 @@ def data_mesh(mesh: Any, cp: int) -> Any:
     """The 1-D device mesh the data-parallel pass wraps over: ``dp``, or ``dp × cp`` flattened."""
     if cp <= 1:
         return mesh["dp"]
-    try:
-        return mesh[DATA_DIM]
-    except KeyError:
-        return mesh["dp", "cp"]._flatten(DATA_DIM)
+    # _flatten made once returns the same mesh after (no new groups); slicing the flattened name from the root
+    # instead, mesh[DATA_DIM], is deprecated since torch 2.11 ("bookkeep the flattened mesh directly")
+    return mesh["dp", "cp"]._flatten(DATA_DIM)
 
 
 def prefix_attention(func: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: tuple[int, ...],
@@ -204,7 +203,7 @@ class ContextAttention(TorchFunctionMode):
         return mode.tag(out, layout)
 
     def _attention(self, func: Any, args: list, kwargs: dict) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+        from torch.distributed._functional_collectives import all_gather_single_autograd
 
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         for i, value in enumerate(args[:len(names)]):
@@ -228,8 +227,8 @@ class ContextAttention(TorchFunctionMode):
                                     f"dim] with heads divisible by {self.cp}, got {list(q.shape)}, {list(k.shape)} "
                                     "(capture proved them: the model changed since)")
             return ulysses_attention(func, q, k, v, order, self.group, self.cp, kwargs)
-        k = all_gather_tensor_autograd(k.contiguous(), gather_dim=k.dim() - 2, group=self.group)
-        v = all_gather_tensor_autograd(v.contiguous(), gather_dim=v.dim() - 2, group=self.group)
+        k = all_gather_single_autograd(k.contiguous(), gather_dim=k.dim() - 2, group=self.group)
+        v = all_gather_single_autograd(v.contiguous(), gather_dim=v.dim() - 2, group=self.group)
         k, v = k.index_select(k.dim() - 2, order), v.index_select(v.dim() - 2, order)
         return prefix_attention(func, q, k, v, self.starts, kwargs)
 

@@ -226,9 +226,9 @@ def group_gather(group: Any, seq_len: int, cp: int) -> Gather:
     order = torch.argsort(torch.cat([positions(seq_len, cp, r) for r in range(cp)]))
 
     def gather(t: torch.Tensor, dim: int) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+        from torch.distributed._functional_collectives import all_gather_single_autograd
 
-        full = all_gather_tensor_autograd(t.contiguous(), gather_dim=dim, group=group)
+        full = all_gather_single_autograd(t.contiguous(), gather_dim=dim, group=group)
         return full.index_select(dim, order.to(t.device))
 
     return gather

@@ -292,12 +292,31 @@ def cp2_refuses_labels(rank: int, world_size: int) -> dict[str, Any]:
 CASES["cp2_refuses_labels"] = cp2_refuses_labels
 
 
+def cp2_warns_nothing(rank: int, world_size: int) -> dict[str, Any]:
+    """Lowering cp (the data-parallel mesh flattened over dp × cp, asked for twice: at lowering and by the
+    data-parallel pass) and one step (K/V all-gathered with autograd) warn nothing: no deprecated torch API."""
+    import warnings
+
+    plan, graph = plan_for(SPECS["cp2_gpt"], world_size)
+    torch.manual_seed(0)
+    model, inputs = gpt_tiny()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=graph)
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+        pm.train_step(pm.local_batch(ids), pm.local_batch(ids.roll(-1, 1)))
+    return {"warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
+
+
+CASES["cp2_warns_nothing"] = cp2_warns_nothing
+
+
 def uly_cp2_runs_all_to_alls(rank: int, world_size: int, spec: str = "uly_cp2_gpt") -> dict[str, Any]:
     """The Ulysses plan lowers to the head all-to-all, not the all-gather: one training step of the GPT
     (2 blocks, one SDPA each; or nanoGPT's 2 blocks, attention by hand) calls ``all_to_all_single_autograd``
     4 times a block in forward (q, k (kᵀ), v, the output; backward runs autograd's reverse all-to-alls; beside
     ep, ep's dispatch 2 more a block: the rows out to their experts' ranks and back) and
-    ``all_gather_tensor_autograd`` never."""
+    ``all_gather_single_autograd`` never."""
     import torch.distributed._functional_collectives as fc
 
     plan, graph = plan_for(SPECS[spec], world_size)
@@ -305,7 +324,7 @@ def uly_cp2_runs_all_to_alls(rank: int, world_size: int, spec: str = "uly_cp2_gp
     model, inputs = SPECS[spec].build()
     pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=graph)
     calls = {"all_to_all": 0, "all_gather": 0}
-    real_a2a, real_ag = fc.all_to_all_single_autograd, fc.all_gather_tensor_autograd
+    real_a2a, real_ag = fc.all_to_all_single_autograd, fc.all_gather_single_autograd
 
     def a2a(*a: Any, **k: Any) -> Any:
         calls["all_to_all"] += 1
@@ -315,12 +334,12 @@ def uly_cp2_runs_all_to_alls(rank: int, world_size: int, spec: str = "uly_cp2_gp
         calls["all_gather"] += 1
         return real_ag(*a, **k)
 
-    fc.all_to_all_single_autograd, fc.all_gather_tensor_autograd = a2a, ag
+    fc.all_to_all_single_autograd, fc.all_gather_single_autograd = a2a, ag
     try:
         ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
         pm.train_step(pm.local_batch(ids), pm.local_batch(ids.roll(-1, 1)))
     finally:
-        fc.all_to_all_single_autograd, fc.all_gather_tensor_autograd = real_a2a, real_ag
+        fc.all_to_all_single_autograd, fc.all_gather_single_autograd = real_a2a, real_ag
     return {"calls": calls, "method": str(plan.cp_attention), "ulysses": pm.lowered.context.ulysses}
 
 

@@ -89,7 +89,7 @@ def ring_cp2_runs_ring(rank: int, world_size: int, spec: str = "ring_cp2_gpt") -
     model, inputs = specs[spec].build()
     pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=graph)
     calls = {"ring": 0, "ring_backward": 0, "all_gather": 0, "all_to_all": 0}
-    real = (ring._templated_ring_attention, ring._templated_ring_attention_backward, fc.all_gather_tensor_autograd,
+    real = (ring._templated_ring_attention, ring._templated_ring_attention_backward, fc.all_gather_single_autograd,
             fc.all_to_all_single_autograd)
 
     def counted(key: str, fn: Callable) -> Callable:
@@ -100,13 +100,13 @@ def ring_cp2_runs_ring(rank: int, world_size: int, spec: str = "ring_cp2_gpt") -
 
     ring._templated_ring_attention = counted("ring", real[0])
     ring._templated_ring_attention_backward = counted("ring_backward", real[1])
-    fc.all_gather_tensor_autograd = counted("all_gather", real[2])
+    fc.all_gather_single_autograd = counted("all_gather", real[2])
     fc.all_to_all_single_autograd = counted("all_to_all", real[3])
     try:
         ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
         pm.train_step(pm.local_batch(ids), pm.local_batch(ids.roll(-1, 1)))
     finally:
-        (ring._templated_ring_attention, ring._templated_ring_attention_backward, fc.all_gather_tensor_autograd,
+        (ring._templated_ring_attention, ring._templated_ring_attention_backward, fc.all_gather_single_autograd,
          fc.all_to_all_single_autograd) = real
     return {"calls": calls, "method": str(plan.cp_attention), "ring": pm.lowered.context.ring}
 

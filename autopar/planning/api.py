@@ -22,7 +22,14 @@ from autopar.graph import LayerGraph
 from autopar.pins import Pins
 from autopar.plan import LayerPlan, Plan, Predicted, RunnerUp, SolverReport, TrainingSettings
 from autopar.planning.configuration import Configuration, TrainingSpec
-from autopar.planning.notes import choice_notes, contract_notes, float8_notes, loss_notes, search_notes
+from autopar.planning.notes import (
+    choice_notes,
+    contract_notes,
+    float8_notes,
+    idle_axis_notes,
+    loss_notes,
+    search_notes,
+)
 from autopar.planning.solver import RUNNERS_UP, Candidate, Solution, SolverOptions
 from autopar.planning.solver import solve as _solve
 from autopar.units import GiB
@@ -191,8 +198,8 @@ def build_plan(graph: LayerGraph, solution: Solution, cluster: ClusterSpec,
                                   float8=training.float8, loss=solution.table.loss),
         pins=tuple(pins.to_strings()),
         notes=(contract_notes(graph, solution) + choice_notes(graph, solution)
-               + search_notes(solution) + float8_notes(cluster, training, solution)
-               + loss_notes(graph, solution, pins)),
+               + search_notes(solution) + idle_axis_notes(graph, solution, pins, training.global_batch)
+               + float8_notes(cluster, training, solution) + loss_notes(graph, solution, pins)),
         runners_up=tuple(runner_up(graph, r) for r in solution.runners_up),
         cp_attention=c.cp_attention,
     )

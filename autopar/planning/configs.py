@@ -65,11 +65,19 @@ def enumerate_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
     return searched_configs(graph, world_size, cluster, training, pins)[0]
 
 
+def idle_tp(graph: LayerGraph, mesh: Mesh) -> bool:
+    """Whether ``mesh``'s tp ranks can only repeat each other's work: tp > 1, and no layer has a tensor-parallel
+    style that runs on tp ranks (its heads and widths do not divide), so every layer is replicated over them."""
+    return mesh.tp > 1 and not any(style.admits(mesh.tp) for layer in graph for style in layer.tp_styles)
+
+
 def searched_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
-                     training: TrainingSpec, pins: Pins) -> tuple[list[Configuration], int]:
+                     training: TrainingSpec, pins: Pins, *, keep_idle: bool = False) -> tuple[list[Configuration], int]:
     """Every configuration the pins allow, less those with cp inside pipeline stages where neither is pinned
     and the whole count would pass :data:`CP_PP_SEARCHED_UP_TO`, and how many those are (0: none left out);
-    raises PinError naming why none remain."""
+    raises PinError naming why none remain. A mesh whose tp ranks would repeat each other's work
+    (:func:`idle_tp`) is searched only where tp is pinned, ``keep_idle`` is set, or no other mesh is left:
+    a faster step it may price is one rank's step, with the other tp − 1 ranks spent on nothing."""
     pins.check_form()
     limits = axis_limits(graph, world_size, cluster, training)
     pinned = pins.mesh_degrees()
@@ -109,6 +117,8 @@ def searched_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
                      for method in methods]
     left_out = len(staged) if configs and len(configs) + len(staged) > CP_PP_SEARCHED_UP_TO else 0
     configs += [] if left_out else staged
+    if not keep_idle and "tp" not in pinned:
+        configs = [c for c in configs if not idle_tp(graph, c.mesh)] or configs
     if not configs and unmet:
         raise PinError(f"pin cp_attention={pins.cp_attention}: {unmet} (and no other mesh the pins allow runs it)")
     if not configs and split_refused:

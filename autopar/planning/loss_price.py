@@ -1,5 +1,6 @@
-"""The chunked loss priced (:mod:`autopar.runtime.chunked_loss`): which loss a configuration runs, its
-peak memory on the last pipeline rank, and the head GEMM it recomputes. :class:`~.pricing.PriceTable`
+"""The loss priced: which loss a configuration runs (the whole logits' cross-entropy, or the chunked loss of
+:mod:`autopar.runtime.chunked_loss`), its peak memory on the last pipeline rank, its kernels' time, and the
+head GEMM the chunked loss recomputes. :class:`~.pricing.PriceTable`
 reads these (``loss``, ``loss_bytes``, the last layer's compute); the rules are the contract's
 (:func:`autopar.contract.chunked_loss_refusal`, :func:`autopar.contract.loss_chunk_tokens`).
 """
@@ -11,6 +12,8 @@ from typing import Any
 
 from autopar import contract
 from autopar.choice import LossKind
+from autopar.cost_models import compute
+from autopar.cost_models.pipeline import ScheduleKind
 from autopar.graph import Layer
 
 PriceTable = Any  # a planning.pricing.PriceTable (not imported: pricing imports this module)
@@ -24,6 +27,26 @@ def loss_runs(table: PriceTable) -> LossKind:
             table.graph, table.config.mesh, table.training.float8):
         return LossKind.CHUNKED
     return LossKind.FULL
+
+
+def loss_bytes(table: PriceTable) -> tuple[int, int]:
+    """(peak, kept beside a layer's backward) of the last rank's loss in fp32 logits of S/cp tokens: log-probs
+    kept per microbatch in flight and, while log-softmax's backward runs, the gradients it takes and gives,
+    gone before any layer's (three at a bf16 GPT's peak on an H200: ``benchmarks/gpu_memory_peak.py``);
+    chunked, one chunk's (:func:`chunked_peak_bytes`), nothing kept between microbatches."""
+    if table.loss is LossKind.CHUNKED:
+        return chunked_peak_bytes(table), 0
+    kept = table.config.microbatches if table.config.schedule.kind is ScheduleKind.GPIPE else 1
+    one = table.microbatch_size * table.graph.output_bytes_per_sample * FP32_BYTES / table.graph.dtype_bytes
+    cp = table.config.mesh.cp
+    return math.ceil((kept + 2) * one / cp), math.ceil((kept - 1) * one / cp)
+
+
+def loss_time_s(table: PriceTable) -> tuple[float, float]:
+    """(forward, backward) of the loss per microbatch on the last layer's rank: cross-entropy over the output's
+    S/cp tokens in fp32 (``cost_models.compute.loss_time_s``; chunked, the same kernels' work in pieces)."""
+    elements = table.microbatch_size * table.graph.output_bytes_per_sample / table.graph.dtype_bytes
+    return compute.loss_time_s(elements / table.config.mesh.cp, table.prec.activation_bytes, table.cluster.device)
 
 
 def _tokens_per_sample(table: PriceTable) -> float:
@@ -70,4 +93,5 @@ def recompute_s(table: PriceTable, layer: Layer, forward_s: float) -> float:
     return forward_s * min(1.0, head_flops / layer.flops_per_sample)
 
 
-__all__ = ["chunk_tokens", "chunked_peak_bytes", "loss_runs", "recompute_s", "recomputes"]
+__all__ = ["chunk_tokens", "chunked_peak_bytes", "loss_bytes", "loss_runs", "loss_time_s", "recompute_s",
+           "recomputes"]

@@ -15,7 +15,7 @@ from autopar.loss_head import NOT_CHECKED
 from autopar.moe import Dispatch, ExpertLayout
 from autopar.pins import Pins
 from autopar.planning import loss_price
-from autopar.planning.configs import CP_PP_SEARCHED_UP_TO, CP_UNSEARCHED
+from autopar.planning.configs import CP_PP_SEARCHED_UP_TO, CP_UNSEARCHED, idle_tp
 from autopar.planning.configuration import TrainingSpec
 from autopar.planning.cut_checks import withdrawn_cut_notes
 from autopar.planning.evaluate import evaluate
@@ -136,6 +136,29 @@ def search_notes(solution: Solution) -> tuple[str, ...]:
                 f"{CP_PP_SEARCHED_UP_TO:,} (OPTIMAL is over the meshes searched): pin cp or pp, e.g. --pin pp=2, "
                 "to plan meshes with both, or price one with autopar explain --why-not 'pp=2 cp=2'",)
     return ()
+
+
+def idle_axis_notes(graph: LayerGraph, solution: Solution, pins: Pins, global_batch: int) -> tuple[str, ...]:
+    """A mesh axis of degree > 1 that no layer uses: its ranks repeat each other's work, the world size
+    spent on nothing. Only tp can be so (each layer takes it or not); dp splits the batch, pp the layers, cp
+    every sample's sequence, and ep is refused on a model without experts."""
+    mesh = solution.config.mesh
+    tp = mesh.tp
+    if tp <= 1 or any(c.tp for c in solution.choices):
+        return ()
+    world = mesh.world_size
+    fewer = world // tp
+    if "tp" in pins.mesh_degrees():
+        why = f"tp={tp} is pinned: unpin it, or pin a style on the layers that admit one ('GLOB:tp=megatron')"
+    elif idle_tp(graph, mesh):
+        why = (f"no layer's tensor-parallel style runs on {tp} ranks, and no other mesh of {world} ranks runs this "
+               f"model at batch {global_batch} (dp divides the batch, pp the layers, cp the sequence): plan "
+               "another world size")
+    else:
+        why = ("replicating every layer priced faster than any tensor-parallel style: pin a style "
+               "('GLOB:tp=megatron') to split the layers that admit one")
+    return (f"tp={tp} is used by no layer, so the {tp} ranks of each tp group repeat each other's work ({world} "
+            f"ranks do the work of {fewer}): {why}, or --world-size {fewer} for the same step",)
 
 
 def float8_notes(cluster: ClusterSpec, training: TrainingSpec, solution: Solution) -> tuple[str, ...]:

@@ -55,10 +55,9 @@ from autopar import contract
 from autopar.choice import LayerChoice, LossKind, Recompute
 from autopar.contract import Buffers, Engine
 from autopar.cost_models.communication import Collective, collective_time_s, p2p_time_s, place_group
-from autopar.cost_models.compute import loss_time_s
 from autopar.cost_models.hardware import ClusterSpec, idle_core_speedup
 from autopar.cost_models.memory import optimizer_shard_params
-from autopar.cost_models.pipeline import ScheduleKind, in_flight
+from autopar.cost_models.pipeline import in_flight
 from autopar.graph import Layer, LayerGraph
 from autopar.planning import context_price, edges, expert_price, loss_price
 from autopar.planning.configuration import Configuration, TrainingSpec
@@ -351,23 +350,12 @@ class PriceTable:
         return loss_price.loss_runs(self)
 
     @cached_property
-    def loss_bytes(self) -> tuple[int, int]:
-        """The last rank's loss (at its peak, beside a layer's backward) in fp32 logits of S/cp tokens: log-probs
-        kept per microbatch in flight and, while log-softmax's backward runs, the gradients it takes and gives,
-        gone before any layer's (three at a bf16 GPT's peak on an H200: ``benchmarks/gpu_memory_peak.py``);
-        chunked, one chunk's (:func:`.loss_price.chunked_peak_bytes`), nothing kept between microbatches."""
-        if self.loss is LossKind.CHUNKED:
-            return loss_price.chunked_peak_bytes(self), 0
-        kept = self.config.microbatches if self.config.schedule.kind is ScheduleKind.GPIPE else 1
-        one = self.microbatch_size * self.graph.output_bytes_per_sample * FP32_BYTES / self.graph.dtype_bytes
-        return math.ceil((kept + 2) * one / self.config.mesh.cp), math.ceil((kept - 1) * one / self.config.mesh.cp)
+    def loss_bytes(self) -> tuple[int, int]:  # (the loss's peak, what it keeps beside a layer's): loss_price
+        return loss_price.loss_bytes(self)
 
     @cached_property
-    def loss_time_s(self) -> tuple[float, float]:
-        """(forward, backward) of the loss per microbatch on the last layer's rank: cross-entropy over the
-        output's S/cp tokens in fp32 (``cost_models.compute.loss_time_s``)."""
-        elements = self.microbatch_size * self.graph.output_bytes_per_sample / self.graph.dtype_bytes
-        return loss_time_s(elements / self.config.mesh.cp, self.prec.activation_bytes, self.cluster.device)
+    def loss_time_s(self) -> tuple[float, float]:  # (forward, backward) per microbatch: loss_price
+        return loss_price.loss_time_s(self)
 
     def rank_workspace_bytes(self, rank: int) -> int:
         """:attr:`workspace_bytes`, on the last pipeline rank the loss's peak in one layer's stead if larger."""

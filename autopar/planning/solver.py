@@ -3,7 +3,7 @@
 Search, in two levels:
 
 1. **Configurations** (:func:`enumerate_configs`): every mesh of the declared
-   axes (:mod:`autopar.mesh`: pp × dp × tp = world size, each degree dividing
+   axes (:mod:`autopar.mesh`: pp × dp × cp × tp = world size, ep folded into dp × cp, each degree dividing
    what its axis splits, tp within a node unless pinned), microbatch count m dividing the
    per-replica batch, schedule (GPipe only where 1F1B cannot run, since
    under this cost model 1F1B has GPipe's time and never more memory;
@@ -161,9 +161,11 @@ class Solution:
 
 def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: TrainingSpec, *,
           pins: Pins | None = None, memory_budget_bytes: int | None = None,
-          options: SolverOptions | None = None, runners_up: int = RUNNERS_UP) -> Solution:
+          options: SolverOptions | None = None, runners_up: int = RUNNERS_UP, keep_idle: bool = False) -> Solution:
     """The fastest plan under the memory budget, by branch and bound over configurations, and the
-    best plans of the next ``runners_up`` distinct configurations (0: the shortest search)."""
+    best plans of the next ``runners_up`` distinct configurations (0: the shortest search). Meshes whose
+    tp ranks would repeat each other's work are searched only when no other plan fits (``keep_idle``:
+    :func:`.configs.searched_configs`)."""
     start = time.perf_counter()
     options = options or SolverOptions()
     pins = pins or Pins()
@@ -176,7 +178,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     # Configurations in order of a cheap bound (fastest strategy per layer, balanced),
     # priced in full only when that bound could still beat the best plan so far.
     candidates, shared = [], SharedPrices()
-    configs, left_out = searched_configs(graph, world_size, cluster, training, pins)
+    configs, left_out = searched_configs(graph, world_size, cluster, training, pins, keep_idle=keep_idle)
     for config in configs:
         table = PriceTable(graph, config, cluster, training, shared)
         fastest = table.fastest_time_mb_s()
@@ -262,6 +264,11 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
                     options)
     wall = time.perf_counter() - start
     if search.best is None:
+        if not keep_idle and len(searched_configs(graph, world_size, cluster, training, pins,
+                                                  keep_idle=True)[0]) > len(configs):
+            # nothing else runs: the meshes whose tp ranks repeat each other's work too (the plan notes it)
+            return solve(graph, world_size, cluster, training, pins=pins, memory_budget_bytes=memory_budget_bytes,
+                         options=options, runners_up=runners_up, keep_idle=True)
         priced = _with_screened(priced, screened, layer_pins)
         if not priced:
             degrees = ", ".join(f"tp={t}" for t in sorted({config.mesh.tp for _, config, _ in candidates}))
@@ -283,7 +290,8 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
             # a plan fits that no solve found: CP-SAT's presolve refuted a feasible model (SolverOptions.
             # presolve_inclusion); searched again without the step that does
             return solve(graph, world_size, cluster, training, pins=pins, memory_budget_bytes=memory_budget_bytes,
-                         options=replace(options, presolve_inclusion=False), runners_up=runners_up)
+                         options=replace(options, presolve_inclusion=False), runners_up=runners_up,
+                         keep_idle=keep_idle)
     best, *runners_up = search.ranked()
     step = best.step_time_s
     bound = min([step] + search.open_bounds)

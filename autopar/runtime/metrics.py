@@ -16,9 +16,14 @@ before clipping (``pm.grad_norm``: set when ``compile`` was given
 against the cluster's peak (the model's FLOPs per step — forward and
 backward, no recompute, as the plan counts them — over the measured time),
 and peak memory; each beside the plan's predicted figure and the ratio
-measured/predicted. Memory is ``torch.cuda.max_memory_allocated`` on a GPU;
-on CPU the process's peak resident set (which also holds the interpreter
-and its libraries), named ``rss`` so it is not read as the plan's tensors.
+measured/predicted. The line gives tokens/s per rank, as the plan's header
+does (the JSON's ``tokens_per_s`` is the global figure, its ``plan`` too).
+Memory is ``torch.cuda.max_memory_allocated`` on a GPU; on CPU the process's
+peak resident set, which also holds the interpreter and its libraries, so it
+is printed as ``host rss`` alone: no ratio to the plan's tensors (``vs_plan``'s
+``memory_bytes`` is null). On a CPU cluster the line prints no MFU either: the
+``cpu`` preset's peak is a guess, not a measured rate, so a percentage of it
+says nothing (the JSON keeps ``mfu``, against the cluster file's peak).
 
 Where it goes:
 
@@ -52,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import MetricsError
+from autopar.units import device_noun
 
 MiB = 2**20
 
@@ -169,34 +175,40 @@ class MetricsLogger:
         peak = self.pm.plan.cluster.device.peak_flops(self.pm.plan.training.dtype)
         mfu = tflops * 1e12 / peak if tflops is not None and peak else None
         memory, kind = peak_memory()
+        # a host's resident set is no measure of the plan's device tensors: no ratio to them
         measured = {"step_time_s": per_step_s, "tokens_per_s": tokens_per_s, "tflops": tflops, "mfu": mfu,
-                    "memory_bytes": memory}
+                    "memory_bytes": memory if kind == "cuda_peak_allocated" else None}
         return {"step": step, "loss": loss, "tokens": (step + 1) * tokens, "tokens_per_s": tokens_per_s,
                 "tflops": tflops, "mfu": mfu, "memory_bytes": memory, "tokens_hash": tokens_hash,
                 "grad_norm": self.pm.grad_norm, "lr": lr, "step_time_s": per_step_s,
                 "data_wait_s": self._wait_s / self._steps, "memory_kind": kind, "plan": plan,
-                "vs_plan": {k: _ratio(v, plan[k]) for k, v in measured.items()}}
+                "vs_plan": {k: _ratio(v, plan[k]) for k, v in measured.items()},
+                "world_size": world, "per": device_noun(self.pm.plan.cluster)}
 
     @staticmethod
     def line(r: dict[str, Any]) -> str:
-        """One report as a line: each measured figure with the plan's and the ratio."""
+        """One report as a line: each measured figure with the plan's and the ratio (per rank or GPU, as the
+        plan's header counts; on a CPU cluster no MFU and the host's resident set alone)."""
         p, v = r["plan"], r["vs_plan"]
+        per, world = r.get("per", "device"), r.get("world_size", 1)
         norm = f"{r['grad_norm']:.3f}" if r["grad_norm"] is not None else "-"
         lr = f"{r['lr']:.2e}" if r["lr"] is not None else "-"
-        what = "peak" if r["memory_kind"] == "cuda_peak_allocated" else "rss"
         wait = r["data_wait_s"] / r["step_time_s"] if r["step_time_s"] else 0.0
+        tokens, planned = (x and x / world for x in (r["tokens_per_s"], p["tokens_per_s"]))
+        mfu = f"MFU {_num(r['mfu'], '.1%')} (plan {_num(p['mfu'], '.1%')})  " if per != "rank" else ""
         return (f"step {r['step']:5d}  loss {r['loss']:.4f}  lr {lr}  grad norm {norm}  "
-                f"{_num(r['tokens_per_s'], ',.0f')} tok/s (plan {_num(p['tokens_per_s'], ',.0f')}, "
-                f"{_x(v['tokens_per_s'])})  {_num(r['tflops'], '.3g')} TFLOP/s/device (plan "
-                f"{_num(p['tflops'], '.3g')}, {_x(v['tflops'])})  MFU {_num(r['mfu'], '.1%')} "
-                f"(plan {_num(p['mfu'], '.1%')})  {what} {r['memory_bytes'] / MiB:,.0f} MiB (plan "
-                f"{_num(p['memory_bytes'] and p['memory_bytes'] / MiB, ',.0f')} MiB, {_x(v['memory_bytes'])})  "
-                f"data wait {wait:.1%}")
+                f"{_num(tokens, ',.0f')} tok/s/{per} (plan {_num(planned, ',.0f')}, {_x(v['tokens_per_s'])})  "
+                f"{_num(r['tflops'], '.3g')} TFLOP/s/{per} (plan {_num(p['tflops'], '.3g')}, {_x(v['tflops'])})  "
+                f"{mfu}{_memory(r)}  data wait {wait:.1%}")
 
     @staticmethod
     def _short(r: dict[str, Any]) -> str:
-        return (f"loss {r['loss']:.4f}, {_num(r['tokens_per_s'], ',.0f')} tok/s ({_x(r['vs_plan']['tokens_per_s'])} "
-                f"plan), MFU {_num(r['mfu'], '.1%')}, {r['memory_bytes'] / MiB:,.0f} MiB")
+        per, world = r.get("per", "device"), r.get("world_size", 1)
+        tokens = r["tokens_per_s"] and r["tokens_per_s"] / world
+        mfu = f", MFU {_num(r['mfu'], '.1%')}" if per != "rank" else ""
+        return (f"loss {r['loss']:.4f}, {_num(tokens, ',.0f')} tok/s/{per} ({_x(r['vs_plan']['tokens_per_s'])} "
+                f"plan){mfu}, {'' if r['memory_kind'] == 'cuda_peak_allocated' else 'host rss '}"
+                f"{r['memory_bytes'] / MiB:,.0f} MiB")
 
     def _tensorboard(self, r: dict[str, Any]) -> None:
         w, step = self._writer, r["step"]
@@ -217,6 +229,15 @@ class MetricsLogger:
             if thing is not None:
                 thing.close()
         self._file = self._writer = self._bar = None
+
+
+def _memory(r: dict[str, Any]) -> str:
+    """The device's peak allocated beside the plan's; a host's resident set alone (it holds the interpreter)."""
+    if r["memory_kind"] != "cuda_peak_allocated":
+        return f"host rss {r['memory_bytes'] / MiB:,.0f} MiB"
+    planned = r["plan"]["memory_bytes"]
+    return (f"peak {r['memory_bytes'] / MiB:,.0f} MiB (plan {_num(planned and planned / MiB, ',.0f')} MiB, "
+            f"{_x(r['vs_plan']['memory_bytes'])})")
 
 
 def _num(value: float | None, spec: str) -> str:

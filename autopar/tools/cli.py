@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.mesh import Mesh
-from autopar.tools import startup
+from autopar.tools import quiet, startup
 from autopar.units import device_noun, format_bytes, format_flop_rate
 
 if TYPE_CHECKING:
@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from autopar.planning.api import BaselineResult
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INFEASIBLE = 0, 1, 2, 3
+# the cluster plan, compare and explain price on without --cluster: autopar.planning.api.DEFAULT_CLUSTER (not
+# imported here: the parser is built before the planner, and `show` never imports it)
+PLAN_CLUSTER = "a100-80g"
 
 
 class _UsageError(Exception):
@@ -69,12 +72,13 @@ def _add_problem_args(p: argparse.ArgumentParser) -> None:
                         "config.json or model directory")
     p.add_argument("--world-size", type=int, required=True, metavar="N", help="number of devices (ranks)")
     p.add_argument("--cluster", default=None, metavar="NAME|FILE",
-                   help="preset name (a100-80g, h100-80g, cpu, …) or a .json/.toml cluster file")
+                   help="preset name (a100-80g, h100-80g, cpu, …) or a .json/.toml cluster file (default: "
+                        f"{PLAN_CLUSTER}, whichever machine runs autopar)")
     p.add_argument("--nodes", type=int, default=None, metavar="K", help="spread the ranks over K nodes")
     p.add_argument("--batch-size", type=int, default=None, metavar="B",
                    help="global batch in samples per step (default: world size)")
     p.add_argument("--seq-len", type=int, default=None, metavar="S", help="passed to the spec function")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="training precision")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="training precision (default: bf16)")
     p.add_argument("--memory-gb", type=float, default=None, metavar="X",
                    help="per-rank memory budget in GiB (default: device memory less the reserve)")
     p.add_argument("--pin", action="append", default=[], metavar="K=V",
@@ -93,8 +97,11 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = _Parser(prog="autopar", description="Plan how to parallelise a PyTorch model's training.")
     parser.add_argument("--version", action="version", version=f"autopar {__version__}")
+    _add_verbose(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    plan = sub.add_parser("plan", help="find the fastest plan that fits")
+    plan = sub.add_parser("plan", help="find the fastest plan that fits",
+                          description=f"Find the fastest plan that fits, priced on {PLAN_CLUSTER} unless --cluster "
+                                      "names another cluster.")
     _add_problem_args(plan)
     plan.add_argument("-o", "--output", default=None, metavar="PLAN.json", help="write the plan as JSON")
     plan.add_argument("--compile", action="store_true",
@@ -119,7 +126,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--compile", action="store_true",
                      help="torch.compile each block: the script's autopar.compile defaults to torch_compile=True")
     _add_float8(run, "float8 linears: the script's autopar.compile defaults to float8=RECIPE")
-    verify = sub.add_parser("verify", help="run a plan on N gloo processes against one process")
+    verify = sub.add_parser("verify", help="run a plan on N gloo processes against one process",
+                            description="Run a plan on N local gloo processes against one process, in fp32; the "
+                                        "plan is solved for the cpu cluster unless --cluster or --plan says "
+                                        "otherwise.")
     _add_problem_args(verify)
     verify.add_argument("--plan", default=None, metavar="PLAN.json", help="verify this plan (else solve)")
     verify.add_argument("--steps", type=int, default=3, metavar="K", help="SGD steps to compare")
@@ -130,9 +140,14 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--loss", default=None, metavar="FILE.py:FUNCTION",
                         help="loss_fn(output, targets) for both sides (default: the one that fits the output)")
     verify.set_defaults(dtype="fp32")
-    for action in verify._actions:  # verify's global batch defaults to the example inputs' batch
+    for action in verify._actions:  # verify's own defaults: the batch of the example inputs, this machine's CPUs
         if action.dest == "batch_size":
             action.help = "global batch in samples per step (default: the example inputs' batch)"
+        if action.dest == "cluster":
+            action.help = ("preset name or cluster file the plan is solved for (default: cpu, the gloo processes "
+                           "verify runs here; --plan's own cluster when given)")
+        if action.dest == "dtype":
+            action.help = "precision the plan is priced in (default: fp32, the precision verify runs in)"
     calibrate = sub.add_parser("calibrate", help="measure this machine and write a cluster file")
     calibrate.add_argument("--nproc", type=int, required=True, metavar="N",
                            help="ranks to measure with, started together as training starts them")
@@ -144,7 +159,15 @@ def _parser() -> argparse.ArgumentParser:
                            help="the cluster's name (default: the -o file's stem, else HOST-BACKEND-xN)")
     calibrate.add_argument("--quick", action="store_true",
                            help="fewer sizes and repetitions: rougher figures, faster (6-9 s with 2 ranks on 2 cores)")
+    for command in sub.choices.values():  # after the verb too: `autopar plan … -v`
+        _add_verbose(command, default=argparse.SUPPRESS)
     return parser
+
+
+def _add_verbose(p: argparse.ArgumentParser, default: object = False) -> None:
+    p.add_argument("-v", "--verbose", action="store_true", default=default,
+                   help="also show the libraries' own warnings that autopar hides (torchao's kernels that do not "
+                        "load on this machine, torch's notes to torchao), here and on the ranks it starts")
 
 
 def _add_picture_args(p: argparse.ArgumentParser) -> None:
@@ -561,7 +584,8 @@ def main(argv: list[str] | None = None) -> int:
             raise _UsageError(f"only `autopar run` takes arguments after --, got {' '.join(rest)}")
         if args.command == "run":
             args.args = [*args.args, *rest]
-        return _COMMANDS[args.command](args)
+        with quiet.cli_filters(args.verbose):
+            return _COMMANDS[args.command](args)
     except InfeasibleError as exc:
         _err(str(exc))
         return EXIT_INFEASIBLE

@@ -20,7 +20,7 @@ from typing import Any
 
 from autopar.choice import Recompute
 from autopar.errors import PlanError
-from autopar.plan import LayerPlan, Plan, shown_terms
+from autopar.plan import LayerPlan, Plan, memory_range, shown_terms, wrap_line
 from autopar.units import format_bytes, format_flop_rate
 
 
@@ -104,8 +104,19 @@ class PlanDiff:
         out.append(f"layers whose strategy differs ({count} of them, in {len(self.layers)} "
                    f"run{'s' if len(self.layers) > 1 else ''}):")
         width = max(len(c.layers) for c in self.layers)
-        out += [f"  {c.layers.ljust(width)}  {c.a}  →  {c.b}" for c in self.layers]
+        out += [line for c in self.layers
+                for line in wrap_line(f"  {c.layers.ljust(width)}  {change_text(c.a, c.b)}", width + 4)]
         return "\n".join(out)
+
+
+def change_text(a: str, b: str) -> str:
+    """What changes of a layer's strategy, each field "zero 1 → 2", what stays in parentheses after:
+    "zero 1 → 2, recompute selective → none  (stage 1, tp megatron+sp)"."""
+    changed, kept = [], []
+    for fa, fb in zip(a.split(", "), b.split(", ")):
+        key, _, va = fa.partition(" ")
+        (kept.append(fa) if fa == fb else changed.append(f"{key} {va} → {fb.partition(' ')[2]}"))
+    return ", ".join(changed) + (f"  ({', '.join(kept)})" if kept else "")
 
 
 def diff_plans(a: Plan, b: Plan, a_name: str = "a", b_name: str = "b") -> PlanDiff:
@@ -181,13 +192,25 @@ def _rows(a: Plan, b: Plan) -> list[Row]:
         _number_row("peak memory/rank", max(per_rank(a)), max(per_rank(b)), format_bytes),
     ]
     if len(per_rank(a)) > 1 or len(per_rank(b)) > 1:
-        rows.append(_text_row("  by pipeline rank", " / ".join(map(format_bytes, per_rank(a))),
-                              " / ".join(map(format_bytes, per_rank(b)))))
+        rows.append(_text_row("  by pipeline rank", by_rank(per_rank(a)), by_rank(per_rank(b))))
     rows += [
         _text_row("pins", " ".join(a.pins) or "none", " ".join(b.pins) or "none"),
         _text_row("solver", a.solver.status, b.solver.status),
     ]
     return rows
+
+
+RANKS_WIDTH = 45  # a column's per-rank list: 4 ranks' figures; more are summarised, so a table fits WIDTH
+
+
+def by_rank(memory: tuple[int, ...]) -> str:
+    """Each pipeline rank's peak memory, "a / b / c" where that stays narrow, else their range and the rank
+    holding the most: 16 ranks listed made a 300-column table."""
+    listed = " / ".join(map(format_bytes, memory))
+    if len(listed) <= RANKS_WIDTH:
+        return listed
+    spread, most = memory_range(memory)
+    return f"{spread}, most on rank {most} of {len(memory)}"
 
 
 def _choice_text(choice: tuple[int, str | None, int, Recompute]) -> str:

@@ -61,7 +61,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.nn as nn
@@ -431,11 +431,29 @@ def _worker(rank: int, world_size: int, tmp: str, spec: str, seq_len: int | None
     process leaves with ``os._exit(0)``: an interpreter teardown can still abort in gloo's C++
     threads ("terminate called without an active exception", seen once in a loaded full-suite
     run), which would turn a finished run into a dead rank."""
+    from autopar.tools.quiet import silence_if_asked
+
+    silence_if_asked()
     try:
         _run_rank(rank, world_size, tmp, spec, seq_len, plan_json, graph, steps, loss)
     except BaseException as exc:
         Path(tmp, f"error-{rank}.json").write_text(json.dumps(_failure(rank, exc)))
         raise
+    leave()
+
+
+def leave() -> NoReturn:
+    """Exit this rank at once (``os._exit``), first releasing the named semaphores it made.
+
+    ``os._exit`` skips the interpreter's exit hooks, among them multiprocessing's, whose finalizers
+    unlink the semaphores this process made and tell the parent's resource tracker so; skipped, the
+    tracker unlinks them itself when the parent exits and warns "resource_tracker: There appear to be
+    2 leaked semaphore objects" (tqdm's lock, which torch.fx's interpreter takes under ``--compile``).
+    Those finalizers alone run here (multiprocessing has no public name for them): pure Python, none
+    of gloo's teardown, and no join of child processes."""
+    import multiprocessing.util
+
+    multiprocessing.util._run_finalizers(0)  # exit priority >= 0: a SemLock's unlink is 0
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -56,6 +56,27 @@ def test_a_report_holds_each_figure_beside_the_plans_and_the_ratio(plan, tmp_pat
     assert "data wait 5.0%" in lines[0] and "×)" in lines[0]
 
 
+def test_the_line_compares_like_with_like(plan) -> None:
+    """Tokens/s per rank, as the plan's header (``tokens/s per rank``) counts them; on a CPU cluster no MFU
+    against the preset's guessed peak, and the host's resident set alone, no ratio to the plan's tensors."""
+    import gpt
+
+    model, inputs = gpt.build(gpt.CONFIGS["gpt-tiny"], device="meta")
+    two = autopar.solve(autopar.capture(model, inputs), 2, cluster="cpu", dtype="fp32", global_batch=8)
+    tokens = two.training.global_batch * two.training.seq_len
+    out = io.StringIO()
+    r = MetricsLogger(_pm(two), stream=out).log(0, 4.0, step_s=0.1, tokens=tokens)
+    line = out.getvalue()
+    assert f"{tokens / 0.1 / 2:,.0f} tok/s/rank (plan {two.predicted.tokens_per_s_per_gpu:,.0f}, " in line
+    assert f"({two.predicted.tokens_per_s_per_gpu:,.0f} tokens/s per rank)" in two.summary()  # the same figure
+    assert "MFU" not in line and "host rss " in line and "MiB (plan" not in line
+    assert r["vs_plan"]["memory_bytes"] is None and r["mfu"] is not None  # the JSON keeps mfu
+    gpu = {**r, "memory_kind": "cuda_peak_allocated", "memory_bytes": 3 * 2**20, "per": "GPU",
+           "plan": {**r["plan"], "memory_bytes": 2 * 2**20}, "vs_plan": {**r["vs_plan"], "memory_bytes": 1.5}}
+    line = MetricsLogger.line(gpu)
+    assert "tok/s/GPU" in line and "MFU " in line and "peak 3 MiB (plan 2 MiB, 1.50×)" in line
+
+
 def test_a_resumed_run_keeps_the_reports_before_its_step_and_drops_the_rest(plan, tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
     path.write_text("".join(json.dumps({"step": k, "loss": 1.0}) + "\n" for k in range(6)) + '{"step": 6, "lo')

@@ -60,7 +60,8 @@ def test_summary_folds_runs_of_identical_layers(plan):
     assert f"mesh          {shown}\n" in text and plan.mesh.tp == 1 and "tp=1" not in text  # degree 1: not printed
     assert "TFLOP/s per GPU" in text and "memory/rank" in text and "rank 1:" in text
     assert "…" in text  # blocks with the same choices share a row
-    assert len(text.splitlines()) < 10 + len(plan.layers)
+    shown = [line for line in text.splitlines() if not line.startswith("      ")]  # wrapped lines' continuations aside
+    assert len(shown) < 10 + len(plan.layers)
 
 
 def test_plan_for_another_model_is_refused(plan, tmp_path):
@@ -132,3 +133,21 @@ def test_plain_summary_keeps_its_columns(graph):
     plain = autopar.solve(graph, 16, cluster="a100-40g", global_batch=64, pins=["pp=2", "schedule=1f1b"])
     header, _ = _table_rows(plain.summary())
     assert header == ["layer", "stage", "tp", "zero", "recompute"]
+
+
+def test_a_summary_fits_in_120_columns_at_sixteen_pipeline_ranks(plan):
+    """Every rank's memory on one line reached 464 columns at pp=16: past what fits, the range and the rank
+    holding the most; the budget, the breakdown and the notes wrap under their column."""
+    from dataclasses import replace
+
+    memory = tuple(70 * 2**30 + 2**27 * ((5 * j) % 16) for j in range(16))
+    long_note = "a note of many words " * 12
+    sixteen = replace(plan, predicted=replace(plan.predicted, memory_per_rank_bytes=memory, ranks=()),
+                      notes=(long_note.strip(),))
+    text = sixteen.summary()
+    assert max(len(line) for line in text.splitlines()) <= 120, text
+    most = max(range(16), key=lambda j: memory[j])
+    assert f"memory/rank   70.00–71.88 GiB over 16 pipeline ranks, most on rank {most}  (budget " in text
+    assert " ".join(f"note: {long_note}".split()) in " ".join(text.split())  # wrapped, not cut
+    two = plan.summary()
+    assert "memory/rank   rank 0: " in two and "rank 1: " in two  # a few ranks are still listed

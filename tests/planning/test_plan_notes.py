@@ -20,6 +20,11 @@ import gpt  # noqa: E402
 INTERLEAVED = ["pp=2", "schedule=interleaved_1f1b", "chunks=2"]
 
 
+def _shown(text: str, plan: Plan) -> bool:
+    """``text`` in the plan's summary, which wraps long notes at 120 columns."""
+    return " ".join(text.split()) in " ".join(plan.summary().split())
+
+
 def _note(plan: Plan, start: str) -> str | None:
     return next((n for n in plan.notes if n.startswith(start)), None)
 
@@ -52,7 +57,7 @@ def test_uneven_interleaved_stages_are_explained_by_rank_totals(graph):
             else f"hold {', '.join(map(str, per_rank))} blocks")
     assert held in note
     assert re.search(r"the slowest, rank \d, paces the step", note)
-    assert f"note: {note}" in plan.summary()
+    assert _shown(f"note: {note}", plan)
 
 
 def test_even_interleaved_stages_and_plain_pipelines_get_no_stage_note(graph):
@@ -120,4 +125,35 @@ def test_notes_travel_with_the_plan_file(tiny_gpt, tmp_path):
     plan.save(path)
     again = Plan.load(path)
     assert again.notes == plan.notes and again.notes
-    assert all(f"note: {n}" in again.summary() for n in again.notes)
+    assert all(_shown(f"note: {n}", again) for n in again.notes)
+
+
+# ---------------------------------------------------------------- a mesh axis no layer uses
+
+
+def test_tp_no_layer_can_use_is_the_last_resort_and_noted(tiny_gpt):
+    """7 ranks, batch 4: dp cannot divide the batch, the GPT has too few cuts for pp=7 and cp=7 does not divide
+    its sequence, so tp=7 is the only mesh, and none of its styles runs on 7 ranks (4 heads): the 7 ranks repeat
+    one rank's work, and the plan says so and what to do."""
+    plan = autopar.solve(tiny_gpt, 7, cluster="a100-80g", global_batch=4)
+    assert plan.mesh.tp == 7 and not any(lp.choice.tp for lp in plan.layers)
+    note = _note(plan, "tp=7 is used by no layer")
+    assert note is not None and "(7 ranks do the work of 1)" in note
+    assert "no other mesh of 7 ranks" in note and "plan another world size" in note and "--world-size 1" in note
+    assert _shown(f"note: {note}", plan)
+
+
+def test_a_mesh_with_an_idle_tp_axis_is_not_chosen_when_another_runs(tiny_gpt):
+    """3 ranks, batch 3: tp=3 would replicate every layer (no style divides 4 heads by 3) and price one
+    rank's step; dp=3 splits the batch, and the solver takes it."""
+    plan = autopar.solve(tiny_gpt, 3, cluster="a100-80g", global_batch=3)
+    assert plan.mesh.tp == 1
+    assert not [n for n in plan.notes if "is used by no layer" in n]
+
+
+def test_a_pinned_tp_no_layer_uses_is_noted_as_pinned(tiny_gpt):
+    plan = autopar.solve(tiny_gpt, 2, cluster="a100-80g", global_batch=2, pins=["tp=2", "*:tp=none"])
+    note = _note(plan, "tp=2 is used by no layer")
+    assert note is not None and "tp=2 is pinned: unpin it" in note and "--world-size 1" in note
+    megatron = autopar.solve(tiny_gpt, 2, cluster="a100-80g", global_batch=2, pins=["tp=2", "blocks.*:tp=megatron"])
+    assert any(lp.choice.tp for lp in megatron.layers) and _note(megatron, "tp=2 is used") is None

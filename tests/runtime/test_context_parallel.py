@@ -38,7 +38,7 @@ W4_PP = ["cp2_pp2_1f1b_gpt", "cp2_pp2_1f1b_llama", "cp2_pp2_gpipe_zero3_recomput
 
 @pytest.fixture(scope="module")
 def w2(ranks) -> dict[str, dict]:
-    return ranks(2).run(W2 + W2_MANUAL + ["cp2_refuses_labels"], module="context_cases")
+    return ranks(2).run(W2 + W2_MANUAL + ["cp2_refuses_labels", "cp2_warns_nothing"], module="context_cases")
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +105,13 @@ def test_the_model_own_loss_is_refused_and_each_rank_holds_its_chunks(w2: dict) 
     for r in every_rank(w2["cp2_refuses_labels"]):
         assert "cannot compute its own loss from 'labels'" in r["message"]
         assert r["local_shape"] == [2, 8]
+
+
+def test_cp_uses_no_deprecated_torch_api(w2: dict) -> None:
+    """Neither ``all_gather_tensor_autograd`` (deprecated for ``all_gather_single_autograd``) nor slicing the
+    flattened dp × cp mesh from the root mesh: nothing warns on any rank."""
+    for r in every_rank(w2["cp2_warns_nothing"]):
+        assert r["warnings"] == []
 
 
 @pytest.mark.parametrize("case", W4_TP)

@@ -387,3 +387,17 @@ def test_flop_rates_keep_three_significant_figures_and_devices_are_named():
     assert device_noun(PRESETS["cpu"]) == "rank" and device_noun(PRESETS["cpu"].to_dict()) == "rank"
     assert all(device_noun(c) == "GPU" for name, c in PRESETS.items() if name != "cpu")
     assert device_noun("cpu (host)") == "rank" and device_noun("NVIDIA H200") == "GPU"
+
+
+def test_each_help_names_the_cluster_and_precision_it_defaults_to(capsys):
+    """plan, compare and explain price on a100-80g without --cluster, verify on cpu (in fp32): each --help
+    says which, and the CLI's word for the planner's default is the planner's."""
+    from autopar.planning.api import DEFAULT_CLUSTER
+    from autopar.tools.cli import PLAN_CLUSTER
+
+    assert PLAN_CLUSTER == DEFAULT_CLUSTER
+    for verb, cluster, dtype in (("plan", "a100-80g", "bf16"), ("compare", "a100-80g", "bf16"),
+                                 ("explain", "a100-80g", "bf16"), ("verify", "cpu", "fp32")):
+        code, out, _ = _run(capsys, verb, "--help")
+        text = " ".join(out.split())
+        assert code == 0 and f"(default: {cluster}," in text and f"(default: {dtype}" in text, (verb, text)

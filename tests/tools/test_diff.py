@@ -62,7 +62,11 @@ def test_differences_are_marked_and_layers_folded(flat, piped):
     assert sum(c.count for c in d.layers) == len(changed)
     assert any(c.layers.startswith("blocks.") and "–" in c.layers and c.count > 1 for c in d.layers)
     text = d.render()
-    assert "layers whose strategy differs" in text and "  →  " in text
+    assert "layers whose strategy differs" in text and " → " in text
+    blocks = next(c for c in d.layers if c.layers.startswith("blocks."))
+    line = next(line for line in text.splitlines() if line.startswith(f"  {blocks.layers} "))
+    kept = [f for f in blocks.a.split(", ") if f in blocks.b.split(", ")]  # what stays: once, in parentheses
+    assert all(line.count(f) == 1 for f in kept) and (f"({', '.join(kept)})" in line if kept else True)
     assert json.loads(json.dumps(d.to_dict()))["same"] is False
 
 
@@ -105,3 +109,15 @@ def test_cli_diff(capsys, tmp_path, flat, piped):
     schema.write_text(Path(a).read_text().replace('"autopar.plan/1"', '"autopar.plan/2"'))
     _one_line_error(main(["diff", str(a), str(schema)]), capsys.readouterr().err, "schema")
     _one_line_error(main(["diff", str(a), str(tmp_path / "missing.json")]), capsys.readouterr().err, "does not exist")
+
+
+def test_sixteen_pipeline_ranks_fit_in_120_columns(flat, piped):
+    """A list of every rank's memory made a 300-column table at pp=16: past four ranks a column gives their
+    range and the rank that holds the most."""
+    memory = tuple(70 * 2**30 + 2**27 * ((5 * j) % 16) for j in range(16))
+    sixteen = replace(piped, predicted=replace(piped.predicted, memory_per_rank_bytes=memory, ranks=()))
+    d = diff_plans(flat, sixteen, "flat.json", "sixteen.json")
+    rows = {r.label.strip(): r for r in d.rows}
+    most = max(range(16), key=lambda j: memory[j])
+    assert rows["by pipeline rank"].b == f"70.00–71.88 GiB, most on rank {most} of 16"
+    assert max(len(line) for line in d.render().splitlines()) <= 120
