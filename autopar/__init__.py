@@ -23,7 +23,7 @@ _EXPORTS: dict[str, str] = {
     "solve": "autopar.planning.api", "reprice": "autopar.planning.api",
     "ClusterError": "autopar.cost_models.hardware", "ClusterSpec": "autopar.cost_models.hardware",
     "DeviceSpec": "autopar.cost_models.hardware", "LinkSpec": "autopar.cost_models.hardware",
-    "load_cluster": "autopar.cost_models.hardware",
+    "load_cluster": "autopar.cost_models.presets",
     "AutoparError": "autopar.errors", "CaptureError": "autopar.errors",
     "InfeasibleError": "autopar.errors", "PinError": "autopar.errors", "PlanError": "autopar.errors",
     "SpecError": "autopar.errors",

@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import llama  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar.cost_models.hardware import PRESETS  # noqa: E402
+from autopar.cost_models.presets import PRESETS  # noqa: E402
 
 GiB = 2**30
 
@@ -155,7 +155,7 @@ def main() -> None:
     graphs = capture_graphs()
     print(render(calibration_rows(graphs)))
     if args.fit:
-        from autopar.cost_models.hardware import device_gemm_efficiency
+        from autopar.cost_models.presets import device_gemm_efficiency
 
         fitted: dict[str, list[float]] = {}
         for run in RUNS:

@@ -32,8 +32,9 @@ import gpt  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.choice import LayerChoice, Recompute  # noqa: E402
-from autopar.cost_models.hardware import PRESETS, ClusterSpec  # noqa: E402
+from autopar.cost_models.hardware import ClusterSpec  # noqa: E402
 from autopar.cost_models.pipeline import Schedule, ScheduleKind  # noqa: E402
+from autopar.cost_models.presets import PRESETS  # noqa: E402
 from autopar.mesh import Mesh  # noqa: E402
 from autopar.planning.configuration import Configuration, TrainingSpec  # noqa: E402
 from autopar.planning.pricing import PriceTable  # noqa: E402

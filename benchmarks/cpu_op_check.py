@@ -24,7 +24,8 @@ import torch.nn as nn
 
 import autopar
 from autopar.cost_models.compute import compute_time_s
-from autopar.cost_models.hardware import OpModel, load_cluster
+from autopar.cost_models.hardware import OpModel
+from autopar.cost_models.presets import load_cluster
 from autopar.planning.layer_compute import layer_compute
 
 

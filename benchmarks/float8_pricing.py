@@ -28,7 +28,7 @@ def main() -> None:
     from calibration_set import BLOCKS, NOT_BLOCKS, RUNS
 
     import autopar
-    from autopar.cost_models.hardware import PRESETS
+    from autopar.cost_models.presets import PRESETS
     from autopar.float8 import settings_for
 
     run = RUNS[0]

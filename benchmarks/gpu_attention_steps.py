@@ -71,7 +71,7 @@ def measure(dry: bool) -> dict[str, Any]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from autopar.cost_models.compute import attention_time_s
-    from autopar.cost_models.hardware import load_cluster
+    from autopar.cost_models.presets import load_cluster
 
     cuda = not dry and torch.cuda.is_available()
     device, dtype = (torch.device("cuda", 0), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)

@@ -131,7 +131,7 @@ def compute_fit(dry: bool) -> dict[str, Any]:
 
 def fitted_cluster(fit: dict[str, Any], dry: bool) -> Any:
     """This machine's preset with the fitted compute figures (the bf16 peak the GEMM reached, if more)."""
-    from autopar.cost_models.hardware import load_cluster
+    from autopar.cost_models.presets import load_cluster
     from autopar.runtime.launch import local_cluster
 
     base = load_cluster("cpu" if dry else local_cluster())

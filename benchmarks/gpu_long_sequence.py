@@ -80,7 +80,7 @@ def main() -> int:
         parser.error("no CUDA device here: run with --dry to check the script on CPU")
     from gpu_check import init_group
 
-    from autopar.cost_models.hardware import load_cluster
+    from autopar.cost_models.presets import load_cluster
     from autopar.runtime.launch import local_cluster
 
     device = init_group(args.dry)

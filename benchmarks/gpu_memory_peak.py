@@ -66,7 +66,7 @@ def run(model_name: str, pins: tuple[str, ...], device: Any) -> dict[str, Any]:
     import torch
     from gpu_check import GPU_MODELS, solve_plan, train_and_time
 
-    from autopar.cost_models.hardware import load_cluster
+    from autopar.cost_models.presets import load_cluster
     from autopar.runtime.launch import local_cluster
 
     model = next(m for m in GPU_MODELS if m.name == model_name)

@@ -35,7 +35,7 @@ import gpt  # noqa: E402
 import llama  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar.cost_models.hardware import load_cluster  # noqa: E402
+from autopar.cost_models.presets import load_cluster  # noqa: E402
 
 GiB = 2**30
 GB = 1e9

@@ -54,7 +54,7 @@ import hf_llama  # noqa: E402
 
 from autopar import capture  # noqa: E402
 from autopar.choice import CpAttention  # noqa: E402
-from autopar.cost_models.hardware import PRESETS  # noqa: E402
+from autopar.cost_models.presets import PRESETS  # noqa: E402
 from autopar.errors import AutoparError  # noqa: E402
 from autopar.float8 import settings_for  # noqa: E402
 from autopar.graph import OpKind  # noqa: E402

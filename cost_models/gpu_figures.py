@@ -86,9 +86,9 @@ def gemm_k_half(peak_flops: float, bandwidth_bytes_s: float) -> float:
 #   over many shapes, CUDA 12.1): A100 SXM 267.9 TFLOP/s of 312 at 6912 × 16384 × 2048 (85.9%), H100 SXM
 #   792.1 of 989 at 6144 × 17920 × 2816 (80.1%). H200: 787 TFLOP/s at 4096 × 4096 × 4096 (this project's
 #   GPU check on one H200, torch 2.11.0+cu130, 2026-12-04; docs/benchmarks.md "One H200"), 0.80 of peak as
-#   the H100's table row. V100 has no measured row: it borrows A100's (hardware.py says so). Each preset's
+#   the H100's table row. V100 has no measured row: it borrows A100's (presets.py says so). Each preset's
 #   large-GEMM efficiency is solved from its row so that the op model's GEMM at that shape runs at the
-#   measured rate (``hardware.device_gemm_efficiency``), the shape's k-ramp and wave quantisation included.
+#   measured rate (``presets.device_gemm_efficiency``), the shape's k-ramp and wave quantisation included.
 #   family → (FLOP/s measured, (m, n, k), the bf16 peak and HBM bandwidth of the part measured)
 BEST_GEMM = {
     "A100": (267.9e12, (6912, 16384, 2048), 312e12, 2039e9),

@@ -14,8 +14,9 @@ from typing import Any
 
 from autopar import contract
 from autopar.choice import LossKind
-from autopar.cost_models.hardware import ClusterSpec, load_cluster
+from autopar.cost_models.hardware import ClusterSpec
 from autopar.cost_models.memory import PRECISIONS
+from autopar.cost_models.presets import load_cluster
 from autopar.errors import AutoparError, Float8Error, InfeasibleError, PinError
 from autopar.float8 import Float8Settings, emulated
 from autopar.graph import LayerGraph

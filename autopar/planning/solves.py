@@ -121,7 +121,13 @@ def bound_objective(search: Search, prepared: Prepared, runner_up: bool, held: f
     if not runner_up and search.best is not None:
         must_beat = min(must_beat, search.best.step_time_s)
     if not math.isinf(must_beat):
-        built.model.Add(built.objective <= int(must_beat * built.scale / prepared.units.unit_s) + _slack(prepared))
+        bound = int(must_beat * built.scale / prepared.units.unit_s) + _slack(prepared)
+        if bound < _NO_BOUND:  # past it the bound cuts nothing (and CP-SAT takes no coefficient past int64)
+            built.model.Add(built.objective <= bound)
+
+
+# an objective bound this large constrains no plan: the model's variables stay below 2**50 units each
+_NO_BOUND = 2**62
 
 
 def _slack(prepared: Prepared) -> int:

@@ -21,8 +21,8 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from autopar.quiet import silence_if_asked
 from autopar.runtime.launch import shutdown
-from autopar.tools.quiet import silence_if_asked
 
 
 def _notes_on_rank_0() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
     sys.argv = sys.argv[1:]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     _notes_on_rank_0()
-    silence_if_asked()  # `autopar run` without -v: the lines autopar.tools.quiet names stay off every rank's stderr
+    silence_if_asked()  # `autopar run` without -v: the lines autopar.quiet names stay off every rank's stderr
     try:
         runpy.run_path(script, run_name="__main__")
     finally:

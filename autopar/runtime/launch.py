@@ -109,7 +109,7 @@ def local_cluster() -> str:
     A GPU that matches no preset warns (:class:`UnknownDeviceWarning`) and
     gives the planning API's default cluster.
     """
-    from autopar.cost_models.hardware import preset_for_device
+    from autopar.cost_models.presets import preset_for_device
     from autopar.planning.api import DEFAULT_CLUSTER
 
     if not torch.cuda.is_available():

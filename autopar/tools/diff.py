@@ -20,7 +20,8 @@ from typing import Any
 
 from autopar.choice import Recompute
 from autopar.errors import PlanError
-from autopar.plan import LayerPlan, Plan, memory_range, shown_terms, wrap_line
+from autopar.plan import LayerPlan, Plan, shown_terms
+from autopar.plan_table import memory_range, wrap_line
 from autopar.units import format_bytes, format_flop_rate
 
 

@@ -431,7 +431,7 @@ def _worker(rank: int, world_size: int, tmp: str, spec: str, seq_len: int | None
     process leaves with ``os._exit(0)``: an interpreter teardown can still abort in gloo's C++
     threads ("terminate called without an active exception", seen once in a loaded full-suite
     run), which would turn a finished run into a dead rank."""
-    from autopar.tools.quiet import silence_if_asked
+    from autopar.quiet import silence_if_asked
 
     silence_if_asked()
     try:

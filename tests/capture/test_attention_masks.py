@@ -60,7 +60,7 @@ def test_a_call_with_its_own_mask_is_priced_at_the_masked_rate():
     is priced at that rate (OpModel.masked_attention_fwd/bwd); a CPU's kernels take masks (rate 1)."""
     from dataclasses import replace
 
-    from autopar.cost_models.hardware import PRESETS
+    from autopar.cost_models.presets import PRESETS
     from autopar.planning.layer_compute import attention_op_time_s
 
     model, ids = _llama(256)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from autopar.cost_models.hardware import PRESETS, ClusterError, ClusterSpec, CostModelError, GiB, load_cluster
+from autopar.cost_models.hardware import ClusterError, ClusterSpec, CostModelError, GiB
+from autopar.cost_models.presets import PRESETS, load_cluster
 
 
 def _file_dict(name: str = "a100-80g") -> dict:

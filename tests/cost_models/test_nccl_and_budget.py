@@ -22,8 +22,8 @@ from autopar.cost_models.hardware import (
     CUDA_CONTEXT_BYTES,
     NCCL_BUFFER_BYTES,
     ClusterError,
-    load_cluster,
 )
+from autopar.cost_models.presets import load_cluster
 from autopar.units import GiB
 
 US = 1e-6

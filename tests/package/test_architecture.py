@@ -27,6 +27,7 @@ MAX_LINES = 600
 LEVELS: dict[str, int] = {
     "autopar.errors": 0,
     "autopar.units": 0,
+    "autopar.quiet": 0,  # the CLI's logging filters, for the processes it starts too (runtime ranks)
     "autopar.cost_models": 1,
     "autopar.mesh": 2,
     "autopar.choice": 2,
@@ -34,6 +35,7 @@ LEVELS: dict[str, int] = {
     "autopar.moe": 2,
     "autopar.float8": 2,
     "autopar.plan": 2,
+    "autopar.plan_table": 2,
     "autopar.pins": 2,
     "autopar.contract": 2,
     "autopar.contract_cp": 2,

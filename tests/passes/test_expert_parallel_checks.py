@@ -190,7 +190,7 @@ def test_the_free_search_plans_ep_inside_pipeline_stages_where_that_is_fastest(m
     """ep with pp is searched without a pin: at 0.4 MB a rank (a budget where the 4 experts held whole, or
     every layer on one rank, cost recomputation) the free search's OPTIMAL plan is pp=2 × dp=4 × ep=4, faster
     than the best plan with either left out (each pinned away), and no note calls ep × pp unsearched."""
-    from autopar.cost_models.hardware import PRESETS
+    from autopar.cost_models.presets import PRESETS
     from autopar.errors import InfeasibleError
     from autopar.pins import Pins
     from autopar.planning.configs import enumerate_configs

@@ -41,8 +41,8 @@ from autopar.planning.pricing import PriceTable
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import gpt  # noqa: E402
 
-from autopar.cost_models.hardware import PRESETS  # noqa: E402
 from autopar.cost_models.pipeline import Schedule, ScheduleKind  # noqa: E402
+from autopar.cost_models.presets import PRESETS  # noqa: E402
 
 
 def _tiny(device: str = "cpu") -> tuple[nn.Module, tuple]:

@@ -94,8 +94,8 @@ def test_the_350m_gpt_peak_drops_by_the_logits_it_no_longer_holds() -> None:
     activations (priced beside it, the larger counting) cover."""
     import gpt
 
-    from autopar.cost_models.hardware import load_cluster
     from autopar.cost_models.pipeline import Schedule, ScheduleKind
+    from autopar.cost_models.presets import load_cluster
     from autopar.mesh import Mesh
     from autopar.planning.configuration import Configuration, TrainingSpec
     from autopar.planning.pricing import PriceTable

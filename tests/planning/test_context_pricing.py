@@ -17,8 +17,8 @@ from autopar.choice import LayerChoice
 from autopar.contract import REPLICATED, DataParallelism, Engine, cp_admits_style, cp_refusal, plan_engine
 from autopar.cost_models.communication import Collective, collective_time_s, p2p_time_s, place_group
 from autopar.cost_models.compute import attention_time_s, compute_time_s
-from autopar.cost_models.hardware import PRESETS
 from autopar.cost_models.pipeline import Schedule, ScheduleKind
+from autopar.cost_models.presets import PRESETS
 from autopar.errors import LoweringError, PinError
 from autopar.graph import Layer, LayerGraph, OpKind, OpRecord, SampleDim
 from autopar.mesh import Mesh

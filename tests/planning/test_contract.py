@@ -24,9 +24,9 @@ import autopar
 from autopar import contract
 from autopar.choice import LayerChoice
 from autopar.contract import ROOT, Engine
-from autopar.cost_models.hardware import PRESETS
 from autopar.cost_models.memory import model_state_bytes
 from autopar.cost_models.pipeline import Schedule
+from autopar.cost_models.presets import PRESETS
 from autopar.mesh import Mesh
 from autopar.planning.configuration import Configuration, TrainingSpec
 from autopar.planning.pricing import PriceTable

@@ -12,8 +12,8 @@ from synthetic import transformer_graph
 from autopar.choice import LayerChoice
 from autopar.contract import REPLICATED, DataParallelism
 from autopar.cost_models.communication import Collective, all_to_all_time_s, collective_time_s, place_group
-from autopar.cost_models.hardware import PRESETS
 from autopar.cost_models.pipeline import Schedule, ScheduleKind
+from autopar.cost_models.presets import PRESETS
 from autopar.graph import LayerGraph
 from autopar.mesh import Mesh
 from autopar.moe import Dispatch, ExpertLayout, MoEFacts, RouterKind

@@ -14,8 +14,8 @@ import autopar
 from autopar.choice import LayerChoice
 from autopar.contract import REPLICATED
 from autopar.cost_models.communication import Collective, collective_time_s
-from autopar.cost_models.hardware import PRESETS
 from autopar.cost_models.pipeline import Schedule, ScheduleKind
+from autopar.cost_models.presets import PRESETS
 from autopar.errors import PinError
 from autopar.mesh import Mesh
 from autopar.planning.configuration import Configuration, TrainingSpec

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import autopar
-from autopar.cost_models.hardware import load_cluster
+from autopar.cost_models.presets import load_cluster
 from autopar.errors import Float8Error, PlanError
 from autopar.float8 import Float8Settings, Recipe, describe, select_linears, settings_for
 from autopar.plan import Plan

@@ -13,7 +13,7 @@ from synthetic import transformer_graph
 
 import autopar
 from autopar.cost_models.compute import BACKWARD_FLOPS_FACTOR, compute_time_s, gemm_time_s
-from autopar.cost_models.hardware import PRESETS
+from autopar.cost_models.presets import PRESETS
 from autopar.graph import LayerGraph, OpKind, OpRecord
 from autopar.mesh import Mesh
 from autopar.planning.configuration import Configuration, TrainingSpec

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from synthetic import transformer_graph
 
-from autopar.cost_models.hardware import PRESETS
 from autopar.cost_models.pipeline import Schedule, ScheduleKind
+from autopar.cost_models.presets import PRESETS
 from autopar.mesh import Mesh
 from autopar.planning.configuration import Configuration, TrainingSpec
 from autopar.planning.pricing import PriceTable

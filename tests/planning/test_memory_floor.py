@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.cost_models.hardware import PRESETS
+from autopar.cost_models.presets import PRESETS
 from autopar.errors import InfeasibleError
 from autopar.pins import Pins
 from autopar.planning import solver

@@ -9,8 +9,8 @@ from synthetic import transformer_graph
 
 from autopar.choice import LayerChoice
 from autopar.contract import REPLICATED, DataParallelism
-from autopar.cost_models.hardware import PRESETS
 from autopar.cost_models.pipeline import Schedule, ScheduleKind
+from autopar.cost_models.presets import PRESETS
 from autopar.graph import LayerGraph
 from autopar.mesh import Mesh
 from autopar.planning.configuration import Configuration, TrainingSpec

@@ -18,8 +18,8 @@ from autopar.choice import CpAttention, LayerChoice
 from autopar.contract import REPLICATED, cp_methods, ring_refusal
 from autopar.cost_models.communication import p2p_time_s
 from autopar.cost_models.compute import attention_time_s
-from autopar.cost_models.hardware import PRESETS
 from autopar.cost_models.pipeline import Schedule, ScheduleKind
+from autopar.cost_models.presets import PRESETS
 from autopar.errors import PinError, PlanError
 from autopar.graph import LayerGraph, OpKind, OpRecord, SampleDim
 from autopar.mesh import Mesh

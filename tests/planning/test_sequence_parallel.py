@@ -15,8 +15,9 @@ from synthetic import transformer_graph
 import autopar
 from autopar.capturing import capture
 from autopar.choice import LayerChoice
-from autopar.cost_models.hardware import PRESETS, GiB
+from autopar.cost_models.hardware import GiB
 from autopar.cost_models.pipeline import Schedule, ScheduleKind
+from autopar.cost_models.presets import PRESETS
 from autopar.errors import LoweringError, PinError
 from autopar.mesh import Mesh
 from autopar.pins import Pins

@@ -19,7 +19,8 @@ from ortools.sat.python import cp_model
 from synthetic import transformer_graph
 
 from autopar import contract
-from autopar.cost_models.hardware import PRESETS, GiB
+from autopar.cost_models.hardware import GiB
+from autopar.cost_models.presets import PRESETS
 from autopar.errors import InfeasibleError, PinError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins

@@ -7,7 +7,8 @@ from dataclasses import replace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autopar.cost_models.hardware import PRESETS, GiB
+from autopar.cost_models.hardware import GiB
+from autopar.cost_models.presets import PRESETS
 from autopar.errors import InfeasibleError
 from autopar.graph import Layer, LayerGraph, TPStyle
 from autopar.planning.configuration import TrainingSpec

@@ -17,8 +17,8 @@ from autopar.choice import CpAttention, LayerChoice
 from autopar.contract import REPLICATED, cp_methods, ulysses_refusal
 from autopar.cost_models.communication import Collective, collective_time_s, place_group
 from autopar.cost_models.compute import attention_time_s
-from autopar.cost_models.hardware import PRESETS
 from autopar.cost_models.pipeline import Schedule, ScheduleKind
+from autopar.cost_models.presets import PRESETS
 from autopar.errors import LoweringError, PinError, PlanError
 from autopar.graph import Layer, LayerGraph, OpKind, OpRecord, SampleDim
 from autopar.mesh import Mesh

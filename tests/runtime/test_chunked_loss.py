@@ -135,7 +135,7 @@ def test_the_measured_peak_is_the_priced_one(monkeypatch) -> None:
     model, inputs = gpt.gpt(n_layer=1, d_model=hidden, n_head=4, vocab_size=vocab, seq_len=seq)
     graph = autopar.capture(model, inputs)
     config = Configuration(Mesh(), 1, Schedule(ScheduleKind.NONE))
-    table = PriceTable(graph, config, autopar.cost_models.hardware.load_cluster("cpu").for_world_size(1),
+    table = PriceTable(graph, config, autopar.cost_models.presets.load_cluster("cpu").for_world_size(1),
                        TrainingSpec(batch, dtype="fp32", loss=LossKind.CHUNKED))
     priced, beside = table.loss_bytes
     assert table.loss is LossKind.CHUNKED and beside == 0

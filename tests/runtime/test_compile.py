@@ -189,8 +189,8 @@ def test_a_compiled_solve_offers_tensor_parallelism_with_recompute_and_beside_pi
     assert plan.training.compiled and plan.mesh.tp == 2 and "tp=1" not in plan.pins
     check_compilable(plan, g)
     # what the search may choose for a block: tp with recompute, eagerly and compiled
-    from autopar.cost_models.hardware import load_cluster
     from autopar.cost_models.pipeline import Schedule, ScheduleKind
+    from autopar.cost_models.presets import load_cluster
     from autopar.mesh import Mesh
     from autopar.planning.configuration import Configuration, TrainingSpec
     from autopar.planning.pricing import PriceTable
@@ -270,7 +270,7 @@ def test_a_compiled_solve_offers_pipelines_but_not_where_no_stage_calls_a_block(
     """Pipelines run compiled, so a compiled search may choose pp > 1; a model whose export graph lost
     its layers' module calls has stages that call no block, so there a compiled search keeps pp = 1
     and a pinned pipeline is refused in one line (priced compiled, it would run eager)."""
-    from autopar.cost_models.hardware import load_cluster
+    from autopar.cost_models.presets import load_cluster
     from autopar.graph import LayerGraph
     from autopar.pins import Pins
     from autopar.planning.configs import enumerate_configs
@@ -353,7 +353,8 @@ def test_a_compiled_plan_round_trips_and_old_plans_load_eager(graph) -> None:
 
 
 def test_compiled_pricing_fuses_memory_bound_ops_only(graph) -> None:
-    from autopar.cost_models.hardware import COMPILED_MEMORY_BOUND_FRACTION, load_cluster
+    from autopar.cost_models.hardware import COMPILED_MEMORY_BOUND_FRACTION
+    from autopar.cost_models.presets import load_cluster
     from autopar.planning.layer_compute import layer_compute
 
     _, _, g = graph
@@ -404,8 +405,8 @@ def test_compiled_recompute_reruns_what_the_compiled_forward_runs(graph) -> None
     """A compiled block's full recompute re-runs its compiled forward, and selective re-runs its
     memory-bound ops fused as that forward runs them; what is kept is priced as eager."""
     from autopar.choice import LayerChoice, Recompute
-    from autopar.cost_models.hardware import load_cluster
     from autopar.cost_models.pipeline import Schedule, ScheduleKind
+    from autopar.cost_models.presets import load_cluster
     from autopar.mesh import Mesh
     from autopar.planning.configuration import Configuration, TrainingSpec
     from autopar.planning.pricing import PriceTable

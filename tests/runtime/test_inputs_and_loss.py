@@ -98,8 +98,8 @@ def test_no_recompute_is_offered_on_layers_holding_a_batchnorm() -> None:
 
 def test_batchnorm_statistics_all_reduces_are_priced_under_dp_only() -> None:
     from autopar.choice import LayerChoice
-    from autopar.cost_models.hardware import PRESETS
     from autopar.cost_models.pipeline import Schedule, ScheduleKind
+    from autopar.cost_models.presets import PRESETS
     from autopar.mesh import Mesh
     from autopar.planning.configuration import Configuration, TrainingSpec
     from autopar.planning.pricing import PriceTable

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.cost_models.hardware import PRESETS, preset_for_device
+from autopar.cost_models.presets import PRESETS, preset_for_device
 from autopar.errors import LaunchError
 from autopar.runtime.launch import UnknownDeviceWarning, local_cluster
 

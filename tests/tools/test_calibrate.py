@@ -14,7 +14,8 @@ import pytest
 from console import autopar_command, default_sigint
 
 from autopar.cost_models.communication import Collective, collective_time_s, place_group
-from autopar.cost_models.hardware import ClusterError, ClusterSpec, load_cluster
+from autopar.cost_models.hardware import ClusterError, ClusterSpec
+from autopar.cost_models.presets import load_cluster
 from autopar.planning.pricing import exposed_comm_s
 from autopar.tools.calibrate import (
     CalibrationError,

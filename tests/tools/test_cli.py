@@ -123,7 +123,7 @@ def test_lazy_package_exports():
 
 
 def _cluster_dict() -> dict:
-    from autopar.cost_models.hardware import PRESETS
+    from autopar.cost_models.presets import PRESETS
 
     d = PRESETS["cpu"].to_dict()
     d.pop("name")
@@ -376,7 +376,7 @@ def test_mesh_pin_messages_name_the_pins_or_claim_none():
 
 
 def test_flop_rates_keep_three_significant_figures_and_devices_are_named():
-    from autopar.cost_models.hardware import PRESETS
+    from autopar.cost_models.presets import PRESETS
     from autopar.units import device_noun, format_flop_rate
 
     assert format_flop_rate(189.23e12) == "189 TFLOP/s"

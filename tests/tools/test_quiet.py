@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from console import autopar_command
 
-from autopar.tools import quiet
+from autopar import quiet
 
 ROOT = Path(__file__).resolve().parents[2]
 THIRD_PARTY = ("Failed to load", "_C_mxfp8", "_C_cutlass", "is an Enum subclass", "register_constant()")

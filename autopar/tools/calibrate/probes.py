@@ -431,7 +431,7 @@ def _worker(rank: int, nproc: int, backend: str, store_path: str, out_path: str,
     import torch
     import torch.distributed as dist
 
-    from autopar.tools.quiet import silence_if_asked
+    from autopar.quiet import silence_if_asked
 
     silence_if_asked()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles ^C and stops every rank
