@@ -5,7 +5,8 @@
 
 Each published run is priced as the hand-made plan it was (everything pinned:
 FSDP = ZeRO-3 on every layer, pp = tp = 1, one microbatch, the published
-local batch). Activation checkpointing is pinned on the transformer blocks
+local batch, torch's cross-entropy over the whole logits as torchtitan ran it:
+``loss=full``). Activation checkpointing is pinned on the transformer blocks
 only, as torchtitan applies it (``apply_ac`` wraps each of ``model.layers``):
 selective (SAC) as the policy these runs used, full as full recompute; the
 embedding, final norm and head recompute nothing.
@@ -31,7 +32,10 @@ measured GEMM (``gpu_figures.BEST_GEMM``, cited); the stack's, ``TORCH_EAGER_GEM
 and the A100 runs' geometric mean over A100's device efficiency is the eager stack's share (the only
 runs of this stack on a part whose GEMM rate is measured). The H100 runs then fit the one device figure
 no measurement gives, the 500 W part's share of the 700 W part's GEMM rate (``H100_500W_GEMM_SHARE``).
-No other public figure is used for fitting: the rest are kept back to validate the model.
+The caching allocator's reserve over what it allocates (``ALLOCATOR_OVERHEAD_FRACTION``, a stack fact:
+fragmentation) is fitted on the runs that publish their peak reserved memory (the H100 runs), the geometric
+mean of published reserved over predicted allocated. No other public figure is used for fitting: the rest are
+kept back to validate the model.
 
 :func:`calibration_rows` returns the table's rows (``benchmarks/suite.py``
 puts them in its report).
@@ -83,7 +87,7 @@ def price(run: PublishedRun, graph, efficiency: float | None = None) -> autopar.
     cluster = PRESETS[run.cluster]
     if efficiency is not None:
         cluster = replace(cluster, device=replace(cluster.device, matmul_efficiency=efficiency))
-    pins = ["pp=1", "tp=1", "microbatches=1", "zero=3", f"{BLOCKS}:recompute={run.recompute}",
+    pins = ["pp=1", "tp=1", "microbatches=1", "zero=3", "loss=full", f"{BLOCKS}:recompute={run.recompute}",
             *(f"{name}:recompute=none" for name in NOT_BLOCKS)]
     return autopar.solve(graph, run.gpus, cluster=cluster, global_batch=run.local_batch * run.gpus,
                          pins=pins, memory_gb=10_000)  # price the plan; memory is reported, not enforced
@@ -169,6 +173,12 @@ def main() -> None:
               f"{device_gemm_efficiency('A100'):.3f})")
         print(f"H100_500W_GEMM_SHARE = {power:.3f} (the 500 W H100's {mean['H100']:.3f} over the 700 W part's "
               f"{device_gemm_efficiency('H100'):.3f} × the stack's {stack:.3f})")
+        # the caching allocator's reserve: published peak reserved over predicted peak allocated, where published
+        reserved = [r.run.peak_memory_gib * (1 + PRESETS[r.run.cluster].allocator_overhead_fraction) / r.peak_memory_gib
+                    for r in calibration_rows(graphs) if r.run.peak_memory_gib]
+        fraction = math.exp(sum(map(math.log, reserved)) / len(reserved)) - 1
+        print(f"ALLOCATOR_OVERHEAD_FRACTION = {fraction:.3f} (reserved over allocated per run "
+              f"{', '.join(f'{x:.3f}' for x in reserved)}, geometric mean)")
 
 if __name__ == "__main__":
     main()

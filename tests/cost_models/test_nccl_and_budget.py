@@ -110,7 +110,7 @@ def test_gpu_budget_keeps_back_context_nccl_and_the_allocator_share():
     assert c.memory_reserve_fraction == 0
     expected = (40 * GiB - CUDA_CONTEXT_BYTES - NCCL_BUFFER_BYTES) / (1 + ALLOCATOR_OVERHEAD_FRACTION)
     assert c.memory_budget_bytes == int(expected)
-    assert 34 * GiB < c.memory_budget_bytes < 35 * GiB
+    assert 35 * GiB < c.memory_budget_bytes < 36 * GiB  # 40 GiB less 2.32 GiB kept back, ÷ 1.057
     # NCCL: 3 communicators × 32 channels × 2 ring connections × (4 MiB + LL128 + LL FIFOs)
     assert NCCL_BUFFER_BYTES == 3 * 32 * 2 * (4 * 2**20 + 4_915_200 + 524_288)
     assert "CUDA context" in c.memory_budget().describe()
