@@ -8,7 +8,10 @@ forward + backward eager, then under full recompute as autopar lowers it (compos
 ``passes/recompute.py``). It prints the extra time checkpointing adds beyond the recomputed forward, in
 units of the block's own host time per op that capture records (its eager forward + backward over
 :func:`autopar.planning.layer_compute.host_ops`): :data:`autopar.cost_models.gpu_figures.CHECKPOINT_HOST_OPS`
-is that figure per forward op, which pricing scales by each host's measured per-op time.
+is that figure per forward op, which pricing scales by each host's measured per-op time. Then the same
+forward + backward under ``torch.compile`` (inductor's C++ kernels here): its host time against eager's is
+:data:`autopar.cost_models.gpu_figures.COMPILED_HOST_SHARE` (guards, autograd's compiled wrappers and the
+launches of fused kernels, where eager dispatches every op).
 """
 
 from __future__ import annotations
@@ -73,6 +76,12 @@ def measure(name: str, block: torch.nn.Module, layer, make_input) -> list[dict[s
         rows.append({"block": name, "recompute": kind.name.lower(), "forward_ops": fwd_ops, "backward_ops": bwd_ops,
                      "eager_s": eager, "forward_s": fwd, "recomputed_s": recomputed, "host_per_op_s": per_op,
                      "machinery_s": machinery, "machinery_ops_per_forward_op": machinery / per_op / fwd_ops})
+    compiled = torch.compile(copy.deepcopy(block))
+    step(compiled)()  # compile once, outside the timing
+    seconds = _median_s(step(compiled))
+    rows.append({"block": name, "recompute": "compiled, none", "forward_ops": fwd_ops, "backward_ops": bwd_ops,
+                 "eager_s": eager, "forward_s": fwd, "recomputed_s": seconds, "host_per_op_s": per_op,
+                 "compiled_share": seconds / eager})
     return rows
 
 
@@ -120,6 +129,10 @@ def main() -> None:
     print(f"an eager op on tiny tensors: {raw * 1e6:.2f} µs (median of mm, add, mul)")
     for name, block, layer, make_input in cases():
         for r in measure(name, block, layer, make_input):
+            if "compiled_share" in r:
+                print(f"{r['block']}, compiled: forward + backward {r['recomputed_s'] * 1e6:.0f} µs against eager "
+                      f"{r['eager_s'] * 1e6:.0f} µs: {r['compiled_share']:.2f} of the eager host time")
+                continue
             print(f"{r['block']}, {r['recompute']}: {r['forward_ops']:.0f} + {r['backward_ops']:.0f} recorded ops; "
                   f"eager forward + backward {r['eager_s'] * 1e6:.0f} µs ({r['host_per_op_s'] * 1e6:.1f} µs an op), "
                   f"forward {r['forward_s'] * 1e6:.0f} µs, recomputed {r['recomputed_s'] * 1e6:.0f} µs: machinery "

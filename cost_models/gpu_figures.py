@@ -98,21 +98,29 @@ BEST_GEMM = {
     "H200": (787.0e12, (4096, 4096, 4096), 989e12, 4800e9),
 }
 # - The host: eager PyTorch dispatches every op from one CPU thread (Python, the dispatcher, autograd's
-#   bookkeeping, the launch), so a layer cannot run faster than its host issues its kernels. On the one
-#   H200 host this project was lent, back-to-back eager bf16 ``torch.mm`` calls cost 28 µs each
-#   (benchmarks/gpu_compute.py's GEMM sweep fitted by calibrate's ``fit_gemm``: its per-call term, the
-#   host's, not the 3 µs a launch alone costs; docs/benchmarks.md "One H200"). One measurement of one
-#   host: the presets charge it per op, forward and backward alike (autograd's engine runs backward's
-#   ops through the same dispatcher), and ``autopar calibrate`` measures it on the user's.
-HOST_OP_S = 37e-6
+#   bookkeeping, the launch), so a layer cannot run faster than its host issues its kernels. Per op that
+#   capture records (``planning.layer_compute.host_ops``): the call and launch, 28 µs on the one H200 host
+#   this project was lent (back-to-back eager bf16 ``torch.mm`` calls, benchmarks/gpu_compute.py's GEMM sweep
+#   fitted by calibrate's ``fit_gemm``: its per-call term; docs/benchmarks.md "One H200"), plus what a real
+#   block spends around each recorded op that a bare call does not (module calls, views, autograd's graph):
+#   7 µs, the median of a GPT block's 8.3 and a Hugging Face Llama layer's 5.8 µs beyond a bare op's 0.9 µs,
+#   measured where kernels are negligible (one CPU thread, tiny tensors: ``python benchmarks/host_overheads.py``,
+#   docs/benchmarks.md "The host"). Two measurements on two hosts: the presets charge their sum per op,
+#   forward and backward alike, and ``autopar calibrate`` measures a block's own on the user's host.
+HOST_OP_S = 35e-6
 # - A checkpointed call's machinery on the host, beyond the ops it re-runs (torch's non-reentrant checkpoint:
 #   a saved-tensor hook per tensor saved, the recompute triggered from one, the selective policy asked about
-#   every op), in ops of the block's own host time per recorded op, per forward op of the block. Measured
-#   where kernels are negligible (one CPU thread, tiny tensors: ``python benchmarks/host_overheads.py``, the
-#   median over a GPT block and a Hugging Face Llama decoder layer, docs/benchmarks.md "The host"), and
-#   carried to a GPU's host by its per-op time. On the H200 a recomputed GPT-125M block cost 2.7–2.8 ms more
-#   per microbatch than an eager one, where its forward's ops alone are 11 × 28 µs (docs/benchmarks.md).
-CHECKPOINT_HOST_OPS = {"full": 5.0, "selective": 13.0, "alternate_mm": 13.0}
+#   every op), in recorded ops per forward op of the block: full 7.0 (GPT block) and 4.0 (Llama layer),
+#   selective 17.4 and 12.5, torchtitan's alternate-mm policy 16.6 and 13.7 (``benchmarks/host_overheads.py``;
+#   runs on a loaded host spread by about ±30%). Carried to a GPU's host by its per-op time: on the H200 a
+#   recomputed GPT-125M block cost 2.7–2.8 ms more per microbatch than an eager one, where 11 forward ops at
+#   35 µs with 5.5 such ops each give 2.5 ms (docs/benchmarks.md).
+CHECKPOINT_HOST_OPS = {"full": 5.5, "selective": 15.0, "alternate_mm": 15.0}
+# - A compiled block's host time against eager's (guards, compiled autograd's wrappers and the fused kernels'
+#   launches in place of every op's dispatch): 0.96 for the GPT block, 0.57 for the Llama layer (inductor's C++
+#   kernels, ``benchmarks/host_overheads.py``), their geometric mean. On the H200 the compiled GPT-125M step
+#   took 1.01× the eager one: host-bound, and compiling did not shorten the host's work there.
+COMPILED_HOST_SHARE = 0.74
 # - Achievable HBM bandwidth: a device-to-device copy on an A100 80 GB SXM4 moves 1536 GB/s of
 #   its 2039 (0.75; AnjaliSandip/FastIceFlo, output/EffectiveMemoryThroughput.md).
 GPU_BANDWIDTH_FRACTION = 0.75

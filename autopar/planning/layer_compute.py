@@ -70,6 +70,7 @@ from autopar.cost_models.compute import (
     gemm_time_s,
     memory_bound_time_s,
 )
+from autopar.cost_models.gpu_figures import COMPILED_HOST_SHARE
 from autopar.cost_models.hardware import DeviceSpec
 from autopar.graph import Layer, OpKind, OpRecord, SampleDim
 
@@ -144,15 +145,16 @@ class LayerCompute:
 
 
 def host_ops(layer: Layer, cp: int = 1, method: CpAttention = CpAttention.ALL_GATHER,
-             fused: float = 1.0, float8: frozenset[tuple[int, int]] = frozenset(),
-             compiled: bool = False) -> tuple[float, float]:
-    """(forward, backward) ops the host issues for one call of ``layer``, from capture's records: each
-    GEMM once forward and twice backward (dX, dW), each attention kernel once each way (under cp its
-    :data:`CP_ATTENTION_CALLS` chunks, or the ring's cp steps), each memory-bound kernel once forward
-    and :data:`MEMORY_BOUND_BACKWARD_FACTOR` times backward (``fused``: the share a compiled block keeps),
-    and backward's gradient accumulation, one op per parameter; a float8 linear's casts (:func:`float8_casts_s`:
-    two forward, four backward, each ``cost_models.compute``'s eager or compiled kernel count). Views, which
-    launch nothing, are not counted (an underestimate where a layer is all views)."""
+             float8: frozenset[tuple[int, int]] = frozenset(), compiled: bool = False) -> tuple[float, float]:
+    """(forward, backward) ops the host issues for one call of ``layer``, in eager ops, from capture's records:
+    each GEMM once forward and twice backward (dX, dW), each attention kernel once each way (under cp its
+    :data:`CP_ATTENTION_CALLS` chunks, or the ring's cp steps), each memory-bound kernel once forward and
+    :data:`MEMORY_BOUND_BACKWARD_FACTOR` times backward, and backward's gradient accumulation, one op per
+    parameter; a float8 linear's casts (:func:`float8_casts_s`: two forward, four backward, each
+    ``cost_models.compute``'s eager kernel count). Views, which launch nothing, are not counted (an
+    underestimate where a layer is all views). A compiled block costs its host
+    :data:`~autopar.cost_models.gpu_figures.COMPILED_HOST_SHARE` of that (its casts fused to the compiled kernel
+    count): guards, compiled autograd's wrappers and fused launches in place of eager's dispatches."""
     gemms = attention = memory = casts = 0.0
     calls = cp if cp > 1 and method is CpAttention.RING else (
         CP_ATTENTION_CALLS if cp > 1 and method is CpAttention.ALL_GATHER else 1)
@@ -163,22 +165,25 @@ def host_ops(layer: Layer, cp: int = 1, method: CpAttention = CpAttention.ALL_GA
         elif op.kind is OpKind.ATTENTION:
             attention += op.count * calls
         else:
-            memory += op.count * fused
+            memory += op.count
     params = len(layer.param_names)
-    per_cast = FLOAT8_CAST_COMPILED_KERNELS if compiled else FLOAT8_CAST_EAGER_KERNELS
-    return (gemms + attention + memory + 2 * casts * per_cast,
-            2 * gemms + attention + MEMORY_BOUND_BACKWARD_FACTOR * memory + params + 4 * casts * per_cast)
+    fwd = gemms + attention + memory
+    bwd = 2 * gemms + attention + MEMORY_BOUND_BACKWARD_FACTOR * memory + params
+    if compiled:
+        share, per_cast = COMPILED_HOST_SHARE, FLOAT8_CAST_COMPILED_KERNELS
+        return share * fwd + 2 * casts * per_cast, share * bwd + 4 * casts * per_cast
+    per_cast = FLOAT8_CAST_EAGER_KERNELS
+    return fwd + 2 * casts * per_cast, bwd + 4 * casts * per_cast
 
 
 def host_time_s(layer: Layer, device: DeviceSpec, cp: int = 1, method: CpAttention = CpAttention.ALL_GATHER,
-                fused: float = 1.0, float8: frozenset[tuple[int, int]] = frozenset(),
-                compiled: bool = False) -> tuple[float, float]:
+                float8: frozenset[tuple[int, int]] = frozenset(), compiled: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds the host spends issuing one call of ``layer`` (:func:`host_ops` ×
     the op model's ``host_op_s``); 0 without an op model or records (the FLOPs model's per-call
     overhead covers it there)."""
     if device.op_model is None or not layer.ops or device.op_model.host_op_s <= 0:
         return 0.0, 0.0
-    fwd, bwd = host_ops(layer, cp, method, fused, float8, compiled)
+    fwd, bwd = host_ops(layer, cp, method, float8, compiled)
     return fwd * device.op_model.host_op_s, bwd * device.op_model.host_op_s
 
 
@@ -289,7 +294,7 @@ def layer_compute(layer: Layer, style: str | None, tp: int, microbatch: int, dev
     rest = max(0.0, flops - op_flops_per_sample(layer, style, tp)) * b / cp
     rate = device.peak_flops(dtype) * device.matmul_efficiency
     fwd, bwd = fwd + rest / rate, bwd + BACKWARD_FLOPS_FACTOR * rest / rate
-    host_fwd, host_bwd = host_time_s(layer, device, cp, method, fused, float8, compiled)
+    host_fwd, host_bwd = host_time_s(layer, device, cp, method, float8, compiled)
     return LayerCompute(fwd, bwd, host_fwd, host_bwd)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from autopar.choice import Recompute
 from autopar.cost_models.compute import compute_time_s, memory_bound_time_s
-from autopar.cost_models.gpu_figures import CHECKPOINT_HOST_OPS
+from autopar.cost_models.gpu_figures import CHECKPOINT_HOST_OPS, COMPILED_HOST_SHARE
 from autopar.graph import Layer, OpKind
 from autopar.planning.context_price import kept_bytes as context_kept_bytes
 from autopar.planning.layer_compute import LayerCompute, host_ops
@@ -84,7 +84,8 @@ def recompute_part(table: Any, layer: Layer, strategy: Any, fwd_s: float, acts: 
                             table.dtype_for_compute)
              + memory_bound_time_s(b * moved * table.act_scale * fused / cp, device))
     if times is not None:
-        host = machinery + selective_host_s(layer, device, fused, alternate=kind is Recompute.ALTERNATE_MM)
+        host = machinery + selective_host_s(layer, device, compiled_ops(table, layer),
+                                            alternate=kind is Recompute.ALTERNATE_MM)
         rerun = backward_share(times, rerun, host)
     # cp's attention: under all-gather the gathered K/V and prefix masks, per sample; nothing under Ulysses
     return rerun, base + saved / cp + context_kept_bytes(table, layer)
@@ -109,15 +110,16 @@ def checkpoint_host_s(table: Any, layer: Layer, kind: Recompute) -> float:
     return CHECKPOINT_HOST_OPS[kind.name.lower()] * host_ops(layer)[0] * ops.host_op_s
 
 
-def selective_host_s(layer: Layer, device: Any, fused: float, *, alternate: bool) -> float:
-    """The host's time issuing a selective re-run: the layer's memory-bound ops again (``fused``: the share a
-    compiled block keeps), and under torchtitan's policy every other GEMM too (``layer_compute.host_time_s``)."""
+def selective_host_s(layer: Layer, device: Any, compiled: bool, *, alternate: bool) -> float:
+    """The host's time issuing a selective re-run: the layer's memory-bound ops again, and under torchtitan's
+    policy every other GEMM too, in eager ops (``compiled``: :data:`COMPILED_HOST_SHARE` of them;
+    ``layer_compute.host_time_s``)."""
     ops = device.op_model
     if ops is None or not layer.ops or ops.host_op_s <= 0:
         return 0.0
-    memory = sum(op.count for op in layer.ops if op.kind is OpKind.MEMORY) * fused
+    memory = sum(op.count for op in layer.ops if op.kind is OpKind.MEMORY)
     gemms = sum(op.count for op in layer.ops if op.kind is OpKind.GEMM) / 2 if alternate else 0.0
-    return (memory + gemms) * ops.host_op_s
+    return (memory + gemms) * ops.host_op_s * (COMPILED_HOST_SHARE if compiled else 1.0)
 
 
 __all__ = ["checkpoint_host_s", "recompute_part", "selective_host_s"]
