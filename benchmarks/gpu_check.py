@@ -22,10 +22,11 @@ Ready for the day a machine with a GPU is lent (nothing here needs more than one
    master weights and AdamW state), timed training steps (median after
    warm-up) and peak memory (``torch.cuda.max_memory_allocated``; the
    profiler's allocation events on CPU), each against the plan priced on the
-   fitted cluster;
-4. ring attention's driver with the device's flash kernel at world size 1 (``gpu_ring.py``: the CUDA
+   preset as shipped (the fits of 2. are recorded, not used);
+4. the host's terms (``host_overheads.py``: per op, the checkpoint's machinery, the compiled share; GPU only);
+5. ring attention's driver with the device's flash kernel at world size 1 (``gpu_ring.py``: the CUDA
    plumbing of ``passes/context_ring.py``, output and gradients against one causal SDPA);
-5. one ring step's attention kernels at torchtitan's long-context shapes, every SDPA backend, against
+6. one ring step's attention kernels at torchtitan's long-context shapes, every SDPA backend, against
    their priced times (``gpu_attention_steps.py``).
 
 ``--models`` picks some of the models; the JSON is rewritten after every plan, so a check stopped at a
@@ -129,16 +130,29 @@ def compute_fit(dry: bool) -> dict[str, Any]:
     return {"layers": layers, "rate_flops_s": rate, "half_efficiency_flops": half, "gemm_flops_s": probe.gemm()}
 
 
-def fitted_cluster(fit: dict[str, Any], dry: bool) -> Any:
-    """This machine's preset with the fitted compute figures (the bf16 peak the GEMM reached, if more)."""
+def preset_cluster(dry: bool) -> Any:
+    """This machine's preset (``cpu`` with ``--dry``), one device: the plans are priced on it as shipped (device
+    facts, the stack's fitted share, the host's terms), so the rows check the presets; the fits are recorded
+    beside them, not used."""
     from autopar.cost_models.presets import load_cluster
     from autopar.runtime.launch import local_cluster
 
     base = load_cluster("cpu" if dry else local_cluster())
-    peak = max(base.device.peak_flops_bf16, fit["gemm_flops_s"]["bf16"])
-    device = replace(base.device, peak_flops_bf16=peak, matmul_efficiency=min(1.0, fit["rate_flops_s"] / peak),
-                     half_efficiency_flops=fit["half_efficiency_flops"])
-    return replace(base, name=f"{base.name}-fitted", device=device, gpus_per_node=1, nodes=1)
+    return replace(base, gpus_per_node=1, nodes=1)
+
+
+def host_terms(device: Any) -> dict[str, Any]:
+    """The host's priced figures measured on this GPU's host (``benchmarks/host_overheads.py``): per op, each
+    recompute policy's machinery, the compiled share, beside ``gpu_figures``'s."""
+    import torch
+    from host_overheads import summarise
+
+    from autopar.cost_models import gpu_figures
+
+    measured = summarise(device, torch.bfloat16)
+    return {"measured": measured, "priced": {"host_op_s": gpu_figures.HOST_OP_S,
+                                             "checkpoint_host_ops": gpu_figures.CHECKPOINT_HOST_OPS,
+                                             "compiled_host_share": gpu_figures.COMPILED_HOST_SHARE}}
 
 
 def measure_peak(fn: Any, device: Any) -> tuple[Any, int]:
@@ -267,9 +281,13 @@ def main() -> int:
 
     memory = memory_terms(device, args.dry)  # first: before any other collective opens NCCL's buffers
     fit = compute_fit(args.dry)
-    cluster = fitted_cluster(fit, args.dry)
-    from gpu_compute import check as check_ops  # per-op compute terms: GEMM shapes, bandwidth, attention
-    compute_ops, cluster = check_ops(args.dry, cluster)
+    cluster = preset_cluster(args.dry)
+    from gpu_compute import check as check_ops  # per-op compute terms: GEMM shapes, bandwidth, attention, host
+
+    compute_ops, _ = check_ops(args.dry, cluster)
+    host = {} if args.dry else host_terms(device)  # dry: two torch.compile runs on a 2-core host, skipped
+    if host:
+        print(f"host terms measured: {host['measured']} (priced: {host['priced']})", file=sys.stderr, flush=True)
     rows, failures, skipped = [], [], []
     from gpu_ring import check as check_ring  # ring attention's driver with this device's flash kernel
 
@@ -297,7 +315,7 @@ def main() -> int:
             "torch": torch.__version__, "cluster": cluster.to_dict(),
             "fit": {k: v for k, v in fit.items() if k != "layers"}, "probes": fit["layers"],
             "plans": rows, "skipped": skipped, "failures": failures, "compute_ops": compute_ops,
-            "memory_terms": memory, "ring": ring, "attention_steps": steps_at_length,
+            "memory_terms": memory, "ring": ring, "attention_steps": steps_at_length, "host_terms": host,
         }
 
     def write() -> None:  # after every plan: a check stopped at its time limit still leaves what it measured

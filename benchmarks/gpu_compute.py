@@ -8,7 +8,9 @@ Called by ``benchmarks/gpu_check.py`` through :func:`check` (``--dry``: on CPU, 
   (``fit_gemm``: large-GEMM rate, k at half rate, per-kernel overhead);
 - an elementwise add's bandwidth against the preset's achievable share of HBM;
 - causal scaled dot-product attention, forward and backward, as a fraction of the GEMM rate
-  against the preset's ``attention_fwd`` / ``attention_bwd``.
+  against the preset's ``attention_fwd`` / ``attention_bwd``;
+- the host's time per op: a tiny transformer block's forward and backward over the ops capture records
+  for it, against the preset's ``host_op_s``.
 
 The figures are measurements to compare with the cited ones (``cost_models/hardware.py``);
 nothing here changes a preset.
@@ -59,6 +61,7 @@ def measure(dry: bool, cluster: Any) -> dict[str, Any]:
         attention_times,
         elementwise_bandwidth,
         gemm_sweep,
+        host_per_op,
     )
 
     cuda = not dry
@@ -69,6 +72,7 @@ def measure(dry: bool, cluster: Any) -> dict[str, Any]:
     gemms = gemm_sweep(torch, device, dtype, sizes.gemms, timer)
     bandwidth = elementwise_bandwidth(torch, device, dtype, sizes.elementwise, timer)
     attention = attention_times(torch, device, dtype, sizes.attention, timer)
+    host = host_per_op(torch, device, dtype, timer)
     spec = cluster.device
     for g in gemms:
         g["predicted_s"] = gemm_time_s(g["m"], g["n"], g["k"], 1, spec, name)
@@ -90,6 +94,8 @@ def measure(dry: bool, cluster: Any) -> dict[str, Any]:
         "bandwidth": dict(bandwidth, bytes_s=bandwidth["bytes"] / bandwidth["seconds"],
                           fraction_of_spec=bandwidth["bytes"] / bandwidth["seconds"] / spec.memory_bandwidth_bytes_s,
                           preset_fraction=preset.bandwidth_fraction if preset else None),
+        "host": dict(host, per_op_s=host["seconds"] / host["ops"],
+                     preset_host_op_s=preset.host_op_s if preset else None),
         "attention": dict(attention, fwd_of_gemm=ops.attention_fwd if ops else None,
                           bwd_of_gemm=ops.attention_bwd if ops else None,
                           preset_fwd=preset.attention_fwd if preset else None,
@@ -130,4 +136,8 @@ def summary(result: dict[str, Any]) -> str:
                  f"(preset {b['preset_fraction']})")
     lines.append(f"attention: forward {a['fwd_of_gemm']:.2f}, backward {a['bwd_of_gemm']:.2f} of the GEMM rate "
                  f"(preset {a['preset_fwd']}, {a['preset_bwd']})")
+    h = result["host"]
+    preset_us = (h["preset_host_op_s"] or 0.0) * 1e6
+    lines.append(f"host: {h['per_op_s'] * 1e6:.1f} µs an op ({h['ops']:.0f} ops of a tiny block's forward and "
+                 f"backward; preset {preset_us:.1f} µs)")
     return "\n".join(lines)

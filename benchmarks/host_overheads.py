@@ -39,7 +39,7 @@ def _median_s(fn, calls: int = 200, rounds: int = 7) -> float:
     return statistics.median(times)
 
 
-def measure(name: str, block: torch.nn.Module, layer, make_input) -> list[dict[str, float]]:
+def measure(name: str, block: torch.nn.Module, layer, make_input, sync=lambda: None) -> list[dict[str, float]]:
     """Host seconds of ``block``'s forward + backward eager and under each recompute kind, and each kind's
     machinery (beyond the ops it re-runs) in units of the block's host time per recorded op."""
     from autopar.choice import Recompute
@@ -57,10 +57,12 @@ def measure(name: str, block: torch.nn.Module, layer, make_input) -> list[dict[s
         def run() -> None:
             out = mod(x)
             (out[0] if isinstance(out, tuple) else out).sum().backward()
+            sync()
         return run
 
     def forward() -> None:
         out = block(x)
+        sync()
         del out
 
     eager = _median_s(step(block))
@@ -85,7 +87,12 @@ def measure(name: str, block: torch.nn.Module, layer, make_input) -> list[dict[s
     return rows
 
 
-def cases():
+CPU = torch.device("cpu")
+
+
+def cases(device: torch.device = CPU, dtype: torch.dtype = torch.float32):
+    """(name, block on ``device`` in ``dtype``, its captured layer, its input) for a GPT block and an HF Llama
+    decoder layer, both tiny."""
     import gpt
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -94,7 +101,8 @@ def cases():
     net, inputs = gpt.gpt(n_layer=3, d_model=16, n_head=2, vocab_size=64, seq_len=8, device="cpu")
     graph = autopar.capture(net, inputs)
     block = next(lay for lay in graph if lay.name == "blocks.0")
-    yield "gpt block", net.blocks[0], block, lambda: torch.randn(1, 8, 16, requires_grad=True)
+    yield ("gpt block", net.blocks[0].to(device=device, dtype=dtype), block,
+           lambda: torch.randn(1, 8, 16, device=device, dtype=dtype, requires_grad=True))
 
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
                          num_attention_heads=2, num_key_value_heads=1, use_cache=False)
@@ -102,19 +110,37 @@ def cases():
     ids = torch.randint(0, 64, (1, 8))
     graph = autopar.capture(model, (ids,))
     layer = next(lay for lay in graph if lay.name.endswith("layers.0"))
+    model = model.to(device=device, dtype=dtype)
     rotary = model.model.rotary_emb
-    block = model.model.layers[0]
-    positions = torch.arange(8).unsqueeze(0)
+    decoder = model.model.layers[0]
+    positions = torch.arange(8, device=device).unsqueeze(0)
 
     class Layer(torch.nn.Module):  # the decoder layer with its position embeddings, as the model calls it
         def __init__(self) -> None:
             super().__init__()
-            self.block = block
+            self.block = decoder
 
         def forward(self, h):
             return self.block(h, position_embeddings=rotary(h, positions))
 
-    yield "HF Llama layer", Layer(), layer, lambda: torch.randn(1, 8, 16, requires_grad=True)
+    yield "HF Llama layer", Layer(), layer, lambda: torch.randn(1, 8, 16, device=device, dtype=dtype,
+                                                                requires_grad=True)
+
+
+def summarise(device: torch.device = CPU, dtype: torch.dtype = torch.float32) -> dict[str, float]:
+    """Per block (GPT, Llama): the host's time per recorded op, each recompute policy's machinery in ops per
+    forward op, and the compiled share: the figures ``gpu_figures`` prices, measured on ``device``."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    out: dict[str, float] = {}
+    for name, block, layer, make_input in cases(device, dtype):
+        for r in measure(name, block, layer, make_input, sync):
+            key = name.split()[0].lower()
+            out[f"{key}.host_per_op_s"] = r["host_per_op_s"]
+            if "compiled_share" in r:
+                out[f"{key}.compiled_share"] = r["compiled_share"]
+            else:
+                out[f"{key}.{r['recompute']}_ops_per_forward_op"] = r["machinery_ops_per_forward_op"]
+    return out
 
 
 def raw_op_s() -> float:

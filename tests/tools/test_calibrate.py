@@ -14,6 +14,7 @@ import pytest
 from console import autopar_command, default_sigint
 
 from autopar.cost_models.communication import Collective, collective_time_s, place_group
+from autopar.cost_models.gpu_figures import GPU_KERNEL_OVERHEAD_S
 from autopar.cost_models.hardware import ClusterError, ClusterSpec
 from autopar.cost_models.presets import load_cluster
 from autopar.planning.pricing import exposed_comm_s
@@ -26,6 +27,7 @@ from autopar.tools.calibrate import (
     fit_compute,
     fit_gemm,
     fit_line,
+    fit_op_model,
     overlap_fraction,
     write_atomically,
 )
@@ -121,6 +123,13 @@ def test_per_op_probes_give_the_cluster_an_op_model_that_prices_their_own_ops():
     assert build_cluster(_measurements()).device.op_model is None  # files measured before: the FLOPs model
     on_gpu = build_cluster(_measurements(backend="nccl", sm_count=132, **probes)).device.op_model
     assert (on_gpu.sm_count, on_gpu.tile_m, on_gpu.tile_n) == (132, 256, 128)  # the cited cuBLAS tile
+    assert on_gpu.host_op_s == 0  # no host probe: no host term (files measured before it)
+    # with the host probe, a GPU's host time per op is the tiny block's, and its kernels pay the launch alone
+    hosted = build_cluster(_measurements(backend="nccl", sm_count=132, host={"ops": 44.0, "seconds": 44 * 30e-6},
+                                         **probes)).device.op_model
+    assert hosted.host_op_s == pytest.approx(30e-6) and hosted.kernel_overhead_s == GPU_KERNEL_OVERHEAD_S
+    # a CPU's host is its device: whatever it measured, no host term beside the kernels' own overhead
+    assert fit_op_model(_measurements(host={"ops": 44.0, "seconds": 1e-3}, **probes), 1e9)[1].host_op_s == 0
     # a CPU host keeps the FLOPs model fitted to whole layers; its per-op fit is recorded, not used
     cpu = _measurements(**probes)
     assert build_cluster(cpu).device.op_model is None

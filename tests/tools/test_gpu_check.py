@@ -32,6 +32,8 @@ def test_the_gpu_check_runs_dry_on_cpu(tmp_path: Path) -> None:
     else:
         assert "do not grow" in ops["error"]
     assert result["fit"]["rate_flops_s"] > 0 and result["fit"]["gemm_flops_s"]["bf16"] > 0
+    host = ops["host"]  # the host's time per op: a tiny block's forward and backward over the ops pricing counts
+    assert host["ops"] >= 40 and host["per_op_s"] > 0 and host["preset_host_op_s"] is None  # cpu: no op model
     rows = result["plans"]
     float8 = [r for r in rows if r["float8"]]  # the float8 column: the eager plan ran, emulated by torchao
     rows = [r for r in rows if not r["float8"]]

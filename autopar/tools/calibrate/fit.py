@@ -11,7 +11,7 @@ from typing import Any
 
 from autopar.cost_models.communication import Collective, bus_factor, collective_time_s, place_group, ring_steps
 from autopar.cost_models.compute import ATTENTION_BACKWARD_FLOPS_FACTOR, CAUSAL_ATTENTION_RATE, CAUSAL_ATTENTION_WORK
-from autopar.cost_models.gpu_figures import MASKED_ATTENTION_BWD, MASKED_ATTENTION_FWD
+from autopar.cost_models.gpu_figures import GPU_KERNEL_OVERHEAD_S, MASKED_ATTENTION_BWD, MASKED_ATTENTION_FWD
 from autopar.cost_models.hardware import (
     COMPILED_MEMORY_BOUND_FRACTION,
     GEMM_TILE_M,
@@ -43,6 +43,7 @@ class Measurements:
     bandwidth: dict[str, float] = field(default_factory=dict)  # bytes, seconds of an elementwise add
     attention: dict[str, float] = field(default_factory=dict)  # flops, fwd_s, bwd_s (causal SDPA)
     fused: dict[str, Any] = field(default_factory=dict)  # eager_s, compiled_s of a two-op chain (or error)
+    host: dict[str, float] = field(default_factory=dict)  # ops, seconds of a tiny block's forward + backward (GPU)
     sm_count: int = 0  # a GPU's streaming multiprocessors (0: a CPU, no waves of tiles)
     device_memory_bytes: int = 0
     device_name: str = "cpu"
@@ -149,10 +150,16 @@ def fit_op_model(m: Measurements, memory_bandwidth_bytes_s: float) -> tuple[floa
     GEMM rate its forward and backward reach (backward counted as 2.5 × the forward's FLOPs,
     ``cost_models.compute``); the bandwidth as the fraction of ``memory_bandwidth_bytes_s``
     an elementwise add reaches (above 1 where it outruns the optimizer probe that figure is from).
+    On a GPU the host's time per op is the tiny block's forward and backward over its ops (``host``), and
+    the kernel's own overhead the cited launch's (back-to-back GEMM calls measure the host, not the launch);
+    a CPU's host is its device: the GEMM sweep's per-call term is its kernel overhead and it has no host term.
     """
     if not m.gemm_shapes or not m.bandwidth:
         return None
     rate, k_half, overhead = fit_gemm(m.gemm_shapes)
+    host = m.host["seconds"] / m.host["ops"] if m.sm_count > 0 and m.host.get("ops") else 0.0
+    if host:
+        overhead = GPU_KERNEL_OVERHEAD_S
     att = m.attention
     fwd = att["flops"] / att["fwd_s"] / rate if att else 1.0
     bwd = ATTENTION_BACKWARD_FLOPS_FACTOR * att["flops"] / att["bwd_s"] / rate if att else 1.0
@@ -161,7 +168,7 @@ def fit_op_model(m: Measurements, memory_bandwidth_bytes_s: float) -> tuple[floa
     ops = OpModel(sm_count=m.sm_count, tile_m=tile_m, tile_n=tile_n, gemm_k_half=k_half, kernel_overhead_s=overhead,
                   bandwidth_fraction=m.bandwidth["bytes"] / m.bandwidth["seconds"] / memory_bandwidth_bytes_s,
                   attention_fwd=fwd * causal, attention_bwd=bwd * causal,
-                  compiled_memory_bound_fraction=compiled_fraction(m.fused),
+                  compiled_memory_bound_fraction=compiled_fraction(m.fused), host_op_s=host,
                   # a masked call: not probed; on a GPU the presets' measured memory-efficient kernel's share
                   **({"masked_attention_fwd": MASKED_ATTENTION_FWD, "masked_attention_bwd": MASKED_ATTENTION_BWD}
                      if m.sm_count > 0 else {}))

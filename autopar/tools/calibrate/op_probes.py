@@ -6,7 +6,8 @@ GPU): a sweep of GEMM shapes, from which :func:`autopar.tools.calibrate.fit.fit_
 fits the large-GEMM rate, the reduction depth at half rate and the per-kernel
 overhead; the bytes an elementwise add moves per second; scaled dot-product
 attention forward and backward, as a fraction of the GEMM rate; and what
-torch.compile leaves of a chain of two memory-bound ops (:func:`fused_chain`).
+torch.compile leaves of a chain of two memory-bound ops (:func:`fused_chain`); and the host's time per op
+(:func:`host_per_op`): a transformer block's forward and backward on tiny tensors, which the host paces.
 """
 
 from __future__ import annotations
@@ -103,3 +104,61 @@ def fused_chain(torch: Any, device: Any, dtype: Any, elements: int, timer: Timer
     if not everyone(not error):
         return {"error": error or "torch.compile failed on another rank"}
     return {"elements": float(elements), "eager_s": eager, "compiled_s": timer(lambda: fused(x))}
+
+
+# A transformer block small enough that every kernel is a few microseconds: its forward and backward take
+# the host's time issuing them, whatever the device. (batch, sequence, width, heads)
+HOST_BLOCK = (1, 8, 16, 2)
+
+
+def host_per_op(torch: Any, device: Any, dtype: Any, timer: Timer) -> dict[str, float]:
+    """Seconds of a tiny GPT block's forward and backward, and the ops capture records for it
+    (``planning.layer_compute.host_ops``): their ratio is the op model's ``host_op_s`` on a GPU, whose host
+    issues kernels the device runs at once. The block is captured on the meta device, so it is counted as
+    pricing counts every layer."""
+    import autopar
+    from autopar.planning.layer_compute import host_ops
+
+    b, s, d, h = HOST_BLOCK
+    model = _host_model(torch, d, h, 3)
+    graph = autopar.capture(model.to("meta"), (torch.zeros(b, s, d, device="meta"),))
+    fwd_ops, bwd_ops = host_ops(next(layer for layer in graph if layer.name == "blocks.0"))
+    block = _host_model(torch, d, h, 1).blocks[0].to(device=device, dtype=dtype)
+    x = torch.randn(b, s, d, device=device, dtype=dtype, requires_grad=True)
+
+    def step() -> None:
+        block(x).sum().backward()
+
+    return {"ops": fwd_ops + bwd_ops, "seconds": timer(step)}
+
+
+def _host_model(torch: Any, width: int, heads: int, layers: int) -> Any:
+    """A GPT of ``layers`` pre-norm blocks (causal SDPA, a GELU MLP) over ``width``-wide inputs."""
+    nn, F = torch.nn, torch.nn.functional
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+            self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+            self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+        def forward(self, x: Any) -> Any:
+            b, s, d = x.shape
+            q, k, v = self.qkv(self.ln_1(x)).split(d, dim=2)
+            q, k, v = (t.view(b, s, heads, d // heads).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
+            x = x + self.proj(y)
+            return x + self.out(F.gelu(self.fc(self.ln_2(x))))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+
+        def forward(self, x: Any) -> Any:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    return Model()

@@ -24,6 +24,7 @@ from autopar.tools.calibrate.op_probes import (
     elementwise_bandwidth,
     fused_chain,
     gemm_sweep,
+    host_per_op,
 )
 from autopar.tools.host import cpu_count, threads_per_process
 from autopar.units import KiB, MiB
@@ -380,6 +381,9 @@ class _Rank:
                                   lambda ok: self.max_over_ranks(0.0 if ok else 1.0) == 0.0)
         if self.device.type == "cuda":
             m.sm_count = self.torch.cuda.get_device_properties(self.device).multi_processor_count
+            self.say("host: a tiny transformer block's forward and backward, per op the host issues")
+            m.host = host_per_op(self.torch, self.device, self.torch.bfloat16,
+                                 lambda fn: self.mean_over_ranks(self.timed(fn)))
         sizes = self.sizes.message_bytes
         self.say(f"collectives: all-reduce, all-gather, reduce-scatter, send/recv, "
                  f"{_size(sizes[0])}…{_size(sizes[-1])}")
