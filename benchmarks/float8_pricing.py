@@ -35,7 +35,7 @@ def main() -> None:
     model, inputs = getattr(llama, run.model)()
     graph = autopar.capture(model, inputs)
     f8 = settings_for(model, graph, "tensorwise")
-    pins = ["pp=1", "tp=1", "microbatches=1", "zero=3", f"{BLOCKS}:recompute={run.recompute}",
+    pins = ["pp=1", "tp=1", "microbatches=1", "zero=3", "loss=full", f"{BLOCKS}:recompute={run.recompute}",
             *(f"{name}:recompute=none" for name in NOT_BLOCKS)]
     kw = dict(cluster=PRESETS[run.cluster], global_batch=run.local_batch * run.gpus, pins=pins, memory_gb=10_000)
     plans = {"eager": autopar.solve(graph, run.gpus, **kw),

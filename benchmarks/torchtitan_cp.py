@@ -88,7 +88,7 @@ RUNS = [PublishedRun(32_768, 1, 3890, 83.9), PublishedRun(65_536, 2, 2540, 84.2)
 def pins(run: PublishedRun) -> list[str]:
     """The published run, everything pinned, its attention across ranks torchtitan's: ring attention."""
     method = ["cp_attention=ring"] if run.cp > 1 else []
-    return ["pp=1", "tp=1", "ep=1", f"cp={run.cp}", f"dp={run.dp}", "microbatches=1", "zero=3", *method,
+    return ["pp=1", "tp=1", "ep=1", f"cp={run.cp}", f"dp={run.dp}", "microbatches=1", "zero=3", "loss=full", *method,
             f"{BLOCKS}:recompute=full", *(f"{name}:recompute=none" for name in NOT_BLOCKS)]
 
 
