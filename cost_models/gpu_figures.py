@@ -124,6 +124,9 @@ COMPILED_HOST_SHARE = 0.74
 # - Achievable HBM bandwidth: a device-to-device copy on an A100 80 GB SXM4 moves 1536 GB/s of
 #   its 2039 (0.75; AnjaliSandip/FastIceFlo, output/EffectiveMemoryThroughput.md).
 GPU_BANDWIDTH_FRACTION = 0.75
+#   The H200 measured its own: an elementwise copy at 4.36 TB/s of its 4.8 (0.908; the GPU check, 2026-12-04).
+#   Chips without a measurement keep the A100's cited 0.75.
+BANDWIDTH_FRACTION = {"H200": 4.36 / 4.8}
 # - Fused attention against a plain GEMM on the same A100: FlashAttention-2 forward runs
 #   180 TFLOP/s non-causal where its two GEMMs alone (softmax disabled) run 220 (0.82;
 #   liangan1/GPU_travel, performance/flash-attn/README.md); its backward runs 124.6 TFLOP/s
@@ -131,6 +134,15 @@ GPU_BANDWIDTH_FRACTION = 0.75
 #   tl_doc/flash_perf.md), so 0.82 × 0.74 of the GEMM rate.
 ATTENTION_FWD_RELATIVE = 0.82
 ATTENTION_BWD_RELATIVE = 0.82 * 0.74
+# - Fused attention's rate on each chip, forward and backward TFLOP/s (non-causal, head dim 128, bf16; backward
+#   counted as 2.5 × the forward's FLOPs): the kernel torch's SDPA runs there, a device fact apart from the
+#   stack's GEMM share. Hopper: torch 2.11's flash kernel on the H200 at torchtitan's long-context shapes
+#   (32 heads of 128, 32,768 × 16,384 and 16,384 × 32,768: benchmarks/gpu_attention_steps.py, 2026-12-04),
+#   forward 351.6, backward 309.6; the H100 SXM has the same SMs at the same clocks and takes them. A100:
+#   FlashAttention-2's forward 180 (liangan1/GPU_travel, above) and its backward at 0.74 of it (apache/tvm,
+#   above). A preset's ``attention_fwd`` / ``attention_bwd`` are these over its large-GEMM rate
+#   (``presets._op_model``); a chip without a row (V100: no flash kernel) keeps the relative figures above.
+ATTENTION_TFLOPS = {"A100": (180.0, 180.0 * 0.74), "H100": (351.6, 309.6), "H200": (351.6, 309.6)}
 # - A call with an explicit attn_mask (cp's all-gather, passes/context_parallel.py) cannot run SDPA's flash
 #   kernel on CUDA, which takes none: next in torch's default order (flash, memory-efficient, math, cuDNN:
 #   aten/src/ATen/Context.h sdp_priority_order) the memory-efficient kernel runs it (the order read, the

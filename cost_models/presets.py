@@ -15,6 +15,8 @@ from autopar.cost_models.gpu_figures import (
     ALLOCATOR_OVERHEAD_FRACTION,
     ATTENTION_BWD_RELATIVE,
     ATTENTION_FWD_RELATIVE,
+    ATTENTION_TFLOPS,
+    BANDWIDTH_FRACTION,
     BEST_GEMM,
     CUDA_CONTEXT_BYTES,
     FP8_DENSE_TFLOPS,
@@ -43,12 +45,12 @@ from autopar.units import GiB
 #   model leaves out: the stack's fragmentation of the step, its unmodelled copies). Fitted on the
 #   calibration set's A100 runs (``python benchmarks/calibration_set.py --fit``: torchtitan's 8B and 70B
 #   on 64 A100, geometric mean), the only runs of this stack on a part whose GEMM rate is measured.
-TORCH_EAGER_GEMM_SHARE = 0.799
+TORCH_EAGER_GEMM_SHARE = 0.805
 # - torchtitan's H100 runs used a power-limited part (96 GB HBM2e at 500 W, docs/performance.md of
 #   torchtitan), whose clocks under a GEMM sit below the 700 W SXM5's: no GEMM rate of it is published,
 #   so its share of the 700 W part's rate is the one device figure the calibration set fits
 #   (``--fit``: its two 8B runs, given the stack share above). It prices that part alone (``h100-96g``).
-H100_500W_GEMM_SHARE = 0.687
+H100_500W_GEMM_SHARE = 0.744
 # Work per layer call at which a GPU reaches half its large-layer efficiency:
 # about a 1024×1024×1024 bf16 GEMM (2 GFLOP). Not fitted; a stated assumption.
 GPU_HALF_EFFICIENCY_FLOPS = 2e9
@@ -71,22 +73,28 @@ _NDR_NIC = LinkSpec(bandwidth_bytes_s=46 * GB, latency_s=NET_STEP_LATENCY_S)
 _EDR_NIC = LinkSpec(bandwidth_bytes_s=11 * GB, latency_s=NET_STEP_LATENCY_S)
 
 
-def _op_model(name: str, bf16: float, hbm: float) -> OpModel:
-    return OpModel(sm_count=SM_COUNT[name.split("-")[0]], tile_m=GEMM_TILE_M, tile_n=GEMM_TILE_N,
+def _op_model(chip: str, bf16: float, hbm: float, gemm_efficiency: float | None = None) -> OpModel:
+    """``chip``'s per-op terms (``gpu_figures``); ``gemm_efficiency``: its large-GEMM η_max at full power, over
+    whose rate its measured attention rates become the relative ``attention_fwd`` / ``attention_bwd``."""
+    rates = ATTENTION_TFLOPS.get(chip) if gemm_efficiency else None
+    fwd, bwd = ((rates[0] / (gemm_efficiency * bf16), rates[1] / (gemm_efficiency * bf16)) if rates
+                else (ATTENTION_FWD_RELATIVE, ATTENTION_BWD_RELATIVE))
+    return OpModel(sm_count=SM_COUNT[chip], tile_m=GEMM_TILE_M, tile_n=GEMM_TILE_N,
                    gemm_k_half=gemm_k_half(bf16 * 1e12, hbm * GB), kernel_overhead_s=GPU_KERNEL_OVERHEAD_S,
-                   bandwidth_fraction=GPU_BANDWIDTH_FRACTION, attention_fwd=ATTENTION_FWD_RELATIVE,
-                   attention_bwd=ATTENTION_BWD_RELATIVE, masked_attention_fwd=MASKED_ATTENTION_FWD,
+                   bandwidth_fraction=BANDWIDTH_FRACTION.get(chip, GPU_BANDWIDTH_FRACTION), attention_fwd=fwd,
+                   attention_bwd=bwd, masked_attention_fwd=MASKED_ATTENTION_FWD,
                    masked_attention_bwd=MASKED_ATTENTION_BWD, host_op_s=HOST_OP_S)
 
 
 def _gpu(name: str, mem_gib: float, bf16: float, fp32: float, hbm: float, family: str,
          share: float = 1.0) -> DeviceSpec:
     """A GPU whose GEMMs reach ``family``'s measured efficiency (× ``share`` for a power-limited part), × the
-    eager stack's share of it."""
-    eff = device_gemm_efficiency(family) * share * TORCH_EAGER_GEMM_SHARE
-    return DeviceSpec(name, int(mem_gib * GiB), bf16 * 1e12, fp32 * 1e12, hbm * GB, eff,
-                      GPU_HALF_EFFICIENCY_FLOPS, _op_model(name, bf16, hbm),
-                      FP8_DENSE_TFLOPS.get(name.split("-")[0], 0.0) * 1e12)
+    eager stack's share of it; its attention at its chip's measured rate (× ``share`` alike)."""
+    full = device_gemm_efficiency(family) * TORCH_EAGER_GEMM_SHARE
+    chip = name.split("-")[0]
+    return DeviceSpec(name, int(mem_gib * GiB), bf16 * 1e12, fp32 * 1e12, hbm * GB, full * share,
+                      GPU_HALF_EFFICIENCY_FLOPS, _op_model(chip, bf16, hbm, full),
+                      FP8_DENSE_TFLOPS.get(chip, 0.0) * 1e12)
 
 
 def _dgx(name: str, device: DeviceSpec, nvlink: LinkSpec, nic: LinkSpec) -> ClusterSpec:
