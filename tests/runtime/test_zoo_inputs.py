@@ -8,7 +8,9 @@ an MLP-Mixer classifying images, an LSTM language model returning
 ranks: first-step loss and gradients, and parameters (BatchNorm's running
 statistics included) after 3 SGD steps within 1e-5 of one device; and Qwen3's
 keyword inputs (ids and padding mask) into the first stage of a 2-stage pipeline, and (with
-its labels) under tensor parallelism on its blocks.
+its labels) under tensor parallelism on its blocks. Models with 0-d parameters, which FSDP2
+cannot shard (Hugging Face's CLIP and its ``logit_scale``; an MLP of ReZero-gated blocks with a
+learned temperature), at ZeRO-3, at ZeRO-2 over two microbatches and inside pipeline stages.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from zoo import BEYOND
 pytestmark = pytest.mark.distributed
 
 CASES = ([f"zoo_cases:{m}/zero3" for m in BEYOND] + ["zoo_cases:resnet_bn/dp2", "zoo_cases:hf_qwen3_padded/dp2"]
-         + ["zoo_cases:hf_qwen3_mask/pp2", "zoo_cases:hf_qwen3_padded/tp"])
+         + ["zoo_cases:hf_qwen3_mask/pp2", "zoo_cases:hf_qwen3_padded/tp"]
+         + ["zoo_cases:scalar_gated/zero2mb2", "zoo_cases:hf_clip/zero3"])
 
 
 def test_keyword_inputs_own_losses_classifiers_batchnorm_lstm_and_mamba_match_one_device_under_dp(ranks) -> None:
@@ -30,6 +33,13 @@ def test_keyword_inputs_own_losses_classifiers_batchnorm_lstm_and_mamba_match_on
     layers = results["zoo_cases:hf_qwen3_padded/tp"]["layers"]
     blocks = [tp for name, tp, *_ in layers if name.startswith("model.layers.")]
     assert blocks and set(blocks) == {"megatron"}
+
+
+def test_scalar_parameters_inside_pipeline_stages_at_zero3_match_one_device(ranks) -> None:
+    """0-d parameters in each stage stay whole beside its FSDP2 units, their gradients the mean over dp."""
+    (metrics,) = ranks(4).run(["zoo_cases:scalar_gated/pp2dp2"]).values()
+    assert metrics["stages"] == [0, 0, 1, 1]
+    check_equivalent(metrics)
 
 
 def test_batchnorm_inside_pipeline_stages_under_dp_matches_one_device(ranks) -> None:
