@@ -70,6 +70,11 @@ SPECS["scalar_gated/pp2dp2"] = Spec(_builder("scalar_gated"), ("pp=2", "dp=2", "
 for _name, (_, _blocks, _loss) in OWN_LOSS.items():  # trained with a loss of their own, batches as verify makes
     SPECS[f"{_name}/zero3"] = Spec(_builder(_name), PP1 + ("dp=2", "tp=1", "zero=3", "microbatches=1"), 4,
                                    synthetic=True, loss=_loss)
+    # keyword inputs (ids, pixels) into a rank that holds the first stage and a later one: the later is
+    # given what it uses of them by the stage before, never the keywords again
+    SPECS[f"{_name}/pp2interleaved"] = Spec(_builder(_name), ("pp=2", "dp=1", "tp=1", "microbatches=2",
+                                                              "schedule=interleaved_1f1b", "chunks=2",
+                                                              "recompute=none"), 4, synthetic=True, loss=_loss)
 
 # keyword inputs (ids, padding mask, labels) under Megatron tensor parallelism on the blocks
 SPECS["hf_qwen3_padded/tp"] = Spec(_builder("hf_qwen3_padded"), PP1 + ("dp=1", "tp=2", "zero=0",

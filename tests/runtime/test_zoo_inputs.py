@@ -10,7 +10,9 @@ statistics included) after 3 SGD steps within 1e-5 of one device; and Qwen3's
 keyword inputs (ids and padding mask) into the first stage of a 2-stage pipeline, and (with
 its labels) under tensor parallelism on its blocks. Models with 0-d parameters, which FSDP2
 cannot shard (Hugging Face's CLIP and its ``logit_scale``; an MLP of ReZero-gated blocks with a
-learned temperature), at ZeRO-3, at ZeRO-2 over two microbatches and inside pipeline stages.
+learned temperature), at ZeRO-3, at ZeRO-2 over two microbatches and inside pipeline stages;
+CLIP's keyword inputs into interleaved pipeline stages, where one rank holds the first stage and a
+later one.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ pytestmark = pytest.mark.distributed
 
 CASES = ([f"zoo_cases:{m}/zero3" for m in BEYOND] + ["zoo_cases:resnet_bn/dp2", "zoo_cases:hf_qwen3_padded/dp2"]
          + ["zoo_cases:hf_qwen3_mask/pp2", "zoo_cases:hf_qwen3_padded/tp"]
-         + ["zoo_cases:scalar_gated/zero2mb2", "zoo_cases:hf_clip/zero3"])
+         + ["zoo_cases:scalar_gated/zero2mb2", "zoo_cases:hf_clip/zero3", "zoo_cases:hf_clip/pp2interleaved"])
 
 
 def test_keyword_inputs_own_losses_classifiers_batchnorm_lstm_and_mamba_match_one_device_under_dp(ranks) -> None:
