@@ -16,7 +16,7 @@ from autopar.capturing import moe
 from autopar.capturing.export_layers import export_with_layer_calls
 from autopar.capturing.hf_masks import eager_causal_masks
 from autopar.capturing.layers import group_layers, layer_names
-from autopar.capturing.trace import _leaf_trace, _split_inputs, _trace
+from autopar.capturing.tracing import _leaf_trace, _split_inputs, _trace
 from autopar.errors import CaptureError
 
 # --------------------------------------------------------------------------- tracing for lowering
