@@ -448,6 +448,29 @@ def clip_matched_pairs(output, targets):
     return -F.logsigmoid(output.logits_per_image.diagonal()).mean()
 
 
+class TorchEncoderLM(nn.Module):
+    """A causal language model on PyTorch's own ``nn.TransformerEncoder`` (post-norm layers, batch first), as
+    PyTorch's tutorials write one: token and learned position embeddings, the causal mask from
+    ``nn.Transformer.generate_square_subsequent_mask`` (``is_causal`` given, or left for the encoder to detect
+    from the mask's values), a final LayerNorm and a linear head."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 32, heads: int = 4, depth: int = 2, seq: int = SEQ,
+                 say_causal: bool = False):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, depth, norm=nn.LayerNorm(dim), enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+        self.say_causal = say_causal
+
+    def forward(self, idx):
+        t = idx.size(1)
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=idx.device)
+        x = self.encoder(x, mask=mask, is_causal=True) if self.say_causal else self.encoder(x, mask=mask)
+        return self.head(x)
+
+
 # name -> (builder, blocks pattern): planned and trained under dp and ZeRO-3 (test_zoo_inputs)
 BEYOND: dict[str, tuple[Callable[[], tuple[nn.Module, tuple | dict]], str]] = {
     "hf_t5": (_t5, "encoder.block.*"),
@@ -457,6 +480,7 @@ BEYOND: dict[str, tuple[Callable[[], tuple[nn.Module, tuple | dict]], str]] = {
     "lstm_lm": (lambda: (LSTMModel(), _ids()), "rnn"),
     "hf_mamba": (_mamba, "backbone.layers.*"),
     "scalar_gated": (lambda: (ScalarGatedMLP(), (torch.zeros(BATCH, 16),)), "blocks.*"),
+    "torch_lm": (lambda: (TorchEncoderLM(), _ids()), "encoder.layers.*"),
 }
 # trained with its own loss (zoo_cases): name -> (builder, blocks pattern, loss)
 OWN_LOSS: dict[str, tuple[Callable[[], tuple[nn.Module, tuple | dict]], str, Callable]] = {

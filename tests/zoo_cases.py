@@ -76,6 +76,11 @@ for _name, (_, _blocks, _loss) in OWN_LOSS.items():  # trained with a loss of th
                                                               "schedule=interleaved_1f1b", "chunks=2",
                                                               "recompute=none"), 4, synthetic=True, loss=_loss)
 
+# PyTorch's nn.TransformerEncoder: Megatron tensor parallelism on its layers (fused in_proj, its attention's
+# own head split), the style proved on the graph capture traced with the fast path off
+SPECS["torch_lm/tp"] = Spec(_builder("torch_lm"), PP1 + ("dp=1", "tp=2", "zero=0", "encoder.layers.*:tp=megatron"),
+                            4, synthetic=True)
+
 # keyword inputs (ids, padding mask, labels) under Megatron tensor parallelism on the blocks
 SPECS["hf_qwen3_padded/tp"] = Spec(_builder("hf_qwen3_padded"), PP1 + ("dp=1", "tp=2", "zero=0",
                                                                       "model.layers.*:tp=megatron"), 4, synthetic=True)

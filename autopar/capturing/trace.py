@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopar.capturing import boundary, context, cuts, hf_masks, moe, op_costs, twins
+from autopar.capturing import boundary, context, cuts, hf_masks, moe, op_costs, torch_transformer, twins
 from autopar.capturing.export_layers import export_with_layer_calls
 from autopar.capturing.layers import group_layers, layer_names
 from autopar.capturing.loss_head import find_loss_head
@@ -351,7 +351,8 @@ def capture(
     :mod:`autopar.capturing.stack_once`).
 
     Hugging Face's causal masks are traced as eager mode runs them (SDPA's ``is_causal``, no S × S tensor:
-    :mod:`autopar.capturing.hf_masks`).
+    :mod:`autopar.capturing.hf_masks`); PyTorch's ``nn.TransformerEncoder`` and kin as a training step runs
+    them, each block a layer (:mod:`autopar.capturing.torch_transformer`).
 
     Mixture-of-experts blocks (:mod:`autopar.capturing.moe`) are recorded on their layers (``Layer.moe``); Hugging
     Face's eager experts are captured through HF's ``grouped_mm`` path, and where the graph cannot run a block's
@@ -359,7 +360,8 @@ def capture(
     """
     args, kwargs = _split_inputs(model, example_inputs)
     blocks = moe.find_blocks(model)
-    with moe.static_hf_experts(model) as hf_static, hf_masks.eager_causal_masks(model, args, kwargs):
+    with (moe.static_hf_experts(model) as hf_static, hf_masks.eager_causal_masks(model, args, kwargs),
+          torch_transformer.as_training_runs(model)):
         try:
             return _capture(model, args, kwargs, name, replay_twins, trace_once_per_kind, blocks, hf_static)
         except CaptureError as first:

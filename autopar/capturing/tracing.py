@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from autopar.capturing import stack_once
+from autopar.capturing import stack_once, torch_transformer
 from autopar.capturing.export_layers import no_stack_traces
 from autopar.errors import CaptureError
 
@@ -89,14 +89,19 @@ def _fx(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, li
 def _trace(model: nn.Module, args: tuple, kwargs: dict, once_per_kind: bool = False,
            ) -> tuple[fx.GraphModule, list, str]:
     """Trace with FX, else export (``once_per_kind``: :mod:`~autopar.capturing.stack_once`); return
-    the graph module, its flat inputs and the tracer."""
+    the graph module, its flat inputs and the tracer. FX is not tried on a model holding PyTorch's
+    transformer modules (:func:`~autopar.capturing.torch_transformer.skip_fx`)."""
     names = {id(m): (p or "<root>") for p, m in model.named_modules()}
     errors: list[str] = []
-    try:
-        return _fx(model, args, kwargs)
-    except Exception as exc:  # noqa: BLE001 - any tracer failure means: try export
-        where = _where_failed(exc, names)
-        errors.append(f"symbolic_trace{' in ' + where if where else ''}: {_short(exc)}")
+    skip = torch_transformer.skip_fx(model)
+    if skip:
+        errors.append(f"symbolic_trace not tried: {skip}")
+    else:
+        try:
+            return _fx(model, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - any tracer failure means: try export
+            where = _where_failed(exc, names)
+            errors.append(f"symbolic_trace{' in ' + where if where else ''}: {_short(exc)}")
     fast = stack_once.export_once_per_kind(model, args, kwargs) if once_per_kind else None
     if fast is not None:
         return fast, pytree.tree_leaves((args, kwargs)), "export"
