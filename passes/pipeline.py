@@ -162,9 +162,16 @@ def _state_keeping_stage(base: type) -> type:
     on inputs made from shapes alone) reads zeros, never uninitialised memory — a stage that computes
     a loss from labels or indexes with ids the first stage sent would otherwise index with garbage —
     and leaves the stage's buffers as they were: BatchNorm's running statistics move only with the
-    real microbatches, as on one device. The real microbatches arrive with their real values."""
+    real microbatches, as on one device. The real microbatches arrive with their real values.
+    A schedule hands a rank's keyword inputs to every stage the rank holds; they are the model's
+    inputs, the first stage's alone (a later stage receives what it uses of them from the one before:
+    given them again, its forward got ``input_ids`` twice)."""
 
     class StateKeepingStage(base):  # type: ignore[misc, valid-type]
+        def forward_one_chunk(self, fwd_chunk_id: int, args: Any, kwargs: Any = None, *rest: Any,
+                              **more: Any) -> Any:
+            return super().forward_one_chunk(fwd_chunk_id, args, kwargs if self.is_first else None, *rest, **more)
+
         def _to_tensor(self, arg: Any) -> torch.Tensor:
             tensor = super()._to_tensor(arg)
             if not isinstance(arg, torch.Tensor):  # made from metadata: empty memory until zeroed
@@ -172,10 +179,10 @@ def _state_keeping_stage(base: type) -> type:
                     tensor.zero_()
             return tensor
 
-        def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        def _forward_metadata_inference(self, args: Any, kwargs: Any = None, *rest: Any) -> Any:
             saved = [(b, b.detach().clone()) for b in self.submod.buffers()]
             try:
-                return super()._forward_metadata_inference(*args, **kwargs)
+                return super()._forward_metadata_inference(args, kwargs if self.is_first else None, *rest)
             finally:
                 # through ``.data``: the real forward may already have saved a running statistic
                 # for backward (BatchNorm's backward takes it, training mode reads no value of it);

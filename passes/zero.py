@@ -35,6 +35,17 @@ bf16 parameters, fp32 masters and an fp32 all-reduce
 (:mod:`autopar.runtime.precision`). The dtype comes from
 :func:`compute_dtype`, set by the runtime around lowering, or from
 ``apply_data_parallel(param_dtype=...)``.
+
+**Parameters FSDP2 cannot shard** (0-d: CLIP's ``logit_scale``; FSDP2's
+``replicate`` and ``fully_shard`` both refuse a scalar) stay out of every
+unit (``ignored_params``) and whole on every rank, in their own dtype: after
+each backward their gradient is all-reduced over the dp group and divided by
+its size (:func:`keep_whole`), the mean one device computes; summing the
+accumulated gradient of every microbatch is exact too (what earlier
+microbatches left is already equal on every rank). Each is one element per
+rank, what a sharded 1-element tensor holds once FSDP2 pads it, so memory is
+as priced. They are broadcast from the group's first rank at start
+(:func:`sync_replicas`), so a model materialised from the meta device agrees.
 """
 
 from __future__ import annotations
@@ -62,6 +73,7 @@ class DataParallelResult:
     deferred: list[nn.Module] = field(default_factory=list)
     ddp: nn.Module | None = None  # the root, when lowered onto the composable DDP
     ddp_ignored: tuple[nn.Module, ...] = ()  # modules DDP leaves out (ep's experts: each rank's own)
+    whole: list[nn.Parameter] = field(default_factory=list)  # 0-d: outside every FSDP2 unit (keep_whole)
     param_dtype: torch.dtype | None = None  # the units' compute dtype (None: the parameters' own)
 
 
@@ -101,8 +113,28 @@ def layer_zero_stages(graph: LayerGraph, plan: Plan) -> tuple[dict[str, int], in
     return owned, root
 
 
+def scalar_params(module: nn.Module) -> list[nn.Parameter]:
+    """``module``'s 0-d parameters (each once): what FSDP2's units cannot shard or replicate."""
+    return list({id(p): p for p in module.parameters() if p.dim() == 0}.values())
+
+
+def keep_whole(params: list[nn.Parameter], dp_mesh) -> None:
+    """After each backward, every one of ``params``' gradient the mean over ``dp_mesh``'s group: a
+    hook on its accumulation (one all-reduce of one element per parameter and microbatch)."""
+    import torch.distributed as dist
+
+    group, size = dp_mesh.get_group(), dp_mesh.size()
+
+    def mean(p: torch.Tensor) -> None:
+        dist.all_reduce(p.grad, group=group)
+        p.grad.div_(size)
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(mean)
+
+
 def _wrap(module: nn.Module, unit: Unit, dp_mesh, dtype: torch.dtype | None,
-          ignored: tuple[nn.Module, ...] = ()) -> None:
+          ignored: tuple[nn.Module, ...] = (), whole: tuple[nn.Parameter, ...] = ()) -> None:
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import fully_shard
 
@@ -126,7 +158,7 @@ def _wrap(module: nn.Module, unit: Unit, dp_mesh, dtype: torch.dtype | None,
         ddp_replicate(module, ignored_modules=ignored or None, process_group=dp_mesh.get_group(),
                       init_sync=False, gradient_as_bucket_view=dtype is not None)
         return
-    inside = {p for m in ignored for p in m.parameters()} & set(module.parameters())
+    inside = ({p for m in ignored for p in m.parameters()} | set(whole)) & set(module.parameters())
     if unit.engine is Engine.REPLICATE:
         replicate(module, mesh=dp_mesh, mp_policy=mixed_precision_policy(dtype), ignored_params=inside or None)
     else:
@@ -155,13 +187,17 @@ def apply_data_parallel(part: nn.Module, units: tuple[Unit, ...], dp_mesh, *,
     if experts is not None:  # ep: experts at ZeRO ≥ 1 are units of their own over edp, innermost
         shard_experts(experts, dtype)
     result = DataParallelResult(param_dtype=dtype)
+    if any(unit.engine is not Engine.DDP for unit in units):  # DDP takes 0-d parameters as they are
+        own = {id(p) for m in ignored for p in m.parameters()}
+        result.whole = [p for p in scalar_params(part) if id(p) not in own]
+        keep_whole(result.whole, dp_mesh)
     for unit in units:
         try:
             module = part.get_submodule(unit.path)
         except AttributeError:
             raise LoweringError(f"the contract gives module {unit.path!r} an FSDP unit, but this "
                                 "part of the model has no such module") from None
-        _wrap(module, unit, dp_mesh, dtype, tuple(ignored))
+        _wrap(module, unit, dp_mesh, dtype, tuple(ignored), tuple(result.whole))
         result.zero_by_path[unit.path] = unit.zero
         if unit.deferred:
             result.deferred.append(module)
@@ -184,19 +220,23 @@ def shard_experts(experts: Any, dtype: torch.dtype | None) -> None:
 
 
 def sync_replicas(result: DataParallelResult, dp_mesh) -> None:
-    """Broadcast a DDP root's parameters and buffers in place from the dp group's first rank.
+    """Broadcast a DDP root's parameters and buffers, and the parameters kept whole beside FSDP2's
+    units, in place from the dp group's first rank.
 
     Requires: the module materialised. What DDP's ``init_sync`` does, without its flat
     copy of the whole model (and its shape check, which the shared plan makes moot).
     """
     import torch.distributed as dist
 
+    group = dp_mesh.get_group()
+    src = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for p in result.whole:
+            dist.broadcast(p, src=src, group=group)
     if result.ddp is None:
         return
     from torch.distributed.tensor import DTensor
 
-    group = dp_mesh.get_group()
-    src = dist.get_global_rank(group, 0)
     # ep's experts differ across the dp group (each ep rank holds its own): passes/expert_parallel.py
     # syncs them over their edp group
     own = {id(t) for m in result.ddp_ignored for t in [*m.parameters(), *m.buffers()]}

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from cut_cases import PP2, gemma3_tied, lstm, stage_pins
 from equivalence_cases import SGD, Spec, _max_rel, from_rank0, run_parallel, run_reference
-from zoo import BEYOND, CLASSES, MODELS_ALL, build
+from zoo import BEYOND, CLASSES, MODELS_ALL, OWN_LOSS, build
 
 import autopar
 from autopar.graph import LayerGraph
@@ -37,7 +37,8 @@ def every_cut(name: str) -> Callable[[int, int], dict[str, Any]]:
         if name == "resnet_bn":
             pins = tuple("microbatches=1" if p.startswith("microbatches=") else
                          "schedule=gpipe" if p.startswith("schedule=") else p for p in PP2)
-        base = Spec(_builder(name), pins, 4, classes=classes, synthetic=name in BEYOND)
+        base = Spec(_builder(name), pins, 4, classes=classes, synthetic=name in BEYOND or name in OWN_LOSS,
+                    loss=OWN_LOSS[name][2] if name in OWN_LOSS else None)
 
         def plans() -> list[tuple[str, str, str]]:
             torch.manual_seed(0)

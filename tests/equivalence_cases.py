@@ -84,6 +84,7 @@ class Spec:
     classes: int | None = None  # targets are one class index per sample (an image classifier)
     synthetic: bool = False  # batches as verify makes them (any inputs; targets that fit the output)
     ep: int = 1  # expert-parallel degree set on the plan after solving (that mesh runs, whatever was picked)
+    loss: Callable[[Any, Any], torch.Tensor] | None = None  # both sides' loss (None: the default loss)
 
 
 def make_batch(model_inputs: tuple, model: nn.Module, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +147,7 @@ def run_parallel(spec: Spec, plan: Plan, graph: LayerGraph, opt: Callable) -> di
     model, inputs = spec.build()
     batches = _batches(spec, inputs, model)
     # example inputs: a pipeline plan traces the model again to split it into stages
-    pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=graph, optimizer=opt)
+    pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=graph, optimizer=opt, loss_fn=spec.loss)
     out: dict[str, Any] = {"losses": [], "local_param_bytes": pm.local_param_bytes(),
                            "tracer": pm.lowered.pipeline.tracer if pm.lowered.pipeline else None,
                            "mesh_dims": list(pm.lowered.mesh.mesh_dim_names)}
@@ -167,7 +168,7 @@ def run_reference(spec: Spec, opt: Callable) -> dict[str, Any]:
                                                             for p in model.parameters())}
     for k, (x, y) in enumerate(batches):
         optimizer.zero_grad()
-        loss = default_loss(call(model, x), y)
+        loss = (spec.loss or default_loss)(call(model, x), y)
         loss.backward()
         if k == 0:
             # a parameter the forward never uses (BERT's unused MLM bias) has no gradient to compare

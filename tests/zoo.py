@@ -395,6 +395,82 @@ def _mamba() -> tuple[nn.Module, tuple]:
     return transformers.MambaForCausalLM(config), _ids()
 
 
+class GatedBlock(nn.Module):
+    """A residual MLP block gated by a learned 0-d scalar (ReZero, Bachlechner et al. 2020: ``x + α·f(x)``;
+    α from 0.5 here, not 0, so that f's first-step gradients are not all zero)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(dim), MlpBlock(dim, 2 * dim)
+        self.alpha = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return x + self.alpha * self.mlp(self.norm(x))
+
+
+class ScalarGatedMLP(nn.Module):
+    """An MLP classifier of gated blocks whose logits a learned 0-d temperature scales (CLIP's
+    ``logit_scale``): 0-d parameters in the repeated blocks and at the root, which FSDP2 cannot shard."""
+
+    def __init__(self, dim: int = 32, depth: int = 2, num_classes: int = CLASSES):
+        super().__init__()
+        self.stem = nn.Linear(16, dim)
+        self.blocks = nn.ModuleList([GatedBlock(dim) for _ in range(depth)])
+        self.head = nn.Linear(dim, num_classes)
+        self.logit_scale = nn.Parameter(torch.tensor(2.0).log())
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) * self.logit_scale.exp()
+
+
+def _clip() -> tuple[nn.Module, dict]:
+    """Hugging Face's CLIP (text and vision towers, projections, a 0-d ``logit_scale``), tiny."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.CLIPConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=SEQ),
+        vision_config=dict(image_size=16, patch_size=4, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4),
+        projection_dim=16)
+    return transformers.CLIPModel(config), {"input_ids": torch.zeros(BATCH, SEQ, dtype=torch.long),
+                                            "pixel_values": torch.zeros(BATCH, 3, 16, 16)}
+
+
+def clip_matched_pairs(output, targets):
+    """A loss per sample for CLIP: each image with its own text, ``-log σ(logit_scale · cos)`` (SigLIP's
+    positive pairs). CLIP's contrastive loss pits each sample against the whole batch, so a dp rank's
+    loss over its own shard is another number than one device's (open_clip gathers the features)."""
+    return -F.logsigmoid(output.logits_per_image.diagonal()).mean()
+
+
+class TorchEncoderLM(nn.Module):
+    """A causal language model on PyTorch's own ``nn.TransformerEncoder`` (post-norm layers, batch first), as
+    PyTorch's tutorials write one: token and learned position embeddings, the causal mask from
+    ``nn.Transformer.generate_square_subsequent_mask`` (``is_causal`` given, or left for the encoder to detect
+    from the mask's values), a final LayerNorm and a linear head."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 32, heads: int = 4, depth: int = 2, seq: int = SEQ,
+                 say_causal: bool = False):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, depth, norm=nn.LayerNorm(dim), enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+        self.say_causal = say_causal
+
+    def forward(self, idx):
+        t = idx.size(1)
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=idx.device)
+        x = self.encoder(x, mask=mask, is_causal=True) if self.say_causal else self.encoder(x, mask=mask)
+        return self.head(x)
+
+
 # name -> (builder, blocks pattern): planned and trained under dp and ZeRO-3 (test_zoo_inputs)
 BEYOND: dict[str, tuple[Callable[[], tuple[nn.Module, tuple | dict]], str]] = {
     "hf_t5": (_t5, "encoder.block.*"),
@@ -403,8 +479,14 @@ BEYOND: dict[str, tuple[Callable[[], tuple[nn.Module, tuple | dict]], str]] = {
     "mlp_mixer": (lambda: (MlpMixer(CLASSES), _images()), "blocks.*"),
     "lstm_lm": (lambda: (LSTMModel(), _ids()), "rnn"),
     "hf_mamba": (_mamba, "backbone.layers.*"),
+    "scalar_gated": (lambda: (ScalarGatedMLP(), (torch.zeros(BATCH, 16),)), "blocks.*"),
+    "torch_lm": (lambda: (TorchEncoderLM(), _ids()), "encoder.layers.*"),
 }
-MODELS_ALL = {**MODELS, **TIED, **BEYOND}
+# trained with its own loss (zoo_cases): name -> (builder, blocks pattern, loss)
+OWN_LOSS: dict[str, tuple[Callable[[], tuple[nn.Module, tuple | dict]], str, Callable]] = {
+    "hf_clip": (_clip, "vision_model.encoder.layers.*", clip_matched_pairs),
+}
+MODELS_ALL = {**MODELS, **TIED, **BEYOND, **{k: v[:2] for k, v in OWN_LOSS.items()}}
 
 
 def build(name: str) -> tuple[nn.Module, tuple]:
@@ -412,4 +494,4 @@ def build(name: str) -> tuple[nn.Module, tuple]:
     return MODELS_ALL[name][0]()
 
 
-__all__ = ["BEYOND", "MODELS", "MODELS_ALL", "TIED", "build"]
+__all__ = ["BEYOND", "MODELS", "MODELS_ALL", "OWN_LOSS", "TIED", "build"]

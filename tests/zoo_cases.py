@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from equivalence_cases import PP1, Spec, equivalence
-from zoo import BEYOND, CLASSES, MODELS, TIED, build
+from zoo import BEYOND, CLASSES, MODELS, OWN_LOSS, TIED, build
 
 
 def _builder(name: str) -> Callable:
@@ -61,6 +61,25 @@ for _name in BEYOND:
     SPECS[f"{_name}/dp2"] = Spec(_builder(_name), PP1 + ("dp=2", "tp=1", "zero=0", "microbatches=1"), 4,
                                  synthetic=True)
 
+# 0-d parameters (FSDP2 shards none: kept whole beside its units) with gradients accumulated over two
+# microbatches, and inside the stages of a pipeline
+SPECS["scalar_gated/zero2mb2"] = Spec(_builder("scalar_gated"), PP1 + ("dp=2", "tp=1", "zero=2", "microbatches=2"),
+                                      4, synthetic=True)
+SPECS["scalar_gated/pp2dp2"] = Spec(_builder("scalar_gated"), ("pp=2", "dp=2", "tp=1", "zero=3", "microbatches=2",
+                                                                "schedule=1f1b", "recompute=none"), 8, synthetic=True)
+for _name, (_, _blocks, _loss) in OWN_LOSS.items():  # trained with a loss of their own, batches as verify makes
+    SPECS[f"{_name}/zero3"] = Spec(_builder(_name), PP1 + ("dp=2", "tp=1", "zero=3", "microbatches=1"), 4,
+                                   synthetic=True, loss=_loss)
+    # keyword inputs (ids, pixels) into a rank that holds the first stage and a later one: the later is
+    # given what it uses of them by the stage before, never the keywords again
+    SPECS[f"{_name}/pp2interleaved"] = Spec(_builder(_name), ("pp=2", "dp=1", "tp=1", "microbatches=2",
+                                                              "schedule=interleaved_1f1b", "chunks=2",
+                                                              "recompute=none"), 4, synthetic=True, loss=_loss)
+
+# PyTorch's nn.TransformerEncoder: Megatron tensor parallelism on its layers (fused in_proj, its attention's
+# own head split), the style proved on the graph capture traced with the fast path off
+SPECS["torch_lm/tp"] = Spec(_builder("torch_lm"), PP1 + ("dp=1", "tp=2", "zero=0", "encoder.layers.*:tp=megatron"),
+                            4, synthetic=True)
 
 # keyword inputs (ids, padding mask, labels) under Megatron tensor parallelism on the blocks
 SPECS["hf_qwen3_padded/tp"] = Spec(_builder("hf_qwen3_padded"), PP1 + ("dp=1", "tp=2", "zero=0",

@@ -7,7 +7,9 @@ never run inside a pipeline stage cut from it. Exported again with the
 layers' call signatures preserved and unflattened, the graph calls each
 layer module; :func:`export_with_layer_calls` inlines everything else back
 into one graph and puts the model's own eager layer modules in place of the
-exported ones, so a stage cut from it calls them.
+exported ones, so a stage cut from it calls them — unless a layer is called
+with a tensor the graph never computes (:func:`_dropped_inputs`): its call
+could not be made again as traced, so the stages keep the inlined graph.
 """
 
 from __future__ import annotations
@@ -100,6 +102,19 @@ def _own_state(flat: nn.Module, model: nn.Module) -> None:
                 module._buffers[attr] = mine[name]
 
 
+def _dropped_inputs(ep: torch.export.ExportedProgram, layers: set[str]) -> list[str]:
+    """Tensors a layer is called with that the exported graph never reads (no ATen op takes them:
+    ``nn.TransformerEncoder``'s causal mask, once attention runs ``is_causal=True``). Unflattened, the
+    layer's call gets None in their place, and the module called eagerly is not the call that was
+    traced (its attention asks for the mask its ``is_causal`` hint needs)."""
+    from torch.export.graph_signature import TensorArgument
+
+    read = {n.name for n in ep.graph.nodes if n.users}
+    return [f"{entry.fqn}: {a.name}" for entry in ep.module_call_graph
+            if entry.fqn in layers and entry.signature is not None
+            for a in entry.signature.inputs if isinstance(a, TensorArgument) and a.name not in read]
+
+
 def export_with_layer_calls(model: nn.Module, args: tuple, kwargs: dict, layers: set[str],
                             exported: torch.export.ExportedProgram | None = None) -> fx.GraphModule | None:
     """The export graph of ``model`` with every module path in ``layers`` one ``call_module`` of the
@@ -113,6 +128,8 @@ def export_with_layer_calls(model: nn.Module, args: tuple, kwargs: dict, layers:
             warnings.simplefilter("ignore")  # unflatten's notes on its own get_attr nodes
             ep = exported if exported is not None else torch.export.export(
                 model, args, kwargs=kwargs, strict=False, preserve_module_call_signature=tuple(sorted(layers)))
+            if _dropped_inputs(ep, layers):
+                return None
             flat = torch.export.unflatten(ep)
         graph = flat.graph
         _inline(flat, graph, layers)

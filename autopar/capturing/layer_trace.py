@@ -16,7 +16,8 @@ from autopar.capturing import moe
 from autopar.capturing.export_layers import export_with_layer_calls
 from autopar.capturing.hf_masks import eager_causal_masks
 from autopar.capturing.layers import group_layers, layer_names
-from autopar.capturing.trace import _leaf_trace, _split_inputs, _trace
+from autopar.capturing.torch_transformer import as_training_runs
+from autopar.capturing.tracing import _leaf_trace, _split_inputs, _trace
 from autopar.errors import CaptureError
 
 # --------------------------------------------------------------------------- tracing for lowering
@@ -80,7 +81,8 @@ def trace_layers(model: nn.Module, example_inputs: tuple | dict | torch.Tensor,
     objects under their original FQNs. Raises :class:`~autopar.errors.CaptureError` like capture.
     """
     args, kwargs = _split_inputs(model, example_inputs)
-    with eager_causal_masks(model, args, kwargs):  # Hugging Face's causal masks as capture traced them
+    # Hugging Face's causal masks, and torch.nn's transformer modules, as capture traced them
+    with eager_causal_masks(model, args, kwargs), as_training_runs(model):
         return _trace_layers(model, args, kwargs)
 
 

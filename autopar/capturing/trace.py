@@ -1,7 +1,8 @@
 """Capture: trace a model into a LayerGraph of layers with costs per sample.
 
 We trace with ``torch.fx.symbolic_trace`` and fall back to
-``torch.export.export(strict=False)`` (Hugging Face models need it). Nodes are
+``torch.export.export(strict=False)`` (Hugging Face models need it:
+:mod:`~autopar.capturing.tracing`). Nodes are
 grouped into layers by ``nn_module_stack``; then the graph is executed once on
 the example inputs (meta tensors are the normal case, so a 175B model costs
 nothing) while counting FLOPs and the tensors autograd saves for backward, per
@@ -11,11 +12,7 @@ from that one measured run.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import inspect
-import io
-import traceback
 from collections import Counter
 from typing import Any
 
@@ -25,104 +22,18 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopar.capturing import boundary, context, cuts, hf_masks, moe, op_costs, stack_once, twins
-from autopar.capturing.export_layers import export_with_layer_calls, no_stack_traces
+from autopar.capturing import boundary, context, cuts, hf_masks, moe, op_costs, torch_transformer, twins
+from autopar.capturing.export_layers import export_with_layer_calls
 from autopar.capturing.layers import group_layers, layer_names
 from autopar.capturing.loss_head import find_loss_head
 from autopar.capturing.op_costs import OpRecorder, extra_flop_rules, layer_ops, selective_costs
 from autopar.capturing.stateful import batch_norm_channels, recompute_refusal
+from autopar.capturing.tracing import _leaf_trace, _short, _split_inputs, _trace
 from autopar.errors import CaptureError
 from autopar.graph import Layer, LayerGraph
 from autopar.sharding import experts
 from autopar.sharding.detect import LayerView, NodeStats, detect_tp_styles, embedding_tables, megatron_refusal
 from autopar.sharding.verify import verify_styles
-
-# --------------------------------------------------------------------------- tracing
-
-
-def _split_inputs(model: nn.Module, example_inputs: Any) -> tuple[tuple, dict]:
-    """Positional and keyword inputs, checked against ``forward`` (an input it cannot take is one line)."""
-    from autopar import inputs
-
-    inputs.check_signature(model, example_inputs)
-    return inputs.split(example_inputs)
-
-
-def _where_failed(exc: BaseException, names: dict[int, str]) -> str | None:
-    """The innermost module of ``model`` whose forward was on the stack when ``exc`` rose."""
-    where = None
-    for frame, _ in traceback.walk_tb(exc.__traceback__):
-        owner = frame.f_locals.get("self")
-        if owner is not None and id(owner) in names:
-            where = names[id(owner)]
-    return where
-
-
-def _short(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
-    line = text[0] if text else type(exc).__name__
-    return line if len(line) <= 200 else line[:197] + "..."
-
-
-class _LeafTracer(fx.Tracer):
-    """FX with the given modules kept whole (MoE blocks whose routing loop no tracer can follow)."""
-
-    def __init__(self, leaves: set[str]):
-        super().__init__()
-        self.leaves = leaves
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self.leaves or super().is_leaf_module(m, module_qualified_name)
-
-
-def _leaf_trace(model: nn.Module, args: tuple, kwargs: dict, leaves: set[str]) -> tuple[fx.GraphModule, list, str]:
-    """FX with the MoE blocks ``leaves`` kept whole (their routing loop cannot run on meta)."""
-    try:
-        gm = fx.GraphModule(model, _LeafTracer(leaves).trace(model))
-    except Exception as exc:  # noqa: BLE001
-        raise CaptureError(f"cannot capture {type(model).__name__}: symbolic_trace with its MoE blocks "
-                           f"kept whole: {_short(exc)}") from exc
-    bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    bound.apply_defaults()
-    return gm, list(bound.arguments.values()), "fx"
-
-
-def _trace(model: nn.Module, args: tuple, kwargs: dict, once_per_kind: bool = False,
-           ) -> tuple[fx.GraphModule, list, str]:
-    """Trace with FX, else export (``once_per_kind``: :mod:`~autopar.capturing.stack_once`); return
-    the graph module, its flat inputs and the tracer."""
-    names = {id(m): (p or "<root>") for p, m in model.named_modules()}
-    errors: list[str] = []
-    try:
-        gm = torch.fx.symbolic_trace(model)
-        bound = inspect.signature(model.forward).bind(*args, **kwargs)
-        bound.apply_defaults()
-        flat = list(bound.arguments.values())
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        if len(placeholders) != len(flat):
-            raise TypeError("forward uses *args/**kwargs; FX placeholders do not match inputs")
-        return gm, flat, "fx"
-    except Exception as exc:  # noqa: BLE001 - any tracer failure means: try export
-        where = _where_failed(exc, names)
-        errors.append(f"symbolic_trace{' in ' + where if where else ''}: {_short(exc)}")
-    fast = stack_once.export_once_per_kind(model, args, kwargs) if once_per_kind else None
-    if fast is not None:
-        return fast, pytree.tree_leaves((args, kwargs)), "export"
-    try:
-        # A failed export prints its partial graph to stderr (torch/export/_trace.py);
-        # CaptureError says what failed, so that dump is dropped.
-        with contextlib.redirect_stderr(io.StringIO()), no_stack_traces():
-            ep = torch.export.export(model, args, kwargs=kwargs, strict=False)
-        gm = ep.module()
-        return gm, pytree.tree_leaves((args, kwargs)), "export"
-    except Exception as exc:  # noqa: BLE001
-        where = _where_failed(exc, names)
-        errors.append(f"torch.export{' in ' + where if where else ''}: {_short(exc)}")
-    raise CaptureError(f"cannot capture {type(model).__name__}: " + "; ".join(errors))
-
-
-# --------------------------------------------------------------------------- layers
-
 
 # --------------------------------------------------------------------------- measuring
 
@@ -440,7 +351,8 @@ def capture(
     :mod:`autopar.capturing.stack_once`).
 
     Hugging Face's causal masks are traced as eager mode runs them (SDPA's ``is_causal``, no S × S tensor:
-    :mod:`autopar.capturing.hf_masks`).
+    :mod:`autopar.capturing.hf_masks`); PyTorch's ``nn.TransformerEncoder`` and kin as a training step runs
+    them, each block a layer (:mod:`autopar.capturing.torch_transformer`).
 
     Mixture-of-experts blocks (:mod:`autopar.capturing.moe`) are recorded on their layers (``Layer.moe``); Hugging
     Face's eager experts are captured through HF's ``grouped_mm`` path, and where the graph cannot run a block's
@@ -448,7 +360,8 @@ def capture(
     """
     args, kwargs = _split_inputs(model, example_inputs)
     blocks = moe.find_blocks(model)
-    with moe.static_hf_experts(model) as hf_static, hf_masks.eager_causal_masks(model, args, kwargs):
+    with (moe.static_hf_experts(model) as hf_static, hf_masks.eager_causal_masks(model, args, kwargs),
+          torch_transformer.as_training_runs(model)):
         try:
             return _capture(model, args, kwargs, name, replay_twins, trace_once_per_kind, blocks, hf_static)
         except CaptureError as first:
