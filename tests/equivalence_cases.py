@@ -217,6 +217,7 @@ def equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
         adam = run_parallel(spec, plan, graph, lambda p: torch.optim.AdamW(p, **ADAMW))
         lowered = plan_layout(graph, plan)
         metrics: dict[str, Any] = {"mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp], "ep": plan.mesh.ep,
+                                   "cp": plan.mesh.cp,
                                    "mesh_dims": sgd["mesh_dims"],
                                    "microbatches": plan.microbatches, "schedule": plan.schedule.value,
                                    "chunks": plan.chunks, "tracer": sgd["tracer"],

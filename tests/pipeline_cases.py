@@ -45,14 +45,15 @@ NO_RC = ("recompute=none",)
 SPECS: dict[str, Spec] = {
     # W = 2
     "pp_gpipe": Spec(gpt_tiny, PP2 + ("microbatches=4", "schedule=gpipe", "recompute=all"), 8),
-    "pp_1f1b": Spec(gpt_tiny, PP2 + NO_RC + ("microbatches=4", "schedule=1f1b"), 8),
+    # the cut between the blocks (the solver may move it where the loss's time weighs on the last stage)
+    "pp_1f1b": Spec(gpt_tiny, PP2 + NO_RC + ("microbatches=4", "schedule=1f1b", "blocks.1:stage=1"), 8),
     "pp_interleaved": Spec(gpt_tiny, PP2 + NO_RC + ("microbatches=4", "schedule=interleaved_1f1b",
                                                    "chunks=2"), 8),
     "pp_model_parallel": Spec(gpt_tiny, PP2 + NO_RC + ("microbatches=1",), 4),
     "pp_hf_llama": Spec(hf_llama, PP2 + NO_RC + ("microbatches=2", "schedule=1f1b"), 4),
     # W = 4
     "pp2_dp2_zero3": Spec(gpt_tiny, ("pp=2", "dp=2", "tp=1", "zero=3", "microbatches=2",
-                                     "schedule=1f1b") + NO_RC, 8),
+                                     "schedule=1f1b", "blocks.1:stage=1") + NO_RC, 8),
     "pp2_dp2_hf_llama": Spec(hf_llama, ("pp=2", "dp=2", "tp=1", "zero=3", "microbatches=2",
                                         "schedule=1f1b") + NO_RC, 8),
     # plain DP inside pipeline stages (FSDP2's replicate, not DDP), and the solver's own
