@@ -258,6 +258,9 @@ def why_no_config(graph: LayerGraph, world: int, training: TrainingSpec, pins: P
     if dp and pins.microbatches and b % (dp * pins.microbatches):
         return (f"batch size {b} does not divide into the pinned dp={dp} × "
                 f"microbatches={pins.microbatches}")
+    if pp and pins.microbatches and pins.schedule and (why := schedule_refusal(pins.schedule, pp, pins.microbatches,
+                                                                                chunks)):
+        return why
     if pins.microbatches:
         return (f"batch size {b} cannot give microbatches={pins.microbatches} on any data-parallel "
                 f"degree of world size {world} that the other pins allow")

@@ -220,7 +220,7 @@ class PriceTable:
 
     def offered_choices(self, layer: Layer, zeros: tuple[int, ...]) -> list[LayerChoice]:
         """What the contract lets this layer run as (styles, ZeRO stages, recompute); tables of one mesh share it."""
-        key = (id(layer), zeros, self.config.mesh)
+        key = (id(layer), zeros, self.config.mesh, self.config.schedule.split_backward)
         if key not in self._shared.choices:  # the layer is kept, so its id is not reused
             self._shared.choices[key] = (layer, self._new_choices(layer, zeros))
         return list(self._shared.choices[key][1])
