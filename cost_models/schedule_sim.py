@@ -30,8 +30,6 @@ from fractions import Fraction
 from functools import lru_cache
 from typing import Any
 
-from autopar.cost_models.pipeline import Schedule, ScheduleKind
-
 DENOMINATOR = 1000  # w is a Fraction with at most this denominator (the solver needs integer coefficients)
 
 
@@ -42,25 +40,26 @@ def _torch_schedules() -> Any:
 
 
 @lru_cache(maxsize=256)
-def actions(kind: ScheduleKind, pp: int, microbatches: int, chunks: int) -> dict[int, tuple[Any, ...]]:
-    """Per pipeline rank, torch's compute actions for ``kind`` (None: an idle slot), as its constructor
-    makes them; built without stages, from the same methods (torch 2.13's attributes)."""
+def actions(kind: str, pp: int, microbatches: int, chunks: int) -> dict[int, tuple[Any, ...]]:
+    """Per pipeline rank, torch's compute actions for the schedule named ``kind`` (``ScheduleKind`` values
+    ``interleaved_zb``, ``zbv``, ``dualpipev``; None: an idle slot), as its constructor makes them; built
+    without stages, from the same methods (torch 2.13's attributes)."""
     sched = _torch_schedules()
     p, m = pp, microbatches
-    if kind is ScheduleKind.INTERLEAVED_ZB:
+    if kind == "interleaved_zb":
         s = object.__new__(sched.ScheduleInterleavedZeroBubble)
         s.pp_group_size, s.n_local_stages, s._n_microbatches = p, chunks, m
         s.number_of_rounds = max(1, m // p)
         s.microbatches_per_round = m // s.number_of_rounds
         s.pipeline_order = {r: s._calculate_single_rank_operations(r) for r in range(p)}
         order = s._add_bubbles_to_actions(chunks * p)
-    elif kind in (ScheduleKind.ZBV, ScheduleKind.DUALPIPE_V):
-        cls = sched.ScheduleZBVZeroBubble if kind is ScheduleKind.ZBV else sched.ScheduleDualPipeV
+    elif kind in ("zbv", "dualpipev"):
+        cls = sched.ScheduleZBVZeroBubble if kind == "zbv" else sched.ScheduleDualPipeV
         s = object.__new__(cls)
         s.pp_group_size, s._n_microbatches, s.num_stages, s._num_stages = p, m, 2 * p, 2 * p
         order = {r: s._calculate_single_rank_operations(r) for r in range(p)}
     else:
-        raise ValueError(f"{kind.value} is priced by its formula, not simulated")
+        raise ValueError(f"{kind} is priced by its formula, not simulated")
     return {r: tuple(order[r]) for r in range(p)}
 
 
@@ -78,10 +77,11 @@ def _flat(rank_actions: Sequence[Any]) -> list[tuple[int, str, int]]:
     return out
 
 
-def simulate(schedule: Schedule, pp: int, microbatches: int,
+def simulate(schedule: Any, pp: int, microbatches: int,
              times: Sequence[tuple[float, float, float]]) -> float:
-    """The step of ``schedule`` with stage s taking ``times[s]`` = (F, B, W) a microbatch."""
-    order = actions(schedule.kind, pp, microbatches, schedule.chunks)
+    """The step of ``schedule`` (a :class:`~.pipeline.Schedule`) with stage s taking ``times[s]`` = (F, B, W)
+    a microbatch."""
+    order = actions(schedule.kind.value, pp, microbatches, schedule.chunks)
     last = pp * schedule.chunks - 1
     queues = {r: _flat(order[r]) for r in range(pp)}
     done: dict[tuple[int, str, int], float] = {}
@@ -118,7 +118,7 @@ def simulate(schedule: Schedule, pp: int, microbatches: int,
 
 
 @lru_cache(maxsize=1024)
-def bubble_weight(schedule: Schedule, pp: int, microbatches: int, f: float, b: float, w: float) -> Fraction:
+def bubble_weight(schedule: Any, pp: int, microbatches: int, f: float, b: float, w: float) -> Fraction:
     """w of the step model for a rank whose layers take F = ``f``, B = ``b``, W = ``w`` a microbatch
     (any unit; only their ratios count), its chunks splitting them equally."""
     if pp <= 1:
@@ -133,10 +133,10 @@ def bubble_weight(schedule: Schedule, pp: int, microbatches: int, f: float, b: f
 
 
 @lru_cache(maxsize=256)
-def peak_in_flight(schedule: Schedule, pp: int, microbatches: int) -> tuple[Fraction, ...]:
+def peak_in_flight(schedule: Any, pp: int, microbatches: int) -> tuple[Fraction, ...]:
     """Per pipeline rank, the most chunk-microbatches of activations held at once, over v (in units of
     one microbatch of all the rank's layers)."""
-    order = actions(schedule.kind, pp, microbatches, schedule.chunks)
+    order = actions(schedule.kind.value, pp, microbatches, schedule.chunks)
     out = []
     for r in range(pp):
         live = peak = 0

@@ -18,13 +18,12 @@ a layer without records: half its backward if it has parameters. The recomputed 
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import TYPE_CHECKING
+from typing import Any
 
 from autopar.cost_models import schedule_sim
 from autopar.graph import Layer, OpKind, SampleDim
 
-if TYPE_CHECKING:
-    from autopar.planning.pricing import PriceTable
+PriceTable = Any  # planning.pricing.PriceTable, which imports this module
 
 
 def weight_share(layer: Layer) -> float:

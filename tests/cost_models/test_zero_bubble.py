@@ -57,7 +57,7 @@ def test_zbv_two_rank_timeline_by_hand() -> None:
 def test_torch_runs_dualpipev_pairs_one_after_the_other() -> None:
     # DeepSeek-V3 Table 2 prices an overlapped F&B pair as one; torch's DualPipeV runs F then B on one stream,
     # so the bubble it leaves is not (PP/2 − 1)(F&B + B − 3W) but what its actions give
-    a = sim.actions(ScheduleKind.DUALPIPE_V, 2, 4, 2)
+    a = sim.actions("dualpipev", 2, 4, 2)
     assert any(x is not None and x.sub_actions for x in a[0])
     assert sim.simulate(DPV, 2, 4, [(1.0, 1.0, 1.0)] * 4) >= 24.0
 
