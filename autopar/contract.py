@@ -85,6 +85,7 @@ from autopar.contract_loss import (  # the loss's rules, in a module of their ow
     chunked_loss_refusal,  # noqa: F401
     loss_chunk_tokens,  # noqa: F401
 )
+from autopar.cost_models.pipeline import SPLIT_BACKWARD, V_SHAPED, ScheduleKind, stage_rank
 from autopar.units import MiB
 
 if TYPE_CHECKING:
@@ -222,9 +223,13 @@ def recompute_applies(graph: LayerGraph, index: int, pp: int, kind: Recompute = 
 SEARCHED_RECOMPUTES = (Recompute.NONE, Recompute.FULL, Recompute.SELECTIVE)  # ALTERNATE_MM: when pinned
 
 
-def offered_recomputes(graph: LayerGraph, index: int, pp: int) -> tuple[Recompute, ...]:
+def offered_recomputes(graph: LayerGraph, index: int, pp: int, split_backward: bool = False) -> tuple[Recompute, ...]:
     """The recompute kinds the solver searches for layer ``index``, each of which runs as priced
-    (torchtitan's ``ALTERNATE_MM`` runs when pinned)."""
+    (torchtitan's ``ALTERNATE_MM`` runs when pinned). Under a schedule that splits backward into input
+    and weight gradients none: each half unpacks the checkpoint and recomputes, and torch's checkpoint
+    cannot run its recompute twice (``tests/passes/test_zero_bubble.py``)."""
+    if split_backward:
+        return (Recompute.NONE,)
     return tuple(k for k in SEARCHED_RECOMPUTES if recompute_applies(graph, index, pp, k))
 
 
@@ -265,6 +270,28 @@ def tied_across_stages(graph: LayerGraph, index: int, pp: int) -> bool:
     return pp > 1 and bool(graph[index].tied_params)
 
 
+def schedule_refusal(graph: LayerGraph, kind: ScheduleKind, compiled: bool, recompute: bool = False,
+                     zero3: bool = False) -> str | None:
+    """Why a plan of ``graph`` cannot run the split-backward schedule ``kind`` (None: it can, or ``kind``
+    splits nothing): pinned recompute or ZeRO-3 (:func:`offered_recomputes`, :func:`offered_zeros`), torch.compile
+    (torch refuses it), or tied embeddings in a V (the first and last stage share a rank)."""
+    if kind not in SPLIT_BACKWARD:
+        return None
+    if recompute:
+        return (f"{kind.value} splits each backward into input and weight gradients, and a checkpointed layer "
+                "would recompute its forward in both, which torch's checkpoint cannot: pin recompute=none")
+    if zero3:
+        return (f"{kind.value} runs each weight gradient apart from its input gradient, which FSDP2's resharded "
+                "ZeRO-3 weights do not survive (wrong gradients): pin zero ≤ 2")
+    if compiled:
+        return (f"torch's {kind.value} splits each backward into input and weight gradients, which it does "
+                "not run on torch.compile'd stages: plan it eager or use 1f1b / interleaved_1f1b")
+    if kind in V_SHAPED and any(layer.tied_params for layer in graph):
+        return (f"{kind.value} places the first and last stage on one rank (a V), where the tied input and "
+                "output embeddings would be one weight in two stages: use interleaved_zb")
+    return None
+
+
 def data_parallel_modes(graph: LayerGraph, pp: int, dp: int, root_floor: int | None = None) -> list[DataParallelism]:
     """The data-parallel modes the solver searches for a mesh, each a configuration of its own:
     replicated, and sharded — with the root stage the pins force (:func:`root_floor`), else
@@ -274,13 +301,15 @@ def data_parallel_modes(graph: LayerGraph, pp: int, dp: int, root_floor: int | N
     return [REPLICATED, DataParallelism(True, root_floor or 0)]
 
 
-def offered_zeros(graph: LayerGraph, index: int, mode: DataParallelism, pp: int) -> tuple[int, ...]:
-    """The ZeRO stages layer ``index`` may take in ``mode``, each of which runs as priced."""
+def offered_zeros(graph: LayerGraph, index: int, mode: DataParallelism, pp: int,
+                  split_backward: bool = False) -> tuple[int, ...]:
+    """The ZeRO stages layer ``index`` may take in ``mode``, each of which runs as priced. Under a schedule
+    that splits backward, not ZeRO-3: FSDP2's resharded weights and torch's separate weight-gradient pass
+    give wrong gradients (interleaved_zb × 2 and zbv, ``tests/passes/test_zero_bubble.py``)."""
     if not mode.sharded or not graph[index].param_count:
         return (0,)
-    if wrapping(graph, pp).root[index]:
-        return (mode.root_zero,) if mode.root_zero else ROOT_STAGES
-    return ZERO_STAGES
+    stages = ((mode.root_zero,) if mode.root_zero else ROOT_STAGES) if wrapping(graph, pp).root[index] else ZERO_STAGES
+    return tuple(z for z in stages if z != 3) or (2,) if split_backward else stages
 
 
 def admits_zero_pin(graph: LayerGraph, index: int, pinned: int, mode: DataParallelism, pp: int, *,
@@ -362,9 +391,10 @@ def collective_share(graph: LayerGraph, index: int, engine: Engine, pp: int, gra
 # ---------------------------------------------------------------- rank layout
 
 
-def pipeline_rank(stage: int, pp: int) -> int:
-    """The pipeline rank holding virtual stage ``stage`` (interleaved: stage s on s mod pp)."""
-    return stage % pp
+def pipeline_rank(stage: int, pp: int, v_shape: bool = False) -> int:
+    """The pipeline rank holding virtual stage ``stage`` (looped: s mod pp; in a V, zbv and dualpipev:
+    s and 2·pp − 1 − s on one rank, :func:`autopar.cost_models.pipeline.stage_rank`)."""
+    return stage_rank(stage, pp, v_shape)
 
 
 def pipeline_ranks_per_node(mesh: Mesh, ranks_per_node: int) -> int:
@@ -450,8 +480,10 @@ def mode_of(graph: LayerGraph, dp: int, zeros: tuple[int, ...], pp: int) -> Data
     return DataParallelism(True, max(roots + [1]) if roots else 0)
 
 
-def layout(graph: LayerGraph, mesh: Mesh, stages: tuple[int, ...], choices: tuple[LayerChoice, ...]) -> Layout:
-    """Every layer's role and every part's units for an assignment (see the module docstring)."""
+def layout(graph: LayerGraph, mesh: Mesh, stages: tuple[int, ...], choices: tuple[LayerChoice, ...],
+           v_shape: bool = False) -> Layout:
+    """Every layer's role and every part's units for an assignment (see the module docstring); ``v_shape``:
+    the schedule places its stages in a V (:func:`pipeline_rank`)."""
     pp, dp = mesh.pp, data_ranks(mesh)
     zeros = tuple(c.zero for c in choices)
     mode = mode_of(graph, dp, zeros, pp)
@@ -471,7 +503,7 @@ def layout(graph: LayerGraph, mesh: Mesh, stages: tuple[int, ...], choices: tupl
     for i, layer in enumerate(graph):
         path, zero, eng = unit_of.get(i, (None, 0, Engine.NONE))
         has = path is not None and bool(layer.param_count)
-        roles.append(LayerRole(layer.name, stages[i], pipeline_rank(stages[i], pp), zero if has else 0,
+        roles.append(LayerRole(layer.name, stages[i], pipeline_rank(stages[i], pp, v_shape), zero if has else 0,
                                eng if has else Engine.NONE, path if has else None,
                                recompute_runs_as(graph, i, pp, choices[i].recompute),
                                buffers_of(zero, has) if eng is not Engine.DDP else Buffers.NONE))
@@ -563,4 +595,5 @@ def plan_layout(graph: LayerGraph, plan: Plan) -> Layout:
         graph = graph.pipeline_view()
     by_name = {lp.name: lp for lp in plan.layers}
     lps = [by_name[layer.name] for layer in graph]
-    return layout(graph, plan.mesh, tuple(lp.stage for lp in lps), tuple(lp.choice for lp in lps))
+    return layout(graph, plan.mesh, tuple(lp.stage for lp in lps), tuple(lp.choice for lp in lps),
+                  plan.schedule in V_SHAPED)

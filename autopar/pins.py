@@ -2,8 +2,9 @@
 
 Global pins are ``KEY=VALUE`` with KEY a mesh axis (``pp``, ``dp``, ``tp``: every
 axis :mod:`autopar.mesh` declares, its degree), ``microbatches``, ``schedule``
-(``gpipe``, ``1f1b``, ``interleaved_1f1b``), ``chunks`` (model chunks per rank,
-interleaved only), ``zero`` (0–3, every layer) and ``recompute`` (``none``,
+(``gpipe``, ``1f1b``, ``interleaved_1f1b``, and the split-backward ones ``interleaved_zb``
+(alias ``zb``), ``zbv``, ``dualpipev``), ``chunks`` (model chunks per rank: interleaved 1F1B and
+interleaved_zb; zbv and dualpipev run exactly 2, in a V), ``zero`` (0–3, every layer) and ``recompute`` (``none``,
 ``selective`` or ``full``). Per-layer pins
 are ``GLOB:KEY=VALUE`` with KEY one of ``stage``, ``tp`` (a style name or
 ``none``), ``zero`` and ``recompute`` (as the global one), where GLOB is an
@@ -38,7 +39,7 @@ from typing import Any
 
 from autopar import mesh
 from autopar.choice import CpAttention, LossKind, Recompute
-from autopar.cost_models.pipeline import ScheduleKind
+from autopar.cost_models.pipeline import MULTI_CHUNK, V_SHAPED, ScheduleKind
 from autopar.errors import PinError
 
 _UNSET: Any = object()
@@ -54,6 +55,12 @@ SCHEDULE_NAMES = {
     "1f1b": ScheduleKind.ONE_F_ONE_B,
     "interleaved_1f1b": ScheduleKind.INTERLEAVED_1F1B,
     "interleaved": ScheduleKind.INTERLEAVED_1F1B,
+    "interleaved_zb": ScheduleKind.INTERLEAVED_ZB,
+    "zb": ScheduleKind.INTERLEAVED_ZB,
+    "zb1p": ScheduleKind.INTERLEAVED_ZB,
+    "zbv": ScheduleKind.ZBV,
+    "dualpipev": ScheduleKind.DUALPIPE_V,
+    "dualpipe_v": ScheduleKind.DUALPIPE_V,
     "none": ScheduleKind.NONE,
 }
 
@@ -171,9 +178,14 @@ class Pins:
 
     def check_form(self) -> None:
         """Contradictions visible without a model or world size."""
-        if self.chunks is not None and self.schedule not in (None, ScheduleKind.INTERLEAVED_1F1B):
-            raise PinError(f"pins contradict each other: chunks={self.chunks} needs "
-                           f"schedule=interleaved_1f1b, not {self.schedule.value}")
+        if self.chunks is not None and self.schedule in V_SHAPED and self.chunks != 2:
+            raise PinError(f"pins contradict each other: schedule={self.schedule.value} runs 2 chunks per "
+                           f"rank (a V), not chunks={self.chunks}")
+        if self.chunks == 1 and self.schedule is ScheduleKind.INTERLEAVED_1F1B:
+            raise PinError("pins contradict each other: interleaved_1f1b needs chunks ≥ 2")
+        if self.chunks not in (None, 1) and self.schedule not in (None, *MULTI_CHUNK):
+            raise PinError(f"pins contradict each other: chunks={self.chunks} needs schedule=interleaved_1f1b "
+                           f"(or interleaved_zb, zbv, dualpipev), not {self.schedule.value}")
         pp = self.degree("pp")
         if pp == 1 and self.schedule not in (None, ScheduleKind.NONE):
             raise PinError(f"pins contradict each other: schedule={self.schedule.value} needs pp > 1")
@@ -191,7 +203,7 @@ class Pins:
                 raise PinError(f"pins contradict each other: recompute={_text(self.recompute)} for "
                                f"every layer but {pin.pattern}:recompute={_text(set_['recompute'])}")
             if pp is not None and "stage" in set_:
-                stages = pp * (self.chunks or 1)
+                stages = pp * (self.chunks or (2 if self.schedule in V_SHAPED else 1))
                 if set_["stage"] >= stages:
                     raise PinError(f"pin {pin.pattern}:stage={set_['stage']} is outside the "
                                    f"{stages} pipeline stages pinned (stages count from 0)")
@@ -259,7 +271,7 @@ def _global_value(key: str, value: str, item: str) -> Any:
     if key == "microbatches":
         return _int(value, item, minimum=1)
     if key == "chunks":
-        return _int(value, item, minimum=2)
+        return _int(value, item, minimum=1)
     if key == "zero":
         zero = _int(value, item, minimum=0)
         if zero > 3:
@@ -282,7 +294,8 @@ def _global_value(key: str, value: str, item: str) -> Any:
     try:
         return SCHEDULE_NAMES[value.lower()]
     except KeyError:
-        raise PinError(f"pin {item!r}: schedule must be one of gpipe, 1f1b, interleaved_1f1b") from None
+        raise PinError(f"pin {item!r}: schedule must be one of gpipe, 1f1b, interleaved_1f1b, "
+                       "interleaved_zb, zbv, dualpipev") from None
 
 
 def _layer_value(key: str, value: str, item: str) -> Any:

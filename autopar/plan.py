@@ -23,7 +23,7 @@ from typing import Any
 
 from autopar.choice import CpAttention, LayerChoice, LossKind
 from autopar.cost_models.hardware import ClusterSpec, CostModelError
-from autopar.cost_models.pipeline import ScheduleKind
+from autopar.cost_models.pipeline import V_SHAPED, Schedule, ScheduleKind, rank_stages
 from autopar.errors import MeshError, PlanError
 from autopar.float8 import Float8Settings
 from autopar.mesh import Mesh
@@ -220,7 +220,7 @@ class Plan:
     mesh: Mesh
     microbatches: int
     microbatch_size: int
-    schedule: ScheduleKind  # "none", "gpipe", "1f1b" or "interleaved_1f1b" in the file
+    schedule: ScheduleKind  # "none", "gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"
     chunks: int
     layers: tuple[LayerPlan, ...]
     predicted: Predicted
@@ -299,6 +299,10 @@ class Plan:
     @property
     def stages(self) -> int:
         return self.mesh.pp * self.chunks
+
+    def rank_stages(self, rank: int) -> list[int]:
+        """The virtual stages pipeline rank ``rank`` runs, in order (looped, or in a V for zbv and dualpipev)."""
+        return rank_stages(rank, self.mesh.pp, self.stages, self.schedule in V_SHAPED)
 
     def summary(self) -> str:
         """A readable table: mesh, predictions, memory per pipeline rank, one row per run of layers, notes."""
@@ -482,6 +486,10 @@ def _check_consistent(plan: Plan, source: str) -> None:
     if plan.mesh.world_size != plan.world_size:
         raise PlanError(f"{source}: mesh {plan.mesh.describe(all_axes=True)} does not multiply to world size "
                         f"{plan.world_size}")
+    try:
+        Schedule(plan.schedule, plan.chunks)
+    except ValueError as exc:
+        raise PlanError(f"{source}: {exc}") from None
     stages = [l.stage for l in plan.layers]
     if any(b < a for a, b in zip(stages, stages[1:])) or (stages and max(stages) >= plan.stages):
         raise PlanError(f"{source}: layer stages must be non-decreasing and below {plan.stages}")

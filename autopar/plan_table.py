@@ -33,12 +33,13 @@ def _choices(layer: Any) -> tuple:
 
 
 def _layer_rows(plan: Any) -> tuple[list[tuple[str, ...]], tuple[str, ...]]:
-    """The layer table's rows and header. Interleaved plans (chunks > 1) also show each row's
-    pipeline rank (stage mod pp) and its chunk on that rank (stage div pp)."""
+    """The layer table's rows and header. Plans of several chunks a rank also show each row's
+    pipeline rank (stage mod pp, or in a V for zbv and dualpipev) and its chunk on that rank (stage div pp)."""
     interleaved, pp = plan.chunks > 1, plan.mesh.pp
+    rank = {s: r for r in range(pp) for s in plan.rank_stages(r)}
     rows = []
     for label, l, _ in _fold(plan.layers):
-        where = (str(l.stage), str(l.stage % pp), str(l.stage // pp)) if interleaved else (str(l.stage),)
+        where = (str(l.stage), str(rank[l.stage]), str(l.stage // pp)) if interleaved else (str(l.stage),)
         rows.append((label, *where, l.choice.style_text(), str(l.choice.zero), str(l.choice.recompute)))
     header = ("layer", "stage", *(("rank", "chunk") if interleaved else ()), "tp", "zero", "recompute")
     return rows, header

@@ -6,7 +6,8 @@ microbatch mean) and the device. Returns a :class:`PipelineRuntime` whose
 ``step`` runs one schedule step (forward and backward of every microbatch)
 and whose ``parameters`` the optimizer steps.
 
-Lowering, per rank (virtual stage s lives on pp rank ``s % pp``):
+Lowering, per rank (virtual stage s lives on pp rank ``s % pp``, or in a V for zbv and
+dualpipev: stages r and 2·pp − 1 − r on rank r, :meth:`Plan.rank_stages`):
 
 1. split the model into one module per virtual stage (:mod:`.stage_split`);
 2. on each of this rank's stages, the one lowering path
@@ -241,17 +242,32 @@ def _checked_loss(loss_fn: LossFn, form: Callable[[Any], Any] | None = None) -> 
 
 
 def _schedule(plan: Plan, stages: list[Any], loss_fn: LossFn, scale_grads: bool) -> Any:
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    """torch's schedule for the plan: one stage a rank (GPipe, 1F1B), several looped (interleaved 1F1B,
+    interleaved zero bubble), or two in a V (ZB-V, DualPipeV; torch sets the stages' rank map itself).
+    The split-backward ones run each backward as input then weight gradients (``stage_backward_input`` /
+    ``stage_backward_weight``) and divide by the microbatches in their REDUCE_GRAD action, as the others do."""
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleDualPipeV,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
 
     from autopar.cost_models.pipeline import ScheduleKind
 
     m = plan.microbatches
-    if plan.schedule is ScheduleKind.INTERLEAVED_1F1B:
-        return ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn, scale_grads=scale_grads)
+    multi = {ScheduleKind.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
+             ScheduleKind.INTERLEAVED_ZB: ScheduleInterleavedZeroBubble,
+             ScheduleKind.ZBV: ScheduleZBVZeroBubble, ScheduleKind.DUALPIPE_V: ScheduleDualPipeV}.get(plan.schedule)
+    if multi is not None:
+        return multi(stages, m, loss_fn=loss_fn, scale_grads=scale_grads)
     single = {ScheduleKind.GPIPE: ScheduleGPipe, ScheduleKind.ONE_F_ONE_B: Schedule1F1B}.get(plan.schedule)
     if single is None or len(stages) != 1:
         raise LoweringError(f"pipeline schedule {plan.schedule.value!r} with {plan.chunks} chunk(s) per rank "
-                            "is not supported: use gpipe, 1f1b (1 chunk) or interleaved_1f1b")
+                            "is not supported: use gpipe, 1f1b (1 chunk), interleaved_1f1b, interleaved_zb, "
+                            "zbv or dualpipev")
     return single(stages[0], m, loss_fn=loss_fn, scale_grads=scale_grads)
 
 
@@ -340,7 +356,7 @@ def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, pla
         _off_meta(module, device)
     layout = plan_layout(graph, plan)
     pp, pp_rank = plan.mesh.pp, mesh["pp"].get_local_rank()
-    stage_ids = list(range(pp_rank, plan.stages, pp))
+    stage_ids = plan.rank_stages(pp_rank)  # looped (s mod pp) or in a V (s and 2·pp − 1 − s)
     modules: list[nn.Module] = []
     perms: dict[str, Any] = {}
     experts: list[Any] = []

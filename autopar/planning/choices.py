@@ -192,7 +192,9 @@ def _pinned_outside_search(table: PriceTable, i: int, pin: dict[str, Any]) -> li
     if sp and (style is None or not layer.tp_style(style).admits_sequence(tp)
                or not contract.cp_admits_sequence(table.graph.seq_len or 0, table.config.mesh)):
         return []  # sequence parallelism needs a style that takes it at this tp (and S/cp tokens tp divides)
-    zero = pin.get("zero", contract.offered_zeros(table.graph, i, table.config.data_parallel, table.config.mesh.pp)[0])
+    c = table.config
+    offered = contract.offered_zeros(table.graph, i, c.data_parallel, c.mesh.pp, c.schedule.split_backward)
+    zero = pin.get("zero", offered[0])
     return [table.index_of(i, LayerChoice(style, zero, pin.get("recompute", False), sp))]
 
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import math
 
 from autopar import contract
-from autopar.choice import CpAttention
+from autopar.choice import CpAttention, Recompute
 from autopar.cost_models.hardware import ClusterSpec
-from autopar.cost_models.pipeline import Schedule, ScheduleKind
+from autopar.cost_models.pipeline import SPLIT_BACKWARD, V_SHAPED, Schedule, ScheduleKind, schedule_refusal
 from autopar.errors import CompileError, PinError
 from autopar.graph import LayerGraph
 from autopar.mesh import AXES, AxisLimits, Mesh, hosts_text, meshes
@@ -30,6 +30,7 @@ from autopar.pins import Pins
 from autopar.planning.configuration import Configuration, TrainingSpec
 
 INTERLEAVED_CHUNKS = (2, 4)
+ZB_CHUNKS = (1, 2, 4)  # interleaved_zb: ZB-H1 on one chunk a rank, interleaved on more
 # cp inside pipeline stages (a mesh with both above 1, neither pinned) multiplies the configurations: Llama 3
 # 70B at 131,072 tokens on 512 H100s has 8,914 with them against 1,318 without, DeepSeek-V3 on 1,024 100,954
 # against 13,552. The free search takes them where the whole count stays within CP_PP_SEARCHED_UP_TO: the 70B
@@ -86,7 +87,14 @@ def searched_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
     ring_device = contract.ring_device_refusal(cluster.backend, training.dtype)
     if ring_device and pins.cp_attention is CpAttention.RING:
         raise PinError(f"pin cp_attention=ring: {ring_device}")
-    pinned_zeros = [pin.get("zero") for pin in pins.resolve_layers([layer.name for layer in graph])]
+    layer_pins = pins.resolve_layers([layer.name for layer in graph])
+    pinned_zeros = [pin.get("zero") for pin in layer_pins]
+    recomputed = any(Recompute.of(pin.get("recompute", Recompute.NONE)) is not Recompute.NONE for pin in layer_pins)
+    zero3 = any(z == 3 for z in pinned_zeros)
+    refused = {k: why for k in SPLIT_BACKWARD
+               if (why := contract.schedule_refusal(graph, k, training.compiled, recomputed, zero3))}
+    if pins.schedule in refused:
+        raise PinError(f"pin schedule={pins.schedule.value}: {refused[pins.schedule]}")
     configs: list[Configuration] = []
     unmet = ""  # why a mesh was left out only because the pinned method cannot run on it
     compile_refused: list[str] = []
@@ -112,7 +120,7 @@ def searched_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
                 continue
             into = staged if mesh.cp > 1 and mesh.pp > 1 and not {"cp", "pp"} & set(pinned) else configs
             into += [Configuration(mesh, m, s, mode, method)
-                     for s in _schedules(mesh.pp, m, limits.max_stages, pins)
+                     for s in _schedules(mesh.pp, m, limits.max_stages, pins, refused)
                      for mode in contract.data_parallel_modes(graph, mesh.pp, contract.data_ranks(mesh), floor)
                      for method in methods]
     left_out = len(staged) if configs and len(configs) + len(staged) > CP_PP_SEARCHED_UP_TO else 0
@@ -184,19 +192,28 @@ def _check_pinned_mesh(pinned: dict[str, int], limits: AxisLimits) -> None:
         raise PinError(f"pinned {names} = {product} but the world size is {limits.world_size}")
 
 
-def _schedules(pp: int, m: int, max_stages: int, pins: Pins) -> list[Schedule]:
+def _schedules(pp: int, m: int, max_stages: int, pins: Pins,
+               refused: dict[ScheduleKind, str] | None = None) -> list[Schedule]:
+    """The schedules searched for pp ranks and m microbatches: GPipe only where 1F1B cannot run, interleaved
+    1F1B with 2 or 4 chunks, and the split-backward ones (interleaved_zb with 1, 2 or 4 chunks, zbv and dualpipev
+    with 2 in a V) but those ``refused`` says the model cannot run (:func:`autopar.contract.schedule_refusal`);
+    each where torch runs it (:func:`autopar.cost_models.pipeline.schedule_refusal`) and the stages can be cut."""
     if pp == 1:
         return [Schedule(ScheduleKind.NONE)] if pins.schedule in (None, ScheduleKind.NONE) else []
     out: list[Schedule] = []
     want = pins.schedule
-    if want is ScheduleKind.GPIPE or (want is None and m < pp):
+    if want is ScheduleKind.GPIPE or (want is None and m < pp and pins.chunks in (None, 1)):
         out.append(Schedule(ScheduleKind.GPIPE))
-    if want in (None, ScheduleKind.ONE_F_ONE_B) and m >= pp and pins.chunks is None:
+    if want in (None, ScheduleKind.ONE_F_ONE_B) and m >= pp and pins.chunks in (None, 1):
         out.append(Schedule(ScheduleKind.ONE_F_ONE_B))
-    if want in (None, ScheduleKind.INTERLEAVED_1F1B) and m % pp == 0:
-        for v in [pins.chunks] if pins.chunks else INTERLEAVED_CHUNKS:
-            if pp * v <= max_stages:
-                out.append(Schedule(ScheduleKind.INTERLEAVED_1F1B, v))
+    chunked = {ScheduleKind.INTERLEAVED_1F1B: INTERLEAVED_CHUNKS, ScheduleKind.INTERLEAVED_ZB: ZB_CHUNKS,
+               ScheduleKind.ZBV: (2,), ScheduleKind.DUALPIPE_V: (2,)}
+    for kind, counts in chunked.items():
+        if want not in (None, kind) or kind in (refused or {}):
+            continue
+        for v in [pins.chunks] if pins.chunks else counts:
+            if pp * v <= max_stages and v in counts and not schedule_refusal(kind, pp, m, v):
+                out.append(Schedule(kind, v))
     return out
 
 
@@ -219,9 +236,10 @@ def why_no_config(graph: LayerGraph, world: int, training: TrainingSpec, pins: P
     b = training.global_batch
     pinned = pins.mesh_degrees()
     pp, dp = pinned.get("pp"), pinned.get("dp")
-    if pp and pp * (pins.chunks or 1) > max_stages:
-        return (f"pp={pp}{f' × chunks={pins.chunks}' if pins.chunks else ''} needs "
-                f"{pp * (pins.chunks or 1)} pipeline stages but the model can be cut into at "
+    chunks = pins.chunks or (2 if pins.schedule in V_SHAPED else 1)
+    if pp and pp * chunks > max_stages:
+        return (f"pp={pp}{f' × chunks={chunks}' if chunks > 1 else ''} needs "
+                f"{pp * chunks} pipeline stages but the model can be cut into at "
                 f"most {max_stages} (it has {max_stages - 1} places a cut may go)" + _blocked(graph))
     if dp and b % dp:
         return f"batch size {b} does not divide over the pinned dp={dp}"
@@ -240,13 +258,17 @@ def why_no_config(graph: LayerGraph, world: int, training: TrainingSpec, pins: P
     if dp and pins.microbatches and b % (dp * pins.microbatches):
         return (f"batch size {b} does not divide into the pinned dp={dp} × "
                 f"microbatches={pins.microbatches}")
+    if pp and pins.microbatches and pins.schedule and (why := schedule_refusal(pins.schedule, pp, pins.microbatches,
+                                                                                chunks)):
+        return why
     if pins.microbatches:
         return (f"batch size {b} cannot give microbatches={pins.microbatches} on any data-parallel "
                 f"degree of world size {world} that the other pins allow")
     if pins.schedule or pins.chunks:
         return (f"no mesh for world size {world} and batch size {b} can run the pinned schedule "
                 f"({pins.schedule.value if pins.schedule else 'interleaved_1f1b'}); interleaved "
-                "1F1B needs microbatches divisible by pp")
+                "1F1B and interleaved_zb need microbatches divisible by pp, dualpipev at least 2 × pp, and zbv "
+                "and dualpipev 2 × pp stages")
     axes = " × ".join(a.name for a in AXES if a.searched and a.folds is None)  # ep multiplies nothing
     if not pinned:
         return (f"no mesh {axes} = {world} divides batch size {b}; use a batch size divisible "

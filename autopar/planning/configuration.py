@@ -46,7 +46,7 @@ class Configuration:
         return self.mesh.pp * self.schedule.chunks
 
     def rank_of_stage(self, stage: int) -> int:
-        return contract.pipeline_rank(stage, self.mesh.pp)
+        return contract.pipeline_rank(stage, self.mesh.pp, self.schedule.v_shape)
 
     def describe(self) -> str:
         dp = f" {self.data_parallel}" if self.mesh.dp * self.mesh.cp > 1 else ""

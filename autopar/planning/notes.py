@@ -269,7 +269,7 @@ def _uneven_stages_note(graph: LayerGraph, solution: Solution) -> str | None:
         per_stage[stage] += bool(graph.repeated[i])
     if max(per_stage) - min(per_stage) <= 1:
         return None
-    per_rank = [sum(per_stage[j::c.mesh.pp]) for j in range(c.mesh.pp)]
+    per_rank = [sum(n for s, n in enumerate(per_stage) if c.rank_of_stage(s) == j) for j in range(c.mesh.pp)]
     times = solution.prediction.rank_time_mb_s
     slowest = max(range(c.mesh.pp), key=lambda j: times[j])
     held = (f"every pipeline rank's {c.schedule.chunks} chunks add up to {per_rank[0]} blocks"

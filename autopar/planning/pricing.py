@@ -18,8 +18,8 @@ microbatches, schedule with v chunks per rank), for pipeline rank j:
 
 The slowest rank paces the m microbatches, and filling and draining the
 pipeline passes through every other rank once: w = 1/v with v chunks per
-rank. With equal stages this is the textbook (m + (pp − 1)/v)·T; with
-unequal ones the bubble is the other stages' time, not (pp − 1) times the
+rank (zero-bubble schedules: simulated, :mod:`.pipeline_price`). With equal stages this is the
+textbook (m + (pp − 1)/v)·T; with unequal ones the bubble is the other stages' time, not (pp − 1) times the
 slowest's. On a host whose k pipeline ranks share fewer cores than there
 are processes, a waiting rank lends its cores to the working ones: then
 
@@ -59,7 +59,7 @@ from autopar.cost_models.hardware import ClusterSpec, idle_core_speedup
 from autopar.cost_models.memory import optimizer_shard_params
 from autopar.cost_models.pipeline import in_flight
 from autopar.graph import Layer, LayerGraph
-from autopar.planning import context_price, edges, expert_price, loss_price
+from autopar.planning import context_price, edges, expert_price, loss_price, pipeline_price
 from autopar.planning.configuration import Configuration, TrainingSpec
 from autopar.planning.layer_compute import LayerCompute, layer_compute
 from autopar.planning.memory_floor import held_bytes, kept_mb_bytes
@@ -167,7 +167,8 @@ class PriceTable:
     def row_keys(self) -> Iterator[tuple[Layer, tuple, tuple[int, ...]]]:
         """Each layer, what its row depends on (layers equal in it share one), and its ZeRO stages offered."""
         for layer in self.graph:
-            zeros = contract.offered_zeros(self.graph, layer.index, self.config.data_parallel, self.config.mesh.pp)
+            zeros = contract.offered_zeros(self.graph, layer.index, self.config.data_parallel, self.config.mesh.pp,
+                                           self.config.schedule.split_backward)
             yield layer, (self.graph.cost_classes[layer.index], zeros, self._recompute_options(layer),
                           loss_price.recomputes(self, layer)), zeros
 
@@ -178,8 +179,8 @@ class PriceTable:
     @cached_property
     def alike(self) -> tuple:
         """What the rows depend on: tables equal in it (their configurations differ in the schedule at most,
-        which :class:`Configuration` equality leaves out) share them."""
-        return id(self.graph), id(self.cluster), id(self.training), self.config
+        which :class:`Configuration` equality leaves out, but for whether it splits backward) share them."""
+        return id(self.graph), id(self.cluster), id(self.training), self.config, self.config.schedule.split_backward
 
     @cached_property
     def choices(self) -> list[list[LayerChoice]]:
@@ -211,15 +212,15 @@ class PriceTable:
         return out
 
     def _recompute_options(self, layer: Layer) -> tuple[Recompute, ...]:
-        key = (id(self.graph), layer.index, self.config.mesh.pp)
+        key = (id(self.graph), layer.index, self.config.mesh.pp, split := self.config.schedule.split_backward)
         memo = self._shared.recomputes
         if key not in memo:
-            memo[key] = contract.offered_recomputes(self.graph, layer.index, self.config.mesh.pp)
+            memo[key] = contract.offered_recomputes(self.graph, layer.index, self.config.mesh.pp, split)
         return memo[key]
 
     def offered_choices(self, layer: Layer, zeros: tuple[int, ...]) -> list[LayerChoice]:
         """What the contract lets this layer run as (styles, ZeRO stages, recompute); tables of one mesh share it."""
-        key = (id(layer), zeros, self.config.mesh)
+        key = (id(layer), zeros, self.config.mesh, self.config.schedule.split_backward)
         if key not in self._shared.choices:  # the layer is kept, so its id is not reused
             self._shared.choices[key] = (layer, self._new_choices(layer, zeros))
         return list(self._shared.choices[key][1])
@@ -272,9 +273,8 @@ class PriceTable:
 
     @cached_property
     def bubble_weight(self) -> Fraction:
-        """w in step = m·T + w·(S − T) + X (see the module docstring): 1/v with v chunks per rank."""
-        c = self.config
-        return Fraction(0) if c.mesh.pp <= 1 else Fraction(1, c.schedule.chunks)
+        """w in step = m·T + w·(S − T) + X (see the module docstring; :mod:`.pipeline_price`)."""
+        return pipeline_price.bubble_weight(self)
 
     @cached_property
     def core_sharing(self) -> tuple[Fraction, int]:
