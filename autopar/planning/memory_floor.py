@@ -102,7 +102,7 @@ def memory_floor_bytes(table: Any) -> int:
     c, memo = table.config, table.shared.floors
     graph, f = table.graph, min(table.in_flight)
     search = (id(graph), id(table.cluster), id(table.training))
-    if (rows_key := (*search, "rows", c.data_parallel, c.mesh.pp)) not in memo:
+    if (rows_key := (*search, "rows", c.data_parallel, c.mesh.pp, c.schedule.split_backward)) not in memo:
         rows: dict[tuple, list] = {}
         for layer, key, zeros in table.row_keys():
             rows.setdefault(key, [layer, zeros, 0])[2] += 1

@@ -58,10 +58,13 @@ def test_zero_bubble_prices_a_smaller_bubble_than_1f1b(graph) -> None:
     assert 0 < zb < one
 
 
-def test_free_search_weighs_them_with_the_others(graph) -> None:
-    plan = _solve(graph, ["pp=2", "microbatches=4"])
-    assert plan.schedule in SPLIT_BACKWARD  # memory is ample: the smallest bubble wins
-    assert all(not l.choice.recompute for l in plan.layers)
+def test_the_free_search_leaves_them_to_a_pin(graph) -> None:
+    # planned where pinned only (configs.SPLIT_BACKWARD_PINNED): the free search keeps to the other schedules
+    free = _solve(graph, ["pp=2", "microbatches=4"])
+    assert free.schedule not in SPLIT_BACKWARD
+    pinned = _solve(graph, ["pp=2", "microbatches=4", "schedule=zbv"])  # memory is ample: its bubble is smaller
+    assert pinned.schedule is ScheduleKind.ZBV and pinned.predicted.step_time_s < free.predicted.step_time_s
+    assert all(not l.choice.recompute for l in pinned.layers)
 
 
 @pytest.mark.parametrize("pins,why", [
