@@ -41,7 +41,8 @@ def chunked_loss_refusal(graph: LayerGraph, mesh: Mesh, float8: Float8Settings |
     output is the prediction, in the last layer) and the runtime calls that module: not inside the
     pipeline stages of an export-captured model (single ATen graphs, no module called); not where tp
     may split the head (its layer has a tensor-parallel style at the mesh's tp: the vocabulary-parallel
-    cross-entropy is not built); not under cp (not yet run against one device there); not where
+    cross-entropy is not built); not under cp (not yet run against one device there); not beside ep (a
+    compiled run hung there); not where
     float8 converts the head (its GEMM would not be the one priced)."""
     head = graph.loss_head
     if head is None:
@@ -54,6 +55,9 @@ def chunked_loss_refusal(graph: LayerGraph, mesh: Mesh, float8: Float8Settings |
                 "is not built)")
     if mesh.cp > 1:
         return f"cp={mesh.cp}: the chunked loss is not yet run against one device under cp"
+    if mesh.ep > 1:  # a compiled Mixtral at dp 2 × ep 2, ZeRO-3, full recompute: both ranks stopped, once
+        return (f"ep={mesh.ep}: beside the experts' exchange the chunked loss hung a run of the test suite "
+                "(tests/runtime/test_compile_exchanges.py), not yet understood")
     if float8 is not None and any(l.path == head.module_path for l in float8.linears):
         return f"float8 converts the head {head.module_path}"
     return ""

@@ -187,6 +187,8 @@ _EMBEDDINGS_OFF = ("tok_emb:recompute=none", "pos_emb:recompute=none", "drop:rec
 _HF_ENDS_OFF = ("model.embed_tokens:recompute=none", "model.rotary_emb:recompute=none", "model.norm:recompute=none",
                 "lm_head:recompute=none")
 PP2 = ("pp=2", "dp=1", "tp=1", "zero=0")
+GPT_CUT = ("blocks.1:stage=1",)  # a block on each rank: the solver may cut after both (the loss weighs on the last)
+LLAMA_CUT = ("model.layers.1:stage=1",)
 TP2 = PP1 + ("dp=1", "tp=2", "zero=0", "microbatches=1")
 TP2_RC = ("pp=1", "dp=1", "tp=2", "zero=0", "microbatches=1")  # recompute as each case pins it
 LLAMA_TP = ("model.layers.*:tp=megatron", "model.embed_tokens:tp=vocab")
@@ -206,18 +208,20 @@ CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
                                                           4)),
     # pipelines: each stage's blocks compiled inside the stage module the pipeline lowering built (it calls
     # the model's own block modules: fx-layers for the GPT, export-layers for Llama); W = 2 unless named
-    "pp_1f1b": compiled_equivalence(Spec(gpt_tiny, PP2 + ("recompute=none", "microbatches=4", "schedule=1f1b"), 8)),
-    "pp_1f1b_full": compiled_equivalence(Spec(gpt_tiny, PP2 + ("microbatches=4", "schedule=1f1b",
+    "pp_1f1b": compiled_equivalence(Spec(gpt_tiny, PP2 + GPT_CUT + ("recompute=none", "microbatches=4",
+                                                                    "schedule=1f1b"), 8)),
+    "pp_1f1b_full": compiled_equivalence(Spec(gpt_tiny, PP2 + GPT_CUT + ("microbatches=4", "schedule=1f1b",
                                                                "blocks.*:recompute=full", "ln_f:recompute=full")
                                               + _EMBEDDINGS_OFF, 8)),
-    "pp_gpipe_selective": compiled_equivalence(Spec(gpt_tiny, PP2 + ("microbatches=2", "schedule=gpipe",
+    "pp_gpipe_selective": compiled_equivalence(Spec(gpt_tiny, PP2 + GPT_CUT + ("microbatches=2", "schedule=gpipe",
                                                                      "blocks.*:recompute=selective",
                                                                      "ln_f:recompute=none") + _EMBEDDINGS_OFF, 8)),
-    "pp_interleaved": compiled_equivalence(Spec(gpt_tiny, PP2 + ("recompute=none", "microbatches=4",
+    "pp_interleaved": compiled_equivalence(Spec(gpt_tiny, PP2 + ("blocks.0:stage=0",) + GPT_CUT
+                                                + ("recompute=none", "microbatches=4",
                                                                  "schedule=interleaved_1f1b", "chunks=2"), 8)),
-    "hf_llama_pp_1f1b": compiled_equivalence(Spec(hf_llama, PP2 + ("recompute=none", "microbatches=2",
+    "hf_llama_pp_1f1b": compiled_equivalence(Spec(hf_llama, PP2 + LLAMA_CUT + ("recompute=none", "microbatches=2",
                                                                    "schedule=1f1b"), 4)),
-    "hf_llama_pp_selective": compiled_equivalence(Spec(hf_llama, PP2 + ("microbatches=2", "schedule=1f1b",
+    "hf_llama_pp_selective": compiled_equivalence(Spec(hf_llama, PP2 + LLAMA_CUT + ("microbatches=2", "schedule=1f1b",
                                                                         "model.layers.*:recompute=selective"), 4)),
     # tensor parallelism (W = 2 unless named): each block traced once under the sharding rules and compiled,
     # with and without sequence parallelism; the vocab-split embeddings and head stay eager
@@ -266,7 +270,7 @@ CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
                                                   ep=2)),
     # W = 4: pp = 2 beside dp = 2 with ZeRO-3 units inside each stage
     "pp2_dp2_zero3": compiled_equivalence(Spec(gpt_tiny, ("pp=2", "dp=2", "tp=1", "zero=3", "microbatches=2",
-                                                          "schedule=1f1b", "recompute=none"), 8)),
+                                                          "schedule=1f1b", "recompute=none") + GPT_CUT, 8)),
 }
 
 

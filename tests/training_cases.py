@@ -42,7 +42,9 @@ PLANS: dict[str, tuple[str, ...]] = {
     "zero1_w2": PP1 + ("dp=2", "tp=1", "zero=1", "microbatches=2"),
     "ddp_w2": PP1 + ("dp=2", "tp=1", "zero=0", "microbatches=2"),
     "tp_w2": PP1 + ("dp=1", "tp=2", "zero=0") + GPT_TP,
-    "pp_w2": ("pp=2", "recompute=none", "dp=1", "tp=1", "zero=0", "microbatches=2", "schedule=1f1b"),
+    # the cut between the blocks, so each rank runs one (the loss's time may move the solver's cut after both)
+    "pp_w2": ("pp=2", "recompute=none", "dp=1", "tp=1", "zero=0", "microbatches=2", "schedule=1f1b",
+              "blocks.1:stage=1"),
     "w1": PP1 + ("dp=1", "tp=1", "zero=0", "microbatches=1"),
 }
 

@@ -39,9 +39,11 @@ a plain index sampler is exact and has no workers to restore.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,8 +72,12 @@ class DataLoader:
     """This data-parallel rank's batches, step after step from ``step`` (see the module docstring)."""
 
     def __init__(self, dataset: PackedDataset, global_batch: int, *, dp_rank: int = 0, dp_size: int = 1,
-                 seed: int = 0, shuffle: bool = True, step: int = 0, prefetch: int = 2, hashes: bool = False):
+                 seed: int = 0, shuffle: bool = True, step: int = 0, prefetch: int = 2, hashes: bool = False,
+                 sequence_shard: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """``sequence_shard``: what cuts this rank's samples to its share of the sequence (under cp, a
+        ParallelModel's :meth:`~autopar.ParallelModel.sequence_shard`), applied as each batch is handed out."""
         self.dataset = dataset
+        self.sequence_shard = sequence_shard
         dataset.require_batch(global_batch)
         self.sampler = GlobalSampler(len(dataset), global_batch, seed, shuffle)
         shard(torch.arange(global_batch), dp_rank, dp_size)  # the batch splits into the dp shares
@@ -86,7 +92,7 @@ class DataLoader:
     def for_model(cls, dataset: PackedDataset, pm: Any, **kwargs: Any) -> DataLoader:
         """A loader feeding ``pm`` (a ParallelModel): its global batch, its dp share, from its step."""
         return cls(dataset, pm.dp_size * pm.local_batch_size, dp_rank=pm.dp_rank, dp_size=pm.dp_size,
-                   step=pm.step, **kwargs)
+                   step=pm.step, sequence_shard=pm.sequence_shard, **kwargs)
 
     @property
     def global_batch(self) -> int:
@@ -149,6 +155,9 @@ class DataLoader:
         self.wait_s += time.perf_counter() - t
         assert batch.step == self.step, (batch.step, self.step)
         self.step += 1
+        if self.sequence_shard is not None:  # here, not in the reading thread: it asks the device mesh
+            batch = dataclasses.replace(batch, inputs=self.sequence_shard(batch.inputs),
+                                        targets=self.sequence_shard(batch.targets))
         return batch
 
     def seek(self, step: int) -> None:

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from autopar.errors import LossError
 from autopar.inputs import prediction  # the model's prediction: what a loss, and capture's head search, read
+from autopar.runtime.precision import cast_floating
 
 LOG = logging.getLogger("autopar")
 _said: set[str] = set()
@@ -117,4 +118,12 @@ def default_loss(output: Any, targets: torch.Tensor | None) -> torch.Tensor:
     return choice.fn(output, targets)
 
 
-__all__ = ["LossChoice", "default_loss", "pick_loss", "prediction"]
+def fp32_loss(loss_fn: Callable[[Any, torch.Tensor | None], torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``loss_fn`` on the output cast to fp32: a bf16 plan's loss (and its softmax) in full precision."""
+    def loss(output: Any, targets: torch.Tensor | None) -> torch.Tensor:
+        return loss_fn(cast_floating(output, torch.float32), targets)
+
+    return loss
+
+
+__all__ = ["LossChoice", "default_loss", "fp32_loss", "pick_loss", "prediction"]

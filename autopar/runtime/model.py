@@ -62,7 +62,7 @@ from autopar.runtime.launch import (
     launch_hint,
     resolve_plan,
 )
-from autopar.runtime.loss import default_loss
+from autopar.runtime.loss import default_loss, fp32_loss
 from autopar.runtime.lowering import Lowered, gather_all, held_params, lower, lower_local
 from autopar.runtime.precision import MasterWeights, attach_masters, cast_floating, plan_dtype
 from autopar.runtime.state import Entry, full_tensor, param_entries, persistent_buffers
@@ -76,14 +76,6 @@ LossFn = Callable[[Any, torch.Tensor | None], torch.Tensor]
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     """AdamW with lr 1e-3: the optimizer ``compile`` builds when none is given."""
     return torch.optim.AdamW(params, lr=1e-3)
-
-
-def fp32_loss(loss_fn: LossFn) -> LossFn:
-    """``loss_fn`` on the output cast to fp32: a bf16 plan's loss (and its softmax) in full precision."""
-    def loss(output: Any, targets: torch.Tensor | None) -> torch.Tensor:
-        return loss_fn(cast_floating(output, torch.float32), targets)
-
-    return loss
 
 
 # ------------------------------------------------------------------ the trainable model
@@ -186,7 +178,11 @@ class ParallelModel:
         a tuple of positional inputs or a dict of keyword inputs, sliced along dim 0 (None stays None);
         under cp, every tensor whose dim 1 is the sequence is then cut to this cp rank's head and tail
         chunks (``passes/context_parallel.py``): inputs and targets alike."""
-        local = self._dp_slice(batch)
+        return self.sequence_shard(self._dp_slice(batch))
+
+    def sequence_shard(self, local: Any) -> Any:
+        """Under cp, this dp rank's batch cut to this cp rank's sequence chunks, as :meth:`local_batch` cuts it
+        (``autopar.data``'s loader, which reads the dp share itself, hands it here)."""
         cp = self.plan.mesh.cp
         if cp <= 1 or local is None:
             return local

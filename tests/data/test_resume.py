@@ -66,5 +66,5 @@ def test_resumed_under_another_plan_the_samples_and_losses_are_the_uninterrupted
     assert w1["shapes"] == [[8, 32]] * 4 and w1["extra_step"] == 4 and w1["records"] == 4
     # rank 0's plain line: each figure beside the plan's and the ratio; the other ranks report nothing
     line = w1["last_line"]
-    assert line.startswith("step     7  loss ") and "tok/s (plan " in line and "MFU " in line and "rss " in line
+    assert line.startswith("step     7  loss ") and "tok/s/rank (plan " in line and "host rss " in line
     assert every_rank(results["resume_pp2"])[1]["last_line"] is None

@@ -353,6 +353,7 @@ def test_a_compiled_plan_round_trips_and_old_plans_load_eager(graph) -> None:
 
 
 def test_compiled_pricing_fuses_memory_bound_ops_only(graph) -> None:
+    from autopar.cost_models.gpu_figures import COMPILED_HOST_SHARE
     from autopar.cost_models.hardware import COMPILED_MEMORY_BOUND_FRACTION
     from autopar.cost_models.presets import load_cluster
     from autopar.planning.layer_compute import layer_compute
@@ -367,12 +368,14 @@ def test_compiled_pricing_fuses_memory_bound_ops_only(graph) -> None:
                                       flops_per_sample=0.0)
     m_eager = layer_compute(memory_only, None, 1, 2, device, "bf16")
     m_fused = layer_compute(memory_only, None, 1, 2, device, "bf16", compiled=True)
-    assert m_fused.fwd_s == pytest.approx(COMPILED_MEMORY_BOUND_FRACTION * m_eager.fwd_s)
+    assert m_fused.device_fwd_s == pytest.approx(COMPILED_MEMORY_BOUND_FRACTION * m_eager.device_fwd_s)
+    # the host issues a compiled block's launches at its measured share of eager's dispatches
+    assert m_fused.host_fwd_s == pytest.approx(COMPILED_HOST_SHARE * m_eager.host_fwd_s)
     # a calibrated device prices them at its own measured fraction (autopar calibrate's fused chain)
     measured = dataclasses.replace(device, op_model=dataclasses.replace(device.op_model,
                                                                         compiled_memory_bound_fraction=0.3))
-    assert layer_compute(memory_only, None, 1, 2, measured, "bf16", compiled=True).fwd_s == pytest.approx(
-        0.3 * m_eager.fwd_s)
+    assert layer_compute(memory_only, None, 1, 2, measured, "bf16", compiled=True).device_fwd_s == pytest.approx(
+        0.3 * m_eager.device_fwd_s)
     # the plan: only the blocks are compiled, so only their compute is cheaper
     kwargs = dict(cluster="h100-80g", global_batch=4, pins=["tp=1", "pp=1", "recompute=none", "dp=2"])
     a = autopar.solve(g, 2, **kwargs)
@@ -412,7 +415,9 @@ def test_compiled_recompute_reruns_what_the_compiled_forward_runs(graph) -> None
     from autopar.planning.pricing import PriceTable
 
     _, _, g = graph
-    cluster = load_cluster("h100-80g").for_world_size(2)
+    preset = load_cluster("h100-80g")  # the kernels' side: the host's (a re-run issued again) is priced apart
+    cluster = dataclasses.replace(preset, device=dataclasses.replace(
+        preset.device, op_model=dataclasses.replace(preset.device.op_model, host_op_s=0.0))).for_world_size(2)
     config = Configuration(Mesh(dp=2), 1, Schedule(ScheduleKind.NONE))
     block = g.layer("blocks.0")
     tables = {c: PriceTable(g, config, cluster, TrainingSpec(4, compiled=c)) for c in (False, True)}

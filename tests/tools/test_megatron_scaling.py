@@ -24,7 +24,7 @@ def test_paper_flops_is_eq_3_of_the_paper():
 
 def test_published_configuration_is_pinned_with_full_recompute_and_no_zero():
     assert megatron_scaling.published_pins(MEGATRON["145B"]) == [
-        "tp=8", "pp=8", "dp=24", "recompute=full", "zero=0"]
+        "tp=8", "pp=8", "dp=24", "recompute=full", "zero=0", "loss=full"]  # the loss over whole logits, as run
 
 
 def test_an_unknown_row_is_one_line_and_exit_2(capsys):
