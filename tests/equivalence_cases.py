@@ -133,8 +133,8 @@ def _batches(spec: Spec, inputs: tuple, model: nn.Module) -> list[tuple[torch.Te
     if spec.synthetic:
         from autopar.tools.batches import probe, synthetic_batch
 
-        output = probe(model, inputs)
-        return [synthetic_batch(model, inputs, spec.global_batch, 1 + k, output) for k in range(STEPS)]
+        probed = probe(model, inputs)
+        return [synthetic_batch(model, inputs, spec.global_batch, 1 + k, probed) for k in range(STEPS)]
     if spec.classes is not None:
         gens = [torch.Generator().manual_seed(1 + k) for k in range(STEPS)]
         return [(torch.randn((spec.global_batch, *inputs[0].shape[1:]), generator=g),

@@ -11,6 +11,8 @@ parallel run only, on one rank.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -87,3 +89,66 @@ def resnet_bn() -> tuple[nn.Module, tuple[torch.Tensor]]:
 def smoothed_cross_entropy(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """A user's loss for ``verify --loss``: cross-entropy with label smoothing 0.1."""
     return nn.functional.cross_entropy(output, targets, label_smoothing=0.1)
+
+
+def _sinusoidal(timestep: torch.Tensor, width: int) -> torch.Tensor:
+    """The transformer's sinusoidal position code of an integer timestep (DDPM's, as diffusers' ``Timesteps``)."""
+    half = width // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32) / half)
+    angles = timestep.float()[:, None] * freqs[None, :]
+    return torch.cat([angles.sin(), angles.cos()], dim=1)
+
+
+class TimedBlock(nn.Module):
+    """Two 3×3 convolutions with the timestep's embedding added between them (a DDPM ResBlock, no norm)."""
+
+    def __init__(self, c_in: int, c_out: int, emb: int) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(c_in, c_out, 3, padding=1), nn.Conv2d(c_out, c_out, 3, padding=1)
+        self.time = nn.Linear(emb, c_out)
+        self.skip = nn.Conv2d(c_in, c_out, 1)
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.silu(self.conv1(x)) + self.time(emb)[:, :, None, None]
+        return self.skip(x) + self.conv2(nn.functional.silu(h))
+
+
+class TinyUNet(nn.Module):
+    """A diffusion UNet's shape: a noisy image and an integer timestep in, the predicted noise (image-shaped) out.
+
+    The timestep (0…999) is embedded by a sinusoidal code and an MLP, as in DDPM; there is no
+    ``nn.Embedding``. One level down and back up, with a skip across."""
+
+    def __init__(self, channels: int = 3, width: int = 8, emb: int = 16) -> None:
+        super().__init__()
+        self.emb = emb
+        self.time = nn.Sequential(nn.Linear(emb, emb), nn.SiLU(), nn.Linear(emb, emb))
+        self.inp = nn.Conv2d(channels, width, 3, padding=1)
+        self.down = TimedBlock(width, 2 * width, emb)
+        self.mid = TimedBlock(2 * width, 2 * width, emb)
+        self.up = TimedBlock(3 * width, width, emb)
+        self.out = nn.Conv2d(width, channels, 3, padding=1)
+
+    def forward(self, sample: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        emb = self.time(_sinusoidal(timestep, self.emb))
+        h0 = self.inp(sample)
+        h = self.mid(self.down(nn.functional.avg_pool2d(h0, 2), emb), emb)
+        h = self.up(torch.cat([nn.functional.interpolate(h, scale_factor=2.0), h0], dim=1), emb)
+        return self.out(h)
+
+
+def unet_inputs(batch: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of noisy 16×16 RGB images and timesteps drawn from DDPM's 1000."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(batch, 3, 16, 16, generator=g), torch.randint(0, 1000, (batch,), generator=g)
+
+
+def unet() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """The UNet fed positional inputs ``(sample, timestep)``; its default loss: MSE against noise."""
+    return TinyUNet(), unet_inputs()
+
+
+def unet_keywords() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """The same, fed keyword inputs."""
+    sample, timestep = unet_inputs()
+    return TinyUNet(), {"sample": sample, "timestep": timestep}

@@ -37,12 +37,14 @@ What is compared, and why each rule is there:
 - **Global batch** defaults to the example inputs' batch, so
   ``--pin microbatches=4`` on a batch-8 example works.
 
-Synthetic batches follow the example inputs, keyword or positional
-(:mod:`autopar.tools.batches`: masks keep the example's rows, ``labels`` and
-targets are ids below the output's last dim, token ids below the first
-``nn.Embedding``'s size, floats standard normal), with targets that fit the
-model's output; both sides train with ``--loss`` or the default loss that
-fits (:mod:`autopar.runtime.loss`), named in one line before the run.
+Synthetic batches are made from the example inputs as given, keyword or
+positional (:mod:`autopar.tools.batches`: each batched input in its dtype
+and the example's value range — a timestep of 0…999 stays there — masks
+keep the example's rows, ``labels`` are ids below the output's last dim, an
+integer placeholder of one value that an ``nn.Embedding`` reads is drawn
+below its size), with targets that fit the model's output; both sides
+train with ``--loss`` or the default loss that fits
+(:mod:`autopar.runtime.loss`), named in one line before the run.
 
 A rank that raises is reported as :class:`RankFailedError` with that rank's
 exception and the file and line it came from (the CLI exits 1): a crash in
@@ -481,8 +483,8 @@ def _run_rank(rank: int, world_size: int, tmp: str, spec: str, seq_len: int | No
                             rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
     plan = Plan.from_json(plan_json)
     model, inputs = _build(spec, seq_len)
-    output = probe(model, inputs, wrap=False)
-    batches = [synthetic_batch(model, inputs, plan.training.global_batch, SEED + 1 + k, output)
+    probed = probe(model, inputs, wrap=False)
+    batches = [synthetic_batch(model, inputs, plan.training.global_batch, SEED + 1 + k, probed)
                for k in range(steps)]
     loss_fn = loss_function(loss)
     pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=LayerGraph.from_dict(graph),

@@ -269,3 +269,14 @@ def test_verify_takes_keyword_inputs_and_a_classifier_and_names_its_loss(capsys:
     out = capsys.readouterr().out
     assert code == 0, out
     assert f"loss: {user} (given with --loss)" in out and "OK: SAME as one process" in out
+
+
+@pytest.mark.distributed
+def test_verify_a_unet_fed_an_image_and_a_timestep_under_zero_3(capsys: pytest.CaptureFixture) -> None:
+    """Issue 41 item 6: no nn.Embedding, an integer timestep of 0…999: batches from the inputs as given."""
+    code = main(["verify", f"{SPECS}:unet_keywords", "--world-size", "2", "--pin", "dp=2", "--pin", "zero=3",
+                 "--steps", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "loss: mean squared error (float targets shaped like the output)" in out
+    assert "OK: SAME as one process" in out
