@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from autopar.cost_models.hardware import FP8_MIN_COMPUTE_CAPABILITY, ClusterSpec
+from autopar.cost_models.gpu_figures import FP8_MIN_COMPUTE_CAPABILITY
+from autopar.cost_models.hardware import ClusterSpec
 from autopar.errors import Float8Error, PlanError
 
 FLOAT8_MULTIPLE = 16  # both weight dimensions of a converted linear (torch._scaled_mm's requirement)

@@ -124,7 +124,7 @@ def forward_units_alive(device: Any, dry: bool) -> float | None:
 
 def memory_terms(device: Any, dry: bool) -> dict[str, Any]:
     """Every figure above, with the preset's own beside each (``None`` where this machine cannot tell)."""
-    from autopar.cost_models.hardware import ALLOCATOR_OVERHEAD_FRACTION, CUDA_CONTEXT_BYTES, NCCL_BUFFER_BYTES
+    from autopar.cost_models.gpu_figures import ALLOCATOR_OVERHEAD_FRACTION, CUDA_CONTEXT_BYTES, NCCL_BUFFER_BYTES
 
     cuda = device.type == "cuda"
     out: dict[str, Any] = {

@@ -21,32 +21,6 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from autopar.cost_models.gpu_figures import (  # noqa: F401 - the figures, importable from here as before
-    ALLOCATOR_OVERHEAD_FRACTION,
-    ATTENTION_BWD_RELATIVE,
-    ATTENTION_FWD_RELATIVE,
-    BEST_GEMM,
-    CUDA_CONTEXT_BYTES,
-    FP8_DENSE_TFLOPS,
-    FP8_MIN_COMPUTE_CAPABILITY,
-    GEMM_K_HALF,
-    GEMM_TILE_M,
-    GEMM_TILE_N,
-    GPU_BANDWIDTH_FRACTION,
-    GPU_KERNEL_OVERHEAD_S,
-    HOST_OP_S,
-    MASKED_ATTENTION_BWD,
-    MASKED_ATTENTION_FWD,
-    NCCL_BUFFER_BYTES,
-    NCCL_CHANNELS,
-    NCCL_COMMUNICATORS,
-    NCCL_CONNECTION_BYTES,
-    NCCL_RING_CONNECTIONS,
-    NET_STEP_LATENCY_S,
-    NVLINK_STEP_LATENCY_S,
-    SM_COUNT,
-    gemm_k_half,
-)
 from autopar.errors import AutoparError
 from autopar.units import GiB
 

@@ -17,7 +17,8 @@ from autopar.cost_models.compute import (
     gemm_time_s,
     memory_bound_time_s,
 )
-from autopar.cost_models.hardware import GEMM_K_HALF, GPU_BANDWIDTH_FRACTION, SM_COUNT, ClusterError, ClusterSpec
+from autopar.cost_models.gpu_figures import GEMM_K_HALF, GPU_BANDWIDTH_FRACTION, SM_COUNT
+from autopar.cost_models.hardware import ClusterError, ClusterSpec
 from autopar.cost_models.presets import PRESETS
 
 A100 = PRESETS["a100-80g"].device

@@ -17,12 +17,8 @@ from autopar.cost_models.communication import (
     ring_latency_s,
     tree_latency_s,
 )
-from autopar.cost_models.hardware import (
-    ALLOCATOR_OVERHEAD_FRACTION,
-    CUDA_CONTEXT_BYTES,
-    NCCL_BUFFER_BYTES,
-    ClusterError,
-)
+from autopar.cost_models.gpu_figures import ALLOCATOR_OVERHEAD_FRACTION, CUDA_CONTEXT_BYTES, NCCL_BUFFER_BYTES
+from autopar.cost_models.hardware import ClusterError
 from autopar.cost_models.presets import load_cluster
 from autopar.units import GiB
 

@@ -11,16 +11,14 @@ from typing import Any
 
 from autopar.cost_models.communication import Collective, bus_factor, collective_time_s, place_group, ring_steps
 from autopar.cost_models.compute import ATTENTION_BACKWARD_FLOPS_FACTOR, CAUSAL_ATTENTION_RATE, CAUSAL_ATTENTION_WORK
-from autopar.cost_models.gpu_figures import GPU_KERNEL_OVERHEAD_S, MASKED_ATTENTION_BWD, MASKED_ATTENTION_FWD
-from autopar.cost_models.hardware import (
-    COMPILED_MEMORY_BOUND_FRACTION,
+from autopar.cost_models.gpu_figures import (
     GEMM_TILE_M,
     GEMM_TILE_N,
-    ClusterSpec,
-    DeviceSpec,
-    LinkSpec,
-    OpModel,
+    GPU_KERNEL_OVERHEAD_S,
+    MASKED_ATTENTION_BWD,
+    MASKED_ATTENTION_FWD,
 )
+from autopar.cost_models.hardware import COMPILED_MEMORY_BOUND_FRACTION, ClusterSpec, DeviceSpec, LinkSpec, OpModel
 from autopar.tools.calibrate.errors import CalibrationError
 
 
