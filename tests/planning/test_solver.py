@@ -25,6 +25,7 @@ from autopar.errors import InfeasibleError, PinError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
 from autopar.planning import edges
+from autopar.planning.bounds import lower_bound_s
 from autopar.planning.choices import allowed_choices
 from autopar.planning.configuration import TrainingSpec
 from autopar.planning.evaluate import evaluate
@@ -101,28 +102,32 @@ def _configs_and_root_stages(graph: LayerGraph, world: int, cluster, training: T
 
 
 def brute_force(graph: LayerGraph, world: int, cluster, training: TrainingSpec, budget: int) -> float:
-    best = math.inf
+    return min((_config_best(PriceTable(graph, config, cluster, training), root_zero, budget)
+                for config, root_zero in _configs_and_root_stages(graph, world, cluster, training)), default=math.inf)
+
+
+def _config_best(table: PriceTable, root_zero: int | None, budget: int) -> float:
+    """The fastest plan of one configuration (at one root ZeRO stage), every choice tried."""
+    graph, config, best = table.graph, table.config, math.inf
     cuts_ok = cut_positions(graph)
-    for config, root_zero in _configs_and_root_stages(graph, world, cluster, training):
-        table = PriceTable(graph, config, cluster, training)
-        frontier = functools.cache(  # many placements of the cuts give a rank the same layers
-            lambda layers, j: _rank_frontier(table, list(layers), j, budget, root_zero))
-        for cuts in itertools.combinations(cuts_ok, config.stages - 1):
-            bounds = [0, *cuts, len(graph)]
-            stages = [s for s in range(config.stages) for _ in range(bounds[s], bounds[s + 1])]
-            p2p = [0.0] * config.mesh.pp
-            for q in cuts:
-                p2p[config.rank_of_stage(stages[q - 1])] += table.p2p_s(q, stages[q])
-                p2p[config.rank_of_stage(stages[q])] += table.p2p_s(q, stages[q])
-            fronts = []
-            for j in range(config.mesh.pp):
-                layers = [i for i, s in enumerate(stages) if config.rank_of_stage(s) == j]
-                fronts.append([(t + p2p[j], x, z) for t, x, z in frontier(tuple(layers), j)])
-            if any(not f for f in fronts):
-                continue
-            for combo in itertools.product(*fronts):
-                edge = edges.edge_exposed_s(table, max(z for *_, z in combo))
-                best = min(best, table.step_time_s([t for t, *_ in combo], max(x for _, x, _ in combo) + edge))
+    frontier = functools.cache(  # many placements of the cuts give a rank the same layers
+        lambda layers, j: _rank_frontier(table, list(layers), j, budget, root_zero))
+    for cuts in itertools.combinations(cuts_ok, config.stages - 1):
+        bounds = [0, *cuts, len(graph)]
+        stages = [s for s in range(config.stages) for _ in range(bounds[s], bounds[s + 1])]
+        p2p = [0.0] * config.mesh.pp
+        for q in cuts:
+            p2p[config.rank_of_stage(stages[q - 1])] += table.p2p_s(q, stages[q])
+            p2p[config.rank_of_stage(stages[q])] += table.p2p_s(q, stages[q])
+        fronts = []
+        for j in range(config.mesh.pp):
+            layers = [i for i, s in enumerate(stages) if config.rank_of_stage(s) == j]
+            fronts.append([(t + p2p[j], x, z) for t, x, z in frontier(tuple(layers), j)])
+        if any(not f for f in fronts):
+            continue
+        for combo in itertools.product(*fronts):
+            edge = edges.edge_exposed_s(table, max(z for *_, z in combo))
+            best = min(best, table.step_time_s([t for t, *_ in combo], max(x for _, x, _ in combo) + edge))
     return best
 
 
@@ -161,6 +166,28 @@ def test_solver_matches_brute_force(blocks, hidden, seq, world, gpus, batch, mem
     assert solution.status == "OPTIMAL"
     assert solution.prediction.step_time_s == pytest.approx(expected, rel=1e-5)
     assert max(solution.prediction.memory_per_rank_bytes) <= budget
+
+
+@pytest.mark.parametrize("blocks,hidden,seq,world,gpus,batch,mem,cores", CASES[1:4])
+def test_each_configuration_s_bound_is_at_most_its_best_plan(blocks, hidden, seq, world, gpus, batch, mem, cores):
+    """The bounds the search prunes by (the tail's knapsack among them) never exceed what a configuration's
+    best plan takes: an unsound bound would prune the optimum where brute force finds it."""
+    graph = transformer_graph(blocks, hidden, seq, vocab=8192, heads=16)
+    cluster = _tiny_cluster(mem, gpus, cores).for_world_size(world)
+    training = TrainingSpec(batch, "bf16")
+    budget, cuts_ok, free = cluster.memory_budget_bytes, cut_positions(graph), Pins().resolve_layers(
+        [layer.name for layer in graph])
+    best: dict = {}
+    for config, root_zero in _configs_and_root_stages(graph, world, cluster, training):
+        table = PriceTable(graph, config, cluster, training)
+        key = config, config.schedule  # configurations equal but for the schedule compare equal
+        best[key] = min(best.get(key, (math.inf, table))[0], _config_best(table, root_zero, budget)), table
+    fit = 0
+    for (config, _), (step, table) in best.items():
+        bound = lower_bound_s(table, allowed_choices(table, free), budget, cuts_ok)
+        assert bound <= step * (1 + 1e-9), config
+        fit += math.isfinite(step)
+    assert fit  # configurations with a plan were compared
 
 
 def test_same_inputs_same_plan():
