@@ -199,7 +199,8 @@ def test_same_inputs_same_plan():
 
 
 @pytest.mark.parametrize("blocks,hidden,seq,world,batch,preset", [
-    (12, 4096, 2048, 64, 256, "a100-80g"), (32, 8192, 2048, 64, 128, "a100-40g"), (8, 2048, 1024, 32, 64, "a100-40g")])
+    (32, 8192, 2048, 64, 128, "a100-40g"), (16, 4096, 2048, 32, 64, "a100-40g"),
+    (40, 8192, 4096, 128, 256, "a100-40g")])
 def test_overlapped_solves_decide_as_the_sequential_search(blocks, hidden, seq, world, batch, preset):
     """The next configuration is prepared while a solve runs in a thread; the plan and how many configurations
     were solved are the sequential search's (runners-up, solved in what wall time is left, are left out)."""
@@ -220,8 +221,8 @@ def test_the_search_solves_best_first_and_only_what_could_beat_the_plan(monkeypa
     that the plan is the cheapest is test_solver_matches_brute_force's)."""
     from autopar.planning import solves as solves_module
 
-    graph = transformer_graph(8, 2048, 1024, vocab=32768, heads=32)
-    cluster = PRESETS["a100-40g"].for_world_size(32)
+    graph = transformer_graph(40, 8192, 4096, vocab=32768, heads=32)  # its search solves several configurations
+    cluster = PRESETS["a100-40g"].for_world_size(128)
     bounds = []
     real = solves_module.InFlight.submit
 
@@ -230,7 +231,7 @@ def test_the_search_solves_best_first_and_only_what_could_beat_the_plan(monkeypa
         return real(self, search, later, prepared, time_limit_s, options, entry)
 
     monkeypatch.setattr(solves_module.InFlight, "submit", submit)
-    plan = solve(graph, 32, cluster, TrainingSpec(64, "bf16"), runners_up=0)
+    plan = solve(graph, 128, cluster, TrainingSpec(256, "bf16"), runners_up=0)
     assert len(bounds) > 1 and bounds == sorted(bounds)
     assert all(b < plan.prediction.step_time_s * (1 + 1e-9) for b in bounds)
 
