@@ -85,8 +85,8 @@ def from_metrics(args: argparse.Namespace) -> int:
     measured = metrics_file.measured_step_s(reports)
     result = refit_one(graph, plan, cluster, measured)
     doc = result.cluster.to_dict()
-    doc["tune"] = {"refit": result.to_dict(), "from": cluster.name, "metrics": str(args.from_metrics),
-                   "measured_step_s": measured}
+    doc["calibration"] = {"command": "autopar calibrate --from-metrics", "from": cluster.name,
+                          "metrics": str(args.from_metrics), "measured_step_s": measured, "refit": result.to_dict()}
     text = json.dumps(doc, indent=2) + "\n"
     sys.stderr.write(f"measured {measured * 1e3:.2f} ms a step; factors " + ", ".join(
         f"{k} {v:.3g}" for k, v in result.factors.items()) + "\n")
@@ -201,7 +201,8 @@ def _write(args: argparse.Namespace, result: TuneResult) -> int:
         result.plan.save(args.output)
     if args.cluster_out:
         doc = result.refit.cluster.to_dict()
-        doc["tune"] = {"refit": result.refit.to_dict(), "from": result.given.name}
+        doc["calibration"] = {"command": "autopar tune", "from": result.given.name,  # the planner ignores it
+                              "refit": result.refit.to_dict()}
         write_atomically(args.cluster_out, json.dumps(doc, indent=2) + "\n")
     if args.report:
         write_atomically(args.report, json.dumps(report_json(result), indent=2) + "\n")

@@ -210,7 +210,7 @@ def refit(predict: Predict, start: ClusterSpec, measured: Sequence[float], *, pr
                          f"(given {start.cores_per_node}): other work on the host takes the rest")
     at_bound = tuple(k for k in free if b.low[k] != b.high[k]
                      and min(abs(x[k] - b.low[k]), abs(x[k] - b.high[k])) < 1e-6)
-    factors = {k: (x[k] if k == "overlap" else math.exp(x[k])) for k in GROUPS}
+    factors = {k: float(x[k] if k == "overlap" else math.exp(x[k])) for k in GROUPS}
     return RefitResult(apply(base, x), factors, tuple(free), undetermined, at_bound, notes=tuple(notes))
 
 
