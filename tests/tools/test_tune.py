@@ -161,10 +161,12 @@ def test_tune_keeps_the_fastest_measured_plan_and_its_refit_plans_again(tmp_path
     wrong.write_text(json.dumps(_wrong(truth, 4.0, 0.25).to_dict()))
     plan, report, tuned = tmp_path / "plan.json", tmp_path / "tune.json", tmp_path / "tuned.json"
     code = main(["tune", TINY, "--nproc", "2", "--cluster", str(wrong), "--pin", "cp=1", "--batch-size", "8",
-                 "--top", "3", "--steps", "3", "-o", str(plan), "--report", str(report), "--cluster-out", str(tuned)])
+                 "--top", "3", "--steps", "3", "-o", str(plan), "--report", str(report), "--cluster-out", str(tuned),
+                 "--html", str(tmp_path / "tune.html")])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "kept: candidate" in captured.out and "autopar tune: [1/" in captured.err  # the table, the progress
+    assert 'alt="predicted against measured"' in (tmp_path / "tune.html").read_text()  # the picture
     r = json.loads(report.read_text())
     cands, chosen = r["candidates"], r["chosen"]
     assert len(cands) >= 2 and r["probed"]

@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", default=None, metavar="PLAN.json", help="write the plan kept")
     p.add_argument("--report", default=None, metavar="TUNE.json", help="write the report as JSON")
     p.add_argument("--cluster-out", default=None, metavar="TUNED.json", help="write the refit cluster file")
+    p.add_argument("--html", default=None, metavar="TUNE.html",
+                   help="draw predicted against measured, and the plan kept, in one HTML file")
 
 
 def add_metrics_arguments(p: argparse.ArgumentParser) -> None:
@@ -119,7 +121,7 @@ def check(args: argparse.Namespace) -> int:
             raise AutoparError(f"{flag} must be at least {least}, got {value}")
     if args.budget_s is not None and not args.budget_s > 0:
         raise AutoparError(f"--budget-s must be positive, got {args.budget_s}")
-    for path in (args.output, args.report, args.cluster_out):
+    for path in (args.output, args.report, args.cluster_out, args.html):
         if path is not None:
             check_output_path(path)
     return nproc
@@ -206,7 +208,13 @@ def _write(args: argparse.Namespace, result: TuneResult) -> int:
         write_atomically(args.cluster_out, json.dumps(doc, indent=2) + "\n")
     if args.report:
         write_atomically(args.report, json.dumps(report_json(result), indent=2) + "\n")
-    sys.stdout.write((json.dumps(report_json(result), indent=2) if args.json else render(result)) + "\n")
+    table = render(result)
+    if args.html:
+        from autopar.tools.pictures import write_html
+        from autopar.tools.tune.picture import tune_html
+
+        write_html(args.html, tune_html(result, table))
+    sys.stdout.write((json.dumps(report_json(result), indent=2) if args.json else table) + "\n")
     return 0
 
 

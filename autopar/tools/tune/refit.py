@@ -13,6 +13,10 @@ depends on it (or when two groups always move together in what was measured):
   per-call overhead (``half_efficiency_flops``), the op model's ``host_op_s`` and ``kernel_overhead_s``,
   ``tp_overhead_s``, ``zero_overhead_s``, ``optimizer_dtensor_s`` and ``collective_sync_s``.
 
+On a host whose ranks share its cores (``cores_per_node``), the cores they effectively get is fitted
+too, a whole number: other work on the host shows as plans whose ranks wait measuring faster than
+priced.
+
 Every prediction is the planner's own (:func:`autopar.planning.api.reprice`, the plan kept and
 repriced under the moved figures): one home for pricing. The factors minimise the squared log
 error of predicted over measured step time, plus a small pull towards no change (``PRIOR``),
