@@ -247,7 +247,8 @@ def render(result: TuneResult) -> str:
            f"refit: {factors or 'nothing determined'}"]
     out += [f"  not determined: {k} ({why})" for k, why in r.undetermined.items()]
     out += [f"  at the end of its range: {k}" for k in r.at_bound]
-    out += [f"note: {n}" for n in result.notes]
+    out += [f"note: {n}" for n in (*r.notes, *result.notes)]
+    out += [f"not run (--budget-s): {' '.join(p)}" for p in result.not_run]
     return "\n".join(out)
 
 

@@ -84,6 +84,7 @@ class TuneResult:
     probed: ClusterSpec | None = None
     wall_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    not_run: list[list[str]] = field(default_factory=list)  # pins of the candidates the budget left out
 
     @property
     def plan(self) -> Plan:
@@ -125,7 +126,7 @@ def _refit(problem: Problem, cands: list[Candidate], probed: ClusterSpec | None)
 
     ran = [c for c in cands if c.status == OK]
     if not ran:
-        raise AutoparError("no candidate ran: each ran out of memory or failed (see the report), so there is "
+        raise AutoparError("no candidate ran: each ran out of memory, failed or found the budget spent, so there is "
                            "nothing to refit from; check the model with `autopar verify`")
     result = refit(lambda cl: [reprice(problem.graph, c.plan, cl).predicted.step_time_s for c in ran],
                    problem.cluster, [c.measured_s for c in ran], probed=probed)
@@ -166,13 +167,16 @@ def tune(problem: Problem, measure: Measure, *, top: int = 4, budget_s: float | 
         _run(problem, cands, measure, False, say)
         result = _refit(problem, cands, probed)
         resolved = problem.solve(result.cluster)
+    not_run = [c for c in cands if c.status is None]  # the budget ran out first: listed apart
+    cands = [c for c in cands if c.status is not None]
     ran = [i for i, c in enumerate(cands) if c.status == OK]
     chosen = min(ran, key=lambda i: cands[i].measured_s)
     from autopar.planning.api import reprice
 
     for c in cands:  # every plan priced on the refit cluster, as written
         c.plan = reprice(problem.graph, c.plan, result.cluster)
-    out = TuneResult(cands, chosen, result, problem.cluster, resolved, probed, time.time() - started)
+    out = TuneResult(cands, chosen, result, problem.cluster, resolved, probed, time.time() - started,
+                     not_run=[list(c.pins) for c in not_run])
     if out.resolved_index != chosen:
         out.notes.append(_disagreement(out))
     return out
@@ -246,7 +250,8 @@ def report_json(result: TuneResult) -> dict[str, Any]:
             "resolved": result.resolved_index, "refit": result.refit.to_dict(),
             "prediction_error": {"before": prediction_error(result, after=False),
                                  "after": prediction_error(result, after=True)},
-            "wall_s": round(result.wall_s, 2), "probed": result.probed is not None, "notes": result.notes}
+            "wall_s": round(result.wall_s, 2), "probed": result.probed is not None, "notes": result.notes,
+            "not_run": result.not_run}
 
 
 def dumps(result: TuneResult) -> str:
