@@ -169,7 +169,9 @@ def test_tune_keeps_the_fastest_measured_plan_and_its_refit_plans_again(tmp_path
     assert 'alt="predicted against measured"' in (tmp_path / "tune.html").read_text()  # the picture
     r = json.loads(report.read_text())
     cands, chosen = r["candidates"], r["chosen"]
-    assert len(cands) >= 2 and r["probed"]
+    assert len(cands) >= 2
+    # calibrate's quick probes ran first; a host too busy for their fit is said, and the refit goes on
+    assert r["probed"] or "refitting without their ranges" in captured.err
     for c in cands:
         assert set(c) >= {"pins", "status", "predicted_before_s", "predicted_after_s", "measured_s", "peak_bytes"}
         assert c["status"] in ("ok", "oom", "failed")

@@ -7,7 +7,9 @@ synthetic global batches made from the example inputs by :mod:`autopar.tools.bat
 ``warmup`` steps, then ``steps`` timed steps, each begun after a barrier; its step time is the
 slowest rank's median, its memory the largest rank's peak tensor bytes (CUDA's peak allocated, and
 reserved, on a GPU; the profiler's allocation events over compile and warm-up on a CPU,
-:mod:`.memory`). Then the candidate's modules are dropped before the next one is built.
+:mod:`.memory`). Candidates that fit in a rank's memory together are all built first and take turns
+step by step (a shared host's slow spells then fall on all alike, as ``benchmarks/fidelity.py``
+times plans); others are timed as soon as they are built, then dropped before the next one.
 
 Every decision is rank 0's, broadcast: whether the budget leaves time for the next candidate,
 and the candidate's status, which is the worst of every rank's (a rank that ran out of memory or

@@ -196,6 +196,8 @@ def _run(problem: Problem, cands: list[Candidate], measure: Measure, probe: bool
     for m in results:
         _record(cands[m.index], m)
     if probes is None:
+        if probe:
+            say("the probes did not finish (a rank failed in them); refitting without their ranges")
         return None
     from autopar.tools.calibrate import build_cluster, measurements_from_dict
 
