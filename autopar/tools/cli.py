@@ -286,7 +286,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
     from autopar.plan import Plan
     from autopar.tools.hf_spec import is_config_spec
+    from autopar.tools.tune.picture import is_report
 
+    if Path(args.plan).is_file() and is_report(args.plan):  # a tune report: its picture (autopar.tools.tune)
+        from autopar.tools.tune.command import show
+
+        return show(args)
     if Path(args.plan).exists() and is_config_spec(args.plan):
         raise AutoparError(f"{args.plan} is a model, not a saved plan: plan it first "
                            f"(autopar plan {args.plan} --world-size N -o plan.json), then show plan.json")

@@ -184,6 +184,8 @@ def test_tune_keeps_the_fastest_measured_plan_and_its_refit_plans_again(tmp_path
         return sum(math.log(c[key] / c["measured_s"]) ** 2 for c in ran)
 
     assert log_error("predicted_after_s") < log_error("predicted_before_s")  # the refit moved toward measurement
+    assert main(["show", str(report), "--html", str(tmp_path / "show.html")]) == 0  # a saved report, drawn
+    assert "predicted against measured" in (tmp_path / "show.html").read_text()
     kept = Plan.load(plan)
     assert kept.mesh.to_dict() == cands[chosen]["mesh"] and kept.cluster.name == load_cluster(str(tuned)).name
     again = tmp_path / "again.json"

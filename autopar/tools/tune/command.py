@@ -102,6 +102,33 @@ def from_metrics(args: argparse.Namespace) -> int:
     return 0
 
 
+def show(args: argparse.Namespace) -> int:
+    """``autopar show tune.json [--html FILE]``: a saved tune report's candidates, and the picture of
+    predicted against measured (no plan is in a report: the plan kept is ``tune -o``'s file)."""
+    from autopar.tools.pictures import write_html
+    from autopar.tools.tune.picture import tune_html
+
+    if args.png:
+        raise AutoparError(f"{args.plan} is a tune report: draw it with --html (--png draws plans)")
+    report = json.loads(open(args.plan).read())
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x * 1e3:.2f}"
+
+    rows = [("#", "status", "before ms", "after ms", "measured ms", "pins")]
+    rows += [(f"{i + 1}{'*' if i == report['chosen'] else ''}", c["status"], ms(c["predicted_before_s"]),
+              ms(c["predicted_after_s"]), ms(c["measured_s"]), " ".join(c["pins"]))
+             for i, c in enumerate(report["candidates"])]
+    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+    lines = ["  ".join(v.ljust(w) if k in (1, 5) else v.rjust(w) for k, (v, w) in enumerate(zip(r, widths))).rstrip()
+             for r in rows]
+    table = "\n".join(lines)
+    sys.stdout.write((json.dumps(report, indent=2) if args.json else table) + "\n")
+    if args.html:
+        write_html(args.html, tune_html(report, table))
+        (sys.stderr if args.json else sys.stdout).write(f"report written to {args.html}\n")
+    return 0
+
+
 def _torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
@@ -213,7 +240,7 @@ def _write(args: argparse.Namespace, result: TuneResult) -> int:
         from autopar.tools.pictures import write_html
         from autopar.tools.tune.picture import tune_html
 
-        write_html(args.html, tune_html(result, table))
+        write_html(args.html, tune_html(report_json(result), table, result.plan))
     sys.stdout.write((json.dumps(report_json(result), indent=2) if args.json else table) + "\n")
     return 0
 
