@@ -144,7 +144,8 @@ def _refit(problem: Problem, cands: list[Candidate], probed: ClusterSpec | None)
 
 def tune(problem: Problem, measure: Measure, *, top: int = 4, budget_s: float | None = None, probe: bool = True,
          say: Callable[[str], None] = lambda line: None) -> TuneResult:
-    """Steps 1–6 of the module docstring; ``measure(plans, probe)`` runs (index, plan JSON) pairs on the ranks."""
+    """Steps 1–6 of the module docstring; ``measure(plans, probe, candidates)`` runs (index, plan JSON) pairs
+    on the ranks (:data:`Measure`)."""
     started = time.time()
     first = problem.solve(problem.cluster, runners_up=max(top, 3))
     cands = [Candidate(tuple(with_pins(problem.pins, plan_pins(first))), first, "solved",
@@ -214,7 +215,7 @@ def _disagreement(out: TuneResult) -> str:
     where = f"candidate {i + 1}" if i is not None else "a plan not measured (the budget ran out)"
     return (f"the refit cluster solves to {where}, not to the candidate that measured fastest ({out.chosen + 1}): "
             f"their predictions are within the fit's error; `autopar plan --cluster` with the refit file and "
-            f"--pin {' --pin '.join(c.pins)} gives the plan kept")
+            f"--pin {' --pin '.join(c.pins)} solves the kept plan's configuration")
 
 
 def describe_progress(cands: list[Candidate], total: Callable[[], int]) -> tuple[Callable[[int], None],
