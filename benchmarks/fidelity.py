@@ -119,55 +119,10 @@ def build(device: str = "meta") -> tuple[Any, tuple]:
 # ------------------------------------------------------------------ measuring on a rank
 
 
-def peak_tensor_bytes(events: list[tuple[int, int, int]], since_ns: int) -> int:
-    """The most bytes live at once from ``since_ns`` on, from (time, ±bytes, address) allocation events.
-
-    Live bytes are counted from the first event on, so tensors allocated
-    before ``since_ns`` (the model's shards, created while compiling) count.
-    The profiler records no free made on a thread it does not follow (a gloo
-    worker dropping the last reference to a tensor): an address allocated
-    again with no free between was freed unseen, at the latest just then,
-    and is counted live until then, never forgotten.
-    """
-    live, peak, inside = 0, 0, False
-    held: dict[int, int] = {}
-    for t, nbytes, address in sorted(events):
-        if t >= since_ns and not inside:
-            peak, inside = live, True
-        if nbytes > 0:
-            live -= held.pop(address, 0)  # freed unseen
-            held[address] = nbytes
-        else:
-            held.pop(address, None)
-        live += nbytes
-        if inside:
-            peak = max(peak, live)
-    return peak if inside else live
-
-
-_TRAINING = "fidelity.training"
-
-
-def _profiled(fn: Any) -> tuple[Any, tuple[list[tuple[int, int, int]], int]]:
-    """Run ``fn`` under the profiler: its result, every CPU allocation and free (time, ±bytes,
-    address), and the time the ``_TRAINING`` range began (on the profiler's own clock)."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn()
-    events, started, todo = [], [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while todo:
-        node = todo.pop()
-        if node.tag == _EventType.Allocation:
-            fields = node.extra_fields
-            if fields.device.type == "cpu":
-                events.append((node.start_time_ns, fields.alloc_size, fields.ptr))
-        else:
-            if node.name == _TRAINING:
-                started.append(node.start_time_ns)
-            todo.extend(node.children)
-    return result, (events, min(started))
+# one home for the CPU memory measurement: autopar tune reads plans' memory the same way
+from autopar.tools.tune.memory import MARK as _TRAINING  # noqa: E402
+from autopar.tools.tune.memory import peak_tensor_bytes  # noqa: E402,F401 - imported from here by tests
+from autopar.tools.tune.memory import profiled as _profiled  # noqa: E402
 
 
 def _compile_and_measure_memory(plan_json: str, graph: dict) -> tuple[Any, int, tuple]:

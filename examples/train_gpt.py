@@ -109,6 +109,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the data order")
     p.add_argument("--log-every", type=int, default=1, help="steps between metrics reports")
     p.add_argument("--metrics-file", default=None, metavar="FILE", help="write each report as a JSON line")
+    p.add_argument("--save-plan", default=None, metavar="FILE",
+                   help="write the plan trained with (for autopar calibrate --from-metrics)")
     p.add_argument("--tensorboard", default=None, metavar="DIR", help="write TensorBoard events here")
     p.add_argument("--checkpoint-dir", default=None, help="save and resume checkpoints here")
     p.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
@@ -179,6 +181,8 @@ def train(args: argparse.Namespace) -> None:
     last_rank = (dist.get_world_size() if dist.is_initialized() else 1) - 1
     if rank == 0:
         print(pm.plan.summary(), flush=True)
+        if args.save_plan:
+            pm.plan.save(args.save_plan)
     loader = DataLoader.for_model(data, pm, seed=args.seed, hashes=rank == 0) if data is not None else None
     latest = autopar.latest_checkpoint(args.checkpoint_dir) if args.checkpoint_dir else None
     if latest is not None:

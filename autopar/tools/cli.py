@@ -9,6 +9,7 @@
     autopar run examples/train_gpt.py --nproc 2 -- --steps 20
     autopar verify examples/gpt.py:gpt_tiny --world-size 2 --pin tp=2
     autopar calibrate --nproc 2 -o cluster.json
+    autopar tune examples/gpt.py:gpt_tiny --nproc 2 -o plan.json --report tune.json --cluster-out tuned.json
 
 Exit codes: 0 done; 1 ``verify`` found a difference above 1e-5 or one of its ranks crashed (that
 rank's error and file:line on stderr), or a ``run`` process failed; 2 bad input (also a ``run`` whose
@@ -158,6 +159,12 @@ def _parser() -> argparse.ArgumentParser:
                            help="the cluster's name (default: the -o file's stem, else HOST-BACKEND-xN)")
     calibrate.add_argument("--quick", action="store_true",
                            help="fewer sizes and repetitions: rougher figures, faster (6-9 s with 2 ranks on 2 cores)")
+    from autopar.tools.tune import command as tune_command  # no heavy imports: its search loads when it runs
+
+    tune_command.add_metrics_arguments(calibrate)
+    tune = sub.add_parser("tune", help="measure the best candidates here, refit the cluster, keep the fastest")
+    _add_problem_args(tune)
+    tune_command.add_arguments(tune)
     for command in sub.choices.values():  # after the verb too: `autopar plan … -v`
         _add_verbose(command, default=argparse.SUPPRESS)
     return parser
@@ -279,7 +286,12 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
     from autopar.plan import Plan
     from autopar.tools.hf_spec import is_config_spec
+    from autopar.tools.tune.picture import is_report
 
+    if Path(args.plan).is_file() and is_report(args.plan):  # a tune report: its picture (autopar.tools.tune)
+        from autopar.tools.tune.command import show
+
+        return show(args)
     if Path(args.plan).exists() and is_config_spec(args.plan):
         raise AutoparError(f"{args.plan} is a model, not a saved plan: plan it first "
                            f"(autopar plan {args.plan} --world-size N -o plan.json), then show plan.json")
@@ -489,6 +501,11 @@ def _cmd_diff(args: argparse.Namespace) -> int:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from autopar.tools.calibrate import CalibrationInterrupted, calibrate, describe
 
+    if args.from_metrics or args.nproc is None:  # --nproc is required unless the figures come from a run
+        from autopar.tools.tune.command import from_metrics
+
+        return from_metrics(args)
+
     try:  # calibrate() refuses a bad -o or process count before any rank starts
         cluster = calibrate(args.nproc, args.output, backend=args.backend, name=args.name,
                             quick=args.quick)
@@ -503,8 +520,15 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from autopar.tools.tune.command import run
+
+    return run(args)
+
+
 _COMMANDS = {"plan": _cmd_plan, "show": _cmd_show, "compare": _cmd_compare, "run": _cmd_run,
-             "verify": _cmd_verify, "calibrate": _cmd_calibrate, "explain": _cmd_explain, "diff": _cmd_diff}
+             "verify": _cmd_verify, "calibrate": _cmd_calibrate, "explain": _cmd_explain, "diff": _cmd_diff,
+             "tune": _cmd_tune}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,156 @@
+"""``autopar tune`` on this machine: its wall time, and how far the predictions were from the measured
+step times before and after its refit, given a cluster file told wrong on purpose.
+
+    python benchmarks/tune.py [--json FILE] [--worlds 2 4] [--steps 5] [--metrics]
+
+For each world size W and each wrong cluster — calibrate's fit of this machine
+(``benchmarks/results/cluster-wW.json``, the CPU fidelity reference's) with its compute
+4× too fast and its communication 4× too slow, or the reverse — ``autopar tune`` runs the tiny
+GPT (``examples/gpt.py:gpt_tiny``, global batch 16, fp32, ``--pin cp=1``: the CPU fidelity
+benchmark has no context-parallel case to say what the model prices right there) on W gloo
+processes, with calibrate's quick probes. Printed per case: tune's wall time, the candidates and
+whether the one kept measured fastest and no slower than the first plan, and the prediction error
+|predicted / measured − 1| over the candidates that ran, worst and median, before and after.
+
+``--metrics``: also train the tiny GPT for 40 steps with ``examples/train_gpt.py`` (``autopar run``,
+W = 2, ``--metrics-file``), refit from that file (``autopar calibrate --from-metrics``), measure
+the same plan as tune does, refit from that one measurement, and print how far the two refits
+are apart (the compute rate, the link bandwidth, and the plan's predicted step under each).
+
+The host is shared (other work runs on its two cores), so every figure is noisy: the step
+times are medians of ``--steps`` steps taken in turns across the candidates (a slow spell falls on
+all alike), and the runs are not repeated here; run it again for a second sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "examples" / "gpt.py") + ":gpt_tiny"
+WRONG = {"compute 4× fast, comm 4× slow": (4.0, 0.25), "compute 4× slow, comm 4× fast": (0.25, 4.0)}
+
+
+def wrong_cluster(world: int, compute: float, comm: float, path: Path) -> None:
+    from autopar.cost_models.presets import load_cluster
+    from autopar.tools.tune.refit import apply
+
+    truth = load_cluster(str(ROOT / "benchmarks" / "results" / f"cluster-w{world}.json"))
+    wrong = apply(truth, {"compute": math.log(compute), "communication": math.log(comm), "host": 0.0,
+                          "overlap": truth.comm_overlap})
+    path.write_text(json.dumps(replace(wrong, name=path.stem).to_dict()))
+
+
+def errors(cands: list[dict], key: str) -> list[float]:
+    return [abs(c[key] / c["measured_s"] - 1) for c in cands if c["status"] == "ok"]
+
+
+def one(world: int, label: str, compute: float, comm: float, steps: int, tmp: Path) -> dict:
+    from autopar.tools.cli import main
+
+    cluster = tmp / f"wrong-w{world}-{compute:g}.json"
+    wrong_cluster(world, compute, comm, cluster)
+    report = tmp / f"tune-w{world}-{compute:g}.json"
+    started = time.perf_counter()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["tune", TINY, "--nproc", str(world), "--cluster", str(cluster), "--pin", "cp=1",
+                     "--batch-size", "16", "--steps", str(steps), "--report", str(report)])
+    wall = time.perf_counter() - started
+    if code != 0:
+        return {"world": world, "wrong": label, "error": f"exit {code}"}
+    print(out.getvalue())
+    r = json.loads(report.read_text())
+    c = r["candidates"]
+    ran = [x for x in c if x["status"] == "ok"]
+    before, after = errors(c, "predicted_before_s"), errors(c, "predicted_after_s")
+    return {"world": world, "wrong": label, "wall_s": round(wall, 1), "candidates": len(c), "ran": len(ran),
+            "kept_fastest": c[r["chosen"]]["measured_s"] == min(x["measured_s"] for x in ran),
+            "not_slower_than_first": c[0]["status"] != "ok" or c[r["chosen"]]["measured_s"] <= c[0]["measured_s"],
+            "kept_is_first": r["chosen"] == 0, "resolved_is_kept": r["resolved"] == r["chosen"],
+            "before_worst": max(before), "before_median": statistics.median(before),
+            "after_worst": max(after), "after_median": statistics.median(after),
+            "determined": r["refit"]["determined"], "notes": r["refit"]["notes"]}
+
+
+def from_metrics(tmp: Path, steps: int) -> dict:
+    """The refit from train_gpt.py's metrics file against the refit from tune's own measurement of that plan."""
+    from autopar.capturing import capture
+    from autopar.plan import Plan
+    from autopar.planning.api import reprice
+    from autopar.tools.cli import main
+    from autopar.tools.spec import load_spec
+    from autopar.tools.tune.launch import measure_spawned
+    from autopar.tools.tune.search import refit_one
+
+    metrics, plan_path, refit_path = tmp / "run.jsonl", tmp / "trained.json", tmp / "from-metrics.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["run", str(ROOT / "examples" / "train_gpt.py"), "--nproc", "2", "--", "--steps", "40",
+                     "--batch-size", "16", "--metrics-file", str(metrics), "--save-plan", str(plan_path)]) == 0
+        assert main(["calibrate", "--from-metrics", str(metrics), "--plan", str(plan_path), "--model", TINY,
+                     "-o", str(refit_path)]) == 0
+    plan = Plan.load(plan_path)
+    graph = capture(*load_spec(TINY, device="meta"))
+    results, _ = measure_spawned(2, TINY, None, [(0, plan.to_json())], graph.to_dict(), steps=steps * 4,
+                                 warmup=2, deadline=None)
+    own = refit_one(graph, plan, plan.cluster, results[0].measured_s).cluster
+    from autopar.cost_models.presets import load_cluster
+
+    file = load_cluster(str(refit_path))
+
+    def rate(c) -> float:
+        return c.device.peak_flops_fp32 * c.device.matmul_efficiency
+
+    doc = json.loads(refit_path.read_text())["calibration"]
+    return {"metrics_step_s": doc["measured_step_s"], "tune_step_s": results[0].measured_s,
+            "compute_rate_ratio": rate(file) / rate(own),
+            "bandwidth_ratio": file.intra_node.bandwidth_bytes_s / own.intra_node.bandwidth_bytes_s,
+            "predicted_ratio": (reprice(graph, plan, file).predicted.step_time_s
+                                / reprice(graph, plan, own).predicted.step_time_s)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default=None, metavar="FILE")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--metrics", action="store_true")
+    args = parser.parse_args()
+    rows, extra = [], {}
+    with tempfile.TemporaryDirectory(prefix="autopar-tune-bench-") as d:
+        for world in args.worlds:
+            for label, (compute, comm) in WRONG.items():
+                rows.append(one(world, label, compute, comm, args.steps, Path(d)))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+        if args.metrics:
+            extra = from_metrics(Path(d), args.steps)
+    print("| W | wrong cluster | wall s | ran | kept fastest | ≤ first | error before (worst / median) "
+          "| after (worst / median) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['world']} | {r['wrong']} | {r['error']} | | | | | |")
+            continue
+        print(f"| {r['world']} | {r['wrong']} | {r['wall_s']:.0f} | {r['ran']}/{r['candidates']} | "
+              f"{'yes' if r['kept_fastest'] else 'NO'} | {'yes' if r['not_slower_than_first'] else 'NO'} | "
+              f"{r['before_worst']:.0%} / {r['before_median']:.0%} | "
+              f"{r['after_worst']:.0%} / {r['after_median']:.0%} |")
+    if extra:
+        print("\nfrom-metrics against tune's own measurement of that plan: " + json.dumps(extra))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "from_metrics": extra}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
