@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from autopar import contract
+from autopar.admission import FLOAT8_AXES
 from autopar.choice import LossKind
 from autopar.cost_models.hardware import ClusterSpec
 from autopar.cost_models.memory import PRECISIONS
@@ -113,7 +114,7 @@ def loss_asked(graph: LayerGraph, pins: Pins, custom_loss: bool) -> LossKind:
 
 # What the float8 runtime runs (autopar.runtime.float8): torchao's Float8Linear under DDP or FSDP2, also
 # beside cp; no tensor parallelism (autopar's sharding runtime, not torchao's float8 styles), pipelines or experts.
-FLOAT8_PINS = ("tp=1", "pp=1", "ep=1")
+FLOAT8_PINS = tuple(f"{axis}=1" for axis in FLOAT8_AXES)  # what float8 training runs (autopar.admission)
 
 
 def _restricted_pins(pins: Pins, restriction: tuple[str, ...], error: type[AutoparError], what: str) -> Pins:

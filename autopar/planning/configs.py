@@ -18,10 +18,11 @@ from __future__ import annotations
 import math
 
 from autopar import contract
+from autopar.admission import mesh_refusal
 from autopar.choice import CpAttention, Recompute
 from autopar.cost_models.hardware import ClusterSpec
 from autopar.cost_models.pipeline import SPLIT_BACKWARD, V_SHAPED, Schedule, ScheduleKind, schedule_refusal
-from autopar.errors import CompileError, PinError
+from autopar.errors import CompileError, Float8Error, PinError
 from autopar.graph import LayerGraph
 from autopar.mesh import AXES, AxisLimits, Mesh, hosts_text, meshes
 from autopar.mesh import axis as mesh_axis
@@ -113,8 +114,8 @@ def searched_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
         if not methods:
             unmet = unmet or contract.method_refusal(pins.cp_attention, graph, mesh) or ""
             continue
-        if training.compiled and (why := contract.compile_refusal(graph, mesh)):
-            compile_refused.append(why)  # the compiled runtime would not run it: not offered
+        if why := mesh_refusal(graph, mesh, training.compiled, training.float8 is not None):
+            compile_refused.append(why)  # the runtime asked for would not run it (autopar.admission): not offered
             continue
         floor = contract.root_floor(graph, pinned_zeros, mesh.pp)
         per_replica = training.global_batch // mesh.dp
@@ -137,6 +138,8 @@ def searched_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
         raise PinError(f"pin cp_attention={pins.cp_attention}: {unmet} (and no other mesh the pins allow runs it)")
     if not configs and split_refused:
         raise PinError(split_refused)
+    if not configs and compile_refused and not training.compiled:
+        raise Float8Error(f"{compile_refused[0]}: plan it without --float8, or pin tp=1 pp=1 ep=1")
     if not configs and compile_refused:
         raise CompileError(f"torch.compile does not run {compile_refused[0]}: pin pp=1 for a refused pipeline, "
                            "ep or cp beside dp alone, or plan it eager (drop --compile / torch_compile)")

@@ -30,7 +30,7 @@ by the same ±γ. torchtitan does the same (its ``load_balance_coeff``
 all-reduces ``tokens_per_expert`` over dp × cp); it also subtracts the
 update's mean, which the paper's rule does not, and neither does this.
 
-Not run yet, refused by :func:`check_bias_update` before any collective:
+Not run yet, refused by :mod:`autopar.admission` before any collective:
 pipelines (a stage's routers and the schedule's shape inference are not
 proved), sequence parallelism on an MoE layer (the router would see a tp
 rank's share of the sequence), ``torch.compile`` of the blocks (the hook runs
@@ -46,11 +46,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from autopar.admission import BIAS
 from autopar.errors import LoweringError
-from autopar.graph import LayerGraph
 from autopar.plan import Plan
-
-BIAS = "e_score_correction_bias"  # Hugging Face's name for DeepSeek-V3's per-expert routing bias
 
 
 @dataclass
@@ -87,31 +85,6 @@ def biased_routers(model: nn.Module) -> list[BiasedRouter]:
         found.append(BiasedRouter(block.router_path, router, model.get_submodule(block.experts_path),
                                   block.num_experts))
     return found
-
-
-def check_bias_update(model: nn.Module, graph: LayerGraph, plan: Plan, gamma: float) -> list[BiasedRouter]:
-    """The routers ``moe_bias_update=gamma`` moves ([] when gamma is 0); raises :class:`LoweringError`
-    for a negative or non-finite gamma, a model with no biased router, or a plan it does not run yet
-    (module docstring). Collective-free."""
-    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not gamma >= 0 \
-            or gamma == float("inf"):
-        raise LoweringError(f"moe_bias_update must be a finite float ≥ 0 (the bias step γ; 0 = off), got {gamma!r}")
-    if gamma == 0:
-        return []
-    routers = biased_routers(model)
-    if not routers:
-        raise LoweringError(f"moe_bias_update={gamma:g} moves each router's {BIAS}, and no MoE router of "
-                            "this model has one (DeepSeek-V3-style routers do)")
-    if plan.mesh.pp > 1:
-        raise LoweringError(f"moe_bias_update does not run under a pipeline yet (pp={plan.mesh.pp}): plan with pp=1")
-    if plan.training.compiled:
-        raise LoweringError("moe_bias_update does not run with torch.compile yet (its counting hook would run "
-                            "inside the compiled blocks): plan without --compile")
-    sp = [lp.name for lp in plan.layers if lp.choice.sp and graph.layer(lp.name).moe]
-    if sp:
-        raise LoweringError(f"moe_bias_update does not run with sequence parallelism on an MoE layer yet "
-                            f"({sp[0]!r}: its router would count one tp rank's share of the tokens)")
-    return routers
 
 
 def _in_backward() -> bool:
@@ -187,4 +160,4 @@ def bias_group(mesh: Any, plan: Plan) -> Any:
     return data_mesh(mesh, plan.mesh.cp).get_group()
 
 
-__all__ = ["BIAS", "BiasBalancer", "BiasedRouter", "biased_routers", "bias_group", "check_bias_update"]
+__all__ = ["BIAS", "BiasBalancer", "BiasedRouter", "biased_routers", "bias_group"]

@@ -93,7 +93,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from autopar.contract import BREAK_RECOMPUTES, compile_refusal, compiled_block_paths, compiled_break
+from autopar.contract import compiled_block_paths, compiled_break
 from autopar.errors import CompileError
 from autopar.graph import LayerGraph
 from autopar.plan import Plan
@@ -107,51 +107,6 @@ def requested(torch_compile: bool | None) -> bool | None:
     if torch_compile is None and os.environ.get(COMPILE_ENV) == "1":
         return True
     return torch_compile
-
-
-def unsupported(plan: Plan, graph: LayerGraph | None = None) -> list[str]:
-    """What in ``plan`` the compiled runtime does not run yet (empty when it does): the contract's
-    :func:`~autopar.contract.compile_refusal` (``graph`` None: the mesh's axes only), a layer
-    planned tensor parallel on a mesh without tp, and experts split over tp (eager only)."""
-    why = [r] if (r := compile_refusal(graph, plan.mesh)) else []
-    if graph is not None:
-        index = {layer.name: layer.index for layer in graph}
-        broken = sorted(f"{lp.name} ({lp.choice.recompute})" for lp in plan.layers
-                        if lp.choice.recompute not in BREAK_RECOMPUTES and lp.name in index
-                        and compiled_break(graph, index[lp.name], plan.mesh, plan.cp_attention))
-        if broken:  # full recompute runs there, the checkpoint eager around the compiled block
-            why.append(f"recompute of {', '.join(broken)} in a block compiled around an eager "
-                       f"{'experts dispatch (ep)' if plan.mesh.ep > 1 else 'ring (cp)'}, whose compiled ops an "
-                       f"op-level policy cannot see (pin recompute=full there)")
-    if plan.mesh.tp == 1 and any(lp.choice.tp is not None for lp in plan.layers):
-        why.append("tensor parallelism (tp=1 with tensor-parallel layer choices)")
-    split = [lp.name for lp in plan.layers if graph is not None and lp.choice.tp is not None
-             and graph.layer(lp.name).tp_style(lp.choice.tp).experts]
-    if split:  # passes/expert_tensor.py's forward is eager only (not traced under the sharding rules)
-        why.append(f"routed experts split over tp (megatron+experts: {', '.join(split[:2])})")
-    return why
-
-
-def check_compilable(plan: Plan, graph: LayerGraph | None = None) -> None:
-    """Raise :class:`CompileError` naming what ``plan`` lowers that torch.compile does not run yet."""
-    why = unsupported(plan, graph)
-    if why:
-        raise CompileError(f"torch.compile runs DDP, ZeRO/FSDP2, pipeline, tensor-, expert- and context-parallel "
-                           f"plans (with or without recompute) only; this plan has {' and '.join(why)}: run it "
-                           f"eagerly (drop --compile / torch_compile), or pin it to what compiles (ep or cp beside "
-                           f"dp alone, pp=1 for a refused pipeline)")
-
-
-def check_compiled(plan: Plan, torch_compile: bool | None, graph: LayerGraph | None = None) -> None:
-    """What ``compile`` runs is what the plan priced: ``torch_compile`` (None: as the plan says) must
-    agree with ``plan.training.compiled``, and a compiled plan must be one that compiles."""
-    priced = plan.training.compiled
-    if torch_compile is not None and bool(torch_compile) != priced:
-        raise CompileError(f"the plan was priced {'compiled' if priced else 'eager'} (training.compiled "
-                           f"{str(priced).lower()}) but torch_compile={torch_compile} was asked: re-plan "
-                           f"{'without' if priced else 'with'} --compile, or leave torch_compile unset")
-    if priced:
-        check_compilable(plan, graph)
 
 
 def block_paths(graph: LayerGraph, plan: Plan) -> list[str]:
@@ -270,5 +225,5 @@ def compile_blocks(parts: list[nn.Module], paths: list[str], on_break: Callable[
     return done
 
 
-__all__ = ["COMPILE_ENV", "CompiledBlock", "block_paths", "breaks_at_exchanges", "check_compilable", "check_compiled",
-           "compile_blocks", "compile_plan_blocks", "requested", "unsupported"]
+__all__ = ["COMPILE_ENV", "CompiledBlock", "block_paths", "breaks_at_exchanges", "compile_blocks",
+           "compile_plan_blocks", "requested"]

@@ -15,7 +15,7 @@ and imported only here, when a plan asks for float8.
 What runs is proven for DDP and FSDP2/ZeRO plans, also under context parallelism
 (cp=2 at ZeRO-3 with each attention method: a cp rank's linears see its S/cp
 tokens, and FSDP2 gathers over dp × cp; ``tests/runtime/test_float8_training.py``);
-:func:`check_float8` refuses the other lowerings (tensor parallelism: autopar's
+:mod:`autopar.admission` refuses the other lowerings (tensor parallelism: autopar's
 sharding runtime rewrites the linears' ops itself and torchao's float8 tensor-
 parallel styles are not wired in; pipelines, experts: not tried) before the
 first collective.
@@ -30,12 +30,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from autopar.admission import Here, float8_device_refusal
 from autopar.contract import Engine, data_ranks, plan_layout
-from autopar.cost_models.gpu_figures import FP8_MIN_COMPUTE_CAPABILITY
 from autopar.errors import Float8Error
-from autopar.float8 import NEEDS, Float8Settings
+from autopar.float8 import Float8Settings
 from autopar.graph import LayerGraph
 from autopar.plan import Plan
+from autopar.runtime.here import device_facts
 
 # "tensorwise"/"rowwise": ``compile``'s float8 defaults to it (set by ``autopar run --float8``)
 FLOAT8_ENV = "AUTOPAR_FLOAT8"
@@ -48,53 +49,13 @@ def requested(float8: Any) -> Any:
     return float8
 
 
-def unsupported(plan: Plan) -> list[str]:
-    """What in ``plan`` the float8 runtime does not run (empty when it does)."""
-    m = plan.mesh
-    why = []
-    if m.tp > 1 or any(lp.choice.tp is not None for lp in plan.layers):
-        why.append(f"tensor parallelism (tp={m.tp})")
-    for axis, what in (("pp", "a pipeline"), ("ep", "expert parallelism")):
-        if getattr(m, axis) > 1:
-            why.append(f"{what} ({axis}={getattr(m, axis)})")
-    return why
-
-
-def check_float8(plan: Plan, float8: Any = None) -> None:
-    """Raise :class:`Float8Error` when ``float8`` (None: as the plan says) disagrees with what the plan
-    priced, when the plan lowers what float8 does not run, or when this process's device cannot."""
-    priced = plan.training.float8
-    if float8 is not None and bool(float8) != (priced is not None):
-        raise Float8Error(f"the plan was priced {'with' if priced else 'without'} float8 (training.float8) but "
-                          f"float8={float8!r} was asked: re-plan {'without' if priced else 'with'} --float8, "
-                          f"or leave float8 unset")
-    if priced is None:
-        return
-    if float8 not in (None, True, False) and str(float8) != priced.recipe.value:
-        raise Float8Error(f"the plan was priced with {priced.recipe.value} float8 scaling, not {float8}: "
-                          f"re-plan with --float8 {float8}")
-    why = unsupported(plan)
-    if why:
-        raise Float8Error(f"float8 training runs DDP and ZeRO/FSDP2 plans only; this plan has "
-                          f"{' and '.join(why)}: re-plan with --float8 (which pins tp=1 pp=1 ep=1)")
-    check_device()
-
-
 def check_device(device: torch.device | None = None) -> bool:
-    """Whether this process's device emulates float8 (a CPU); raises :class:`Float8Error` naming a CUDA
-    device older than SM 8.9."""
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    if device is None or device.type == "cpu":
-        return True
-    if device.type != "cuda":
-        raise Float8Error(f"--float8: this process's device is {device.type}, which torchao's float8 does not "
-                          f"run on; {NEEDS}")
-    capability = torch.cuda.get_device_capability(device)
-    if capability < FP8_MIN_COMPUTE_CAPABILITY:
-        raise Float8Error(f"--float8: {torch.cuda.get_device_name(device)} is SM {capability[0]}.{capability[1]} "
-                          f"and has no float8 matmuls; {NEEDS}")
-    return False
+    """Whether this process's device emulates float8 (a CPU); raises :class:`Float8Error` naming a device
+    without float8 matmuls (:func:`autopar.admission.float8_device_refusal`)."""
+    facts = Here(world_size=1, **device_facts(device))
+    if why := float8_device_refusal(facts):
+        raise Float8Error(why)
+    return facts.device == "cpu"
 
 
 def _torchao() -> Any:
@@ -164,5 +125,5 @@ def _get(model: nn.Module, path: str) -> nn.Module | None:
         return None
 
 
-__all__ = ["FLOAT8_ENV", "check_device", "check_float8", "convert", "drop_scales", "gathered_in_float8",
-           "precompute_scales", "requested", "unsupported"]
+__all__ = ["FLOAT8_ENV", "check_device", "convert", "drop_scales", "gathered_in_float8", "precompute_scales",
+           "requested"]

@@ -126,11 +126,6 @@ def local_cluster() -> str:
     return preset
 
 
-def launch_hint(world_size: int) -> str:
-    return (f"launch one process per rank: `torchrun --nproc-per-node {world_size} script.py` "
-            f"or `autopar run script.py --nproc {world_size}`")
-
-
 # ------------------------------------------------------------------ the plan
 
 
@@ -185,16 +180,6 @@ def resolve_plan(model: nn.Module, example_inputs: Any, plan: Plan | str | Path 
         raise PlanError(f"plan must be a Plan or a path to plan JSON, got {type(plan).__name__}")
     plan.check_fingerprint(graph.fingerprint())
     return plan, graph
-
-
-def check_world(plan: Plan, world_size: int, launched: bool) -> None:
-    if launched and dist.get_world_size() != plan.world_size:
-        raise PlanError(f"the plan is for {plan.world_size} ranks but {dist.get_world_size()} "
-                        f"were launched: re-plan for {dist.get_world_size()} or "
-                        f"{launch_hint(plan.world_size)}")
-    if plan.world_size != world_size:
-        raise PlanError(f"the plan is for {plan.world_size} ranks but world_size is {world_size}: "
-                        "re-plan for this world size")
 
 
 # ------------------------------------------------------------------ what a launch reports

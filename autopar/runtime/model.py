@@ -42,24 +42,24 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar import inputs as model_inputs
+from autopar.admission import admit, launch_hint
 from autopar.errors import BatchError, LaunchError
 from autopar.float8 import settings_for
 from autopar.graph import LayerGraph
 from autopar.passes.expert_parallel import reduce_expert_grads
 from autopar.plan import Plan, Predicted
-from autopar.runtime.balance import BiasBalancer, bias_group, check_bias_update
+from autopar.runtime.balance import BiasBalancer, bias_group, biased_routers
 from autopar.runtime.chunked_loss import hidden_head, plan_loss, refuse_labels
-from autopar.runtime.compiled import check_compiled, compile_plan_blocks, requested
-from autopar.runtime.float8 import check_device, check_float8, drop_scales, gathered_in_float8, precompute_scales
+from autopar.runtime.compiled import compile_plan_blocks, requested
 from autopar.runtime.float8 import convert as convert_float8
+from autopar.runtime.float8 import drop_scales, gathered_in_float8, precompute_scales
 from autopar.runtime.float8 import requested as float8_requested
+from autopar.runtime.here import here
 from autopar.runtime.launch import (
     capture_for,
-    check_world,
     device,
     ensure_process_group,
     hold,
-    launch_hint,
     resolve_plan,
 )
 from autopar.runtime.loss import default_loss, fp32_loss
@@ -554,10 +554,10 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
         graph = graph if graph is not None else capture_for(model, example_inputs)
         kwargs["float8"] = settings_for(model, graph, float8)
     plan, graph = resolve_plan(model, example_inputs, plan, graph, world_size, launched, **kwargs)
-    check_world(plan, world_size, launched)
-    check_compiled(plan, torch_compile, graph)
-    check_float8(plan, float8)
-    routers = check_bias_update(model, graph, plan, moe_bias_update)
+    facts = here(world_size, launched, model=model, torch_compile=torch_compile, float8=float8,
+                 moe_bias_update=moe_bias_update)
+    admit(graph, plan, facts)  # every reason it would not run as priced, before any collective
+    routers = biased_routers(model) if moe_bias_update else []
     loss_fn, chunked = plan_loss(model, graph, plan, loss_fn)  # a chunked plan's head returns the hidden state
     if not launched and world_size > 1:
         return ParallelModel(plan, graph, model, None, loss_fn, launched=False)
@@ -566,7 +566,7 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
     canonical = {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
     gathered = gathered_in_float8(plan, graph)
     if plan.training.float8 is not None:  # torchao's Float8Linear in place of the plan's linears, before lowering
-        convert_float8(model, plan.training.float8, emulate=check_device(), gathered=gathered)
+        convert_float8(model, plan.training.float8, emulate=facts.device == "cpu", gathered=gathered)
     if launched:
         lowered = lower(model, graph, plan, example_inputs=example_inputs,
                         loss_fn=fp32_loss(loss_fn) if dtype is not None else loss_fn, init_fn=init_fn)

@@ -398,13 +398,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         raise AutoparError(f"plan {args.plan!r} is for {plan.world_size} ranks, not --world-size "
                            f"{args.world_size}")
     kwargs = _solve_kwargs(args) if plan is None else {}
-    if plan is not None:  # refused before the model is built: a plan priced otherwise, or one that does not compile
-        from autopar.runtime.compiled import check_compiled
+    from autopar.admission import Here, admit
 
-        check_compiled(plan, True if args.compile else None)
-        from autopar.runtime.float8 import check_float8
-
-        check_float8(plan, args.float8)
+    # what the gloo ranks are and are asked: a plan that would not run there is refused before the model is built
+    here = Here(world_size=args.world_size, torch_compile=True if args.compile else None, float8=args.float8)
+    if plan is not None:
+        admit(None, plan, here)
     model, inputs = _load(args, device="cpu")
     dropout = v.disable_dropout(model)
     v.loss_function(args.loss)  # a --loss that does not load, or an output no default loss fits: bad input
@@ -420,10 +419,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         kwargs["global_batch"] = args.batch_size or v.example_batch(inputs)
         plan = solve(graph, args.world_size, **kwargs, compiled=args.compile,
                      float8=_float8(args, model, graph))
-        if args.compile:  # what a pin left possible that the compiled runtime does not run: refused here
-            from autopar.runtime.compiled import check_compilable
-
-            check_compilable(plan, graph)
+    admit(graph, plan, here)  # with the model's layers: what a pin left possible that the ranks do not run
     warnings = v.plan_warnings(plan, model) + warnings
     if not args.json:
         _out("\n".join(v.setup_lines(plan, dropout, warnings, loss)))

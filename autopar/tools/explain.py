@@ -396,13 +396,13 @@ def counterfactual(plan: Plan, graph: LayerGraph, why: str, *, time_limit_s: flo
 
 def compile_counterfactual(plan: Plan, graph: LayerGraph, compiled: bool) -> Counterfactual:
     """``plan`` itself — every choice kept — priced compiled or eager: what torch.compile is worth for it."""
+    from autopar.admission import compiled_refusals
     from autopar.planning.api import reprice
-    from autopar.runtime.compiled import unsupported
 
     label = f"{COMPILE_KEY}={'on' if compiled else 'off'}"
     if compiled == plan.training.compiled:
         return Counterfactual(label, (label,), Figures.of_plan(plan), same_plan=True, compiled=compiled)
-    if compiled and (why := unsupported(plan, graph)):
+    if compiled and (why := compiled_refusals(plan, graph)):
         return Counterfactual(label, (label,), None, f"torch.compile does not run {' and '.join(why)}",
                               "cannot run", compiled=compiled)
     flipped = replace(plan, training=replace(plan.training, compiled=compiled))

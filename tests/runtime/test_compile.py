@@ -181,13 +181,13 @@ def test_a_tensor_parallel_block_make_fx_cannot_trace_runs_eagerly_once_said_and
 def test_a_compiled_solve_offers_tensor_parallelism_with_recompute_and_beside_pipelines(graph) -> None:
     """Tensor parallelism runs compiled, so a compiled search may choose tp > 1 (and sp), recompute on
     its blocks (their checkpoint wraps the traced graph) and tp beside a pipeline."""
-    from autopar.runtime.compiled import check_compilable
+    from autopar.admission import compiled_refusals
 
     _, _, g = graph
     kwargs = dict(cluster="cpu", global_batch=64, dtype="fp32", compiled=True)
     plan = autopar.solve(g, 2, **kwargs, pins=["tp=2", "pp=1", "blocks.*:tp=megatron"])
     assert plan.training.compiled and plan.mesh.tp == 2 and "tp=1" not in plan.pins
-    check_compilable(plan, g)
+    assert not compiled_refusals(plan, g)
     # what the search may choose for a block: tp with recompute, eagerly and compiled
     from autopar.cost_models.pipeline import Schedule, ScheduleKind
     from autopar.cost_models.presets import load_cluster
@@ -202,10 +202,10 @@ def test_a_compiled_solve_offers_tensor_parallelism_with_recompute_and_beside_pi
     assert rows[True] == rows[False] and any(s.tp is not None and s.recompute for s in rows[True])
     both = autopar.solve(g, 2, **kwargs, pins=["tp=2", "pp=1", "blocks.*:tp=megatron", "blocks.*:recompute=full"])
     assert {str(lp.choice.recompute) for lp in both.layers if lp.name.startswith("blocks.")} == {"full"}
-    check_compilable(both, g)
+    assert not compiled_refusals(both, g)
     staged = autopar.solve(g, 4, cluster="cpu", global_batch=8, compiled=True, pins=["tp=2", "pp=2", "microbatches=2"])
     assert (staged.mesh.tp, staged.mesh.pp) == (2, 2) and staged.training.compiled
-    check_compilable(staged, g)
+    assert not compiled_refusals(staged, g)
 
 
 # ------------------------------------------------------------------ context parallelism: the attention mode compiled
@@ -214,7 +214,7 @@ def test_a_compiled_solve_offers_tensor_parallelism_with_recompute_and_beside_pi
 def test_a_compiled_solve_offers_context_parallelism_but_not_beside_tp(graph) -> None:
     """cp runs compiled, so a compiled solve pinned to cp = 2 plans it (it raised CompileError before), with
     no cp pin of its own; cp beside tp is not offered compiled: pinning both is one CompileError line."""
-    from autopar.runtime.compiled import check_compilable
+    from autopar.admission import compiled_refusals
 
     _, _, g = graph
     kwargs = dict(cluster="cpu", global_batch=4, dtype="fp32", compiled=True)
@@ -222,7 +222,7 @@ def test_a_compiled_solve_offers_context_parallelism_but_not_beside_tp(graph) ->
         plan = autopar.solve(g, 2, **kwargs, pins=["cp=2", f"cp_attention={method}"])
         assert plan.training.compiled and plan.mesh.cp == 2 and str(plan.cp_attention) == method
         assert not any(p.startswith(("cp=1", "ep=1")) for p in plan.pins)
-        check_compilable(plan, g)
+        assert not compiled_refusals(plan, g)
     with pytest.raises(CompileError, match=r"context parallelism \(cp=2\) beside tp=2: pin pp=1 for a refused"):
         autopar.solve(g, 4, **kwargs, pins=["cp=2", "tp=2", "pp=1"])
 
@@ -390,7 +390,7 @@ def test_compiled_pricing_fuses_memory_bound_ops_only(graph) -> None:
 def test_a_compiled_solve_offers_recompute_where_memory_asks_and_the_runtime_takes_it(graph) -> None:
     """Recompute runs compiled, so a compiled search may choose it: under a budget the unrecomputed
     plan exceeds, it does, and the plan passes the compiled runtime's check."""
-    from autopar.runtime.compiled import check_compilable
+    from autopar.admission import compiled_refusals
 
     _, _, g = graph
     kwargs = dict(cluster="cpu", global_batch=64, dtype="fp32", compiled=True)
@@ -401,7 +401,7 @@ def test_a_compiled_solve_offers_recompute_where_memory_asks_and_the_runtime_tak
     tight = autopar.solve(g, 1, **kwargs, pins=["dp=1", "microbatches=1"], memory_gb=budget)
     assert tight.training.compiled and any(l.choice.recompute for l in tight.layers), tight.summary()
     assert any(l.choice.recompute for l in tight.layers if l.name.startswith("blocks."))
-    check_compilable(tight)  # raises were recompute refused
+    assert not compiled_refusals(tight)  # a refused recompute would be named
 
 
 def test_compiled_recompute_reruns_what_the_compiled_forward_runs(graph) -> None:

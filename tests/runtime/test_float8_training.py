@@ -113,8 +113,11 @@ def test_a_plan_priced_otherwise_or_lowering_what_float8_does_not_run_is_refused
     import dataclasses
 
     import autopar
+    from autopar.admission import Here, admit
     from autopar.errors import Float8Error
-    from autopar.runtime.float8 import check_float8
+
+    def check_float8(plan, asked=None):
+        admit(None, plan, Here(world_size=plan.world_size, float8=asked))
 
     graph, f8 = tiny
     plain = autopar.solve(graph, 2, cluster="cpu", global_batch=4)

@@ -17,9 +17,11 @@ import equivalence_cases as ec  # noqa: E402
 import moe_cases  # noqa: E402
 
 import autopar  # noqa: E402
+from autopar.admission import Here, admit, refusals  # noqa: E402
 from autopar.choice import Recompute  # noqa: E402
 from autopar.errors import LoweringError  # noqa: E402
-from autopar.runtime.balance import BiasBalancer, BiasedRouter, check_bias_update  # noqa: E402
+from autopar.mesh import Mesh  # noqa: E402
+from autopar.runtime.balance import BiasBalancer, BiasedRouter  # noqa: E402
 
 
 class _Router(nn.Module):
@@ -69,11 +71,34 @@ def test_one_device_moves_the_biases_as_the_rule_written_out_and_recompute_count
     assert max(abs(a - b) / b for a, b in zip(losses, ref["losses"])) < 1e-5
 
 
+@pytest.fixture(scope="module")
+def mixtral_plan():
+    torch.manual_seed(0)
+    model, inputs = moe_cases.hf_mixtral()
+    graph = autopar.capture(model, inputs)
+    return graph, autopar.solve(graph, 1, cluster="cpu", global_batch=2, dtype="fp32")
+
+
 @pytest.mark.parametrize("gamma", [-0.001, float("nan"), float("inf"), True])
-def test_a_negative_or_non_finite_gamma_is_refused(gamma: float) -> None:
+def test_a_negative_or_non_finite_gamma_is_refused(gamma: float, mixtral_plan) -> None:
+    graph, plan = mixtral_plan
     with pytest.raises(LoweringError, match=r"^moe_bias_update must be a finite float ≥ 0 \(the bias step γ; "
                                             r"0 = off\), got "):
-        check_bias_update(nn.Linear(2, 2), None, None, gamma)  # type: ignore[arg-type]
+        admit(graph, plan, Here(world_size=1, moe_bias_update=gamma, biased_routers=1))
+
+
+def test_what_the_bias_update_does_not_run_under_is_refused_each_reason_named(mixtral_plan) -> None:
+    """Admission lists every reason, the first raised: no biased router, a pipeline, torch.compile."""
+    import dataclasses
+
+    graph, plan = mixtral_plan
+    staged = dataclasses.replace(plan, mesh=Mesh(pp=2), world_size=2,
+                                 training=dataclasses.replace(plan.training, compiled=True))
+    reasons = [r.reason for r in refusals(graph, staged, Here(world_size=2, moe_bias_update=0.01))]
+    assert [r.split(" ")[0:3] for r in reasons[:1]] == [["moe_bias_update=0.01", "moves", "each"]]
+    assert any("under a pipeline yet (pp=2)" in r for r in reasons)
+    assert any("does not run with torch.compile yet" in r for r in reasons)
+    assert not refusals(graph, plan, Here(world_size=1, moe_bias_update=0.01, biased_routers=1))
 
 
 def test_a_gamma_on_a_model_without_a_biased_router_is_refused_before_lowering() -> None:
@@ -84,4 +109,5 @@ def test_a_gamma_on_a_model_without_a_biased_router_is_refused_before_lowering()
                         moe_bias_update=0.001)
     assert str(err.value) == ("moe_bias_update=0.001 moves each router's e_score_correction_bias, and no MoE "
                               "router of this model has one (DeepSeek-V3-style routers do)")
-    assert check_bias_update(model, None, None, 0.0) == []  # type: ignore[arg-type]  # 0: off, nothing read
+    admit(None, autopar.solve(autopar.capture(model, inputs), 1, cluster="cpu", global_batch=2, dtype="fp32"),
+          Here(world_size=1, moe_bias_update=0.0))  # 0: off, nothing asked of the model

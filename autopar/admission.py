@@ -1,0 +1,221 @@
+"""Admission: every reason a plan cannot run here, decided in one place.
+
+One function, :func:`refusals`, of (the graph, the plan, :class:`Here`: what this run is and asks — the
+world launched, the device, torch.compile, float8, the MoE bias step) returns every reason the runtime
+would not run the plan exactly as priced, each with the typed error it is raised as. The planner asks the
+same rules of a mesh before offering it (:func:`mesh_refusal`: what the compiled and float8 runtimes run),
+``compile`` calls :func:`admit` once before lowering and ``verify`` before it builds the model, so what is
+offered and what is refused cannot drift apart (a plan offered and then refused at rank start was the bug
+this module exists to prevent). Torch-free: the runtime gathers the facts (:mod:`autopar.runtime.here`).
+
+The rules, by feature:
+
+* **world**: the plan's world size is the ranks launched (and the ``world_size`` given).
+* **torch.compile**: asked (``torch_compile``) only as priced (``training.compiled``); a compiled plan's
+  mesh must be one the compiled runtime runs (:func:`autopar.contract.compile_refusal`), its recompute
+  one an op-level policy can see, and its experts not split over tp (:func:`compiled_refusals`).
+* **float8**: asked only as priced, in the recipe priced; DDP and ZeRO/FSDP2 plans only (no tp, pp or
+  ep: :func:`float8_refusals`); a CUDA device of compute capability 8.9 or later, or a CPU (emulated).
+* **MoE bias updates** (DeepSeek-V3's auxiliary-loss-free balancing): γ finite and ≥ 0; a model with a
+  biased router; not under pp, torch.compile, or sequence parallelism on an MoE layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.contract import BREAK_RECOMPUTES, compile_refusal, compiled_break
+from autopar.cost_models.gpu_figures import FP8_MIN_COMPUTE_CAPABILITY
+from autopar.errors import AutoparError, CompileError, Float8Error, LoweringError, PlanError
+from autopar.float8 import NEEDS
+from autopar.graph import LayerGraph
+from autopar.mesh import Mesh
+from autopar.plan import Plan
+
+FLOAT8_AXES = ("tp", "pp", "ep")  # the axes float8 training does not run above degree 1 (float8_refusals)
+BIAS = "e_score_correction_bias"  # Hugging Face's name for DeepSeek-V3's per-expert routing bias
+
+
+@dataclass(frozen=True)
+class Here:
+    """What this run is and asks, as the runtime found it (:func:`autopar.runtime.here.here`).
+
+    ``launched_world``: the process group's size (None: not launched). ``device``: ``"cpu"``, ``"cuda"`` or
+    another torch device type; ``capability``/``device_name`` describe a CUDA device. ``torch_compile`` and
+    ``float8``: what was asked (None: as the plan says). ``biased_routers``: the model's routers with a
+    ``e_score_correction_bias`` (counted only when ``moe_bias_update`` asks for them)."""
+
+    world_size: int
+    launched_world: int | None = None
+    device: str = "cpu"
+    capability: tuple[int, int] | None = None
+    device_name: str = ""
+    torch_compile: bool | None = None
+    float8: Any = None
+    moe_bias_update: float = 0.0
+    biased_routers: int = 0
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One reason a plan does not run here, and the error it is raised as."""
+
+    error: type[AutoparError]
+    reason: str
+
+
+def admit(graph: LayerGraph | None, plan: Plan, here: Here) -> None:
+    """Raise the first of :func:`refusals` (its own error type); return when the plan runs here."""
+    found = refusals(graph, plan, here)
+    if found:
+        raise found[0].error(found[0].reason)
+
+
+def refusals(graph: LayerGraph | None, plan: Plan, here: Here) -> list[Refusal]:
+    """Every reason ``plan`` does not run here as priced (empty: it runs). ``graph`` None: the rules that
+    need the model's layers are left out (checked again once it is captured)."""
+    return [*_world(plan, here), *_compiled(graph, plan, here), *_float8(plan, here), *_bias_update(graph, plan, here)]
+
+
+def mesh_refusal(graph: LayerGraph | None, mesh: Mesh, compiled: bool, float8: bool) -> str | None:
+    """Why the runtime asked for (compiled, float8) does not run ``mesh`` (None when it does): what the
+    planner leaves out before pricing, by the rules :func:`refusals` applies to a plan."""
+    if compiled and (why := compile_refusal(graph, mesh)):
+        return why
+    if float8 and (axes := [f"{a}={mesh[a]}" for a in FLOAT8_AXES if mesh[a] > 1]):
+        return f"float8 training does not run {', '.join(axes)} yet"
+    return None
+
+
+def compiled_refusals(plan: Plan, graph: LayerGraph | None = None) -> list[str]:
+    """What in ``plan`` the compiled runtime does not run yet (empty when it does): the contract's
+    :func:`~autopar.contract.compile_refusal` (``graph`` None: the mesh's axes only), selective or
+    alternate-mm recompute of a block compiled around an eager exchange, a layer planned tensor parallel on
+    a mesh without tp, and experts split over tp (eager only)."""
+    why = [r] if (r := compile_refusal(graph, plan.mesh)) else []
+    if graph is not None:
+        index = {layer.name: layer.index for layer in graph}
+        broken = sorted(f"{lp.name} ({lp.choice.recompute})" for lp in plan.layers
+                        if lp.choice.recompute not in BREAK_RECOMPUTES and lp.name in index
+                        and compiled_break(graph, index[lp.name], plan.mesh, plan.cp_attention))
+        if broken:  # full recompute runs there, the checkpoint eager around the compiled block
+            why.append(f"recompute of {', '.join(broken)} in a block compiled around an eager "
+                       f"{'experts dispatch (ep)' if plan.mesh.ep > 1 else 'ring (cp)'}, whose compiled ops an "
+                       f"op-level policy cannot see (pin recompute=full there)")
+    if plan.mesh.tp == 1 and any(lp.choice.tp is not None for lp in plan.layers):
+        why.append("tensor parallelism (tp=1 with tensor-parallel layer choices)")
+    split = [lp.name for lp in plan.layers if graph is not None and lp.choice.tp is not None
+             and graph.layer(lp.name).tp_style(lp.choice.tp).experts]
+    if split:  # passes/expert_tensor.py's forward is eager only (not traced under the sharding rules)
+        why.append(f"routed experts split over tp (megatron+experts: {', '.join(split[:2])})")
+    return why
+
+
+def float8_refusals(plan: Plan) -> list[str]:
+    """What in ``plan`` the float8 runtime does not run (empty when it does): tensor parallelism (autopar's
+    sharding runtime rewrites the linears' ops itself; torchao's float8 tensor-parallel styles are not wired
+    in), pipelines and experts (not tried)."""
+    m, why = plan.mesh, []
+    if m.tp > 1 or any(lp.choice.tp is not None for lp in plan.layers):
+        why.append(f"tensor parallelism (tp={m.tp})")
+    for axis, what in (("pp", "a pipeline"), ("ep", "expert parallelism")):
+        if m[axis] > 1:
+            why.append(f"{what} ({axis}={m[axis]})")
+    return why
+
+
+def float8_device_refusal(here: Here) -> str | None:
+    """Why this process's device cannot run the float8 matmuls (None: it can, or a CPU emulates them)."""
+    if here.device == "cpu":
+        return None
+    if here.device != "cuda":
+        return f"--float8: this process's device is {here.device}, which torchao's float8 does not run on; {NEEDS}"
+    if here.capability is not None and here.capability < FP8_MIN_COMPUTE_CAPABILITY:
+        major, minor = here.capability
+        return f"--float8: {here.device_name} is SM {major}.{minor} and has no float8 matmuls; {NEEDS}"
+    return None
+
+
+def launch_hint(world_size: int) -> str:
+    return (f"launch one process per rank: `torchrun --nproc-per-node {world_size} script.py` "
+            f"or `autopar run script.py --nproc {world_size}`")
+
+
+def _world(plan: Plan, here: Here) -> list[Refusal]:
+    out = []
+    if here.launched_world is not None and here.launched_world != plan.world_size:
+        out.append(Refusal(PlanError, f"the plan is for {plan.world_size} ranks but {here.launched_world} were "
+                                      f"launched: re-plan for {here.launched_world} or {launch_hint(plan.world_size)}"))
+    if plan.world_size != here.world_size:
+        out.append(Refusal(PlanError, f"the plan is for {plan.world_size} ranks but world_size is "
+                                      f"{here.world_size}: re-plan for this world size"))
+    return out
+
+
+def _compiled(graph: LayerGraph | None, plan: Plan, here: Here) -> list[Refusal]:
+    priced = plan.training.compiled
+    if here.torch_compile is not None and bool(here.torch_compile) != priced:
+        return [Refusal(CompileError, f"the plan was priced {'compiled' if priced else 'eager'} (training.compiled "
+                                      f"{str(priced).lower()}) but torch_compile={here.torch_compile} was asked: "
+                                      f"re-plan {'without' if priced else 'with'} --compile, or leave "
+                                      f"torch_compile unset")]
+    why = compiled_refusals(plan, graph) if priced else []
+    if why:
+        return [Refusal(CompileError, f"torch.compile runs DDP, ZeRO/FSDP2, pipeline, tensor-, expert- and "
+                                      f"context-parallel plans (with or without recompute) only; this plan has "
+                                      f"{' and '.join(why)}: run it eagerly (drop --compile / torch_compile), or "
+                                      f"pin it to what compiles (ep or cp beside dp alone, pp=1 for a refused "
+                                      f"pipeline)")]
+    return []
+
+
+def _float8(plan: Plan, here: Here) -> list[Refusal]:
+    priced, asked = plan.training.float8, here.float8
+    if asked is not None and bool(asked) != (priced is not None):
+        return [Refusal(Float8Error, f"the plan was priced {'with' if priced else 'without'} float8 "
+                                     f"(training.float8) but float8={asked!r} was asked: re-plan "
+                                     f"{'without' if priced else 'with'} --float8, or leave float8 unset")]
+    if priced is None:
+        return []
+    out = []
+    if asked not in (None, True, False) and str(asked) != priced.recipe.value:
+        out.append(Refusal(Float8Error, f"the plan was priced with {priced.recipe.value} float8 scaling, not "
+                                        f"{asked}: re-plan with --float8 {asked}"))
+    if why := float8_refusals(plan):
+        out.append(Refusal(Float8Error, f"float8 training runs DDP and ZeRO/FSDP2 plans only; this plan has "
+                                        f"{' and '.join(why)}: re-plan with --float8 (which pins "
+                                        f"{' '.join(a + '=1' for a in FLOAT8_AXES)})"))
+    if why := float8_device_refusal(here):
+        out.append(Refusal(Float8Error, why))
+    return out
+
+
+def _bias_update(graph: LayerGraph | None, plan: Plan, here: Here) -> list[Refusal]:
+    gamma = here.moe_bias_update
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not gamma >= 0 or math.isinf(gamma):
+        return [Refusal(LoweringError, f"moe_bias_update must be a finite float ≥ 0 (the bias step γ; 0 = off), "
+                                       f"got {gamma!r}")]
+    if gamma == 0:
+        return []
+    out = []
+    if not here.biased_routers:
+        out.append(Refusal(LoweringError, f"moe_bias_update={gamma:g} moves each router's {BIAS}, and no MoE "
+                                          "router of this model has one (DeepSeek-V3-style routers do)"))
+    if plan.mesh.pp > 1:
+        out.append(Refusal(LoweringError, f"moe_bias_update does not run under a pipeline yet (pp={plan.mesh.pp}): "
+                                          "plan with pp=1"))
+    if plan.training.compiled:
+        out.append(Refusal(LoweringError, "moe_bias_update does not run with torch.compile yet (its counting hook "
+                                          "would run inside the compiled blocks): plan without --compile"))
+    sp = [lp.name for lp in plan.layers if graph is not None and lp.choice.sp and graph.layer(lp.name).moe]
+    if sp:
+        out.append(Refusal(LoweringError, f"moe_bias_update does not run with sequence parallelism on an MoE layer "
+                                          f"yet ({sp[0]!r}: its router would count one tp rank's share of the "
+                                          "tokens)"))
+    return out
+
+
+__all__ = ["FLOAT8_AXES", "Here", "Refusal", "admit", "compiled_refusals", "float8_device_refusal",
+           "float8_refusals", "launch_hint", "mesh_refusal", "refusals"]
