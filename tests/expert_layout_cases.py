@@ -85,3 +85,14 @@ MORE = {"pp2": (("pp=2", "dp=1", "tp=1", "microbatches=2", "schedule=1f1b", "rec
         "ep2tp2": (("pp=1", "dp=2", "tp=2", "zero=3", "microbatches=1", "recompute=none"), 2)}
 CASES |= {f"{name}/{kind}": ec.equivalence(Spec(LAYOUT_MODELS[name], pins, 4, ep=ep))
           for name in LAYOUT_MODELS for kind, (pins, ep) in MORE.items()}
+
+
+def _compiled(name: str) -> Callable[[int, int], dict[str, Any]]:
+    """ep=2 over dp=2 with the blocks compiled (torch.compile per block, the exchange eager inside)."""
+    from compile_cases import compiled_equivalence
+
+    return compiled_equivalence(Spec(LAYOUT_MODELS[name], ("pp=1", "dp=2", "tp=1", "zero=0", "microbatches=1",
+                                                           "recompute=none"), 4, ep=2))
+
+
+CASES |= {f"{name}/ep2_compiled": (lambda n: lambda rank, ws: _compiled(n)(rank, ws))(name) for name in LAYOUT_MODELS}
