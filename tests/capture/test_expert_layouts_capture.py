@@ -80,3 +80,13 @@ def test_experts_whose_split_changes_their_numbers_are_refused_ep_at_plan_time_a
     assert "\n" not in str(refused.value) and "torchtitan" in str(refused.value), refused.value
     plan = autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=4, pins=["dp=2", "zero=3"])
     assert plan.mesh.dp == 2 and plan.mesh.ep == 1
+
+
+def test_splitting_experts_of_another_layout_across_tp_is_refused_at_plan_time_naming_it() -> None:
+    torch.manual_seed(0)
+    model, inputs = moe_layouts.titan_moe()
+    graph = autopar.capture(model, inputs)
+    with pytest.raises(AutoparError) as refused:
+        autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=4,
+                      pins=["tp=2", "dp=1", "layers.*:tp=megatron+experts"])
+    assert "\n" not in str(refused.value) and "torchtitan" in str(refused.value), refused.value
