@@ -80,9 +80,11 @@ CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {name: layouts_case(nam
 
 
 # further plans of the same models, each an equivalence case of its own (run on demand: W=2 for pp2,
-# W=4 for ep2tp2, ep=2 beside tp=2 over dp=2 at ZeRO-3)
+# W=4 for ep2tp2, ep=2 beside tp=2 over dp=2 at ZeRO-3, and pp2ep2, ep=2 inside the stages of pp=2)
 MORE = {"pp2": (("pp=2", "dp=1", "tp=1", "microbatches=2", "schedule=1f1b", "recompute=none"), 1),
-        "ep2tp2": (("pp=1", "dp=2", "tp=2", "zero=3", "microbatches=1", "recompute=none"), 2)}
+        "ep2tp2": (("pp=1", "dp=2", "tp=2", "zero=3", "microbatches=1", "recompute=none"), 2),
+        "pp2ep2": (("pp=2", "dp=2", "tp=1", "zero=0", "microbatches=2", "schedule=1f1b", "recompute=none",
+                    "ep=2"), 1)}
 CASES |= {f"{name}/{kind}": ec.equivalence(Spec(LAYOUT_MODELS[name], pins, 4, ep=ep))
           for name in LAYOUT_MODELS for kind, (pins, ep) in MORE.items()}
 
