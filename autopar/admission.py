@@ -29,13 +29,13 @@ from typing import Any
 from autopar.contract import BREAK_RECOMPUTES, compile_refusal, compiled_break
 from autopar.cost_models.gpu_figures import FP8_MIN_COMPUTE_CAPABILITY
 from autopar.errors import AutoparError, CompileError, Float8Error, LoweringError, PlanError
+from autopar.experts.layouts import ROUTER_BIAS as BIAS
 from autopar.float8 import NEEDS
 from autopar.graph import LayerGraph
 from autopar.mesh import Mesh
 from autopar.plan import Plan
 
 FLOAT8_AXES = ("tp", "pp", "ep")  # the axes float8 training does not run above degree 1 (float8_refusals)
-BIAS = "e_score_correction_bias"  # Hugging Face's name for DeepSeek-V3's per-expert routing bias
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import networkx as nx
 
+from autopar.experts import MoEFacts
 from autopar.loss_head import NOT_CHECKED, LossHead
-from autopar.moe import MoEFacts
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class TPStyle:
     # ``passes/expert_tensor.py``): their FLOPs and parameters are in ``sharded_*``, their output's all-reduce
     # in the all-reduce counts (``autopar/sharding/experts.py``)
     experts: tuple[str, ...] = ()
-    expert_width: int = 0  # their intermediate size I, which tp divides (gate_up_proj [E, 2I, H], down_proj [E, H, I])
+    expert_width: int = 0  # their intermediate size I, which tp divides (a fused gate-up [E, 2I, H], down [E, H, I])
 
     def admits_sequence(self, tp: int) -> bool:
         """Whether sequence parallelism on this style runs exact on ``tp`` ranks."""
@@ -314,7 +314,7 @@ class Layer:
     # model (cost_models.compute); graphs captured before these were recorded load with none and
     # price by their FLOPs
     ops: tuple[OpRecord, ...] = ()
-    # the layer's mixture-of-experts blocks (autopar.moe), and the compute-like ops no FLOP rule counted
+    # the layer's mixture-of-experts blocks (autopar.experts), and the compute-like ops no FLOP rule counted
     # (their work is not in flops_per_sample: the plan's notes name them)
     moe: tuple[MoEFacts, ...] = ()
     unpriced_ops: tuple[str, ...] = ()

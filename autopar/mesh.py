@@ -49,7 +49,7 @@ class AxisLimits:
     global_batch: int
     max_stages: int  # the pipeline stages the model can be cut into
     gpus_per_node: int
-    experts: tuple[int, ...] = ()  # the expert count of each mixture-of-experts block (autopar.moe)
+    experts: tuple[int, ...] = ()  # the expert count of each mixture-of-experts block (autopar.experts)
     layers: int = 0  # the layers of the model (named when an ep pin finds no experts)
     expert_refusal: str = ""  # why ep cannot split some MoE block ("" when it can split them all)
     seq_len: int = 0  # the captured sequence length (0: the inputs have none)

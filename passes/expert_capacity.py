@@ -20,8 +20,8 @@ each slot on its own, so computing it on another rank changes no number.
 A plan's ranks call the block on a share of the global batch: where the
 capacity can drop tokens (cf · top-k < E) which tokens drop depends on that
 share, so the planner offers no split of the batch there
-(:func:`autopar.moe.split_refusal`) and ep is refused
-(:attr:`autopar.moe.MoEFacts.ep_refusal`); drop-free, every token reaches
+(:func:`autopar.experts.split_refusal`) and ep is refused
+(:attr:`autopar.experts.MoEFacts.ep_refusal`); drop-free, every token reaches
 its top-k experts whatever the share, and padded slots are zero rows whose
 combine weights are zero.
 
@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 
 from autopar.capturing.moe_capacity import ExpertRegion, expert_weights, proof, run
-from autopar.moe import MoEFacts
+from autopar.experts import MoEFacts
 
 
 def _all_to_all(x: torch.Tensor, group: Any) -> torch.Tensor:

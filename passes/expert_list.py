@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from autopar.capturing.moe_reroute import out_width, proof, rerouted, router_width
-from autopar.moe import MoEFacts
+from autopar.experts import MoEFacts
 from autopar.passes.expert_dispatch import ScaleGrad, exchange
 
 

@@ -29,24 +29,24 @@ the same stages and running the same schedule: their all-to-alls come in the sam
 order on each. The schedule divides the stage's gradients by the microbatch count
 before :func:`reduce_expert_grads` sums them over the edp group and divides by dp.
 
-**Forward** of an experts module (Hugging Face 5.x fused ``*Experts``,
-called as ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``
-by Mixtral's, Qwen2-MoE's and DeepSeek-V3's blocks): the router runs
-replicated, on this rank's own tokens, exactly as written (fp32 scores where
-the model computes them so). The T·k routed rows are sorted by expert, their
-per-expert counts exchanged (one small all-to-all), the rows dispatched to
-the rank holding their expert with ``torch.distributed._functional_collectives.
-all_to_all_single_autograd`` (its backward is the reverse all-to-all), run
-through the local experts as Hugging Face's eager path runs one expert
-(``act(x·W_gate) * (x·W_up)`` then ``·W_down``), sent back by the reverse
-all-to-all, weighted by the router's top-k weights and summed per token
-(``index_add``), as the eager path does. Routing is decided before any
-dispatch, by the replicated router on the same tokens one device would see,
-so ep changes no routing decision. The ``top_k_index`` an experts module is
-called with is also what ``compile(..., moe_bias_update=γ)`` counts, before
-this forward moves any row (``autopar/runtime/balance.py``): a DeepSeek-V3
-router's bias then moves by the counts of the whole dp × cp group, ep's ranks
-among them.
+**Forward** of an experts module, in whatever layout its weights are held (``autopar.experts.calls``):
+the router runs replicated, on this rank's own tokens, exactly as written (fp32 scores where the model
+computes them so). The block's call of its experts is rerouted by its convention, recorded and proved
+splittable at capture (:class:`autopar.experts.Call`): Hugging Face's ``experts(hidden, top_k_index,
+top_k_weights)`` (Mixtral, Qwen2-MoE, DeepSeek-V3, gpt-oss) has its T·k routed rows sorted by expert;
+torchtitan's ``experts(rows sorted by expert, rows per expert)`` comes sorted; Llama 4's
+``experts(rows [E·T, H])`` is expert-major. The per-expert row counts are exchanged (one small
+all-to-all), the rows dispatched to the rank holding their expert with
+``torch.distributed._functional_collectives.all_to_all_single_autograd`` (its backward is the reverse
+all-to-all; Llama 4's equal blocks by ``passes/expert_capacity.py``'s even all-to-all on E), run
+through the module's **own forward** on this rank's slice of its ``[E, …]`` weights (so biases,
+clamped or interleaved gates and grouped GEMMs run as written), sent back, and — for Hugging Face's
+call — weighted by the router's top-k weights and summed per token (``index_add``) as its forward
+does. Routing is decided before any dispatch, by the replicated router on the same tokens one device
+would see, so ep changes no routing decision. The ``top_k_index`` a Hugging Face experts module is
+called with is also what ``compile(..., moe_bias_update=γ)`` counts, before this forward moves any
+row (``autopar/runtime/balance.py``): a DeepSeek-V3 router's bias then moves by the counts of the
+whole dp × cp group, ep's ranks among them.
 
 **Capacity blocks** (GShard/Switch: one-hot einsum dispatch into [E, C, H], the block's own 3-D
 experts) run their own forward with the expert region between dispatch and combine split on E
@@ -97,12 +97,12 @@ import torch.nn as nn
 
 from autopar.contract import Unit, data_ranks, ep_refusal
 from autopar.errors import LoweringError
+from autopar.experts import Call, Dispatch, ExpertLayout, MoEFacts
+from autopar.experts.calls import indexed, run_local
 from autopar.graph import LayerGraph
-from autopar.moe import Dispatch, ExpertLayout, MoEFacts
+from autopar.passes.expert_capacity import from_experts, to_experts
 from autopar.passes.expert_dispatch import ScaleGrad, exchange
 from autopar.plan import Plan
-
-_FUSED = ("gate_up_proj", "down_proj")  # HF 5.x *Experts: [E, 2I, H] and [E, H, I]
 
 
 @dataclass
@@ -139,24 +139,18 @@ def _refusal(model: nn.Module, name: str, facts: MoEFacts, ep: int) -> str | Non
         from autopar.passes.expert_capacity import capacity_refusal
 
         return capacity_refusal(model, name, facts)
+    if facts.ep_refusal:  # capture's proof of the block's call of its experts (autopar.capturing.moe_calls)
+        return f"layer {name!r}: {facts.ep_refusal}"
     try:
         experts = model.get_submodule(facts.experts_path)
     except AttributeError:
         return f"layer {name!r}: no experts module {facts.experts_path!r} in the model"
-    own = dict(experts.named_parameters(recurse=False))
-    shapes = {k: tuple(v.shape) for k, v in own.items()}
-    e = facts.num_experts
-    if (set(own) != set(_FUSED) or not callable(getattr(experts, "act_fn", None))
-            or own["gate_up_proj"].dim() != 3 or own["down_proj"].dim() != 3
-            or own["gate_up_proj"].shape[0] != e or own["down_proj"].shape[0] != e
-            or own["gate_up_proj"].shape[1] != 2 * own["down_proj"].shape[2]
-            or own["gate_up_proj"].shape[2] != own["down_proj"].shape[1]
-            or getattr(experts, "is_transposed", False) or not getattr(experts, "has_gate", True)
-            or getattr(experts, "has_bias", False) or getattr(experts, "has_post_expert_norm", False)
-            or not getattr(experts, "is_concatenated", True)):
-        return (f"layer {name!r}: experts {facts.experts_path!r} ({type(experts).__name__}, parameters "
-                f"{shapes}) are not Hugging Face's fused gate_up_proj [E, 2I, H] / down_proj [E, H, I] with "
-                "an act_fn, the one layout ep lowers")
+    own = {n: tuple(p.shape) for n, p in experts.named_parameters(recurse=False)}
+    if facts.call is Call.NONE or not facts.per_expert or any(
+            own.get(n, (0,))[0] != facts.num_experts for n in facts.per_expert):
+        return (f"layer {name!r}: experts {facts.experts_path!r} ({type(experts).__name__}, parameters {own}) "
+                f"are not the [E, …] weights capture proved ep splits ({list(facts.per_expert)}, called as "
+                f"{facts.call})")
     return None
 
 
@@ -194,12 +188,12 @@ def expert_mesh(mesh: Any, ep: int) -> Any:
     return cache[ep]
 
 
-def _shard(experts: nn.Module, emesh: Any) -> list[nn.Parameter]:
+def _shard(experts: nn.Module, facts: MoEFacts, emesh: Any) -> list[nn.Parameter]:
     from torch.distributed.tensor import DTensor, Shard
 
     ep, rank = emesh["ep"].size(), emesh["ep"].get_local_rank()
     made = []
-    for name in _FUSED:
+    for name in facts.per_expert:
         full = getattr(experts, name)
         local = full.detach().chunk(ep, dim=0)[rank].clone()
         param = nn.Parameter(DTensor.from_local(local, emesh["ep"], [Shard(0)], run_check=False),
@@ -245,11 +239,11 @@ def apply_expert_parallel(module: nn.Module, graph: LayerGraph, plan: Plan, mesh
             result.params += made  # whole over edp at every ZeRO stage, reduced by reduce_expert_grads
             result.modules.append(holder(made))  # the dp engine ignores these, not the block's router
             continue
-        made = _shard(experts, emesh)
+        made = _shard(experts, facts, emesh)
         # FSDP2 over edp averages a gradient over its edp ranks; the weights' gradient scaled by 1/ep on the
         # way makes that the mean over dp (each rank's experts already sum their ep group's tokens)
-        experts._autopar_ep = (emesh["ep"].get_group(), ep, emesh["ep"].get_local_rank(),
-                               1.0 / ep if sharded else None)
+        experts._autopar_ep = _EpCall(emesh["ep"].get_group(), ep, 1.0 / ep if sharded else None, facts.call,
+                                      facts.per_expert, facts.num_experts, type(experts).forward)
         experts.forward = types.MethodType(_ep_forward, experts)
         if sharded:  # FSDP2 wraps it in the data-parallel pass (after recompute): shard_experts
             result.sharded.append((experts, zeros[name]))
@@ -269,48 +263,62 @@ def expert_zeros(graph: LayerGraph, plan: Plan, units: tuple[Unit, ...]) -> dict
     return {lp.name: holder.get(lp.name, 0) for lp in plan.layers if graph.layer(lp.name).moe}
 
 
-def _local_experts(experts: nn.Module, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Rows grouped by local expert (``counts`` each) through their experts, as HF's eager path runs one."""
+@dataclass(frozen=True)
+class _EpCall:
+    """What an experts module's forward under ep needs: its ep group, the gradient scale FSDP2 over edp
+    needs (None outside it), how its block calls it, its [E, …] weights and its own forward."""
+
+    group: Any
+    ep: int
+    scale: float | None
+    call: Call
+    names: tuple[str, ...]
+    num_experts: int
+    forward: Any
+
+
+def _local_weights(experts: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """This rank's slice of the experts' weights, for one call of their own forward."""
     # a bf16 plan: the experts stay fp32 (FSDP2's policy does not reach them), computed on bf16 copies
     # whose gradients autograd casts back to fp32, as FSDP2's MixedPrecisionPolicy does for the rest
-    gate_up, down = experts.gate_up_proj.to_local().to(rows.dtype), experts.down_proj.to_local().to(rows.dtype)
-    scale = experts._autopar_ep[3]
-    if scale is not None:
-        gate_up, down = ScaleGrad.apply(gate_up, scale), ScaleGrad.apply(down, scale)
-    outs = []
-    for e, piece in enumerate(rows.split(counts)):
-        if not counts[e]:
-            continue
-        gate_up_out = nn.functional.linear(piece, gate_up[e])
-        if hasattr(experts, "_apply_gate"):  # HF's own gating (default: act(gate) * up of the two halves)
-            gated = experts._apply_gate(gate_up_out)
-        else:
-            gate, up = gate_up_out.chunk(2, dim=-1)
-            gated = experts.act_fn(gate) * up
-        outs.append(nn.functional.linear(gated, down[e]))
-    if not outs:
-        # no rows for any local expert: keep the weights (a zero gradient) and the received rows in the
-        # graph, so that every rank of the ep group runs the dispatch's backward all-to-all: a rank whose
-        # output did not depend on its received rows would skip it and leave its peers waiting (seen in
-        # a pipeline's first-step shape inference, which routes every token of its zero inputs alike)
-        return rows * 0.0 + 0.0 * (gate_up.sum() + down.sum())
-    return torch.cat(outs)
+    spec: _EpCall = experts._autopar_ep
+    weights = {n: getattr(experts, n).to_local() for n in spec.names}
+    weights = {n: w.to(dtype) if w.is_floating_point() else w for n, w in weights.items()}
+    if spec.scale is not None:
+        weights = {n: ScaleGrad.apply(w, spec.scale) for n, w in weights.items()}
+    return weights
 
 
-def _ep_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The experts' forward under ep: dispatch, local experts, combine (the module docstring)."""
-    group, ep, _, _ = self._autopar_ep
-    k = top_k_index.shape[-1]
-    flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # rows sorted by expert: by destination rank, then expert
-    token = order // k
-    # rows per expert, by scatter-add rather than bincount: a static shape, so a compiled block traces it
-    counts = flat.new_zeros(self.gate_up_proj.shape[0]).scatter_add_(0, flat, torch.ones_like(flat))
-    back = exchange(hidden_states[token], counts, group, ep, lambda rows, n: _local_experts(self, rows, n))
-    weighted = back * top_k_weights.reshape(-1)[order, None]
-    final = torch.zeros_like(hidden_states)
-    return final.index_add(0, token, weighted.to(final.dtype))
+def _run_local(experts: nn.Module, rows: torch.Tensor, counts: list[int],
+               like: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows grouped by local expert (``counts`` each) through the module's own forward on this rank's
+    weights (``autopar.experts.calls.run_local``)."""
+    spec: _EpCall = experts._autopar_ep
+    weights = _local_weights(experts, rows.dtype)
+    out = run_local(experts, spec.forward, spec.call, weights, rows, counts, like)
+    # no rows for any local expert: keep the weights (a zero gradient) and the received rows in the graph,
+    # so that every rank of the ep group runs the dispatch's backward all-to-all: a rank whose output did
+    # not depend on its received rows would skip it and leave its peers waiting (seen in a pipeline's
+    # first-step shape inference, which routes every token of its zero inputs alike)
+    return out + 0.0 * (rows.sum() + sum(w.sum() for w in weights.values() if w.is_floating_point()))
+
+
+def _ep_forward(self: nn.Module, *args: Any) -> torch.Tensor:
+    """The experts' forward under ep, per the block's call (``autopar.experts.calls``): dispatch, local
+    experts, combine."""
+    spec: _EpCall = self._autopar_ep
+    group, ep, e = spec.group, spec.ep, spec.num_experts
+    if spec.call is Call.INDEXED:
+        return indexed(*args, e, lambda rows, counts: exchange(rows, counts, group, ep,
+                                                               lambda r, n: _run_local(self, r, n)))
+    if spec.call is Call.GROUPED:
+        rows, counts = args
+        return exchange(rows, counts.long(), group, ep, lambda r, n: _run_local(self, r, n, counts))
+    rows = args[0]  # BLOCKED: [E·T, H], expert-major; this rank's experts take every ep rank's blocks
+    t, h = rows.shape[0] // e, rows.shape[-1]
+    got = to_experts(rows.view(e, t, h), group, ep)  # [E/ep, ep·T, H]
+    out = _run_local(self, got.reshape(-1, h), [ep * t] * (e // ep))
+    return from_experts(out.view(e // ep, ep * t, h), group, ep).reshape(e * t, h)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

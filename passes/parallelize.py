@@ -158,7 +158,7 @@ def _ep_run(module: nn.Module, ctx: Context, result: PartResult) -> None:
 def _ep_ensures(module: nn.Module, ctx: Context) -> str | None:
     from torch.distributed.tensor import DTensor
 
-    from autopar.moe import ExpertLayout
+    from autopar.experts import ExpertLayout
     from autopar.passes.expert_list import Elsewhere
     from autopar.passes.expert_parallel import moe_blocks
 

@@ -158,7 +158,7 @@ def hand_mixtral() -> tuple[nn.Module, tuple]:
 # changes which tokens drop unless none can: capacity_factor ≥ E / top-k makes the layer drop-free (an
 # expert receives at most every token of a call), and every plan then computes one device's numbers
 # (padded slots are zero rows with zero combine weights). The planner refuses every batch split of a
-# layer that can drop (autopar.moe.split_refusal; gshard_dropping below). Routing ties cannot flip: the router
+# layer that can drop (autopar.experts.split_refusal; gshard_dropping below). Routing ties cannot flip: the router
 # scores each token in fp32 from the same weights on every plan (only the batch's size differs), and the
 # top-k of random Gaussian scores has no two values within rounding at these sizes.
 

@@ -185,11 +185,15 @@ def crossing_values(gm: fx.GraphModule, example_inputs: Any, nodes: set[fx.Node]
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from autopar.capturing.moe import batched_hf_experts
+
     if not nodes:
         return {}
     args = _placeholder_args(gm, example_inputs)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
+        # Hugging Face experts through batched_mm: grouped_mm's meta kernel takes bf16 only, and an fp32
+        # model's fake run failed, leaving a tuple crossing a cut (gpt-oss's rotary (cos, sin)) unknown
+        with batched_hf_experts(gm), FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.no_grad():
             fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
             rec = _Recorder(gm, nodes)
             rec.run(*fake)

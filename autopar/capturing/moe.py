@@ -2,11 +2,11 @@
 
 :func:`find_blocks` walks the model's modules for a router beside experts:
 
-- **experts**: a child (or the block itself) whose own parameters are 3-D
-  with one leading expert dim E ≥ 2 (Hugging Face 5.x ``*Experts``:
-  ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]; GShard-style
-  ``w_in`` [E, H, I]), or an ``nn.ModuleList`` of E ≥ 2 modules of one class
-  with equal parameter shapes;
+- **experts**: a child (or the block itself) holding a per-expert GEMM chain:
+  two or more 3-D parameters of one leading expert dim E ≥ 2 (whatever their
+  names: ``autopar.experts.layouts`` names the libraries' layouts; a single 3-D
+  weight, such as a Mamba mixer's ``conv1d``, is no chain), or an
+  ``nn.ModuleList`` of E ≥ 2 modules of one class with equal parameter shapes;
 - **router**: another child with a 2-D weight of E rows (``nn.Linear(H, E)``,
   HF's ``*TopKRouter``), ``gate`` or ``router`` preferred;
 - **top-k**: ``top_k`` / ``num_experts_per_tok`` / ``k`` on the block, the
@@ -14,13 +14,15 @@
   is not taken for an MoE (it is captured and priced as written).
 
 Shared experts are the block's children named ``shared*``. A capacity factor
-is read from ``capacity_factor`` where the model has one.
+is read from ``capacity_factor`` where the model has one. How the block calls
+an experts module of its own is recorded and proved splittable for ep
+(``autopar.capturing.moe_calls``).
 
 Hugging Face's eager expert path (``config._experts_implementation`` eager
 or unset) loops over the experts a batch hit, which neither FX nor export
 can follow; :func:`static_hf_experts` has capture run HF's own ``grouped_mm``
 path instead — the same function of the same weights, with static shapes —
-and the facts say so (:attr:`~autopar.moe.Dispatch`). A hand-written
+and the facts say so (:attr:`~autopar.experts.Dispatch`). A hand-written
 per-expert loop is traced with each block as one leaf
 (:func:`leaf_blocks`); on real example inputs the leaf runs as written and
 is measured, and on the meta device it runs :func:`stand_in`: the router,
@@ -39,14 +41,22 @@ import torch
 import torch.nn as nn
 
 from autopar.capturing import moe_capacity
+from autopar.capturing.moe_calls import call_of
 from autopar.capturing.moe_reroute import proof
 from autopar.errors import CaptureError
-from autopar.moe import Dispatch, ExpertLayout, MoEFacts, RouterKind
+from autopar.experts import Call, Dispatch, ExpertLayout, MoEFacts, RouterKind
+from autopar.experts.calls import per_expert
+from autopar.experts.layouts import (
+    HF_EXPERTS_SWITCH,
+    ROUTER_BIAS,
+    ROUTER_NAMES,
+    SHARED_PREFIX,
+    TOP_K_ATTRS,
+    identify,
+    uses_hf_switch,
+)
 
 __all__ = ["Block", "Dispatch", "batched_hf_experts", "find_blocks", "stand_in", "static_hf_experts"]
-
-_TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "k", "topk", "moe_top_k")
-_ROUTER_NAMES = ("gate", "router", "gating", "wg", "switch")
 
 
 @dataclass(frozen=True)
@@ -66,13 +76,19 @@ class Block:
     shared_params: int
     shared_flops_per_token: float
     capacity_factor: float | None
-    reroute_refusal: str = ""  # a module list: why its loop cannot be rerouted for ep (moe_reroute.proof)
+    reroute_refusal: str = ""  # why ep cannot reroute its experts (moe_reroute.proof, moe_calls.call_of, …)
+    call: Call = Call.NONE
+    weights: str = ""
+    per_expert: tuple[str, ...] = ()
+    shared_paths: tuple[str, ...] = ()
+    router_bias: str = ""
 
     def facts(self, dispatch: Dispatch, routed_activation_bytes_per_sample: float) -> MoEFacts:
         return MoEFacts(self.path, self.experts_path, self.num_experts, self.top_k, self.expert_params,
                         self.expert_flops_per_token, self.router_params, self.router, self.layout, dispatch,
                         self.shared_params, self.shared_flops_per_token, self.capacity_factor,
-                        routed_activation_bytes_per_sample, self.reroute_refusal)
+                        routed_activation_bytes_per_sample, self.reroute_refusal, self.call, self.weights,
+                        self.per_expert, self.router_path, self.shared_paths, self.router_bias)
 
 
 def _join(prefix: str, name: str) -> str:
@@ -88,7 +104,8 @@ def _fused_experts(module: nn.Module) -> tuple[int, int, float] | None:
     """(E, one expert's parameters, its FLOPs per token) of a module holding 3-D expert weights itself."""
     own = list(module.parameters(recurse=False))
     cubes = [p for p in own if p.dim() == 3]
-    if not cubes or len({p.shape[0] for p in cubes}) != 1 or cubes[0].shape[0] < 2:
+    # a GEMM chain: two or more [E, ·, ·] weights (one 3-D weight, a conv1d's [C, 1, K], is no experts)
+    if len(cubes) < 2 or len({p.shape[0] for p in cubes}) != 1 or cubes[0].shape[0] < 2:
         return None
     e = int(cubes[0].shape[0])
     stacked = [p for p in own if p.dim() >= 2 and p.shape[0] == e]  # weights [E, …] and biases [E, N]
@@ -109,7 +126,7 @@ def _module_list_experts(module: nn.Module) -> tuple[int, int, float] | None:
 def _read_top_k(*modules: nn.Module) -> int | None:
     for m in modules:
         for holder in (m, getattr(m, "config", None)):
-            for attr in _TOP_K_ATTRS:
+            for attr in TOP_K_ATTRS:
                 value = getattr(holder, attr, None) if holder is not None else None
                 if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                     return value
@@ -118,7 +135,7 @@ def _read_top_k(*modules: nn.Module) -> int | None:
 
 def _router_kind(router: nn.Module) -> RouterKind:
     names = {n for n, _ in router.named_buffers()} | {n for n, _ in router.named_parameters()}
-    if "e_score_correction_bias" in names or hasattr(router, "n_group") or hasattr(router, "num_group"):
+    if ROUTER_BIAS in names or hasattr(router, "n_group") or hasattr(router, "num_group"):
         return RouterKind.SIGMOID_GROUPED
     if "topkrouter" in type(router).__name__.lower():
         return RouterKind.SOFTMAX_TOPK
@@ -128,7 +145,7 @@ def _router_kind(router: nn.Module) -> RouterKind:
 def _router(module: nn.Module, e: int, skip: str) -> tuple[str, nn.Module] | None:
     found = [(name, child) for name, child in module.named_children()
              if name != skip and any(p.dim() == 2 and p.shape[0] == e for p in child.parameters())]
-    found.sort(key=lambda nc: (not any(r in nc[0].lower() for r in _ROUTER_NAMES),
+    found.sort(key=lambda nc: (not any(r in nc[0].lower() for r in ROUTER_NAMES),
                                sum(p.numel() for p in nc[1].parameters())))
     return found[0] if found else None
 
@@ -153,7 +170,8 @@ def _block(path: str, module: nn.Module) -> Block | None:
     top_k = _read_top_k(module, router[1], child)
     if top_k is None or top_k > e:
         return None
-    shared = [p for n, c in module.named_children() if n.lower().startswith("shared") for p in c.parameters()]
+    shared_names = [n for n, _ in module.named_children() if n.lower().startswith(SHARED_PREFIX)]
+    shared = [p for n in shared_names for p in module.get_submodule(n).parameters()]
     cf = getattr(module, "capacity_factor", getattr(router[1], "capacity_factor", None))
     cf = float(cf) if isinstance(cf, (int, float)) and not isinstance(cf, bool) else None
     # a module list is run by the block's own loop: ep reroutes it where that is proved exact; a capacity
@@ -162,9 +180,16 @@ def _block(path: str, module: nn.Module) -> Block | None:
     if layout is ExpertLayout.FUSED and not name and cf is not None:
         why = moe_capacity.proof(module, e, int(router[1].weight.shape[1])) if hasattr(router[1], "weight") \
             else "its router holds no weight to read the hidden size from"
+    call, weights, stacked = Call.NONE, "", ()
+    if layout is ExpertLayout.FUSED and name:  # an experts module of its own: its call recorded and proved
+        call, why = call_of(module, name, e)
+        found = identify(child, str(call))
+        weights, stacked = (found.name if found else ""), per_expert(child, e)
+    bias = ROUTER_BIAS if ROUTER_BIAS in {n for n, _ in router[1].named_buffers()} else ""
     return Block(path, _join(path, name) if name else path, e, top_k, layout, expert_params, expert_flops,
                  _join(path, router[0]), sum(p.numel() for p in router[1].parameters()), _router_kind(router[1]),
-                 sum(p.numel() for p in shared), _matrix_flops(shared), cf, why)
+                 sum(p.numel() for p in shared), _matrix_flops(shared), cf, why, call, weights, stacked,
+                 tuple(_join(path, n) for n in shared_names), bias)
 
 
 def find_blocks(model: nn.Module) -> list[Block]:
@@ -184,8 +209,7 @@ def find_blocks(model: nn.Module) -> list[Block]:
 def _hf_eager_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Hugging Face experts modules (``@use_experts_implementation``) set to the eager loop or unset."""
     return [(p, m) for p, m in model.named_modules()
-            if hasattr(m, "_is_expert_parallel") and hasattr(m, "has_gate") and hasattr(m, "config")
-            and getattr(m.config, "_experts_implementation", None) in (None, "eager")]
+            if uses_hf_switch(m) and getattr(m.config, HF_EXPERTS_SWITCH, None) in (None, "eager")]
 
 
 @contextlib.contextmanager
@@ -193,14 +217,14 @@ def static_hf_experts(model: nn.Module) -> Iterator[set[str]]:
     """Run HF's eager experts through HF's own ``grouped_mm`` path while capturing (module docstring);
     yields the experts' paths so swapped."""
     swapped = _hf_eager_experts(model)
-    configs = {id(m.config): (m.config, m.config._experts_implementation) for _, m in swapped}
+    configs = {id(m.config): (m.config, getattr(m.config, HF_EXPERTS_SWITCH)) for _, m in swapped}
     try:
         for config, _ in configs.values():
-            config._experts_implementation = "grouped_mm"
+            setattr(config, HF_EXPERTS_SWITCH, "grouped_mm")
         yield {p for p, _ in swapped}
     finally:
         for config, before in configs.values():
-            config._experts_implementation = before
+            setattr(config, HF_EXPERTS_SWITCH, before)
 
 
 @contextlib.contextmanager
@@ -211,15 +235,15 @@ def batched_hf_experts(model: nn.Module) -> Iterator[None]:
     model's probe failed and cp was refused on it. The same per-token function of the same weights,
     static shapes; only the probe sees it (shapes and calls, no numbers)."""
     grouped = [m for _, m in model.named_modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "config")
-               and getattr(m.config, "_experts_implementation", None) == "grouped_mm"]
+               and getattr(m.config, HF_EXPERTS_SWITCH, None) == "grouped_mm"]
     configs = {id(m.config): m.config for m in grouped}
     try:
         for config in configs.values():
-            config._experts_implementation = "batched_mm"
+            setattr(config, HF_EXPERTS_SWITCH, "batched_mm")
         yield
     finally:
         for config in configs.values():
-            config._experts_implementation = "grouped_mm"
+            setattr(config, HF_EXPERTS_SWITCH, "grouped_mm")
 
 
 # ----------------------------------------------------------------------------- hand-written loops
@@ -253,7 +277,7 @@ def stand_in(module: nn.Module, block: Block, hidden: torch.Tensor) -> torch.Ten
     mixed = torch.cat(outs) * weights.repeat_interleave(block.top_k, dim=0)[:, :1]
     out = mixed.reshape(tokens, block.top_k, -1).sum(dim=1)
     for name, child in module.named_children():
-        if name.lower().startswith("shared"):
+        if name.lower().startswith(SHARED_PREFIX):
             shared = child(flat)
             if shared.shape == out.shape:
                 out = out + shared

@@ -22,7 +22,7 @@ reverse all-to-all, back to ``[E, C, …]``) and the op runs as written.
 with ``enter`` and ``leave`` the identity: everything that can go wrong is
 structural (an op outside the list, an einsum not keeping e first, a region
 never combined); capture records why it fails on the block's facts
-(:attr:`autopar.moe.MoEFacts.reroute_refusal`), so the planner offers ep only
+(:attr:`autopar.experts.MoEFacts.reroute_refusal`), so the planner offers ep only
 where the region is of that shape.
 """
 

@@ -16,7 +16,7 @@ own and random hidden states, that the rerouted forward (outputs computed in
 place) gives the block's own outputs and gradients (input and every
 parameter), and, on one real expert, that an expert maps rows to rows
 independently of the other rows it is called with and runs on no rows.
-Capture records the result on the block's facts (:attr:`autopar.moe.MoEFacts.
+Capture records the result on the block's facts (:attr:`autopar.experts.MoEFacts.
 reroute_refusal`), so the planner offers ep only where the lowering runs; the
 lowering proves it again on the model it is given.
 """

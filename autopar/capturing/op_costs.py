@@ -331,7 +331,8 @@ def _per_sample(m: float, batch: float, is_batched: bool, samples: int) -> tuple
 def _gemm_shard(paths: tuple[str, ...], node: fx.Node, style: TPStyle, between: set[fx.Node],
                 batched: bool, k: float = 0.0) -> ShardDim | None:
     if any(p == e or p.startswith(e + ".") for e in style.experts for p in paths):
-        # a routed expert split across its hidden dim I (sharding/experts.py): down_proj's reduction, gate_up's outputs
+        # a routed expert split across its hidden dim I (sharding/experts.py): the down weight's reduction,
+        # the gate-up's outputs
         return ShardDim.K if k == style.expert_width else ShardDim.N
     if any(p in style.column for p in paths):
         return ShardDim.N

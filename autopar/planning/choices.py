@@ -178,6 +178,10 @@ def _pinned_outside_search(table: PriceTable, i: int, pin: dict[str, Any]) -> li
         names = [s.name for s in layer.tp_styles]
         if style not in names:
             why = f"; {layer.tp_refusal}" if layer.tp_refusal and style == "megatron" else ""
+            held = ", ".join(sorted({m.weights or "a layout of no known library" for m in layer.moe}))
+            if style == "megatron+experts" and held and held != "hf-fused":  # sharding.experts.EXPERTS_STYLE
+                why = (f"; its experts ({held}) are not split across their hidden dim: only Hugging Face's "
+                       "fused layout is (autopar.experts.layouts.hidden_split_refusal)")
             raise PinError(f"layer {layer.name!r} has no tensor-parallel style {style!r} "
                            f"(it admits: {', '.join(names) or 'none'}{why})")
         if not layer.tp_style(style).admits(tp) or contract.tied_across_stages(table.graph, i, table.config.mesh.pp) \

@@ -23,10 +23,10 @@ from autopar.choice import CpAttention, Recompute
 from autopar.cost_models.hardware import ClusterSpec
 from autopar.cost_models.pipeline import SPLIT_BACKWARD, V_SHAPED, Schedule, ScheduleKind, schedule_refusal
 from autopar.errors import CompileError, Float8Error, PinError
+from autopar.experts import split_refusal
 from autopar.graph import LayerGraph
 from autopar.mesh import AXES, AxisLimits, Mesh, hosts_text, meshes
 from autopar.mesh import axis as mesh_axis
-from autopar.moe import split_refusal
 from autopar.pins import Pins
 from autopar.planning.configuration import Configuration, TrainingSpec
 

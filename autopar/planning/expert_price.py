@@ -11,7 +11,7 @@ each block moves its tokens' top-k rows (the layer's boundary, b·s·H, times to
 two all-to-alls forward and two backward, plus the per-expert row counts forward (the all-to-alls
 are on the critical path, counted with the layer's collectives, ``tp_comm_mb_s``, as ``ep_comm_mb_s``;
 a recomputed forward issues its two again), and its routed activations carry the load-imbalance
-margin of :meth:`autopar.moe.MoEFacts.activation_margin`. Expert compute is priced at balanced
+margin of :meth:`autopar.experts.MoEFacts.activation_margin`. Expert compute is priced at balanced
 routing (top-k rows a token, the captured FLOPs).
 
 Each function takes the layer's :class:`~autopar.planning.pricing.PriceTable` (its configuration, groups,
@@ -24,8 +24,8 @@ from typing import Any
 
 from autopar import contract
 from autopar.cost_models.communication import Collective, collective_time_s
+from autopar.experts import ExpertLayout
 from autopar.graph import Layer
-from autopar.moe import ExpertLayout
 
 
 def split_params(table: Any, layer: Layer) -> int:
@@ -41,11 +41,11 @@ def local_params(table: Any, layer: Layer) -> int:
 
 
 def dtensor_params(table: Any, layer: Layer) -> int:
-    """The layer's parameters ep makes DTensors (fused experts' two weights a block; a module list's
+    """The layer's parameters ep makes DTensors (3-D experts' [E, …] weights; a module list's
     experts stay plain): the optimizer steps them through DTensor dispatch beside a DDP root."""
     if table.config.mesh.ep <= 1:
         return 0
-    return sum(2 for m in layer.moe if m.layout is not ExpertLayout.MODULE_LIST)
+    return sum(m.expert_tensors for m in layer.moe if m.layout is not ExpertLayout.MODULE_LIST)
 
 
 def expert_zero(table: Any, layer: Layer, zero: int) -> int:
@@ -101,8 +101,7 @@ def sync_s(table: Any, layer: Layer) -> float:
     experts = local_params(table, layer)
     if not experts:
         return 0.0
-    # fused experts: gate_up_proj and down_proj; a module list's local experts: one flat bucket
-    count = sum(1 if m.layout is ExpertLayout.MODULE_LIST else 2 for m in layer.moe)
+    count = sum(m.expert_tensors for m in layer.moe)  # MoEFacts.expert_tensors: a module list's one bucket
     return collective_time_s(Collective.ALL_REDUCE, table.prec.grad_bytes * experts, table.edp_group,
                              table.cluster, count=count)
 
@@ -110,6 +109,6 @@ def sync_s(table: Any, layer: Layer) -> float:
 
 def imbalance_bytes(table: Any, layer: Layer) -> float:
     """Activation bytes per sample the routed experts of one rank may hold beyond the balanced share
-    under ep (:meth:`autopar.moe.MoEFacts.activation_margin`, minus the share already counted)."""
+    under ep (:meth:`autopar.experts.MoEFacts.activation_margin`, minus the share already counted)."""
     ep, cp = table.config.mesh.ep, table.config.mesh.cp  # under cp a sample's S/cp tokens on this rank
     return sum(m.routed_activation_bytes_per_sample * (m.activation_margin(ep) - 1.0) for m in layer.moe) / cp

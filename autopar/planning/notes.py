@@ -9,10 +9,10 @@ from typing import Any
 from autopar import contract
 from autopar.choice import CpAttention, LossKind, Recompute
 from autopar.cost_models.hardware import ClusterSpec
+from autopar.experts import Dispatch, ExpertLayout
 from autopar.float8 import emulated
 from autopar.graph import LayerGraph
 from autopar.loss_head import NOT_CHECKED
-from autopar.moe import Dispatch, ExpertLayout
 from autopar.pins import Pins
 from autopar.planning import loss_price
 from autopar.planning.configs import CP_PP_SEARCHED_UP_TO, CP_UNSEARCHED, idle_tp
@@ -106,7 +106,7 @@ def moe_notes(graph: LayerGraph, ep: int = 1, dp: int = 1, tp_split: bool = Fals
     expert-parallel degree ``ep`` over ``dp``, the dp × cp ranks ep borrows from)."""
     notes = []
     def unplaced(layer):  # the facts but where they sit: equal blocks of consecutive layers fold into one note
-        return tuple(replace(f, module_path="", experts_path="") for f in layer.moe)
+        return tuple(replace(f, module_path="", experts_path="", router_path="", shared_paths=()) for f in layer.moe)
 
     for names, facts in _runs(graph, unplaced):
         for f in facts:

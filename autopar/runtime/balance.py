@@ -1,8 +1,8 @@
 """DeepSeek-V3's auxiliary-loss-free load balancing: each router's expert bias moved by the step's token counts.
 
 A DeepSeek-V3 router (Hugging Face 5.x ``DeepseekV3TopkRouter``; GLM-4-MoE's
-and others' alike) holds a per-expert bias, the buffer
-``e_score_correction_bias``, that is added to the scores only to choose each
+and others' alike) holds a per-expert bias, a buffer
+(its name in ``autopar.experts.layouts``), that is added to the scores only to choose each
 token's top-k experts (not to weight them). Hugging Face's classes never
 move it in training; DeepSeek-V3 (arXiv 2412.19437, §2.1.2) does, after each
 step: ``b_e += γ · sign(mean load − load_e)``, where ``load_e`` is the number
@@ -46,9 +46,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.admission import BIAS
 from autopar.errors import LoweringError
+from autopar.experts.layouts import ROUTER_BIAS
 from autopar.plan import Plan
+
+BIAS = ROUTER_BIAS  # Hugging Face's name for DeepSeek-V3's per-expert routing bias (autopar.experts.layouts)
 
 
 @dataclass
@@ -67,21 +69,21 @@ class BiasedRouter:
 
 
 def biased_routers(model: nn.Module) -> list[BiasedRouter]:
-    """Every MoE block's router holding an ``e_score_correction_bias`` (``capturing.moe.find_blocks``);
+    """Every MoE block's router holding a balance bias (``capturing.moe.find_blocks``);
     raises :class:`LoweringError` when such a block's experts are not a module called with the top-k
     indices."""
     from autopar.capturing.moe import find_blocks
-    from autopar.moe import ExpertLayout
+    from autopar.experts import Call
 
     found = []
     for block in find_blocks(model):
         router = model.get_submodule(block.router_path)
-        if not isinstance(getattr(router, BIAS, None), torch.Tensor):
+        if not block.router_bias or not isinstance(getattr(router, block.router_bias, None), torch.Tensor):
             continue
-        if block.layout is not ExpertLayout.FUSED or block.experts_path == block.path:
+        if block.call is not Call.INDEXED:
             raise LoweringError(f"moe_bias_update: {block.router_path} has an {BIAS}, but its experts are "
-                                f"a {block.layout} run by the block's own loop, not a module called with the "
-                                "top-k indices, so its token counts cannot be read")
+                                f"a {block.layout} not called with the top-k indices ({block.call}), so its "
+                                "token counts cannot be read")
         found.append(BiasedRouter(block.router_path, router, model.get_submodule(block.experts_path),
                                   block.num_experts))
     return found

@@ -21,8 +21,8 @@ import torch.nn as nn
 
 from autopar.contract import plan_layout
 from autopar.errors import LoweringError, PlanError
+from autopar.experts import split_refusal
 from autopar.graph import LayerGraph
-from autopar.moe import split_refusal
 from autopar.passes.batchnorm import sync_batch_norms
 from autopar.passes.parallelize import Part, PartResult, parallelize_part
 from autopar.plan import Plan

@@ -533,7 +533,7 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
     :class:`~autopar.errors.Float8Error` before any collective.
     ``moe_bias_update``: γ ≥ 0 of DeepSeek-V3's auxiliary-loss-free load
     balancing (0, the default: off): after each step every router's
-    ``e_score_correction_bias`` moves by γ · sign(mean − count) per expert,
+    its balance bias moves by γ · sign(mean − count) per expert,
     the counts summed over every rank that routes different tokens
     (:mod:`autopar.runtime.balance`); a model with no such router, or a plan
     it does not run yet, raises :class:`~autopar.errors.LoweringError` before

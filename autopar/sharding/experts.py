@@ -1,8 +1,9 @@
 """The tensor-parallel style that also splits a layer's routed experts across their hidden dimension.
 
 Megatron-Core's expert tensor parallelism (ETP): each tp rank holds rows ``[r·I/tp, (r+1)·I/tp)`` of the
-gate half and of the up half of a Hugging Face fused ``gate_up_proj`` [E, 2I, H] and the same columns of
-``down_proj`` [E, H, I]; every rank routes the same tokens (the router stays replicated, so no routing
+gate half and of the up half of a fused gate-up weight [E, 2I, H] and the same columns of the down weight
+[E, H, I] (the layouts that take it: ``autopar.experts.layouts.hidden_split_refusal``); every rank routes the
+same tokens (the router stays replicated, so no routing
 decision changes), computes a partial output and the partials are summed over tp
 (``passes/expert_tensor.py``). An MoE layer whose dense part takes the proved ``megatron`` style is
 offered a second style, :data:`EXPERTS_STYLE`: the same projections, plus its experts split. The solver
@@ -27,29 +28,16 @@ import dataclasses
 
 import torch.nn as nn
 
+from autopar.experts.layouts import hidden_split_refusal, hidden_split_weights
 from autopar.graph import Layer, TPStyle
 
 EXPERTS_STYLE = "megatron+experts"
-_FUSED = ("gate_up_proj", "down_proj")
 
 
 def experts_refusal(experts: nn.Module) -> str:
-    """Why ``experts`` cannot be split across its hidden dim ("" when it can): Hugging Face 5.x fused
-    ``*Experts`` (``gate_up_proj`` [E, 2I, H] with the gate half first, ``down_proj`` [E, H, I], an
-    ``act_fn``), with no bias (a down-projection bias would be added on every rank) and no post-expert norm."""
-    own = dict(experts.named_parameters(recurse=False))
-    if set(own) != set(_FUSED):
-        return f"{type(experts).__name__} holds {sorted(own)}, not gate_up_proj/down_proj alone"
-    gu, down = own["gate_up_proj"], own["down_proj"]
-    if (gu.dim() != 3 or down.dim() != 3 or gu.shape[0] != down.shape[0] or gu.shape[1] != 2 * down.shape[2]
-            or gu.shape[2] != down.shape[1]):
-        return f"gate_up_proj {tuple(gu.shape)} / down_proj {tuple(down.shape)} are not [E, 2I, H] / [E, H, I]"
-    if (not callable(getattr(experts, "act_fn", None)) or getattr(experts, "is_transposed", False)
-            or not getattr(experts, "has_gate", True) or getattr(experts, "has_bias", False)
-            or getattr(experts, "has_post_expert_norm", False) or not getattr(experts, "is_concatenated", True)):
-        return (f"{type(experts).__name__} is transposed, biased, ungated or normed after its experts "
-                "(only the gated act(gate) * up layout without bias is split)")
-    return ""
+    """Why ``experts`` cannot be split across their hidden dim ("" when they can): the layouts that name
+    their gate, up and down weights say (:func:`autopar.experts.layouts.hidden_split_refusal`)."""
+    return hidden_split_refusal(experts)
 
 
 def draft(model: nn.Module, styles: tuple[TPStyle, ...], moe: tuple) -> tuple[TPStyle, ...]:
@@ -68,7 +56,7 @@ def draft(model: nn.Module, styles: tuple[TPStyle, ...], moe: tuple) -> tuple[TP
         if m.experts_path == m.module_path or experts_refusal(experts):
             return styles
         paths.append(m.experts_path)
-        widths.add(experts.down_proj.shape[2])
+        widths.add(getattr(experts, hidden_split_weights(experts)[1]).shape[2])
     if len(widths) != 1:
         return styles
     return (*styles, dataclasses.replace(base, name=EXPERTS_STYLE, experts=tuple(paths), expert_width=widths.pop()))

@@ -19,8 +19,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.capturing import capture
 from autopar.capturing.op_costs import grouped_mm_flops
+from autopar.experts import DEFAULT_IMBALANCE_MARGIN, Dispatch, ExpertLayout, RouterKind
 from autopar.graph import LayerGraph
-from autopar.moe import DEFAULT_IMBALANCE_MARGIN, Dispatch, ExpertLayout, RouterKind
 from autopar.planning.notes import moe_notes, unpriced_notes
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

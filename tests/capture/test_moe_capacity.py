@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.errors import LoweringError, PinError
+from autopar.experts import Dispatch, ExpertLayout, split_refusal
 from autopar.mesh import Mesh
-from autopar.moe import Dispatch, ExpertLayout, split_refusal
 from autopar.passes.expert_parallel import check_expert_parallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -32,7 +32,7 @@ LEVELS: dict[str, int] = {
     "autopar.mesh": 2,
     "autopar.choice": 2,
     "autopar.graph": 2,
-    "autopar.moe": 2,
+    "autopar.experts": 2,
     "autopar.float8": 2,
     "autopar.plan": 2,
     "autopar.plan_table": 2,

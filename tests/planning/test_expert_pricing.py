@@ -14,9 +14,9 @@ from autopar.contract import REPLICATED, DataParallelism
 from autopar.cost_models.communication import Collective, all_to_all_time_s, collective_time_s, place_group
 from autopar.cost_models.pipeline import Schedule, ScheduleKind
 from autopar.cost_models.presets import PRESETS
+from autopar.experts import Dispatch, ExpertLayout, MoEFacts, RouterKind
 from autopar.graph import LayerGraph
 from autopar.mesh import Mesh
-from autopar.moe import Dispatch, ExpertLayout, MoEFacts, RouterKind
 from autopar.plan import BREAKDOWN_TERMS
 from autopar.planning import expert_price
 from autopar.planning.configuration import Configuration, TrainingSpec

@@ -1,13 +1,16 @@
-"""What a mixture-of-experts layer is, in one record the pricing and the contract read (:class:`MoEFacts`).
+"""What a routed-experts layer is, in one record capture writes and pricing, the contract and every pass read
+(:class:`MoEFacts`).
 
-Capture recognises an MoE block by its structure (``autopar.capturing.moe``):
-a router — a weight with one row per expert — beside the experts, held either
-as 3-D parameters whose first dim is the expert (Hugging Face 5.x
-``*Experts``: ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) or as an
-``nn.ModuleList`` of identical modules. What it reads is kept here, per
-layer, so that every price of the layer (its FLOPs per token, its memory, and
-— once there is an ``ep`` axis — its all-to-all volume and its experts' share
-per rank) is read from one place.
+Capture recognises an MoE block by what it computes (``autopar.capturing.moe``):
+a router — a weight with one row per expert — beside experts held either as
+3-D parameters whose first dim is the expert (a per-expert GEMM chain: two or
+more ``[E, ·, ·]`` weights) or as an ``nn.ModuleList`` of identical modules;
+how the block calls its experts (:class:`Call`, recorded from one call) and
+which library's weight layout they hold (``autopar.experts.layouts``, the one
+module that names any library's expert parameters). What it reads is kept
+here, per layer, so that every price of the layer (its FLOPs per token, its
+memory, its all-to-all volume and its experts' share per rank under ``ep``) and
+every lowering of it (``passes/expert_*.py``) reads one description.
 
 A routed token costs top-k experts' FLOPs plus the router's and the shared
 experts'; every expert's parameters, gradients and optimizer state are held
@@ -43,6 +46,16 @@ class ExpertLayout(StrEnum):
 
     FUSED = "3-D parameters"  # [E, ...] per weight: grouped GEMM, a loop over the expert dim or one-hot einsum
     MODULE_LIST = "module list"  # nn.ModuleList of E identical modules
+
+
+class Call(StrEnum):
+    """How a block calls its 3-D experts, recorded from one call at capture; ep reroutes that call
+    (``autopar.experts.calls``: the same conventions run split over ranks, proved in one process)."""
+
+    INDEXED = "experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])"  # Hugging Face 5.x, gpt-oss
+    GROUPED = "experts(rows sorted by expert [R, H], rows per expert [E])"  # torchtitan's GroupedExperts
+    BLOCKED = "experts(rows [E·T, H], expert-major)"  # Llama 4: every expert on every (scored) token
+    NONE = "not called as a module"  # a module list, or a block holding its 3-D experts itself
 
 
 class Dispatch(StrEnum):
@@ -88,6 +101,20 @@ class MoEFacts:
     # proved the rerouted forward equal to the block's own: autopar/capturing/moe_reroute.py); a capacity
     # block's own 3-D experts: why ep cannot split its expert region (autopar/capturing/moe_capacity.py)
     reroute_refusal: str = ""
+    call: Call = Call.NONE  # how the block calls its 3-D experts module (Call.NONE otherwise)
+    weights: str = ""  # the weight layout's name (autopar.experts.layouts.LAYOUTS), "" when no library's
+    per_expert: tuple[str, ...] = ()  # the experts module's own [E, …] parameters: what ep shards on dim 0
+    router_path: str = ""
+    shared_paths: tuple[str, ...] = ()  # shared experts beside the routed ones (every token runs them)
+    router_bias: str = ""  # the router's per-expert balance bias buffer (DeepSeek-V3): runtime/balance.py
+
+    @property
+    def expert_tensors(self) -> int:
+        """The tensors ep holds this block's experts in: a module list's local experts are one flat bucket;
+        3-D experts, their [E, …] weights (two where capture did not list them: GShard's w_in, w_out)."""
+        if self.layout is ExpertLayout.MODULE_LIST:
+            return 1
+        return len(self.per_expert) or 2
 
     @property
     def routed_params(self) -> int:
@@ -144,6 +171,10 @@ class MoEFacts:
                                           else "")
         if self.experts_path == self.module_path:
             return f"{self.module_path}: its expert weights are the block's own (no experts module to reroute)"
+        if self.reroute_refusal:  # capture's proof of the rerouted call failed (autopar.experts.calls.proof)
+            held = self.weights or "a layout of no known library"
+            return (f"{self.module_path}: experts {self.experts_path!r} ({held}, called as {self.call}): "
+                    f"{self.reroute_refusal}")
         return ""
 
     def activation_margin(self, ep: int = 1) -> float:
@@ -165,8 +196,9 @@ class MoEFacts:
     def describe(self) -> str:
         """One line for the plan: the experts, their top-k, the router and how dispatch was captured."""
         shared = f" + shared experts ({self.shared_params:,} parameters)" if self.shared_params else ""
+        held = f"{self.layout}: {self.weights}" if self.weights else str(self.layout)
         cap = f", capacity factor {self.capacity_factor:g}" if self.capacity_factor is not None else ""
-        return (f"{self.num_experts} experts ({self.layout}, {self.expert_params:,} parameters each), "
+        return (f"{self.num_experts} experts ({held}, {self.expert_params:,} parameters each), "
                 f"top-{self.top_k}{shared}, router {self.router}, dispatch: {self.dispatch}{cap}")
 
     def signature(self) -> tuple:
@@ -182,6 +214,8 @@ class MoEFacts:
         d = dict(d)
         d["router"], d["layout"], d["dispatch"] = (RouterKind(d["router"]), ExpertLayout(d["layout"]),
                                                    Dispatch(d["dispatch"]))
+        d["call"] = Call(d.get("call", Call.NONE))
+        d["per_expert"], d["shared_paths"] = tuple(d.get("per_expert", ())), tuple(d.get("shared_paths", ()))
         return cls(**d)
 
 
@@ -199,4 +233,4 @@ def split_refusal(layers: Iterable[Any], mesh: Any, microbatches: int) -> str | 
     return f"dp={mesh.dp} × cp={mesh.cp} × microbatches={microbatches} splits the batch, but {why}"
 
 
-__all__ = ["DEFAULT_IMBALANCE_MARGIN", "Dispatch", "ExpertLayout", "MoEFacts", "RouterKind", "split_refusal"]
+__all__ = ["DEFAULT_IMBALANCE_MARGIN", "Call", "Dispatch", "ExpertLayout", "MoEFacts", "RouterKind", "split_refusal"]
