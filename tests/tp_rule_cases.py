@@ -1,0 +1,40 @@
+"""Cases for :mod:`distributed`: code people write whose tensor parallelism needed a sharding rule
+(issue 41 item 3), trained at tp=2 against one process (see :mod:`equivalence_cases`).
+
+Meta's reference Llama (complex rotary embeddings through ``view_as_complex``) with grouped key/value
+heads, and gpt-oss (a per-head attention sink concatenated to the scores), built small, their blocks
+pinned to the Megatron style the simulation proved; the numbers must match one device within 1e-5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from equivalence_cases import PP1, Spec, equivalence
+from meta_models import meta_llama
+
+
+def gpt_oss() -> tuple[nn.Module, tuple]:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.GptOssConfig(vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                                    num_experts_per_tok=2, use_cache=False, tie_word_embeddings=False,
+                                    max_position_embeddings=64, sliding_window=8,
+                                    layer_types=["sliding_attention", "full_attention"])
+    return transformers.GptOssForCausalLM(cfg), (torch.zeros(2, 16, dtype=torch.long),)
+
+
+MODELS: dict[str, tuple[Callable[[], tuple[nn.Module, tuple]], str]] = {
+    "meta_llama_gqa": (lambda: meta_llama(n_kv_heads=2), "layers.*"),
+    "gpt_oss_sinks": (gpt_oss, "model.layers.*"),
+}
+SPECS: dict[str, Spec] = {
+    name: Spec(build, PP1 + ("dp=1", "tp=2", "zero=0", f"{blocks}:tp=megatron"), 4)
+    for name, (build, blocks) in MODELS.items()
+}
+CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}
