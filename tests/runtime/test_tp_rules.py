@@ -22,5 +22,5 @@ def test_two_tp_ranks_match_one_device(w2: dict, case: str) -> None:
     for r in every_rank(w2[case]):
         # the blocks hold shares (gpt-oss's experts stay whole: ep is not asked)
         assert r["mesh"] == [1, 1, 2] and r["local_bytes_frac"] < 0.95
-        blocks = [layer for layer in r["layers"] if "layers." in layer[0]]
+        blocks = [layer for layer in r["layers"] if layer[0].startswith(("layers.", "model.layers.", "blocks."))]
         assert blocks and all(tp == "megatron" for _, tp, _, _, _ in blocks)
