@@ -414,7 +414,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             check_compilable(plan, graph)
     warnings = v.plan_warnings(plan, model) + warnings
     if not args.json:
-        _out("\n".join(v.setup_lines(plan, dropout, warnings, loss)))
+        _out("\n".join(v.setup_lines(plan, dropout, warnings, loss, graph)))
     try:
         report = v.verify(args.spec, plan.to_json(), graph.to_dict(), steps=args.steps, seq_len=args.seq_len,
                           loss=args.loss)

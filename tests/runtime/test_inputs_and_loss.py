@@ -15,7 +15,7 @@ from zoo import build
 import autopar
 from autopar import contract
 from autopar.choice import Recompute
-from autopar.errors import InputsError, LossError
+from autopar.errors import InputsError, LossError, PinError
 from autopar.runtime.loss import default_loss, pick_loss
 from autopar.tools.batches import synthetic_batch
 
@@ -118,13 +118,20 @@ def test_batchnorm_statistics_all_reduces_are_priced_under_dp_only() -> None:
     assert forward_s(2) > forward_s(1) and forward_s(2, fc) == forward_s(1, fc)
 
 
-def test_verify_says_why_batchnorm_with_microbatches_cannot_match_one_process() -> None:
-    from autopar.tools.verify import plan_warnings
+def test_batchnorm_over_microbatches_is_named_in_the_plan_and_verify_runs_the_same_splits() -> None:
+    from autopar.tools.verify import plan_warnings, setup_lines
 
     model, inputs = build("resnet_bn")
     graph = autopar.capture(model, inputs)
     plans = {m: autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=4,
                               pins=["pp=1", "dp=2", f"microbatches={m}"]) for m in (1, 2)}
-    (warning,) = plan_warnings(plans[2], model)
-    assert "BatchNorm" in warning and "pin microbatches=1" in warning
-    assert plan_warnings(plans[1], model) == []
+    assert plan_warnings(plans[2], model) == [] and plan_warnings(plans[1], model) == []
+    split = next(n for n in plans[2].notes if n.startswith("batch-coupled layers"))
+    assert "each microbatch of the whole dp group, 2 splits of 2 samples" in split, split
+    assert "one process: each step as the same 2 splits of 2 samples" in "\n".join(
+        setup_lines(plans[2], [], [], graph=graph))
+    exact = next(n for n in plans[1].notes if n.startswith("batch-coupled layers"))
+    assert "exact" in exact and "all-reduced over the dp group of 2" in exact
+    with pytest.raises(PinError, match="BatchNorm.*microbatches run one after another"):
+        autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=4,
+                      pins=["pp=1", "dp=2", "microbatches=2", "batch_coupled=exact"])
