@@ -97,7 +97,7 @@ def test_no_recompute_is_offered_on_layers_holding_a_batchnorm() -> None:
 
 
 def test_batchnorm_statistics_all_reduces_are_priced_under_dp_only() -> None:
-    from autopar.choice import LayerChoice
+    from autopar.choice import BatchCoupling, LayerChoice
     from autopar.cost_models.pipeline import Schedule, ScheduleKind
     from autopar.cost_models.presets import PRESETS
     from autopar.mesh import Mesh
@@ -109,13 +109,16 @@ def test_batchnorm_statistics_all_reduces_are_priced_under_dp_only() -> None:
     block = next(l for l in graph.layers if l.name == "layer1.0")
     assert block.sync_norm_channels == (8, 8)
 
-    def forward_s(dp: int, layer=block) -> float:
+    def forward_s(dp: int, layer=block, coupled: BatchCoupling = BatchCoupling.AUTO) -> float:
         config = Configuration(Mesh(dp=dp), 1, Schedule(ScheduleKind.NONE))
-        table = PriceTable(graph, config, PRESETS["a100-80g"].for_world_size(dp), TrainingSpec(4))
+        table = PriceTable(graph, config, PRESETS["a100-80g"].for_world_size(dp),
+                           TrainingSpec(4, batch_coupled=coupled))
         return table._price(layer, LayerChoice()).forward_mb_s
 
     fc = next(l for l in graph.layers if l.name == "fc")
     assert forward_s(2) > forward_s(1) and forward_s(2, fc) == forward_s(1, fc)
+    # batch_coupled=split: each rank normalises its own share, no collective to price
+    assert forward_s(2, coupled=BatchCoupling.SPLIT) == forward_s(1) < forward_s(2, coupled=BatchCoupling.EXACT)
 
 
 def test_batchnorm_over_microbatches_is_named_in_the_plan_and_verify_runs_the_same_splits() -> None:
