@@ -2,8 +2,9 @@
 (issue 41 item 3), trained at tp=2 against one process (see :mod:`equivalence_cases`).
 
 Meta's reference Llama (complex rotary embeddings through ``view_as_complex``) with grouped key/value
-heads, gpt-oss (a per-head attention sink concatenated to the scores) and a plain GPT as long as it is
-wide (a size with two roles), built small, their blocks
+heads, gpt-oss (a per-head attention sink concatenated to the scores), Llama 4 (an MoE router outside
+every column → row group, run whole) and a plain GPT as long as it is wide (a size with two roles),
+built small, their blocks
 pinned to the Megatron style the simulation proved; the numbers must match one device within 1e-5.
 """
 
@@ -30,6 +31,18 @@ def gpt_oss() -> tuple[nn.Module, tuple]:
     return transformers.GptOssForCausalLM(cfg), (torch.zeros(2, 16, dtype=torch.long),)
 
 
+def llama4() -> tuple[nn.Module, tuple]:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.Llama4TextConfig(vocab_size=128, hidden_size=32, intermediate_size=32, intermediate_size_mlp=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                        num_local_experts=4, num_experts_per_tok=1, use_cache=False,
+                                        max_position_embeddings=64, interleave_moe_layer_step=1, no_rope_layers=[1, 1],
+                                        attention_chunk_size=64)
+    return transformers.Llama4ForCausalLM(cfg), (torch.zeros(2, 16, dtype=torch.long),)
+
+
 def plain_gpt_64() -> tuple[nn.Module, tuple]:
     import plain_gpt  # examples/, on the path equivalence_cases sets
 
@@ -53,6 +66,9 @@ def narrowed(case: Callable[[int, int], dict[str, Any]]) -> Callable[[int, int],
 MODELS: dict[str, tuple[Callable[[], tuple[nn.Module, tuple]], str]] = {
     "meta_llama_gqa": (lambda: meta_llama(n_kv_heads=2), "layers.*"),
     "gpt_oss_sinks": (gpt_oss, "model.layers.*"),
+    # an MoE layer's router (Llama 4's, which picks its experts itself) beside its shared expert's group:
+    # the router and the routed experts run whole on every rank
+    "llama4_router": (llama4, "model.layers.*"),
 }
 SPECS: dict[str, Spec] = {
     name: Spec(build, PP1 + ("dp=1", "tp=2", "zero=0", f"{blocks}:tp=megatron"), 4)
