@@ -104,6 +104,34 @@ class LossKind(StrEnum):
         return aliases[text]
 
 
+class BatchCoupling(StrEnum):
+    """How a plan runs layers whose output depends on the batch they see (BatchNorm's statistics, a
+    GShard/Switch capacity MoE's token drops): one choice for the plan (``training.batch_coupled``).
+
+    ``EXACT`` keeps one device's numbers: BatchNorm's statistics all-reduced over dp (priced), and
+    no plan that splits a capacity block's tokens or runs a BatchNorm on microbatches (those have
+    no global statistic or capacity before the first split runs) is offered. ``SPLIT`` runs every
+    such layer on its own split, a dp rank's microbatch, as plain data parallelism does (no
+    collective). ``AUTO``, the default, is exact where the runtime can be (BatchNorm's statistics
+    over the whole dp group) and split where it cannot (per microbatch; a capacity block per dp
+    rank's microbatch, as GShard, Switch and DeepSpeed-MoE compute capacity per device), so no
+    model people train data parallel is refused data parallelism. A plan that splits names the
+    splits (:mod:`autopar.batch_coupling`), and ``verify`` compares it with one process running the
+    same splits. A plan file written before the choice means auto.
+    """
+
+    AUTO = "auto"
+    EXACT = "exact"
+    SPLIT = "split"
+
+    @classmethod
+    def of(cls, value: BatchCoupling | str) -> BatchCoupling:
+        text = str(value).lower()
+        if text not in {k.value for k in cls}:
+            raise ValueError(f"batch_coupled must be auto, exact or split, got {value!r}")
+        return cls(text)
+
+
 @dataclass(frozen=True)
 class LayerChoice:
     """One layer's choices: tensor-parallel style (None = replicated over tp), ZeRO stage over dp,

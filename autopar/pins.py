@@ -25,6 +25,10 @@ round the cp ring); free, the solver prices each that runs and takes the cheapes
 whole logits as the model computes them; ``chunked`` (the default wherever the contract offers it)
 runs the head and the cross-entropy a chunk of tokens at a time. A ``chunked`` pin on a model whose
 head or loss cannot run chunked is a PinError naming why.
+``batch_coupled=auto|exact|split`` fixes how layers whose output depends on the batch they see
+(BatchNorm, a capacity MoE) run (:class:`~autopar.choice.BatchCoupling`): ``exact`` offers only plans
+that keep one device's numbers, ``split`` runs each on its own split, ``auto`` (the default) is
+exact where the runtime can be and split where it cannot.
 A Ulysses pin on a model whose key/value heads cp (× tp) does not divide, or a
 ring pin where the ring cannot run, is a PinError naming why (planning checks it
 against the graph).
@@ -38,13 +42,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autopar import mesh
-from autopar.choice import CpAttention, LossKind, Recompute
+from autopar.choice import BatchCoupling, CpAttention, LossKind, Recompute
 from autopar.cost_models.pipeline import MULTI_CHUNK, V_SHAPED, ScheduleKind
 from autopar.errors import PinError
 
 _UNSET: Any = object()
 # the global keys besides the axes
-PLAN_KEYS = ("microbatches", "schedule", "chunks", "zero", "recompute", "sp", "cp_attention", "loss")
+PLAN_KEYS = ("microbatches", "schedule", "chunks", "zero", "recompute", "sp", "cp_attention", "loss",
+             "batch_coupled")
 LAYER_KEYS = ("stage", "tp", "zero", "recompute", "sp")
 _RECOMPUTE = {**dict.fromkeys(("full", "all", "on", "true", "yes", "1"), Recompute.FULL),
               **dict.fromkeys(("none", "off", "false", "no", "0"), Recompute.NONE),
@@ -94,6 +99,7 @@ class Pins:
     sp: bool | None = None  # every layer whose style can take it (global), or none
     cp_attention: CpAttention | None = None  # under cp: all-gather, Ulysses or ring (None: the solver's choice)
     loss: LossKind | None = None  # full or chunked (None: chunked wherever it runs)
+    batch_coupled: BatchCoupling | None = None  # auto, exact or split (None: auto)
     layers: tuple[LayerPin, ...] = field(default_factory=tuple)
 
     @classmethod
@@ -286,6 +292,11 @@ def _global_value(key: str, value: str, item: str) -> Any:
             return CpAttention.of(value)
         except ValueError:
             raise PinError(f"pin {item!r}: cp_attention must be allgather, ulysses or ring, got {value!r}") from None
+    if key == "batch_coupled":
+        try:
+            return BatchCoupling.of(value)
+        except ValueError:
+            raise PinError(f"pin {item!r}: batch_coupled must be auto, exact or split, got {value!r}") from None
     if key == "loss":
         try:
             return LossKind.of(value)

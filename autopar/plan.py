@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from autopar.choice import CpAttention, LayerChoice, LossKind
+from autopar.choice import BatchCoupling, CpAttention, LayerChoice, LossKind
 from autopar.cost_models.hardware import ClusterSpec, CostModelError
 from autopar.cost_models.pipeline import V_SHAPED, Schedule, ScheduleKind, rank_stages
 from autopar.errors import MeshError, PlanError
@@ -189,6 +189,8 @@ class TrainingSettings:
     ``loss``: how the loss runs (:class:`~autopar.choice.LossKind`): ``chunked`` runs the head and
     the cross-entropy a chunk of tokens at a time (:mod:`autopar.runtime.chunked_loss`), ``full``
     as the model is written (plans written before the field).
+    ``batch_coupled``: how layers whose output depends on the batch they see run
+    (:class:`~autopar.choice.BatchCoupling`; plans written before the field: auto).
     """
 
     global_batch: int
@@ -198,11 +200,13 @@ class TrainingSettings:
     compiled: bool = False
     float8: Float8Settings | None = None
     loss: LossKind = LossKind.FULL
+    batch_coupled: BatchCoupling = BatchCoupling.AUTO
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["float8"] = self.float8.to_dict() if self.float8 is not None else None
         d["loss"] = self.loss.value
+        d["batch_coupled"] = self.batch_coupled.value
         return d
 
     @classmethod
@@ -335,7 +339,7 @@ def _cluster_from_dict(d: dict, source: str) -> ClusterSpec:
         raise PlanError(f"{source}: {exc}") from None
 
 
-_TRAINING_FIELDS = ("global_batch", "dtype", "seq_len", "optimizer", "compiled", "float8", "loss")
+_TRAINING_FIELDS = ("global_batch", "dtype", "seq_len", "optimizer", "compiled", "float8", "loss", "batch_coupled")
 
 
 def _training_from_dict(t: Any, source: str) -> TrainingSettings:
@@ -356,7 +360,16 @@ def _training_from_dict(t: Any, source: str) -> TrainingSettings:
         float8=(Float8Settings.from_dict(t["float8"], f"{source}.float8")
                 if t.get("float8") is not None else None),
         loss=_loss_kind(t, source),
+        batch_coupled=_batch_coupled(t, source),
     )
+
+
+def _batch_coupled(t: dict, source: str) -> BatchCoupling:
+    """The ``batch_coupled`` field: auto, exact or split; absent (an older plan) auto."""
+    value = t.get("batch_coupled", BatchCoupling.AUTO.value)
+    if not isinstance(value, str) or value not in {k.value for k in BatchCoupling}:
+        raise PlanError(f"{source}: field 'batch_coupled' is {value!r}; use auto, exact or split")
+    return BatchCoupling(value)
 
 
 def _loss_kind(t: dict, source: str) -> LossKind:

@@ -19,8 +19,8 @@ slot are the ones one device computes for the same tokens; an expert maps
 each slot on its own, so computing it on another rank changes no number.
 A plan's ranks call the block on a share of the global batch: where the
 capacity can drop tokens (cf · top-k < E) which tokens drop depends on that
-share, so the planner offers no split of the batch there
-(:func:`autopar.experts.split_refusal`) and ep is refused
+share, so a split of the batch there runs a capacity per split, as the plan's
+``batch_coupled`` says (:mod:`autopar.batch_coupling`), and ep is refused
 (:attr:`autopar.experts.MoEFacts.ep_refusal`); drop-free, every token reaches
 its top-k experts whatever the share, and padded slots are zero rows whose
 combine weights are zero.

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from autopar.batch_coupling import synced
 from autopar.contract import ROOT, Layout, Unit, plan_layout, unit_engine
 from autopar.errors import BatchError, CompileError, LoweringError
 from autopar.graph import LayerGraph
@@ -346,10 +347,11 @@ def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, pla
     split = split_model(model, microbatch, graph, plan)
     form = _output_form(model, microbatch) if split.tracer.startswith("export") else None
     _check_lowerable(split, plan, model)
-    if plan.mesh.dp > 1 and batch_norms(model) and not any(batch_norms(m) for m in split.modules):
+    if plan.mesh.dp > 1 and synced(plan.training.batch_coupled) and batch_norms(model) \
+            and not any(batch_norms(m) for m in split.modules):
         raise LoweringError(f"{model.__class__.__name__}'s BatchNorm layers are traced into ops in its pipeline "
                             "stages, so under dp they would normalise with each rank's shard only: "
-                            "pin pp=1 or dp=1")
+                            "pin pp=1, dp=1 or batch_coupled=split")
     if init_fn is None and callable(getattr(model, "_init_weights", None)):
         init_fn = _hf_init(model)  # a Hugging Face model's own initialisation (norms, rotary tables…)
     for module in split.modules:
@@ -366,7 +368,7 @@ def build_pipeline(model: nn.Module, example_inputs: Any, graph: LayerGraph, pla
     failure = ""
     for k in stage_ids:
         part = stage_part(graph, plan, layout, k, split.layers_called)
-        if plan.mesh.dp > 1:  # BatchNorm with the dp group's statistics (as without a pipeline)
+        if plan.mesh.dp > 1 and synced(plan.training.batch_coupled):  # BatchNorm over the dp group's batch
             sync_batch_norms(split.modules[k], mesh["dp"].get_group())
         try:
             result = parallelize_part(split.modules[k], graph, plan, part, mesh, device, init_fn)

@@ -157,10 +157,11 @@ def hand_mixtral() -> tuple[nn.Module, tuple]:
 # Parity: the capacity is computed from the tokens of one call, so a split of the batch (dp, microbatches)
 # changes which tokens drop unless none can: capacity_factor ≥ E / top-k makes the layer drop-free (an
 # expert receives at most every token of a call), and every plan then computes one device's numbers
-# (padded slots are zero rows with zero combine weights). The planner refuses every batch split of a
-# layer that can drop (autopar.experts.split_refusal; gshard_dropping below). Routing ties cannot flip: the router
-# scores each token in fp32 from the same weights on every plan (only the batch's size differs), and the
-# top-k of random Gaussian scores has no two values within rounding at these sizes.
+# (padded slots are zero rows with zero combine weights). A layer that can drop runs a capacity per split
+# under a split batch, or no split under batch_coupled=exact (autopar.batch_coupling; gshard_dropping below).
+# Routing ties cannot flip: the router scores each token in fp32 from the same weights on every plan (only
+# the batch's size differs), and the top-k of random Gaussian scores has no two values within rounding at
+# these sizes.
 
 class GShardMoE(nn.Module):
     def __init__(self, model_dim, hidden_dim, num_experts, top_k, capacity_factor):

@@ -75,6 +75,22 @@ def _leaf_trace(model: nn.Module, args: tuple, kwargs: dict, leaves: set[str]) -
     return gm, list(bound.arguments.values()), "fx"
 
 
+def _attributes(model: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
+    """Each module's plain attributes, before a tracer runs its forward."""
+    return [(m, {k: v for k, v in vars(m).items() if not k.startswith("_")}) for m in model.modules()]
+
+
+def _drop_proxies(before: list[tuple[nn.Module, dict[str, Any]]]) -> None:
+    """Undo what a failed ``symbolic_trace`` left on the model: a forward that stores a value on its
+    module (Meta's Llama: ``self.freqs_cis = self.freqs_cis.to(h.device)``) stored a Proxy there, and
+    the next tracer would read it back as the tensor; each gets its value from ``before``."""
+    for m, attrs in before:
+        for k in [k for k, v in vars(m).items() if isinstance(v, fx.Proxy)]:
+            delattr(m, k)
+            if k in attrs:
+                object.__setattr__(m, k, attrs[k])
+
+
 def _fx(model: nn.Module, args: tuple, kwargs: dict) -> tuple[fx.GraphModule, list, str]:
     gm = torch.fx.symbolic_trace(model)
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
@@ -97,9 +113,11 @@ def _trace(model: nn.Module, args: tuple, kwargs: dict, once_per_kind: bool = Fa
     if skip:
         errors.append(f"symbolic_trace not tried: {skip}")
     else:
+        before = _attributes(model)
         try:
             return _fx(model, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - any tracer failure means: try export
+            _drop_proxies(before)
             where = _where_failed(exc, names)
             errors.append(f"symbolic_trace{' in ' + where if where else ''}: {_short(exc)}")
     fast = stack_once.export_once_per_kind(model, args, kwargs) if once_per_kind else None

@@ -9,7 +9,6 @@ from autopar.experts.description import (
     ExpertLayout,
     MoEFacts,
     RouterKind,
-    split_refusal,
 )
 
-__all__ = ["DEFAULT_IMBALANCE_MARGIN", "Call", "Dispatch", "ExpertLayout", "MoEFacts", "RouterKind", "split_refusal"]
+__all__ = ["DEFAULT_IMBALANCE_MARGIN", "Call", "Dispatch", "ExpertLayout", "MoEFacts", "RouterKind"]

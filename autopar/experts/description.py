@@ -19,7 +19,6 @@ experts'; every expert's parameters, gradients and optimizer state are held
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
@@ -219,18 +218,4 @@ class MoEFacts:
         return cls(**d)
 
 
-def split_refusal(layers: Iterable[Any], mesh: Any, microbatches: int) -> str | None:
-    """Why splitting the batch as ``mesh`` (its dp and cp) and ``microbatches`` do would change the numbers
-    of a model of these ``layers`` (None when it would not): a fixed-capacity block that can drop tokens
-    computes its capacity from the tokens of one call (:attr:`MoEFacts.split_refusal`), so only a plan
-    that calls it on the whole global batch, as one device does, computes one device's numbers. The
-    planner offers no such split (``planning/configs.py``); the runtime refuses one handed to it."""
-    if mesh.dp * mesh.cp * microbatches <= 1:
-        return None
-    why = next((m.split_refusal for layer in layers for m in layer.moe if m.split_refusal), "")
-    if not why:
-        return None
-    return f"dp={mesh.dp} × cp={mesh.cp} × microbatches={microbatches} splits the batch, but {why}"
-
-
-__all__ = ["DEFAULT_IMBALANCE_MARGIN", "Call", "Dispatch", "ExpertLayout", "MoEFacts", "RouterKind", "split_refusal"]
+__all__ = ["DEFAULT_IMBALANCE_MARGIN", "Call", "Dispatch", "ExpertLayout", "MoEFacts", "RouterKind"]

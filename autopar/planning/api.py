@@ -12,9 +12,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from autopar import contract
+from autopar import batch_coupling, contract
 from autopar.admission import FLOAT8_AXES
-from autopar.choice import LossKind
+from autopar.choice import BatchCoupling, LossKind
 from autopar.cost_models.hardware import ClusterSpec
 from autopar.cost_models.memory import PRECISIONS
 from autopar.cost_models.presets import load_cluster
@@ -88,13 +88,20 @@ def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | No
         emulated(spec)  # a device without float8 matmuls: refused here, naming it
     parsed = Pins.from_any(pins)
     training = TrainingSpec(global_batch=batch, dtype=dtype, compiled=compiled, float8=float8,
-                            loss=loss_asked(graph, parsed, custom_loss))
+                            loss=loss_asked(graph, parsed, custom_loss),
+                            batch_coupled=parsed.batch_coupled or BatchCoupling.AUTO)
     if float8 is not None:
         parsed = _restricted_pins(parsed, FLOAT8_PINS, Float8Error, "float8 training")
     solution = _solve(graph, world_size, spec, training, pins=parsed,
                       memory_budget_bytes=memory_budget(spec, memory_gb),
                       options=SolverOptions(time_limit_s=time_limit_s), runners_up=runners_up)
     return build_plan(graph, solution, spec, training, parsed)
+
+
+def coupling_notes(graph: LayerGraph, dp: int, microbatches: int, training: TrainingSpec) -> tuple[str, ...]:
+    """The plan's line for its batch-coupled layers (:func:`autopar.batch_coupling.semantics`), if any."""
+    line = batch_coupling.semantics(graph, dp, microbatches, training.batch_coupled, training.global_batch)
+    return (line,) if line else ()
 
 
 def loss_asked(graph: LayerGraph, pins: Pins, custom_loss: bool) -> LossKind:
@@ -145,7 +152,8 @@ def reprice(graph: LayerGraph, plan: Plan, cluster: str | ClusterSpec | None = N
     if plan.training.float8 is not None:
         emulated(spec)
     training = TrainingSpec(global_batch=plan.training.global_batch, dtype=plan.training.dtype,
-                            compiled=plan.training.compiled, float8=plan.training.float8, loss=plan.training.loss)
+                            compiled=plan.training.compiled, float8=plan.training.float8, loss=plan.training.loss,
+                            batch_coupled=plan.training.batch_coupled)
     stages = tuple(l.stage for l in plan.layers)
     choices = tuple(l.choice for l in plan.layers)
     # the data-parallel mode the plan lowers in; a choice the search space leaves out is priced all the same
@@ -197,11 +205,13 @@ def build_plan(graph: LayerGraph, solution: Solution, cluster: ClusterSpec,
         cluster=cluster,
         training=TrainingSettings(global_batch=training.global_batch, dtype=training.dtype,
                                   seq_len=graph.seq_len, optimizer="adam", compiled=training.compiled,
-                                  float8=training.float8, loss=solution.table.loss),
+                                  float8=training.float8, loss=solution.table.loss,
+                                  batch_coupled=training.batch_coupled),
         pins=tuple(pins.to_strings()),
         notes=(contract_notes(graph, solution) + choice_notes(graph, solution)
                + search_notes(solution) + idle_axis_notes(graph, solution, pins, training.global_batch)
-               + float8_notes(cluster, training, solution) + loss_notes(graph, solution, pins)),
+               + float8_notes(cluster, training, solution) + loss_notes(graph, solution, pins)
+               + coupling_notes(graph, c.mesh.dp, c.microbatches, training)),
         runners_up=tuple(runner_up(graph, r) for r in solution.runners_up),
         cp_attention=c.cp_attention,
     )

@@ -19,11 +19,11 @@ import math
 
 from autopar import contract
 from autopar.admission import mesh_refusal
+from autopar.batch_coupling import refusal as coupling_refusal
 from autopar.choice import CpAttention, Recompute
 from autopar.cost_models.hardware import ClusterSpec
 from autopar.cost_models.pipeline import SPLIT_BACKWARD, V_SHAPED, Schedule, ScheduleKind, schedule_refusal
 from autopar.errors import CompileError, Float8Error, PinError
-from autopar.experts import split_refusal
 from autopar.graph import LayerGraph
 from autopar.mesh import AXES, AxisLimits, Mesh, hosts_text, meshes
 from autopar.mesh import axis as mesh_axis
@@ -105,7 +105,7 @@ def searched_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
     configs: list[Configuration] = []
     unmet = ""  # why a mesh was left out only because the pinned method cannot run on it
     compile_refused: list[str] = []
-    split_refused = ""  # why a configuration was left out only because it splits a capacity block's tokens
+    split_refused = ""  # why a configuration was left out only because it splits a batch-coupled layer's batch
     staged: list[Configuration] = []  # cp inside pipeline stages, neither pinned: searched up to a count
     for mesh in meshes(limits, pinned):
         if contract.ep_refusal(mesh, graph) or contract.cp_refusal(mesh, graph):
@@ -122,7 +122,7 @@ def searched_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
         for m in [pins.microbatches] if pins.microbatches else _divisors(per_replica):
             if per_replica % m:
                 continue
-            if why := split_refusal(graph, mesh, m):
+            if why := coupling_refusal(graph, mesh, m, training.batch_coupled):
                 split_refused = split_refused or why  # not one device's numbers: never offered
                 continue
             into = staged if mesh.cp > 1 and mesh.pp > 1 and not {"cp", "pp"} & set(pinned) else configs

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autopar import contract
-from autopar.choice import CpAttention, LossKind
+from autopar.choice import BatchCoupling, CpAttention, LossKind
 from autopar.contract import REPLICATED, DataParallelism, Engine
 from autopar.cost_models.memory import Precision, precision
 from autopar.cost_models.pipeline import Schedule
@@ -66,6 +66,7 @@ class TrainingSpec:
     compiled: bool = False
     float8: Float8Settings | None = None
     loss: LossKind = LossKind.FULL
+    batch_coupled: BatchCoupling = BatchCoupling.AUTO  # layers whose output depends on their batch
 
     @property
     def precision(self) -> Precision:

@@ -52,6 +52,7 @@ from fractions import Fraction
 from functools import cached_property
 
 from autopar import contract
+from autopar.batch_coupling import synced
 from autopar.choice import LayerChoice, LossKind, Recompute
 from autopar.contract import Buffers, Engine
 from autopar.cost_models.communication import Collective, collective_time_s, p2p_time_s, place_group
@@ -486,8 +487,8 @@ class PriceTable:
         """Per microbatch, forward or backward: a BatchNorm under dp all-reduces its per-channel sum
         and sum of squared deviations over the dp group (two all-reduces of C fp32 values each way,
         passes/batchnorm.py), blocking the layer's compute."""
-        if self.config.mesh.dp <= 1 or not layer.sync_norm_channels:
-            return 0.0
+        if self.config.mesh.dp <= 1 or not layer.sync_norm_channels or not synced(self.training.batch_coupled):
+            return 0.0  # batch_coupled=split: each rank normalises its own share, no collective
         return sum(2 * collective_time_s(Collective.ALL_REDUCE, FP32_BYTES * c, self.dp_group, self.cluster)
                    for c in layer.sync_norm_channels)
 

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from autopar.batch_coupling import refusal as coupling_refusal
+from autopar.batch_coupling import synced
 from autopar.contract import plan_layout
 from autopar.errors import LoweringError, PlanError
-from autopar.experts import split_refusal
 from autopar.graph import LayerGraph
 from autopar.passes.batchnorm import sync_batch_norms
 from autopar.passes.parallelize import Part, PartResult, parallelize_part
@@ -103,7 +104,7 @@ def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: An
     builder = _pipeline_builder() if plan.mesh.pp > 1 else None
     check_tensor_parallel(model, graph, plan, plan.mesh.tp)
     check_expert_parallel(model, graph, plan)
-    if why := split_refusal(graph, plan.mesh, plan.microbatches):  # a capacity block that drops tokens
+    if why := coupling_refusal(graph, plan.mesh, plan.microbatches, plan.training.batch_coupled):
         raise LoweringError(why)
     check_context_parallel(graph, plan)
     if plan.mesh.cp > 1 and graph.cp_manual:  # attention written by hand: its rewrite checked on the module
@@ -124,7 +125,7 @@ def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: An
                               scale_grads=dtype is None or dp > 1)
             return Lowered(runtime.modules, mesh, [None] * len(runtime.modules), runtime.permutations,
                            pipeline=runtime, pp_group=runtime.pp_group, experts=runtime.experts)
-        if dp > 1:  # BatchNorm normalises with the whole dp group's batch, as one device would
+        if dp > 1 and synced(plan.training.batch_coupled):  # BatchNorm over the whole dp group's batch
             sync_batch_norms(model, mesh["dp"].get_group())
         result = parallelize_part(model, graph, plan, whole_model_part(graph, plan), mesh, device, init_fn)
     return _from_parts([result], mesh)

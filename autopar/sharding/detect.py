@@ -256,6 +256,38 @@ def _executed_linears(view: LayerView) -> list[str]:
     return seen
 
 
+_ROUTING_HOPS = 8  # ops between a router's projection and its top-k (softmax, casts, a bias, a sigmoid…)
+
+
+def _routes(view: LayerView, path: str) -> bool:
+    """Whether the projection at ``path`` is an MoE router: its output reaches a top-k within a few ops.
+    A router outside every column → row group reads the replicated hidden state and runs whole on every
+    rank (its ``[tokens, experts]`` scores are small), so it does not withdraw tensor parallelism from
+    the block (Llama 4's MoE layer, its shared expert a group of its own); the shard simulation still
+    proves the block."""
+    mine = [n for n in view.nodes if _inside(view.stats[n], path)]
+    if not mine:
+        return False
+    if any(_is_topk(n) for n in mine):  # a router module that picks its experts itself (Llama 4's)
+        return True
+    frontier, seen = {mine[-1]}, set(mine)
+    for _ in range(_ROUTING_HOPS):
+        nxt = set()
+        for n in frontier:
+            for user in n.users:
+                if _is_topk(user):
+                    return True
+                if user not in seen:
+                    seen.add(user)
+                    nxt.add(user)
+        frontier = nxt
+    return False
+
+
+def _is_topk(node: fx.Node) -> bool:
+    return "topk" in str(getattr(node.target, "__name__", node.target))
+
+
 def _megatron(view: LayerView) -> TPStyle | None:
     """Find minimal submodules P (deepest first) whose linears form a column→row group."""
     found, _ = _megatron_or_why(view)
@@ -291,8 +323,9 @@ def _megatron_or_why(view: LayerView) -> tuple[TPStyle | None, str]:
         if pair is not None:
             pairs.append(pair)
             used.update(mine)  # a low-rank pair's down-projections run whole, unsharded
-    if not pairs or len(used) != len(linears):
-        left = [lp for lp in linears if lp not in used]
+    routers = {lp for lp in linears if lp not in used and _routes(view, lp)}  # run whole on every rank
+    if not pairs or len(used | routers) != len(linears):
+        left = [lp for lp in linears if lp not in used and lp not in routers]
         return None, ("tensor parallelism not offered: no column → row projection group covers "
                       f"{', '.join(left[:4])}{' …' if len(left) > 4 else ''} (a group is column projections "
                       "reading one replicated input, then a row projection mapping their result back to it)")

@@ -190,15 +190,30 @@ def trace(module: nn.Module, inputs: tuple) -> list[Op]:
 
 
 def head_splits(ops: Iterable[Op]) -> set[tuple[int, int]]:
-    """(heads, head width) of every view/reshape that splits a last dimension ``H·D`` into ``(H, D)``."""
+    """(heads, head width) of every view/reshape that splits a last dimension ``H·D`` into ``(H, D)``;
+    a split into pairs that ``view_as_complex`` reads (rotary embeddings as complex numbers) is no head
+    split (see :func:`complex_pairs`)."""
     found = set()
-    for op in ops:
+    ops = list(ops)
+    for op, after in zip(ops, [*ops[1:], None]):
         if op.name not in ("view", "reshape", "unflatten") or not op.in_shape or not op.out_shape:
             continue
         i, o = op.in_shape, op.out_shape
-        if len(o) == len(i) + 1 and o[:-2] == i[:-1] and o[-2] > 1 and o[-1] > 1 and o[-2] * o[-1] == i[-1]:
+        if len(o) == len(i) + 1 and o[:-2] == i[:-1] and o[-2] > 1 and o[-1] > 1 and o[-2] * o[-1] == i[-1] \
+                and not _complex_split(op, after):
             found.add((o[-2], o[-1]))
     return found
+
+
+def _complex_split(op: Op, after: Op | None) -> bool:
+    return op.out_shape[-1] == 2 and after is not None and after.name == "view_as_complex" \
+        and after.in_shape == op.out_shape
+
+
+def complex_pairs(ops: Iterable[Op]) -> set[int]:
+    """The pair counts ``D/2`` of every head width ``D`` split into pairs for ``view_as_complex``: a width
+    that scales with ``D`` (Meta's Llama: its ``freqs_cis`` holds ``D/2`` complex numbers a position)."""
+    return {int(op.in_shape[-2]) for op in ops if op.name == "view_as_complex" and len(op.in_shape) >= 2}
 
 
 def _divisors_desc(n: int) -> list[int]:
@@ -218,7 +233,9 @@ def narrow_copy(module: nn.Module, recorded: tuple, batch: int, seq: int | None)
     full_mod = meta_module(module)
     params = _param_widths(module)
     probes = [p for p in PROBE_SEQS if seq is None or p <= seq] + ([seq] if seq is not None else [])
-    for probe in probes:  # the first probe sequence that is no width: a size with one role
+    n_params = sum(p.numel() for p in module.parameters())
+    why = ""
+    for probe in probes:  # a probe sequence that is no width (a size with one role) and a factor it admits
         full_in = probe_inputs(recorded, {}, batch, seq, probe)
         try:
             full = trace(full_mod, full_in)
@@ -230,6 +247,7 @@ def narrow_copy(module: nn.Module, recorded: tuple, batch: int, seq: int | None)
         heads = tuple(sorted({h for h, _ in splits}))
         if head_widths:
             widths = {s for s in params if any(s % d == 0 for d in head_widths) and s not in heads} | set(head_widths)
+            widths |= {n for n in complex_pairs(full) if 2 * n in widths}
             least, floor = min(head_widths), MIN_HEAD
         else:
             widths = {s for s in params if s >= MIN_WIDTH}
@@ -238,16 +256,23 @@ def narrow_copy(module: nn.Module, recorded: tuple, batch: int, seq: int | None)
             raise NarrowRefused("it has no width to narrow")
         joint = bool(widths & set(heads))  # a head count equal to a width: narrowed with it (see _size_maps)
         taken = widths | set(heads) if joint else widths
-        if probe not in taken and PROBE_BATCH not in taken:
-            break
-    else:
-        raise NarrowRefused(f"its sequence or batch is one of its widths {sorted(widths)}, so a narrower copy "
-                            "cannot tell them apart")
-    unmapped = {v for op in full for v in (*op.ints, *op.out) if v not in taken}
-    n_params = sum(p.numel() for p in module.parameters())
-    for f, sizes in _size_maps(widths, set(head_widths), set(heads), least, floor):
-        if set(sizes.values()) & unmapped or len(set(sizes.values())) < len(sizes):
-            continue  # a narrowed size would read as one of the layer's other sizes: try a gentler factor
+        if probe in taken or PROBE_BATCH in taken:
+            why = why or (f"its sequence or batch is one of its widths {sorted(widths)}, so a narrower copy "
+                          "cannot tell them apart")
+            continue
+        unmapped = {v for op in full for v in (*op.ints, *op.out) if v not in taken}
+        # the narrowest map whose narrowed sizes read as none of the layer's other sizes (at this probe)
+        found = next(((f, sizes) for f, sizes in _size_maps(widths, set(head_widths), set(heads), least, floor)
+                      if not set(sizes.values()) & unmapped and len(set(sizes.values())) == len(sizes)), None)
+        if found is None:
+            if joint:
+                why = (f"the size {min(widths & set(heads))} is both a width and a head count, and no factor "
+                       "narrows both alike keeping the head count's divisors up to "
+                       f"{max(SIMULATED)} and each head >= {floor} wide")
+            else:
+                why = f"no factor narrows its widths {sorted(widths)} unambiguously (each head kept >= {floor} wide)"
+            continue  # another probe sequence may free the size a narrowed width would read as
+        f, sizes = found
         small = meta_module(module, sizes)
         small_params = sum(p.numel() for p in small.parameters())
         if small_params > HARD_PARAMS:
@@ -259,16 +284,11 @@ def narrow_copy(module: nn.Module, recorded: tuple, batch: int, seq: int | None)
             raise NarrowRefused(f"a {f}x narrower copy of it fails ({type(exc).__name__}: "
                                 f"{str(exc).splitlines()[0][:120] if str(exc) else ''}): its code does not "
                                 "scale with its widths") from None
-        why = isomorphic(full, narrow, sizes)
-        if why:
-            raise NarrowRefused(f"{why} (a {f}x narrower copy of its {n_params:,} parameters)")
+        differs = isomorphic(full, narrow, sizes)
+        if differs:
+            raise NarrowRefused(f"{differs} (a {f}x narrower copy of its {n_params:,} parameters)")
         return NarrowCopy(small, small_in, sizes, f, tuple(sorted({sizes.get(h, h) for h in heads})))
-    if joint:
-        raise NarrowRefused(f"the size {min(widths & set(heads))} is both a width and a head count, and no factor "
-                            "narrows both alike keeping the head count's divisors up to "
-                            f"{max(SIMULATED)} and each head >= {floor} wide")
-    raise NarrowRefused(f"no factor narrows its widths {sorted(widths)} unambiguously (each head kept "
-                        f">= {floor} wide)")
+    raise NarrowRefused(why)
 
 
 def _size_maps(widths: set[int], head_widths: set[int], heads: set[int], least: int,

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from autopar.sharding.attention_ops import baddbmm, matmul, sdpa
+from autopar.sharding.join_ops import cat, complex_view
 from autopar.sharding.layout import TAG, NoShardRule, Sharded, local_of
 
 ShardMode = Any  # autopar.sharding.rules.ShardMode (which imports this module)
@@ -168,7 +169,8 @@ def _reduction(mode: ShardMode, name, func, args, kwargs):
     keep = bool(_dim_arg(args, kwargs, 3 if name == "norm" else 2, "keepdim", False))
     new = lay.dim if keep else lay.dim - sum(1 for d in dims if d < lay.dim)
     out = func(*args, **kwargs)
-    return mode.tag(tuple(out) if isinstance(out, tuple) else out, Sharded(new, lay.segments, lay.source))
+    # ``max(dim=…)`` returns a named pair (``.values``, ``.indices``): tagged as it is, not as a tuple
+    return mode.tag(out, Sharded(new, lay.segments, lay.source))
 
 
 def _reduce_across(mode: ShardMode, name, x: torch.Tensor, lay: Sharded, dims: list[int], args, kwargs):
@@ -473,30 +475,6 @@ def _repeat_interleave(mode: ShardMode, name, func, args, kwargs):
     return mode.tag(out, lay)
 
 
-def _cat(mode: ShardMode, name, func, args, kwargs):
-    tensors = list(args[0])
-    dim = _dim_arg(args, kwargs, 1, "dim", 0)
-    lays = [mode.layout(t) for t in tensors]
-    if any(lay is None for lay in lays):
-        raise NoShardRule(name, "joins sharded and replicated activations")
-    ndim = tensors[0].dim()
-    if name == "stack":
-        d0 = _dim(dim, ndim + 1)
-        if any((lay.dim, lay.segments) != (lays[0].dim, lays[0].segments) for lay in lays):  # type: ignore[union-attr]
-            raise NoShardRule(name, "stacks activations sharded differently")
-        at = lays[0].dim + (1 if d0 <= lays[0].dim else 0)  # type: ignore[union-attr]
-        return mode.tag(func(*args, **kwargs), Sharded(at, lays[0].segments, lays[0].source))  # type: ignore[union-attr]
-    d0 = _dim(dim, ndim)
-    if any(lay.dim != lays[0].dim for lay in lays):  # type: ignore[union-attr]
-        raise NoShardRule(name, "joins activations sharded on different dims")
-    if d0 == lays[0].dim:  # type: ignore[union-attr]
-        segs = tuple(s for lay in lays for s in lay.segments)  # type: ignore[union-attr]
-        return mode.tag(func(*args, **kwargs), Sharded(d0, segs, lays[0].source))  # type: ignore[union-attr]
-    if any(lay.segments != lays[0].segments for lay in lays):  # type: ignore[union-attr]
-        raise NoShardRule(name, "joins activations whose sharded dims are cut differently")
-    return mode.tag(func(*args, **kwargs), lays[0])
-
-
 def _dropout(mode: ShardMode, name, func, args, kwargs):
     """Dropout on a share draws the mask the whole tensor would get (every rank of a tp group
     draws from the same generator state) and keeps this rank's share of it: the ranks' masks
@@ -523,7 +501,8 @@ leaky_relu elu selu hardswish hardsigmoid rsqrt sqrt square abs sin cos erf erfc
 clamp clamp_ clip maximum minimum float half bfloat16 double to type_as type clone detach detach_ contiguous
 requires_grad_ __eq__ __ne__ __lt__ __le__ __gt__ __ge__ eq ne lt le gt ge logical_not logical_and logical_or
 __and__ __or__ __invert__ bitwise_not sign reciprocal lerp addcmul addcdiv copy_ fill_ zero_ nan_to_num
-get_data glu_no ones_like zeros_like empty_like full_like rand_like randn_like tril triu
+get_data glu_no polar complex conj conj_physical resolve_conj get_real get_imag
+ones_like zeros_like empty_like full_like rand_like randn_like tril triu
 """.split())
 
 RULES: dict[str, Callable] = {
@@ -540,9 +519,10 @@ RULES: dict[str, Callable] = {
     "expand": _expand, "expand_as": _expand, "repeat": _expand,
     "repeat_interleave": _repeat_interleave,
     "new_empty": _new_tensor, "new_zeros": _new_tensor, "new_ones": _new_tensor, "new_full": _new_tensor,
-    "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _cat,
+    "cat": cat, "concat": cat, "concatenate": cat, "stack": cat,
     "matmul": matmul, "__matmul__": matmul, "bmm": matmul, "baddbmm": baddbmm,
     "scaled_dot_product_attention": sdpa,
+    "view_as_complex": complex_view, "view_as_real": complex_view,
     "dropout": _dropout, "dropout_": _dropout, "feature_dropout": _dropout,
     **{name: _reduction for name in _REDUCTIONS},
 }

@@ -136,11 +136,8 @@ def _check(model: nn.Module, module: nn.Module, style: TPStyle, prefix: str, rec
             mapping.setdefault(batch, 1)
             inputs = shard_check.shrink_inputs(recorded, mapping)
         else:  # no config: narrow the module itself (proved to run the same program, widths renamed)
-            hidden = shard_check.hidden_input(*recorded)
-            b, t = (int(hidden[1].shape[0]), int(hidden[1].shape[1])) if hidden is not None and \
-                hidden[1].dim() == 3 else (batch, seq_len)
             try:
-                narrowed = narrow.narrow_copy(module, recorded, b, t)
+                narrowed = _narrowed(module, recorded, short, batch, seq_len)
             except narrow.NarrowRefused as exc:
                 return shard_check.CheckResult(False, {}, reason=f"too large to simulate ({n_params:,} parameters) "
                                                f"and no narrower copy of it runs the same program: {exc}"), \
@@ -156,6 +153,27 @@ def _check(model: nn.Module, module: nn.Module, style: TPStyle, prefix: str, rec
     if result.ok and n_params > shard_check.MAX_CHECK_PARAMS:
         result = _scaled_segments(module, cols, result)
     return result, copy, inputs
+
+
+def _narrowed(module: nn.Module, recorded: tuple, short: tuple | None, batch: int,
+              seq_len: int | None) -> narrow.NarrowCopy:
+    """A narrower copy of ``module`` (:func:`narrow.narrow_copy`), traced from its inputs recorded at
+    ``SHORT_SEQ`` positions where there are such (``short``), else at the example's: a sequence as long
+    as a width (Llama-2-7B's 4,096 of both) has two roles in the example's records, which a narrower
+    copy cannot tell apart; at the second length it has one. What the real sequence changes is the shape
+    proof's at the real size (:func:`_prove_at_size`)."""
+    tries = [(short, SHORT_SEQ)] if short is not None else []
+    tries.append((recorded, seq_len))
+    refused: narrow.NarrowRefused | None = None
+    for rec, length in tries:
+        hidden = shard_check.hidden_input(*rec)
+        b, t = (int(hidden[1].shape[0]), int(hidden[1].shape[1])) if hidden is not None and \
+            hidden[1].dim() == 3 else (batch, length)
+        try:
+            return narrow.narrow_copy(module, rec, b, t)
+        except narrow.NarrowRefused as exc:
+            refused = refused or exc  # the first length's reason: the one with a size of one role
+    raise refused  # type: ignore[misc]
 
 
 def _scaled_segments(module: nn.Module, cols: tuple[str, ...],

@@ -422,7 +422,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     admit(graph, plan, here)  # with the model's layers: what a pin left possible that the ranks do not run
     warnings = v.plan_warnings(plan, model) + warnings
     if not args.json:
-        _out("\n".join(v.setup_lines(plan, dropout, warnings, loss)))
+        _out("\n".join(v.setup_lines(plan, dropout, warnings, loss, graph)))
     try:
         report = v.verify(args.spec, plan.to_json(), graph.to_dict(), steps=args.steps, seq_len=args.seq_len,
                           loss=args.loss)

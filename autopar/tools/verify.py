@@ -287,12 +287,6 @@ def compare(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
 
 def plan_warnings(plan: Plan, model: nn.Module | None = None) -> list[str]:
     """What about the plan makes its run say less than it seems to (printed before the result)."""
-    from autopar.passes.batchnorm import batch_norms
-
-    if model is not None and plan.microbatches > 1 and batch_norms(model):
-        return [f"the model has BatchNorm and the plan runs {plan.microbatches} microbatches: each "
-                "normalises over its own microbatch (of every dp rank), one process over the whole batch, "
-                "so the two differ by design; pin microbatches=1 to compare them exactly"]
     f8 = plan.training.float8
     if f8 is not None:
         return [f"float8 ({f8.recipe.value}): one process runs the same {len(f8.linears)} linears in float8 "
@@ -313,8 +307,11 @@ def _listed(names: list[str], shown: int = 3) -> str:
     return ", ".join(names[:shown]) + more
 
 
-def setup_lines(plan: Plan, dropout: list[str], warnings: list[str], loss: str = "") -> list[str]:
-    """What ``verify`` is about to run, printed before it starts: the plan, its layers, dropout."""
+def setup_lines(plan: Plan, dropout: list[str], warnings: list[str], loss: str = "", graph: Any = None) -> list[str]:
+    """What ``verify`` is about to run, printed before it starts: the plan, its layers, dropout, and
+    the splits the one-process reference runs where the plan splits batch-coupled layers."""
+    from autopar.tools.reference import reference_groups
+
     lines = [plan.summary(), "",
              f"plan: mesh {plan.mesh.describe()}, {plan.microbatches} microbatches, global batch "
              f"{plan.training.global_batch}, zero {sorted({l.choice.zero for l in plan.layers})}, "
@@ -326,6 +323,12 @@ def setup_lines(plan: Plan, dropout: list[str], warnings: list[str], loss: str =
         lines.append("dropout: none in the model")
     if loss:
         lines.append(loss)
+    cut = reference_groups(plan, graph) if graph is not None else None
+    if cut is not None:
+        size = plan.training.global_batch // len(cut)
+        lines.append(f"one process: each step as the same {len(cut)} splits of {size} samples its batch-coupled "
+                     f"layers see here (batch_coupled={plan.training.batch_coupled.value}), gradients averaged "
+                     "over them")
     return lines + [f"warning: {w}" for w in warnings]
 
 
@@ -381,23 +384,16 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
 
 
 def _reference(spec: str, seq_len: int | None, batches: list, steps: int, loss_fn: Any,
-               plan: Plan | None = None) -> dict[str, Any]:
+               plan: Plan | None = None, graph: Any = None) -> dict[str, Any]:
+    """One process trained on the same batches (:func:`autopar.tools.reference.train_reference`)."""
+    from autopar.tools.reference import train_reference
+
     model, _ = _build(spec, seq_len)
     if plan is not None and plan.training.float8 is not None:  # the same linears in float8, emulated
         from autopar.runtime.float8 import convert
 
         convert(model, plan.training.float8, emulate=True)
-    opt, losses, grads = _sgd(model.parameters()), [], {}
-    for k, (x, y) in enumerate(batches[:steps]):
-        opt.zero_grad()
-        loss = loss_fn(call(model, x), y)
-        loss.backward()
-        if k == 0:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
-        losses.append(loss.item())
-    return {"losses": losses, "grads": grads,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return train_reference(model, batches[:steps], loss_fn, _sgd(model.parameters()), plan, graph)
 
 
 def _frame(f: traceback.FrameSummary) -> str:
@@ -497,7 +493,7 @@ def _run_rank(rank: int, world_size: int, tmp: str, spec: str, seq_len: int | No
     params = pm.state_dict(full=True)
     dist.destroy_process_group()
     if rank == 0:
-        ref = _reference(spec, seq_len, batches, steps, loss_fn, plan)
+        ref = _reference(spec, seq_len, batches, steps, loss_fn, plan, LayerGraph.from_dict(graph))
         report = VerifyReport(world_size, steps, plan.training.global_batch, losses, ref["losses"],
                               max(abs(a - b) / abs(b) if b else abs(a) for a, b in zip(losses, ref["losses"])),
                               compare(grads, ref["grads"]),

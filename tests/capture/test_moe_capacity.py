@@ -19,8 +19,10 @@ import torch
 import torch.nn.functional as F
 
 import autopar
+from autopar.batch_coupling import refusal as coupling_refusal
+from autopar.choice import BatchCoupling
 from autopar.errors import LoweringError, PinError
-from autopar.experts import Dispatch, ExpertLayout, split_refusal
+from autopar.experts import Dispatch, ExpertLayout
 from autopar.mesh import Mesh
 from autopar.passes.expert_parallel import check_expert_parallel
 
@@ -70,19 +72,28 @@ def test_a_drop_free_gshard_layer_is_offered_ep_and_its_plan_says_how_it_dispatc
     assert "dispatch: one-hot einsum, capacity factor 2" in plan.summary()
 
 
-def test_a_dropping_capacity_is_never_split_and_says_why() -> None:
-    """Capacity 1.25 on top-1 of 4 experts drops tokens, and which drop depends on the tokens of one call:
-    no plan that splits the batch is offered (dp, microbatches), and ep (which borrows dp) is refused."""
+def test_a_dropping_capacity_is_split_per_rank_by_default_and_kept_whole_when_pinned_exact() -> None:
+    """Capacity 1.25 on top-1 of 4 experts drops tokens, and which drop depends on the tokens of one call.
+    By default (batch_coupled=auto) dp and microbatches are offered, each dp rank's microbatch its own
+    capacity (as GShard and Switch compute it), and the plan names the splits; pinned exact, no plan that
+    splits the batch is offered, and ep (which borrows dp) is refused either way."""
     _, _, graph = _capture(moe_cases.gshard_dropping)
     why = r"capacity factor 1.25 × top-1 < 4 experts drops tokens over capacity"
-    for pins in (["dp=2"], ["dp=1", "microbatches=2"], ["ep=2"]):
+    for pins, splits in ((["dp=2"], 2), (["dp=1", "microbatches=2"], 2)):
+        plan = autopar.solve(graph, 2, cluster="cpu", global_batch=4, pins=pins)
+        assert plan.training.batch_coupled is BatchCoupling.AUTO
+        assert any(n.startswith("batch-coupled layers (h.0 (capacity MoE), h.1 (capacity MoE)): split") and
+                   f"{splits} splits of 2 samples" in n for n in plan.notes), plan.notes
         with pytest.raises(PinError, match=why):
-            autopar.solve(graph, 2, cluster="cpu", global_batch=4, pins=pins)
-    plan = autopar.solve(graph, 2, cluster="cpu", global_batch=4)  # what is left: one call on the whole batch
-    assert plan.mesh.dp * plan.mesh.cp * plan.microbatches == 1
+            autopar.solve(graph, 2, cluster="cpu", global_batch=4, pins=[*pins, "batch_coupled=exact"])
+    with pytest.raises(PinError, match=why):
+        autopar.solve(graph, 2, cluster="cpu", global_batch=4, pins=["ep=2"])
+    plan = autopar.solve(graph, 2, cluster="cpu", global_batch=4, pins=["batch_coupled=exact"])
+    assert plan.mesh.dp * plan.mesh.cp * plan.microbatches == 1  # what is left: one call on the whole batch
     # a split plan handed to the runtime is refused before any collective (autopar/runtime/lowering.py)
-    assert re.search(why, split_refusal(graph, Mesh(dp=2), 1))
-    assert split_refusal(graph, Mesh(), 1) is None
+    assert re.search(why, coupling_refusal(graph, Mesh(dp=2), 1, BatchCoupling.EXACT))
+    assert coupling_refusal(graph, Mesh(dp=2), 1, BatchCoupling.AUTO) is None
+    assert "cp would hand it a share of each sequence" in coupling_refusal(graph, Mesh(cp=2), 1, BatchCoupling.AUTO)
 
 
 def test_ep_not_dividing_the_experts_names_the_layer() -> None:

@@ -33,6 +33,7 @@ LEVELS: dict[str, int] = {
     "autopar.choice": 2,
     "autopar.graph": 2,
     "autopar.experts": 2,
+    "autopar.batch_coupling": 2,
     "autopar.float8": 2,
     "autopar.plan": 2,
     "autopar.plan_table": 2,

@@ -14,7 +14,7 @@ import torch
 
 import autopar
 from autopar.contract import REPLICATED, Engine, plan_engine
-from autopar.errors import LoweringError, PinError
+from autopar.errors import LoweringError
 from autopar.mesh import Mesh
 from autopar.passes.expert_parallel import check_expert_parallel
 
@@ -67,10 +67,13 @@ def test_hand_written_module_list_experts_pass_where_their_loop_is_proved_and_a_
         assert all(m.reroute_refusal == "" and not m.ep_refusal for layer in graph for m in layer.moe)
         check_expert_parallel(model, graph, plan)  # raises nothing
     # examples/moe.py's CapacityMoE (3-D weights of its own, one-hot einsums) can drop tokens (capacity
-    # factor 1.25 × top-2 < 4 experts): no split of its batch is planned, ep's included
+    # factor 1.25 × top-2 < 4 experts): dp splits its batch (capacity per dp rank, batch_coupled=auto), but
+    # ep, which would dispatch every rank's tokens to one capacity, is refused
     # (tests/capture/test_moe_capacity.py: a drop-free capacity block is split by passes/expert_capacity.py)
-    with pytest.raises(PinError, match=r"capacity factor 1.25 × top-2 < 4 experts drops tokens"):
-        _plan(*moe.capacity_moe_tiny(), ep=2)
+    model, inputs = moe.capacity_moe_tiny()
+    plan, graph = _plan(model, inputs, ep=2)
+    with pytest.raises(LoweringError, match=r"capacity factor 1.25 × top-2 < 4 experts drops tokens"):
+        check_expert_parallel(model, graph, plan)
 
 
 class _Scaled(torch.nn.Module):

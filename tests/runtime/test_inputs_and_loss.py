@@ -15,7 +15,7 @@ from zoo import build
 import autopar
 from autopar import contract
 from autopar.choice import Recompute
-from autopar.errors import InputsError, LossError
+from autopar.errors import InputsError, LossError, PinError
 from autopar.runtime.loss import default_loss, pick_loss
 from autopar.tools.batches import synthetic_batch
 
@@ -97,7 +97,7 @@ def test_no_recompute_is_offered_on_layers_holding_a_batchnorm() -> None:
 
 
 def test_batchnorm_statistics_all_reduces_are_priced_under_dp_only() -> None:
-    from autopar.choice import LayerChoice
+    from autopar.choice import BatchCoupling, LayerChoice
     from autopar.cost_models.pipeline import Schedule, ScheduleKind
     from autopar.cost_models.presets import PRESETS
     from autopar.mesh import Mesh
@@ -109,22 +109,32 @@ def test_batchnorm_statistics_all_reduces_are_priced_under_dp_only() -> None:
     block = next(l for l in graph.layers if l.name == "layer1.0")
     assert block.sync_norm_channels == (8, 8)
 
-    def forward_s(dp: int, layer=block) -> float:
+    def forward_s(dp: int, layer=block, coupled: BatchCoupling = BatchCoupling.AUTO) -> float:
         config = Configuration(Mesh(dp=dp), 1, Schedule(ScheduleKind.NONE))
-        table = PriceTable(graph, config, PRESETS["a100-80g"].for_world_size(dp), TrainingSpec(4))
+        table = PriceTable(graph, config, PRESETS["a100-80g"].for_world_size(dp),
+                           TrainingSpec(4, batch_coupled=coupled))
         return table._price(layer, LayerChoice()).forward_mb_s
 
     fc = next(l for l in graph.layers if l.name == "fc")
     assert forward_s(2) > forward_s(1) and forward_s(2, fc) == forward_s(1, fc)
+    # batch_coupled=split: each rank normalises its own share, no collective to price
+    assert forward_s(2, coupled=BatchCoupling.SPLIT) == forward_s(1) < forward_s(2, coupled=BatchCoupling.EXACT)
 
 
-def test_verify_says_why_batchnorm_with_microbatches_cannot_match_one_process() -> None:
-    from autopar.tools.verify import plan_warnings
+def test_batchnorm_over_microbatches_is_named_in_the_plan_and_verify_runs_the_same_splits() -> None:
+    from autopar.tools.verify import plan_warnings, setup_lines
 
     model, inputs = build("resnet_bn")
     graph = autopar.capture(model, inputs)
     plans = {m: autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=4,
                               pins=["pp=1", "dp=2", f"microbatches={m}"]) for m in (1, 2)}
-    (warning,) = plan_warnings(plans[2], model)
-    assert "BatchNorm" in warning and "pin microbatches=1" in warning
-    assert plan_warnings(plans[1], model) == []
+    assert plan_warnings(plans[2], model) == [] and plan_warnings(plans[1], model) == []
+    split = next(n for n in plans[2].notes if n.startswith("batch-coupled layers"))
+    assert "each microbatch of the whole dp group, 2 splits of 2 samples" in split, split
+    assert "one process: each step as the same 2 splits of 2 samples" in "\n".join(
+        setup_lines(plans[2], [], [], graph=graph))
+    exact = next(n for n in plans[1].notes if n.startswith("batch-coupled layers"))
+    assert "exact" in exact and "all-reduced over the dp group of 2" in exact
+    with pytest.raises(PinError, match="BatchNorm.*microbatches run one after another"):
+        autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=4,
+                      pins=["pp=1", "dp=2", "microbatches=2", "batch_coupled=exact"])
