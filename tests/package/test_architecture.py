@@ -40,6 +40,7 @@ LEVELS: dict[str, int] = {
     "autopar.contract": 2,
     "autopar.contract_cp": 2,
     "autopar.contract_loss": 2,
+    "autopar.contract_hsdp": 2,
     "autopar.loss_head": 2,
     "autopar.inputs": 2,
     "autopar.stacks": 2,
