@@ -13,10 +13,16 @@ each collective is priced on the links it crosses:
 * a ZeRO-0 unit's all-reduce over all dp × cp ranks, as at R = 1.
 
 Memory shards over the shard group (``planning/memory_floor.py``, :attr:`PriceTable.shard_ranks`).
+
+HSDP changes nothing a microbatch computes or sends, only what a step's tail pays and what a rank
+holds; so a configuration with replicas whose every price is no better than its twin's without
+(:func:`dominated`) cannot give a faster plan, and the search skips it: the twin, what a plan without
+the axis means, stays the plan on a tie, and the search does not pay for both.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from autopar.contract import dp_collectives
@@ -68,3 +74,32 @@ def dp_collectives_s(table: Any, params: int, zero: int, share: float, float8: t
             + reduce_scatter * collective_time_s(Collective.REDUCE_SCATTER, grads, shard, cl, count=share)
             + all_gather * collective_time_s(Collective.ALL_GATHER, weights, shard, cl, count=share)
             + across + scales)
+
+
+_SAME = ("forward_mb_s", "compute_mb_s", "forward_tp_mb_s", "tp_comm_mb_s", "activation_mb_bytes", "ep_comm_mb_s",
+         "cp_comm_mb_s")  # what a microbatch computes, sends and keeps: HSDP changes none of them
+_SLACK = 1e-12  # relative: a price equal to rounding counts as equal
+
+
+def twin(config: Any) -> Any:
+    """``config`` without replicas (dp_replicate = 1): ZeRO over all of dp, what a plan without the axis means."""
+    return replace(config, mesh=config.mesh.replace(dp_replicate=1))
+
+
+def dominated(table: Any, without: Any) -> bool:
+    """Whether ``table`` (a configuration with replicas) is no better than ``without`` (its :func:`twin`) in
+    every choice of every layer: the same choices, the same per-microbatch prices and activations, a tail
+    (exposed data-parallel traffic and optimizer step) and model states no smaller, and FSDP2's exposed
+    ends no cheaper at any ZeRO stage. Then every plan of ``table`` has a plan of ``without`` as fast that
+    holds no more, and the search need not solve it."""
+    from autopar.planning.edges import ZERO_LEVELS, edge_exposed_s
+
+    if without is None or table.choices != without.choices:
+        return False
+    for row, twin_row in zip(table.prices, without.prices):
+        for p, q in zip(row, twin_row):
+            if any(getattr(p, f) != getattr(q, f) for f in _SAME):
+                return False
+            if p.tail_s < q.tail_s * (1 - _SLACK) or p.state_bytes < q.state_bytes:
+                return False
+    return all(edge_exposed_s(table, z) >= edge_exposed_s(without, z) * (1 - _SLACK) for z in ZERO_LEVELS)

@@ -195,9 +195,11 @@ class PriceTable:
     def fastest_time_mb_s(self) -> list[float]:
         """Per layer, the least per-microbatch time any choice could take: its fastest style's, plus what
         every choice adds (ep's all-to-alls, norm statistics sync; without them ep's bounds were ep=1's).
-        It reads the mesh, microbatches and cp's method only: tables alike in those share it."""
+        It reads the mesh (but its dp_replicate: no time per microbatch depends on it), microbatches and cp's
+        method only: tables alike in those share it."""
         c = self.config
-        alike = (id(self.graph), id(self.cluster), id(self.training), c.mesh, c.microbatches, c.cp_attention)
+        mesh = c.mesh.replace(dp_replicate=1) if c.mesh.dp_replicate > 1 else c.mesh
+        alike = (id(self.graph), id(self.cluster), id(self.training), mesh, c.microbatches, c.cp_attention)
         if alike not in self._shared.fastest:
             self._shared.fastest[alike] = (self.graph, self._fastest_time_mb_s())
         return list(self._shared.fastest[alike][1])

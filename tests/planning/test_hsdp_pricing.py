@@ -23,6 +23,7 @@ from autopar.errors import PinError
 from autopar.mesh import Mesh
 from autopar.pins import Pins
 from autopar.plan import Plan
+from autopar.planning import hsdp_price
 from autopar.planning.configs import enumerate_configs
 from autopar.planning.configuration import Configuration, TrainingSpec
 from autopar.planning.pricing import PriceTable
@@ -113,3 +114,36 @@ def test_a_plan_file_without_the_key_loads_as_sharded_over_all_of_dp() -> None:
     del data["mesh"]["dp_replicate"]
     old = Plan.from_dict(data)
     assert old.mesh.dp_replicate == 1 and old.mesh.dp == 4 and shard_ranks(old.mesh) == 4
+
+
+def _tables(preset: str, world: int = 32):
+    graph = transformer_graph(2, 1024, 512, vocab=4096, heads=8)
+    cluster = PRESETS[preset].for_world_size(world)
+    config = Configuration(Mesh(dp=world, dp_replicate=4), 2, Schedule(ScheduleKind.NONE), DataParallelism(True, 3))
+    training = TrainingSpec(16 * world, dtype="bf16")
+    return (PriceTable(graph, config, cluster, training),
+            PriceTable(graph, hsdp_price.twin(config), cluster, training))
+
+
+def test_replicas_that_save_no_exposed_traffic_are_not_searched() -> None:
+    # 16 A100s: every collective hides under compute or costs more with replicas, and HSDP holds more:
+    # its configuration is skipped and ZeRO over all of dp stays the plan
+    hsdp, twin = _tables("a100-80g", 16)
+    assert twin.config.mesh.dp_replicate == 1 and hsdp_price.dominated(hsdp, twin)
+    # 32: the embedding's all-gathers, which no compute hides, are cheaper inside a node: searched
+    hsdp, twin = _tables("a100-80g", 32)
+    embed = hsdp.graph[0].index
+    assert min(p.tail_s for p in hsdp.prices[embed]) < min(p.tail_s for p in twin.prices[embed])
+    assert not hsdp_price.dominated(hsdp, twin) and not hsdp_price.dominated(hsdp, None)
+
+
+def test_explain_shows_the_free_plan_beside_its_hsdp_counterfactual() -> None:
+    from autopar.tools.explain import explain
+
+    graph = transformer_graph(2, 1024, 512, vocab=4096, heads=8)
+    plan = autopar.solve(graph, 32, cluster="a100-80g", global_batch=64, dtype="bf16", pins=["zero=3", "tp=1",
+                                                                                             "pp=1"])
+    assert plan.mesh.dp_replicate == 1
+    text = explain(plan, graph, ["dp_shard=8"]).render()
+    assert "dp=32 × dp_replicate=4" in text and "HSDP: 8 dp ranks a replica × 4 replicas" in text
+    assert "dp_shard=8:" in text
