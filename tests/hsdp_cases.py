@@ -3,7 +3,8 @@
 W = 4: 2 replicas × 2 shards under ZeRO-3, ZeRO-2 (two microbatches: a reduce-scatter and an all-reduce
 across replicas each) and ZeRO-1, on the GPT of :mod:`equivalence_cases` and a Hugging Face Llama; where
 the units' weights live (the 2-D mesh, a rank's half of each); and checkpoints saved under 2 × 2 HSDP
-loaded under plain dp = 4 ZeRO-3 and back. W = 8: HSDP beside tp = 2 and inside a pp = 2 pipeline.
+loaded under plain dp = 4 ZeRO-3 and back; 2 replicas beside cp = 2. W = 8: HSDP beside tp = 2 and inside
+a pp = 2 pipeline.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ SPECS: dict[str, Spec] = {
     "gpt_zero1": Spec(gpt_tiny, PP1 + HSDP + ("tp=1", "zero=1", "microbatches=2"), 8),
     "llama_zero3": Spec(hf_llama, PP1 + HSDP + ("tp=1", "zero=3", "microbatches=1"), 4),
     "llama_zero2": Spec(hf_llama, PP1 + HSDP + ("tp=1", "zero=2", "microbatches=2"), 8),
+    # beside cp: the shard group is a replica's dp × cp ranks (here 1 × 2), replicas over dp
+    "gpt_cp2": Spec(gpt_tiny, PP1 + ("dp=2", "dp_replicate=2", "cp=2", "tp=1", "zero=3", "microbatches=1"), 4),
     # W = 8
     "gpt_tp2": Spec(gpt_tiny, PP1 + HSDP + ("tp=2", "zero=3", "microbatches=1") + GPT_TP, 8),
     "llama_tp2": Spec(hf_llama, PP1 + HSDP + ("tp=2", "zero=2", "microbatches=2", "model.layers.*:tp=megatron"), 8),
-    "gpt_pp2": Spec(gpt_tiny, ("pp=2", "recompute=none") + HSDP + ("tp=1", "zero=2", "microbatches=2",
-                                                                  "schedule=1f1b"), 8),
     "llama_pp2": Spec(hf_llama, ("pp=2", "recompute=none") + HSDP + ("tp=1", "zero=3", "microbatches=2",
                                                                     "schedule=1f1b"), 8),
 }
@@ -60,6 +61,6 @@ CASES["save_hsdp"] = save_case("hsdp_zero3_w4")
 CASES["save_zero3"] = save_case("zero3_w4")
 CASES["hsdp_to_zero3"] = load_case("hsdp_zero3_w4", "zero3_w4")
 CASES["zero3_to_hsdp"] = load_case("zero3_w4", "hsdp_zero3_w4")
-W4 = ["gpt_zero3", "gpt_zero2", "gpt_zero1", "llama_zero3", "llama_zero2", "layout", "save_hsdp", "save_zero3",
-      "hsdp_to_zero3", "zero3_to_hsdp"]
-W8 = ["gpt_tp2", "llama_tp2", "gpt_pp2", "llama_pp2"]
+W4 = ["gpt_zero3", "gpt_zero2", "gpt_zero1", "llama_zero3", "llama_zero2", "gpt_cp2", "layout", "save_hsdp",
+      "save_zero3", "hsdp_to_zero3", "zero3_to_hsdp"]
+W8 = ["gpt_tp2", "llama_tp2", "llama_pp2"]

@@ -17,7 +17,12 @@ Memory shards over the shard group (``planning/memory_floor.py``, :attr:`PriceTa
 HSDP changes nothing a microbatch computes or sends, only what a step's tail pays and what a rank
 holds; so a configuration with replicas whose every price is no better than its twin's without
 (:func:`dominated`) cannot give a faster plan, and the search skips it: the twin, what a plan without
-the axis means, stays the plan on a tie, and the search does not pay for both.
+the axis means, stays the plan on a tie, and the search does not pay for both. Nor can replicas save
+more than the twin's exposed data-parallel traffic (each layer's most, and FSDP2's exposed ends at
+their most): the free search takes a configuration with replicas only where that could be at least
+:data:`SEARCHED_SAVING` of a step (:func:`worth_searching`; a pin takes it whatever it saves). Without
+the screen, the configurations with replicas doubled the sharded rows priced and added 19% to the CPU
+time of planning Llama 3 70B on 512 H100 (12.0 to 14.3 s), with no plan changed.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ def dp_collectives_s(table: Any, params: int, zero: int, share: float, float8: t
             + across + scales)
 
 
+SEARCHED_SAVING = 0.02  # of the twin's cheapest step: less, and replicas are not searched (pins take them)
 _SAME = ("forward_mb_s", "compute_mb_s", "forward_tp_mb_s", "tp_comm_mb_s", "activation_mb_bytes", "ep_comm_mb_s",
          "cp_comm_mb_s")  # what a microbatch computes, sends and keeps: HSDP changes none of them
 _SLACK = 1e-12  # relative: a price equal to rounding counts as equal
@@ -103,3 +109,17 @@ def dominated(table: Any, without: Any) -> bool:
             if p.tail_s < q.tail_s * (1 - _SLACK) or p.state_bytes < q.state_bytes:
                 return False
     return all(edge_exposed_s(table, z) >= edge_exposed_s(without, z) * (1 - _SLACK) for z in ZERO_LEVELS)
+
+
+def worth_searching(table: Any, without: Any, floor_s: float) -> bool:
+    """Whether the search takes ``table`` (a configuration with replicas) beside ``without``, its twin whose
+    cheapest step is at least ``floor_s``: its replicas could save :data:`SEARCHED_SAVING` of that (at most
+    the twin's exposed data-parallel traffic: each layer's most over its choices, and FSDP2's exposed ends
+    at their most), and it is not :func:`dominated`."""
+    from autopar.planning.edges import ZERO_LEVELS, edge_exposed_s
+
+    if without is None:
+        return True
+    most = (sum(max((p.exposed_comm_s for p in row), default=0.0) for row in without.prices)
+            + max(edge_exposed_s(without, z) for z in ZERO_LEVELS))
+    return most >= SEARCHED_SAVING * floor_s and not dominated(table, without)

@@ -187,6 +187,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
         candidates.append((cheap, config, table))
     candidates.sort(key=lambda x: (x[0], x[1]))
     tables = {config: table for _, config, table in candidates}  # a configuration with replicas: its twin's
+    pinned = pins.mesh_degrees()
     search, priced = Search(keep=1 + max(0, runners_up)), []
     # configurations no plan of which fits (memory_floor: what the bound would find), dropped before pricing;
     # a pin outside the search space may extend a row with a choice holding less: no screen then
@@ -226,8 +227,10 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
             if head.allowed is None:  # examine it: its pooled bound becomes its key
                 if not (ahead or fits(cheap, table)):
                     continue
-                if config.mesh.dp_replicate > 1 and hsdp_price.dominated(table, tables.get(hsdp_price.twin(config))):
-                    continue  # no better than ZeRO over all of dp anywhere (planning.hsdp_price)
+                twin = tables.get(hsdp_price.twin(config)) if config.mesh.dp_replicate > 1 else None
+                if twin is not None and not ("dp_replicate" in pinned or pins.dp_shard
+                                             or hsdp_price.worth_searching(table, twin, cheap)):
+                    continue  # replicas cannot save enough against ZeRO over all of dp (planning.hsdp_price)
                 allowed = ahead.allowed if ahead else allowed_choices(table, layer_pins)
                 if any(not ks for ks in allowed):
                     continue

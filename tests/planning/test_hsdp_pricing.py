@@ -135,6 +135,9 @@ def test_replicas_that_save_no_exposed_traffic_are_not_searched() -> None:
     embed = hsdp.graph[0].index
     assert min(p.tail_s for p in hsdp.prices[embed]) < min(p.tail_s for p in twin.prices[embed])
     assert not hsdp_price.dominated(hsdp, twin) and not hsdp_price.dominated(hsdp, None)
+    # searched only where the twin's exposed traffic could be 2% of its cheapest step
+    most = sum(max(p.exposed_comm_s for p in row) for row in twin.prices)
+    assert hsdp_price.worth_searching(hsdp, twin, most) and not hsdp_price.worth_searching(hsdp, twin, 1e3 * most)
 
 
 def test_explain_shows_the_free_plan_beside_its_hsdp_counterfactual() -> None:
