@@ -143,6 +143,10 @@ def searched_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
         configs = [c for c in configs if not idle_tp(graph, c.mesh)] or configs
     if not configs and unmet:
         raise PinError(f"pin cp_attention={pins.cp_attention}: {unmet} (and no other mesh the pins allow runs it)")
+    if not configs and pins.dp_shard is not None:
+        raise PinError(f"pin dp_shard={pins.dp_shard}: no mesh the other pins and batch size "
+                       f"{training.global_batch} allow has a dp that is {pins.dp_shard} × dp_replicate"
+                       + (f" ({hsdp_refused})" if hsdp_refused else ""))
     if not configs and hsdp_refused:
         raise PinError(f"{hsdp_refused} (and no other mesh the pins allow runs)")
     if not configs and split_refused:

@@ -104,6 +104,8 @@ def test_what_cannot_run_is_refused_with_one_line() -> None:
     assert "\n" not in str(err.value)
     with pytest.raises(PinError, match="dp_shard=0"):
         Pins.parse(["dp_shard=0"])
+    with pytest.raises(PinError, match=r"pin dp_shard=3: no mesh .* has a dp that is 3 × dp_replicate"):
+        autopar.solve(graph, 4, cluster="a100-80g", global_batch=8, pins=["dp=4", "dp_shard=3"])
 
 
 def test_a_plan_file_without_the_key_loads_as_sharded_over_all_of_dp() -> None:
