@@ -11,6 +11,7 @@ this module exists to prevent). Torch-free: the runtime gathers the facts (:mod:
 The rules, by feature:
 
 * **world**: the plan's world size is the ranks launched (and the ``world_size`` given).
+* **layout**: hybrid sharding only where it runs; batch-coupled layers run as ``batch_coupled`` says.
 * **torch.compile**: asked (``torch_compile``) only as priced (``training.compiled``); a compiled plan's
   mesh must be one the compiled runtime runs (:func:`autopar.contract.compile_refusal`), its recompute
   one an op-level policy can see, and its experts not split over tp (:func:`compiled_refusals`).
@@ -26,7 +27,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.batch_coupling import refusal as coupling_refusal
 from autopar.contract import BREAK_RECOMPUTES, compile_refusal, compiled_break
+from autopar.contract_hsdp import hsdp_refusal
 from autopar.cost_models.gpu_figures import FP8_MIN_COMPUTE_CAPABILITY
 from autopar.errors import AutoparError, CompileError, Float8Error, LoweringError, PlanError
 from autopar.experts.layouts import ROUTER_BIAS as BIAS
@@ -76,13 +79,16 @@ def admit(graph: LayerGraph | None, plan: Plan, here: Here) -> None:
 def refusals(graph: LayerGraph | None, plan: Plan, here: Here) -> list[Refusal]:
     """Every reason ``plan`` does not run here as priced (empty: it runs). ``graph`` None: the rules that
     need the model's layers are left out (checked again once it is captured)."""
-    return [*_world(plan, here), *_compiled(graph, plan, here), *_float8(plan, here), *_bias_update(graph, plan, here)]
+    return [*_world(plan, here), *_layout(graph, plan), *_compiled(graph, plan, here), *_float8(plan, here),
+            *_bias_update(graph, plan, here)]
 
 
 def mesh_refusal(graph: LayerGraph | None, mesh: Mesh, compiled: bool, float8: bool) -> str | None:
     """Why the runtime asked for (compiled, float8) does not run ``mesh`` (None when it does): what the
     planner leaves out before pricing, by the rules :func:`refusals` applies to a plan."""
     if compiled and (why := compile_refusal(graph, mesh)):
+        return why
+    if why := hsdp_refusal(mesh, compiled=compiled, float8=float8):
         return why
     if float8 and (axes := [f"{a}={mesh[a]}" for a in FLOAT8_AXES if mesh[a] > 1]):
         return f"float8 training does not run {', '.join(axes)} yet"
@@ -151,6 +157,17 @@ def _world(plan: Plan, here: Here) -> list[Refusal]:
     if plan.world_size != here.world_size:
         out.append(Refusal(PlanError, f"the plan is for {plan.world_size} ranks but world_size is "
                                       f"{here.world_size}: re-plan for this world size"))
+    return out
+
+
+def _layout(graph: LayerGraph | None, plan: Plan) -> list[Refusal]:
+    """The mesh's own rules: hybrid sharding where it runs (:func:`autopar.contract_hsdp.hsdp_refusal`), and the
+    batch-coupled layers run as the plan's ``batch_coupled`` says (:func:`autopar.batch_coupling.refusal`)."""
+    t, out = plan.training, []
+    if why := hsdp_refusal(plan.mesh, compiled=t.compiled, float8=t.float8 is not None):
+        out.append(Refusal(LoweringError, why))
+    if graph is not None and (why := coupling_refusal(graph, plan.mesh, plan.microbatches, t.batch_coupled)):
+        out.append(Refusal(LoweringError, why))
     return out
 
 

@@ -16,7 +16,11 @@ declaration gives it
   Megatron-Core's "parallel folding" lay experts out — so it does not
   multiply the world size, is no dimension of the device mesh
   (:meth:`Mesh.dim_names`), its degree must divide its hosts' product
-  (:meth:`Mesh.host`), and its stride is its innermost host's;
+  (:meth:`Mesh.host`), and its stride is its innermost host's; one declared
+  ``outermost`` (``dp_replicate`` folds into ``dp``) splits its hosts' ranks
+  outermost instead: its groups are strided, host/degree host ranks apart,
+  and what is left of the host (``dp / dp_replicate``, the shard group of
+  hybrid sharding) is neighbouring ranks;
 * its dimension name in ``init_device_mesh`` (:meth:`Mesh.dim_names`), its pin
   key (``tp=8``) and its key in a plan's ``mesh`` object: all ``name``;
 * its **validation**: the degrees multiply to the world size
@@ -64,7 +68,8 @@ class MeshAxis:
     degree cannot run for a request (None if it can); ``searched`` False keeps a
     declared axis at degree 1 unless something prices and lowers it;
     ``within_node`` searches only degrees that divide a node (pins may go further);
-    ``folds`` names the axes whose ranks a folded axis borrows, outermost first (see the module docstring).
+    ``folds`` names the axes whose ranks a folded axis borrows, outermost first (see the module docstring);
+    ``outermost`` puts a folded axis's groups outermost in its hosts' ranks rather than innermost.
     """
 
     name: str
@@ -73,6 +78,7 @@ class MeshAxis:
     searched: bool = True
     within_node: bool = False
     folds: tuple[str, ...] | None = None
+    outermost: bool = False
     pending: str = "nothing prices or lowers it yet"  # why an axis not searched runs at degree 1 only
 
     def refusal(self, degree: int, limits: AxisLimits) -> str | None:
@@ -135,10 +141,15 @@ def _cp_check(degree: int, limits: AxisLimits) -> str | None:
 
 # The axes, outermost first (the rank layout: global rank = ((pp_rank · dp + dp_rank) · cp + cp_rank) · tp
 # + tp_rank; ep folds into dp × cp: an ep group is ep consecutive ranks of the flattened dp × cp, the cp
-# ranks of one sample first).
+# ranks of one sample first; dp_replicate folds into dp outermost: dp_rank = replica · dp/dp_replicate + shard).
 AXES: tuple[MeshAxis, ...] = (
     MeshAxis("pp", "the layers into pipeline stages", _pp_check),
     MeshAxis("dp", "the global batch", _dp_check),
+    # hybrid sharding (HSDP): ZeRO shards over dp / dp_replicate × cp neighbouring ranks and all-reduces across
+    # the dp_replicate replicas (autopar.contract_hsdp; FSDP2's 2-D mesh, passes/zero.py; priced in
+    # planning/hsdp_price.py); 1, the default, shards over all of dp as a plan without the key did
+    MeshAxis("dp_replicate", "the dp ranks into replicas of ZeRO's shards (hybrid sharding)", folds=("dp",),
+             outermost=True),
     # lowered by passes/expert_parallel.py, priced by autopar.planning.pricing (experts, all-to-all, edp)
     MeshAxis("ep", "the experts of mixture-of-experts layers, over ranks borrowed from dp × cp", _ep_check,
              folds=("dp", "cp")),
@@ -234,6 +245,10 @@ class Mesh:
             grid = tuple((a.name, d) for a, (_, d) in zip(AXES, items) if a.folds is None)
             below = {n: math.prod(d for _, d in grid[i + 1:]) for i, (n, _) in enumerate(grid)}
             strides = {a.name: below[a.folds[-1] if a.folds else a.name] for a in AXES}
+            for a in AXES:  # an outermost folded axis: its neighbours a host's worth over its degree apart
+                if a.outermost and a.folds:
+                    host = math.prod(self._by_name.get(h, 1) for h in a.folds)
+                    strides[a.name] = below[a.folds[-1]] * host // self._by_name.get(a.name, 1)
             derived.clear()
             derived.update(axes=AXES, items=items, grid=grid, strides=strides)
         return derived

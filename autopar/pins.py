@@ -29,6 +29,9 @@ head or loss cannot run chunked is a PinError naming why.
 (BatchNorm, a capacity MoE) run (:class:`~autopar.choice.BatchCoupling`): ``exact`` offers only plans
 that keep one device's numbers, ``split`` runs each on its own split, ``auto`` (the default) is
 exact where the runtime can be and split where it cannot.
+Hybrid sharding (:mod:`autopar.contract_hsdp`): ``dp_replicate=R`` (a mesh axis) splits dp into R replicas
+of ZeRO's shards; ``dp_shard=S`` fixes instead the dp ranks of one replica (dp / dp_replicate), whatever dp
+the solver takes. Free, the solver tries dp_replicate 1 and the node-sized shard group.
 A Ulysses pin on a model whose key/value heads cp (× tp) does not divide, or a
 ring pin where the ring cannot run, is a PinError naming why (planning checks it
 against the graph).
@@ -49,7 +52,7 @@ from autopar.errors import PinError
 _UNSET: Any = object()
 # the global keys besides the axes
 PLAN_KEYS = ("microbatches", "schedule", "chunks", "zero", "recompute", "sp", "cp_attention", "loss",
-             "batch_coupled")
+             "batch_coupled", "dp_shard")
 LAYER_KEYS = ("stage", "tp", "zero", "recompute", "sp")
 _RECOMPUTE = {**dict.fromkeys(("full", "all", "on", "true", "yes", "1"), Recompute.FULL),
               **dict.fromkeys(("none", "off", "false", "no", "0"), Recompute.NONE),
@@ -100,6 +103,7 @@ class Pins:
     cp_attention: CpAttention | None = None  # under cp: all-gather, Ulysses or ring (None: the solver's choice)
     loss: LossKind | None = None  # full or chunked (None: chunked wherever it runs)
     batch_coupled: BatchCoupling | None = None  # auto, exact or split (None: auto)
+    dp_shard: int | None = None  # hybrid sharding: the dp ranks of a replica, dp / dp_replicate (contract_hsdp)
     layers: tuple[LayerPin, ...] = field(default_factory=tuple)
 
     @classmethod
@@ -274,7 +278,7 @@ def _recompute(value: str, item: str) -> Recompute:
 
 
 def _global_value(key: str, value: str, item: str) -> Any:
-    if key == "microbatches":
+    if key in ("microbatches", "dp_shard"):
         return _int(value, item, minimum=1)
     if key == "chunks":
         return _int(value, item, minimum=1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from autopar.choice import CpAttention, LossKind
+from autopar.contract_hsdp import dp_shard, shard_ranks
 from autopar.float8 import describe
 from autopar.units import device_noun, format_bytes, format_flop_rate
 
@@ -97,6 +98,14 @@ _METHOD = {CpAttention.ALL_GATHER: "allgather (K/V all-gather)",
 _COMM = {CpAttention.ALL_GATHER: "K/V", CpAttention.ULYSSES: "all-to-all", CpAttention.RING: "ring K/V, unhidden"}
 
 
+def _hybrid(m: Any) -> str:
+    """Hybrid sharding's groups on the mesh line: ZeRO's shard group and the replicas it is all-reduced over."""
+    if m.dp_replicate <= 1:
+        return ""
+    over = f"{dp_shard(m)} dp" + (f" × {m.cp} cp" if m.cp > 1 else "")
+    return f"   HSDP: ZeRO over {over} = {shard_ranks(m)} ranks × {m.dp_replicate} replicas"
+
+
 def render_summary(plan: Any) -> str:
     p, m = plan.predicted, plan.mesh
     sched = plan.schedule.value + (f" × {plan.chunks} chunks" if plan.chunks > 1 else "")
@@ -113,7 +122,8 @@ def render_summary(plan: Any) -> str:
         f" ({plan.cluster.name}, {plan.training.dtype}"
         + (", blocks under torch.compile" if plan.training.compiled else "")
         + (", float8 linears" if plan.training.float8 is not None else "") + ")",
-        f"mesh          {m.describe()}" + (f"   cp attention {_METHOD[plan.cp_attention]}" if m.cp > 1 else ""),
+        f"mesh          {m.describe()}" + (f"   cp attention {_METHOD[plan.cp_attention]}" if m.cp > 1 else "")
+        + _hybrid(m),
         f"batch         {plan.training.global_batch} = dp {m.dp} × {plan.microbatches} microbatches"
         f" × {plan.microbatch_size}   schedule {sched}",
         f"step time     {p.step_time_s:.4g} s   {format_flop_rate(p.tflops_per_gpu * 1e12)} per {noun}{tokens}",

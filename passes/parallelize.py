@@ -279,8 +279,8 @@ def _dp_run(module: nn.Module, ctx: Context, result: PartResult) -> None:
     experts = result.experts
     ignored = [m for m in experts.modules if m not in {e for e, _ in experts.sharded}] if experts else ()
     result.data_parallel = apply_data_parallel(module, ctx.part.units, data_mesh(ctx.mesh, ctx.plan.mesh.cp),
-                                               ignored=ignored,
-                                               experts=experts)
+                                               ignored=ignored, experts=experts,
+                                               replicas=ctx.plan.mesh.dp_replicate)
 
 
 def _dp_ensures(module: nn.Module, ctx: Context) -> str | None:

@@ -16,6 +16,12 @@ so what runs is what pricing priced.
 | 1 | ``fully_shard(reshard_after_forward=False)`` | *deferred*: unsharded grads accumulate, params stay gathered |
 | 0 | ``replicate`` (FSDP2-based, ``replicate_with_fsdp``) or DDP | *deferred*: grads accumulate, all-reduce once |
 
+**Hybrid sharding** (HSDP, a plan's ``dp_replicate`` R > 1: :mod:`autopar.contract_hsdp`): every
+``fully_shard`` unit gets the 2-D mesh (``dp_replicate``, ``dp_shard_cp``) unflattened from the data mesh
+(:func:`hsdp_mesh`), on which FSDP2 shards over the second dimension and all-reduces each reduce-scattered
+gradient over the first, dividing by both; ``replicate`` units, 0-d parameters and DDP keep the 1-D
+data mesh (all dp × cp ranks).
+
 *Deferred* modules are listed in the result; the runtime calls
 ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)``
 on them for every microbatch but the last (:func:`set_last_microbatch`). With
@@ -133,8 +139,25 @@ def keep_whole(params: list[nn.Parameter], dp_mesh) -> None:
         p.register_post_accumulate_grad_hook(mean)
 
 
+HSDP_DIMS = ("dp_replicate", "dp_shard_cp")  # FSDP2's HSDP mesh: replicas outermost, the shard group inside
+
+
+def hsdp_mesh(dp_mesh, replicas: int):
+    """The 2-D device mesh (R replicas, the rest of ``dp_mesh``) of hybrid sharding; None at ``replicas`` 1.
+
+    The data mesh's ranks unflattened with the replicas outermost, as :mod:`autopar.mesh` lays
+    ``dp_replicate`` out (a collective on first call: every rank calls it, for the same mesh; cached on the
+    mesh, as ``passes.expert_parallel.expert_mesh`` caches its own)."""
+    if replicas <= 1:
+        return None
+    cache = dp_mesh.__dict__.setdefault("_autopar_hsdp_meshes", {})
+    if replicas not in cache:
+        cache[replicas] = dp_mesh._unflatten(0, (replicas, dp_mesh.size() // replicas), HSDP_DIMS)
+    return cache[replicas]
+
+
 def _wrap(module: nn.Module, unit: Unit, dp_mesh, dtype: torch.dtype | None,
-          ignored: tuple[nn.Module, ...] = (), whole: tuple[nn.Parameter, ...] = ()) -> None:
+          ignored: tuple[nn.Module, ...] = (), whole: tuple[nn.Parameter, ...] = (), shard_mesh=None) -> None:
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import fully_shard
 
@@ -162,20 +185,21 @@ def _wrap(module: nn.Module, unit: Unit, dp_mesh, dtype: torch.dtype | None,
     if unit.engine is Engine.REPLICATE:
         replicate(module, mesh=dp_mesh, mp_policy=mixed_precision_policy(dtype), ignored_params=inside or None)
     else:
-        fully_shard(module, mesh=dp_mesh, reshard_after_forward=(unit.zero == 3),
+        fully_shard(module, mesh=dp_mesh if shard_mesh is None else shard_mesh, reshard_after_forward=(unit.zero == 3),
                     mp_policy=mixed_precision_policy(dtype), ignored_params=inside or None)
 
 
 def apply_data_parallel(part: nn.Module, units: tuple[Unit, ...], dp_mesh, *,
                         param_dtype: torch.dtype | None = None,
                         ignored: tuple[nn.Module, ...] | list[nn.Module] = (),
-                        experts=None) -> DataParallelResult:
+                        experts=None, replicas: int = 1) -> DataParallelResult:
     """Wrap each of the part's ``units`` (innermost first, the root last) over ``dp_mesh``.
 
     ``ignored`` modules' parameters stay out of every unit: the experts under ep at ZeRO-0, which
     ``passes/expert_parallel.py`` reduces over their expert-data-parallel group instead; ``experts``
     (a ``passes.expert_parallel.ExpertParallelResult``) has its ZeRO ≥ 1 experts wrapped first, as
-    units of their own over that group.
+    units of their own over that group. ``replicas``: the plan's ``dp_replicate`` (HSDP above 1: the
+    ``fully_shard`` units over :func:`hsdp_mesh`).
 
     ``param_dtype`` (default: :func:`compute_dtype`'s) is the compute dtype of a bf16 plan.
     Requires: tensor parallelism and recompute already applied (FSDP2 must see the
@@ -197,7 +221,7 @@ def apply_data_parallel(part: nn.Module, units: tuple[Unit, ...], dp_mesh, *,
         except AttributeError:
             raise LoweringError(f"the contract gives module {unit.path!r} an FSDP unit, but this "
                                 "part of the model has no such module") from None
-        _wrap(module, unit, dp_mesh, dtype, tuple(ignored), tuple(result.whole))
+        _wrap(module, unit, dp_mesh, dtype, tuple(ignored), tuple(result.whole), hsdp_mesh(dp_mesh, replicas))
         result.zero_by_path[unit.path] = unit.zero
         if unit.deferred:
             result.deferred.append(module)

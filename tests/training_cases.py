@@ -37,6 +37,7 @@ PP1 = ("pp=1", "recompute=none")
 PLANS: dict[str, tuple[str, ...]] = {
     "zero3_w4": PP1 + ("dp=4", "tp=1", "zero=3", "microbatches=1"),
     "zero1_w4": PP1 + ("dp=4", "tp=1", "zero=1", "microbatches=2"),
+    "hsdp_zero3_w4": PP1 + ("dp=4", "dp_replicate=2", "tp=1", "zero=3", "microbatches=1"),  # tests/hsdp_cases.py
     "dp2tp2_w4": PP1 + ("dp=2", "tp=2", "zero=3", "microbatches=2") + GPT_TP,
     "zero3_w2": PP1 + ("dp=2", "tp=1", "zero=3", "microbatches=1"),
     "zero1_w2": PP1 + ("dp=2", "tp=1", "zero=1", "microbatches=2"),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from autopar import contract
+from autopar import contract, contract_hsdp
 from autopar.admission import mesh_refusal
 from autopar.batch_coupling import refusal as coupling_refusal
 from autopar.choice import CpAttention, Recompute
@@ -107,8 +107,15 @@ def searched_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
     compile_refused: list[str] = []
     split_refused = ""  # why a configuration was left out only because it splits a batch-coupled layer's batch
     staged: list[Configuration] = []  # cp inside pipeline stages, neither pinned: searched up to a count
+    hsdp_refused = ""  # why a mesh was left out only because its pinned dp_replicate cannot run
     for mesh in meshes(limits, pinned):
         if contract.ep_refusal(mesh, graph) or contract.cp_refusal(mesh, graph):
+            continue
+        if not _replicas_searched(mesh, pins, pinned, cluster):
+            continue
+        if why := contract_hsdp.hsdp_refusal(mesh, sharded=False if pins.zero == 0 else None,
+                                             compiled=training.compiled, float8=training.float8 is not None):
+            hsdp_refused = hsdp_refused or why
             continue
         methods = tuple(m for m in _cp_methods(graph, mesh, pins) if not (ring_device and m is CpAttention.RING))
         if not methods:
@@ -129,6 +136,7 @@ def searched_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
             into += [Configuration(mesh, m, s, mode, method)
                      for s in _schedules(mesh.pp, m, limits.max_stages, pins, refused)
                      for mode in contract.data_parallel_modes(graph, mesh.pp, contract.data_ranks(mesh), floor)
+                     if mode.sharded or mesh.dp_replicate == 1  # replicas of ZeRO's shards: sharded plans only
                      for method in methods]
     left_out = len(staged) if configs and len(configs) + len(staged) > CP_PP_SEARCHED_UP_TO else 0
     configs += [] if left_out else staged
@@ -136,6 +144,12 @@ def searched_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
         configs = [c for c in configs if not idle_tp(graph, c.mesh)] or configs
     if not configs and unmet:
         raise PinError(f"pin cp_attention={pins.cp_attention}: {unmet} (and no other mesh the pins allow runs it)")
+    if not configs and pins.dp_shard is not None:
+        raise PinError(f"pin dp_shard={pins.dp_shard}: no mesh the other pins and batch size "
+                       f"{training.global_batch} allow has a dp that is {pins.dp_shard} × dp_replicate"
+                       + (f" ({hsdp_refused})" if hsdp_refused else ""))
+    if not configs and hsdp_refused:
+        raise PinError(f"{hsdp_refused} (and no other mesh the pins allow runs)")
     if not configs and split_refused:
         raise PinError(split_refused)
     if not configs and compile_refused and not training.compiled:
@@ -146,6 +160,15 @@ def searched_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
     if not configs:
         raise PinError(why_no_config(graph, world_size, training, pins, limits.max_stages))
     return configs, left_out
+
+
+def _replicas_searched(mesh: Mesh, pins: Pins, pinned: dict[str, int], cluster: ClusterSpec) -> bool:
+    """Whether ``mesh``'s dp_replicate is one this request plans: the pinned ``dp_shard`` (dp / dp_replicate),
+    the pinned ``dp_replicate``, or with neither pinned 1 and the node-sized shard group
+    (:func:`autopar.contract_hsdp.searched_replicas`)."""
+    if pins.dp_shard is not None:
+        return contract_hsdp.dp_shard(mesh) == pins.dp_shard
+    return "dp_replicate" in pinned or contract_hsdp.searched_replicas(mesh, cluster.gpus_per_node)
 
 
 def _cp_methods(graph: LayerGraph, mesh: Mesh, pins: Pins) -> tuple[CpAttention, ...]:

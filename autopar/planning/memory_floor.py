@@ -31,15 +31,15 @@ def held_bytes(table: Any, layer: Layer, runs: LayerChoice) -> tuple[int, int, i
     experts = expert_price.local_params(table, layer)  # ep: this rank's experts, outside the dp engine
     dense = params - expert_price.split_params(table, layer)
     ez, edp = expert_price.expert_zero(table, layer, runs.zero), table.edp_group.size  # the experts' ZeRO over edp
-    weights = (prec.param_bytes * (dense if runs.zero < 3 else dense // table.data_ranks)
+    weights = (prec.param_bytes * (dense if runs.zero < 3 else dense // table.shard_ranks)
                + prec.param_bytes * (experts if ez < 3 else experts // edp))
-    grads = (prec.grad_bytes * (dense if runs.zero < 2 else dense // table.data_ranks)
+    grads = (prec.grad_bytes * (dense if runs.zero < 2 else dense // table.shard_ranks)
              + prec.grad_bytes * (experts if ez < 2 else experts // edp))
     # outside FSDP2 the experts' gradients are fp32 whatever the plan's dtype (fp32 weights on bf16 copies)
     expert_grads = max(FP32_BYTES - prec.grad_bytes, 0) * experts if ez == 0 else 0
     grads += expert_grads
     buckets = prec.grad_bytes * dense if table.engine is Engine.DDP else 0  # ep's experts: outside DDP
-    state = (model_state_bytes(dense, runs.zero, table.data_ranks, prec) + model_state_bytes(experts, ez, edp, prec)
+    state = (model_state_bytes(dense, runs.zero, table.shard_ranks, prec) + model_state_bytes(experts, ez, edp, prec)
              + expert_grads + buckets + master_grad_bytes(table, dense))
     return weights, grads, state - weights - grads - buckets, buckets  # the ZeRO formula's rounding: optimizer's
 

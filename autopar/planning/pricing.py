@@ -40,7 +40,8 @@ and the memory of rank j (integer bytes):
 
     M_j  = Σ model_states(zero, dp, tp) + Σ ⌈activations per microbatch · in_flight(j)⌉ + workspace (one layer's
            or, last rank, the loss's if larger) + (FSDP2's buffers if j has ZeRO layers)
-Expert parallelism (``ep``) is priced in :mod:`.expert_price`.
+Expert parallelism (``ep``) is priced in :mod:`.expert_price`; the data-parallel collectives, hybrid
+sharding's (``dp_replicate``: shard group and replicate group) among them, in :mod:`.hsdp_price`.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from autopar.cost_models.hardware import ClusterSpec, idle_core_speedup
 from autopar.cost_models.memory import optimizer_shard_params
 from autopar.cost_models.pipeline import in_flight
 from autopar.graph import Layer, LayerGraph
-from autopar.planning import context_price, edges, expert_price, loss_price, pipeline_price
+from autopar.planning import context_price, edges, expert_price, hsdp_price, loss_price, pipeline_price
 from autopar.planning.configuration import Configuration, TrainingSpec
 from autopar.planning.layer_compute import LayerCompute, layer_compute
 from autopar.planning.memory_floor import held_bytes, kept_mb_bytes
@@ -69,7 +70,6 @@ from autopar.planning.sequence import region_s, sequence_activation_bytes, seque
 from autopar.planning.shared_prices import SharedPrices
 
 FP32_BYTES = 4  # the loss, and a bf16 plan's master gradients outside FSDP2, are fp32
-FLOAT8_BYTES = 1  # a weight FSDP2 gathers in float8 (torchao's float8 all-gather)
 
 
 def exposed_comm_s(comm_s: float, compute_s: float, overlap: float) -> float:
@@ -134,6 +134,8 @@ class PriceTable:
         groups = {name: place_group(degree, mesh.stride(name), cluster.gpus_per_node) for name, degree in mesh.items()}
         self.tp_group, self.ep_group, self.cp_group = groups["tp"], groups["ep"], groups["cp"]
         self.data_ranks, self.dp_group = context_price.data_group(mesh, groups["dp"], cluster)
+        self.shard_ranks, self.shard_group, self.replicate_group = hsdp_price.groups(  # HSDP (all dp × cp at R = 1)
+            mesh, self.data_ranks, self.dp_group, cluster)
         # the expert-data-parallel group: the dp × cp ranks holding the same experts, ep apart in dp × cp
         self.edp_group = place_group(self.data_ranks // mesh.ep, mesh.stride("ep") * mesh.ep, cluster.gpus_per_node)
         self.pp_inter_node = edges.ranks_inter_node(0, config.mesh.pp - 1, self)  # the tied ends' all-reduce
@@ -194,9 +196,11 @@ class PriceTable:
     def fastest_time_mb_s(self) -> list[float]:
         """Per layer, the least per-microbatch time any choice could take: its fastest style's, plus what
         every choice adds (ep's all-to-alls, norm statistics sync; without them ep's bounds were ep=1's).
-        It reads the mesh, microbatches and cp's method only: tables alike in those share it."""
+        It reads the mesh (but its dp_replicate: no time per microbatch depends on it), microbatches and cp's
+        method only: tables alike in those share it."""
         c = self.config
-        alike = (id(self.graph), id(self.cluster), id(self.training), c.mesh, c.microbatches, c.cp_attention)
+        mesh = c.mesh.replace(dp_replicate=1) if c.mesh.dp_replicate > 1 else c.mesh
+        alike = (id(self.graph), id(self.cluster), id(self.training), mesh, c.microbatches, c.cp_attention)
         if alike not in self._shared.fastest:
             self._shared.fastest[alike] = (self.graph, self._fastest_time_mb_s())
         return list(self._shared.fastest[alike][1])
@@ -469,7 +473,7 @@ class PriceTable:
             dp_comm_s=dp_comm + fsdp_work,
             exposed_comm_s=exposed_comm_s(dp_comm, c.microbatches * compute, self.cluster.comm_overlap)
             + fsdp_work,
-            optimizer_s=(optimizer_shard_params(dense, runs.zero, self.data_ranks)
+            optimizer_s=(optimizer_shard_params(dense, runs.zero, self.shard_ranks)
                          + optimizer_shard_params(experts, ez, edp))
             * prec.optimizer_bytes_touched / device.memory_bandwidth_bytes_s
             + (len(layer.param_names) if self._dtensor(runs) else expert_price.dtensor_params(self, layer))
@@ -504,31 +508,12 @@ class PriceTable:
         converted linears FSDP2 gathers in float8 (:meth:`autopar.float8.Float8Settings.gathered_elements`)."""
         if self.data_ranks <= 1 or params == 0:
             return 0.0
-        key = (params, zero, share, float8, self.dp_group, self.config.microbatches, self.prec, id(self.cluster))
+        key = (params, zero, share, float8, self.dp_group, self.shard_group, self.replicate_group,
+               self.config.microbatches, self.prec, id(self.cluster))
         memo = self._shared.dp_collectives
         if key not in memo:
-            memo[key] = self._dp_collectives_s(params, zero, share, float8)
+            memo[key] = hsdp_price.dp_collectives_s(self, params, zero, share, float8)
         return memo[key]
-
-    def _dp_collectives_s(self, params: int, zero: int, share: float, float8: tuple[int, int]) -> float:
-        """Weights gathered in float8 move 1 byte an element; their scales come from one all-reduce a
-        step of every gathered weight's amax (``runtime.float8.precompute_scales``: one fp32 value a
-        weight, this layer paying its weights' share of the latency). The casts stay priced on whole
-        weights (``layer_compute``), though the gather casts the rank's shard: an overestimate of at
-        most n·k·(1 − 1/dp) elements' cast a gather, beside the activations' casts."""
-        group, cl = self.dp_group, self.cluster
-        elements, weights_f8 = float8
-        grads = self.prec.grad_bytes * params
-        weights = self.prec.param_bytes * (params - elements) + FLOAT8_BYTES * elements
-        all_reduce, reduce_scatter, all_gather = contract.dp_collectives(zero, self.config.microbatches)
-        scales = 0.0
-        if weights_f8 and all_gather:
-            every = len(self.training.float8.linears) if self.training.float8 is not None else weights_f8
-            scales = collective_time_s(Collective.ALL_REDUCE, FP32_BYTES * weights_f8, group, cl,
-                                       count=weights_f8 / every)
-        return (all_reduce * collective_time_s(Collective.ALL_REDUCE, grads, group, cl, count=share)
-                + reduce_scatter * collective_time_s(Collective.REDUCE_SCATTER, grads, group, cl, count=share)
-                + all_gather * collective_time_s(Collective.ALL_GATHER, weights, group, cl, count=share) + scales)
 
     def _tied_sum_s(self, layer: Layer, zero: int) -> float:
         """Per step, at each end of tied embeddings split across stages: the all-reduce of the tied
@@ -536,7 +521,7 @@ class PriceTable:
         the pipeline drains — a two-rank all-reduce moves the shard once each way, priced as one send."""
         if not contract.tied_across_stages(self.graph, layer.index, self.config.mesh.pp):
             return 0.0
-        shard = self.data_ranks if zero >= 1 and self.data_ranks > 1 else 1
+        shard = self.shard_ranks if zero >= 1 and self.data_ranks > 1 else 1
         nbytes = self.prec.grad_bytes * layer.tied_param_count / shard
         return p2p_time_s(nbytes, inter_node=self.pp_inter_node, cluster=self.cluster)
 

@@ -100,6 +100,7 @@ from autopar.cost_models.hardware import ClusterSpec
 from autopar.errors import InfeasibleError, PinError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
+from autopar.planning import hsdp_price
 from autopar.planning.bounds import balanced_step_s, lower_bound_s, pooled_bound_s
 from autopar.planning.choices import allowed_choices, check_recompute_pins, check_sp_pins
 from autopar.planning.configs import cut_positions, enumerate_configs, searched_configs
@@ -185,6 +186,8 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
         cheap = balanced_step_s(table, sum(fastest), max(fastest))
         candidates.append((cheap, config, table))
     candidates.sort(key=lambda x: (x[0], x[1]))
+    tables = {config: table for _, config, table in candidates}  # a configuration with replicas: its twin's
+    pinned = pins.mesh_degrees()
     search, priced = Search(keep=1 + max(0, runners_up)), []
     # configurations no plan of which fits (memory_floor: what the bound would find), dropped before pricing;
     # a pin outside the search space may extend a row with a choice holding less: no screen then
@@ -224,6 +227,10 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
             if head.allowed is None:  # examine it: its pooled bound becomes its key
                 if not (ahead or fits(cheap, table)):
                     continue
+                twin = tables.get(hsdp_price.twin(config)) if config.mesh.dp_replicate > 1 else None
+                if twin is not None and not ("dp_replicate" in pinned or pins.dp_shard
+                                             or hsdp_price.worth_searching(table, twin, cheap)):
+                    continue  # replicas cannot save enough against ZeRO over all of dp (planning.hsdp_price)
                 allowed = ahead.allowed if ahead else allowed_choices(table, layer_pins)
                 if any(not ks for ks in allowed):
                     continue

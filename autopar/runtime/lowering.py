@@ -22,6 +22,7 @@ import torch.nn as nn
 from autopar.batch_coupling import refusal as coupling_refusal
 from autopar.batch_coupling import synced
 from autopar.contract import plan_layout
+from autopar.contract_hsdp import hsdp_refusal
 from autopar.errors import LoweringError, PlanError
 from autopar.graph import LayerGraph
 from autopar.passes.batchnorm import sync_batch_norms
@@ -97,7 +98,7 @@ def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: An
     from autopar.passes.context_parallel import check_context_parallel, data_mesh
     from autopar.passes.expert_parallel import check_expert_parallel, expert_mesh
     from autopar.passes.tensor_parallel import check_tensor_parallel
-    from autopar.passes.zero import compute_dtype
+    from autopar.passes.zero import compute_dtype, hsdp_mesh
 
     device, dp = rank_device(), plan.mesh.dp
     # every check that can fail runs before the first collective (the mesh's groups)
@@ -107,6 +108,8 @@ def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: An
     if why := coupling_refusal(graph, plan.mesh, plan.microbatches, plan.training.batch_coupled):
         raise LoweringError(why)
     check_context_parallel(graph, plan)
+    if why := hsdp_refusal(plan.mesh, compiled=plan.training.compiled, float8=plan.training.float8 is not None):
+        raise LoweringError(why)
     if plan.mesh.cp > 1 and graph.cp_manual:  # attention written by hand: its rewrite checked on the module
         from autopar.passes.manual_attention import prove_manual_attention
 
@@ -115,6 +118,8 @@ def lower(model: nn.Module, graph: LayerGraph, plan: Plan, *, example_inputs: An
     mesh = init_device_mesh(device.type, plan.mesh.degrees, mesh_dim_names=plan.mesh.dim_names())
     if plan.mesh.cp > 1:  # the flattened dp × cp dimension data parallelism wraps over, made by every rank
         data_mesh(mesh, plan.mesh.cp)
+    if plan.mesh.dp_replicate > 1:  # hybrid sharding's 2-D mesh, made by every rank before any part is lowered
+        hsdp_mesh(data_mesh(mesh, plan.mesh.cp), plan.mesh.dp_replicate)
     if plan.mesh.ep > 1:  # ep's groups, folded into dp (× cp): made by every rank before any part is lowered
         expert_mesh(mesh, plan.mesh.ep)
     dtype = plan_dtype(plan.training.dtype)

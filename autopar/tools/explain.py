@@ -89,7 +89,10 @@ def data_parallel_of(plan: Plan) -> str:
     """How a plan's data parallelism runs, in the words runners-up use."""
     if plan.mesh.dp * plan.mesh.cp <= 1:
         return "none (dp=1)"
-    return "replicated" if all(l.choice.zero == 0 for l in plan.layers) else "sharded"
+    if all(l.choice.zero == 0 for l in plan.layers):
+        return "replicated"
+    r = plan.mesh.dp_replicate  # hybrid sharding (autopar.contract_hsdp): ZeRO within a replica
+    return f"sharded (HSDP: {plan.mesh.dp // r} dp ranks a replica × {r} replicas)" if r > 1 else "sharded"
 
 
 def _cp_text(mesh: Mesh, method: Any) -> str:

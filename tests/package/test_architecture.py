@@ -42,6 +42,7 @@ LEVELS: dict[str, int] = {
     "autopar.contract_cp": 2,
     "autopar.contract_loss": 2,
     "autopar.admission": 2,  # every reason a plan cannot run here: read by the planner and the runtime
+    "autopar.contract_hsdp": 2,
     "autopar.loss_head": 2,
     "autopar.inputs": 2,
     "autopar.stacks": 2,

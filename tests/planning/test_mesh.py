@@ -26,7 +26,7 @@ TOY = MeshAxis("xp", "nothing: a toy axis", searched=False)
 
 
 def test_the_axes_are_declared_outermost_first_with_tp_innermost() -> None:
-    assert axis_names() == ("pp", "dp", "ep", "cp", "tp")
+    assert axis_names() == ("pp", "dp", "dp_replicate", "ep", "cp", "tp")
     mesh = Mesh(pp=2, dp=4, tp=8)
     # global rank = ((pp_rank · dp + dp_rank) · cp + cp_rank) · tp + tp_rank
     assert (mesh.stride("pp"), mesh.stride("dp"), mesh.stride("tp")) == (32, 8, 1)
@@ -39,7 +39,7 @@ def test_the_axes_are_declared_outermost_first_with_tp_innermost() -> None:
 def test_an_axis_of_degree_1_prints_nothing_but_is_in_the_file() -> None:
     assert Mesh(dp=8).describe() == "dp=8" and Mesh(pp=2, tp=2).describe() == "pp=2 × tp=2"
     assert Mesh().describe() == "1 rank"
-    assert Mesh(dp=8).to_dict() == {"pp": 1, "dp": 8, "ep": 1, "cp": 1, "tp": 1}
+    assert Mesh(dp=8).to_dict() == {"pp": 1, "dp": 8, "dp_replicate": 1, "ep": 1, "cp": 1, "tp": 1}
 
 
 def test_meshes_are_frozen_hashable_and_ordered_outermost_first() -> None:
@@ -51,17 +51,17 @@ def test_meshes_are_frozen_hashable_and_ordered_outermost_first() -> None:
 
 
 def test_a_bad_mesh_names_the_known_axes() -> None:
-    with pytest.raises(MeshError, match=r"unknown mesh axis 'zp'; the mesh axes are pp, dp, ep, cp, tp"):
+    with pytest.raises(MeshError, match=r"unknown mesh axis 'zp'; the mesh axes are pp, dp, dp_replicate, ep, cp, tp"):
         Mesh(zp=2)
     with pytest.raises(MeshError, match="positive integer"):
         Mesh(dp=0)
-    with pytest.raises(MeshError, match=r"'zp'.*not one this autopar knows \(pp, dp, ep, cp, tp\)"):
+    with pytest.raises(MeshError, match=r"'zp'.*not one this autopar knows \(pp, dp, dp_replicate, ep, cp, tp\)"):
         Mesh.from_dict({"pp": 1, "dp": 2, "tp": 1, "zp": 1}, "plan")
 
 
 def test_each_axis_checks_what_it_splits() -> None:
     limits = AxisLimits(world_size=16, global_batch=6, max_stages=3, gpus_per_node=4)
-    pp, dp, _ep, cp, tp = AXES
+    pp, dp, _replicate, _ep, cp, tp = AXES
     assert "batch size 6 does not divide over dp=4" in dp.refusal(4, limits)
     assert "no sequence dimension" in cp.refusal(2, limits) and cp.searched_degrees(limits) == [1]
     assert "cut into at most 3" in pp.refusal(4, limits)
@@ -87,7 +87,8 @@ def test_cp_needs_a_sequence_it_splits_into_head_and_tail_chunks_of_a_model_it_c
 
 
 def test_pins_name_the_axes_when_the_key_is_unknown() -> None:
-    with pytest.raises(PinError, match=r"unknown key 'zp'; the mesh axes are pp, dp, ep, cp, tp and the other"):
+    with pytest.raises(PinError, match=r"unknown key 'zp'; the mesh axes are pp, dp, dp_replicate, ep, cp, tp and the "
+                                       r"other"):
         Pins.parse(["zp=2"])
     assert Pins.parse(["tp=8", "pp=2"]).to_strings() == ["pp=2", "tp=8"]
 
@@ -99,7 +100,7 @@ def graph():
 
 def test_a_toy_axis_declared_once_is_planned_saved_pinned_and_loaded(graph, tmp_path) -> None:
     with declared(TOY):
-        assert axis_names() == ("pp", "dp", "ep", "cp", "tp", "xp")
+        assert axis_names() == ("pp", "dp", "dp_replicate", "ep", "cp", "tp", "xp")
         plan = autopar.solve(graph, 8, cluster="a100-40g", global_batch=16, pins=["xp=1"])
         assert plan.mesh.xp == 1 and plan.mesh.world_size == 8 and plan.pins[-1] == "xp=1"
         mesh_line = next(line for line in plan.summary().splitlines() if line.startswith("mesh "))
@@ -115,13 +116,14 @@ def test_a_toy_axis_declared_once_is_planned_saved_pinned_and_loaded(graph, tmp_
         again = autopar.solve(graph, 8, cluster="a100-40g", global_batch=16, pins=pins, runners_up=0)
         assert again.mesh == plan.runners_up[0].mesh
         with pytest.raises(PinError, match=r"the xp axis runs at degree 1 only .*; the axes a pin can set above 1 "
-                                           r"are pp, dp, ep, cp, tp$"):
+                                           r"are pp, dp, dp_replicate, ep, cp, tp$"):
             Pins.parse(["xp=2"])
         # a plan written before the axis was declared loads with it at degree 1
         del data["mesh"]["xp"]
         assert Plan.from_dict(data).mesh == plan.mesh
     # and a plan naming an axis this autopar does not declare is refused, naming the ones it does
-    with pytest.raises(PlanError, match=r"mesh axis 'xp' is not one this autopar knows \(pp, dp, ep, cp, tp\)"):
+    with pytest.raises(PlanError, match=r"mesh axis 'xp' is not one this autopar knows "
+                                        r"\(pp, dp, dp_replicate, ep, cp, tp\)"):
         Plan.load(path)
 
 

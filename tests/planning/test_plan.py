@@ -29,7 +29,7 @@ def test_json_round_trip_is_exact(plan, tmp_path):
     assert again == plan
     data = json.loads(path.read_text())
     assert data["schema"] == SCHEMA and list(data)[0] == "schema"
-    assert set(data["mesh"]) == {"pp", "dp", "ep", "cp", "tp"}
+    assert set(data["mesh"]) == {"pp", "dp", "dp_replicate", "ep", "cp", "tp"}
     assert {"name", "stage", "tp", "zero", "recompute", "sp"} == set(data["layers"][0])
     assert set(data["predicted"]["breakdown"]) == {
         "compute_s", "bubble_s", "tp_comm_s", "ep_comm_s", "cp_comm_s", "dp_comm_s", "pp_comm_s", "optimizer_s"}

@@ -171,7 +171,7 @@ def test_cluster_file_plans(tmp_path, capsys):
     (["--pin", "ep=2"], ["pin ep=2", "none of this model's", "layers has experts"]),
     (["--pin", "dp=2", "--pin", "cp=1", "--pin", "ep=4"],
      ["the pinned ep=4 does not divide the pinned dp × cp = 2 × 1 = 2 (ep borrows its ranks from dp × cp)"]),
-    (["--pin", "zp=2"], ["unknown key 'zp'", "the mesh axes are pp, dp, ep, cp, tp"]),
+    (["--pin", "zp=2"], ["unknown key 'zp'", "the mesh axes are pp, dp, dp_replicate, ep, cp, tp"]),
     (["--memory-gb", "-1"], ["positive"]),
     (["--world-size", "12"], ["not a multiple"]),
     (["--world-size", "eight"], ["invalid int value"]),
