@@ -1,12 +1,13 @@
-"""Cases for :mod:`distributed`: torch.compile per block (inductor's CPU backend) against one eager process.
+"""Cases for :mod:`distributed`: torch.compile per block against one eager process.
 
 Each case solves a compiled plan on rank 0 (``solve(..., compiled=True)``; sent to every rank),
 trains the tiny GPT with ``autopar.compile(plan=...)`` — its blocks under ``torch.compile`` —
 for :data:`STEPS` SGD-with-momentum steps, compares losses, first-step gradients and the
 parameters after 3 steps with the unsharded eager model (equivalence_cases' reference), and
 counts dynamo's graphs after each step (:data:`torch._dynamo.utils.counters`), from a reset
-cache: the first step compiles one graph the two blocks share, later steps compile none. Both
-cases run the same block shapes, so the second finds inductor's on-disk cache warm (test time).
+cache: the first step compiles one graph the two blocks share, later steps compile none. Three
+cases compile with inductor's CPU backend, the others with aot_eager (:class:`Backend` says which
+claims need inductor's code and which do not).
 
 The pipeline cases (pp = 2; GPipe, 1F1B and interleaved 1F1B, with and without recompute, and
 beside dp = 2 with ZeRO-3 on 4 ranks) compile each rank's blocks inside its stage modules; every

@@ -481,10 +481,8 @@ class RankPools:
     At most ``max_workers`` processes stay alive together (each holds torch, the models its cases
     built and their groups: a few hundred MB): asking for a pool that would pass it first stops the
     pools used least recently, which start again if asked for again; so does a pool of W asked for
-    while the machine has less than W × ``worker_bytes`` of memory available. The default, 14,
-    keeps the 2, 4 and 8 the suite uses alive together: most test modules ask for all three, and
-    at 8 a pool of 8 stopped the others and started again after them in every such module (seven
-    modules: some 100 processes spawned, each importing torch, where 14 do).
+    while the machine has less than W × ``worker_bytes`` available. The default, 14, keeps the 2, 4
+    and 8 that seven test modules each ask for alive together (at 8, each such module restarted all three).
     """
 
     def __init__(self, max_workers: int = 14, worker_bytes: int = 1 << 30,
@@ -495,8 +493,7 @@ class RankPools:
         self.seen: dict[int, RankPool] = {}  # every pool made, by world size (the session's report)
 
     def get(self, world_size: int) -> RankPool:
-        pool = self.pools.pop(world_size, None) or self.seen.get(world_size) or RankPool(world_size)
-        self.seen[world_size] = pool
+        pool = self.seen[world_size] = self.pools.pop(world_size, None) or RankPool(world_size)
         for other in list(self.pools.values()):
             alive = sum(p.world_size for p in self.pools.values() if p.processes)
             if alive == 0 or pool.processes:  # nothing else to stop, or this pool is running already
@@ -528,12 +525,9 @@ def _available_bytes() -> int | None:
     """The memory the machine has available for new processes (Linux's MemAvailable; None where unknown)."""
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
     except OSError:
         return None
-    return None
 
 
 def run_cases(world_size: int, cases: list[str], *, module: str = "equivalence_cases") -> dict[str, dict]:
