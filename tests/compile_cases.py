@@ -1,12 +1,13 @@
-"""Cases for :mod:`distributed`: torch.compile per block (inductor's CPU backend) against one eager process.
+"""Cases for :mod:`distributed`: torch.compile per block against one eager process.
 
 Each case solves a compiled plan on rank 0 (``solve(..., compiled=True)``; sent to every rank),
 trains the tiny GPT with ``autopar.compile(plan=...)`` — its blocks under ``torch.compile`` —
 for :data:`STEPS` SGD-with-momentum steps, compares losses, first-step gradients and the
 parameters after 3 steps with the unsharded eager model (equivalence_cases' reference), and
 counts dynamo's graphs after each step (:data:`torch._dynamo.utils.counters`), from a reset
-cache: the first step compiles one graph the two blocks share, later steps compile none. Both
-cases run the same block shapes, so the second finds inductor's on-disk cache warm (test time).
+cache: the first step compiles one graph the two blocks share, later steps compile none. Three
+cases compile with inductor's CPU backend, the others with aot_eager (:class:`Backend` says which
+claims need inductor's code and which do not).
 
 The pipeline cases (pp = 2; GPipe, 1F1B and interleaved 1F1B, with and without recompute, and
 beside dp = 2 with ZeRO-3 on 4 ranks) compile each rank's blocks inside its stage modules; every
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -59,6 +61,7 @@ from autopar.graph import LayerGraph
 from autopar.plan import Plan
 from autopar.runtime.sharded_trace import ShardedTrace
 
+BACKEND_ENV = "AUTOPAR_TEST_COMPILE_BACKEND"  # a backend every case compiles with, whatever its own (Backend)
 STEPS = 10  # the first 3 compared with eager; the other 7 only count recompiles (the issue asks 10 steps)
 COMPARED = 3
 
@@ -78,10 +81,12 @@ def _compiled_plan(spec: Spec, world_size: int) -> tuple[Plan, LayerGraph]:
     return Plan.from_json(text), LayerGraph.from_dict(graph)
 
 
-def compiled_equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
+def compiled_equivalence(spec: Spec, backend: str = "aot_eager") -> Callable[[int, int], dict[str, Any]]:
+    """The case for ``spec``, its blocks compiled with ``backend`` (:class:`Backend`)."""
     def case(rank: int, world_size: int) -> dict[str, Any]:
         from torch._dynamo.utils import counters
 
+        backend_now = os.environ.get(BACKEND_ENV, backend)
         plan, graph = _compiled_plan(spec, world_size)
         torch._dynamo.reset()  # graphs counted from an empty cache, whatever ran before on this worker
         counters.clear()  # reset() leaves dynamo's counters as they were
@@ -89,6 +94,8 @@ def compiled_equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
         torch.manual_seed(0)
         model, inputs = spec.build()
         batches = [make_batch(inputs, model, spec.global_batch, seed=1 + k) for k in range(STEPS)]
+        backend_used = Backend(backend_now)
+        backend_used.__enter__()  # left in finally below: a tensor-parallel block compiles on its first call
         pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=graph,
                              optimizer=lambda p: torch.optim.SGD(p, **SGD))
         losses, graphs, grads, params = [], [], {}, {}
@@ -120,9 +127,11 @@ def compiled_equivalence(spec: Spec) -> Callable[[int, int], dict[str, Any]]:
                     params = {k: v.clone() for k, v in pm.state_dict(full=True).items()}  # not views of live weights
         finally:
             recompute_pass.keep_matmul_outputs = policy
+            backend_used.__exit__()
         ref = from_rank0(lambda: run_reference(spec, lambda p: torch.optim.SGD(p, **SGD)))
         out: dict[str, Any] = {
             "compiled": list(pm.compiled), "plan_compiled": plan.training.compiled, "graphs": graphs,
+            "backend": sorted(backend_used.seen),
             "mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.tp], "ep": plan.mesh.ep, "cp": plan.mesh.cp,
             "schedule": plan.schedule.value,
             "tracer": pm.lowered.pipeline.tracer if pm.lowered.pipeline is not None else None,
@@ -195,12 +204,17 @@ LLAMA_TP = ("model.layers.*:tp=megatron", "model.embed_tokens:tp=vocab")
 ZERO3 = ("pp=1", "dp=2", "tp=1", "zero=3", "microbatches=1")
 
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
-    "ddp": compiled_equivalence(Spec(gpt_tiny, PP1 + ("dp=2", "tp=1", "zero=0", "microbatches=1"), 4)),
+    # inductor's own code: the plain blocks (its kernels' numbers), selective recompute (the policy in its
+    # partitioner) and sequence-parallel tensor parallelism (the collectives' custom ops inside the code it
+    # generates and schedules); every other case compiles with aot_eager (Backend)
+    "ddp": compiled_equivalence(Spec(gpt_tiny, PP1 + ("dp=2", "tp=1", "zero=0", "microbatches=1"), 4),
+                                backend="inductor"),
     "zero3": compiled_equivalence(Spec(gpt_tiny, PP1 + ("dp=2", "tp=1", "zero=3", "microbatches=1"), 4)),
     "zero3_full": compiled_equivalence(Spec(gpt_tiny, ZERO3 + ("blocks.*:recompute=full", "ln_f:recompute=full")
                                             + _EMBEDDINGS_OFF, 4)),
     "zero3_selective": compiled_equivalence(Spec(gpt_tiny, ZERO3 + ("blocks.*:recompute=selective",
-                                                                    "ln_f:recompute=none") + _EMBEDDINGS_OFF, 4)),
+                                                                    "ln_f:recompute=none") + _EMBEDDINGS_OFF, 4),
+                                            backend="inductor"),
     # Hugging Face decoders, built from tiny configs: each decoder layer compiled on its own
     "hf_llama_zero3": compiled_equivalence(Spec(hf_llama, PP1 + ("dp=2", "tp=1", "zero=3", "microbatches=1"), 4)),
     "hf_qwen2_ddp": compiled_equivalence(Spec(qwen2, PP1 + ("dp=2", "tp=1", "zero=0", "microbatches=1"), 4)),
@@ -228,7 +242,8 @@ CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {
     "tp2_gpt": compiled_equivalence(Spec(gpt_tiny, TP2 + GPT_TP + ("blocks.*:sp=off",), 4)),
     "tp2_sp_gpt": compiled_equivalence(Spec(gpt_tiny, TP2 + GPT_TP + ("blocks.*:sp=on",), 4)),
     "hf_llama_tp2": compiled_equivalence(Spec(hf_llama, TP2 + LLAMA_TP + ("model.layers.*:sp=off",), 4)),
-    "hf_llama_tp2_sp": compiled_equivalence(Spec(hf_llama, TP2 + LLAMA_TP + ("model.layers.*:sp=on",), 4)),
+    "hf_llama_tp2_sp": compiled_equivalence(Spec(hf_llama, TP2 + LLAMA_TP + ("model.layers.*:sp=on",), 4),
+                                            backend="inductor"),
     # W = 4: tp = 2 beside dp = 2 with ZeRO-3 (FSDP2 over the tensor-parallel shards)
     "dp2_tp2_gpt": compiled_equivalence(Spec(gpt_tiny, PP1 + ("dp=2", "tp=2", "zero=3", "microbatches=1") + GPT_TP
                                              + ("blocks.*:sp=off",), 8)),
@@ -322,6 +337,38 @@ class SavedBytes:
             h.remove()
 
 
+class Backend:
+    """While entered, every :class:`~autopar.runtime.compiled.CompiledBlock` made compiles with ``backend``
+    (``seen``: the backends they were made with). ``"aot_eager"`` runs what inductor is given (dynamo's graph,
+    AOTAutograd's forward and backward, the recompute policy's partition) without generating code, so it
+    proves the same graphs, breaks, recompiles, checkpoints and numbers of the traced ops in a fraction of the
+    time on CPU; the cases whose claim is about inductor's code (its kernels' numbers, the tensor-parallel
+    collectives it schedules, a policy in its partitioner) keep ``"inductor"``. ``$AUTOPAR_TEST_COMPILE_BACKEND``
+    overrides every case's (to run them all under inductor: ``AUTOPAR_TEST_COMPILE_BACKEND=inductor``)."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend, self.seen = backend, set()
+
+    def __enter__(self) -> Backend:
+        from autopar.runtime.compiled import CompiledBlock
+
+        self.init = CompiledBlock.__init__
+        init, backend, seen = self.init, self.backend, self.seen
+
+        def made(block: CompiledBlock, *args: Any, **options: Any) -> None:
+            options.setdefault("backend", backend)
+            seen.add(options["backend"])
+            init(block, *args, **options)
+
+        CompiledBlock.__init__ = made  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from autopar.runtime.compiled import CompiledBlock
+
+        CompiledBlock.__init__ = self.init  # type: ignore[method-assign]
+
+
 class BlockCalls:
     """Calls of each compiled block's compiled forward (:class:`~autopar.runtime.compiled.CompiledBlock`, by path)
     while entered: once a step, or twice where an eager checkpoint around it reruns it in backward."""
@@ -381,10 +428,17 @@ def _saved_by_first_block(pm: Any, x: Any, y: Any) -> int:
     return saved.bytes
 
 
-def compiled_one_process(kind: str) -> dict[str, Any]:
+def compiled_one_process(kind: str, backend: str = "aot_eager") -> dict[str, Any]:
     """gpt_tiny's blocks compiled with ``kind`` recompute in one process (no process group) for
     :data:`STEPS` SGD steps against the eager model, graphs counted as the cases count them; and
-    the bytes ``blocks.0`` saves for backward in a step, against a compiled plan without recompute."""
+    the bytes ``blocks.0`` saves for backward in a step, against a compiled plan without recompute
+    (both compiled with ``backend``, :class:`Backend`)."""
+    with Backend(os.environ.get(BACKEND_ENV, backend)) as used:
+        out = _compiled_one_process(kind)
+    return out | {"backend": sorted(used.seen)}
+
+
+def _compiled_one_process(kind: str) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
     spec = Spec(gpt_tiny, _ONE + (f"blocks.*:recompute={kind}",), 4)

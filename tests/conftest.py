@@ -16,12 +16,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from distributed import RankPool, RankPools  # noqa: E402
 
+_POOLS: list[RankPools] = []  # the session's pools, for the summary (pytest_terminal_summary)
+
 
 @pytest.fixture(scope="session")
 def ranks() -> Iterator[Callable[[int], RankPool]]:
     """``ranks(W)``: the session's pool of W gloo processes, one per world size, shared by every test
     module (spawned on first use, stopped at the end of the session)."""
     pools = RankPools()
+    _POOLS.append(pools)
     try:
         yield pools.get
     finally:
@@ -47,3 +50,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         raise pytest.UsageError("these tests use the ranks fixture but are not marked distributed "
                                 "(`pytestmark = pytest.mark.distributed`, or `@pytest.mark.distributed`):\n  "
                                 + "\n  ".join(unmarked))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Where the distributed tests' time went: each pool's starts (spawning W processes that import torch)
+    and the slowest cases (a test's ``setup`` in --durations is its module fixture running them)."""
+    lines = [line for pools in _POOLS for line in pools.report()]
+    if lines:
+        terminalreporter.write_sep("=", "rank pools: starts and slowest cases")
+        for line in lines:
+            terminalreporter.write_line(line)

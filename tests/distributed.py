@@ -48,6 +48,7 @@ import signal
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -266,6 +267,8 @@ class RankPool:
         self._request = 0
         self.fd_fill = 0.0  # the largest share of its descriptor limit a worker had open after a request
         self.threads = 0  # the most threads a worker had after a request
+        self.start_s = 0.0  # seconds spent spawning the workers and joining the group, every start together
+        self.case_s: dict[str, float] = {}  # each case run: its slowest rank's wall time (the session's report)
 
     # -------------------------------------------------------------- running cases
 
@@ -304,7 +307,11 @@ class RankPool:
                         per_rank[later] = [_synthetic(f"not run: {MAX_RESTARTS + 1} cases of this request "
                                                       f"broke the pool, the last {name}")] * self.world_size
                     break
-        return {name: _merge(name, per_rank[name]) for name in cases}
+        merged = {name: _merge(name, per_rank[name]) for name in cases}
+        for name, m in merged.items():
+            walls = [r.get("wall_s", 0.0) for r in m["ranks"]]
+            self.case_s[name] = self.case_s.get(name, 0.0) + max(walls, default=0.0)
+        return merged
 
     def _submit(self, cases: list[str], module: str, env: dict[str, str]) -> int:
         self._request += 1
@@ -404,10 +411,14 @@ class RankPool:
                                    args=(r, self.world_size, store, self._inboxes[r], self._outbox,
                                          self.collective_timeout_s))
                        for r in range(self.world_size)]
+        started = time.monotonic()
         for p in self._procs:
             p.start()
         self.starts += 1
-        self._await_ready()
+        try:
+            self._await_ready()
+        finally:
+            self.start_s += time.monotonic() - started
 
     def _await_ready(self) -> None:
         ready: set[int] = set()
@@ -468,20 +479,27 @@ class RankPools:
     """One :class:`RankPool` per world size, made on first use (the ``ranks`` fixture's ``get``).
 
     At most ``max_workers`` processes stay alive together (each holds torch, the models its cases
-    built and their groups: several hundred MB): asking for a pool that would pass it first stops
-    the pools used least recently, which start again if asked for again. The default, 8, keeps the
-    largest pool the suite uses alive, and the 2 and 4 together.
+    built and their groups: a few hundred MB): asking for a pool that would pass it first stops the
+    pools used least recently, which start again if asked for again; so does a pool of W asked for
+    while the machine has less than W × ``worker_bytes`` available. The default, 14, keeps the 2, 4
+    and 8 that seven test modules each ask for alive together (at 8, each such module restarted all three).
     """
 
-    def __init__(self, max_workers: int = 8) -> None:
-        self.max_workers = max_workers
+    def __init__(self, max_workers: int = 14, worker_bytes: int = 1 << 30,
+                 available: Callable[[], int | None] | None = None) -> None:
+        self.max_workers, self.worker_bytes = max_workers, worker_bytes
+        self.available = available or _available_bytes
         self.pools: dict[int, RankPool] = {}  # least recently asked for first
+        self.seen: dict[int, RankPool] = {}  # every pool made, by world size (the session's report)
 
     def get(self, world_size: int) -> RankPool:
-        pool = self.pools.pop(world_size, None) or RankPool(world_size)
+        pool = self.seen[world_size] = self.pools.pop(world_size, None) or RankPool(world_size)
         for other in list(self.pools.values()):
             alive = sum(p.world_size for p in self.pools.values() if p.processes)
-            if alive + world_size <= self.max_workers:
+            if alive == 0 or pool.processes:  # nothing else to stop, or this pool is running already
+                break
+            free = self.available()
+            if alive + world_size <= self.max_workers and (free is None or free >= world_size * self.worker_bytes):
                 break
             other.close()
         self.pools[world_size] = pool
@@ -490,6 +508,26 @@ class RankPools:
     def close(self) -> None:
         for pool in self.pools.values():
             pool.close()
+
+    def report(self, slowest: int = 15) -> list[str]:
+        """Lines for the session's summary: each world size's starts and the seconds they took, and the
+        ``slowest`` cases by their slowest rank's wall time (a test's setup time is its fixture's cases)."""
+        if not self.seen:
+            return []
+        lines = [f"rank pools: W={w}: {p.starts} start(s), {p.start_s:.0f} s starting, {len(p.case_s)} case(s), "
+                 f"{sum(p.case_s.values()):.0f} s running them" for w, p in sorted(self.seen.items())]
+        cases = sorted(((s, w, name) for w, p in self.seen.items() for name, s in p.case_s.items()), reverse=True)
+        lines += [f"{s:8.2f}s W={w} {name}" for s, w, name in cases[:slowest]]
+        return lines
+
+
+def _available_bytes() -> int | None:
+    """The memory the machine has available for new processes (Linux's MemAvailable; None where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
+    except OSError:
+        return None
 
 
 def run_cases(world_size: int, cases: list[str], *, module: str = "equivalence_cases") -> dict[str, dict]:

@@ -110,8 +110,9 @@ def test_closing_stops_every_worker_cleanly(pool: RankPool) -> None:
     assert [p.exitcode for p in processes] == [0, 0] and pool.processes == []  # destroyed its group, returned
 
 
-def test_pools_past_the_worker_budget_stop_the_least_recently_used() -> None:
-    pools = RankPools(max_workers=2)
+def test_pools_past_the_worker_budget_or_the_free_memory_stop_the_least_recently_used() -> None:
+    free: list[int | None] = [None]  # the memory the machine has available (None: unknown, no limit)
+    pools = RankPools(max_workers=2, worker_bytes=100, available=lambda: free[0])
     try:
         two = pools.get(2)
         assert ok(two.run(["ranks"], module="pool_cases")["ranks"])["sum"] == 1.0
@@ -119,5 +120,11 @@ def test_pools_past_the_worker_budget_stop_the_least_recently_used() -> None:
         assert two.processes == [] and ok(one.run(["ranks"], module="pool_cases")["ranks"])["sum"] == 0.0
         assert ok(pools.get(2).run(["ranks"], module="pool_cases")["ranks"])["sum"] == 1.0
         assert two.starts == 2 and one.processes == []
+        pools.max_workers, free[0] = 3, 99  # within the budget, but less memory than one more worker takes
+        assert ok(pools.get(1).run(["ranks"], module="pool_cases")["ranks"])["sum"] == 0.0
+        assert two.processes == [] and one.starts == 2
+        free[0] = 200  # enough for two workers: the pool of 1 stays beside the pool of 2
+        assert ok(pools.get(2).run(["ranks"], module="pool_cases")["ranks"])["sum"] == 1.0
+        assert len(one.processes) == 1 and two.starts == 3
     finally:
         pools.close()

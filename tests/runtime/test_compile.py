@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -23,6 +24,13 @@ GPT = str(ROOT / "examples/gpt.py") + ":gpt_tiny"
 EXACT = 1e-5
 
 
+def _backend(default: str) -> list[str]:
+    """The backends a case compiled with: its own, or every case's from $AUTOPAR_TEST_COMPILE_BACKEND."""
+    from compile_cases import BACKEND_ENV
+
+    return [os.environ.get(BACKEND_ENV, default)]
+
+
 @pytest.fixture(scope="module")
 def graph():
     import gpt
@@ -31,7 +39,8 @@ def graph():
     return model, inputs, autopar.capture(model, inputs)
 
 
-# ------------------------------------------------------------------ W = 2, inductor on CPU
+# ------------------------------------------------------------------ W = 2: inductor on CPU (ddp, zero3_selective),
+# aot_eager for the rest (compile_cases.Backend: the same graphs, breaks and partition, no code generated)
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +56,7 @@ def test_compiled_blocks_train_as_one_eager_device(w2: dict, case: str) -> None:
         assert m["plan_compiled"] and m["compiled"] == ["blocks.0", "blocks.1"]
         assert m["loss_rel"] < EXACT and m["grad_rel"] < EXACT and m["param_rel"] < EXACT, m
     assert w2["ddp"]["zero"] == [0] and w2["zero3"]["zero"] == [3]
+    assert (w2["ddp"]["backend"], w2["zero3"]["backend"]) == (_backend("inductor"), _backend("aot_eager"))
 
 
 @pytest.mark.distributed
@@ -65,6 +75,7 @@ def test_recomputed_blocks_compile_with_their_checkpoint_and_train_as_one_eager_
     # the selective policy ran inside the compiled region (asked while tracing) and kept matmul outputs
     assert sel["policy_asked"] > 0 and {"aten::mm", "aten::addmm"} & set(sel["policy_kept"]), sel["policy_kept"]
     assert w2["zero3_full"]["policy_asked"] == 0
+    assert sel["backend"] == _backend("inductor")  # the policy inside inductor's partitioner (zero3_full: aot_eager's)
 
 
 @pytest.mark.distributed
@@ -123,6 +134,8 @@ def test_tensor_parallel_blocks_compile_once_and_train_as_one_eager_device(tenso
         assert m["graphs"] == [1] * 10, m
         assert m["guard_failures"] == [] and m["graph_breaks"] == {} and m["notes"] == [], m
     assert tensor_parallel["dp2_tp2_gpt"]["mesh"] == [1, 2, 2] and tensor_parallel["dp2_tp2_gpt"]["zero"] == [3]
+    # the tensor-parallel collectives' custom ops inside inductor's generated code (the others: aot_eager)
+    assert res["backend"] == _backend("inductor" if case == "hf_llama_tp2_sp" else "aot_eager"), res["backend"]
 
 
 @pytest.mark.distributed
@@ -451,11 +464,15 @@ def test_compiled_recompute_reruns_what_the_compiled_forward_runs(graph) -> None
 def test_recomputed_blocks_compile_in_one_process_keep_less_and_match_eager(kind: str) -> None:
     """One process: a compiled block checkpointed full keeps less for backward than a compiled
     block not recomputed, selective keeps between the two (so the checkpoint runs inside the
-    compiled forward), and 3 SGD steps match the eager model within 1e-5, compiling once."""
+    compiled forward), and 3 SGD steps match the eager model within 1e-5, compiling once. Selective
+    compiles with inductor (its policy inside inductor's partitioner: the quick loop's inductor case),
+    the others with aot_eager (the same graph and partition, no code generated: compile_cases.Backend)."""
     import torch
     from compile_cases import compiled_one_process
 
-    m = compiled_one_process(kind)
+    backend = "inductor" if kind == "selective" else "aot_eager"
+    m = compiled_one_process(kind, backend)
+    assert m["backend"] == _backend(backend), m["backend"]
     assert m["compiled"] == ["blocks.0", "blocks.1"], m
     assert m["grad_rel"] < EXACT and m["param_rel"] < EXACT and m["loss_rel"] < EXACT, m
     assert m["graphs"] == [1] * len(m["graphs"]) and m["graph_breaks"] == {}, m
