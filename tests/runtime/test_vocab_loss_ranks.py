@@ -1,0 +1,45 @@
+"""The vocabulary-parallel loss trains as one device does (:mod:`vocab_loss_cases`): tp=2 alone and with
+sequence parallelism on W=2, pp=2 × tp=2 and dp=2 × tp=2 (ZeRO-3) on W=4; the repo's GPT and a Hugging
+Face Llama, untied and tied; every rank's losses, gradients and parameters against one process."""
+
+from __future__ import annotations
+
+import pytest
+from distributed import check_equivalent, every_rank
+from vocab_loss_cases import W2, W4
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def w2(ranks) -> dict[str, dict]:
+    return ranks(2).run(list(W2), module="vocab_loss_cases")
+
+
+@pytest.fixture(scope="module")
+def w4(ranks) -> dict[str, dict]:
+    return ranks(4).run(list(W4), module="vocab_loss_cases")
+
+
+@pytest.mark.parametrize("case", list(W2))
+def test_w2_matches_one_device(w2: dict, case: str) -> None:
+    check_equivalent(w2[case])
+
+
+@pytest.mark.parametrize("case", list(W4))
+def test_w4_matches_one_device(w4: dict, case: str) -> None:
+    check_equivalent(w4[case])
+
+
+def test_the_plans_run_the_loss_and_the_splits_named(w2: dict, w4: dict) -> None:
+    for m in (*(w2[c] for c in W2 if c.startswith("vp_")), *(w4[c] for c in W4 if c.startswith("vp_"))):
+        for r in every_rank(m):
+            assert r["loss_kind"] == "vocab_parallel" and r["tp_styles"]["lm_head"] == "vocab"
+    tied = w2["vp_tp2_sp_llama_tied"]
+    assert tied["tp_styles"]["model.embed_tokens"] == "vocab"  # the tied embedding split with its head
+    assert tied["layers"][2][4]  # sequence parallelism on the blocks
+    whole = w2["full_tp2_llama_tied"]
+    assert whole["loss_kind"] == "full" and whole["tp_styles"]["model.embed_tokens"] is None
+    piped = w4["chunk_pp2_tp2_llama_tied"]
+    assert piped["loss_kind"] == "chunked" and piped["tp_styles"]["lm_head"] is None
+    assert w4["vp_pp2_tp2_gpt"]["mesh"] == [2, 1, 2] and w4["vp_dp2_tp2_zero3_gpt"]["mesh"] == [1, 2, 2]

@@ -1,0 +1,65 @@
+"""Vocabulary-parallel loss cases for :mod:`distributed`: plans whose head tp splits on its vocabulary,
+so the loss runs a chunk of tokens × a vocabulary shard, against one process on the whole logits.
+
+Same protocol and case factory as :mod:`equivalence_cases`. Every plan pins ``loss=chunked`` (which the
+contract runs vocabulary-parallel where tp splits the head) and leaves the head's style to the contract;
+the chunk is made 7 tokens of a rank's shard (:data:`autopar.contract_loss.CHUNK_LOGITS_BYTES` lowered
+inside the case), so a microbatch of 32 tokens runs chunks of 7, 7, 7, 7 and 4. Besides: the tied ends
+that run replicated over tp (a pipeline splits them; or the logits held whole) keep their tie.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from chunked_loss_cases import hf_llama_tied
+from equivalence_cases import Spec, equivalence, gpt_tiny, hf_llama, plan_for
+
+import autopar.contract_loss as contract_loss
+
+CHUNK_TOKENS = 7
+
+
+def vocab_parallel(spec: Spec, vocab: int, tp: int) -> Callable[[int, int], dict[str, Any]]:
+    """``spec``'s equivalence case with chunks of :data:`CHUNK_TOKENS` tokens of a ``vocab // tp`` shard;
+    records the plan's loss and each layer's tp style."""
+    case = equivalence(spec)
+
+    def run(rank: int, world_size: int) -> dict[str, Any]:
+        before = contract_loss.CHUNK_LOGITS_BYTES
+        contract_loss.CHUNK_LOGITS_BYTES = 4 * (vocab // tp) * CHUNK_TOKENS
+        try:
+            metrics = case(rank, world_size)
+            plan = plan_for(spec, world_size)[0]
+            metrics["loss_kind"] = plan.training.loss.value
+            metrics["tp_styles"] = {l.name: l.choice.tp for l in plan.layers}
+        finally:
+            contract_loss.CHUNK_LOGITS_BYTES = before
+        return metrics
+
+    return run
+
+
+ONE_STAGE = ("pp=1", "dp=1", "tp=2", "zero=0", "recompute=none", "microbatches=1", "loss=chunked")
+TWO_STAGES = ("pp=2", "dp=1", "tp=2", "zero=0", "recompute=none", "schedule=1f1b", "microbatches=2", "loss=chunked")
+GPT_BLOCKS, LLAMA_BLOCKS = ("blocks.*:tp=megatron",), ("model.layers.*:tp=megatron",)
+
+W2: dict[str, tuple[Spec, int]] = {  # (spec, vocabulary)
+    "vp_tp2_gpt": (Spec(gpt_tiny, ONE_STAGE + GPT_BLOCKS, 4), 256),
+    "vp_tp2_sp_gpt": (Spec(gpt_tiny, ONE_STAGE + GPT_BLOCKS + ("blocks.*:sp=on",), 4), 256),
+    "vp_tp2_llama": (Spec(hf_llama, ONE_STAGE + LLAMA_BLOCKS, 4), 128),
+    "vp_tp2_sp_llama_tied": (Spec(hf_llama_tied, ONE_STAGE + LLAMA_BLOCKS + ("model.layers.*:sp=on",), 4), 128),
+    # the logits held whole: the tied ends run replicated over tp (split on one end only, the tie broke)
+    "full_tp2_llama_tied": (Spec(hf_llama_tied, ONE_STAGE[:-1] + ("loss=full",) + LLAMA_BLOCKS, 4), 128),
+}
+W4: dict[str, tuple[Spec, int]] = {
+    "vp_pp2_tp2_gpt": (Spec(gpt_tiny, TWO_STAGES + GPT_BLOCKS, 4), 256),
+    "vp_pp2_tp2_llama": (Spec(hf_llama, TWO_STAGES + LLAMA_BLOCKS, 4), 128),
+    "vp_dp2_tp2_zero3_gpt": (Spec(gpt_tiny, ("pp=1", "dp=2", "tp=2", "zero=3", "recompute=none", "microbatches=2",
+                                              "loss=chunked") + GPT_BLOCKS, 8), 256),
+    # a pipeline splits the tied ends: replicated over tp, the chunked loss on the whole head
+    "chunk_pp2_tp2_llama_tied": (Spec(hf_llama_tied, TWO_STAGES + LLAMA_BLOCKS, 4), 128),
+}
+
+CASES = {name: vocab_parallel(spec, vocab, 2) for name, (spec, vocab) in {**W2, **W4}.items()}
