@@ -62,4 +62,34 @@ W4: dict[str, tuple[Spec, int]] = {
     "chunk_pp2_tp2_llama_tied": (Spec(hf_llama_tied, TWO_STAGES + LLAMA_BLOCKS, 4), 128),
 }
 
+PEAK = dict(vocab=8192, hidden=64, seq=512, batch=8, chunk=512)  # 4,096 tokens: 8 chunks of a 4,096-class shard
+
+
+def measured_peak(rank: int, world_size: int) -> dict[str, Any]:
+    """Each rank's peak (CPU allocator, torch's profiler) of the vocabulary-parallel loss over one microbatch
+    of :data:`PEAK`: the larger of its forward's and its backward's beside the gradients it returns (of h
+    and of W's shard, priced as the head layer's backward and gradient)."""
+    import torch
+    from peak_memory import peak_bytes
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from autopar.runtime.vocab_loss import vocab_parallel_cross_entropy
+
+    p = PEAK
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(p["batch"], p["seq"], p["hidden"], generator=g, requires_grad=True)
+    full = torch.randn(p["vocab"], p["hidden"], generator=g)
+    w = distribute_tensor(full, mesh, [Shard(0)]).requires_grad_()
+    y = torch.randint(0, p["vocab"], (p["batch"], p["seq"]), generator=g)
+    loss: list[torch.Tensor] = []
+    forward = peak_bytes(lambda: loss.append(vocab_parallel_cross_entropy(h, w, None, y, p["chunk"])))
+    backward = peak_bytes(lambda: loss[0].backward()) - (h.numel() + w.to_local().numel()) * 4
+    ref = torch.nn.functional.cross_entropy((h.detach() @ full.t()).reshape(-1, p["vocab"]), y.reshape(-1))
+    return {"measured": max(forward, backward), "forward": forward, "backward": backward,
+            "loss_rel": abs(loss[0].item() - ref.item()) / ref.item()}
+
+
 CASES = {name: vocab_parallel(spec, vocab, 2) for name, (spec, vocab) in {**W2, **W4}.items()}
+CASES["vp_measured_peak"] = measured_peak

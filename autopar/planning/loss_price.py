@@ -113,8 +113,9 @@ def chunked_peak_bytes(table: PriceTable) -> int:
     vocabulary-parallel) — the chunk's logits and its log-softmax in forward; in backward its logits (the
     softmax computed in place) and log-sum-exp's temporary — beside the gradients of the hidden state and
     the weight, which are priced as the head layer's backward and its gradient (measured: 2.0–2.1 chunks
-    beside them on a CPU, ``tests/runtime/test_chunked_loss.py``); and, where the head's weight is not
-    fp32, its gradient (of the rank's shard) accumulated over the chunks in fp32."""
+    beside them on a CPU, ``tests/runtime/test_chunked_loss.py``; vocabulary-parallel, two in forward,
+    the log-sum-exp kept, one in backward: ``tests/runtime/test_vocab_loss_ranks.py``); and, where the
+    head's weight is not fp32, its gradient (of the rank's shard) accumulated over the chunks in fp32."""
     head = table.graph.loss_head
     assert head is not None
     classes = shard_vocab(table)
@@ -139,5 +140,5 @@ def recompute_s(table: PriceTable, layer: Layer, forward_s: float) -> float:
     return forward_s * min(1.0, head_flops / layer.flops_per_sample)
 
 
-__all__ = ["chunk_tokens", "chunked_peak_bytes", "loss_bytes", "loss_runs", "loss_time_s", "output_gather_s", "recompute_s",
-           "recomputes", "shard_vocab", "tokens", "vocab_comm_s", "vocab_shards"]
+__all__ = ["chunk_tokens", "chunked_peak_bytes", "loss_bytes", "loss_runs", "loss_time_s", "output_gather_s",
+           "recompute_s", "recomputes", "shard_vocab", "tokens", "vocab_comm_s", "vocab_shards"]

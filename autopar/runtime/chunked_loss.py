@@ -202,8 +202,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 def plan_loss(model: nn.Module, graph: LayerGraph, plan: Plan, loss_fn: Any) -> tuple[Any, bool]:
     """The loss ``plan`` trains with, and whether it is the chunked one: ``loss_fn`` (default
     :func:`~autopar.runtime.loss.default_loss`) under a full loss; under a chunked one (vocabulary-parallel
-    or not) the head of ``model`` is replaced (:func:`install_head`) and the loss is :class:`ChunkedLoss`. A chunked plan
-    given a loss function is refused: only the default cross-entropy runs chunked."""
+    or not) the head of ``model`` is replaced (:func:`install_head`) and the loss is :class:`ChunkedLoss`.
+    A chunked plan given a loss function is refused: only the default cross-entropy runs chunked."""
     if not plan.training.loss.chunked:
         return loss_fn or default_loss, False
     if loss_fn is not None and loss_fn is not default_loss:  # the default given by name is no loss of the user's

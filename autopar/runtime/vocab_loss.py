@@ -77,7 +77,7 @@ def _joined(z: torch.Tensor, y: torch.Tensor, start: int, group: Any) -> torch.T
                          torch.where(mine, z[rows, (y - start).clamp(0, z.shape[1] - 1)], 0.0)])
     tp = dist.get_world_size(group)
     every = torch.empty((tp * local.shape[0], local.shape[1]), dtype=local.dtype, device=local.device)
-    dist.all_gather_into_tensor(every, local.contiguous(), group=group)  # ranks along dim 0, as gloo takes it
+    dist.all_gather_single(every, local.contiguous(), group=group)  # ranks along dim 0, as gloo takes it
     every = every.view(tp, *local.shape)
     return torch.stack([torch.logsumexp(every[:, 0], dim=0), every[:, 1].sum(0)])
 

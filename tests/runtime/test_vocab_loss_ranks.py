@@ -13,7 +13,7 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def w2(ranks) -> dict[str, dict]:
-    return ranks(2).run(list(W2), module="vocab_loss_cases")
+    return ranks(2).run([*W2, "vp_measured_peak"], module="vocab_loss_cases")
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +43,35 @@ def test_the_plans_run_the_loss_and_the_splits_named(w2: dict, w4: dict) -> None
     piped = w4["chunk_pp2_tp2_llama_tied"]
     assert piped["loss_kind"] == "chunked" and piped["tp_styles"]["lm_head"] is None
     assert w4["vp_pp2_tp2_gpt"]["mesh"] == [2, 1, 2] and w4["vp_dp2_tp2_zero3_gpt"]["mesh"] == [1, 2, 2]
+
+
+def test_the_measured_peak_is_the_priced_one(w2: dict, monkeypatch) -> None:
+    """fp32 on a CPU, tp=2: each rank's vocabulary-parallel loss over one microbatch peaks within 10% of
+    ``PriceTable.loss_bytes`` (two fp32 chunks of a 4,096-class shard), and gives F.cross_entropy's loss."""
+    import sys
+    from pathlib import Path
+
+    import autopar
+    import autopar.contract_loss as contract_loss
+    from autopar.choice import LossKind
+    from autopar.cost_models.pipeline import Schedule, ScheduleKind
+    from autopar.mesh import Mesh
+    from autopar.planning.configuration import Configuration, TrainingSpec
+    from autopar.planning.pricing import PriceTable
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import gpt
+    from vocab_loss_cases import PEAK
+
+    p = PEAK
+    monkeypatch.setattr(contract_loss, "CHUNK_LOGITS_BYTES", 4 * p["vocab"] // 2 * p["chunk"])
+    graph = autopar.capture(*gpt.gpt(n_layer=1, d_model=p["hidden"], n_head=4, vocab_size=p["vocab"], seq_len=p["seq"]))
+    table = PriceTable(graph, Configuration(Mesh(tp=2), 1, Schedule(ScheduleKind.NONE)),
+                       autopar.cost_models.presets.load_cluster("cpu").for_world_size(2),
+                       TrainingSpec(p["batch"], dtype="fp32", loss=LossKind.CHUNKED))
+    assert table.loss is LossKind.VOCAB_PARALLEL
+    priced = table.loss_bytes[0]
+    assert priced == 2 * p["chunk"] * p["vocab"] // 2 * 4
+    for r in every_rank(w2["vp_measured_peak"]):
+        assert abs(r["measured"] - priced) <= 0.1 * priced, (r["forward"], r["backward"], priced)
+        assert r["loss_rel"] < 1e-5
