@@ -70,8 +70,9 @@ def chunked_loss_refusal(graph: LayerGraph, mesh: Mesh, float8: Float8Settings |
     output is the prediction, in the last layer) and the runtime calls that module: not inside the
     pipeline stages of an export-captured model (single ATen graphs, no module called); where tp may
     split the head's layer, only by the head's vocabulary style (and, the weight tied, only where the
-    input embedding splits alike); not under cp (not yet run against one device there); not beside ep
-    (a compiled run hung there); not where float8 converts the head (its GEMM would not be the one priced)."""
+    input embedding splits alike); not beside ep (a compiled run hung there); not where float8 converts
+    the head (its GEMM would not be the one priced). Under cp it runs on each rank's S/cp tokens, whose
+    mean the default loss takes too (``tests/runtime/test_vocab_loss_ranks.py``: each cp method)."""
     head = graph.loss_head
     if head is None:
         return graph.loss_refusal or NOT_CHECKED
@@ -87,8 +88,6 @@ def chunked_loss_refusal(graph: LayerGraph, mesh: Mesh, float8: Float8Settings |
         owner = _tied_owner(graph)
         if owner is None or not any(s.name == "vocab" and s.admits(mesh.tp) for s in graph[owner].tp_styles):
             return f"the head's weight is tied to {head.weight}, which tp={mesh.tp} cannot split on its vocabulary"
-    if mesh.cp > 1:
-        return f"cp={mesh.cp}: the chunked loss is not yet run against one device under cp"
     if mesh.ep > 1:  # a compiled Mixtral at dp 2 × ep 2, ZeRO-3, full recompute: both ranks stopped, once
         return (f"ep={mesh.ep}: beside the experts' exchange the chunked loss hung a run of the test suite "
                 "(tests/runtime/test_compile_exchanges.py), not yet understood")
@@ -122,7 +121,7 @@ def loss_fixed_tp(graph: LayerGraph, index: int, mesh: Mesh, loss: LossKind) -> 
         assert style is not None
         if index == len(graph) - 1:
             return style.name
-        if mesh.pp == 1 and index == _tied_owner(graph):
+        if mesh.pp == 1 and graph.loss_head.tied and index == _tied_owner(graph):  # type: ignore[union-attr]
             return "vocab"
     if mesh.pp == 1 and graph[index].tied_params:
         return None

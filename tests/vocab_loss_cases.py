@@ -5,7 +5,8 @@ Same protocol and case factory as :mod:`equivalence_cases`. Every plan pins ``lo
 contract runs vocabulary-parallel where tp splits the head) and leaves the head's style to the contract;
 the chunk is made 7 tokens of a rank's shard (:data:`autopar.contract_loss.CHUNK_LOGITS_BYTES` lowered
 inside the case), so a microbatch of 32 tokens runs chunks of 7, 7, 7, 7 and 4. Besides: the tied ends
-that run replicated over tp (a pipeline splits them; or the logits held whole) keep their tie.
+that run replicated over tp (a pipeline splits them; or the logits held whole) keep their tie, and the
+chunked loss under cp (each cp method, beside tp and pp).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from chunked_loss_cases import hf_llama_tied
+from context_cases import PP, RING, ULYSSES, _pins
 from equivalence_cases import Spec, equivalence, gpt_tiny, hf_llama, plan_for
 
 import autopar.contract_loss as contract_loss
@@ -62,6 +64,19 @@ W4: dict[str, tuple[Spec, int]] = {
     "chunk_pp2_tp2_llama_tied": (Spec(hf_llama_tied, TWO_STAGES + LLAMA_BLOCKS, 4), 128),
 }
 
+# under cp each rank's loss is its S/cp tokens' mean, as the default loss's on its logits: the chunked loss (and,
+# tp splitting the head, the vocabulary-parallel one) on those tokens, with each cp method and beside pp
+CP = ("loss=chunked",)
+CP_W2: dict[str, tuple[Spec, int]] = {
+    "cp2_chunk_llama": (Spec(hf_llama, _pins(2) + CP, 2), 128),
+    "uly_cp2_chunk_gpt": (Spec(gpt_tiny, _pins(2) + ULYSSES + CP, 2), 256),
+    "ring_cp2_chunk_gpt": (Spec(gpt_tiny, _pins(2) + RING + CP, 2), 256),
+}
+CP_W4: dict[str, tuple[Spec, int]] = {
+    "cp2_tp2_sp_vp_gpt": (Spec(gpt_tiny, _pins(2, tp=2) + GPT_BLOCKS + ("blocks.*:sp=on",) + CP, 2), 256),
+    "cp2_pp2_chunk_llama": (Spec(hf_llama, PP + ("schedule=1f1b",) + CP, 4), 128),
+}
+
 PEAK = dict(vocab=8192, hidden=64, seq=512, batch=8, chunk=512)  # 4,096 tokens: 8 chunks of a 4,096-class shard
 
 
@@ -91,5 +106,5 @@ def measured_peak(rank: int, world_size: int) -> dict[str, Any]:
             "loss_rel": abs(loss[0].item() - ref.item()) / ref.item()}
 
 
-CASES = {name: vocab_parallel(spec, vocab, 2) for name, (spec, vocab) in {**W2, **W4}.items()}
+CASES = {name: vocab_parallel(spec, vocab, 2) for name, (spec, vocab) in {**W2, **W4, **CP_W2, **CP_W4}.items()}
 CASES["vp_measured_peak"] = measured_peak

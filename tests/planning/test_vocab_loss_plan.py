@@ -79,10 +79,10 @@ def test_tied_ends_split_together_or_not_at_all(tied_graph) -> None:
     assert piped.training.loss is LossKind.CHUNKED and _styles(piped)["lm_head"] is None  # replicated ends
 
 
-def test_elsewhere_the_reason_is_one_line(gpt_graph) -> None:
-    plan = _solve(gpt_graph, ["pp=1", "dp=1", "cp=2", "tp=1", "zero=0"])
-    assert plan.training.loss is LossKind.FULL
-    assert "not chunked: cp=2: the chunked loss is not yet run against one device under cp" in plan.summary()
+def test_under_cp_it_runs_on_each_ranks_tokens(gpt_graph) -> None:
+    assert _solve(gpt_graph, ["pp=1", "dp=1", "cp=2", "tp=1", "zero=0"]).training.loss is LossKind.CHUNKED
+    both = _solve(gpt_graph, ["pp=1", "dp=1", "cp=2", "tp=2", "zero=0", "blocks.*:tp=megatron"], world=4)
+    assert both.training.loss is LossKind.VOCAB_PARALLEL
 
 
 def _table(graph, tp: int, loss: LossKind, batch: int = 4, cluster: str = "cpu", dtype: str = "fp32") -> PriceTable:

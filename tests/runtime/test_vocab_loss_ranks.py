@@ -1,32 +1,33 @@
 """The vocabulary-parallel loss trains as one device does (:mod:`vocab_loss_cases`): tp=2 alone and with
 sequence parallelism on W=2, pp=2 × tp=2 and dp=2 × tp=2 (ZeRO-3) on W=4; the repo's GPT and a Hugging
-Face Llama, untied and tied; every rank's losses, gradients and parameters against one process."""
+Face Llama, untied and tied; and the chunked loss under cp (all-gather, Ulysses, ring; beside tp with
+sp, and pp); every rank's losses, gradients and parameters against one process."""
 
 from __future__ import annotations
 
 import pytest
 from distributed import check_equivalent, every_rank
-from vocab_loss_cases import W2, W4
+from vocab_loss_cases import CP_W2, CP_W4, W2, W4
 
 pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
 def w2(ranks) -> dict[str, dict]:
-    return ranks(2).run([*W2, "vp_measured_peak"], module="vocab_loss_cases")
+    return ranks(2).run([*W2, *CP_W2, "vp_measured_peak"], module="vocab_loss_cases")
 
 
 @pytest.fixture(scope="module")
 def w4(ranks) -> dict[str, dict]:
-    return ranks(4).run(list(W4), module="vocab_loss_cases")
+    return ranks(4).run([*W4, *CP_W4], module="vocab_loss_cases")
 
 
-@pytest.mark.parametrize("case", list(W2))
+@pytest.mark.parametrize("case", [*W2, *CP_W2])
 def test_w2_matches_one_device(w2: dict, case: str) -> None:
     check_equivalent(w2[case])
 
 
-@pytest.mark.parametrize("case", list(W4))
+@pytest.mark.parametrize("case", [*W4, *CP_W4])
 def test_w4_matches_one_device(w4: dict, case: str) -> None:
     check_equivalent(w4[case])
 
@@ -43,6 +44,9 @@ def test_the_plans_run_the_loss_and_the_splits_named(w2: dict, w4: dict) -> None
     piped = w4["chunk_pp2_tp2_llama_tied"]
     assert piped["loss_kind"] == "chunked" and piped["tp_styles"]["lm_head"] is None
     assert w4["vp_pp2_tp2_gpt"]["mesh"] == [2, 1, 2] and w4["vp_dp2_tp2_zero3_gpt"]["mesh"] == [1, 2, 2]
+    for m in (*(w2[c] for c in CP_W2), *(w4[c] for c in CP_W4)):
+        assert m["cp"] == 2 and m["loss_kind"] == ("vocab_parallel" if m["mesh"][2] == 2 else "chunked")
+    assert {w2[c]["cp_attention"] for c in CP_W2} == {"allgather", "ulysses", "ring"}
 
 
 def test_the_measured_peak_is_the_priced_one(w2: dict, monkeypatch) -> None:
