@@ -122,3 +122,16 @@ def test_the_350m_gpt_at_tp2_drops_the_logits_it_no_longer_holds() -> None:
     drop = full.predicted.memory_per_rank_bytes[0] - vp.predicted.memory_per_rank_bytes[0]
     assert drop == 3 * logits - max(chunk_peak, table.layer_transient_bytes)  # 19.53 GiB
     assert full.predicted.memory_per_rank_bytes[0] > 3 * logits > 2 * vp.predicted.memory_per_rank_bytes[0]
+
+
+def test_explain_sets_the_whole_logits_beside_it(gpt_graph) -> None:
+    from autopar.tools.diff import diff_plans
+    from autopar.tools.explain import explain
+
+    plan = _solve(gpt_graph, TP2)
+    e = explain(plan, gpt_graph, ["loss=full"])
+    cf = e.counterfactuals[0]
+    assert not cf.same_plan and "already" not in e.sentence(cf)  # the loss tells the two plans apart
+    full = _solve(gpt_graph, TP2 + ["loss=full"])
+    row = next(r for r in diff_plans(plan, full).rows if r.label == "loss")
+    assert (row.a, row.b, row.differs) == ("vocab_parallel", "full", True)
