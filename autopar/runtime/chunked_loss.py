@@ -212,7 +212,13 @@ def plan_loss(model: nn.Module, graph: LayerGraph, plan: Plan, loss_fn: Any) -> 
     if graph.loss_head is None:
         raise LossError(f"the plan runs the chunked loss but the graph has no head for it ({graph.loss_refusal}): "
                         "re-plan the model")
-    return ChunkedLoss(install_head(model, graph.loss_head), plan.training.loss is LossKind.VOCAB_PARALLEL), True
+    split = plan.layers[-1].choice.tp is not None and plan.mesh.tp > 1
+    vocab_parallel = plan.training.loss is LossKind.VOCAB_PARALLEL
+    if split != vocab_parallel:  # a hand-edited plan: refused before any rank starts
+        how = "splits" if split else "does not split"
+        raise LossError(f"the plan runs the {plan.training.loss.value} loss but tp {how} the head's layer "
+                        f"{plan.layers[-1].name}: re-plan the model")
+    return ChunkedLoss(install_head(model, graph.loss_head), vocab_parallel), True
 
 
 def refuse_labels(inputs: Any) -> None:

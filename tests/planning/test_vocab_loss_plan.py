@@ -135,3 +135,17 @@ def test_explain_sets_the_whole_logits_beside_it(gpt_graph) -> None:
     full = _solve(gpt_graph, TP2 + ["loss=full"])
     row = next(r for r in diff_plans(plan, full).rows if r.label == "loss")
     assert (row.a, row.b, row.differs) == ("vocab_parallel", "full", True)
+
+
+def test_a_plan_whose_head_and_loss_disagree_is_refused_before_it_runs(gpt_graph) -> None:
+    import dataclasses
+
+    from autopar.errors import LossError
+    from autopar.runtime.chunked_loss import plan_loss
+
+    plan = _solve(gpt_graph, TP2)
+    head = dataclasses.replace(plan.layers[-1], choice=dataclasses.replace(plan.layers[-1].choice, tp=None))
+    edited = dataclasses.replace(plan, layers=(*plan.layers[:-1], head))
+    with pytest.raises(LossError, match="vocab_parallel loss but tp does not split the head's layer lm_head"):
+        plan_loss(gpt_tiny()[0], gpt_graph, edited, None)
+    assert plan_loss(gpt_tiny()[0], gpt_graph, plan, None)[0].vocab_parallel
