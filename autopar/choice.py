@@ -88,20 +88,32 @@ class LossKind(StrEnum):
     torch's cross-entropy holds fp32 logits-sized tensors at its peak); ``CHUNKED`` runs the head's
     linear and the cross-entropy a chunk of tokens at a time, recomputing each chunk's logits in
     backward, so the whole logits are never held (:mod:`autopar.runtime.chunked_loss`; where it runs:
-    :func:`autopar.contract.chunked_loss_refusal`). A plan file written before the choice means full.
+    :func:`autopar.contract.chunked_loss_refusal`); ``VOCAB_PARALLEL`` is the chunked loss on a head
+    split over tp on its vocabulary: each rank a chunk of tokens × its vocabulary shard, the log-sum-exp
+    and the target logit joined over tp, the vocabulary never gathered (:mod:`autopar.runtime.vocab_loss`;
+    where: :func:`autopar.contract.loss_engine`). A pin asks for ``chunked``; the contract runs it
+    vocabulary-parallel where tp splits the head. A plan file written before the choice means full.
     """
 
     FULL = "full"
     CHUNKED = "chunked"
+    VOCAB_PARALLEL = "vocab_parallel"
 
     @classmethod
     def of(cls, value: LossKind | str) -> LossKind:
-        """A loss kind from itself or its name (``full`` / ``chunked``; ``off`` / ``on`` as aliases)."""
+        """A loss kind from itself or its name (``full`` / ``chunked`` / ``vocab_parallel``; ``off`` / ``on``
+        as aliases)."""
         text = str(value).lower()
-        aliases = {"full": cls.FULL, "off": cls.FULL, "chunked": cls.CHUNKED, "chunk": cls.CHUNKED, "on": cls.CHUNKED}
+        aliases = {"full": cls.FULL, "off": cls.FULL, "chunked": cls.CHUNKED, "chunk": cls.CHUNKED, "on": cls.CHUNKED,
+                   "vocab_parallel": cls.VOCAB_PARALLEL}
         if text not in aliases:
-            raise ValueError(f"loss must be full or chunked, got {value!r}")
+            raise ValueError(f"loss must be full, chunked or vocab_parallel, got {value!r}")
         return aliases[text]
+
+    @property
+    def chunked(self) -> bool:
+        """Whether the head and the loss run a chunk of tokens at a time (never the whole logits)."""
+        return self is not LossKind.FULL
 
 
 class BatchCoupling(StrEnum):

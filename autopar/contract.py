@@ -80,11 +80,7 @@ from autopar.contract_cp import (  # cp's rules, in a module of their own; the p
     ring_refusal,  # noqa: F401
     ulysses_refusal,  # noqa: F401
 )
-from autopar.contract_loss import (  # the loss's rules, in a module of their own; read as contract.*
-    CHUNK_LOGITS_BYTES,  # noqa: F401
-    chunked_loss_refusal,  # noqa: F401
-    loss_chunk_tokens,  # noqa: F401
-)
+from autopar.contract_loss import *  # noqa: F403 - the loss's rules (its __all__), read as contract.*
 from autopar.cost_models.pipeline import SPLIT_BACKWARD, V_SHAPED, ScheduleKind, stage_rank
 from autopar.units import MiB
 

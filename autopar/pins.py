@@ -23,8 +23,8 @@ under cp (K/V all-gather, the head all-to-all of DeepSpeed-Ulysses, or K/V passe
 round the cp ring); free, the solver prices each that runs and takes the cheapest.
 ``loss=full|chunked`` fixes how the loss runs (:class:`~autopar.choice.LossKind`): ``full`` holds the
 whole logits as the model computes them; ``chunked`` (the default wherever the contract offers it)
-runs the head and the cross-entropy a chunk of tokens at a time. A ``chunked`` pin on a model whose
-head or loss cannot run chunked is a PinError naming why.
+runs the head and the cross-entropy a chunk of tokens at a time (vocabulary-parallel where tp splits
+the head). A ``chunked`` pin on a model whose head or loss cannot run chunked is a PinError naming why.
 ``batch_coupled=auto|exact|split`` fixes how layers whose output depends on the batch they see
 (BatchNorm, a capacity MoE) run (:class:`~autopar.choice.BatchCoupling`): ``exact`` offers only plans
 that keep one device's numbers, ``split`` runs each on its own split, ``auto`` (the default) is
@@ -303,9 +303,12 @@ def _global_value(key: str, value: str, item: str) -> Any:
             raise PinError(f"pin {item!r}: batch_coupled must be auto, exact or split, got {value!r}") from None
     if key == "loss":
         try:
-            return LossKind.of(value)
+            kind = LossKind.of(value)
         except ValueError:
             raise PinError(f"pin {item!r}: loss must be full or chunked, got {value!r}") from None
+        if kind is LossKind.VOCAB_PARALLEL:  # not a separate ask: where tp splits the head, chunked runs so
+            raise PinError(f"pin {item!r}: pin loss=chunked; it runs vocabulary-parallel wherever tp splits the head")
+        return kind
     try:
         return SCHEDULE_NAMES[value.lower()]
     except KeyError:

@@ -187,8 +187,9 @@ class TrainingSettings:
     the linears that run float8 matmuls and their scaling recipe
     (:mod:`autopar.float8`), None for none (plans written before the field).
     ``loss``: how the loss runs (:class:`~autopar.choice.LossKind`): ``chunked`` runs the head and
-    the cross-entropy a chunk of tokens at a time (:mod:`autopar.runtime.chunked_loss`), ``full``
-    as the model is written (plans written before the field).
+    the cross-entropy a chunk of tokens at a time (:mod:`autopar.runtime.chunked_loss`),
+    ``vocab_parallel`` does so on the head's vocabulary shard over tp (:mod:`autopar.runtime.vocab_loss`),
+    ``full`` as the model is written (plans written before the field).
     ``batch_coupled``: how layers whose output depends on the batch they see run
     (:class:`~autopar.choice.BatchCoupling`; plans written before the field: auto).
     """
@@ -373,10 +374,10 @@ def _batch_coupled(t: dict, source: str) -> BatchCoupling:
 
 
 def _loss_kind(t: dict, source: str) -> LossKind:
-    """The ``loss`` field: ``full`` or ``chunked``; absent (an older plan) full."""
+    """The ``loss`` field: ``full``, ``chunked`` or ``vocab_parallel``; absent (an older plan) full."""
     value = t.get("loss", LossKind.FULL.value)
     if not isinstance(value, str) or value not in {k.value for k in LossKind}:
-        raise PlanError(f"{source}: field 'loss' is {value!r}; use full or chunked")
+        raise PlanError(f"{source}: field 'loss' is {value!r}; use full, chunked or vocab_parallel")
     return LossKind(value)
 
 

@@ -139,6 +139,9 @@ def render_summary(plan: Any) -> str:
         lines.append("float8        " + describe(plan.training.float8, plan.training.dtype, sharded=sharded))
     if plan.training.loss is LossKind.CHUNKED:
         lines.append("loss          chunked: the head's GEMM and cross-entropy a chunk of tokens at a time")
+    if plan.training.loss is LossKind.VOCAB_PARALLEL:
+        lines.append("loss          vocabulary-parallel: the head's GEMM and cross-entropy a chunk of tokens at a "
+                     f"time on each rank's 1/{m.tp} of the vocabulary, never gathered")
     rows, header = _layer_rows(plan)
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)

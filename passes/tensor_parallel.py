@@ -32,7 +32,10 @@ styles cannot place.
 Vocab styles (an ``nn.Embedding`` split on its vocabulary, an LM head split
 on its outputs and gathered) use DTensor's ``RowwiseParallel`` /
 ``ColwiseParallel`` directly: no code of the model runs between their
-collectives.
+collectives. Both shard the weight's vocabulary rows (``Shard(0)``), so a head
+tied to its input embedding and split with it stays tied: the head takes the
+embedding's sharded parameter back (:func:`_retie`); the contract splits such
+ends together or not at all (:func:`autopar.contract.loss_fixed_tp`).
 """
 
 from __future__ import annotations
@@ -466,8 +469,42 @@ def apply_tensor_parallel(model: nn.Module, graph: LayerGraph, plan: Plan, tp_me
             _megatron(model, layer, style, tp_mesh, result, ends.get(layer.name))
         result.layers.append(layer.name)
     if vocab:
+        ties = _ties(model, list(vocab))
         parallelize_module(model, tp_mesh, vocab)
+        _retie(model, ties)
     return result
+
+
+def _ties(model: nn.Module, paths: list[str]) -> list[list[str]]:
+    """The vocab modules among ``paths`` that share one weight, in groups (the first: the owner); a weight
+    one of them shares with a module that is not split is a LoweringError (the tie would become two)."""
+    holders: dict[int, list[str]] = {}
+    for path, mod in model.named_modules():
+        weight = getattr(mod, "weight", None)
+        if isinstance(weight, nn.Parameter):
+            holders.setdefault(id(weight), []).append(path)
+    groups = []
+    for group in holders.values():
+        split = [p for p in group if p in paths]
+        if split and len(group) > 1:
+            if len(split) < len(group):
+                raise LoweringError(f"modules {group} share one weight but tensor parallelism splits only {split}: "
+                                    "plan their layers alike (re-plan the model)")
+            groups.append(group)
+    return groups
+
+
+def _retie(model: nn.Module, ties: list[list[str]]) -> None:
+    """Each tied group's modules hold its owner's sharded weight again (``parallelize_module`` gave each
+    module a parameter of its own); both styles shard the vocabulary rows, checked here."""
+    for owner, *others in ties:
+        weight = model.get_submodule(owner).weight
+        for path in others:
+            mine = model.get_submodule(path).weight
+            if getattr(mine, "placements", None) != weight.placements:
+                raise LoweringError(f"tied weight of {owner!r} and {path!r} split differently "
+                                    f"({weight.placements} and {getattr(mine, 'placements', None)})")
+            model.get_submodule(path).weight = weight
 
 
 __all__ = ["SHARDED_RUN", "MeshRank", "Permutation", "ShardedRun", "TensorParallelResult", "apply_tensor_parallel",

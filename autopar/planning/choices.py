@@ -66,7 +66,8 @@ def _allowed_choices(table: PriceTable, layer_pins: list[dict[str, Any]]) -> lis
         if not _pin_runs_here(table, i, pin, floor):  # the pinned ZeRO stage cannot run in this mode
             allowed.append([])
             continue
-        key = (classes[i], id(strategies), tuple(sorted(pin.items())))
+        fixed = contract.loss_fixed_tp(table.graph, i, table.config.mesh, table.loss)
+        key = (classes[i], id(strategies), tuple(sorted(pin.items())), fixed)
         if key in memo:
             allowed.append(memo[key])
             continue
@@ -74,6 +75,9 @@ def _allowed_choices(table: PriceTable, layer_pins: list[dict[str, Any]]) -> lis
         ks = [k for k, s in enumerate(strategies)
               if pin.get("tp", s.tp) == s.tp and pin.get("zero", s.zero) == s.zero
               and pin.get("recompute", s.recompute) == s.recompute and sp in (None, s.sp)]
+        if fixed is not contract.KEEP:
+            _check_fixed_pin(table, i, pin, fixed)
+            ks = [k for k in ks if strategies[k].tp == fixed]
         if not ks:  # a pinned choice outside the search space extends this layer's row only
             allowed.append(_pinned_outside_search(table, i, pin))
             continue
@@ -85,6 +89,18 @@ def _allowed_choices(table: PriceTable, layer_pins: list[dict[str, Any]]) -> lis
         memo[key] = _undominated_alike(table, i, ks) if ks else []
         allowed.append(memo[key])
     return allowed
+
+
+def _check_fixed_pin(table: PriceTable, i: int, pin: dict[str, Any], fixed: str | None) -> None:
+    """A tp pin against the style the loss fixes for layer ``i`` (:func:`autopar.contract.loss_fixed_tp`)
+    is a PinError naming both."""
+    if "tp" in pin and pin["tp"] != fixed:
+        layer, mesh = table.graph[i], table.config.mesh
+        why = (f"the vocabulary-parallel loss splits it over tp={mesh.tp} (style {fixed!r}); pin loss=full to keep "
+               "the logits whole" if table.loss.value == "vocab_parallel" else
+               "it is an end of tied embeddings in one stage, which runs replicated over tp unless the "
+               "vocabulary-parallel loss splits both ends alike")
+        raise PinError(f"layer {layer.name!r} pinned tp={pin['tp']}: {why}")
 
 
 def _sp_wanted(strategies: list[LayerChoice], pin: dict[str, Any]) -> bool | None:

@@ -189,6 +189,14 @@ def loss_notes(graph: LayerGraph, solution: Solution, pins: Pins) -> tuple[str, 
         return (f"loss: chunked cross-entropy on {head.module_path}'s weight, {chunk:,} tokens a chunk (fp32 logits "
                 f"of one chunk at a time, {peak} at its peak; each chunk's logits "
                 "recomputed in backward): the whole logits are never held; pin loss=full to hold them",)
+    if table.loss is LossKind.VOCAB_PARALLEL and head is not None:
+        chunk, peak = loss_price.chunk_tokens(table), _bytes(loss_price.chunked_peak_bytes(table))
+        tp = solution.config.mesh.tp
+        return (f"loss: vocabulary-parallel cross-entropy on {head.module_path}'s weight split over tp={tp} "
+                f"({loss_price.shard_vocab(table):,} of {head.out_features:,} classes a rank), {chunk:,} tokens a "
+                f"chunk (fp32 logits of one chunk of a shard at a time, {peak} at its peak; log-sum-exp and the "
+                "target logit joined by one all-gather a chunk; each chunk's logits recomputed in backward): the "
+                "vocabulary is never gathered; pin loss=full to hold the logits",)
     if graph.loss_refusal == NOT_CHECKED:
         return ()
     if pins.loss is LossKind.FULL:

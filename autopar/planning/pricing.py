@@ -399,7 +399,7 @@ class PriceTable:
         c, b = self.config, self.microbatch_size
         key = (id(layer), style_name, sp, c.mesh.tp, b, self.tp_group, self.act_scale, self.dtype_for_compute,
                id(self.cluster), self.training.compiled, c.mesh.ep, c.mesh.cp, self.cp_group, c.cp_attention,
-               id(self.training.float8))
+               id(self.training.float8), self.loss)
         if key in self._style_memo:
             return self._style_memo[key][1]
         acts = layer.activation_bytes_per_sample
@@ -412,8 +412,7 @@ class PriceTable:
             tp_comm_fwd = collective_time_s(
                 Collective.ALL_REDUCE, style.fwd_allreduce_elems * elem, self.tp_group,
                 self.cluster, count=style.fwd_allreduce_count,
-            ) + collective_time_s(Collective.ALL_GATHER, style.fwd_allgather_elems * elem,
-                                  self.tp_group, self.cluster)
+            ) + loss_price.output_gather_s(self, layer, style, elem)  # a vocab head's logits (or the loss's)
             tp_comm_bwd = collective_time_s(
                 Collective.ALL_REDUCE, style.bwd_allreduce_elems * elem, self.tp_group,
                 self.cluster, count=style.bwd_allreduce_count,

@@ -18,9 +18,11 @@ place, so one chunk's fp32 logits (and its softmax, computed in place) are what 
 peak. The extra cost is one more head GEMM forward per chunk in backward.
 
 The head's weight is read as its forward saw it: the module's own parameter, FSDP2's gathered one
-(the head sits in the root unit, which FSDP2 does not reshard after forward), never a tensor-parallel
-shard (the contract refuses a head that tp may split). ``state_dict`` is unchanged: only the head
-module's ``forward`` is replaced, on the instance.
+(the head sits in the root unit, which FSDP2 does not reshard after forward), or — where tp splits the
+head on its vocabulary (``training.loss`` ``vocab_parallel``) — its shard, a DTensor, on which
+:func:`autopar.runtime.vocab_loss.vocab_parallel_cross_entropy` runs the same loss without gathering
+the vocabulary. ``state_dict`` is unchanged: only the head module's ``forward`` is replaced, on the
+instance.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from autopar.inputs import prediction
 from autopar.loss_head import LossHead
 from autopar.plan import Plan
 from autopar.runtime.loss import default_loss
+from autopar.runtime.vocab_loss import vocab_parallel_cross_entropy
 
 IGNORE_INDEX = -100  # F.cross_entropy's default, which the default loss uses
 
@@ -94,10 +97,11 @@ def install_head(model: nn.Module, head: LossHead) -> _Seen:
 
 class ChunkedLoss:
     """The default loss's cross-entropy on the hidden state the head returned, chunk by chunk
-    (see the module docstring); ``chunk_tokens``: None for :func:`autopar.contract.loss_chunk_tokens`."""
+    (see the module docstring); ``vocab_parallel``: on the head's vocabulary shard over tp;
+    ``chunk_tokens``: None for :func:`autopar.contract.loss_chunk_tokens` of the classes a rank holds."""
 
-    def __init__(self, seen: _Seen, chunk_tokens: int | None = None):
-        self.seen, self.chunk_tokens = seen, chunk_tokens
+    def __init__(self, seen: _Seen, vocab_parallel: bool = False, chunk_tokens: int | None = None):
+        self.seen, self.vocab_parallel, self.chunk_tokens = seen, vocab_parallel, chunk_tokens
 
     def attach(self, parts: list[nn.Module]) -> None:
         """Find, in the lowered ``parts``, the FSDP2 unit holding the head (the innermost ``FSDPModule``
@@ -126,8 +130,14 @@ class ChunkedLoss:
             raise LossError(f"the plan chose the chunked cross-entropy loss, which takes integer targets shaped "
                             f"like the prediction less its last dim {tuple(hidden.shape[:-1])}, got {shape}: "
                             "re-plan with the pin loss=full")
-        vocab = weight.shape[0]
-        chunk = self.chunk_tokens or loss_chunk_tokens(vocab)
+        if self.vocab_parallel:
+            local = weight.to_local().shape[0] if hasattr(weight, "to_local") else weight.shape[0]
+            return vocab_parallel_cross_entropy(hidden, weight, bias, targets,
+                                                self.chunk_tokens or loss_chunk_tokens(local))
+        if hasattr(weight, "to_local"):
+            raise LossError("the plan runs the chunked loss on a whole head, but tp split the head's weight "
+                            f"({weight.placements}): re-plan the model")
+        chunk = self.chunk_tokens or loss_chunk_tokens(weight.shape[0])
         return chunked_cross_entropy(hidden, weight, bias, targets, chunk)
 
 
@@ -191,10 +201,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
 def plan_loss(model: nn.Module, graph: LayerGraph, plan: Plan, loss_fn: Any) -> tuple[Any, bool]:
     """The loss ``plan`` trains with, and whether it is the chunked one: ``loss_fn`` (default
-    :func:`~autopar.runtime.loss.default_loss`) under a full loss; under a chunked one the head of
-    ``model`` is replaced (:func:`install_head`) and the loss is :class:`ChunkedLoss`. A chunked plan
-    given a loss function is refused: only the default cross-entropy runs chunked."""
-    if plan.training.loss is not LossKind.CHUNKED:
+    :func:`~autopar.runtime.loss.default_loss`) under a full loss; under a chunked one (vocabulary-parallel
+    or not) the head of ``model`` is replaced (:func:`install_head`) and the loss is :class:`ChunkedLoss`.
+    A chunked plan given a loss function is refused: only the default cross-entropy runs chunked."""
+    if not plan.training.loss.chunked:
         return loss_fn or default_loss, False
     if loss_fn is not None and loss_fn is not default_loss:  # the default given by name is no loss of the user's
         raise LossError("the plan runs the chunked cross-entropy loss (training.loss 'chunked'), which is the "
@@ -202,7 +212,13 @@ def plan_loss(model: nn.Module, graph: LayerGraph, plan: Plan, loss_fn: Any) -> 
     if graph.loss_head is None:
         raise LossError(f"the plan runs the chunked loss but the graph has no head for it ({graph.loss_refusal}): "
                         "re-plan the model")
-    return ChunkedLoss(install_head(model, graph.loss_head)), True
+    split = plan.layers[-1].choice.tp is not None and plan.mesh.tp > 1
+    vocab_parallel = plan.training.loss is LossKind.VOCAB_PARALLEL
+    if split != vocab_parallel:  # a hand-edited plan: refused before any rank starts
+        how = "splits" if split else "does not split"
+        raise LossError(f"the plan runs the {plan.training.loss.value} loss but tp {how} the head's layer "
+                        f"{plan.layers[-1].name}: re-plan the model")
+    return ChunkedLoss(install_head(model, graph.loss_head), vocab_parallel), True
 
 
 def refuse_labels(inputs: Any) -> None:

@@ -380,9 +380,11 @@ def _vocab_head(view: LayerView) -> TPStyle | None:
         return None
     d_in, d_out = _linear_at(view.model, head)  # type: ignore[misc]
     tables = view.embeddings if view.embeddings is not None else embedding_tables(view.model)
-    if d_out < 8 * d_in and not _is_vocabulary(tables, view.model.get_submodule(head), d_out):
+    if d_out < 8 * d_in and not _is_vocabulary(tables, d_out):
         return None
     mod = view.model.get_submodule(head)
+    # a weight tied to an embedding is that layer's parameter (its vocab style shards it alike): not this one's
+    tied = mod.weight.numel() if any(table == id(mod.weight) for _, table in tables) else 0
     nodes = [n for n in view.nodes if _inside(view.stats[n], head)]
     ext = _external_inputs(nodes, set(nodes), view)
     in_elems = sum(view.stats[x].out_numel for x in ext if x in view.stats)
@@ -391,7 +393,7 @@ def _vocab_head(view: LayerView) -> TPStyle | None:
         column=(head,),
         vocab=(head,),
         divisors=(d_out,),
-        sharded_params=_numel(mod),
+        sharded_params=_numel(mod) - tied,
         sharded_flops_per_sample=sum(view.stats[n].flops for n in nodes) / view.batch,
         fwd_allgather_elems=view.stats[nodes[-1]].out_numel / view.batch,
         bwd_allreduce_elems=in_elems / view.batch,
@@ -399,12 +401,12 @@ def _vocab_head(view: LayerView) -> TPStyle | None:
     )
 
 
-def _is_vocabulary(tables: tuple[tuple[int, int], ...], head: nn.Module, width: int) -> bool:
+def _is_vocabulary(tables: tuple[tuple[int, int], ...], width: int) -> bool:
     """Whether ``width`` is an embedding's vocabulary in ``model``: a head onto it is an LM head
-    however narrow the vocabulary is next to the hidden size (GPT-3: 51,200 onto 12,288). A head
-    tied to the embedding's weight is left to the width rule (that pairing is not proved here)."""
-    weight = getattr(head, "weight", None)
-    return any(vocabulary == width and table != id(weight) for vocabulary, table in tables)
+    however narrow the vocabulary is next to the hidden size (GPT-3: 51,200 onto 12,288), a head
+    tied to the embedding's weight included (both then shard the weight's vocabulary rows over tp:
+    the contract splits the two ends together or neither, :func:`autopar.contract.loss_fixed_tp`)."""
+    return any(vocabulary == width for vocabulary, _ in tables)
 
 
 def _linear_at(model: nn.Module, path: str) -> tuple[int, int] | None:

@@ -35,7 +35,7 @@ def layer_choice(plan: Plan, layer: LayerPlan) -> tuple[int, str | None, int, Re
 def plan_key(plan: Plan) -> tuple:
     """What makes two plans the same plan (the figures aside)."""
     return (plan.mesh, plan.microbatches, plan.microbatch_size, plan.schedule, plan.chunks, cp_method(plan),
-            tuple((l.name, *layer_choice(plan, l)) for l in plan.layers))
+            plan.training.loss, tuple((l.name, *layer_choice(plan, l)) for l in plan.layers))
 
 
 def cp_method(plan: Plan) -> str:
@@ -175,6 +175,7 @@ def _rows(a: Plan, b: Plan) -> list[Row]:
         _text_row("cluster", cluster(a), cluster(b)),
         _text_row("dtype", a.training.dtype, b.training.dtype),
         _text_row("float8", float8(a), float8(b)),
+        _text_row("loss", a.training.loss.value, b.training.loss.value),
         _text_row("global batch", a.training.global_batch, b.training.global_batch),
         _number_row("memory budget", pa.memory_budget_bytes, pb.memory_budget_bytes, format_bytes),
         _text_row("mesh", a.mesh.describe(), b.mesh.describe()),

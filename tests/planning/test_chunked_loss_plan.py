@@ -81,10 +81,10 @@ def test_elsewhere_it_is_not_offered_with_the_reason() -> None:
     assert custom.training.loss is LossKind.FULL and "a loss function was given" in _loss_note(custom)
 
 
-def test_a_head_tp_may_split_runs_the_whole_logits() -> None:
+def test_a_head_tp_splits_runs_the_vocabulary_parallel_loss() -> None:
     plan = _solve(autopar.capture(*gpt_tiny()), ("pp=1", "dp=1", "tp=2", "zero=0") + GPT_TP, world=2)
-    assert plan.training.loss is LossKind.FULL
-    assert "tp=2 may split the head's layer lm_head" in _loss_note(plan)
+    assert plan.training.loss is LossKind.VOCAB_PARALLEL
+    assert "vocabulary-parallel cross-entropy on lm_head's weight split over tp=2" in _loss_note(plan)
 
 
 def test_the_350m_gpt_peak_drops_by_the_logits_it_no_longer_holds() -> None:

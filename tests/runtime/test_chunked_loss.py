@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from equivalence_cases import _max_rel, gpt_tiny, hf_llama, make_batch
-from torch.profiler import ProfilerActivity, profile
+from peak_memory import peak_bytes
 
 import autopar
 import autopar.contract_loss as contract_loss
@@ -111,19 +111,6 @@ def test_a_loss_function_with_a_chunked_plan_is_refused() -> None:
     assert any("a loss function was given" in n for n in own.plan.notes)
 
 
-def _peak_bytes(fn) -> int:
-    """The most bytes the CPU allocator held at once while ``fn`` ran, above what it held before."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 def test_the_measured_peak_is_the_priced_one(monkeypatch) -> None:
     """fp32 on a CPU: the chunked loss's forward and backward over one microbatch peak within 10% of
     ``PriceTable.loss_bytes``, beside the gradients it returns (of h and W: priced as the head layer's
@@ -148,7 +135,7 @@ def test_the_measured_peak_is_the_priced_one(monkeypatch) -> None:
     def step() -> None:
         chunked_cross_entropy(h, w, None, y, chunk).backward()
 
-    measured = _peak_bytes(step) - (h.numel() + w.numel()) * 4
+    measured = peak_bytes(step) - (h.numel() + w.numel()) * 4
     assert abs(measured - priced) <= 0.1 * priced, (measured, priced)
     full = TrainingSpec(batch, dtype="fp32")  # the whole logits: three fp32 logits at the peak
     assert PriceTable(graph, config, table.cluster, full).loss_bytes[0] == 3 * batch * seq * vocab * 4
