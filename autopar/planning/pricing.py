@@ -51,6 +51,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from functools import cached_property
+from typing import Any
 
 from autopar import contract
 from autopar.batch_coupling import synced
@@ -130,21 +131,31 @@ class PriceTable:
         self.microbatch_size = training.global_batch // samples
         self.act_scale = self.prec.activation_bytes / graph.dtype_bytes
         self.dtype_for_compute = "bf16" if training.dtype == "bf16" else "fp32"
-        mesh = config.mesh
-        groups = {name: place_group(degree, mesh.stride(name), cluster.gpus_per_node) for name, degree in mesh.items()}
-        self.tp_group, self.ep_group, self.cp_group = groups["tp"], groups["ep"], groups["cp"]
-        self.data_ranks, self.dp_group = context_price.data_group(mesh, groups["dp"], cluster)
-        self.shard_ranks, self.shard_group, self.replicate_group = hsdp_price.groups(  # HSDP (all dp × cp at R = 1)
-            mesh, self.data_ranks, self.dp_group, cluster)
-        # the expert-data-parallel group: the dp × cp ranks holding the same experts, ep apart in dp × cp
-        self.edp_group = place_group(self.data_ranks // mesh.ep, mesh.stride("ep") * mesh.ep, cluster.gpus_per_node)
+        self.shared = self._shared = SharedPrices() if shared is None else shared
+        (self.tp_group, self.ep_group, self.cp_group, self.data_ranks, self.dp_group, self.shard_ranks,
+         self.shard_group, self.replicate_group, self.edp_group) = self._groups(config.mesh, cluster)
         self.pp_inter_node = edges.ranks_inter_node(0, config.mesh.pp - 1, self)  # the tied ends' all-reduce
         self.engine = config.engine
-        self.shared = self._shared = SharedPrices() if shared is None else shared
         self._style_memo = self._shared.styles
         self._p2p_memo: dict[tuple[int, int | None], float] = {}
         self._runs_memo: dict[tuple[int, LayerChoice], LayerChoice] = {}
         self._region_memo: dict[tuple, float] = {}  # (i, k), and (None, a style's cost signature)
+
+    def _groups(self, mesh: Any, cluster: ClusterSpec) -> tuple:
+        """Each axis's group placed on the nodes, the data ranks and HSDP's groups: one answer a mesh, shared by
+        the search's tables (10,000 configurations have some hundreds of meshes)."""
+        key = (id(cluster), mesh)
+        if key not in self._shared.groups:
+            groups = {name: place_group(degree, mesh.stride(name), cluster.gpus_per_node)
+                      for name, degree in mesh.items()}
+            data_ranks, dp_group = context_price.data_group(mesh, groups["dp"], cluster)
+            # HSDP (all dp × cp at R = 1); the expert-data-parallel group: the dp × cp ranks holding the same
+            # experts, ep apart in dp × cp
+            hsdp = hsdp_price.groups(mesh, data_ranks, dp_group, cluster)
+            edp = place_group(data_ranks // mesh.ep, mesh.stride("ep") * mesh.ep, cluster.gpus_per_node)
+            self._shared.groups[key] = (cluster, (groups["tp"], groups["ep"], groups["cp"], data_ranks, dp_group,
+                                                  *hsdp, edp))
+        return self._shared.groups[key][1]
 
     @cached_property
     def _rows(self) -> tuple[list[list[LayerChoice]], list[list[LayerPrice]]]:

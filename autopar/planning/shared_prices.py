@@ -9,6 +9,7 @@ kinds again. One :class:`SharedPrices` per search, handed to every
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from autopar.choice import LayerChoice, Recompute
 from autopar.graph import Layer, LayerGraph
@@ -31,6 +32,7 @@ class SharedPrices:
         field(default_factory=dict)
     # (graph id, cluster id, training id, mesh, microbatches, cp method) → (the graph; PriceTable.fastest_time_mb_s)
     fastest: dict[tuple, tuple[LayerGraph, list[float]]] = field(default_factory=dict)
+    groups: dict[tuple, tuple[Any, tuple]] = field(default_factory=dict)  # (cluster id, mesh): PriceTable._groups
     # memory_floor.memory_floor_bytes's rows, least states and least activations, each keyed by what it reads
     floors: dict[tuple, tuple[LayerGraph, dict]] = field(default_factory=dict)
     choices: dict[tuple, tuple[Layer, list[LayerChoice]]] = field(default_factory=dict)  # (layer id, zeros, mesh)
