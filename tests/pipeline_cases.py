@@ -70,8 +70,10 @@ SPECS: dict[str, Spec] = {
                                               "blocks.0:zero=3", "blocks.1:zero=0", "blocks.2:zero=3",
                                               "blocks.3:zero=0") + NO_RC, 8),
     # W = 8
+    # loss=full: the tied head split over tp with its embedding (the chunked loss keeps a pipeline's tied head
+    # whole on every tp rank), so each rank holds an eighth
     "pp2_dp2_tp2": Spec(gpt_4layer, ("pp=2", "dp=2", "tp=2", "zero=3", "microbatches=2",
-                                     "schedule=1f1b") + NO_RC + GPT_TP, 8),
+                                     "schedule=1f1b", "loss=full") + NO_RC + GPT_TP, 8),
     "solver_pick_w8": Spec(gpt_4layer, (), 16),
 }
 

@@ -26,15 +26,16 @@ def device_facts(device: torch.device | None = None) -> dict[str, Any]:
 
 
 def here(world_size: int, launched: bool, *, model: nn.Module | None = None, torch_compile: bool | None = None,
-         float8: Any = None, moe_bias_update: Any = 0.0, device: torch.device | None = None) -> Here:
+         float8: Any = None, moe_bias_update: Any = 0.0, device: torch.device | None = None,
+         read_device: bool = True) -> Here:
     """What this run is (the ranks launched, the device) and asks (compile, float8, the MoE bias step);
     the model's biased routers are counted only when a bias step is asked (a non-number is left for
-    admission to refuse)."""
+    admission to refuse). ``read_device`` False: the device is not asked about (only float8 needs it)."""
     counted = (len(biased_routers(model)) if model is not None and isinstance(moe_bias_update, (int, float))
                and not isinstance(moe_bias_update, bool) and moe_bias_update > 0 else 0)
     return Here(world_size=world_size, launched_world=dist.get_world_size() if launched else None,
                 torch_compile=torch_compile, float8=float8, moe_bias_update=moe_bias_update,
-                biased_routers=counted, **device_facts(device))
+                biased_routers=counted, **(device_facts(device) if read_device else {}))
 
 
 __all__ = ["device_facts", "here"]

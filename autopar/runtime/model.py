@@ -555,7 +555,7 @@ def compile(model: nn.Module, world_size: int | None = None, example_inputs: Any
         kwargs["float8"] = settings_for(model, graph, float8)
     plan, graph = resolve_plan(model, example_inputs, plan, graph, world_size, launched, **kwargs)
     facts = here(world_size, launched, model=model, torch_compile=torch_compile, float8=float8,
-                 moe_bias_update=moe_bias_update)
+                 moe_bias_update=moe_bias_update, read_device=plan.training.float8 is not None)
     admit(graph, plan, facts)  # every reason it would not run as priced, before any collective
     routers = biased_routers(model) if moe_bias_update else []
     loss_fn, chunked = plan_loss(model, graph, plan, loss_fn)  # a chunked plan's head returns the hidden state

@@ -29,7 +29,7 @@ TINY = str(ROOT / "examples" / "gpt.py") + ":gpt_tiny"
 MEASURED_W2 = ROOT / "benchmarks" / "results" / "cluster-w2.json"  # calibrate's fit of this machine, 2 ranks
 PINS = [["pp=1", "dp=2", "tp=1", "zero=0", "microbatches=1"],
         ["pp=2", "dp=1", "tp=1", "schedule=gpipe", "microbatches=2"],
-        ["pp=1", "dp=1", "tp=2", "blocks.*:tp=megatron"],
+        ["pp=1", "dp=1", "tp=2", "blocks.*:tp=megatron", "loss=full"],
         ["pp=1", "dp=2", "tp=1", "zero=3", "microbatches=1"]]
 
 
@@ -69,7 +69,7 @@ def test_the_refit_brings_every_prediction_to_its_measurement(graph, compute: fl
 def test_what_no_measurement_depends_on_stays_and_is_named(graph) -> None:
     truth = load_cluster(str(MEASURED_W2))
     wrong = _wrong(truth, 4.0, 0.25)
-    plans = _plans(graph, wrong, [["pp=1", "dp=1", "tp=2", "blocks.*:tp=none", "microbatches=1"]])  # no traffic
+    plans = _plans(graph, wrong, [["pp=1", "dp=1", "tp=2", "*:tp=none", "loss=full", "microbatches=1"]])  # no traffic
     r = refit(_predict(graph, plans), wrong, _predict(graph, plans)(truth))
     # one step time determines one group, the one it depends on most (a tiny model's per-call overhead may
     # outweigh its FLOPs); the other is named as not told apart from it, the traffic's as not needed

@@ -142,7 +142,7 @@ def _solve_tiny(*pins: str):
 
 
 def test_a_tp_mesh_with_no_tensor_parallel_layer_is_warned_about_and_the_layers_printed() -> None:
-    plan = _solve_tiny("*:tp=none")
+    plan = _solve_tiny("*:tp=none", "loss=full")
     (warning,) = v.plan_warnings(plan)
     assert "tp=2 but no layer is tensor-parallel" in warning
     text = "\n".join(v.setup_lines(plan, [], [warning]))
