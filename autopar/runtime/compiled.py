@@ -75,7 +75,7 @@ the compiled graphs replayed bit for bit, measured on a toy block). A
 selective or alternate-mm policy cannot see the ops inside the compiled
 graphs, so those kinds are neither offered nor run there.
 The tests compare 3 SGD steps with eager within 1e-5 and count recompiles over 10.
-:func:`check_compilable` refuses every other lowering
+:mod:`autopar.admission` (`compiled_refusals`) refuses every other lowering
 (:func:`autopar.contract.compile_refusal`) with a
 :class:`~autopar.errors.CompileError` before the first collective: expert or
 context parallelism beside tp, pp or each other, selective or alternate-mm
@@ -213,7 +213,7 @@ def compile_blocks(parts: list[nn.Module], paths: list[str], on_break: Callable[
                                                                                        fullgraph, **options),
                     shared.setdefault(kind, {}), path=path, on_break=on_break, wrap=wrap)
             elif path in checkpoint_outside and (kind := getattr(block, CHECKPOINTED_FORWARD, None)) is not None:
-                if kind is not Recompute.FULL:  # check_compilable refused it before the lowering
+                if kind is not Recompute.FULL:  # admission refused it before the lowering
                     raise CompileError(f"block {path!r} breaks at an eager exchange: {kind} recompute does not run "
                                        "compiled there (full does)")
                 compiled = CompiledBlock(path, block.forward.__wrapped__, on_break, fullgraph, **options)
