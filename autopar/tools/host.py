@@ -68,3 +68,14 @@ def check_local_processes(nproc: int, *, backend: str) -> None:
         most = max(1, free // PROCESS_OVERHEAD_BYTES)
         raise AutoparError(f"--nproc {nproc} needs about {nproc * PROCESS_OVERHEAD_BYTES / GiB:.1f} GiB "
                            f"but {free / GiB:.1f} GiB is available; use at most {most}")
+
+
+def stop_processes(processes: list) -> None:
+    """End the ranks a spawn started (those still alive terminated, each then joined for up to 5 s): what a
+    spawn's caller does on its way out, finished or not."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join(timeout=5)
+

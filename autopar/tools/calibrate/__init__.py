@@ -74,7 +74,7 @@ from autopar.tools.calibrate.probes import (
     measure_in_process_group,
     probe_sizes,
 )
-from autopar.tools.host import available_memory_bytes, check_local_processes
+from autopar.tools.host import available_memory_bytes, check_local_processes, stop_processes
 from autopar.units import GiB
 
 __all__ = [
@@ -143,11 +143,7 @@ def measure(nproc: int, *, backend: str = "auto", quick: bool = False,
         except KeyboardInterrupt:
             raise CalibrationInterrupted("calibration interrupted; no cluster file was written") from None
         finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            for p in ctx.processes:
-                p.join(timeout=5)
+            stop_processes(ctx.processes)
         return measurements_from_dict(json.loads(Path(out).read_text()))
 
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from autopar.tools.host import stop_processes
 from autopar.tools.tune.ranks import FAILED, OOM, Measured, worker
 
 KINETO_LOG_ENV = "KINETO_LOG_LEVEL"
@@ -82,11 +83,7 @@ def _measure(mp: Any, nproc: int, spec: str, seq_len: int | None, plans: list[tu
             except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
                 ended = exc
             finally:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.terminate()
-                for p in ctx.processes:
-                    p.join(timeout=5)
+                stop_processes(ctx.processes)
             _report(tmp, todo, seen, results, on_start, on_done)
             if ask and Path(tmp, "probes.json").exists():
                 probes = json.loads(Path(tmp, "probes.json").read_text())
