@@ -71,6 +71,7 @@ import torch.nn as nn
 from autopar.errors import AutoparError
 from autopar.inputs import call, describe
 from autopar.inputs import tensors as model_tensors
+from autopar.plan_table import wrap_line
 from autopar.tools.batches import loss_line, probe, synthetic_batch  # noqa: F401 - loss_line: the CLI's
 
 if TYPE_CHECKING:
@@ -317,8 +318,8 @@ def setup_lines(plan: Plan, dropout: list[str], warnings: list[str], loss: str =
              f"{plan.training.global_batch}, zero {sorted({l.choice.zero for l in plan.layers})}, "
              f"{sum(bool(l.choice.recompute) for l in plan.layers)} layers recomputed, priced on {plan.cluster.name}"]
     if dropout:
-        lines.append(f"dropout: off on both sides (no parallel plan reproduces one process's masks); "
-                     f"{len(dropout)} set to 0: {_listed(dropout)}")
+        lines += wrap_line(f"dropout: off on both sides (no parallel plan reproduces one process's masks); "
+                           f"{len(dropout)} set to 0: {_listed(dropout)}", 2)
     else:
         lines.append("dropout: none in the model")
     if loss:
@@ -337,13 +338,13 @@ def result_lines(report: VerifyReport, tolerance: float = TOLERANCE) -> list[str
     g, p = report.grads, report.params
     lines = [f"step {k}: loss {a:.8g}  (one process {b:.8g})"
              for k, (a, b) in enumerate(zip(report.losses, report.ref_losses), 1)]
-    lines.append(f"max relative difference: loss {report.loss_rel:.3g}, first-step gradients "
-                 f"{g.rel:.3g} ({g.worst}), parameters after {report.steps} steps {p.rel:.3g} ({p.worst})")
+    lines += wrap_line(f"max relative difference: loss {report.loss_rel:.3g}, first-step gradients "
+                       f"{g.rel:.3g} ({g.worst}), parameters after {report.steps} steps {p.rel:.3g} ({p.worst})", 2)
     judged = [f"{len(c.floored)} {what} ({_listed(c.floored, 2)})"
               for what, c in (("gradients", g), ("parameters", p)) if c.floored]
-    lines.append(f"near-zero floor: ‖ref‖ counts as at least {FLOOR:g} × rms × √numel (gradients rms "
-                 f"{g.floor / FLOOR:.3g}, parameters rms {p.floor / FLOOR:.3g}); judged against it: "
-                 + ("; ".join(judged) if judged else "none"))
+    lines += wrap_line(f"near-zero floor: ‖ref‖ counts as at least {FLOOR:g} × rms × √numel (gradients rms "
+                       f"{g.floor / FLOOR:.3g}, parameters rms {p.floor / FLOOR:.3g}); judged against it: "
+                       + ("; ".join(judged) if judged else "none"), 2)
     ok = report.ok(tolerance)
     same = "SAME as one process" if tolerance <= TOLERANCE else "within float8 tensorwise's rounding of one process"
     lines.append(f"OK: {same}, {report.max_rel:.3g} <= {tolerance:g}" if ok

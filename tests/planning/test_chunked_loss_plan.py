@@ -51,6 +51,23 @@ def test_a_tied_head_is_found() -> None:
     assert head is not None and head.tied and head.weight == "model.embed_tokens.weight"
 
 
+@pytest.mark.parametrize("on_meta", [False, True], ids=["fp32", "meta"])
+def test_a_hugging_face_moe_s_head_is_found(on_meta: bool) -> None:
+    """HF's experts run ``aten::_grouped_mm``, whose meta kernel takes bf16 only: the head search must still run
+    an fp32 MoE on fake inputs and one built on meta (DeepSeek-V3 671B held its whole logits before)."""
+    from moe_cases import hf_deepseek_v3
+
+    if on_meta:
+        with torch.device("meta"):
+            model, inputs = hf_deepseek_v3()
+        inputs = tuple(t.to("meta") for t in inputs)
+    else:
+        model, inputs = hf_deepseek_v3()
+    graph = autopar.capture(model, inputs)
+    assert graph.loss_refusal == "" and graph.loss_head is not None
+    assert graph.loss_head.module_path == "lm_head" and not graph.loss_head.tied
+
+
 def test_pinned_off_it_holds_the_logits() -> None:
     plan = _solve(autopar.capture(*gpt_tiny()), ["loss=full"])
     assert plan.training.loss is LossKind.FULL and "pins" in plan.summary()
