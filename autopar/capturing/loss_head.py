@@ -32,7 +32,8 @@ def find_loss_head(model: nn.Module, args: tuple, kwargs: dict, last: Layer) -> 
         with batched_hf_experts(model):  # grouped_mm's meta kernel takes bf16 inputs only
             out = _run(model, args, kwargs)
     except Exception as exc:  # noqa: BLE001 - the model's own failure: no chunked loss, said why
-        return None, f"running the model on fake inputs to find its head failed ({type(exc).__name__}: {_first_line(exc)})"
+        why = f"{type(exc).__name__}: {_first_line(exc)}"
+        return None, f"running the model on fake inputs to find its head failed ({why})"
     finally:
         for h in handles:
             h.remove()
