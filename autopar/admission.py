@@ -17,6 +17,11 @@ The rules, by feature:
   one an op-level policy can see, and its experts not split over tp (:func:`compiled_refusals`).
 * **float8**: asked only as priced, in the recipe priced; DDP and ZeRO/FSDP2 plans only (no tp, pp or
   ep: :func:`float8_refusals`); a CUDA device of compute capability 8.9 or later, or a CPU (emulated).
+* **tensor, expert and context parallelism** (:func:`layer_refusals`, from the graph alone): each tp layer's
+  style admits the degree, its sequence parallelism and segments too; ep divides every block's experts under
+  :func:`autopar.contract.ep_refusal`; cp splits the sequence, with an attention method the model takes. The
+  passes ask the same before lowering, and add only what they read from the module itself (that it is the
+  module captured).
 * **MoE bias updates** (DeepSeek-V3's auxiliary-loss-free balancing): γ finite and ≥ 0; a model with a
   biased router; not under pp, torch.compile, or sequence parallelism on an MoE layer.
 """
@@ -28,7 +33,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.batch_coupling import refusal as coupling_refusal
-from autopar.contract import BREAK_RECOMPUTES, compile_refusal, compiled_break
+from autopar.choice import CpAttention
+from autopar.contract import (
+    BREAK_RECOMPUTES,
+    compile_refusal,
+    compiled_break,
+    cp_admits_style,
+    cp_refusal,
+    ep_refusal,
+    experts_split_refusal,
+    ring_refusal,
+    ulysses_refusal,
+)
 from autopar.contract_hsdp import hsdp_refusal
 from autopar.cost_models.gpu_figures import FP8_MIN_COMPUTE_CAPABILITY
 from autopar.errors import AutoparError, CompileError, Float8Error, LoweringError, PlanError
@@ -80,7 +96,15 @@ def refusals(graph: LayerGraph | None, plan: Plan, here: Here) -> list[Refusal]:
     """Every reason ``plan`` does not run here as priced (empty: it runs). ``graph`` None: the rules that
     need the model's layers are left out (checked again once it is captured)."""
     return [*_world(plan, here), *_layout(graph, plan), *_compiled(graph, plan, here), *_float8(plan, here),
-            *_bias_update(graph, plan, here)]
+            *_bias_update(graph, plan, here), *(layer_refusals(graph, plan) if graph is not None else [])]
+
+
+def layer_refusals(graph: LayerGraph, plan: Plan) -> list[Refusal]:
+    """Why the passes cannot lower ``plan``'s tp, ep or cp on this graph (empty: they can), each a
+    :class:`LoweringError`; the module docstring's rules."""
+    return [Refusal(LoweringError, why) for why in
+            (*tensor_parallel_refusals(graph, plan), *expert_parallel_refusals(graph, plan),
+             *context_parallel_refusals(graph, plan))]
 
 
 def mesh_refusal(graph: LayerGraph | None, mesh: Mesh, compiled: bool, float8: bool) -> str | None:
@@ -234,5 +258,90 @@ def _bias_update(graph: LayerGraph | None, plan: Plan, here: Here) -> list[Refus
     return out
 
 
-__all__ = ["FLOAT8_AXES", "Here", "Refusal", "admit", "compiled_refusals", "float8_device_refusal",
-           "float8_refusals", "launch_hint", "mesh_refusal", "refusals"]
+def tensor_parallel_refusals(graph: LayerGraph, plan: Plan, tp: int | None = None) -> list[str]:
+    """Why the plan's tensor-parallel layers do not run at ``tp`` (default: the mesh's)."""
+    tp, names, out = plan.mesh.tp if tp is None else tp, {layer.name for layer in graph}, []
+    for lp in plan.layers:
+        if lp.choice.tp is None:
+            continue
+        if lp.name not in names:
+            out.append(f"the plan names layer {lp.name!r}, which the model does not have")
+            continue
+        try:
+            style = graph.layer(lp.name).tp_style(lp.choice.tp)
+        except KeyError as exc:
+            out.append(str(exc.args[0]))
+            continue
+        if not style.admits(tp):
+            proved = f"; capture proved it exact at tp={list(style.checked)}" if style.checked else ""
+            out.append(f"layer {lp.name!r}: tp={tp} does not divide the sizes its {style.name!r} style splits "
+                       f"{list(style.divisors)}{proved}; pick such a tp or plan the layer with tp=none")
+            continue
+        if why := experts_split_refusal(style, plan.mesh):
+            out.append(f"layer {lp.name!r}: {why}")
+        if lp.choice.sp and not style.admits_sequence(tp):
+            why = style.sequence_refusal or f"capture proved it at tp={list(style.sequence)}"
+            out.append(f"layer {lp.name!r}: sequence parallelism does not run at tp={tp} ({why}); plan it with sp=off")
+        out += [f"module {path!r}: tp={tp} does not divide its output's segments {list(segs)}"
+                for path, segs in style.segments.items()
+                if any(s % tp for i, s in enumerate(segs) if i not in style.whole.get(path, ()))]
+    return out
+
+
+def expert_parallel_refusals(graph: LayerGraph, plan: Plan) -> list[str]:
+    """Why the plan's ep does not run on these layers (what the module itself must also be: the pass's)."""
+    ep = plan.mesh.ep
+    if ep <= 1:
+        return []
+    names = {layer.name for layer in graph}
+    blocks = [(lp.name, m) for lp in plan.layers if lp.name in names for m in graph.layer(lp.name).moe]
+    if not blocks:
+        return [f"ep={ep} shards experts, but none of the model's {len(graph)} layers has any"]
+    if why := ep_refusal(plan.mesh, graph):
+        return [why]
+    return [f"layer {name!r}: ep={ep} does not divide its {facts.num_experts} experts"
+            for name, facts in blocks if facts.num_experts % ep]
+
+
+def context_parallel_refusals(graph: LayerGraph, plan: Plan) -> list[str]:
+    """Why the plan's cp does not run on this graph."""
+    cp, mesh = plan.mesh.cp, plan.mesh
+    if cp <= 1:
+        return []
+    if why := cp_refusal(mesh, graph):
+        return [why]
+    if graph.cp_refusal:
+        return [f"cp={cp} cannot split this model's sequence: {graph.cp_refusal}"]
+    out = []
+    whole = [lp.name for lp in plan.layers if lp.choice.tp is not None and mesh.tp > 1
+             and not cp_admits_style(graph.layer(lp.name).tp_style(lp.choice.tp), mesh)]
+    if whole:
+        out.append(f"cp={cp} with tp={mesh.tp}: {', '.join(whole)} hold key/value projections whole on every tp "
+                   "rank, which cp cannot gather per head; plan them with tp=none")
+    if plan.cp_attention is CpAttention.ULYSSES and (why := ulysses_refusal(graph, mesh)):
+        out.append(why)
+    if plan.cp_attention is CpAttention.RING and (why := ring_refusal(graph, mesh)):
+        out.append(why)
+    if not graph.seq_len or graph.seq_len % (2 * cp):
+        out.append(f"cp={cp} needs the sequence length divisible by 2·cp = {2 * cp}, got {graph.seq_len}")
+    loose = [p for p in (*graph.cp_positions, *graph.cp_attention) if mesh.pp > 1 and owning_layer(graph, p) is None]
+    if loose:
+        out.append(f"cp={cp} with pp={mesh.pp}: {', '.join(loose[:3])} belong to no layer, so no pipeline stage is "
+                   "known to hold them; use pp=1")
+    return out
+
+
+def owning_layer(graph: LayerGraph, path: str) -> str | None:
+    """The layer whose module holds module ``path`` (the innermost such layer), None if none does: which
+    pipeline stage runs a module cp rewrites."""
+    best = None
+    for layer in graph:
+        mp = layer.module_path
+        if mp and (path == mp or path.startswith(mp + ".")) and (best is None or len(mp) > len(best[1])):
+            best = (layer.name, mp)
+    return best[0] if best else None
+
+
+__all__ = ["FLOAT8_AXES", "Here", "Refusal", "admit", "compiled_refusals", "context_parallel_refusals",
+           "expert_parallel_refusals", "float8_device_refusal", "float8_refusals", "launch_hint", "layer_refusals",
+           "mesh_refusal", "owning_layer", "refusals", "tensor_parallel_refusals"]

@@ -85,6 +85,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from autopar.admission import context_parallel_refusals, owning_layer
 from autopar.errors import LoweringError
 from autopar.passes.context_chunks import positions, to_heads, to_tokens
 
@@ -299,48 +300,10 @@ def _global_positions(local: torch.Tensor) -> Any:
 
 
 def check_context_parallel(graph: Any, plan: Any) -> None:
-    """Raise :class:`LoweringError` where ``plan``'s cp cannot run on this model (before any group starts)."""
-    from autopar.contract import cp_refusal
-
-    cp = plan.mesh.cp
-    if cp <= 1:
-        return
-    if why := cp_refusal(plan.mesh, graph):
-        raise LoweringError(why)
-    if graph.cp_refusal:
-        raise LoweringError(f"cp={cp} cannot split this model's sequence: {graph.cp_refusal}")
-    from autopar.contract import cp_admits_style
-
-    whole = [lp.name for lp in plan.layers if lp.choice.tp is not None and plan.mesh.tp > 1
-             and not cp_admits_style(graph.layer(lp.name).tp_style(lp.choice.tp), plan.mesh)]
-    if whole:
-        raise LoweringError(f"cp={cp} with tp={plan.mesh.tp}: {', '.join(whole)} hold key/value projections "
-                            "whole on every tp rank, which cp cannot gather per head; plan them with tp=none")
-    from autopar.choice import CpAttention
-    from autopar.contract import ring_refusal, ulysses_refusal
-
-    if plan.cp_attention is CpAttention.ULYSSES and (why := ulysses_refusal(graph, plan.mesh)):
-        raise LoweringError(why)
-    if plan.cp_attention is CpAttention.RING and (why := ring_refusal(graph, plan.mesh)):
-        raise LoweringError(why)
-    if not graph.seq_len or graph.seq_len % (2 * cp):
-        raise LoweringError(f"cp={cp} needs the sequence length divisible by 2·cp = {2 * cp}, "
-                            f"got {graph.seq_len}")
-    loose = [p for p in (*graph.cp_positions, *graph.cp_attention)
-             if plan.mesh.pp > 1 and owning_layer(graph, p) is None]
-    if loose:
-        raise LoweringError(f"cp={cp} with pp={plan.mesh.pp}: {', '.join(loose[:3])} belong to no layer, so no "
-                            "pipeline stage is known to hold them; use pp=1")
-
-
-def owning_layer(graph: Any, path: str) -> str | None:
-    """The layer whose module holds module ``path`` (the innermost such layer), None if none does."""
-    best = None
-    for layer in graph:
-        mp = layer.module_path
-        if mp and (path == mp or path.startswith(mp + ".")) and (best is None or len(mp) > len(best[1])):
-            best = (layer.name, mp)
-    return best[0] if best else None
+    """Raise :class:`LoweringError` where ``plan``'s cp cannot run on this model (before any group starts):
+    admission's rules (:func:`autopar.admission.context_parallel_refusals`), the first of them."""
+    if found := context_parallel_refusals(graph, plan):
+        raise LoweringError(found[0])
 
 
 def part_paths(graph: Any, layers: Any, paths: tuple[str, ...]) -> tuple[str, ...]:

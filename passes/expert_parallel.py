@@ -95,7 +95,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autopar.contract import Unit, data_ranks, ep_refusal
+from autopar.admission import expert_parallel_refusals
+from autopar.contract import Unit, data_ranks
 from autopar.errors import LoweringError
 from autopar.experts import Call, Dispatch, ExpertLayout, MoEFacts
 from autopar.experts.calls import indexed, run_local
@@ -129,8 +130,7 @@ def moe_blocks(graph: LayerGraph, plan: Plan) -> list[tuple[str, MoEFacts]]:
 
 
 def _refusal(model: nn.Module, name: str, facts: MoEFacts, ep: int) -> str | None:
-    if facts.num_experts % ep:
-        return f"layer {name!r}: ep={ep} does not divide its {facts.num_experts} experts"
+    """What the module says against ep on block ``facts`` (admission has found ``ep`` divides its experts)."""
     if facts.layout is ExpertLayout.MODULE_LIST:  # the block's own loop, rerouted where it is proved
         from autopar.passes.expert_list import list_refusal
 
@@ -156,16 +156,13 @@ def _refusal(model: nn.Module, name: str, facts: MoEFacts, ep: int) -> str | Non
 
 def check_expert_parallel(model: nn.Module, graph: LayerGraph, plan: Plan) -> None:
     """Raise a :class:`LoweringError` naming every reason ``plan``'s ep cannot run on ``model`` (before any
-    collective)."""
-    ep = plan.mesh.ep
-    if ep <= 1:
+    collective): admission's rules (:func:`autopar.admission.expert_parallel_refusals`), then what only the
+    module says (its experts are the weights, or the loop, capture proved)."""
+    if plan.mesh.ep <= 1:
         return
-    blocks = moe_blocks(graph, plan)
-    if not blocks:
-        raise LoweringError(f"ep={ep} shards experts, but none of the model's {len(graph)} layers has any")
-    if why := ep_refusal(plan.mesh, graph):
-        raise LoweringError(why)
-    problems = [why for name, facts in blocks if (why := _refusal(model, name, facts, ep))]
+    if found := expert_parallel_refusals(graph, plan):
+        raise LoweringError("; ".join(found[:3]))
+    problems = [why for name, facts in moe_blocks(graph, plan) if (why := _refusal(model, name, facts, plan.mesh.ep))]
     if problems:
         raise LoweringError("; ".join(problems[:3]))
 

@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from autopar.contract import experts_split_refusal
+from autopar.admission import tensor_parallel_refusals
 from autopar.errors import LoweringError
 from autopar.graph import Layer, LayerGraph, TPStyle
 from autopar.plan import Plan
@@ -98,17 +98,15 @@ def _projection(model: nn.Module, path: str, role: str) -> nn.Module:
 
 
 def check_tensor_parallel(model: nn.Module, graph: LayerGraph, plan: Plan, tp: int) -> None:
-    """Raise :class:`LoweringError` unless every tp layer's style admits ``tp`` (capture proved it
-    there) and ``tp`` divides every width it splits.
+    """Raise :class:`LoweringError` where the plan's tp layers cannot run at ``tp``: admission's rules
+    (:func:`autopar.admission.tensor_parallel_refusals`: the style admits ``tp``, sp and segments too), then
+    what only the module says (each projection split is a module tp splits, and ``tp`` divides its width).
 
     Pure and deterministic, so every rank raises the same error before any collective.
     """
-    for layer, style in _tp_layers(graph, plan):
-        if not style.admits(tp):
-            proved = f"; capture proved it exact at tp={list(style.checked)}" if style.checked else ""
-            raise LoweringError(f"layer {layer.name!r}: tp={tp} does not divide the sizes its "
-                                f"{style.name!r} style splits {list(style.divisors)}{proved}; pick such a tp "
-                                "or plan the layer with tp=none")
+    if found := tensor_parallel_refusals(graph, plan, tp):
+        raise LoweringError(found[0])
+    for _layer, style in _tp_layers(graph, plan):
         for path in (*style.column, *style.row, *style.vocab):
             mod = _projection(model, path, "tensor-parallel")
             dims = projection_dims(mod)
@@ -116,16 +114,6 @@ def check_tensor_parallel(model: nn.Module, graph: LayerGraph, plan: Plan, tp: i
                 dims[0] if path in style.row else dims[1])  # type: ignore[index]
             if size % tp and path not in style.whole:
                 raise LoweringError(f"module {path!r}: tp={tp} does not divide its width {size}")
-        if why := experts_split_refusal(style, plan.mesh):
-            raise LoweringError(f"layer {layer.name!r}: {why}")
-        lp = next(lp for lp in plan.layers if lp.name == layer.name)
-        if lp.choice.sp and not style.admits_sequence(tp):
-            why = style.sequence_refusal or f"capture proved it at tp={list(style.sequence)}"
-            raise LoweringError(f"layer {layer.name!r}: sequence parallelism does not run at tp={tp} ({why}); "
-                                "plan it with sp=off")
-        for path, segs in style.segments.items():
-            if any(s % tp for i, s in enumerate(segs) if i not in style.whole.get(path, ())):
-                raise LoweringError(f"module {path!r}: tp={tp} does not divide its output's segments {list(segs)}")
 
 
 # ------------------------------------------------------------------ the mesh backend

@@ -62,6 +62,25 @@ def test_tp_that_does_not_divide_heads_is_a_lowering_error(graph) -> None:
         check_tensor_parallel(model, graph, plan, 3)
 
 
+def test_admission_lists_what_the_passes_refuse_from_the_graph_alone(graph) -> None:
+    """One home for the rules: what check_tensor_parallel refuses from the graph, admission's refusals list
+    first (compile and verify refuse it before any group starts); a cp or ep the graph cannot take too."""
+    import dataclasses
+
+    from autopar.admission import Here, layer_refusals, refusals
+    from autopar.mesh import Mesh
+
+    plan = _plan(graph, 2, "dp=1", "tp=2", "zero=0", "blocks.*:tp=megatron")
+    assert layer_refusals(graph, plan) == [] and refusals(graph, plan, Here(world_size=2)) == []
+    three = dataclasses.replace(plan, mesh=Mesh(tp=3), world_size=3)
+    found = refusals(graph, three, Here(world_size=3))
+    assert found and all(r.error is LoweringError for r in found)
+    assert "tp=3 does not divide the sizes its 'megatron' style splits" in found[0].reason
+    experts = dataclasses.replace(plan, mesh=Mesh(dp=2, ep=2), world_size=4)
+    assert [r.reason for r in layer_refusals(graph, experts) if "ep=2" in r.reason] == [
+        f"ep=2 shards experts, but none of the model's {len(graph)} layers has any"]
+
+
 def test_recompute_keeps_names_and_gradients(graph) -> None:
     plan = _plan(graph, 1, "blocks.*:recompute=on", "tok_emb:recompute=off", "pos_emb:recompute=off",
                  "drop:recompute=off", "ln_f:recompute=off", "lm_head:recompute=off")
