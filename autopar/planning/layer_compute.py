@@ -187,6 +187,18 @@ def host_time_s(layer: Layer, device: DeviceSpec, cp: int = 1, method: CpAttenti
     return fwd * device.op_model.host_op_s, bwd * device.op_model.host_op_s
 
 
+def master_hooks_s(layer: Layer, times: LayerCompute, device: DeviceSpec) -> float:
+    """What a bf16 plan's fp32 master weights add to ``layer``'s backward where the host paces it. Outside
+    FSDP2 (dp = 1, or DDP) each parameter's post-accumulate hook moves its bf16 gradient into the fp32
+    master's (``runtime/precision.py``, ``MasterWeights``): one more eager op a parameter a microbatch, issued
+    by the host beside the backward's own. 0 without a host term (on a CPU the host is the device, and the
+    copy is priced by its bytes with the gradient)."""
+    if device.op_model is None or device.op_model.host_op_s <= 0 or not layer.param_names:
+        return 0.0
+    host = times.host_bwd_s + len(layer.param_names) * device.op_model.host_op_s
+    return max(0.0, host - times.bwd_s)
+
+
 def style_flops_per_sample(layer: Layer, style: str | None, tp: int) -> float:
     """The layer's forward FLOPs per sample on one rank under ``style`` (the style's sharded share split)."""
     if style is None or tp <= 1:

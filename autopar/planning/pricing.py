@@ -64,7 +64,7 @@ from autopar.cost_models.pipeline import in_flight
 from autopar.graph import Layer, LayerGraph
 from autopar.planning import context_price, edges, expert_price, hsdp_price, loss_price, pipeline_price
 from autopar.planning.configuration import Configuration, TrainingSpec
-from autopar.planning.layer_compute import LayerCompute, layer_compute
+from autopar.planning.layer_compute import LayerCompute, layer_compute, master_hooks_s
 from autopar.planning.memory_floor import held_bytes, kept_mb_bytes
 from autopar.planning.recompute_price import compiled_ops
 from autopar.planning.sequence import region_s, sequence_activation_bytes, sequence_comm_s
@@ -449,6 +449,8 @@ class PriceTable:
         runs = self.runs_as(layer.index, choice)
         c, prec, device = self.config, self.prec, self.cluster.device
         fwd, bwd, tp_comm_fwd, tp_comm_bwd, acts, kv_fwd, kv_bwd, times = self._style_part(layer, runs.tp, runs.sp)
+        if self.prec.grad_bytes < FP32_BYTES and self.engine in (Engine.NONE, Engine.DDP):  # fp32 masters
+            bwd += master_hooks_s(layer, times, device)
         a2a_fwd, a2a_bwd = expert_price.dispatch_s(self, layer)
         tp_comm_fwd, tp_comm_bwd = tp_comm_fwd + a2a_fwd, tp_comm_bwd + a2a_bwd
         norm_sync = self._norm_sync_s(layer)

@@ -139,3 +139,42 @@ def _schedule():
     from autopar.cost_models.pipeline import Schedule, ScheduleKind
 
     return Schedule(ScheduleKind.NONE)
+
+
+def test_a_bf16_plans_master_weights_cost_the_host_one_op_a_parameter_where_no_fsdp2_unit_holds_them(
+        gpt_graph, monkeypatch):
+    """The fp32 masters' post-accumulate hook (runtime/precision.py) is one eager op a parameter a microbatch:
+    priced where the host paces a layer's backward, on a bf16 plan outside FSDP2 (dp = 1 or DDP); not at fp32,
+    not under FSDP2 (its own mixed precision), not on a CPU (no host term)."""
+    from autopar.choice import LayerChoice
+    from autopar.planning.layer_compute import master_hooks_s
+
+    h200 = PRESETS["h200"]
+    block = _block(gpt_graph)
+    host_op = h200.device.op_model.host_op_s
+    times = layer_compute(block, None, 1, 1, h200.device, "bf16")
+    assert times.host_bwd_s > times.device_bwd_s  # a small block at one sample: the host paces it
+    assert master_hooks_s(block, times, h200.device) == pytest.approx(len(block.param_names) * host_op)
+    assert master_hooks_s(block, times, PRESETS["cpu"].device) == 0.0
+
+    def backward_s(mesh: Mesh, dtype: str, zero: int) -> float:
+        from autopar.contract import DataParallelism
+
+        config = Configuration(mesh, 1, _schedule(), DataParallelism(sharded=zero > 0))
+        table = PriceTable(gpt_graph, config, h200.for_world_size(mesh.world_size), TrainingSpec(mesh.dp, dtype=dtype))
+        return table._price(block, LayerChoice(zero=zero)).compute_mb_s
+
+    one_op = len(block.param_names) * host_op
+    bf16, fp32 = backward_s(Mesh(), "bf16", 0), backward_s(Mesh(), "fp32", 0)
+    assert bf16 - layer_compute(block, None, 1, 1, h200.device, "bf16").fwd_s == pytest.approx(times.bwd_s + one_op)
+    assert fp32 == pytest.approx(layer_compute(block, None, 1, 1, h200.device, "fp32").fwd_s
+                                 + layer_compute(block, None, 1, 1, h200.device, "fp32").bwd_s)
+    assert backward_s(Mesh(dp=2), "bf16", 0) == pytest.approx(bf16)  # DDP: the masters' hook is there too
+    import autopar.planning.pricing as pricing
+
+    called = []
+    monkeypatch.setattr(pricing, "master_hooks_s", lambda *a: called.append(a) or 0.0)
+    backward_s(Mesh(dp=2), "bf16", 3)
+    assert not called  # FSDP2 holds the weights (its own mixed precision): no masters
+    backward_s(Mesh(), "bf16", 0)
+    assert called
