@@ -284,6 +284,15 @@ def _routes(view: LayerView, path: str) -> bool:
     return False
 
 
+def _gates(view: LayerView, path: str) -> bool:
+    """Whether the projection at ``path`` is a per-token scalar gate (one output feature: Qwen2-MoE's
+    ``shared_expert_gate``, whose sigmoid scales the shared expert's output). Like a router it reads the
+    replicated hidden state and its ``[tokens, 1]`` output is small, so it runs whole on every rank
+    beside the groups; the shard simulation proves the block with it so."""
+    dims = linear_dims(view.model.get_submodule(path))
+    return dims is not None and dims[1] == 1
+
+
 def _is_topk(node: fx.Node) -> bool:
     return "topk" in str(getattr(node.target, "__name__", node.target))
 
@@ -315,15 +324,17 @@ def _megatron_or_why(view: LayerView) -> tuple[TPStyle | None, str]:
     candidates = {c for c in candidates if c == view.path or c.startswith(view.path + ".")}
     used: set[str] = set()
     pairs: list[_Pair] = []
+    gates = {lp for lp in linears if _gates(view, lp)}  # one output feature: no tp degree divides it
     for p_path in sorted(candidates, key=lambda c: -c.count(".") - (c != "")):
-        mine = [lp for lp in linears if lp.startswith(p_path + ".") and lp not in used]
+        mine = [lp for lp in linears if lp.startswith(p_path + ".") and lp not in used and lp not in gates]
         if len(mine) < 2:
             continue
         pair = _try_pair(view, p_path, mine) or _try_low_rank(view, p_path, mine)
         if pair is not None:
             pairs.append(pair)
             used.update(mine)  # a low-rank pair's down-projections run whole, unsharded
-    routers = {lp for lp in linears if lp not in used and _routes(view, lp)}  # run whole on every rank
+    # routers and scalar gates outside every group run whole on every rank
+    routers = {lp for lp in linears if lp not in used and (_routes(view, lp) or lp in gates)}
     if not pairs or len(used | routers) != len(linears):
         left = [lp for lp in linears if lp not in used and lp not in routers]
         return None, ("tensor parallelism not offered: no column → row projection group covers "

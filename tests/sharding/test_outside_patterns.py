@@ -210,6 +210,23 @@ def test_a_layer_with_projections_but_no_group_says_which() -> None:
                                        "blocks.0.a, blocks.0.b")
 
 
+def test_a_scalar_gate_beside_a_group_runs_whole_and_keeps_tensor_parallelism() -> None:
+    """Qwen2-MoE's shared expert: its output scaled by the sigmoid of a [tokens, 1] gate projection that
+    reads the block's input; the gate runs whole on every rank, the expert is a column → row group."""
+    class GatedShared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down, self.gate = nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 1, bias=False)
+
+        def forward(self, x):
+            return x + torch.sigmoid(self.gate(x)) * self.down(torch.relu(self.up(x)))
+
+    layer = autopar.capture(_Stack(GatedShared), (torch.randn(2, 6, 16),)).layer("blocks.0")
+    style = next(s for s in layer.tp_styles if s.name == "megatron")
+    assert style.column == ("blocks.0.up",) and style.row == ("blocks.0.down",), style
+    assert not layer.tp_refusal
+
+
 # ------------------------------------------------------------------ pattern 1: fewer kv heads than tp
 
 
