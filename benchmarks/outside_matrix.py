@@ -25,7 +25,8 @@ def cell(result: dict) -> str:
     if "error" in result:
         return "✗ " + result["error"][:220]
     mark = "✓" if result["rel"] < EXACT else "✗"
-    tp = f", tp on {len(result['tp_layers'])} layers" if result["mesh"][3] > 1 else ""
+    shown = ", ".join(result["tp_layers"][:6]) + (" …" if len(result["tp_layers"]) > 6 else "")
+    tp = f", tp on {len(result['tp_layers'])} layers ({shown})" if result["mesh"][3] > 1 else ""
     return f"{mark} {result['rel']:.1e} ({result['worst']}), mesh pp,dp,ep,tp={result['mesh']}{tp}"
 
 

@@ -210,7 +210,7 @@ def _cell(build: Callable[[], tuple], plan: Plan, graph: LayerGraph, loss: Calla
     grad, grad_worst = _max_rel(got["grads"], ref["grads"])
     param, param_worst = _max_rel({k: got["params"][k] for k in ref["params"]}, ref["params"])
     lrel = max(abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"]))
-    tp_layers = [lp.name for lp in plan.layers if lp.choice.tp != "none" and plan.mesh.tp > 1]
+    tp_layers = [f"{lp.name}:{lp.choice.tp}" for lp in plan.layers if lp.choice.tp and plan.mesh.tp > 1]
     return {"rel": max(grad, param, lrel), "worst": grad_worst if grad >= param else param_worst,
             "mesh": [plan.mesh.pp, plan.mesh.dp, plan.mesh.ep, plan.mesh.tp], "tp_layers": tp_layers,
             "notes": [n for n in plan.notes if "tensor parallel" in n or "batch-coupled" in n or "tp" in n][:4]}
