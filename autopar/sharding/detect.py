@@ -240,6 +240,25 @@ def _try_low_rank(view: LayerView, p_path: str, linears: list[str]) -> _Pair | N
     )
 
 
+def _convolutions(view: LayerView) -> str:
+    """Why a layer of convolutions has no tensor-parallel style ("" when it runs none): a plan then says
+    why its tp ranks leave a ResNet's or a UNet's blocks whole (named by class, so that a stack of such
+    blocks folds into one note)."""
+    kinds: set[str] = set()
+    for n in view.nodes:
+        for path in view.stats[n].paths:
+            try:
+                mod = view.model.get_submodule(path)
+            except AttributeError:
+                continue
+            if isinstance(mod, nn.modules.conv._ConvNd):
+                kinds.add(type(mod).__name__)
+    if not kinds:
+        return ""
+    return (f"tensor parallelism not offered: its convolutions ({', '.join(sorted(kinds))}) have no "
+            "tensor-parallel rule (only linear projections in column → row groups are split)")
+
+
 def _executed_linears(view: LayerView) -> list[str]:
     """Linear-like module paths of the layer, in order of first execution."""
     seen: list[str] = []
@@ -313,7 +332,7 @@ def megatron_refusal(view: LayerView) -> str:
 def _megatron_or_why(view: LayerView) -> tuple[TPStyle | None, str]:
     linears = _executed_linears(view)
     if len(linears) < 2 or view.path is None:
-        return None, ""
+        return None, _convolutions(view) if view.path is not None else ""
     candidates = {lp.rsplit(".", 1)[0] if "." in lp else "" for lp in linears}
     for lp in linears:  # every ancestor inside the layer is a candidate too
         parts = lp.split(".")
