@@ -2,8 +2,8 @@
 by ``benchmarks/outside_matrix.py``, not by the suite: the suite keeps each claim in its own test).
 
 For each family, rank 0 captures the model once and solves, at world 2: ZeRO-3 over dp=2; pp=2 with the
-stages pinned at each cut capture offers; tp=2 with the blocks pinned Megatron (refused: tp=2 as the
-planner places it, the refusal kept); ep=2 beside ZeRO-3 over dp=2 on an MoE. A plan the planner refuses
+stages pinned at each cut capture offers; tp=2 with the blocks pinned Megatron (refused: Megatron pinned
+on every layer that admits it, the refusal kept); ep=2 beside ZeRO-3 over dp=2 on an MoE. A plan the planner refuses
 is a cell of its own (``refused: …``). Each plan trains 3 SGD-with-momentum steps on batches as ``verify``
 makes them, against one process running :func:`autopar.tools.reference.train_reference` (what ``verify``
 runs: the plan's splits for batch-coupled layers, BatchNorm's sums in the ranks' order); the cell is the
@@ -155,9 +155,10 @@ def _plans(build: Callable[[], tuple], blocks: str, moe: bool) -> tuple[dict, di
     graph = autopar.capture(model, inputs)
     plans = {"zero3": _solve(graph, PLANS["zero3"])}
     tp = _solve(graph, PP1[:2] + ("dp=1", "tp=2", "zero=0", f"{blocks}:tp=megatron"))
-    if tp.startswith("refused: "):  # tp=2 where the planner can place it, the pin's refusal kept
+    if tp.startswith("refused: "):  # Megatron on every layer that admits it, the blocks pin's refusal kept
         plans["tp2 (blocks pinned megatron)"] = tp
-        tp = _solve(graph, PP1[:2] + ("dp=1", "tp=2", "zero=0"))
+        able = [layer.name for layer in graph if any(s.name == "megatron" for s in layer.tp_styles)]
+        tp = _solve(graph, PP1[:2] + ("dp=1", "tp=2", "zero=0") + tuple(f"{n}:tp=megatron" for n in able))
     plans["tp2"] = tp
     if moe:
         plans["ep2"] = _solve(graph, PLANS["ep2"])
