@@ -35,7 +35,7 @@ def resnet() -> tuple[nn.Module, tuple]:
 
 PP1 = ("pp=1", "recompute=none", "tp=1")
 SPECS: dict[str, Spec] = {
-    "switch_dp2_mb2": Spec(switch_dropping8, PP1 + ("dp=2", "zero=0", "microbatches=2"), 8),
+    "switch_dp2_mb2": Spec(switch_dropping8, PP1 + ("dp=2", "zero=0", "microbatches=2", "ep=1"), 8),
     # the same under ep=2: each rank dispatches its own microbatch with its own capacity, as under dp alone
     "switch_ep2_mb2": Spec(switch_dropping8, PP1 + ("dp=2", "zero=0", "microbatches=2", "ep=2"), 8),
     "resnet_pp2_mb4": Spec(resnet, ("pp=2", "dp=1", "tp=1", "microbatches=4", "recompute=none"), 8,
