@@ -131,7 +131,7 @@ FAMILIES: dict[str, tuple[Callable[[], tuple], str, bool, Callable | None]] = {
     "llama4": (moe_layouts.llama4, "model.layers.*", True, None),
     "jamba": (jamba, "model.layers.*", True, None),
     "qwen2_moe": (moe_cases.hf_qwen2_moe, "model.layers.*", True, None),
-    "capacity_moe (Switch, cf 1 × top-1 < 8)": (batch_coupling_cases.switch_dropping8, "layers.*", True, None),
+    "capacity_moe (Switch, cf 1 × top-1 < 8)": (batch_coupling_cases.switch_dropping8, "h.*", True, None),
     "resnet_bn": (lambda: zoo.build("resnet_bn"), "layer1.*", False, None),
 }
 BATCH = 4
