@@ -20,10 +20,11 @@ each slot on its own, so computing it on another rank changes no number.
 A plan's ranks call the block on a share of the global batch: where the
 capacity can drop tokens (cf · top-k < E) which tokens drop depends on that
 share, so a split of the batch there runs a capacity per split, as the plan's
-``batch_coupled`` says (:mod:`autopar.batch_coupling`), and ep is refused
-(:attr:`autopar.experts.MoEFacts.ep_refusal`); drop-free, every token reaches
-its top-k experts whatever the share, and padded slots are zero rows whose
-combine weights are zero.
+``batch_coupled`` says (:mod:`autopar.batch_coupling`): per dp rank's
+microbatch, which is this rank's own call under ep too, so ep changes no
+number of the split run; drop-free, every token reaches its top-k experts
+whatever the share, and padded slots are zero rows whose combine weights are
+zero.
 
 **Weights** keep their FQNs and their global shape ``[E, …]``, as DTensors
 sharded on dim 0 over the ep group (as ``passes/expert_parallel.py``'s fused

@@ -11,6 +11,8 @@
   SwiGLU, ``[E, H, 2I]`` orientation; attention sinks).
 - ``llama4``: Hugging Face ``Llama4ForCausalLM`` (a shared expert beside the routed ones, every expert
   run by ``bmm`` on every token's scored copy).
+- ``jamba``: Hugging Face ``JambaForCausalLM`` (a Mamba layer and an attention layer, an MoE in each;
+  the mixer's ``conv1d`` is not taken for experts).
 """
 
 from __future__ import annotations
@@ -188,4 +190,17 @@ def llama4() -> tuple[nn.Module, tuple]:
     return model, (torch.zeros(2, SEQ, dtype=torch.long),)
 
 
-LAYOUT_MODELS = {"titan_moe": titan_moe, "gpt_oss": gpt_oss, "llama4": llama4}
+def jamba() -> tuple[nn.Module, tuple]:
+    """Hugging Face's Jamba: a Mamba decoder layer then an attention one, each with an MoE (fused experts)."""
+    import transformers
+
+    cfg = transformers.JambaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                   expert_layer_period=1, expert_layer_offset=0, attn_layer_period=2,
+                                   attn_layer_offset=1, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2,
+                                   mamba_dt_rank=4, use_cache=False, use_mamba_kernels=False,
+                                   tie_word_embeddings=False)
+    return transformers.JambaForCausalLM(cfg), (torch.zeros(2, SEQ, dtype=torch.long),)
+
+
+LAYOUT_MODELS = {"titan_moe": titan_moe, "gpt_oss": gpt_oss, "llama4": llama4, "jamba": jamba}

@@ -3,8 +3,8 @@
 
 Meta's reference Llama (complex rotary embeddings through ``view_as_complex``) with grouped key/value
 heads, gpt-oss (a per-head attention sink concatenated to the scores), Llama 4 (an MoE router outside
-every column → row group, run whole) and a plain GPT as long as it is wide (a size with two roles),
-built small, their blocks
+every column → row group, run whole), Qwen2-MoE (its shared expert's scalar sigmoid gate, run whole) and
+a plain GPT as long as it is wide (a size with two roles), built small, their blocks
 pinned to the Megatron style the simulation proved; the numbers must match one device within 1e-5.
 """
 
@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from equivalence_cases import PP1, Spec, equivalence
 from meta_models import meta_llama
+from moe_cases import hf_qwen2_moe
 
 
 def gpt_oss() -> tuple[nn.Module, tuple]:
@@ -69,6 +70,8 @@ MODELS: dict[str, tuple[Callable[[], tuple[nn.Module, tuple]], str]] = {
     # an MoE layer's router (Llama 4's, which picks its experts itself) beside its shared expert's group:
     # the router and the routed experts run whole on every rank
     "llama4_router": (llama4, "model.layers.*"),
+    # Qwen2-MoE's shared expert scaled by a sigmoid of a [tokens, 1] gate projection, run whole as the router
+    "qwen2_moe_gate": (hf_qwen2_moe, "model.layers.*"),
 }
 SPECS: dict[str, Spec] = {
     name: Spec(build, PP1 + ("dp=1", "tp=2", "zero=0", f"{blocks}:tp=megatron"), 4)

@@ -19,12 +19,17 @@ def expanded_paths(model: nn.Module) -> set[str]:
 
     A stack is ≥2 sibling submodules of one class that are either composite
     (have children of their own, e.g. transformer blocks, ResNet blocks) or
-    held in a ModuleList. Repeated leaves (ln_1/ln_2, fc1/fc2) do not count,
+    held in a ModuleList, or ≥2 composite modules of any classes held in a
+    ModuleList outside every block of a stack (a hybrid's layers: Jamba's
+    Mamba and attention decoder layers, one of each in a 2-layer model; not
+    T5's self-attention, cross-attention and MLP inside its blocks). Repeated leaves (ln_1/ln_2, fc1/fc2) do not count,
     so a transformer block stays one layer; nor do an MoE block's experts
     (:mod:`autopar.capturing.moe`): the block is one layer with its router.
     """
     expanded = {""}
     experts = {b.experts_path for b in find_blocks(model)}
+    members: set[str] = set()  # the blocks of the stacks found (their insides are one layer each)
+    mixed: list[str] = []
     for path, mod in model.named_modules():
         if path in experts:
             continue
@@ -34,9 +39,20 @@ def expanded_paths(model: nn.Module) -> set[str]:
             if isinstance(mod, nn.ModuleList) or next(child.children(), None) is not None
         )
         if any(c >= 2 for c in counts.values()):
-            parts = path.split(".") if path else []
-            expanded.update(".".join(parts[:i]) for i in range(len(parts) + 1))
+            _open(expanded, path)
+            members.update(f"{path}.{n}" if path else n for n, _ in mod.named_children())
+        elif isinstance(mod, nn.ModuleList) and sum(next(c.children(), None) is not None for c in mod) >= 2:
+            mixed.append(path)
+    for path in mixed:  # a hybrid's layers, unless inside a block (T5's self-attention, cross-attention, MLP)
+        parts = path.split(".")
+        if not any(".".join(parts[:i]) in members for i in range(1, len(parts))):
+            _open(expanded, path)
     return expanded
+
+
+def _open(expanded: set[str], path: str) -> None:
+    parts = path.split(".") if path else []
+    expanded.update(".".join(parts[:i]) for i in range(len(parts) + 1))
 
 
 def is_compute(node: fx.Node) -> bool:

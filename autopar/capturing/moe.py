@@ -249,6 +249,23 @@ def batched_hf_experts(model: nn.Module) -> Iterator[None]:
 # ----------------------------------------------------------------------------- hand-written loops
 
 
+def _grouped_stand_in(experts: nn.Module, block: Block, routed: torch.Tensor, shares: list[int]) -> torch.Tensor:
+    """3-D experts called as torchtitan calls them (rows sorted by expert, the rows per expert), with the
+    balanced counts as a real CPU tensor: a loop that takes the counts to Python (``.tolist()``) runs on
+    meta rows so. Any other call is the block's own code, which no tracer could follow: capture then
+    reports the model's own failure (trace.capture)."""
+    try:
+        out = experts(routed, torch.tensor(shares, dtype=torch.int64))
+    except Exception as exc:  # noqa: BLE001 - not the grouped call
+        raise CaptureError(f"{block.experts_path}: its 3-D experts are run by routing code no tracer could "
+                           "follow, and called with (rows sorted by expert, rows per expert) on the meta device "
+                           f"they fail: {type(exc).__name__}") from exc
+    if not isinstance(out, torch.Tensor) or out.shape != routed.shape:
+        raise CaptureError(f"{block.experts_path}: called with (rows sorted by expert, rows per expert) its "
+                           "3-D experts return no tensor shaped like their rows")
+    return out
+
+
 def stand_in(module: nn.Module, block: Block, hidden: torch.Tensor) -> torch.Tensor:
     """The block's work on the meta device for a balanced step (module docstring): the router on every
     token, each expert on its share of the tokens × top-k routed rows, the shared experts on every
@@ -256,7 +273,10 @@ def stand_in(module: nn.Module, block: Block, hidden: torch.Tensor) -> torch.Ten
     flat = hidden.reshape(-1, hidden.shape[-1])
     tokens = flat.shape[0]
     router = module.get_submodule(block.router_path[len(block.path) + 1:] if block.path else block.router_path)
-    scores = router(flat)
+    try:
+        scores = router(flat)
+    except (NotImplementedError, RuntimeError):  # a router counting its tokens (torchtitan's bincount): no meta
+        scores = next(m for m in router.modules() if isinstance(m, nn.Linear))(flat)  # kernel; its projection's
     scores = scores[0] if isinstance(scores, tuple) else scores
     weights = torch.softmax(scores.float(), dim=-1).to(flat.dtype)
     rows = tokens * block.top_k
@@ -265,16 +285,15 @@ def stand_in(module: nn.Module, block: Block, hidden: torch.Tensor) -> torch.Ten
     routed = flat.repeat_interleave(block.top_k, dim=0)
     experts = module.get_submodule(block.experts_path[len(block.path) + 1:] if block.path else block.experts_path)
     if block.layout is not ExpertLayout.MODULE_LIST:
-        # a stand-in runs each expert as a module; 3-D weights are called by the block's own code, which
-        # could not be traced: capture then reports the model's own failure (trace.capture)
-        raise CaptureError(f"{block.experts_path}: its 3-D experts are run by routing code no tracer could "
-                           "follow, and a stand-in can call experts only as modules")
-    outs, start = [], 0
-    for e, share in enumerate(shares):
-        if share:
-            outs.append(experts[e](routed[start:start + share]))
-        start += share
-    mixed = torch.cat(outs) * weights.repeat_interleave(block.top_k, dim=0)[:, :1]
+        rows = _grouped_stand_in(experts, block, routed, shares)
+    else:
+        outs, start = [], 0
+        for e, share in enumerate(shares):
+            if share:
+                outs.append(experts[e](routed[start:start + share]))
+            start += share
+        rows = torch.cat(outs)
+    mixed = rows * weights.repeat_interleave(block.top_k, dim=0)[:, :1]
     out = mixed.reshape(tokens, block.top_k, -1).sum(dim=1)
     for name, child in module.named_children():
         if name.lower().startswith(SHARED_PREFIX):

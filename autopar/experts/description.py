@@ -161,13 +161,15 @@ class MoEFacts:
         reroutes an experts module of its own holding 3-D weights (Hugging Face's fused ``*Experts``),
         a module list driven by the block's own loop where capture proved that loop reroutable
         (``passes/expert_list.py``), and a capacity block's own 3-D weights where capture proved its
-        expert region splittable and no token drops (``passes/expert_capacity.py``); other expert
+        expert region splittable (``passes/expert_capacity.py``; a block that drops tokens drops them
+        per dp rank's microbatch under ep as under dp, :mod:`autopar.batch_coupling`); other expert
         weights held by the block itself are not rerouted."""
         if self.layout is ExpertLayout.MODULE_LIST:
             return f"{self.module_path}: {self.reroute_refusal}" if self.reroute_refusal else ""
         if self.block_held and self.dispatch is Dispatch.CAPACITY:  # split between dispatch and combine
-            return self.split_refusal or (f"{self.module_path}: {self.reroute_refusal}" if self.reroute_refusal
-                                          else "")
+            # each rank dispatches its own tokens with its own capacity: a token-dropping block computes its
+            # capacity per dp rank's microbatch under ep as under dp alone (autopar.batch_coupling's split)
+            return f"{self.module_path}: {self.reroute_refusal}" if self.reroute_refusal else ""
         if self.experts_path == self.module_path:
             return f"{self.module_path}: its expert weights are the block's own (no experts module to reroute)"
         if self.reroute_refusal:  # capture's proof of the rerouted call failed (autopar.experts.calls.proof)

@@ -240,6 +240,25 @@ def _try_low_rank(view: LayerView, p_path: str, linears: list[str]) -> _Pair | N
     )
 
 
+def _convolutions(view: LayerView) -> str:
+    """Why a layer of convolutions has no tensor-parallel style ("" when it runs none): a plan then says
+    why its tp ranks leave a ResNet's or a UNet's blocks whole (named by class, so that a stack of such
+    blocks folds into one note)."""
+    kinds: set[str] = set()
+    for n in view.nodes:
+        for path in view.stats[n].paths:
+            try:
+                mod = view.model.get_submodule(path)
+            except AttributeError:
+                continue
+            if isinstance(mod, nn.modules.conv._ConvNd):
+                kinds.add(type(mod).__name__)
+    if not kinds:
+        return ""
+    return (f"tensor parallelism not offered: its convolutions ({', '.join(sorted(kinds))}) have no "
+            "tensor-parallel rule (only linear projections in column → row groups are split)")
+
+
 def _executed_linears(view: LayerView) -> list[str]:
     """Linear-like module paths of the layer, in order of first execution."""
     seen: list[str] = []
@@ -284,6 +303,15 @@ def _routes(view: LayerView, path: str) -> bool:
     return False
 
 
+def _gates(view: LayerView, path: str) -> bool:
+    """Whether the projection at ``path`` is a per-token scalar gate (one output feature: Qwen2-MoE's
+    ``shared_expert_gate``, whose sigmoid scales the shared expert's output). Like a router it reads the
+    replicated hidden state and its ``[tokens, 1]`` output is small, so it runs whole on every rank
+    beside the groups; the shard simulation proves the block with it so."""
+    dims = linear_dims(view.model.get_submodule(path))
+    return dims is not None and dims[1] == 1
+
+
 def _is_topk(node: fx.Node) -> bool:
     return "topk" in str(getattr(node.target, "__name__", node.target))
 
@@ -304,7 +332,7 @@ def megatron_refusal(view: LayerView) -> str:
 def _megatron_or_why(view: LayerView) -> tuple[TPStyle | None, str]:
     linears = _executed_linears(view)
     if len(linears) < 2 or view.path is None:
-        return None, ""
+        return None, _convolutions(view) if view.path is not None else ""
     candidates = {lp.rsplit(".", 1)[0] if "." in lp else "" for lp in linears}
     for lp in linears:  # every ancestor inside the layer is a candidate too
         parts = lp.split(".")
@@ -315,15 +343,17 @@ def _megatron_or_why(view: LayerView) -> tuple[TPStyle | None, str]:
     candidates = {c for c in candidates if c == view.path or c.startswith(view.path + ".")}
     used: set[str] = set()
     pairs: list[_Pair] = []
+    gates = {lp for lp in linears if _gates(view, lp)}  # one output feature: no tp degree divides it
     for p_path in sorted(candidates, key=lambda c: -c.count(".") - (c != "")):
-        mine = [lp for lp in linears if lp.startswith(p_path + ".") and lp not in used]
+        mine = [lp for lp in linears if lp.startswith(p_path + ".") and lp not in used and lp not in gates]
         if len(mine) < 2:
             continue
         pair = _try_pair(view, p_path, mine) or _try_low_rank(view, p_path, mine)
         if pair is not None:
             pairs.append(pair)
             used.update(mine)  # a low-rank pair's down-projections run whole, unsharded
-    routers = {lp for lp in linears if lp not in used and _routes(view, lp)}  # run whole on every rank
+    # routers and scalar gates outside every group run whole on every rank
+    routers = {lp for lp in linears if lp not in used and (_routes(view, lp) or lp in gates)}
     if not pairs or len(used | routers) != len(linears):
         left = [lp for lp in linears if lp not in used and lp not in routers]
         return None, ("tensor parallelism not offered: no column → row projection group covers "

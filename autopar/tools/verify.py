@@ -34,6 +34,9 @@ What is compared, and why each rule is there:
   more than that. Tensors of ordinary size
   are judged on their own norm, as before. The floor and the tensors judged
   against it are printed.
+- **Rounding or the plan.** A run that misses the fp32 bar runs again in float64 on both sides
+  (:mod:`autopar.tools.rounding`); agreement to 1e-10 there is ``SAME_IN_FLOAT64``: fp32's rounding,
+  amplified (a BatchNorm's backward), not the plan.
 - **Global batch** defaults to the example inputs' batch, so
   ``--pin microbatches=4`` on a batch-8 example works.
 
@@ -149,6 +152,8 @@ class VerifyReport:
     loss_rel: float  # max over steps
     grads: Comparison  # first step
     params: Comparison  # after the last step
+    float64: bool = False  # both sides run in float64 (autopar.tools.rounding)
+    fp32_ref_rel: float | None = None  # float64 runs: one process's own fp32 run from float64's
 
     @property
     def max_rel(self) -> float:
@@ -354,13 +359,19 @@ def result_lines(report: VerifyReport, tolerance: float = TOLERANCE) -> list[str
 
 def result_json(plan: Plan, dropout: list[str], warnings: list[str], report: VerifyReport | None = None,
                 failure: VerifyFailure | None = None, tolerance: float = TOLERANCE,
-                loss: str = "") -> dict[str, Any]:
-    """``verify --json``: ``result`` is SAME, DIFFERENT or FAILED (a rank crashed or timed out)."""
+                loss: str = "", float64: VerifyReport | None = None) -> dict[str, Any]:
+    """``verify --json``: ``result`` is SAME, SAME_IN_FLOAT64 (fp32 missed the bar, the float64 re-run
+    ``float64`` met :data:`autopar.tools.rounding.FLOAT64_TOLERANCE`), DIFFERENT or FAILED (a rank
+    crashed or timed out)."""
+    from autopar.tools.rounding import verdict
+
     out: dict[str, Any] = {"tolerance": tolerance, "floor": FLOOR, "dropout_disabled": dropout,
                            "loss": loss.removeprefix("loss: "),
                            "warnings": warnings, "plan": plan.to_dict()}
     if report is not None:
-        out |= {"result": "SAME" if report.ok(tolerance) else "DIFFERENT", "report": report.to_dict()}
+        out |= {"result": verdict(report, float64, tolerance), "report": report.to_dict()}
+        if float64 is not None:
+            out["float64_report"] = float64.to_dict()
     else:
         error = failure.to_dict() if isinstance(failure, RankFailedError) else {"error": str(failure)}
         out |= {"result": "FAILED", "failure": error}
@@ -385,11 +396,15 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
 
 
 def _reference(spec: str, seq_len: int | None, batches: list, steps: int, loss_fn: Any,
-               plan: Plan | None = None, graph: Any = None) -> dict[str, Any]:
+               plan: Plan | None = None, graph: Any = None, float64: bool = False) -> dict[str, Any]:
     """One process trained on the same batches (:func:`autopar.tools.reference.train_reference`)."""
     from autopar.tools.reference import train_reference
+    from autopar.tools.rounding import model_to_float64
 
+    torch.set_default_dtype(torch.float32)  # built as the ranks built it, then cast
     model, _ = _build(spec, seq_len)
+    if float64:
+        model = model_to_float64(model)
     if plan is not None and plan.training.float8 is not None:  # the same linears in float8, emulated
         from autopar.runtime.float8 import convert
 
@@ -425,7 +440,7 @@ def _is_secondary(exc: BaseException) -> bool:
 
 
 def _worker(rank: int, world_size: int, tmp: str, spec: str, seq_len: int | None,
-            plan_json: str, graph: dict, steps: int, loss: str | None = None) -> None:
+            plan_json: str, graph: dict, steps: int, loss: str | None = None, float64: bool = False) -> None:
     """One rank of a verify run. Its results are on disk once :func:`_run_rank` returns, so the
     process leaves with ``os._exit(0)``: an interpreter teardown can still abort in gloo's C++
     threads ("terminate called without an active exception", seen once in a loaded full-suite
@@ -434,7 +449,7 @@ def _worker(rank: int, world_size: int, tmp: str, spec: str, seq_len: int | None
 
     silence_if_asked()
     try:
-        _run_rank(rank, world_size, tmp, spec, seq_len, plan_json, graph, steps, loss)
+        _run_rank(rank, world_size, tmp, spec, seq_len, plan_json, graph, steps, loss, float64)
     except BaseException as exc:
         Path(tmp, f"error-{rank}.json").write_text(json.dumps(_failure(rank, exc)))
         raise
@@ -467,7 +482,7 @@ def loss_function(loss: str | None) -> Any:
 
 
 def _run_rank(rank: int, world_size: int, tmp: str, spec: str, seq_len: int | None,
-              plan_json: str, graph: dict, steps: int, loss: str | None = None) -> None:
+              plan_json: str, graph: dict, steps: int, loss: str | None = None, float64: bool = False) -> None:
     import torch.distributed as dist
 
     import autopar
@@ -484,6 +499,11 @@ def _run_rank(rank: int, world_size: int, tmp: str, spec: str, seq_len: int | No
     batches = [synthetic_batch(model, inputs, plan.training.global_batch, SEED + 1 + k, probed)
                for k in range(steps)]
     loss_fn = loss_function(loss)
+    fp32_batches = batches
+    if float64:  # the same weights and batches as the fp32 run, cast (autopar.tools.rounding)
+        from autopar.tools.rounding import model_to_float64, to_float64
+
+        model, inputs, batches = model_to_float64(model), to_float64(inputs), to_float64(batches)
     pm = autopar.compile(model, example_inputs=inputs, plan=plan, graph=LayerGraph.from_dict(graph),
                          optimizer=_sgd, loss_fn=loss_fn)
     losses, grads = [], {}
@@ -494,11 +514,16 @@ def _run_rank(rank: int, world_size: int, tmp: str, spec: str, seq_len: int | No
     params = pm.state_dict(full=True)
     dist.destroy_process_group()
     if rank == 0:
-        ref = _reference(spec, seq_len, batches, steps, loss_fn, plan, LayerGraph.from_dict(graph))
+        ref = _reference(spec, seq_len, batches, steps, loss_fn, plan, LayerGraph.from_dict(graph), float64)
+        own = None
+        if float64:  # how far one process's own fp32 run is from float64: fp32's rounding at this model
+            fp32 = _reference(spec, seq_len, fp32_batches, steps, loss_fn, plan, LayerGraph.from_dict(graph))
+            own = max(compare(fp32["grads"], ref["grads"]).rel, compare(fp32["params"], ref["params"]).rel)
         report = VerifyReport(world_size, steps, plan.training.global_batch, losses, ref["losses"],
                               max(abs(a - b) / abs(b) if b else abs(a) for a, b in zip(losses, ref["losses"])),
                               compare(grads, ref["grads"]),
-                              compare({k: params[k] for k in ref["params"] if k in params}, ref["params"]))
+                              compare({k: params[k] for k in ref["params"] if k in params}, ref["params"]),
+                              float64, own)
         Path(tmp, "report.json").write_text(json.dumps(report.to_dict()))
 def _first_failure(tmp: str, fallback: BaseException) -> RankFailedError:
     """The failure that caused the others: the earliest that is not a peer's disconnection."""
@@ -513,8 +538,9 @@ def _first_failure(tmp: str, fallback: BaseException) -> RankFailedError:
 
 
 def verify(spec: str, plan_json: str, graph: dict, *, steps: int = 3, seq_len: int | None = None,
-           timeout_s: float = 900.0, loss: str | None = None) -> VerifyReport:
-    """Spawn ``plan.world_size`` gloo processes running the plan; return rank 0's comparison.
+           timeout_s: float = 900.0, loss: str | None = None, float64: bool = False) -> VerifyReport:
+    """Spawn ``plan.world_size`` gloo processes running the plan; return rank 0's comparison
+    (``float64``: both sides in float64, :mod:`autopar.tools.rounding`).
 
     Raises :class:`RankFailedError` when a rank raises (or dies), and
     :class:`VerifyFailure` when the run outlasts ``timeout_s``.
@@ -525,7 +551,8 @@ def verify(spec: str, plan_json: str, graph: dict, *, steps: int = 3, seq_len: i
 
     world_size = Plan.from_json(plan_json).world_size
     with tempfile.TemporaryDirectory(prefix="autopar-verify-") as tmp:
-        ctx = mp.start_processes(_worker, args=(world_size, tmp, spec, seq_len, plan_json, graph, steps, loss),
+        ctx = mp.start_processes(_worker, args=(world_size, tmp, spec, seq_len, plan_json, graph, steps, loss,
+                                                        float64),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:

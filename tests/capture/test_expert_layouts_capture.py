@@ -90,3 +90,24 @@ def test_splitting_experts_of_another_layout_across_tp_is_refused_at_plan_time_n
         autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=4,
                       pins=["tp=2", "dp=1", "layers.*:tp=megatron+experts"])
     assert "\n" not in str(refused.value) and "torchtitan" in str(refused.value), refused.value
+
+
+def test_a_torchtitan_moe_built_on_meta_is_captured_and_offered_ep() -> None:
+    """torchtitan's router counts its tokens with ``bincount`` (no meta kernel) and its experts' loop takes
+    the counts to Python: on meta the block runs as a balanced stand-in (the router's projection, the
+    experts called as torchtitan calls them with real CPU counts), priced as the CPU capture prices it."""
+    graphs = {}
+    for device in ("cpu", "meta"):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model, inputs = moe_layouts.titan_moe()
+        graphs[device] = autopar.capture(model, inputs)
+    cpu, meta = graphs["cpu"], graphs["meta"]
+    assert [l.name for l in meta] == [l.name for l in cpu]
+    for a, b in zip(cpu, meta):
+        assert a.param_count == b.param_count and a.can_cut_after == b.can_cut_after
+        assert b.flops_per_sample == pytest.approx(a.flops_per_sample, rel=0.05), a.name  # balanced vs routed
+    assert [(m.weights, m.call, m.ep_refusal) for l in meta for m in l.moe] == [("torchtitan", Call.GROUPED, "")] * 2
+    plan = autopar.solve(meta, 2, cluster="cpu", dtype="fp32", global_batch=4,
+                         pins=["pp=1", "tp=1", "zero=3", "dp=2", "microbatches=2", "ep=2", "recompute=none"])
+    assert plan.mesh.ep == 2

@@ -75,8 +75,8 @@ def test_a_drop_free_gshard_layer_is_offered_ep_and_its_plan_says_how_it_dispatc
 def test_a_dropping_capacity_is_split_per_rank_by_default_and_kept_whole_when_pinned_exact() -> None:
     """Capacity 1.25 on top-1 of 4 experts drops tokens, and which drop depends on the tokens of one call.
     By default (batch_coupled=auto) dp and microbatches are offered, each dp rank's microbatch its own
-    capacity (as GShard and Switch compute it), and the plan names the splits; pinned exact, no plan that
-    splits the batch is offered, and ep (which borrows dp) is refused either way."""
+    capacity (as GShard and Switch compute it), and the plan names the splits, ep (which borrows dp) too;
+    pinned exact, no plan that splits the batch is offered."""
     _, _, graph = _capture(moe_cases.gshard_dropping)
     why = r"capacity factor 1.25 × top-1 < 4 experts drops tokens over capacity"
     for pins, splits in ((["dp=2"], 2), (["dp=1", "microbatches=2"], 2)):
@@ -86,8 +86,12 @@ def test_a_dropping_capacity_is_split_per_rank_by_default_and_kept_whole_when_pi
                    f"{splits} splits of 2 samples" in n for n in plan.notes), plan.notes
         with pytest.raises(PinError, match=why):
             autopar.solve(graph, 2, cluster="cpu", global_batch=4, pins=[*pins, "batch_coupled=exact"])
+    # ep borrows dp's ranks and each rank dispatches its own tokens with its own capacity
+    # (passes/expert_capacity.py): the same splits as dp alone, named so
+    plan = autopar.solve(graph, 2, cluster="cpu", global_batch=4, pins=["ep=2"])
+    assert plan.mesh.ep == 2 and any("split (batch_coupled=auto)" in n for n in plan.notes), plan.notes
     with pytest.raises(PinError, match=why):
-        autopar.solve(graph, 2, cluster="cpu", global_batch=4, pins=["ep=2"])
+        autopar.solve(graph, 2, cluster="cpu", global_batch=4, pins=["ep=2", "batch_coupled=exact"])
     plan = autopar.solve(graph, 2, cluster="cpu", global_batch=4, pins=["batch_coupled=exact"])
     assert plan.mesh.dp * plan.mesh.cp * plan.microbatches == 1  # what is left: one call on the whole batch
     # a split plan handed to the runtime is refused before any collective (autopar/runtime/lowering.py)

@@ -235,4 +235,6 @@ def test_a_capacity_block_sends_its_whole_dispatched_tensor_and_keeps_its_expert
     assert expert_price.expert_zero(table, layer, 3) == 3 and expert_price.expert_zero(table, capacity, 3) == 0
     assert capacity.moe[0].block_held and capacity.moe[0].ep_refusal == ""
     dropping = _capacity(layer, 1.25).moe[0]
-    assert dropping.drops_tokens and "capacity factor 1.25 × top-2 < 8 experts drops tokens" in dropping.ep_refusal
+    # a block that drops tokens drops them per dp rank's microbatch under ep as under dp (batch_coupling)
+    assert dropping.drops_tokens and "capacity factor 1.25 × top-2 < 8 experts drops tokens" in dropping.split_refusal
+    assert dropping.ep_refusal == ""

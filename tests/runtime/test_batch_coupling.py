@@ -10,7 +10,7 @@ from distributed import EXACT, every_rank
 
 pytestmark = pytest.mark.distributed
 
-SPLITS = {"switch_dp2_mb2": 4, "resnet_pp2_mb4": 4, "resnet_dp2_split": 2, "resnet_dp2_exact": 1}
+SPLITS = {"switch_dp2_mb2": 4, "switch_ep2_mb2": 4, "resnet_pp2_mb4": 4, "resnet_dp2_split": 2, "resnet_dp2_exact": 1}
 
 
 def test_batch_coupled_layers_match_one_process_running_the_same_splits(ranks) -> None:
@@ -18,6 +18,7 @@ def test_batch_coupled_layers_match_one_process_running_the_same_splits(ranks) -
     for case, splits in SPLITS.items():
         for r in every_rank(results[case]):
             assert r["splits"] == splits, (case, r["splits"])
+            assert r["ep"] == (2 if "ep2" in case else 1), (case, r["ep"])
             assert r["loss_rel"] < EXACT and r["grad_rel"][0] < EXACT and r["param_rel"][0] < EXACT, (case, r)
             line = next((n for n in r["notes"] if n.startswith("batch-coupled layers")), "")
             if splits > 1:  # named in the plan, and the splits change the numbers (else this proves nothing)

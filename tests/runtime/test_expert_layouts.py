@@ -1,12 +1,12 @@
 """Routed experts in any layout train one device's numbers under ZeRO-3 and under ep (issue 41, item 1).
 
-torchtitan's ``GroupedExperts`` (``w1``/``w2``/``w3``, called with the rows sorted by expert), Hugging
-Face's gpt-oss (biases, interleaved clamped SwiGLU, ``[E, H, 2I]``) and Llama 4 (a shared expert beside
-every expert run by ``bmm`` on every token's scored copy) are recognised by what they compute and how
-their block calls them (``autopar.experts``); ep runs each module's own forward on its slice of the
-experts. Each model, on 2 ranks: ZeRO-3 over dp=2, and ep=2 beside ZeRO-3 over dp=2, against one process (first-step
-loss and gradients, SGD losses and parameters within 1e-5 relative per tensor), in one spawn; gpt-oss also at
-pp=2 cut after its rotary embedding.
+torchtitan's ``GroupedExperts`` (``w1``/``w2``/``w3``, called with the rows sorted by expert), Hugging Face's
+gpt-oss (biases, interleaved clamped SwiGLU, ``[E, H, 2I]``), Llama 4 (a shared expert beside every expert run
+by ``bmm`` on every token's scored copy) and Jamba (Mamba and attention layers, an MoE in each) are recognised
+by what they compute and how their block calls them (``autopar.experts``); ep runs each module's own forward
+on its slice of the experts. Each model, on 2 ranks: ZeRO-3 over dp=2, and ep=2 beside ZeRO-3 over dp=2,
+against one process (first-step loss and gradients, SGD losses and parameters within 1e-5 relative per
+tensor), in one spawn; gpt-oss also at pp=2 cut after its rotary embedding.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from moe_layouts import LAYOUT_MODELS
 pytestmark = pytest.mark.distributed
 
 EXACT = 1e-5
-WEIGHTS = {"titan_moe": ("torchtitan", "GROUPED"), "gpt_oss": ("gpt-oss", "INDEXED"), "llama4": ("llama4", "BLOCKED")}
+WEIGHTS = {"titan_moe": ("torchtitan", "GROUPED"), "gpt_oss": ("gpt-oss", "INDEXED"), "llama4": ("llama4", "BLOCKED"),
+           "jamba": ("hf-fused", "INDEXED")}
 
 
 @pytest.fixture(scope="module")

@@ -210,6 +210,37 @@ def test_a_layer_with_projections_but_no_group_says_which() -> None:
                                        "blocks.0.a, blocks.0.b")
 
 
+def test_a_scalar_gate_beside_a_group_runs_whole_and_keeps_tensor_parallelism() -> None:
+    """Qwen2-MoE's shared expert: its output scaled by the sigmoid of a [tokens, 1] gate projection that
+    reads the block's input; the gate runs whole on every rank, the expert is a column → row group."""
+    class GatedShared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down, self.gate = nn.Linear(16, 32), nn.Linear(32, 16), nn.Linear(16, 1, bias=False)
+
+        def forward(self, x):
+            return x + torch.sigmoid(self.gate(x)) * self.down(torch.relu(self.up(x)))
+
+    layer = autopar.capture(_Stack(GatedShared), (torch.randn(2, 6, 16),)).layer("blocks.0")
+    style = next(s for s in layer.tp_styles if s.name == "megatron")
+    assert style.column == ("blocks.0.up",) and style.row == ("blocks.0.down",), style
+    assert not layer.tp_refusal
+
+
+def test_blocks_of_convolutions_say_why_tensor_parallelism_leaves_them_whole_in_one_note() -> None:
+    """A ResNet's blocks (convolutions, no linear projections): the plan says why tp does not split them,
+    one note for the run of blocks, not one per block."""
+    import zoo
+
+    graph = autopar.capture(*zoo.build("resnet_bn"))
+    why = ("tensor parallelism not offered: its convolutions (Conv2d) have no tensor-parallel rule (only linear "
+           "projections in column → row groups are split)")
+    assert {l.name for l in graph if l.tp_refusal == why} == {"conv1", "layer1.0", "layer1.1", "layer2.0", "layer2.1"}
+    assert not graph.layer("fc").tp_refusal and not graph.layer("bn1").tp_refusal
+    plan = autopar.solve(graph, 2, cluster="cpu", dtype="fp32", pins=["tp=2", "pp=1"], global_batch=4)
+    assert [n for n in plan.notes if why in n] == [f"conv1 … layer2.1 (5): {why}"]
+
+
 # ------------------------------------------------------------------ pattern 1: fewer kv heads than tp
 
 
