@@ -2,6 +2,7 @@
 step times before and after its refit, given a cluster file told wrong on purpose.
 
     python benchmarks/tune.py [--json FILE] [--worlds 2 4] [--steps 20] [--metrics [--rounds R]]
+    python benchmarks/tune.py --refit-from FILE      # a saved run's measurements refit again
 
 For each world size W and each wrong cluster — calibrate's fit of this machine
 (``benchmarks/results/cluster-wW.json``, the CPU fidelity reference's) with its compute
@@ -165,6 +166,48 @@ def from_metrics(tmp: Path, rounds: int = 3) -> dict:
             "compute_rate_ratio_median": statistics.median(x["compute_rate_ratio"] for x in out)}
 
 
+def refit_again(path: Path) -> list[dict]:
+    """The refit of a saved run's measurements made again by this checkout (``--refit-from FILE``): each
+    row's candidates solved again from their pins on the wrong cluster (checked against the prediction
+    the run recorded) and refit from the step times it measured. On a shared host no two runs measure
+    alike, so a change to the refit is compared on the same measurements."""
+    from autopar.capturing import capture
+    from autopar.cost_models.presets import load_cluster
+    from autopar.planning.api import reprice, solve
+    from autopar.tools.spec import load_spec
+    from autopar.tools.tune.candidates import with_pins
+    from autopar.tools.tune.refit import refit
+
+    graph = capture(*load_spec(TINY, device="meta"))
+    doc = json.loads(path.read_text())
+    rows = doc["runs"][-1]["rows"] if "runs" in doc else doc["rows"]
+    out = []
+    with tempfile.TemporaryDirectory(prefix="autopar-tune-refit-") as d:
+        for r in rows:
+            compute, comm = WRONG[r["wrong"]]
+            file = Path(d) / f"wrong-w{r['world']}-{compute:g}.json"
+            wrong_cluster(r["world"], compute, comm, file)
+            wrong = load_cluster(str(file))
+            ran = [c for c in r["each"] if c["status"] == "ok"]
+            plans = [solve(graph, r["world"], cluster=wrong, global_batch=16, dtype="fp32",
+                           pins=with_pins(["cp=1"], c["pins"]), runners_up=0) for c in ran]
+            for p, c in zip(plans, ran):
+                if abs(p.predicted.step_time_s / c["before_s"] - 1) > 1e-6:
+                    raise RuntimeError(f"{' '.join(c['pins'])} solves to another plan than the run measured")
+            measured = [c["measured_s"] for c in ran]
+
+            def predict(cl, plans=plans) -> list[float]:
+                return [reprice(graph, p, cl).predicted.step_time_s for p in plans]
+
+            result = refit(predict, wrong, measured)
+            after = [abs(a / m - 1) for a, m in zip(predict(result.cluster), measured)]
+            out.append({"world": r["world"], "wrong": r["wrong"], "after_worst": max(after),
+                        "after_median": statistics.median(after), "factors": result.factors,
+                        "after_s": predict(result.cluster), "measured_s": measured})
+            print(json.dumps(out[-1]), file=sys.stderr, flush=True)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, metavar="FILE")
@@ -172,7 +215,14 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20, help="tune's --steps")
     parser.add_argument("--metrics", action="store_true")
     parser.add_argument("--rounds", type=int, default=3, help="--metrics: training runs, each beside tune's own")
+    parser.add_argument("--refit-from", default=None, metavar="FILE",
+                        help="refit a saved run's measurements again (its --json file) and print the errors")
     args = parser.parse_args()
+    if args.refit_from:
+        for r in refit_again(Path(args.refit_from)):
+            print(f"| {r['world']} | {r['wrong']} | after (worst / median) {r['after_worst']:.0%} / "
+                  f"{r['after_median']:.0%} |")
+        return 0
     rows, extra = [], {}
     with tempfile.TemporaryDirectory(prefix="autopar-tune-bench-") as d:
         for world in args.worlds:

@@ -23,11 +23,6 @@ ranks all work, by more than the host's whole cores would make them
 where the given leaves errors beyond the measurements' noise (:data:`NOISE`) and the other fits
 :data:`CORES_BETTER` times better.
 
-Beside each plan's error, the fit counts how far it prices the plan that measured fastest above any
-other (a residual that is 0 once that plan is priced first): tune keeps the plan that ran fastest,
-and the refit file is to plan it again (``autopar plan --cluster``), so of two fits that miss by
-as much, the one that ranks the plans as they ran is taken.
-
 Every prediction is the planner's own (:func:`autopar.planning.api.reprice`, the plan kept and
 repriced under the moved figures): one home for pricing. The factors minimise the squared log
 error of predicted over measured step time, plus a small pull towards no change (``PRIOR``),
@@ -151,12 +146,7 @@ Predict = Callable[[ClusterSpec], Sequence[float]]
 
 
 def _errors(predict: Predict, start: ClusterSpec, x: dict[str, float], measured: np.ndarray) -> np.ndarray:
-    """Each plan's log error, then how far the plan that measured fastest is priced above each other plan
-    (log; 0 where it is priced below): the refit is to keep the plan that ran fastest first, as tune does."""
-    log_p = np.log(np.asarray(predict(apply(start, x)), dtype=float))
-    fastest = int(np.argmin(measured))
-    ahead = np.maximum(0.0, log_p[fastest] - np.delete(log_p, fastest))
-    return np.concatenate([log_p - np.log(measured), ahead])
+    return np.log(np.asarray(predict(apply(start, x)), dtype=float)) - np.log(measured)
 
 
 def _jacobian(predict: Predict, start: ClusterSpec, x: dict[str, float], measured: np.ndarray,
@@ -225,7 +215,7 @@ def refit(predict: Predict, start: ClusterSpec, measured: Sequence[float], *, pr
     for cores in counts:  # the fit at each, started from the last one's (warm)
         base = replace(start, cores_per_node=cores)
         r0 = _errors(predict, base, x0, y)
-        free, undetermined = _identified(_jacobian(predict, base, x0, y, r0, b, GROUPS)[:len(y)], len(y))
+        free, undetermined = _identified(_jacobian(predict, base, x0, y, r0, b, GROUPS), len(y))
         x, _ = _fit(predict, base, y, b, x0, free, iterations, start_at=x)
         r = _errors(predict, base, x, y)
         tries.append((float(r @ r), cores, base, x, free, undetermined))  # compared by how well each fits
