@@ -168,9 +168,10 @@ def from_metrics(tmp: Path, rounds: int = 3) -> dict:
 
 def refit_again(path: Path) -> list[dict]:
     """The refit of a saved run's measurements made again by this checkout (``--refit-from FILE``): each
-    row's candidates solved again from their pins on the wrong cluster (checked against the prediction
-    the run recorded) and refit from the step times it measured. On a shared host no two runs measure
-    alike, so a change to the refit is compared on the same measurements."""
+    row's candidates solved again from their pins (mesh, schedule, microbatches) on the wrong cluster
+    and refit from the step times it measured. On a shared host no two runs measure alike, so a change
+    to the refit or the model is compared on the same measurements (a layer's choice the pins leave
+    free may come out otherwise under another model than the one the run planned with)."""
     from autopar.capturing import capture
     from autopar.cost_models.presets import load_cluster
     from autopar.planning.api import reprice, solve
@@ -191,9 +192,6 @@ def refit_again(path: Path) -> list[dict]:
             ran = [c for c in r["each"] if c["status"] == "ok"]
             plans = [solve(graph, r["world"], cluster=wrong, global_batch=16, dtype="fp32",
                            pins=with_pins(["cp=1"], c["pins"]), runners_up=0) for c in ran]
-            for p, c in zip(plans, ran):
-                if abs(p.predicted.step_time_s / c["before_s"] - 1) > 1e-6:
-                    raise RuntimeError(f"{' '.join(c['pins'])} solves to another plan than the run measured")
             measured = [c["measured_s"] for c in ran]
 
             def predict(cl, plans=plans) -> list[float]:
