@@ -176,7 +176,7 @@ def refit_again(path: Path) -> list[dict]:
     from autopar.cost_models.presets import load_cluster
     from autopar.planning.api import reprice, solve
     from autopar.tools.spec import load_spec
-    from autopar.tools.tune.candidates import with_pins
+    from autopar.tools.tune.candidates import plan_pins, with_pins
     from autopar.tools.tune.refit import refit
 
     graph = capture(*load_spec(TINY, device="meta"))
@@ -199,9 +199,13 @@ def refit_again(path: Path) -> list[dict]:
 
             result = refit(predict, wrong, measured)
             after = [abs(a / m - 1) for a, m in zip(predict(result.cluster), measured)]
+            again = solve(graph, r["world"], cluster=result.cluster, global_batch=16, dtype="fp32", pins=["cp=1"],
+                          runners_up=0)
+            kept = plans[min(range(len(ran)), key=lambda i: measured[i])]
             out.append({"world": r["world"], "wrong": r["wrong"], "after_worst": max(after),
                         "after_median": statistics.median(after), "factors": result.factors,
-                        "after_s": predict(result.cluster), "measured_s": measured})
+                        "after_s": predict(result.cluster), "measured_s": measured,
+                        "plans_the_fastest_again": plan_pins(again) == plan_pins(kept)})
             print(json.dumps(out[-1]), file=sys.stderr, flush=True)
     return out
 
@@ -219,7 +223,8 @@ def main() -> int:
     if args.refit_from:
         for r in refit_again(Path(args.refit_from)):
             print(f"| {r['world']} | {r['wrong']} | after (worst / median) {r['after_worst']:.0%} / "
-                  f"{r['after_median']:.0%} |")
+                  f"{r['after_median']:.0%} | the refit plans the fastest measured again: "
+                  f"{'yes' if r['plans_the_fastest_again'] else 'NO'} |")
         return 0
     rows, extra = [], {}
     with tempfile.TemporaryDirectory(prefix="autopar-tune-bench-") as d:
