@@ -196,7 +196,10 @@ class ClusterSpec:
     that many CPU cores (0: devices do not share compute, as GPUs do). With
     more ranks than cores, ranks that wait (in a pipeline's fill and drain,
     or for a stage ahead) give their cores to the ranks still working (see
-    :func:`idle_core_speedup` and ``autopar.planning.pricing``).
+    :func:`idle_core_speedup` and ``autopar.planning.pricing``). It may be a
+    fraction: the share of the host's cores the ranks get where other work
+    takes the rest (Linux shares a busy host's cores between sessions, not
+    processes), as ``autopar tune`` fits it.
 
     ``tp_overhead_s`` is what each tensor-parallel collective costs beyond its
     link figures: DTensor's dispatch and redistribution around it, paid in
@@ -232,7 +235,7 @@ class ClusterSpec:
     backend: str = "nccl"
     memory_reserve_fraction: float = 0.10
     comm_overlap: float = 1.0
-    cores_per_node: int = 0
+    cores_per_node: float = 0
     tp_overhead_s: float = 0.0
     optimizer_dtensor_s: float = 0.0
     zero_overhead_s: float = 0.0
@@ -321,12 +324,15 @@ def idle_core_speedup(cluster: ClusterSpec, ranks_on_node: int) -> Fraction:
     there are ranks: then a rank gets cores/ranks of a core while all work
     (the pace ``autopar calibrate`` measures, every rank busy) and a whole
     core when enough of the others wait (a rank runs one intra-op thread
-    there, see ``autopar.tools.host.threads_per_process``).
+    there, see ``autopar.tools.host.threads_per_process``), or all the
+    ranks' share where that is less than a core.
     """
-    cores = cluster.cores_per_node
-    if cores <= 0 or ranks_on_node <= cores:
+    if cluster.cores_per_node <= 0:
         return Fraction(1)
-    return Fraction(ranks_on_node, cores)
+    cores = max(Fraction(1), Fraction(cluster.cores_per_node).limit_denominator(1000))  # one thread: ≤ a core
+    if ranks_on_node <= cores:
+        return Fraction(1)
+    return Fraction(ranks_on_node) / cores
 
 
 def _validate(c: ClusterSpec) -> None:
@@ -393,9 +399,9 @@ def _validate(c: ClusterSpec) -> None:
             raise ClusterError(f"cluster {c.name!r}: {flag} must be true or false")
     if c.allocator_overhead_fraction >= 1:
         raise ClusterError(f"cluster {c.name!r}: allocator_overhead_fraction must be in [0, 1)")
-    if not isinstance(c.cores_per_node, int) or c.cores_per_node < 0:
-        raise ClusterError(f"cluster {c.name!r}: cores_per_node must be a whole number ≥ 0, "
-                           f"got {c.cores_per_node!r}")
+    if (isinstance(c.cores_per_node, bool) or not isinstance(c.cores_per_node, (int, float))
+            or not math.isfinite(c.cores_per_node) or c.cores_per_node < 0):
+        raise ClusterError(f"cluster {c.name!r}: cores_per_node must be a number ≥ 0, got {c.cores_per_node!r}")
     if not isinstance(c.comm_overlap, (int, float)) or not 0 <= c.comm_overlap <= 1:
         raise ClusterError(f"cluster {c.name!r}: comm_overlap must be in [0, 1], got {c.comm_overlap!r}")
     if c.backend not in ("nccl", "gloo"):

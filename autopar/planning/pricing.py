@@ -584,7 +584,12 @@ class PriceTable:
                       * self.act_scale / self.config.mesh.cp)  # under cp a stage sends its S/cp tokens
             inter = self.boundary_inter_node
             across = (len(inter) > 1 and all(inter[1:])) if stage is None else inter[stage]
-            self._p2p_memo[key] = p2p_time_s(nbytes, inter_node=across, cluster=self.cluster)
+            # the receiving rank blocks on it as on a collective: beyond the bubble (its wait for the
+            # sender, priced there) it pays what every blocking exchange does where ranks share a
+            # host's cores and drift apart (``collective_sync_s``: 0 on GPUs) — a pipeline of more
+            # sends per step (more microbatches, interleaved chunks) measured that much slower on CPU
+            self._p2p_memo[key] = (p2p_time_s(nbytes, inter_node=across, cluster=self.cluster)
+                                   + self.cluster.collective_sync_s)
         return self._p2p_memo[key]
 
     @cached_property

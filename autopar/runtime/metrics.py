@@ -9,6 +9,11 @@
                     lr=lr, tokens_hash=batch.tokens_hash)
     metrics.close()
 
+``step_s`` is the training step's own time (forward, backward, the optimizer step: what the plan
+predicts and ``autopar tune`` measures); making the batch (reading, generating, hashing it) is not
+in it but in ``data_wait_s``, so ``autopar calibrate --from-metrics`` refits from the same figure
+tune does.
+
 Every ``log_every`` steps (and at ``total_steps``) rank 0 reports, over the
 steps since its last report: the loss of the step, the global gradient norm
 before clipping (``pm.grad_norm``: set when ``compile`` was given
@@ -35,8 +40,9 @@ Where it goes:
   (per device), ``mfu``, ``memory_bytes``, ``tokens_hash`` (the global
   batch's, :func:`autopar.data.tokens_hash`: the same under every plan),
   and ``grad_norm``, ``lr``, ``step_time_s``, ``data_wait_s``,
-  ``memory_kind``, ``plan`` (the predictions) and ``vs_plan`` (the
-  ratios). A run resumed at step k keeps the file's reports of steps
+  ``memory_kind``, ``plan`` (the predictions), ``vs_plan`` (the
+  ratios) and ``time`` (when it was written, seconds since the epoch).
+  A run resumed at step k keeps the file's reports of steps
   before k and drops the rest (a restarted job logged them before it died),
   so the file holds each step once;
 * ``tensorboard``: a directory of TensorBoard events
@@ -50,6 +56,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -183,7 +190,7 @@ class MetricsLogger:
                 "grad_norm": self.pm.grad_norm, "lr": lr, "step_time_s": per_step_s,
                 "data_wait_s": self._wait_s / self._steps, "memory_kind": kind, "plan": plan,
                 "vs_plan": {k: _ratio(v, plan[k]) for k, v in measured.items()},
-                "world_size": world, "per": device_noun(self.pm.plan.cluster)}
+                "world_size": world, "per": device_noun(self.pm.plan.cluster), "time": time.time()}
 
     @staticmethod
     def line(r: dict[str, Any]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from fractions import Fraction
 
 import pytest
 from synthetic import transformer_graph
@@ -43,6 +44,10 @@ def test_waiting_pipeline_ranks_lend_their_cores_to_working_ones():
     assert _table(2, 2, 1, per_node=4, cores=2).pipeline_s([1.0, 1.0]) == pytest.approx(1.0)
     # unequal stages: the critical path at double pace (1.25) is shorter than the work (1.5)
     assert table.pipeline_s([1.0, 0.5]) == pytest.approx(1.5)
+    # a share of the cores (other work on the host takes the rest): 2.5 of 4 cores lend 4/2.5 = 1.6×,
+    # and less than a whole core lends all of it — a rank alone gets the ranks' whole share
+    assert _table(2, 2, 1, per_node=4, cores=2.5).core_sharing == (Fraction(8, 5), 2)
+    assert _table(2, 2, 1, per_node=4, cores=0.5).core_sharing == (4, 2)
 
 
 def test_no_cores_are_lent_between_nodes_or_without_oversubscription():

@@ -51,10 +51,12 @@ def _predict(graph, plans):
     return lambda cl: [reprice(graph, p, cl).predicted.step_time_s for p in plans]
 
 
-@pytest.mark.parametrize("compute, comm", [(4.0, 0.25), (0.25, 4.0)])
-def test_the_refit_brings_every_prediction_to_its_measurement(graph, compute: float, comm: float) -> None:
-    truth = load_cluster(str(MEASURED_W2))
-    wrong = _wrong(truth, compute, comm)
+@pytest.mark.parametrize("compute, comm, cores", [(4.0, 0.25, 2), (0.25, 4.0, 2), (2.0, 0.5, 1.5)])
+def test_the_refit_brings_every_prediction_to_its_measurement(graph, compute: float, comm: float,
+                                                               cores: float) -> None:
+    # cores 1.5: other work on the host leaves the 2 ranks 1.5 of its 2 cores, which the file does not say
+    truth = replace(load_cluster(str(MEASURED_W2)), cores_per_node=cores)
+    wrong = replace(_wrong(truth, compute, comm), cores_per_node=2)
     plans = _plans(graph, wrong)
     measured = _predict(graph, plans)(truth)  # what a machine priced exactly by `truth` would measure
     before = [abs(p / m - 1) for p, m in zip(_predict(graph, plans)(wrong), measured)]
@@ -62,6 +64,8 @@ def test_the_refit_brings_every_prediction_to_its_measurement(graph, compute: fl
     after = [abs(p / m - 1) for p, m in zip(_predict(graph, plans)(r.cluster), measured)]
     assert max(before) > 0.2 and max(after) < 0.02, (before, after)
     assert r.factors["compute"] == pytest.approx(1 / compute, rel=0.15)  # the wrong figure undone
+    assert r.factors["cores"] == cores and r.cluster.cores_per_node == cores  # the ranks' share found
+    assert bool(r.notes) == (cores != 2)  # and said
     assert "compute" in r.determined and 0.0 <= r.cluster.comm_overlap <= 1.0
     assert json.loads(json.dumps(r.to_dict()))["factors"]  # the report's part is plain JSON
 
@@ -152,6 +156,8 @@ def test_calibrate_from_metrics_refuses_another_plans_file(graph, tmp_path: Path
         metrics_file.read_reports(tmp_path / "bad.jsonl")
     reports = [{"step": 0, "step_time_s": 9.0}, {"step": 4, "step_time_s": 2.0}, {"step": 5, "step_time_s": 1.0}]
     assert metrics_file.measured_step_s(reports) == 2.0  # the report of steps 1-4 counts four times
+    window = [{"step": 100 + k, "step_time_s": s} for k, s in enumerate([9.0, 2.0, 1.0])]
+    assert metrics_file.measured_step_s(window) == 2.0  # a file cut to a window: its first report counts once
 
 
 @pytest.mark.distributed

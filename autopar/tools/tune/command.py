@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="processes (ranks) to measure on (default: an outside torchrun's world size)")
     p.add_argument("--top", type=int, default=4, metavar="K", help="runners-up to measure beside the plan")
-    p.add_argument("--steps", type=int, default=5, metavar="S", help="timed steps per candidate (after warm-up)")
+    p.add_argument("--steps", type=int, default=20, metavar="S",
+                   help="timed steps per candidate (after warm-up; their median is its step time)")
     p.add_argument("--warmup", type=int, default=2, metavar="W", help="warm-up steps per candidate")
     p.add_argument("--budget-s", type=float, default=None, metavar="T", help="bound on the whole tune, seconds")
     p.add_argument("--no-probe", action="store_true",
@@ -247,6 +248,7 @@ def _write(args: argparse.Namespace, result: TuneResult) -> int:
 
 def render(result: TuneResult) -> str:
     """The table: each candidate's pins, status, predicted before and after the refit, measured, memory."""
+    from autopar.tools.tune.refit import ABSOLUTE
     from autopar.tools.tune.search import prediction_error
     from autopar.units import MiB
 
@@ -264,7 +266,7 @@ def render(result: TuneResult) -> str:
              for r in rows]
     before, after = prediction_error(result, False), prediction_error(result, True)
     r = result.refit
-    factors = ", ".join(f"{k} {'' if k == 'overlap' else '× '}{v:.3g}" for k, v in r.factors.items()
+    factors = ", ".join(f"{k} {'' if k in ABSOLUTE else '× '}{v:.3g}" for k, v in r.factors.items()
                         if k in r.determined)
     out = [f"autopar tune — {result.plan.model} on {result.plan.world_size} × {result.given.device.name} "
            f"({result.wall_s:.0f} s)", "", *lines, "",

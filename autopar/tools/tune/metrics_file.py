@@ -44,7 +44,11 @@ def read_reports(path: str | Path) -> list[dict[str, Any]]:
 
 def measured_step_s(reports: list[dict[str, Any]], skip: int = SKIP_STEPS) -> float:
     """The median step time over the steps after ``skip``, each report counted for the steps it covers."""
-    weighted, previous = [], -1
+    weighted = []
+    gaps = [b["step"] - a["step"] for a, b in zip(reports, reports[1:])]
+    # the first report covers the steps since the one before it; where the file starts later than step 0
+    # (a file cut to a window) that is the gap the next report has
+    previous = reports[0]["step"] - min(reports[0]["step"] + 1, gaps[0] if gaps and gaps[0] > 0 else 1)
     for r in reports:
         steps = r["step"] - previous
         previous = r["step"]

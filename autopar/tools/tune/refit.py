@@ -13,9 +13,15 @@ depends on it (or when two groups always move together in what was measured):
   per-call overhead (``half_efficiency_flops``), the op model's ``host_op_s`` and ``kernel_overhead_s``,
   ``tp_overhead_s``, ``zero_overhead_s``, ``optimizer_dtensor_s`` and ``collective_sync_s``.
 
-On a host whose ranks share its cores (``cores_per_node``), the cores they effectively get is fitted
-too, a whole number: other work on the host shows as plans whose ranks wait measuring faster than
-priced.
+On a host whose ranks share its cores (``cores_per_node`` > 0), the cores they effectively get is
+fitted too, from 1 to the host's in steps of :data:`CORES_STEP`, the groups fitted at each: Linux
+shares a busy host's cores between sessions, not processes, so other work leaves the ranks a share
+of the cores that is rarely a whole number, and a rank that waits (in a pipeline) gives its part of
+that share to the ranks still working — plans whose ranks wait then measure faster than plans whose
+ranks all work, by more than the host's whole cores would make them
+(:func:`autopar.cost_models.hardware.idle_core_speedup`). Another count than the given is kept only
+where the given leaves errors beyond the measurements' noise (:data:`NOISE`) and the other fits
+:data:`CORES_BETTER` times better.
 
 Every prediction is the planner's own (:func:`autopar.planning.api.reprice`, the plan kept and
 repriced under the moved figures): one home for pricing. The factors minimise the squared log
@@ -41,6 +47,7 @@ import numpy as np
 from autopar.cost_models.hardware import ClusterSpec, LinkSpec
 
 GROUPS = ("compute", "communication", "overlap", "host")
+ABSOLUTE = ("overlap", "cores")  # fitted as themselves; the other groups as log factors of the given figures
 PRIOR = 1e-3  # weight of the pull towards the starting figures, against squared log errors of order 1e-2
 SENSITIVE = 0.02  # a group moves a prediction by less than 2 % per e-fold: no measurement depends on it
 DISTINCT = 0.05  # a group's column that others explain to within 5 %: it moves with them, not on its own
@@ -48,12 +55,14 @@ FACTOR_RANGE = 64.0  # without probes, a factor stays within 1/64 … 64 of the 
 PROBE_SPREAD = 2.0  # with probes, a figure stays within ½ … 2 × the probes' (their spread against steps)
 MAX_ALLOCATOR_OVERHEAD = 0.5
 _STEP = 1e-3  # finite-difference step in the factors' own coordinates
-CORES_BETTER = 1.25  # another count of shared cores is taken only where it fits this much better than the given
+CORES_STEP = 0.125  # the shared cores tried: 1 to the host's in these steps
+CORES_BETTER = 1.25  # other shared cores are taken only where they fit this much better than the given
+NOISE = 0.05  # a shared host's step times are no closer than this (rms log error) to what any model says
 
 
 @dataclass(frozen=True)
 class Bounds:
-    """Each group's range in the fit's coordinates: log factors, and ``overlap`` as itself."""
+    """Each group's range in the fit's coordinates: log factors, and ``overlap`` and ``cores`` as themselves."""
 
     low: dict[str, float]
     high: dict[str, float]
@@ -67,7 +76,7 @@ class RefitResult:
     """The refit cluster, the factors found, which groups the measurements determined, and why not the rest."""
 
     cluster: ClusterSpec
-    factors: dict[str, float]  # compute, communication, host: × the given figures; overlap: the value
+    factors: dict[str, float]  # compute, communication, host: × the given figures; overlap, cores: the value
     determined: tuple[str, ...]
     undetermined: dict[str, str]  # group -> why the measurements could not determine it
     at_bound: tuple[str, ...] = ()  # groups the fit pushed to an end of their range
@@ -90,7 +99,7 @@ def _link(link: LinkSpec, f: float) -> LinkSpec:
 
 
 def apply(cluster: ClusterSpec, x: dict[str, float]) -> ClusterSpec:
-    """``cluster`` with the groups moved to ``x`` (log factors; ``overlap`` absolute)."""
+    """``cluster`` with the groups moved to ``x`` (log factors; ``overlap`` and ``cores`` absolute)."""
     c, comm, host = (math.exp(x.get(k, 0.0)) for k in ("compute", "communication", "host"))
     d = cluster.device
     ops = d.op_model
@@ -103,6 +112,7 @@ def apply(cluster: ClusterSpec, x: dict[str, float]) -> ClusterSpec:
     return replace(cluster, device=device, intra_node=_link(cluster.intra_node, comm),
                    inter_node=_link(cluster.inter_node, comm),
                    comm_overlap=x.get("overlap", cluster.comm_overlap),
+                   cores_per_node=x.get("cores", cluster.cores_per_node),
                    tp_overhead_s=cluster.tp_overhead_s * host, zero_overhead_s=cluster.zero_overhead_s * host,
                    optimizer_dtensor_s=cluster.optimizer_dtensor_s * host,
                    collective_sync_s=cluster.collective_sync_s * host)
@@ -148,10 +158,11 @@ def _jacobian(predict: Predict, start: ClusterSpec, x: dict[str, float], measure
     return np.stack(cols, axis=1)
 
 
-def _fit(predict: Predict, start: ClusterSpec, y: np.ndarray, b: Bounds, x0: dict[str, float],
-         free: Sequence[str], iterations: int) -> tuple[dict[str, float], float]:
-    """Projected Gauss–Newton on the ``free`` groups (the others stay at ``x0``): the groups and the cost."""
-    x = dict(x0)
+def _fit(predict: Predict, start: ClusterSpec, y: np.ndarray, b: Bounds, x0: dict[str, float], free: Sequence[str],
+         iterations: int, start_at: dict[str, float] | None = None) -> tuple[dict[str, float], float]:
+    """Projected Gauss–Newton on the ``free`` groups (the others stay at ``x0``), from ``start_at``'s free
+    groups where given (else ``x0``), pulled towards ``x0``: the groups and the cost."""
+    x = {**x0, **{k: start_at[k] for k in free}} if start_at is not None else dict(x0)
 
     def cost_of(v: dict[str, float]) -> float:
         r = _errors(predict, start, v, y)
@@ -196,34 +207,49 @@ def refit(predict: Predict, start: ClusterSpec, measured: Sequence[float], *, pr
     b = bounds(start, probed)
     x0 = b.clip(_centre(start, probed))
     tries = []
-    for cores in _core_counts(start, probed):
+    x = dict(x0)
+    counts = _core_counts(start, probed)
+    if len(counts) > 1 and np.allclose(_errors(predict, replace(start, cores_per_node=min(counts)), x0, y),
+                                       _errors(predict, start, x0, y), rtol=0, atol=1e-9):
+        counts = [start.cores_per_node]  # no measured plan's ranks wait for another: the share is not seen
+    for cores in counts:  # the fit at each, started from the last one's (warm)
         base = replace(start, cores_per_node=cores)
         r0 = _errors(predict, base, x0, y)
         free, undetermined = _identified(_jacobian(predict, base, x0, y, r0, b, GROUPS), len(y))
-        x, cost = _fit(predict, base, y, b, x0, free, iterations)
-        tries.append((cost, cores, base, x, free, undetermined))
-    tries.sort(key=lambda t: t[0])
-    cost, cores, base, x, free, undetermined = tries[0]
+        x, _ = _fit(predict, base, y, b, x0, free, iterations, start_at=x)
+        r = _errors(predict, base, x, y)
+        tries.append((float(r @ r), cores, base, x, free, undetermined))  # compared by how well each fits
+    best = min(tries, key=lambda t: t[0])
+    given = next(t for t in tries if t[1] == start.cores_per_node)
+    # the given count stays where it fits within the measurements' noise, or about as well as the best
+    keep = given[0] <= len(y) * NOISE ** 2 or given[0] <= best[0] * CORES_BETTER
+    cost, cores, base, x, free, undetermined = given if keep else best
     notes = []
-    if len(tries) > 1:
-        given = next(t for t in tries if t[1] == start.cores_per_node)
-        if given[0] <= cost * CORES_BETTER:  # the given count fits about as well: kept
-            cost, cores, base, x, free, undetermined = given
-        if cores != start.cores_per_node:
-            notes.append(f"the ranks effectively share {cores} core{'s' if cores != 1 else ''} "
-                         f"(given {start.cores_per_node}): other work on the host takes the rest")
+    if cores != start.cores_per_node:
+        notes.append(f"the ranks effectively get {cores:g} of the host's cores (given {start.cores_per_node:g}): "
+                     "other work on the host takes the rest")
     at_bound = tuple(k for k in free if b.low[k] != b.high[k]
                      and min(abs(x[k] - b.low[k]), abs(x[k] - b.high[k])) < 1e-6)
-    factors = {k: float(x[k] if k == "overlap" else math.exp(x[k])) for k in GROUPS}
+    factors = {k: float(x[k] if k in ABSOLUTE else math.exp(x[k])) for k in GROUPS}
+    if start.cores_per_node > 0:
+        factors["cores"] = float(cores)
     return RefitResult(apply(base, x), factors, tuple(free), undetermined, at_bound, notes=tuple(notes))
 
 
-def _core_counts(start: ClusterSpec, probed: ClusterSpec | None) -> list[int]:
-    """The whole numbers of shared cores the refit tries (just the given one where ranks share none)."""
-    if start.cores_per_node <= 0:
+def _core_counts(start: ClusterSpec, probed: ClusterSpec | None) -> list[float]:
+    """The shared cores the refit tries, the given count among them (just it where ranks share none)."""
+    most = _cores(start, probed)
+    if most <= 0:
         return [start.cores_per_node]
-    most = max(start.cores_per_node, probed.cores_per_node if probed is not None else 0)
-    return list(range(1, most + 1))
+    steps = int(round((most - 1) / CORES_STEP))
+    return sorted({start.cores_per_node, *(1 + k * CORES_STEP for k in range(steps + 1))}, reverse=True)
+
+
+def _cores(start: ClusterSpec, probed: ClusterSpec | None) -> float:
+    """The host's cores the ranks share (its probes' count where they ran); 0 where ranks share none."""
+    if start.cores_per_node <= 0:
+        return 0.0
+    return float(max(start.cores_per_node, probed.cores_per_node if probed is not None else 0))
 
 
 def _centre(start: ClusterSpec, probed: ClusterSpec | None) -> dict[str, float]:
