@@ -21,6 +21,7 @@ from fractions import Fraction
 from typing import Any
 
 from autopar.cost_models import schedule_sim
+from autopar.cost_models.communication import p2p_time_s
 from autopar.graph import Layer, OpKind, SampleDim
 
 PriceTable = Any  # planning.pricing.PriceTable, which imports this module
@@ -57,3 +58,35 @@ def bubble_weight(table: PriceTable) -> Fraction:
     if not c.schedule.split_backward:
         return Fraction(1, c.schedule.chunks)
     return schedule_sim.bubble_weight(c.schedule, c.mesh.pp, c.microbatches, *phase_times(table))
+
+
+def step_s(table: PriceTable, per_rank_mb_s: list[float]) -> float:
+    """The step before the tail, from each pipeline rank's per-microbatch time.
+
+    The critical path is m·T + w·(S − T). Where ranks share cores (σ > 1,
+    :attr:`PriceTable.core_sharing`), it runs σ times faster at best, and a node's cores cannot do its k
+    ranks' m microbatches of work faster than m·(their sum)/k: the step is the larger of the two. Both are
+    exact when every phase keeps the cores busy, as GPipe and 1F1B do once a stage's ranks fill them.
+    """
+    m, w = table.config.microbatches, float(table.bubble_weight)
+    chain = (m - w) * max(per_rank_mb_s) + w * sum(per_rank_mb_s)
+    sigma, k = table.core_sharing
+    if sigma == 1:
+        return chain
+    work = max(sum(per_rank_mb_s[g:g + k]) for g in range(0, len(per_rank_mb_s), k))
+    return max(chain / float(sigma), m * work / k)
+
+
+def send_s(table: PriceTable, cut: int, stage: int | None) -> float:
+    """One send of the values crossing a cut before layer ``cut`` into virtual stage ``stage``, per
+    microbatch (:meth:`PriceTable.p2p_s`). The receiving rank blocks on it as on a collective: beyond the
+    bubble (its wait for the sender, priced there) it pays what every blocking exchange does where ranks
+    share a host's cores and drift apart (``collective_sync_s``: 0 on GPUs) — a pipeline of more sends per
+    step (more microbatches, interleaved chunks) measured that much slower on CPU."""
+    if cut <= 0 or cut >= len(table.graph):
+        return 0.0
+    nbytes = (table.microbatch_size * table.graph[cut - 1].boundary_bytes_per_sample
+              * table.act_scale / table.config.mesh.cp)  # under cp a stage sends its S/cp tokens
+    inter = table.boundary_inter_node
+    across = (len(inter) > 1 and all(inter[1:])) if stage is None else inter[stage]
+    return p2p_time_s(nbytes, inter_node=across, cluster=table.cluster) + table.cluster.collective_sync_s

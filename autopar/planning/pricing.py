@@ -308,21 +308,8 @@ class PriceTable:
         return (Fraction(1), 1) if c.mesh.pp <= 1 or k < 2 or sigma == 1 else (sigma, k)
 
     def pipeline_s(self, per_rank_mb_s: list[float]) -> float:
-        """The step before the tail, from each pipeline rank's per-microbatch time.
-
-        The critical path is m·T + w·(S − T). Where ranks share cores (σ > 1),
-        it runs σ times faster at best, and a node's cores cannot do its k
-        ranks' m microbatches of work faster than m·(their sum)/k: the step is
-        the larger of the two. Both are exact when every phase keeps the
-        cores busy, as GPipe and 1F1B do once a stage's ranks fill them.
-        """
-        m, w = self.config.microbatches, float(self.bubble_weight)
-        chain = (m - w) * max(per_rank_mb_s) + w * sum(per_rank_mb_s)
-        sigma, k = self.core_sharing
-        if sigma == 1:
-            return chain
-        work = max(sum(per_rank_mb_s[g:g + k]) for g in range(0, len(per_rank_mb_s), k))
-        return max(chain / float(sigma), m * work / k)
+        """The step before the tail, from each pipeline rank's per-microbatch time (:func:`.pipeline_price.step_s`)."""
+        return pipeline_price.step_s(self, per_rank_mb_s)
 
     def step_time_s(self, per_rank_mb_s: list[float], tail_s: float) -> float:
         """The step from each pipeline rank's per-microbatch time and the largest tail."""
@@ -576,20 +563,9 @@ class PriceTable:
         previous stage's, :func:`autopar.planning.edges.boundary_inter_node`); under cp, the rank's S/cp
         tokens of them (the lowering traces and runs the stages on those). Without ``stage``,
         the cheapest boundary of the pipeline's: what a bound may count on."""
-        if cut <= 0 or cut >= len(self.graph):
-            return 0.0
         key = (cut, stage)
         if key not in self._p2p_memo:  # the bounds and the model ask for every cut at every boundary
-            nbytes = (self.microbatch_size * self.graph[cut - 1].boundary_bytes_per_sample
-                      * self.act_scale / self.config.mesh.cp)  # under cp a stage sends its S/cp tokens
-            inter = self.boundary_inter_node
-            across = (len(inter) > 1 and all(inter[1:])) if stage is None else inter[stage]
-            # the receiving rank blocks on it as on a collective: beyond the bubble (its wait for the
-            # sender, priced there) it pays what every blocking exchange does where ranks share a
-            # host's cores and drift apart (``collective_sync_s``: 0 on GPUs) — a pipeline of more
-            # sends per step (more microbatches, interleaved chunks) measured that much slower on CPU
-            self._p2p_memo[key] = (p2p_time_s(nbytes, inter_node=across, cluster=self.cluster)
-                                   + self.cluster.collective_sync_s)
+            self._p2p_memo[key] = pipeline_price.send_s(self, cut, stage)
         return self._p2p_memo[key]
 
     @cached_property
