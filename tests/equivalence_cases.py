@@ -107,13 +107,29 @@ def _vocab(model: nn.Module) -> int:
 # ------------------------------------------------------------------ planning
 
 
+# Rank 0's captures in this worker, by what a capture reads: the model's builder (the same function object,
+# so the same model and inputs, built under seed 0) and the module globals cases patch around it. A worker
+# runs the cases of many modules, most of them plans of a few models: each model is captured once a worker.
+_CAPTURED: dict[tuple, dict] = {}
+
+
+def _captured(build: Callable[[], tuple[nn.Module, tuple]]) -> LayerGraph:
+    from autopar.mesh import AXES
+    from autopar.sharding import check, narrow
+
+    key = (build, check.MAX_CHECK_PARAMS, narrow.narrow_copy, tuple(AXES))
+    if key not in _CAPTURED:
+        torch.manual_seed(0)
+        _CAPTURED[key] = autopar.capture(*build()).to_dict()
+    return LayerGraph.from_dict(_CAPTURED[key])
+
+
 def plan_for(spec: Spec, world_size: int) -> tuple[Plan, LayerGraph]:
-    """Rank 0 captures and solves; every rank gets the same plan and graph."""
+    """Rank 0 captures (once a worker per model: :func:`_captured`) and solves; every rank gets the same
+    plan and graph."""
     box: list[Any] = [None]
     if dist.get_rank() == 0:
-        torch.manual_seed(0)
-        model, inputs = spec.build()
-        graph = autopar.capture(model, inputs)
+        graph = _captured(spec.build)
         plan = autopar.solve(graph, spec.world_size or world_size, cluster="cpu", dtype="fp32",
                              pins=list(spec.pins), global_batch=spec.global_batch)
         if spec.ep > 1:

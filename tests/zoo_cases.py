@@ -3,6 +3,7 @@ process (:func:`equivalence_cases.equivalence`)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +11,9 @@ from equivalence_cases import PP1, Spec, equivalence
 from zoo import BEYOND, CLASSES, MODELS, OWN_LOSS, TIED, build
 
 
+@functools.cache
 def _builder(name: str) -> Callable:
+    """One builder per model, so that its plans share one capture (``equivalence_cases._captured``)."""
     return lambda: build(name)
 
 
