@@ -14,7 +14,8 @@ import pytest
 # tests import their shared helpers (synthetic graphs, cases, the rank pools) by plain module name
 sys.path.insert(0, str(Path(__file__).parent))
 
-from distributed import RankPool, RankPools, stop_fork_server  # noqa: E402
+import fork_server  # noqa: E402
+from distributed import RankPool, RankPools  # noqa: E402
 
 _POOLS: list[RankPools] = []  # the session's pools, for the summary (pytest_terminal_summary)
 
@@ -29,7 +30,7 @@ def ranks() -> Iterator[Callable[[int], RankPool]]:
         yield pools.get
     finally:
         pools.close()
-        stop_fork_server()
+        fork_server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ cases of several test files. Metrics must be JSON-able (they go through ``json``
 lists). Start-up (import torch, join the group) costs seconds a rank on a small machine, so a
 :class:`RankPool`'s workers stay alive for the session and run request after request, a test module
 puts every case of one world size in one request, and the workers are forked from a fork server that
-has imported what they all import (:data:`PRELOAD`) once a session.
+has imported what they all import once a session (:mod:`fork_server`).
 
 What the pool guarantees, whatever a case does:
 
@@ -53,6 +53,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+import fork_server
 
 START_TIMEOUT_S = 300.0  # W processes importing torch on 2 busy cores
 STALL_TIMEOUT_S = 300.0  # no case finished on any rank for this long: a hang
@@ -401,7 +403,7 @@ class RankPool:
         # threads a worker on two cores slow every later case
         self.close(broken=not alive)
         self.fd_fill, self.threads = 0.0, 0
-        ctx = _context()
+        ctx = fork_server.context()
         self._tmp = tempfile.TemporaryDirectory(prefix=f"autopar-ranks{self.world_size}-")
         store = str(Path(self._tmp.name, "store"))
         self._outbox = ctx.Queue()
@@ -518,38 +520,6 @@ class RankPools:
         cases = sorted(((s, w, name) for w, p in self.seen.items() for name, s in p.case_s.items()), reverse=True)
         lines += [f"{s:8.2f}s W={w} {name}" for s, w, name in cases[:slowest]]
         return lines
-
-
-# What every worker imports, imported once in the fork server the workers are forked from: spawning
-# a worker that imports them itself cost 4–6 CPU seconds (torch, its distributed engines, autopar's
-# runtime, the Hugging Face models the cases build), for each of the 70 workers a session started.
-# Only imports: nothing here may start a thread or run an op (a fork copies no threads).
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
-           "torch.distributed.tensor.parallel", "torch.distributed.pipelining", "torch.distributed.checkpoint",
-           "torch.export", "torch._functorch.partitioners", "ortools.sat.python.cp_model", "autopar",
-           "autopar.capturing", "autopar.planning.api", "autopar.sharding", "autopar.runtime", "passes",
-           "equivalence_cases", "transformers",
-           *(f"transformers.models.{m}.modeling_{m}" for m in (
-               "llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "gpt_neox", "bert", "opt", "vit", "t5",
-               "mixtral", "qwen2_moe", "deepseek_v3")))
-
-
-def _context() -> Any:
-    """Workers are forked from one fork server per session that has imported :data:`PRELOAD`
-    (``spawn`` would import them again in every worker); ``stop_fork_server`` ends it."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
-    return ctx
-
-
-def stop_fork_server() -> None:
-    """End the session's fork server and wait for it, so that the CPU time of the workers forked from it
-    (it reaps them) reaches this process's children's, as ``time`` and ``getrusage`` count them."""
-    from multiprocessing import forkserver
-
-    forkserver._forkserver._stop()
 
 
 def _available_bytes() -> int | None:
