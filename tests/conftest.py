@@ -30,7 +30,6 @@ def ranks() -> Iterator[Callable[[int], RankPool]]:
         yield pools.get
     finally:
         pools.close()
-        fork_server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +42,12 @@ def training(ranks: Callable[[int], RankPool]):
         yield runs
     finally:
         runs.cleanup()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The pools' fork server ends with the session (:func:`fork_server.stop`: the time ``time -v`` reports
+    holds its workers'), whether the ``ranks`` fixture or a test's own pool started it."""
+    fork_server.stop()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
