@@ -593,4 +593,5 @@ def check_equivalent(m: dict) -> None:
         assert r["grad_rel"] < EXACT, (rank, r["grad_worst"], r["grad_rel"])
         assert r["sgd_loss_rel"] < EXACT, (rank, r)
         assert r["param_rel"] < EXACT, (rank, r["param_worst"], r["param_rel"])
-        assert r["adam_loss_rel"] < ADAM, (rank, r)
+        if r["adam_loss_rel"] is not None:  # the cases that run AdamW: one an engine (equivalence_cases.ADAM_CASES)
+            assert r["adam_loss_rel"] < ADAM, (rank, r)

@@ -14,7 +14,8 @@ An MoE block on a cp rank routes that rank's S/cp tokens: the routers are per to
 routing decision. The ring's K/V sends and Ulysses' all-to-alls run on the cp group, ep's dispatch on the ep
 group, the same pair (on two ranks the very same process group, at dp=2 × cp=2 another one): every rank issues
 them in one order, attention's before its block's dispatch. Bars (DESIGN.md, fp32 on CPU): first-step loss and
-gradients, SGD losses and parameters within 1e-5 relative per tensor; AdamW losses within 1e-3. The groups are
+gradients, SGD losses and parameters within 1e-5 relative per tensor; AdamW losses within 1e-3 where
+the case runs AdamW (one an engine: equivalence_cases.ADAM_CASES). The groups are
 what autopar.mesh lays out.
 """
 

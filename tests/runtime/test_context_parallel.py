@@ -8,8 +8,9 @@ replicate engine and at ZeRO-1, 2 and 3 (over the cp ranks alone, and over dp ×
 model mixing recompute kinds (none, full, selective, alternate_mm) and ZeRO stages across its blocks.
 
 Bars (DESIGN.md, fp32 on CPU): first-step loss and gradients, SGD losses and parameters within 1e-5
-relative per tensor; AdamW losses within 1e-3. Each rank really holds S/cp tokens (local_batch) and the
-model's own loss from ``labels`` is refused on every rank.
+relative per tensor; AdamW losses within 1e-3 where
+the case runs AdamW (one an engine: equivalence_cases.ADAM_CASES). Each rank really holds S/cp tokens (local_batch)
+and the model's own loss from ``labels`` is refused on every rank.
 """
 
 from __future__ import annotations
