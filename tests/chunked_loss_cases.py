@@ -50,7 +50,7 @@ PP1 = ("pp=1", "recompute=none", "loss=chunked")
 PP2 = ("pp=2", "dp=1", "tp=1", "zero=0", "recompute=none", "schedule=1f1b", "microbatches=2", "loss=chunked")
 
 SPECS: dict[str, tuple[Spec, int]] = {
-    "chunk_ddp_gpt": (Spec(gpt_tiny, PP1 + ("dp=2", "tp=1", "zero=0", "microbatches=1"), 4), 256),
+    "chunk_ddp_gpt": (Spec(gpt_tiny, PP1 + ("dp=2", "tp=1", "zero=0", "microbatches=1"), 4, adam=True), 256),
     "chunk_zero3_gpt": (Spec(gpt_tiny, PP1 + ("dp=2", "tp=1", "zero=3", "microbatches=2"), 8), 256),
     "chunk_zero3_llama": (Spec(hf_llama, PP1 + ("dp=2", "tp=1", "zero=3", "microbatches=1"), 4), 128),
     "chunk_zero3_llama_tied": (Spec(hf_llama_tied, PP1 + ("dp=2", "tp=1", "zero=3", "microbatches=1"), 4), 128),

@@ -14,6 +14,7 @@ import pytest
 # tests import their shared helpers (synthetic graphs, cases, the rank pools) by plain module name
 sys.path.insert(0, str(Path(__file__).parent))
 
+import fork_server  # noqa: E402
 from distributed import RankPool, RankPools  # noqa: E402
 
 _POOLS: list[RankPools] = []  # the session's pools, for the summary (pytest_terminal_summary)
@@ -41,6 +42,12 @@ def training(ranks: Callable[[int], RankPool]):
         yield runs
     finally:
         runs.cleanup()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The pools' fork server ends with the session (:func:`fork_server.stop`: the time ``time -v`` reports
+    holds its workers'), whether the ``ranks`` fixture or a test's own pool started it."""
+    fork_server.stop()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

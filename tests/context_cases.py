@@ -1,10 +1,10 @@
 """Context-parallel cases for :mod:`distributed`: the project's GPT and a tiny Hugging Face Llama trained
 under cp against one process.
 
-Each case is an :func:`equivalence_cases.equivalence` case (3 SGD-with-momentum steps and 3 AdamW steps:
-losses, first-step gradients and final parameters against the unsharded model on the whole global batch,
-fp32 on gloo) on a plan with cp pinned. Every rank holds its head and tail chunk of each sequence
-(``passes/context_parallel.py``), attention all-gathers K and V over the cp group, and the GPT's
+Each case is an :func:`equivalence_cases.equivalence` case (3 SGD-with-momentum steps, and 3 AdamW
+steps on the one case an engine marks (ADAM_CASES): losses, first-step gradients and final parameters against the
+unsharded model on the whole global batch, fp32 on gloo) on a plan with cp pinned. Every rank holds its head and tail
+chunk of each sequence (``passes/context_parallel.py``), attention all-gathers K and V over the cp group, and the GPT's
 ``pos_emb`` / Llama's ``rotary_emb`` get the global positions of the rank's tokens.
 """
 
@@ -120,7 +120,7 @@ MIXED_LLAMA = ("pp=1", "tp=1", "dp=2", "cp=2", "microbatches=2") + _layers(
     model__norm="zero=1 recompute=none", lm_head="zero=1 recompute=none")
 
 SPECS: dict[str, Spec] = {
-    "cp2_gpt": Spec(gpt_tiny, _pins(2), 2),
+    "cp2_gpt": Spec(gpt_tiny, _pins(2), 2, adam=True),
     "cp2_llama": Spec(hf_llama, _pins(2), 2),
     # recompute re-runs the forward in backward: the attention mode must hold there too
     "cp2_recompute_gpt": Spec(gpt_tiny, _pins(2, recompute="full"), 2),
@@ -153,7 +153,7 @@ SPECS: dict[str, Spec] = {
                                              + ("model.layers.*:sp=on",), 2),
     "cp2_dp2_mixed_llama": Spec(hf_llama_four, MIXED_LLAMA, 4),
     # Ulysses: q, k, v all-to-all'd to heads/cp over the whole sequence, causal SDPA, the output back
-    "uly_cp2_gpt": Spec(gpt_tiny, _pins(2) + ULYSSES, 2),
+    "uly_cp2_gpt": Spec(gpt_tiny, _pins(2) + ULYSSES, 2, adam=True),
     "uly_cp2_llama": Spec(hf_llama, _pins(2) + ULYSSES, 2),  # grouped-query: 4 heads over 2 kv heads
     "uly_cp2_recompute_llama": Spec(hf_llama, _pins(2, recompute="full") + ULYSSES, 2),
     "uly_cp4_gpt": Spec(gpt_tiny, _pins(4) + ULYSSES, 2),  # 4 heads, one a rank

@@ -8,9 +8,10 @@
 A case is ``name -> fn(rank, world_size) -> dict`` in the ``CASES`` of ``module`` (a ``*_cases.py``
 beside this file); ``other_module:case`` takes it from another module, so one request can run the
 cases of several test files. Metrics must be JSON-able (they go through ``json``, tuples become
-lists). Start-up (spawn, import torch, join the group) costs seconds a rank on a small machine,
-so a :class:`RankPool`'s workers stay alive for the session and run request after request, and a
-test module puts every case of one world size in one request.
+lists). Start-up (import torch, join the group) costs seconds a rank on a small machine, so a
+:class:`RankPool`'s workers stay alive for the session and run request after request, a test module
+puts every case of one world size in one request, and the workers are forked from a fork server that
+has imported what they all import once a session (:mod:`fork_server`).
 
 What the pool guarantees, whatever a case does:
 
@@ -52,6 +53,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+import fork_server
 
 START_TIMEOUT_S = 300.0  # W processes importing torch on 2 busy cores
 STALL_TIMEOUT_S = 300.0  # no case finished on any rank for this long: a hang
@@ -400,9 +403,7 @@ class RankPool:
         # threads a worker on two cores slow every later case
         self.close(broken=not alive)
         self.fd_fill, self.threads = 0.0, 0
-        import torch.multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
+        ctx = fork_server.context()
         self._tmp = tempfile.TemporaryDirectory(prefix=f"autopar-ranks{self.world_size}-")
         store = str(Path(self._tmp.name, "store"))
         self._outbox = ctx.Queue()
@@ -592,4 +593,5 @@ def check_equivalent(m: dict) -> None:
         assert r["grad_rel"] < EXACT, (rank, r["grad_worst"], r["grad_rel"])
         assert r["sgd_loss_rel"] < EXACT, (rank, r)
         assert r["param_rel"] < EXACT, (rank, r["param_worst"], r["param_rel"])
-        assert r["adam_loss_rel"] < ADAM, (rank, r)
+        if r["adam_loss_rel"] is not None:  # the cases that run AdamW: one an engine (equivalence_cases.ADAM_CASES)
+            assert r["adam_loss_rel"] < ADAM, (rank, r)

@@ -20,7 +20,7 @@ import autopar
 
 HSDP = ("dp=4", "dp_replicate=2")
 SPECS: dict[str, Spec] = {
-    "gpt_zero3": Spec(gpt_tiny, PP1 + HSDP + ("tp=1", "zero=3", "microbatches=1"), 4),
+    "gpt_zero3": Spec(gpt_tiny, PP1 + HSDP + ("tp=1", "zero=3", "microbatches=1"), 4, adam=True),
     "gpt_zero2": Spec(gpt_tiny, PP1 + ("dp=4", "dp_shard=2", "tp=1", "zero=2", "microbatches=2"), 8),
     "gpt_zero1": Spec(gpt_tiny, PP1 + HSDP + ("tp=1", "zero=1", "microbatches=2"), 8),
     "llama_zero3": Spec(hf_llama, PP1 + HSDP + ("tp=1", "zero=3", "microbatches=1"), 4),

@@ -1,8 +1,8 @@
 """Expert-parallel cases for :mod:`distributed`: tiny Hugging Face MoE models trained under ep against one process.
 
-Each case is an :func:`equivalence_cases.equivalence` case (3 SGD-with-momentum steps and 3 AdamW
-steps, losses, first-step gradients and final parameters against the unsharded model on the whole
-global batch) on a plan solved with dp pinned and ``ep`` set on the solved plan, or, in the pipeline
+Each case is an :func:`equivalence_cases.equivalence` case (3 SGD-with-momentum steps, 3 AdamW
+steps on ep2_mixtral alone (ADAM_CASES), losses, first-step gradients and final parameters against the unsharded
+model on the whole global batch) on a plan solved with dp pinned and ``ep`` set on the solved plan, or, in the pipeline
 cases, pinned (the planner then offers ep with pp itself). Routing decisions cannot flip between
 the two runs: the weights are seeded (seed 0), the routers score in fp32 (Mixtral's and
 Qwen2-MoE's ``*TopKRouter`` take the softmax of ``logits.float()``), every rank runs the router
@@ -248,7 +248,7 @@ PLAIN = ("pp=1", "tp=1", "recompute=none", "zero=0")
 BLOCKS_TP = "model.layers.*:tp=megatron"
 
 SPECS: dict[str, Spec] = {
-    "ep2_mixtral": Spec(hf_mixtral, PLAIN + ("dp=2", "microbatches=1"), 4, ep=2),
+    "ep2_mixtral": Spec(hf_mixtral, PLAIN + ("dp=2", "microbatches=1"), 4, ep=2, adam=True),
     "ep2_qwen2_moe": Spec(hf_qwen2_moe, PLAIN + ("dp=2", "microbatches=2"), 4, ep=2),
     # ZeRO on an MoE layer shards its dense weights over dp; its experts stay whole per edp rank
     "ep2_zero3_mixtral": Spec(hf_mixtral, ("pp=1", "tp=1", "recompute=none", "zero=3", "dp=2", "microbatches=2"),

@@ -1,8 +1,8 @@
 """Pipeline cases for :mod:`distributed`: pp > 1 plans against one process.
 
 Same protocol and the same case factory as :mod:`equivalence_cases` (model
-seed 0, global batches seeds 1…3, 3 SGD-with-momentum steps and 3 AdamW
-steps, every rank compares with the unsharded model).
+seed 0, global batches seeds 1…3, 3 SGD-with-momentum steps, 3 AdamW
+steps on pp_1f1b alone (ADAM_CASES), every rank compares with the unsharded model).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ SPECS: dict[str, Spec] = {
     # W = 2
     "pp_gpipe": Spec(gpt_tiny, PP2 + ("microbatches=4", "schedule=gpipe", "recompute=all"), 8),
     # the cut between the blocks (the solver may move it where the loss's time weighs on the last stage)
-    "pp_1f1b": Spec(gpt_tiny, PP2 + NO_RC + ("microbatches=4", "schedule=1f1b", "blocks.1:stage=1"), 8),
+    "pp_1f1b": Spec(gpt_tiny, PP2 + NO_RC + ("microbatches=4", "schedule=1f1b", "blocks.1:stage=1"), 8, adam=True),
     "pp_interleaved": Spec(gpt_tiny, PP2 + NO_RC + ("microbatches=4", "schedule=interleaved_1f1b",
                                                    "chunks=2"), 8),
     "pp_model_parallel": Spec(gpt_tiny, PP2 + NO_RC + ("microbatches=1",), 4),

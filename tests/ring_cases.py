@@ -4,9 +4,9 @@
 kernel) on this rank's head-tail chunks against one causal SDPA over the whole sequence, forward and the
 gradients of q, k and v, fp32, with as many key/value heads as query heads and with grouped-query heads
 (2 query heads a key/value head). The ``ring_*`` equivalence cases (:func:`equivalence_cases.equivalence`:
-3 SGD-with-momentum steps and 3 AdamW steps against one process, fp32 on gloo) train the project's GPT and
-a tiny Hugging Face Llama (grouped-query) with ``cp_attention=ring``; ``ring_cp2_runs_ring`` checks one
-training step calls torch's ring once per attention call and never gathers K/V (also beside tp, and beside ep on
+3 SGD-with-momentum steps, 3 AdamW steps on ring_cp2_gpt alone, against one process, fp32 on gloo) train the
+project's GPT and a tiny Hugging Face Llama (grouped-query) with ``cp_attention=ring``; ``ring_cp2_runs_ring`` checks
+one training step calls torch's ring once per attention call and never gathers K/V (also beside tp, and beside ep on
 ``context_cases``' ring Mixtral, whose only autograd all-to-alls are then ep's dispatch).
 """
 
@@ -27,7 +27,7 @@ from autopar.passes.context_chunks import positions
 from autopar.passes.context_ring import ring_attention
 
 SPECS: dict[str, Spec] = {
-    "ring_cp2_gpt": Spec(gpt_tiny, _pins(2) + RING, 2),
+    "ring_cp2_gpt": Spec(gpt_tiny, _pins(2) + RING, 2, adam=True),
     # grouped-query (4 heads over 2 kv heads); selective recompute's replay runs the ring again inside
     # backward, over 2 microbatches
     "ring_cp2_selective_accum_llama": Spec(hf_llama, _pins(2, recompute="selective", m=2) + RING, 2),

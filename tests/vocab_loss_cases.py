@@ -48,7 +48,7 @@ TWO_STAGES = ("pp=2", "dp=1", "tp=2", "zero=0", "recompute=none", "schedule=1f1b
 GPT_BLOCKS, LLAMA_BLOCKS = ("blocks.*:tp=megatron",), ("model.layers.*:tp=megatron",)
 
 W2: dict[str, tuple[Spec, int]] = {  # (spec, vocabulary)
-    "vp_tp2_gpt": (Spec(gpt_tiny, ONE_STAGE + GPT_BLOCKS, 4), 256),
+    "vp_tp2_gpt": (Spec(gpt_tiny, ONE_STAGE + GPT_BLOCKS, 4, adam=True), 256),
     "vp_tp2_sp_gpt": (Spec(gpt_tiny, ONE_STAGE + GPT_BLOCKS + ("blocks.*:sp=on",), 4), 256),
     "vp_tp2_llama": (Spec(hf_llama, ONE_STAGE + LLAMA_BLOCKS, 4), 128),
     "vp_tp2_sp_llama_tied": (Spec(hf_llama_tied, ONE_STAGE + LLAMA_BLOCKS + ("model.layers.*:sp=on",), 4), 128),

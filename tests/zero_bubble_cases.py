@@ -2,8 +2,9 @@
 
 torch's ``ScheduleInterleavedZeroBubble`` (``interleaved_zb``), ``ScheduleZBVZeroBubble`` (``zbv``) and
 ``ScheduleDualPipeV`` (``dualpipev``) on the repo's GPT, a Hugging Face ``LlamaForCausalLM`` from a tiny
-config and nanoGPT as its author writes it; same protocol as :mod:`pipeline_cases` (3 SGD steps and 3
-AdamW steps, every rank compares its losses, gradients and parameters with one process).
+config and nanoGPT as its author writes it; same protocol as :mod:`pipeline_cases` (3 SGD steps; the
+AdamW leg is pp_1f1b's, equivalence_cases.ADAM_CASES; every rank compares its losses, gradients and parameters with
+one process).
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ An MoE block on a cp rank routes that rank's S/cp tokens: the routers are per to
 routing decision. The ring's K/V sends and Ulysses' all-to-alls run on the cp group, ep's dispatch on the ep
 group, the same pair (on two ranks the very same process group, at dp=2 × cp=2 another one): every rank issues
 them in one order, attention's before its block's dispatch. Bars (DESIGN.md, fp32 on CPU): first-step loss and
-gradients, SGD losses and parameters within 1e-5 relative per tensor; AdamW losses within 1e-3. The groups are
+gradients, SGD losses and parameters within 1e-5 relative per tensor; AdamW losses within 1e-3 where
+the case runs AdamW (one an engine: equivalence_cases.ADAM_CASES). The groups are
 what autopar.mesh lays out.
 """
 
@@ -98,10 +99,13 @@ def w8(ranks) -> dict[str, dict]:
 
 
 def test_cp2_ep2_inside_pp2_stages_beside_tp2_on_eight_ranks_matches_one_device(w8: dict) -> None:
+    """Also the suite's cp inside pp stages beside Megatron tp with cp's default method (K/V of the tp rank's
+    heads gathered over cp; the GPT's case of it went: test_context_parallel)."""
     m = w8["cp2_pp2_tp2_ep2_mixtral"]
     check_equivalent(m)
     for r in every_rank(m):
-        assert r["ep"] == 2 and r["mesh"] == [2, 1, 2]
+        assert r["ep"] == 2 and r["mesh"] == [2, 1, 2] and r["mesh_dims"] == ["pp", "dp", "cp", "tp"]
+        assert r["cp_attention"] == "allgather"
 
 
 def test_beside_tp_or_pp_the_ep_group_is_the_cp_pair_of_each_tp_rank_or_stage(w4: dict) -> None:

@@ -9,8 +9,9 @@ sequence parallelism) and cp=2 × pp=2 (W=4; each stage's attention modules run 
 the Llama under GPipe with full recompute), and cp=2 × pp=2 × tp=2 (W=8, the GPT's Megatron blocks under 1F1B).
 
 Bars (DESIGN.md, fp32 on CPU): first-step loss and gradients, SGD losses and parameters within 1e-5 relative per
-tensor; AdamW losses within 1e-3. The lowering really is the ring: a step runs torch's ring forward and backward
-once per attention call and the K/V all-gather never, beside tp too.
+tensor; AdamW losses within 1e-3 where
+the case runs AdamW (one an engine: equivalence_cases.ADAM_CASES). The lowering really is the ring: a step runs
+torch's ring forward and backward once per attention call and the K/V all-gather never, beside tp too.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ microbatches), cp=4, cp=2 × dp=2 at ZeRO-3, cp=2 × tp=2 (Megatron blocks, the 
 over cp; sp off and on) and cp=2 × pp=2 (1F1B, the module inside a stage) (W=4), and cp=2 × pp=2 × tp=2 (W=8).
 
 Bars (DESIGN.md, fp32 on CPU): first-step loss and gradients, SGD losses and parameters within 1e-5
-relative per tensor; AdamW losses within 1e-3. The lowering really is the all-to-all: a step calls
+relative per tensor; AdamW losses within 1e-3 where
+the case runs AdamW (one an engine: equivalence_cases.ADAM_CASES). The lowering really is the all-to-all: a step calls
 ``all_to_all_single_autograd`` four times per attention and the K/V all-gather never.
 """
 

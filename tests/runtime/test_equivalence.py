@@ -3,14 +3,19 @@
 One request per world size to the session's rank pools runs every case (equivalence,
 pass units, errors); each test reads its case's metrics, on every rank. Bars (DESIGN.md,
 fp32 on CPU): first-step loss and gradients, and parameters and losses over 3
-SGD-with-momentum steps, within 1e-5 relative; 3 AdamW steps' losses within 1e-3.
+SGD-with-momentum steps, within 1e-5 relative; 3 AdamW steps' losses within 1e-3 on the one
+case an engine marks for AdamW (equivalence_cases.ADAM_CASES, checked by test_adam_cases).
 """
 
 from __future__ import annotations
 
+import importlib
+from pathlib import Path
+
 import pytest
 from distributed import EXACT, every_rank
 from distributed import check_equivalent as _check_equivalent
+from equivalence_cases import ADAM_CASES, Spec
 
 pytestmark = pytest.mark.distributed
 
@@ -148,3 +153,18 @@ def test_bad_batch(w2: dict) -> None:
     for m in every_rank(w2["runtime_cases:err_bad_batch"]):
         assert m["local"]["raised"] == "BatchError" and "local_batch()" in m["local"]["message"]
         assert m["global"]["raised"] == "BatchError" and "dp 2" in m["global"]["message"]
+
+
+def test_adam_cases() -> None:
+    """The AdamW leg runs on exactly the cases ADAM_CASES names, one an engine (a Spec with adam=True
+    found in any case module's tables, a bare Spec or the first of a tuple)."""
+    marked = set()
+    for path in sorted(Path(__file__).resolve().parents[1].glob("*_cases.py")):
+        module = importlib.import_module(path.stem)
+        for table in (v for v in vars(module).values() if isinstance(v, dict)):
+            for name, value in table.items():
+                spec = value[0] if isinstance(value, tuple) and value else value
+                if isinstance(spec, Spec) and spec.adam:
+                    marked.add(f"{path.stem}:{name}")
+    assert marked == set(ADAM_CASES.values())
+    assert len(set(ADAM_CASES.values())) == len(ADAM_CASES)

@@ -8,7 +8,8 @@ stages of a pp=2 pipeline (W=4, ZeRO-0 and ZeRO-3).
 Parity is exact because the capacity factors are drop-free (cf ≥ E / top-k: tests/moe_cases.py says
 why a dropping capacity cannot be split, and the planner refuses it); routing decisions stay identical
 (fp32 router on the same tokens). Bars as tests/runtime/test_expert_parallel.py's: first-step loss and
-gradients, SGD losses and parameters within 1e-5 relative per tensor; AdamW losses within 1e-3.
+gradients, SGD losses and parameters within 1e-5 relative per tensor; AdamW losses within 1e-3 where
+the case runs AdamW (one an engine: equivalence_cases.ADAM_CASES).
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ over edp) and ep=2 inside a pp=2 pipeline's stages (W=4, ZeRO-0 and ZeRO-3); its
 exported weights restore under ep=1 and ep=4, and its global gradient norm is one device's.
 
 Bars (DESIGN.md, fp32 on CPU): first-step loss and gradients, SGD losses and parameters within 1e-5
-relative per tensor; AdamW losses within 1e-3. Routing decisions stay identical across the runs (seeded
-weights, fp32 routers on the same tokens; tests/moe_cases.py says why). The expert weights are really
+relative per tensor; AdamW losses within 1e-3 where
+the case runs AdamW (one an engine: equivalence_cases.ADAM_CASES). Routing decisions stay identical across the runs
+(seeded weights, fp32 routers on the same tokens; tests/moe_cases.py says why). The expert weights are really
 split: each rank holds 1/ep of them (its parameter bytes); at ZeRO-0 over dp alone the dense weights
 run on DDP (the experts left out of it, fused ones still DTensors after its forward), in fp32 and bf16.
 """

@@ -6,7 +6,7 @@ as ``megatron`` splits it, the routers replicated. Under recompute the split for
 re-run in the backward; at ZeRO-3 FSDP2 shards the experts' tp DTensors over dp.
 
 Bars as ``test_expert_parallel.py``'s (fp32 on CPU: first-step loss and full gradients, SGD losses and
-full parameters within 1e-5 relative per tensor, AdamW losses within 1e-3): the full gradients and
+full parameters within 1e-5 relative per tensor, AdamW losses within 1e-3 where run): the full gradients and
 parameters are read through the runtime's full state dict, so the experts' reordered gate/up rows
 come back as one device's [E, 2I, H]. Each rank really holds half of the experts (its parameter
 bytes). A checkpoint (DCP) and the safetensors export of a split run hold one device's tensors, and
