@@ -132,7 +132,10 @@ def searched_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
                      for mode in contract.data_parallel_modes(graph, mesh.pp, contract.data_ranks(mesh), floor)
                      if mode.sharded or mesh.dp_replicate == 1  # replicas of ZeRO's shards: sharded plans only
                      for method in methods]
-    left_out = len(staged) if configs and len(configs) + len(staged) > CP_PP_SEARCHED_UP_TO else 0
+    # counted as measured before the split-backward schedules were searched: their twins are keyed by a floor of
+    # w (pipeline_price.bubble_weight_floor) and most are never priced
+    counted = sum(not c.schedule.split_backward for c in (*configs, *staged))
+    left_out = len(staged) if configs and counted > CP_PP_SEARCHED_UP_TO else 0
     configs += [] if left_out else staged
     if not keep_idle and "tp" not in pinned:
         configs = [c for c in configs if not idle_tp(graph, c.mesh)] or configs

@@ -158,6 +158,7 @@ class Solution:
     memory_budget_bytes: int
     runners_up: tuple[Candidate, ...] = ()  # the next distinct configurations, fastest first
     cp_pp_left_out: int = 0  # configurations with cp inside pipeline stages the search left out (configs.py)
+    schedule_runner_up: Candidate | None = None  # the best plan found on this mesh under another pipeline schedule
 
 
 def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: TrainingSpec, *,
@@ -183,7 +184,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     for config in configs:
         table = PriceTable(graph, config, cluster, training, shared)
         fastest = table.fastest_time_mb_s()
-        cheap = balanced_step_s(table, sum(fastest), max(fastest))
+        cheap = balanced_step_s(table, sum(fastest), max(fastest), table.bubble_weight_floor)  # nothing simulated
         candidates.append((cheap, config, table))
     candidates.sort(key=lambda x: (x[0], x[1]))
     tables = {config: table for _, config, table in candidates}  # a configuration with replicas: its twin's
@@ -305,7 +306,8 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     gap = max(0.0, (step - bound) / step) if step > 0 else 0.0
     return Solution(best.config, best.stages, best.choices, best.prediction, best.table,
                     "OPTIMAL" if gap <= 1e-9 else "FEASIBLE", gap, wall,
-                    len(candidates), search.solved, budget, tuple(runners_up), left_out)
+                    len(candidates), search.solved, budget, tuple(runners_up), left_out,
+                    search.schedule_runner_up(best) if best.config.mesh.pp > 1 else None)
 
 
 @dataclass
