@@ -73,7 +73,7 @@ def balanced_step_s(table: PriceTable, total: float, slowest_layer: float, bubbl
     """The least step (:meth:`PriceTable.pipeline_s`) when S ≥ ``total`` and T ≥ S/pp, T ≥ any one
     layer (``slowest_layer`` may be any lower bound on T): a node's k ranks hold at least k/pp
     of S, so its work term is at least m·S/pp. It grows with w (T ≤ S), so ``bubble_weight``, a floor of
-    the table's w (:attr:`PriceTable.bubble_weight_floor`; None: w itself), gives a bound too.
+    the table's w (:func:`.pipeline_price.bubble_weight_floor`; None: w itself), gives a bound too.
 
     An infinite ``total`` or ``slowest_layer`` (no rank can hold its layers) is ``inf``, never nan: at
     w = m (GPipe at m = 1) 0·inf was nan, which as the search's heap key broke the heap's order, so the

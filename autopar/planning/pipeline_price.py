@@ -29,6 +29,7 @@ from typing import Any
 
 from autopar.cost_models import schedule_sim
 from autopar.graph import Layer, OpKind, SampleDim
+from autopar.planning import loss_price
 
 PriceTable = Any  # planning.pricing.PriceTable, which imports this module
 
@@ -53,7 +54,7 @@ def phase_times(table: PriceTable) -> tuple[float, float, float]:
         f = b = w = 0.0
         for layer, cls in zip(table.graph, table.graph.cost_classes):
             if cls not in per_class:
-                forward, compute = table.phase_parts_mb_s(layer)
+                forward, compute = _phase_parts_mb_s(table, layer)
                 backward = compute - forward
                 share = weight_share(layer)
                 per_class[cls] = (forward, backward - share * backward, share * backward)
@@ -61,6 +62,17 @@ def phase_times(table: PriceTable) -> tuple[float, float, float]:
             f, b, w = f + lf, b + lb, w + lw
         memo[key] = (table.graph, (f, b, w))  # the graph is kept, so its id is not reused
     return memo[key][1]
+
+
+def _phase_parts_mb_s(table: PriceTable, layer: Layer) -> tuple[float, float]:
+    """(forward, forward + backward) per microbatch of ``layer`` replicated over tp, recomputing nothing, with
+    what :meth:`~.pricing.PriceTable._price` adds to them (a BatchNorm's statistics, the loss's kernels and the
+    chunked loss's head GEMM on the last layer)."""
+    fwd, bwd, *_, times = table._style_part(layer, None, False)
+    norm_sync = table._norm_sync_s(layer)
+    loss_fwd, loss_bwd = table.loss_time_s if layer.index == len(table.graph) - 1 else (0.0, 0.0)
+    forward = fwd + norm_sync + loss_fwd
+    return forward, forward + bwd + norm_sync + loss_bwd + loss_price.recompute_s(table, layer, times.device_fwd_s)
 
 
 def bubble_weight(table: PriceTable) -> Fraction:

@@ -215,22 +215,11 @@ class PriceTable:
 
     @cached_property
     def times_alike(self) -> tuple:
-        """What a layer's per-microbatch times read of the configuration: the mesh (but its dp_replicate), the
-        microbatches and cp's method (tables equal in it share :meth:`fastest_time_mb_s` and the phases of
-        :func:`.pipeline_price.phase_times`)."""
+        """What per-microbatch times read of the configuration (tables equal in it share them): the mesh but
+        its dp_replicate, the microbatches and cp's method."""
         c = self.config
         mesh = c.mesh.replace(dp_replicate=1) if c.mesh.dp_replicate > 1 else c.mesh
         return id(self.graph), id(self.cluster), id(self.training), mesh, c.microbatches, c.cp_attention
-
-    def phase_parts_mb_s(self, layer: Layer) -> tuple[float, float]:
-        """(forward, forward + backward) per microbatch of ``layer`` replicated over tp and recomputing nothing
-        (the loss's kernels and the chunked loss's head GEMM on the last layer, as :meth:`_price` adds them):
-        what the split-backward schedules' F : B : W is read from (:func:`.pipeline_price.phase_times`)."""
-        fwd, bwd, *_, times = self._style_part(layer, None, False)
-        norm_sync = self._norm_sync_s(layer)
-        loss_fwd, loss_bwd = self.loss_time_s if layer.index == len(self.graph) - 1 else (0.0, 0.0)
-        forward = fwd + norm_sync + loss_fwd
-        return forward, forward + bwd + norm_sync + loss_bwd + loss_price.recompute_s(self, layer, times.device_fwd_s)
 
     def _fastest_time_mb_s(self) -> list[float]:
         memo: dict[int, float] = {}
@@ -307,12 +296,6 @@ class PriceTable:
     def bubble_weight(self) -> Fraction:
         """w in step = m·T + w·(S − T) + X (see the module docstring; :mod:`.pipeline_price`)."""
         return pipeline_price.bubble_weight(self)
-
-    @cached_property
-    def bubble_weight_floor(self) -> Fraction:
-        """At most :attr:`bubble_weight`, without simulating a split-backward schedule
-        (:func:`.pipeline_price.bubble_weight_floor`): what the search's cheapest bound reads."""
-        return pipeline_price.bubble_weight_floor(self)
 
     @cached_property
     def core_sharing(self) -> tuple[Fraction, int]:

@@ -100,7 +100,7 @@ from autopar.cost_models.hardware import ClusterSpec
 from autopar.errors import InfeasibleError, PinError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
-from autopar.planning import hsdp_price
+from autopar.planning import hsdp_price, pipeline_price
 from autopar.planning.bounds import balanced_step_s, lower_bound_s, pooled_bound_s
 from autopar.planning.choices import allowed_choices, check_recompute_pins, check_sp_pins
 from autopar.planning.configs import cut_positions, enumerate_configs, searched_configs
@@ -184,7 +184,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     for config in configs:
         table = PriceTable(graph, config, cluster, training, shared)
         fastest = table.fastest_time_mb_s()
-        cheap = balanced_step_s(table, sum(fastest), max(fastest), table.bubble_weight_floor)  # nothing simulated
+        cheap = balanced_step_s(table, sum(fastest), max(fastest), pipeline_price.bubble_weight_floor(table))
         candidates.append((cheap, config, table))
     candidates.sort(key=lambda x: (x[0], x[1]))
     tables = {config: table for _, config, table in candidates}  # a configuration with replicas: its twin's
