@@ -77,41 +77,50 @@ def _flat(rank_actions: Sequence[Any]) -> list[tuple[int, str, int]]:
     return out
 
 
+@lru_cache(maxsize=256)
+def flat_actions(kind: str, pp: int, microbatches: int, chunks: int) -> tuple[tuple[tuple[int, str, int], ...], ...]:
+    """Per pipeline rank, :func:`actions` as (stage, kind, microbatch) in run order (:func:`_flat`): what the
+    simulation and the activations in flight read, flattened once per schedule (a search asks each of a
+    configuration's bubble and in-flight counts: flattening torch's actions again each time was most of it)."""
+    order = actions(kind, pp, microbatches, chunks)
+    return tuple(tuple(_flat(order[r])) for r in range(pp))
+
+
 def simulate(schedule: Any, pp: int, microbatches: int,
              times: Sequence[tuple[float, float, float]]) -> float:
     """The step of ``schedule`` (a :class:`~.pipeline.Schedule`) with stage s taking ``times[s]`` = (F, B, W)
     a microbatch."""
-    order = actions(schedule.kind.value, pp, microbatches, schedule.chunks)
+    queues = flat_actions(schedule.kind.value, pp, microbatches, schedule.chunks)
     last = pp * schedule.chunks - 1
-    queues = {r: _flat(order[r]) for r in range(pp)}
-    done: dict[tuple[int, str, int], float] = {}
+    # when each (stage, microbatch) forward and input backward ended (-1: not yet); nothing waits for a W
+    width = microbatches
+    fwd_end, bwd_end = [-1.0] * ((last + 1) * width), [-1.0] * ((last + 1) * width)
     clock, head = [0.0] * pp, [0] * pp
-
-    def waits_for(stage: int, kind: str, mb: int) -> tuple[int, str, int] | None:
-        if kind == "F":
-            return (stage - 1, "F", mb) if stage > 0 else None
-        if kind == "W":
-            return (stage, "B", mb)
-        return (stage, "F", mb) if stage == last else (stage + 1, "B", mb)
-
-    remaining = sum(len(q) for q in queues.values())
+    remaining = sum(len(q) for q in queues)
     while remaining:
         progress = False
         for r in range(pp):
-            while head[r] < len(queues[r]):
-                stage, kind, mb = queues[r][head[r]]
-                dep = waits_for(stage, kind, mb)
-                if dep is not None and dep not in done:
+            queue, at, now = queues[r], head[r], clock[r]
+            while at < len(queue):
+                stage, kind, mb = queue[at]
+                if kind == "F":  # waits for the previous stage's forward
+                    ready = fwd_end[(stage - 1) * width + mb] if stage > 0 else 0.0
+                elif kind == "W":  # waits for its own input backward
+                    ready = bwd_end[stage * width + mb]
+                else:  # B or BW: the next stage's input backward, or on the last stage its own forward
+                    ready = fwd_end[stage * width + mb] if stage == last else bwd_end[(stage + 1) * width + mb]
+                if ready < 0:
                     break
                 f, b, w = times[stage]
-                start = max(clock[r], done[dep] if dep is not None else 0.0)
-                clock[r] = start + {"F": f, "B": b, "W": w, "BW": b + w}[kind]
-                done[(stage, "F" if kind == "F" else "W" if kind == "W" else "B", mb)] = clock[r]
-                if kind == "BW":
-                    done[(stage, "W", mb)] = clock[r]
-                head[r] += 1
+                now = max(now, ready) + (f if kind == "F" else b if kind == "B" else w if kind == "W" else b + w)
+                if kind == "F":
+                    fwd_end[stage * width + mb] = now
+                elif kind != "W":
+                    bwd_end[stage * width + mb] = now
+                at += 1
                 remaining -= 1
                 progress = True
+            head[r], clock[r] = at, now
         if not progress:
             raise RuntimeError(f"{schedule} on pp={pp} with m={microbatches}: torch's actions deadlock")
     return max(clock)
@@ -136,11 +145,10 @@ def bubble_weight(schedule: Any, pp: int, microbatches: int, f: float, b: float,
 def peak_in_flight(schedule: Any, pp: int, microbatches: int) -> tuple[Fraction, ...]:
     """Per pipeline rank, the most chunk-microbatches of activations held at once, over v (in units of
     one microbatch of all the rank's layers)."""
-    order = actions(schedule.kind.value, pp, microbatches, schedule.chunks)
     out = []
-    for r in range(pp):
+    for rank_actions in flat_actions(schedule.kind.value, pp, microbatches, schedule.chunks):
         live = peak = 0
-        for _, kind, _ in _flat(order[r]):
+        for _, kind, _ in rank_actions:
             live += 1 if kind == "F" else -1 if kind in ("W", "BW") else 0
             peak = max(peak, live)
         out.append(Fraction(peak, schedule.chunks))

@@ -69,13 +69,20 @@ def pooled_bound_s(table: PriceTable, allowed: list[list[int]], budget: int | No
     return lower_bound_s(table, allowed, budget, cuts_ok, enough=-math.inf)
 
 
-def balanced_step_s(table: PriceTable, total: float, slowest_layer: float) -> float:
+def balanced_step_s(table: PriceTable, total: float, slowest_layer: float, bubble_weight: Any = None) -> float:
     """The least step (:meth:`PriceTable.pipeline_s`) when S ≥ ``total`` and T ≥ S/pp, T ≥ any one
     layer (``slowest_layer`` may be any lower bound on T): a node's k ranks hold at least k/pp
-    of S, so its work term is at least m·S/pp."""
-    if math.isinf(total):  # w = 0 at pp = 1 must not turn "nothing fits" into nan
+    of S, so its work term is at least m·S/pp. It grows with w (T ≤ S), so ``bubble_weight``, a floor of
+    the table's w (:func:`.pipeline_price.bubble_weight_floor`; None: w itself), gives a bound too.
+
+    An infinite ``total`` or ``slowest_layer`` (no rank can hold its layers) is ``inf``, never nan: at
+    w = m (GPipe at m = 1) 0·inf was nan, which as the search's heap key broke the heap's order, so the
+    search stopped before configurations whose bound was below the plan it kept (with the split-backward
+    schedules searched, a tiny Llama at 6 MiB on 8 ranks then got a plan 0.4% slower)."""
+    if math.isinf(total) or math.isinf(slowest_layer):  # w = 0 at pp = 1, or w = m: 0·inf
         return math.inf
-    c, w = table.config, float(table.bubble_weight)
+    c = table.config
+    w = float(table.bubble_weight if bubble_weight is None else bubble_weight)
     chain = (c.microbatches - w) * max(total / c.mesh.pp, slowest_layer) + w * total
     sigma, _ = table.core_sharing
     return chain if sigma == 1 else max(chain / float(sigma), c.microbatches * total / c.mesh.pp)

@@ -32,12 +32,6 @@ from autopar.planning.configuration import Configuration, TrainingSpec
 
 INTERLEAVED_CHUNKS = (2, 4)
 ZB_CHUNKS = (1, 2, 4)  # interleaved_zb: ZB-H1 on one chunk a rank, interleaved on more
-# The split-backward schedules are planned where a pin asks for one (schedule=interleaved_zb, zbv, dualpipev),
-# not in the free search: searched beside the others, a search of a tiny Llama at 6 MiB on 8 ranks returned
-# an interleaved 1F1B plan 0.4% slower than one it had not solved, a screen-less search with them missing
-# what the screened one found (tests/planning/test_memory_floor.py); until the search's bounds and memos are
-# proven with them, they are chosen by the user, priced and lowered as searched ones are.
-SPLIT_BACKWARD_PINNED = SPLIT_BACKWARD
 # cp inside pipeline stages (a mesh with both above 1, neither pinned) multiplies the configurations: Llama 3
 # 70B at 131,072 tokens on 512 H100s has 8,914 with them against 1,318 without, DeepSeek-V3 on 1,024 100,954
 # against 13,552. The free search takes them where the whole count stays within CP_PP_SEARCHED_UP_TO: the 70B
@@ -138,7 +132,10 @@ def searched_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
                      for mode in contract.data_parallel_modes(graph, mesh.pp, contract.data_ranks(mesh), floor)
                      if mode.sharded or mesh.dp_replicate == 1  # replicas of ZeRO's shards: sharded plans only
                      for method in methods]
-    left_out = len(staged) if configs and len(configs) + len(staged) > CP_PP_SEARCHED_UP_TO else 0
+    # counted as measured before the split-backward schedules were searched: their twins are keyed by a floor of
+    # w (pipeline_price.bubble_weight_floor) and most are never priced
+    counted = sum(not c.schedule.split_backward for c in (*configs, *staged))
+    left_out = len(staged) if configs and counted > CP_PP_SEARCHED_UP_TO else 0
     configs += [] if left_out else staged
     if not keep_idle and "tp" not in pinned:
         configs = [c for c in configs if not idle_tp(graph, c.mesh)] or configs
@@ -227,10 +224,9 @@ def _check_pinned_mesh(pinned: dict[str, int], limits: AxisLimits) -> None:
 def _schedules(pp: int, m: int, max_stages: int, pins: Pins,
                refused: dict[ScheduleKind, str] | None = None) -> list[Schedule]:
     """The schedules searched for pp ranks and m microbatches: GPipe only where 1F1B cannot run, interleaved
-    1F1B with 2 or 4 chunks, and where pinned the split-backward ones (interleaved_zb with 1, 2 or 4 chunks, zbv
-    and dualpipev with 2 in a V: :data:`SPLIT_BACKWARD_PINNED`) but those ``refused`` says the model cannot run
-    (:func:`autopar.contract.schedule_refusal`); each where torch runs it
-    (:func:`autopar.cost_models.pipeline.schedule_refusal`) and the stages can be cut."""
+    1F1B with 2 or 4 chunks, and the split-backward ones (interleaved_zb with 1, 2 or 4 chunks, zbv and dualpipev
+    with 2 in a V) but those ``refused`` says the model cannot run (:func:`autopar.contract.schedule_refusal`);
+    each where torch runs it (:func:`autopar.cost_models.pipeline.schedule_refusal`) and the stages can be cut."""
     if pp == 1:
         return [Schedule(ScheduleKind.NONE)] if pins.schedule in (None, ScheduleKind.NONE) else []
     out: list[Schedule] = []
@@ -242,7 +238,7 @@ def _schedules(pp: int, m: int, max_stages: int, pins: Pins,
     chunked = {ScheduleKind.INTERLEAVED_1F1B: INTERLEAVED_CHUNKS, ScheduleKind.INTERLEAVED_ZB: ZB_CHUNKS,
                ScheduleKind.ZBV: (2,), ScheduleKind.DUALPIPE_V: (2,)}
     for kind, counts in chunked.items():
-        if want not in (None, kind) or kind in (refused or {}) or (want is None and kind in SPLIT_BACKWARD_PINNED):
+        if want not in (None, kind) or kind in (refused or {}):
             continue
         for v in [pins.chunks] if pins.chunks else counts:
             if pp * v <= max_stages and v in counts and not schedule_refusal(kind, pp, m, v):

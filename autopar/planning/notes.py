@@ -130,12 +130,32 @@ def moe_notes(graph: LayerGraph, ep: int = 1, dp: int = 1, tp_split: bool = Fals
 
 
 def search_notes(solution: Solution) -> tuple[str, ...]:
-    """What the search left out on its own, for a reader who would take OPTIMAL for the whole space."""
+    """What the search left out on its own, for a reader who would take OPTIMAL for the whole space; and under
+    a pipeline, the schedule chosen beside the best plan found on its mesh under another (:func:`schedule_note`)."""
+    notes = schedule_note(solution)
     if left := solution.cp_pp_left_out:
-        return (f"{CP_UNSEARCHED}: its {left:,} configurations would have taken the search past "
-                f"{CP_PP_SEARCHED_UP_TO:,} (OPTIMAL is over the meshes searched): pin cp or pp, e.g. --pin pp=2, "
-                "to plan meshes with both, or price one with autopar explain --why-not 'pp=2 cp=2'",)
-    return ()
+        notes += (f"{CP_UNSEARCHED}: its {left:,} configurations would have taken the search past "
+                  f"{CP_PP_SEARCHED_UP_TO:,} (OPTIMAL is over the meshes searched): pin cp or pp, e.g. --pin pp=2, "
+                  "to plan meshes with both, or price one with autopar explain --why-not 'pp=2 cp=2'",)
+    return notes
+
+
+def schedule_note(solution: Solution) -> tuple[str, ...]:
+    """Under a pipeline: the schedule chosen, its bubble, and the runner-up schedule's price — the best plan the
+    search found on the same mesh under another schedule, or that none was solved (each other schedule's
+    bound, or its memory, left it no better)."""
+    if solution.config.mesh.pp <= 1:
+        return ()
+    chosen, step = solution.config.schedule, solution.prediction.step_time_s
+    head = (f"pipeline schedule {chosen} chosen ({step:.4g} s a step, {solution.prediction.breakdown.bubble_s:.3g} s "
+            "of it bubble)")
+    other = solution.schedule_runner_up
+    if other is None:
+        return (f"{head}; no plan under another schedule on this mesh was solved: none could beat it by its bound, "
+                "or none fit",)
+    c = other.config
+    return (f"{head}; runner-up schedule {c.schedule} (m={c.microbatches}): {other.step_time_s:.4g} s a step "
+            f"({(other.step_time_s - step) / step:+.1%})",)
 
 
 def idle_axis_notes(graph: LayerGraph, solution: Solution, pins: Pins, global_batch: int) -> tuple[str, ...]:

@@ -3,16 +3,23 @@
 GPipe, 1F1B and interleaved 1F1B: w = 1/v with v chunks per rank (Narayanan et al. 2021). The
 split-backward schedules (``interleaved_zb``, ``zbv``, ``dualpipev``: :mod:`autopar.cost_models.pipeline`)
 are simulated on torch's own actions (:mod:`autopar.cost_models.schedule_sim`) with the plan's ratio
-T_F : T_B : T_W, summed over the layers as each is priced under its first choice:
+T_F : T_B : T_W, summed over the layers as each runs replicated over tp, recomputing nothing (the choice
+every split-backward row offers first; read from the times tables of one mesh and microbatch count share,
+so a search does not price a configuration's rows to key it):
 
-    T_F = Σ forward,   T_W = Σ weight_share · backward,   T_B = Σ (forward + backward + recompute) − T_F − T_W
+    T_F = Σ forward,   T_W = Σ weight_share · backward,   T_B = Σ (forward + backward) − T_F − T_W
 
 A layer's W is its weight gradients' GEMMs, dW = Xᵀ·dY: one GEMM of its forward's FLOPs for every
 forward GEMM against a weight (capture's records whose rows grow with the tokens; a batched
 activation × activation GEMM, attention by hand, has none), so its share of the backward is those
 GEMMs' forward FLOPs over twice the layer's forward FLOPs (backward does twice the forward's work);
-a layer without records: half its backward if it has parameters. The recomputed forward runs in B
-(the input backward unpacks the checkpoint).
+a layer without records: half its backward if it has parameters.
+
+The search keys a configuration by a bound before it prices it; for these schedules that bound reads
+:func:`bubble_weight_floor`, a floor of w no simulation is needed for: rank p − 1 can start nothing before
+microbatch 0's forward has passed the p − 1 stages before it (each T_F/v with equal stages, v chunks a rank),
+and then does its m microbatches' work, so the step is at least (p − 1)·T_F/v + m·(T_F + T_B + T_W), and
+w ≥ T_F / (v·(T_F + T_B + T_W)) (torch's schedules meet it at T_F = T_B = T_W: ZB-H1 1/3, ZB-V 1/6).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any
 from autopar.cost_models import schedule_sim
 from autopar.cost_models.communication import p2p_time_s
 from autopar.graph import Layer, OpKind, SampleDim
+from autopar.planning import loss_price
 
 PriceTable = Any  # planning.pricing.PriceTable, which imports this module
 
@@ -39,15 +47,33 @@ def weight_share(layer: Layer) -> float:
 
 
 def phase_times(table: PriceTable) -> tuple[float, float, float]:
-    """(T_F, T_B, T_W) of one microbatch through every layer, each under its first choice."""
-    f = b = w = 0.0
-    for layer, row in zip(table.graph, table.prices):
-        price = row[0]
-        backward = price.compute_mb_s - price.forward_mb_s
-        f += price.forward_mb_s
-        w += weight_share(layer) * backward
-        b += backward - weight_share(layer) * backward
-    return f, b, w
+    """(T_F, T_B, T_W) of one microbatch through every layer (see the module docstring), once for the tables
+    alike in their times (:attr:`~.pricing.PriceTable.times_alike`)."""
+    memo = table.shared.phases
+    if (key := table.times_alike) not in memo:
+        per_class: dict[int, tuple[float, float, float]] = {}
+        f = b = w = 0.0
+        for layer, cls in zip(table.graph, table.graph.cost_classes):
+            if cls not in per_class:
+                forward, compute = _phase_parts_mb_s(table, layer)
+                backward = compute - forward
+                share = weight_share(layer)
+                per_class[cls] = (forward, backward - share * backward, share * backward)
+            lf, lb, lw = per_class[cls]
+            f, b, w = f + lf, b + lb, w + lw
+        memo[key] = (table.graph, (f, b, w))  # the graph is kept, so its id is not reused
+    return memo[key][1]
+
+
+def _phase_parts_mb_s(table: PriceTable, layer: Layer) -> tuple[float, float]:
+    """(forward, forward + backward) per microbatch of ``layer`` replicated over tp, recomputing nothing, with
+    what :meth:`~.pricing.PriceTable._price` adds to them (a BatchNorm's statistics, the loss's kernels and the
+    chunked loss's head GEMM on the last layer)."""
+    fwd, bwd, *_, times = table._style_part(layer, None, False)
+    norm_sync = table._norm_sync_s(layer)
+    loss_fwd, loss_bwd = table.loss_time_s if layer.index == len(table.graph) - 1 else (0.0, 0.0)
+    forward = fwd + norm_sync + loss_fwd
+    return forward, forward + bwd + norm_sync + loss_bwd + loss_price.recompute_s(table, layer, times.device_fwd_s)
 
 
 def bubble_weight(table: PriceTable) -> Fraction:
@@ -90,3 +116,17 @@ def send_s(table: PriceTable, cut: int, stage: int | None) -> float:
     inter = table.boundary_inter_node
     across = (len(inter) > 1 and all(inter[1:])) if stage is None else inter[stage]
     return p2p_time_s(nbytes, inter_node=across, cluster=table.cluster) + table.cluster.collective_sync_s
+
+
+def bubble_weight_floor(table: PriceTable) -> Fraction:
+    """A floor of :func:`bubble_weight` (the module docstring): w itself for GPipe and the 1F1B schedules; for
+    the split-backward ones T_F / (v·(T_F + T_B + T_W)), less the simulated w's rounding to a fraction
+    (:data:`~autopar.cost_models.schedule_sim.DENOMINATOR`)."""
+    c = table.config
+    if c.mesh.pp <= 1 or not c.schedule.split_backward:
+        return bubble_weight(table)
+    f, b, w = phase_times(table)
+    if f + b + w <= 0:
+        return Fraction(0)
+    floor = Fraction(f / (c.schedule.chunks * (f + b + w))) - Fraction(1, schedule_sim.DENOMINATOR)
+    return max(floor, Fraction(0))

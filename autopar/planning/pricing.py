@@ -209,12 +209,17 @@ class PriceTable:
         every choice adds (ep's all-to-alls, norm statistics sync; without them ep's bounds were ep=1's).
         It reads the mesh (but its dp_replicate: no time per microbatch depends on it), microbatches and cp's
         method only: tables alike in those share it."""
-        c = self.config
-        mesh = c.mesh.replace(dp_replicate=1) if c.mesh.dp_replicate > 1 else c.mesh
-        alike = (id(self.graph), id(self.cluster), id(self.training), mesh, c.microbatches, c.cp_attention)
-        if alike not in self._shared.fastest:
+        if (alike := self.times_alike) not in self._shared.fastest:
             self._shared.fastest[alike] = (self.graph, self._fastest_time_mb_s())
         return list(self._shared.fastest[alike][1])
+
+    @cached_property
+    def times_alike(self) -> tuple:
+        """What per-microbatch times read of the configuration (tables equal in it share them): the mesh but
+        its dp_replicate, the microbatches and cp's method."""
+        c = self.config
+        mesh = c.mesh.replace(dp_replicate=1) if c.mesh.dp_replicate > 1 else c.mesh
+        return id(self.graph), id(self.cluster), id(self.training), mesh, c.microbatches, c.cp_attention
 
     def _fastest_time_mb_s(self) -> list[float]:
         memo: dict[int, float] = {}

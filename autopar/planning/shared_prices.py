@@ -32,6 +32,8 @@ class SharedPrices:
         field(default_factory=dict)
     # (graph id, cluster id, training id, mesh, microbatches, cp method) → (the graph; PriceTable.fastest_time_mb_s)
     fastest: dict[tuple, tuple[LayerGraph, list[float]]] = field(default_factory=dict)
+    # the same key → (the graph; pipeline_price.phase_times: T_F, T_B, T_W of a microbatch through every layer)
+    phases: dict[tuple, tuple[LayerGraph, tuple[float, float, float]]] = field(default_factory=dict)
     groups: dict[tuple, tuple[Any, tuple]] = field(default_factory=dict)  # (cluster id, mesh): PriceTable._groups
     # memory_floor.memory_floor_bytes's rows, least states and least activations, each keyed by what it reads
     floors: dict[tuple, tuple[LayerGraph, dict]] = field(default_factory=dict)

@@ -100,7 +100,7 @@ from autopar.cost_models.hardware import ClusterSpec
 from autopar.errors import InfeasibleError, PinError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
-from autopar.planning import hsdp_price
+from autopar.planning import hsdp_price, pipeline_price
 from autopar.planning.bounds import balanced_step_s, lower_bound_s, pooled_bound_s
 from autopar.planning.choices import allowed_choices, check_recompute_pins, check_sp_pins
 from autopar.planning.configs import cut_positions, enumerate_configs, searched_configs
@@ -158,6 +158,7 @@ class Solution:
     memory_budget_bytes: int
     runners_up: tuple[Candidate, ...] = ()  # the next distinct configurations, fastest first
     cp_pp_left_out: int = 0  # configurations with cp inside pipeline stages the search left out (configs.py)
+    schedule_runner_up: Candidate | None = None  # the best plan found on this mesh under another pipeline schedule
 
 
 def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: TrainingSpec, *,
@@ -183,7 +184,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     for config in configs:
         table = PriceTable(graph, config, cluster, training, shared)
         fastest = table.fastest_time_mb_s()
-        cheap = balanced_step_s(table, sum(fastest), max(fastest))
+        cheap = balanced_step_s(table, sum(fastest), max(fastest), pipeline_price.bubble_weight_floor(table))
         candidates.append((cheap, config, table))
     candidates.sort(key=lambda x: (x[0], x[1]))
     tables = {config: table for _, config, table in candidates}  # a configuration with replicas: its twin's
@@ -305,7 +306,8 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     gap = max(0.0, (step - bound) / step) if step > 0 else 0.0
     return Solution(best.config, best.stages, best.choices, best.prediction, best.table,
                     "OPTIMAL" if gap <= 1e-9 else "FEASIBLE", gap, wall,
-                    len(candidates), search.solved, budget, tuple(runners_up), left_out)
+                    len(candidates), search.solved, budget, tuple(runners_up), left_out,
+                    search.schedule_runner_up(best) if best.config.mesh.pp > 1 else None)
 
 
 @dataclass

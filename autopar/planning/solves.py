@@ -60,6 +60,16 @@ class Search:
     kept: dict[tuple, Candidate] = field(default_factory=dict)
     open_bounds: list[float] = field(default_factory=list)
     solved: int = 0
+    # the best plan found of each distinct configuration and pipeline schedule (its kind and chunks), kept or
+    # not: what the chosen plan's schedule beat on its own mesh (schedule_runner_up)
+    schedules: dict[tuple, Candidate] = field(default_factory=dict)
+
+    def schedule_runner_up(self, chosen: Candidate) -> Candidate | None:
+        """The best plan found on ``chosen``'s distinct configuration under another pipeline schedule (None:
+        none was solved to a plan: their bounds were no better, or nothing fit)."""
+        key = distinct_key(chosen.config)
+        others = [c for (k, schedule), c in self.schedules.items() if k == key and schedule != chosen.config.schedule]
+        return min(others, key=lambda c: c.step_time_s, default=None)
 
     def ranked(self) -> list[Candidate]:
         """The kept plans, fastest first (on a tie, the first found)."""
@@ -84,6 +94,9 @@ class Search:
         return min(self.cutoff, own.step_time_s if own is not None else math.inf)
 
     def offer(self, candidate: Candidate) -> None:
+        by_schedule = (distinct_key(candidate.config), candidate.config.schedule)
+        if by_schedule not in self.schedules or candidate.step_time_s < self.schedules[by_schedule].step_time_s:
+            self.schedules[by_schedule] = candidate
         if candidate.step_time_s < self.threshold(candidate.config):
             key = distinct_key(candidate.config)
             self.kept.pop(key, None)  # re-inserted: the order of finding breaks ties
