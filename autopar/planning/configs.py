@@ -32,6 +32,12 @@ from autopar.planning.configuration import Configuration, TrainingSpec
 
 INTERLEAVED_CHUNKS = (2, 4)
 ZB_CHUNKS = (1, 2, 4)  # interleaved_zb: ZB-H1 on one chunk a rank, interleaved on more
+# The split-backward schedules (interleaved_zb, zbv, dualpipev) are planned where a pin asks for one, not in the
+# free search. The search is right with them (the 0.4% slower plan they once led to was a nan bound,
+# bounds.balanced_step_s; tests/planning/test_zero_bubble_search.py proves the free plan with them against brute
+# force), but they cost: HF Llama 3 70B × 512 at 8,192 tokens keyed 28,394 configurations instead of 12,037 and
+# planned in 42 s instead of 17 (load 5), past its 10 s goal. True searches them.
+SEARCH_SPLIT_BACKWARD = False
 # cp inside pipeline stages (a mesh with both above 1, neither pinned) multiplies the configurations: Llama 3
 # 70B at 131,072 tokens on 512 H100s has 8,914 with them against 1,318 without, DeepSeek-V3 on 1,024 100,954
 # against 13,552. The free search takes them where the whole count stays within CP_PP_SEARCHED_UP_TO: the 70B
@@ -224,8 +230,8 @@ def _check_pinned_mesh(pinned: dict[str, int], limits: AxisLimits) -> None:
 def _schedules(pp: int, m: int, max_stages: int, pins: Pins,
                refused: dict[ScheduleKind, str] | None = None) -> list[Schedule]:
     """The schedules searched for pp ranks and m microbatches: GPipe only where 1F1B cannot run, interleaved
-    1F1B with 2 or 4 chunks, and the split-backward ones (interleaved_zb with 1, 2 or 4 chunks, zbv and dualpipev
-    with 2 in a V) but those ``refused`` says the model cannot run (:func:`autopar.contract.schedule_refusal`);
+    1F1B with 2 or 4 chunks, and where pinned (or :data:`SEARCH_SPLIT_BACKWARD`) the split-backward ones
+    (interleaved_zb with 1, 2 or 4 chunks, zbv and dualpipev with 2 in a V) but those ``refused`` says the model cannot run (:func:`autopar.contract.schedule_refusal`);
     each where torch runs it (:func:`autopar.cost_models.pipeline.schedule_refusal`) and the stages can be cut."""
     if pp == 1:
         return [Schedule(ScheduleKind.NONE)] if pins.schedule in (None, ScheduleKind.NONE) else []
@@ -238,7 +244,8 @@ def _schedules(pp: int, m: int, max_stages: int, pins: Pins,
     chunked = {ScheduleKind.INTERLEAVED_1F1B: INTERLEAVED_CHUNKS, ScheduleKind.INTERLEAVED_ZB: ZB_CHUNKS,
                ScheduleKind.ZBV: (2,), ScheduleKind.DUALPIPE_V: (2,)}
     for kind, counts in chunked.items():
-        if want not in (None, kind) or kind in (refused or {}):
+        if want not in (None, kind) or kind in (refused or {}) or (
+                want is None and kind in SPLIT_BACKWARD and not SEARCH_SPLIT_BACKWARD):
             continue
         for v in [pins.chunks] if pins.chunks else counts:
             if pp * v <= max_stages and v in counts and not schedule_refusal(kind, pp, m, v):

@@ -58,9 +58,14 @@ def test_zero_bubble_prices_a_smaller_bubble_than_1f1b(graph) -> None:
     assert 0 < zb < one
 
 
-def test_the_free_search_takes_them_where_they_are_cheapest(graph) -> None:
-    # searched with GPipe, 1F1B and interleaved 1F1B: memory is ample, so a split-backward schedule's smaller
-    # bubble wins, and the plan is what pinning that schedule gives
+def test_the_free_search_takes_them_where_they_are_cheapest(graph, monkeypatch) -> None:
+    # searched (configs.SEARCH_SPLIT_BACKWARD; by default only where pinned) with GPipe, 1F1B and interleaved
+    # 1F1B: memory is ample, so a split-backward schedule's smaller bubble wins, and the plan is what pinning
+    # that schedule gives; by default the free search leaves them out
+    from autopar.planning import configs
+
+    assert _solve(graph, ["pp=2", "microbatches=4"]).schedule not in SPLIT_BACKWARD
+    monkeypatch.setattr(configs, "SEARCH_SPLIT_BACKWARD", True)
     free = _solve(graph, ["pp=2", "microbatches=4"])
     assert free.schedule in SPLIT_BACKWARD
     assert all(not l.choice.recompute for l in free.layers)

@@ -39,6 +39,7 @@ def _without_split_backward(monkeypatch) -> None:
 ])
 def test_the_free_plan_with_them_is_never_worse_than_without(blocks, hidden, seq, world, gpus, batch, mem,
                                                              monkeypatch):
+    monkeypatch.setattr(configs, "SEARCH_SPLIT_BACKWARD", True)  # off by default: planning time (configs.py)
     graph = transformer_graph(blocks, hidden, seq, vocab=8192, heads=16)
     cluster = tiny_cluster(mem, gpus).for_world_size(world)
     training = TrainingSpec(batch, "bf16")
@@ -56,7 +57,7 @@ def test_the_free_plan_with_them_is_never_worse_than_without(blocks, hidden, seq
     assert with_them.prediction.step_time_s <= without.prediction.step_time_s * (1 + 1e-9)
 
 
-def test_the_floor_of_w_is_at_most_the_simulated_w():
+def test_the_floor_of_w_is_at_most_the_simulated_w(monkeypatch):
     """bubble_weight_floor (no simulation) against torch's actions simulated, over schedules, pipeline depths,
     microbatch counts and F : B : W; and on every configuration of a search, against the table's own w."""
     for kind, chunks in [(ScheduleKind.INTERLEAVED_ZB, (1, 2, 4)), (ScheduleKind.ZBV, (2,)),
@@ -69,6 +70,7 @@ def test_the_floor_of_w_is_at_most_the_simulated_w():
                     for f, b, w in [(1, 1, 1), (1, 2, 0), (1, 0.2, 1.8), (0.1, 1, 1), (2, 1, 0.5)]:
                         simulated = schedule_sim.bubble_weight(Schedule(kind, v), p, m, f, b, w)
                         assert f / (v * (f + b + w)) - 1 / schedule_sim.DENOMINATOR <= simulated, (kind, v, p, m)
+    monkeypatch.setattr(configs, "SEARCH_SPLIT_BACKWARD", True)  # a search's configurations with them
     graph = transformer_graph(2, 1024, 512, vocab=8192, heads=16)
     cluster, training = tiny_cluster(80, 4).for_world_size(8), TrainingSpec(8, "bf16")
     split = 0
@@ -91,6 +93,7 @@ def test_a_bound_with_nothing_that_fits_is_inf_not_nan():
 
 
 def test_the_tiny_llama_that_found_a_slower_plan(monkeypatch):
+    monkeypatch.setattr(configs, "SEARCH_SPLIT_BACKWARD", True)
     """The instance that kept these schedules out of the free search: a tiny Llama at 6 MiB on 8 ranks, pp=2,
     planned an interleaved 1F1B plan 0.4% slower with them than without (the nan above)."""
     transformers = pytest.importorskip("transformers")
