@@ -58,10 +58,14 @@ def test_solver_matches_brute_force(blocks, hidden, seq, world, gpus, batch, mem
 
 
 @pytest.mark.parametrize("blocks,hidden,seq,world,gpus,batch,mem,cores", CASES[1:4])
-def test_each_configuration_s_bound_is_at_most_its_best_plan(blocks, hidden, seq, world, gpus, batch, mem, cores):
+def test_each_configuration_s_bound_is_at_most_its_best_plan(blocks, hidden, seq, world, gpus, batch, mem, cores,
+                                                            monkeypatch):
     """The bounds the search prunes by (the tail's knapsack among them) never exceed what a configuration's
     best plan takes, the zero-bubble schedules' (w simulated) among them: an unsound bound would prune the
     optimum where brute force finds it."""
+    from autopar.planning import configs
+
+    monkeypatch.setattr(configs, "SEARCH_SPLIT_BACKWARD", True)  # where pinned only, by default: these too
     graph = transformer_graph(blocks, hidden, seq, vocab=8192, heads=16)
     cluster = tiny_cluster(mem, gpus, cores).for_world_size(world)
     training = TrainingSpec(batch, "bf16")
