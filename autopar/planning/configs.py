@@ -231,8 +231,9 @@ def _schedules(pp: int, m: int, max_stages: int, pins: Pins,
                refused: dict[ScheduleKind, str] | None = None) -> list[Schedule]:
     """The schedules searched for pp ranks and m microbatches: GPipe only where 1F1B cannot run, interleaved
     1F1B with 2 or 4 chunks, and where pinned (or :data:`SEARCH_SPLIT_BACKWARD`) the split-backward ones
-    (interleaved_zb with 1, 2 or 4 chunks, zbv and dualpipev with 2 in a V) but those ``refused`` says the model cannot run (:func:`autopar.contract.schedule_refusal`);
-    each where torch runs it (:func:`autopar.cost_models.pipeline.schedule_refusal`) and the stages can be cut."""
+    (interleaved_zb with 1, 2 or 4 chunks, zbv and dualpipev with 2 in a V) but those ``refused`` says the
+    model cannot run (:func:`autopar.contract.schedule_refusal`); each where torch runs it
+    (:func:`autopar.cost_models.pipeline.schedule_refusal`) and the stages can be cut."""
     if pp == 1:
         return [Schedule(ScheduleKind.NONE)] if pins.schedule in (None, ScheduleKind.NONE) else []
     out: list[Schedule] = []
