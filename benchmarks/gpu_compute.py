@@ -77,6 +77,9 @@ def measure(dry: bool, cluster: Any) -> dict[str, Any]:
     for g in gemms:
         g["predicted_s"] = gemm_time_s(g["m"], g["n"], g["k"], 1, spec, name)
         g["tflops_s"] = 2.0 * g["m"] * g["n"] * g["k"] / g["seconds"] / 1e12
+    preset = spec.op_model
+    # measured whatever the fit does: a busy host's failed fit still reports it
+    host_row = dict(host, per_op_s=host["seconds"] / host["ops"], preset_host_op_s=preset.host_op_s if preset else None)
     try:
         rate, k_half, overhead = fit_gemm(gemms)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 0
@@ -84,9 +87,8 @@ def measure(dry: bool, cluster: Any) -> dict[str, Any]:
                                            gemm_shapes=gemms, bandwidth=bandwidth, attention=attention,
                                            sm_count=sms), spec.memory_bandwidth_bytes_s)
     except CalibrationError as exc:  # a busy host's noise: reported, the rest of the check still runs
-        return {"dtype": name, "gemms": gemms, "error": str(exc)}
+        return {"dtype": name, "gemms": gemms, "host": host_row, "error": str(exc)}
     ops = fitted[1] if fitted else None
-    preset = spec.op_model
     return {
         "dtype": name, "gemms": gemms, "sm_count": ops.sm_count if ops else 0,
         "fit": {"rate_flops_s": rate, "efficiency_of_peak": rate / spec.peak_flops(name), "gemm_k_half": k_half,
@@ -94,8 +96,7 @@ def measure(dry: bool, cluster: Any) -> dict[str, Any]:
         "bandwidth": dict(bandwidth, bytes_s=bandwidth["bytes"] / bandwidth["seconds"],
                           fraction_of_spec=bandwidth["bytes"] / bandwidth["seconds"] / spec.memory_bandwidth_bytes_s,
                           preset_fraction=preset.bandwidth_fraction if preset else None),
-        "host": dict(host, per_op_s=host["seconds"] / host["ops"],
-                     preset_host_op_s=preset.host_op_s if preset else None),
+        "host": host_row,
         "attention": dict(attention, fwd_of_gemm=ops.attention_fwd if ops else None,
                           bwd_of_gemm=ops.attention_bwd if ops else None,
                           preset_fwd=preset.attention_fwd if preset else None,
