@@ -64,7 +64,7 @@ class Here:
     ``launched_world``: the process group's size (None: not launched). ``device``: ``"cpu"``, ``"cuda"`` or
     another torch device type; ``capability``/``device_name`` describe a CUDA device. ``torch_compile`` and
     ``float8``: what was asked (None: as the plan says). ``biased_routers``: the model's routers with a
-    ``e_score_correction_bias`` (counted only when ``moe_bias_update`` asks for them)."""
+    balance bias (:data:`autopar.experts.layouts.ROUTER_BIAS`) (counted only when ``moe_bias_update`` asks for them)."""
 
     world_size: int
     launched_world: int | None = None
