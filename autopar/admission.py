@@ -13,7 +13,7 @@ The rules, by feature:
 * **world**: the plan's world size is the ranks launched (and the ``world_size`` given).
 * **layout**: hybrid sharding only where it runs; batch-coupled layers run as ``batch_coupled`` says.
 * **torch.compile**: asked (``torch_compile``) only as priced (``training.compiled``); a compiled plan's
-  mesh must be one the compiled runtime runs (:func:`autopar.contract.compile_refusal`), its recompute
+  mesh must be one the compiled runtime runs (:func:`autopar.contract_compile.compile_refusal`), its recompute
   one an op-level policy can see, and its experts not split over tp (:func:`compiled_refusals`).
 * **float8**: asked only as priced, in the recipe priced; DDP and ZeRO/FSDP2 plans only (no tp, pp or
   ep: :func:`float8_refusals`); a CUDA device of compute capability 8.9 or later, or a CPU (emulated).
@@ -35,9 +35,6 @@ from typing import Any
 from autopar.batch_coupling import refusal as coupling_refusal
 from autopar.choice import CpAttention
 from autopar.contract import (
-    BREAK_RECOMPUTES,
-    compile_refusal,
-    compiled_break,
     cp_admits_style,
     cp_refusal,
     ep_refusal,
@@ -45,6 +42,7 @@ from autopar.contract import (
     ring_refusal,
     ulysses_refusal,
 )
+from autopar.contract_compile import BREAK_RECOMPUTES, compile_refusal, compiled_break
 from autopar.contract_hsdp import hsdp_refusal
 from autopar.cost_models.gpu_figures import FP8_MIN_COMPUTE_CAPABILITY
 from autopar.errors import AutoparError, CompileError, Float8Error, LoweringError, PlanError
@@ -121,7 +119,7 @@ def mesh_refusal(graph: LayerGraph | None, mesh: Mesh, compiled: bool, float8: b
 
 def compiled_refusals(plan: Plan, graph: LayerGraph | None = None) -> list[str]:
     """What in ``plan`` the compiled runtime does not run yet (empty when it does): the contract's
-    :func:`~autopar.contract.compile_refusal` (``graph`` None: the mesh's axes only), selective or
+    :func:`~autopar.contract_compile.compile_refusal` (``graph`` None: the mesh's axes only), selective or
     alternate-mm recompute of a block compiled around an eager exchange, a layer planned tensor parallel on
     a mesh without tp, and experts split over tp (eager only)."""
     why = [r] if (r := compile_refusal(graph, plan.mesh)) else []

@@ -237,7 +237,7 @@ def _rc_requires(module: nn.Module, ctx: Context) -> str | None:
 
 
 def _rc_run(module: nn.Module, ctx: Context, result: PartResult) -> None:
-    from autopar.contract import compiled_block_paths
+    from autopar.contract_compile import compiled_block_paths
     from autopar.passes.recompute import checkpoint_modules
 
     checkpoint_modules(module, list(ctx.part.recompute), _recompute_kinds(ctx),

@@ -23,7 +23,7 @@ checkpoint as a region and AOTAutograd's partitioner keeps only what the
 policy saves. The composable hooks cannot stay around a compiled forward: a
 selective policy's caching mode outside the compiled region sees the
 compiled kernels' outputs mutated and fails in backward. A block compiled
-around an eager exchange (``autopar.contract.compiled_break``: the ring under
+around an eager exchange (``autopar.contract_compile.compiled_break``: the ring under
 cp, the experts' dispatch under ep) is checkpointed the same way here, in full
 only, and the compiled runtime then inverts the nesting: it compiles the
 module's own forward (``__wrapped__``) and keeps this checkpoint eager around

@@ -67,7 +67,8 @@ def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | No
     is the per-rank budget in GiB (default: device memory less the cluster's reserve).
     The plan records the best plans of the next ``runners_up`` distinct configurations
     (``Plan.runners_up``; 0 searches least). ``compiled``: each block priced under
-    torch.compile, in the plans the compiled runtime runs (:func:`autopar.contract.compile_refusal`). ``float8``: the
+    torch.compile, in the plans the compiled runtime runs
+    (:func:`autopar.contract_compile.compile_refusal`). ``float8``: the
     linears that run float8 matmuls (:func:`autopar.float8.settings_for` picks them from the model),
     priced at the device's float8 peak plus the casts, in the plans the float8 runtime runs
     (:data:`FLOAT8_PINS`); a device without float8 matmuls raises :class:`Float8Error` (a CPU cluster
@@ -115,9 +116,10 @@ def loss_asked(graph: LayerGraph, pins: Pins, custom_loss: bool) -> LossKind:
 
 
 # What the compiled runtime runs (autopar.runtime.compiled) is searched alone: the search skips the meshes
-# contract.compile_refusal refuses (ep or cp beside tp, pp or each other, a pipeline whose stages call no block)
-# and the selective or alternate-mm recompute of a block compiled around an eager exchange (contract.compiled_break;
-# full recompute runs there, its checkpoint eager around the compiled block), so nothing it cannot run is offered.
+# contract_compile.compile_refusal refuses (ep or cp beside tp, pp or each other, a pipeline whose stages call no
+# block) and the selective or alternate-mm recompute of a block compiled around an eager exchange
+# (contract_compile.compiled_break; full recompute runs there, its checkpoint eager around the compiled block), so
+# nothing it cannot run is offered.
 
 # What the float8 runtime runs (autopar.runtime.float8): torchao's Float8Linear under DDP or FSDP2, also
 # beside cp; no tensor parallelism (autopar's sharding runtime, not torchao's float8 styles), pipelines or experts.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
-from autopar import contract
+from autopar import contract, contract_compile
 from autopar.choice import LayerChoice, Recompute
 from autopar.errors import PinError
 from autopar.graph import LayerGraph
@@ -81,11 +81,11 @@ def _allowed_choices(table: PriceTable, layer_pins: list[dict[str, Any]]) -> lis
         if not ks:  # a pinned choice outside the search space extends this layer's row only
             allowed.append(_pinned_outside_search(table, i, pin))
             continue
-        if table.training.compiled and contract.compiled_break(table.graph, i, table.config.mesh,
+        if table.training.compiled and contract_compile.compiled_break(table.graph, i, table.config.mesh,
                                                                table.config.cp_attention):
             # full recompute runs with the checkpoint eager around the compiled block; a selective or
             # alternate-mm policy would not see the compiled ops: not offered
-            ks = [k for k in ks if strategies[k].recompute in contract.BREAK_RECOMPUTES]
+            ks = [k for k in ks if strategies[k].recompute in contract_compile.BREAK_RECOMPUTES]
         memo[key] = _undominated_alike(table, i, ks) if ks else []
         allowed.append(memo[key])
     return allowed

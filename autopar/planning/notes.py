@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from autopar import contract
+from autopar import contract, contract_compile
 from autopar.choice import CpAttention, LossKind, Recompute
 from autopar.cost_models.hardware import ClusterSpec
 from autopar.experts import Dispatch, ExpertLayout
@@ -51,7 +51,7 @@ def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
         notes.append(f"cp attention by ring (cp={solution.config.mesh.cp}): not priced, the updates of each "
                      "call's log-sum-exp as the ring merges its partial outputs (1/head_dim of the output's bytes "
                      "a step)")
-    broken = [layer.name for layer in graph if solution.table.training.compiled and contract.compiled_break(
+    broken = [layer.name for layer in graph if solution.table.training.compiled and contract_compile.compiled_break(
         graph, layer.index, solution.config.mesh, solution.config.cp_attention)]
     if broken:  # runtime/compiled.py: fullgraph=False where blocks break at an eager exchange
         notes.append(f"{broken[0]}{' …' if len(broken) > 1 else ''} ({len(broken)}): compiled around an eager "

@@ -27,7 +27,7 @@ def compiled_ops(table: Any, layer: Layer) -> bool:
     on its compute. Under the ring the block compiles around ``ring_attention``, whose kernels and
     elementwise work are priced as eager already (``ring_elementwise_s``, ``attention_op_time_s``)."""
     return (table.training.compiled and table.graph.blocks[layer.index]
-            and not (table.config.mesh.ep > 1 and bool(layer.moe)))  # contract.compiled_break's ep half
+            and not (table.config.mesh.ep > 1 and bool(layer.moe)))  # contract_compile.compiled_break's ep half
 
 
 def recompute_part(table: Any, layer: Layer, strategy: Any, fwd_s: float, acts: float,
@@ -50,7 +50,7 @@ def recompute_part(table: Any, layer: Layer, strategy: Any, fwd_s: float, acts: 
     (the op model's ``compiled_memory_bound_fraction``, where the op model
     prices memory-bound ops apart); what is kept is priced as eager (the partitioner keeps
     what the policy saves: measured on a tiny GPT block, compiled full kept the block's input).
-    A block compiled around an eager exchange (``contract.compiled_break``: the ring, ep's dispatch)
+    A block compiled around an eager exchange (``contract_compile.compiled_break``: the ring, ep's dispatch)
     recomputes in full only, its eager checkpoint rerunning the compiled forward, the exchange
     included: ``fwd_s`` as priced for that block (the ring's work unfused, an MoE block under ep
     unfused whole) and, in ``pricing``, the exchange's forward collectives again; it keeps its input.

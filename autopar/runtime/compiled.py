@@ -64,7 +64,7 @@ which traced would recompile every step) and the ring
 ``torch.compiler.disable``, and a plan with either compiles its blocks with
 ``fullgraph=False`` (:func:`breaks_at_exchanges`), each block around that one
 break. Such a block is recomputed in full only, with the nesting inverted
-(:func:`autopar.contract.compiled_break`): dynamo cannot break inside the
+(:func:`autopar.contract_compile.compiled_break`): dynamo cannot break inside the
 checkpoint it traces (the checkpointed block ran wholly eagerly: no graph
 compiled over 10 steps), so the block's own forward is compiled around the
 break and an eager non-reentrant ``torch.utils.checkpoint.checkpoint`` wraps
@@ -76,7 +76,7 @@ selective or alternate-mm policy cannot see the ops inside the compiled
 graphs, so those kinds are neither offered nor run there.
 The tests compare 3 SGD steps with eager within 1e-5 and count recompiles over 10.
 :mod:`autopar.admission` (`compiled_refusals`) refuses every other lowering
-(:func:`autopar.contract.compile_refusal`) with a
+(:func:`autopar.contract_compile.compile_refusal`) with a
 :class:`~autopar.errors.CompileError` before the first collective: expert or
 context parallelism beside tp, pp or each other, selective or alternate-mm
 recompute of a block that breaks at an eager exchange, and pipelines whose stages call no
@@ -93,7 +93,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from autopar.contract import compiled_block_paths, compiled_break
+from autopar.contract_compile import compiled_block_paths, compiled_break
 from autopar.errors import CompileError
 from autopar.graph import LayerGraph
 from autopar.plan import Plan
@@ -111,7 +111,7 @@ def requested(torch_compile: bool | None) -> bool | None:
 
 def block_paths(graph: LayerGraph, plan: Plan) -> list[str]:
     """Module paths of the plan's repeated blocks, in order: the modules compiled one by one
-    (:func:`autopar.contract.compiled_block_paths`; empty for a plan priced eager)."""
+    (:func:`autopar.contract_compile.compiled_block_paths`; empty for a plan priced eager)."""
     return compiled_block_paths(graph, plan)
 
 
@@ -183,7 +183,7 @@ def compile_blocks(parts: list[nn.Module], paths: list[str], on_break: Callable[
     """Replace each block's ``forward`` with a :class:`CompiledBlock` of it (in place; the module, its
     hooks, FQNs and state-dict keys are unchanged); returns the paths compiled. ``fullgraph`` False: the
     block may break at the exchanges kept eager (:func:`breaks_at_exchanges`). A checkpointed block of
-    ``checkpoint_outside`` (one that breaks there, :func:`autopar.contract.compiled_break`; full recompute
+    ``checkpoint_outside`` (one that breaks there, :func:`autopar.contract_compile.compiled_break`; full recompute
     only) keeps its checkpoint eager around the compiled forward (module docstring)."""
     from autopar.choice import Recompute
     from autopar.passes.recompute import CHECKPOINTED_FORWARD, checkpointed

@@ -21,7 +21,7 @@ the plan itself — the same mesh, schedule and layer choices, nothing solved ag
 eager and compiled (:func:`autopar.planning.api.reprice`), its step time and peak memory set
 beside the chosen plan's; ``compile=X`` that is what the plan already does says so, and
 ``compile=on`` for a plan the compiled runtime does not run says why
-(:func:`autopar.contract.compile_refusal`). With other pins beside it, ``compile=X`` solves
+(:func:`autopar.contract_compile.compile_refusal`). With other pins beside it, ``compile=X`` solves
 again with those pins, compiled or eager as asked; any other counterfactual is solved as the
 plan was priced (compiled or eager).
 

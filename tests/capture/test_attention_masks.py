@@ -32,6 +32,7 @@ def _blocks(graph):
     return [l for l in graph.layers if l.name.startswith("model.layers.")]
 
 
+@pytest.mark.slow
 def test_hf_llama_capture_is_linear_in_the_sequence_and_causal():
     small, large = (capture(*_llama(s)) for s in (512, 1024))
     for a, b in zip(_blocks(small), _blocks(large)):
@@ -42,6 +43,7 @@ def test_hf_llama_capture_is_linear_in_the_sequence_and_causal():
         assert attention and all(o.causal and not o.masked for o in attention)
 
 
+@pytest.mark.slow
 def test_a_padding_mask_keeps_hugging_face_s_mask():
     """Given ``attention_mask``, eager could not skip the mask either: the S × S mask stays."""
     def masked(seq):
@@ -55,6 +57,7 @@ def test_a_padding_mask_keeps_hugging_face_s_mask():
     assert attention and not any(o.causal for o in attention) and all(o.masked for o in attention)
 
 
+@pytest.mark.slow
 def test_a_call_with_its_own_mask_is_priced_at_the_masked_rate():
     """CUDA's flash kernel takes no mask: an SDPA call given one runs the memory-efficient kernel there, and
     is priced at that rate (OpModel.masked_attention_fwd/bwd); a CPU's kernels take masks (rate 1)."""

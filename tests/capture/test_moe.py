@@ -283,6 +283,7 @@ def _deepseek_reference(c, seq: int) -> float:
 
 @pytest.mark.parametrize("name,reference", [("mixtral_8x7b", _mixtral_reference),
                                             ("deepseek_v3", _deepseek_reference)])
+@pytest.mark.slow
 def test_full_size_flops_per_token_within_5_percent_of_6_n_active_plus_attention(name, reference) -> None:
     seq = 4096
     model, inputs = getattr(_examples_moe(), name)(seq)

@@ -47,6 +47,7 @@ def _exported_depths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_once_per_kind_captures_what_the_whole_export_captures(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     model, inputs = _build(case)
     whole = capture(model, inputs, trace_once_per_kind=False)
@@ -69,12 +70,14 @@ def test_blocks_of_two_kinds_are_told_apart_by_layer_types() -> None:
     assert stack_kinds(model, model.model.layers) == [0] * 5
 
 
+@pytest.mark.slow
 def test_on_real_tensors_too_and_the_model_is_left_whole() -> None:
     model, inputs = _build("llama", "cpu")
     assert capture(model, inputs).to_dict() == capture(model, inputs, trace_once_per_kind=False).to_dict()
     assert len(model.model.layers) == 5 and model.config.num_hidden_layers == 5
 
 
+@pytest.mark.slow
 def test_a_block_with_a_hook_is_exported_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     model, inputs = _build("llama")
     handle = model.model.layers[3].register_forward_hook(lambda *a: None)

@@ -40,6 +40,7 @@ LEVELS: dict[str, int] = {
     "autopar.pins": 2,
     "autopar.contract": 2,
     "autopar.contract_cp": 2,
+    "autopar.contract_compile": 2,
     "autopar.contract_loss": 2,
     "autopar.admission": 2,  # every reason a plan cannot run here: read by the planner and the runtime
     "autopar.contract_hsdp": 2,

@@ -77,6 +77,7 @@ def _dict_model():
 
 
 @pytest.mark.parametrize("build", [qwen2, llama_tied, lstm, _dict_model], ids=["qwen2", "llama_tied", "lstm", "dict"])
+@pytest.mark.slow
 def test_every_offered_cut_chains_to_the_model(build) -> None:
     torch.manual_seed(0)
     model, inputs = build()
@@ -92,6 +93,7 @@ def test_every_offered_cut_chains_to_the_model(build) -> None:
         assert torch.equal(getattr(out, "logits", out), ref), graph.layers[i].name
 
 
+@pytest.mark.slow
 def test_a_tied_weight_is_held_under_the_models_first_name_on_both_ends() -> None:
     torch.manual_seed(0)
     model, inputs = gemma3_tied()
@@ -187,6 +189,7 @@ def test_inputs_read_only_past_the_cut_arrive_with_their_real_values(ranks) -> N
 
 
 @pytest.mark.parametrize("pp", [2, 3])
+@pytest.mark.slow
 def test_t5s_shared_embedding_keeps_its_readers_on_the_first_and_last_stage(pp: int) -> None:
     """T5 reads one embedding in its encoder, its decoder and its head: cuts are offered (pp=2 was
     refused), and every plan puts each reader on the first or the last stage, the only two that

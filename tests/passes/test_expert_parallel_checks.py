@@ -44,12 +44,14 @@ def mixtral():
     return moe_cases.hf_mixtral()
 
 
+@pytest.mark.slow
 def test_hf_fused_experts_pass_the_checks(mixtral) -> None:
     plan, graph = _plan(*mixtral, ep=2)
     check_expert_parallel(mixtral[0], graph, plan)  # raises nothing
     check_expert_parallel(mixtral[0], graph, dataclasses.replace(plan, mesh=Mesh(dp=4, ep=4), world_size=4))
 
 
+@pytest.mark.slow
 def test_ep_not_dividing_the_experts_names_the_layer(mixtral) -> None:
     plan, graph = _plan(*mixtral, ep=1)
     plan = dataclasses.replace(plan, mesh=Mesh(dp=6, ep=3), world_size=6)
@@ -57,6 +59,7 @@ def test_ep_not_dividing_the_experts_names_the_layer(mixtral) -> None:
         check_expert_parallel(mixtral[0], graph, plan)
 
 
+@pytest.mark.slow
 def test_hand_written_module_list_experts_pass_where_their_loop_is_proved_and_a_dropping_capacity_is_refused() -> None:
     """A module list run by the block's own loop (examples/moe.py's LoopMoE, the hand-written Mixtral of
     tests/moe_cases.py) passes: its loop is rerouted (passes/expert_list.py) and proved so at capture and
@@ -122,6 +125,7 @@ def test_a_module_list_loop_ep_cannot_prove_is_refused_naming_the_layer_and_the_
         autopar.solve(graph, 2, cluster="cpu", global_batch=4, pins=["ep=2"])
 
 
+@pytest.mark.slow
 def test_the_planner_offers_ep_on_a_proved_module_list_and_prices_its_all_to_alls() -> None:
     """What is priced is what runs: the hand-written Mixtral's ep all-to-alls are priced as the fused
     experts' (tokens × top-k rows each way, plus the counts), and its edp gradient sync as one bucket a
@@ -150,6 +154,7 @@ def test_a_replicated_ep_plan_runs_on_ddp_where_dp_is_the_one_axis_above_one() -
     assert plan_engine(Mesh(pp=2, dp=2, ep=2), REPLICATED) is Engine.REPLICATE
 
 
+@pytest.mark.slow
 def test_ep_pins_the_planner_refuses_in_one_line_naming_the_blocks(mixtral) -> None:
     from autopar.errors import PinError
 
@@ -174,6 +179,7 @@ def test_the_planner_offers_ep_where_it_runs_and_prices_it(mixtral) -> None:
     assert "1/2 of the experts' 24,576 parameters held per rank (ep=2)" in plan.summary()
 
 
+@pytest.mark.slow
 def test_the_planner_offers_ep_with_pp_where_the_stages_call_the_experts(mixtral) -> None:
     """Mixtral's export keeps its layers' module calls ("export-layers"): each pipeline stage calls its
     blocks, so ep reroutes their experts there; a plan solved with ep and pp pinned gets both, its ep
@@ -189,6 +195,7 @@ def test_the_planner_offers_ep_with_pp_where_the_stages_call_the_experts(mixtral
     assert moe and all((st.forward_tp_s > 0) == (st.stage in moe) for st in plan.predicted.stages)
 
 
+@pytest.mark.slow
 def test_the_free_search_plans_ep_inside_pipeline_stages_where_that_is_fastest(mixtral) -> None:
     """ep with pp is searched without a pin: at 0.4 MB a rank (a budget where the 4 experts held whole, or
     every layer on one rank, cost recomputation) the free search's OPTIMAL plan is pp=2 × dp=4 × ep=4, faster

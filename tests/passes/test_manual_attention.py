@@ -29,6 +29,7 @@ def nano() -> tuple[torch.nn.Module, autopar.LayerGraph]:
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
+@pytest.mark.slow
 def test_nanogpt_attention_rewrite_is_proved_against_its_own_forward(nano, cp: int) -> None:
     model, graph = nano
     assert set(graph.cp_manual) == {PATH, "transformer.h.1.attn"}

@@ -60,6 +60,7 @@ def _llama_example():
     (_llama_example, ["schedule=1f1b"]),
     (hf_llama, ["schedule=interleaved_1f1b", "chunks=2"]),
 ])
+@pytest.mark.slow
 def test_stages_chain_to_the_model(build, pins: list[str]) -> None:
     torch.manual_seed(0)
     model, inputs = build()

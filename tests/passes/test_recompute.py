@@ -96,6 +96,7 @@ def kept_for_backward(model: nn.Module, x: torch.Tensor) -> int:
 # ---------------------------------------------------------------- priced as it runs
 
 
+@pytest.mark.slow
 def test_priced_selective_saving_is_what_checkpointing_frees(graph: LayerGraph) -> None:
     """Selective recompute of a block frees its saved activations but its input and its
     matmul-class outputs (linear layers, fused attention's output and log-sum-exp); full frees
@@ -121,6 +122,7 @@ def test_priced_selective_saving_is_what_checkpointing_frees(graph: LayerGraph) 
     assert price.activation_mb_bytes == 2 * kept
 
 
+@pytest.mark.slow
 def test_torchtitans_policy_frees_every_other_mm_output_as_priced() -> None:
     """torchtitan's op-level SAC (``recompute=alternate_mm``) on a Llama decoder layer: fused
     attention's outputs and the 1st, 3rd, … ``mm`` outputs kept (q, v, gate, down), the others
@@ -160,6 +162,7 @@ def test_torchtitans_policy_frees_every_other_mm_output_as_priced() -> None:
     assert Recompute.ALTERNATE_MM not in contract.offered_recomputes(graph, layer.index, 1)
 
 
+@pytest.mark.slow
 def test_a_lowered_mixed_plan_keeps_what_its_prices_say(graph: LayerGraph) -> None:
     """none / selective / full per layer, lowered by the recompute pass: the whole model's
     measured saving against no recompute is the priced one, to the byte."""

@@ -44,6 +44,7 @@ def test_the_common_pattern_is_chunked_and_says_so() -> None:
     assert Plan.from_dict(older).training.loss is LossKind.FULL
 
 
+@pytest.mark.slow
 def test_a_tied_head_is_found() -> None:
     from chunked_loss_cases import hf_llama_tied
 
@@ -52,6 +53,7 @@ def test_a_tied_head_is_found() -> None:
 
 
 @pytest.mark.parametrize("on_meta", [False, True], ids=["fp32", "meta"])
+@pytest.mark.slow
 def test_a_hugging_face_moe_s_head_is_found(on_meta: bool) -> None:
     """HF's experts run ``aten::_grouped_mm``, whose meta kernel takes bf16 only: the head search must still run
     an fp32 MoE on fake inputs and one built on meta (DeepSeek-V3 671B held its whole logits before)."""
@@ -85,6 +87,7 @@ class _Scaled(nn.Module):
         return self.head(self.emb(idx)) * 0.5
 
 
+@pytest.mark.slow
 def test_elsewhere_it_is_not_offered_with_the_reason() -> None:
     model, (ids,) = hf_llama()
     own = autopar.capture(model, {"input_ids": ids, "labels": ids})
@@ -104,6 +107,7 @@ def test_a_head_tp_splits_runs_the_vocabulary_parallel_loss() -> None:
     assert "vocabulary-parallel cross-entropy on lm_head's weight split over tp=2" in _loss_note(plan)
 
 
+@pytest.mark.slow
 def test_the_350m_gpt_peak_drops_by_the_logits_it_no_longer_holds() -> None:
     """GPT-2 medium (350M) at 18 × 2,048 tokens a rank on an A100 40 GB: the full loss holds three fp32
     logits (18 · 2048 · 50304 · 4 B = 6.9 GiB each); the chunked one two of a 1,280-token chunk and,

@@ -49,6 +49,7 @@ def _prices(graph, name: str):
     return table, layer, price
 
 
+@pytest.mark.slow
 def test_split_experts_cost_one_tp_th_and_their_all_reduces(graph) -> None:
     table, layer, price = _prices(graph, "model.layers.0")
     style, moe = layer.tp_style(EXPERTS_STYLE), layer.moe[0]

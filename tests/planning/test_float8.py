@@ -62,6 +62,7 @@ def test_the_blocks_linears_are_converted_and_the_head_is_not(gpt_tiny) -> None:
     assert "lm_head" not in {l.path for l in picked}  # outside the blocks: stays in the plan's dtype
 
 
+@pytest.mark.slow
 def test_a_hugging_face_llama_converts_its_decoder_projections_whose_dims_are_multiples_of_16() -> None:
     model, _, g = _llama(128)
     names = {l.path.removeprefix("model.layers.0.") for l in select_linears(model, g) if l.layer == "model.layers.0"}
@@ -83,6 +84,7 @@ def test_a_model_with_nothing_to_convert_is_refused_in_one_line() -> None:
 # ------------------------------------------------------------------ pricing
 
 
+@pytest.mark.slow
 def test_converted_gemms_run_at_the_float8_peak_plus_their_casts() -> None:
     model, _, g = _gpt(d_model=1024, n_head=16, seq_len=2048)
     block = g.layers[[l.name for l in g.layers].index("blocks.0")]
@@ -130,6 +132,7 @@ def test_a_matmul_bound_plan_on_h100_is_faster_in_float8_and_a_tiny_one_is_not()
             > autopar.solve(g, 8, pins=["tp=1", "pp=1", "ep=1", "cp=1"], **tiny).predicted.step_time_s)
 
 
+@pytest.mark.slow
 def test_fsdp_gathers_tensorwise_weights_in_float8_priced_at_one_byte_an_element() -> None:
     """ZeRO-3 all-gathers each converted weight twice a step; gathered in float8 (tensorwise, the
     default) it moves 1 byte an element instead of bf16's 2, plus one all-reduce a step of every

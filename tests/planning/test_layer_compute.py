@@ -126,6 +126,7 @@ def test_records_count_identical_kernels_once():
     assert OpRecord.from_dict(json.loads(json.dumps(rec.to_dict()))) == rec
 
 
+@pytest.mark.slow
 def test_the_calibration_set_is_reproduced_within_ten_percent():
     from calibration_set import calibration_rows
 

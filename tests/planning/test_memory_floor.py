@@ -74,6 +74,7 @@ def _least_peak(table: PriceTable) -> int:
 CASES = [("llama", 8, ["pp=2"]), ("llama", 8, ["pp=1"]), ("mixtral", 8, ["pp=2"]), ("mixtral", 8, ["pp=1", "tp=1"])]
 
 
+@pytest.mark.slow
 def test_the_floor_is_the_priced_rows_least_and_no_plan_holds_less(llama, mixtral) -> None:
     graphs = {"llama": llama, "mixtral": mixtral}
     seen = set()
@@ -126,6 +127,7 @@ def _solve(graph, world: int, pins: list[str], budget: int, screen: bool, monkey
 @pytest.mark.parametrize("name, pins, mib", [("llama", ["pp=2"], 6), ("llama", ["cp=2", "pp=2"], 6), ("llama", [], 10),
                                              ("mixtral", [], 20), ("llama", ["model.layers.*:recompute=full"], 10),
                                              ("llama", [], 1)])
+@pytest.mark.slow
 def test_the_search_with_the_screen_chooses_what_it_chooses_without(llama, mixtral, name, pins, mib,
                                                                     monkeypatch) -> None:
     graph = {"llama": llama, "mixtral": mixtral}[name]

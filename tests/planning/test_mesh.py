@@ -137,6 +137,7 @@ def test_a_plan_file_written_before_the_mesh_type_still_loads() -> None:
         assert plan.layers == old.layers and plan.summary() == old.summary()
 
 
+@pytest.mark.slow
 def test_a_toy_axis_lowers_and_trains_in_one_process() -> None:
     """Lowering reads the plan's mesh; the toy axis at degree 1 changes no number."""
     torch.manual_seed(0)

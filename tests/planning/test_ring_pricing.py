@@ -210,6 +210,7 @@ def test_a_ring_pin_solves_to_a_ring_plan_that_explains_and_round_trips(tmp_path
         autopar.Plan.load(path)
 
 
+@pytest.mark.slow
 def test_a_tiny_mixtral_plans_the_ring_beside_ep_priced_as_any_ring() -> None:
     """A tiny Hugging Face Mixtral (SDPA attention, 4 experts) captured and solved at cp=2 × ep=2 on two CPU
     ranks: the free search over the pinned mesh offers the ring beside the all-gather and Ulysses, and a ring pin

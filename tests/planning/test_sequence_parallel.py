@@ -83,6 +83,7 @@ def zoo_styles() -> dict[str, list]:
     return out
 
 
+@pytest.mark.slow
 def test_models_as_upstream_writes_them_are_offered_sequence_parallelism(zoo_styles):
     for name in ("hf_llama", "hf_gpt2"):  # GPT-2's Conv1D flattens batch and sequence inside the projection
         styles = zoo_styles[name]

@@ -41,6 +41,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("blocks,hidden,seq,world,gpus,batch,mem,cores", CASES)
+@pytest.mark.slow
 def test_solver_matches_brute_force(blocks, hidden, seq, world, gpus, batch, mem, cores):
     graph = transformer_graph(blocks, hidden, seq, vocab=8192, heads=16)
     cluster = tiny_cluster(mem, gpus, cores).for_world_size(world)
@@ -58,6 +59,7 @@ def test_solver_matches_brute_force(blocks, hidden, seq, world, gpus, batch, mem
 
 
 @pytest.mark.parametrize("blocks,hidden,seq,world,gpus,batch,mem,cores", CASES[1:4])
+@pytest.mark.slow
 def test_each_configuration_s_bound_is_at_most_its_best_plan(blocks, hidden, seq, world, gpus, batch, mem, cores,
                                                             monkeypatch):
     """The bounds the search prunes by (the tail's knapsack among them) never exceed what a configuration's
@@ -96,6 +98,7 @@ def test_same_inputs_same_plan():
 @pytest.mark.parametrize("blocks,hidden,seq,world,batch,preset", [
     (32, 8192, 2048, 64, 128, "a100-40g"), (16, 4096, 2048, 32, 64, "a100-40g"),
     (40, 8192, 4096, 128, 256, "a100-40g")])
+@pytest.mark.slow
 def test_overlapped_solves_decide_as_the_sequential_search(blocks, hidden, seq, world, batch, preset):
     """The next configuration is prepared while a solve runs in a thread; the plan and how many configurations
     were solved are the sequential search's (runners-up, solved in what wall time is left, are left out)."""
@@ -131,6 +134,7 @@ def test_the_search_solves_best_first_and_only_what_could_beat_the_plan(monkeypa
     assert all(b < plan.prediction.step_time_s * (1 + 1e-9) for b in bounds)
 
 
+@pytest.mark.slow
 def test_solves_that_run_out_are_solved_again_until_the_plan_is_proved(monkeypatch):
     """Every configuration's first solve starved (it stops before CP-SAT can prove anything): each is solved
     again, held to the plans found since (solves.solve_deferred), until proved or ruled out by its bound,

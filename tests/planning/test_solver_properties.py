@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -45,6 +46,7 @@ def layer_graphs(draw) -> LayerGraph:
     return LayerGraph(layers, model_name="random", example_batch=1, dtype_bytes=2)
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(graph=layer_graphs(), preset=st.sampled_from(["a100-40g", "h100-80g", "v100-16g", "cpu"]),
        world=st.sampled_from([1, 2, 4, 8, 16, 32]), per_rank=st.integers(1, 4),

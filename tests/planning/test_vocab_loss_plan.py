@@ -60,6 +60,7 @@ def test_tp_splitting_the_head_runs_it_and_the_plan_says_so(gpt_graph) -> None:
     assert one.training.loss is LossKind.CHUNKED  # no tp: the whole head, chunked
 
 
+@pytest.mark.slow
 def test_pins_against_it_are_refused_in_one_line(gpt_graph, tied_graph) -> None:
     with pytest.raises(PinError, match=r"lm_head' pinned tp=None: the vocabulary-parallel loss splits it .*loss=full"):
         _solve(gpt_graph, TP2 + ["lm_head:tp=none"])
@@ -104,6 +105,7 @@ def test_priced_by_its_own_peak_kernels_and_collectives(gpt_graph) -> None:
     assert loss_price.output_gather_s(gather, head, style, 4 * 4) > loss_price.vocab_comm_s(vp)
 
 
+@pytest.mark.slow
 def test_the_350m_gpt_at_tp2_drops_the_logits_it_no_longer_holds() -> None:
     """GPT-2 medium (350M) at 18 × 2,048 tokens a rank on A100 40 GB, tp=2: the full loss holds three fp32
     logits of the whole vocabulary (gathered by the head's style: 6.9 GiB each); the vocabulary-parallel

@@ -90,6 +90,7 @@ def test_free_zero_under_split_backward_never_takes_zero3(graph) -> None:
     assert all(l.choice.zero <= 2 for l in plan.layers)
 
 
+@pytest.mark.slow
 def test_tied_embeddings_refuse_the_v() -> None:
     import zoo
 

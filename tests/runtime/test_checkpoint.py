@@ -143,6 +143,7 @@ def test_an_incomplete_checkpoint_is_refused(saved, tmp_path: Path) -> None:
         _compiled().load(tmp_path / "step-6")
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_model_or_optimizer_is_refused(saved) -> None:
     root, _ = saved
     with pytest.raises(CheckpointError, match="saved for another model"):

@@ -304,6 +304,7 @@ def test_a_compiled_solve_offers_pipelines_but_not_where_no_stage_calls_a_block(
         autopar.solve(exported, 2, cluster="cpu", global_batch=4, compiled=True, pins=["pp=2"])
 
 
+@pytest.mark.slow
 def test_hugging_face_decoder_layers_are_the_compiled_blocks() -> None:
     """A Hugging Face decoder's first layer is charged the rotary cos/sin its siblings share, so its
     cost class is its own; it is still a block of the stack, compiled and priced compiled (were it
@@ -461,6 +462,7 @@ def test_compiled_recompute_reruns_what_the_compiled_forward_runs(graph) -> None
 
 
 @pytest.mark.parametrize("kind", ["full", "selective", "alternate_mm"])
+@pytest.mark.slow
 def test_recomputed_blocks_compile_in_one_process_keep_less_and_match_eager(kind: str) -> None:
     """One process: a compiled block checkpointed full keeps less for backward than a compiled
     block not recomputed, selective keeps between the two (so the checkpoint runs inside the

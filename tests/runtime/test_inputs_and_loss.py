@@ -70,6 +70,7 @@ def test_keyword_inputs_that_fit_no_argument_name_it() -> None:
         autopar.capture(nn.Linear(4, 4), (torch.zeros(2, 4), torch.zeros(2, 4)))
 
 
+@pytest.mark.slow
 def test_a_model_fed_a_padding_mask_and_its_labels_trains_on_its_own_loss_with_microbatches() -> None:
     """Qwen3 with a padding mask and labels, 2 microbatches of keyword inputs: the step's loss is the
     model's own loss on the whole batch (equal microbatches: the mean of their means)."""

@@ -49,6 +49,7 @@ def test_the_rule_moves_each_bias_by_gamma_towards_the_mean_and_leaves_an_expert
     assert balancer.loads()["gate"].tolist() == [0, 0, 0, 0]  # cleared for the next step
 
 
+@pytest.mark.slow
 def test_one_device_moves_the_biases_as_the_rule_written_out_and_recompute_counts_each_token_once() -> None:
     spec = moe_cases.BIAS_SPECS["bias_ep2_deepseek_v3"]
     torch.manual_seed(0)
@@ -80,6 +81,7 @@ def mixtral_plan():
 
 
 @pytest.mark.parametrize("gamma", [-0.001, float("nan"), float("inf"), True])
+@pytest.mark.slow
 def test_a_negative_or_non_finite_gamma_is_refused(gamma: float, mixtral_plan) -> None:
     graph, plan = mixtral_plan
     with pytest.raises(LoweringError, match=r"^moe_bias_update must be a finite float ≥ 0 \(the bias step γ; "
@@ -101,6 +103,7 @@ def test_what_the_bias_update_does_not_run_under_is_refused_each_reason_named(mi
     assert not refusals(graph, plan, Here(world_size=1, moe_bias_update=0.01, biased_routers=1))
 
 
+@pytest.mark.slow
 def test_a_gamma_on_a_model_without_a_biased_router_is_refused_before_lowering() -> None:
     torch.manual_seed(0)
     model, inputs = moe_cases.hf_mixtral()

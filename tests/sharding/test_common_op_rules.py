@@ -88,6 +88,7 @@ class _Stack(nn.Module):
     ([_Sink(True), _Sink(True)], "cat: joins sharded and replicated activations along the sharded dimension"),
     ([_PairsAcrossRanks(), _PairsAcrossRanks()], "view_as_complex: pairs the sharded dimension"),
 ])
+@pytest.mark.slow
 def test_a_replicated_join_or_a_complex_view_is_proved_where_each_rank_holds_whole_pieces(blocks, refused) -> None:
     torch.manual_seed(0)
     width = 8 if isinstance(blocks[0], _PairsAcrossRanks) else 16
@@ -100,6 +101,7 @@ def test_a_replicated_join_or_a_complex_view_is_proved_where_each_rank_holds_who
 
 
 @pytest.mark.parametrize("build", ["gpt", "meta_llama"])
+@pytest.mark.slow
 def test_a_sequence_as_long_as_the_width_is_told_apart_by_a_second_length(build: str) -> None:
     """Llama-2-7B's shape (4,096 wide, trained at 4,096 positions): the size has two roles in the
     example, one in the inputs recorded at a shorter length, so the narrower copy is built from those."""

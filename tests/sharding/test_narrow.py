@@ -153,6 +153,7 @@ def test_a_plain_gpt_block_of_100m_parameters_is_proved_at_degrees_beyond_a_node
     assert elapsed < 60, elapsed  # seconds on a busy 2-core machine (float64 simulation of 113M: minutes)
 
 
+@pytest.mark.slow
 def test_heads_that_only_some_degrees_divide_are_offered_at_those() -> None:
     """25 heads of 64 (GPT-2 XL's shape): the copy keeps 25 heads, so tp=2, 4, 8 are never offered;
     5 and 25 are, the latter beyond a node."""

@@ -146,6 +146,7 @@ def test_deepseek_moe_block_splits_attention_and_shared_expert_and_keeps_routed_
     assert style.checked == (2, 4) and not layer.tp_refusal
 
 
+@pytest.mark.slow
 def test_a_deepseek_moe_layer_too_large_to_simulate_is_proved_on_a_copy_of_its_own_kind() -> None:
     """Above the simulation limit the proof runs on a narrower copy built from the config. It is built at the
     layer's own index (at index 0 DeepSeek-V3's class builds a dense layer, with no shared expert to prove),

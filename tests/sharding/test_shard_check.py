@@ -155,6 +155,7 @@ def test_a_large_meta_layer_is_checked_on_a_narrower_copy_built_from_its_config(
     assert math.isclose(copy.attn.c_attn.weight.std().item(), 384 ** -0.5, rel_tol=0.1)
 
 
+@pytest.mark.slow
 def test_llama3_70b_decoder_layers_are_proved_on_a_copy_built_from_their_config() -> None:
     """Llama 3 70B on meta (856M parameters a decoder layer): its config narrows hidden 8192, MLP 28672
     and head_dim 128 by 32, but not ``num_hidden_layers`` (80, a count though it says "hidden"),

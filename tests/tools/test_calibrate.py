@@ -354,6 +354,7 @@ def test_progress_counts_say_one_sweep_not_one_sweeps():
     assert (_count(1, "sweep"), _count(3, "round")) == ("1 sweep", "3 rounds")
 
 
+@pytest.mark.slow
 def test_the_compiled_fraction_is_measured_on_a_fused_chain_and_prices_compiled_blocks():
     """calibrate times a two-op memory-bound chain eager and under torch.compile (inductor's C++ backend
     here); the ratio becomes the op model's compiled_memory_bound_fraction, which pricing reads."""

@@ -393,7 +393,7 @@ def test_each_help_names_the_cluster_and_precision_it_defaults_to(capsys):
     """plan, compare and explain price on a100-80g without --cluster, verify on cpu (in fp32): each --help
     says which, and the CLI's word for the planner's default is the planner's."""
     from autopar.planning.api import DEFAULT_CLUSTER
-    from autopar.tools.cli import PLAN_CLUSTER
+    from autopar.tools.cli_args import PLAN_CLUSTER
 
     assert PLAN_CLUSTER == DEFAULT_CLUSTER
     for verb, cluster, dtype in (("plan", "a100-80g", "bf16"), ("compare", "a100-80g", "bf16"),

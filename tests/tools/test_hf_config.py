@@ -43,6 +43,7 @@ def _one_line(code: int, err: str, *needles: str) -> None:
 
 @pytest.mark.parametrize(("config_name", "arch"), [("LlamaConfig", "LlamaForCausalLM"),
                                                    ("Qwen2Config", "Qwen2ForCausalLM")])
+@pytest.mark.slow
 def test_plan_from_a_config_json_and_from_its_directory(tmp_path: Path, capsys, config_name: str,
                                                         arch: str) -> None:
     directory = _save_config(tmp_path / "tiny-model", config_name, arch)
@@ -60,6 +61,7 @@ def test_plan_from_a_config_json_and_from_its_directory(tmp_path: Path, capsys, 
     assert out.startswith("autopar plan — tiny-model on 4 × cpu")
 
 
+@pytest.mark.slow
 def test_explain_and_compare_take_a_config(tmp_path: Path, capsys) -> None:
     directory = _save_config(tmp_path / "m")
     code, out, err = _run(capsys, "explain", str(directory / "config.json"), "--world-size", "2", "--cluster",

@@ -258,6 +258,7 @@ def test_cli_show_html_does_not_import_torch(plans, tmp_path):
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow
 def test_cli_compare_html_draws_every_distinct_fitting_row(tmp_path, capsys):
     report = tmp_path / "compare.html"
     assert main(["compare", TINY, "--world-size", "2", "--cluster", "cpu", "--batch-size", "8", "--html",
@@ -282,6 +283,7 @@ def _chromium(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install -y chromium; .ci/run does)")
+@pytest.mark.slow
 def test_the_report_opens_in_headless_chromium(plans, tmp_path):
     import matplotlib.image
 

@@ -109,6 +109,7 @@ def _console(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run(autopar_command(*argv), cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_plan_prints_no_third_party_line_and_v_prints_them(spec):
     _needs_torchao()
     quiet_run = _console("plan", spec, "--world-size", "2", "--cluster", "cpu")
@@ -149,6 +150,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("how", ["leave", "os._exit"])
+@pytest.mark.slow
 def test_a_verify_rank_leaves_no_semaphore_for_the_tracker_to_warn_of(tmp_path, how):
     """A verify rank exits by os._exit (gloo's teardown can abort); :func:`leave` releases its semaphores
     first. The bare os._exit is the control: the tracker warns of it, so the check can fail."""

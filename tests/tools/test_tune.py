@@ -52,6 +52,7 @@ def _predict(graph, plans):
 
 
 @pytest.mark.parametrize("compute, comm, cores", [(4.0, 0.25, 2), (0.25, 4.0, 2), (2.0, 0.5, 1.5)])
+@pytest.mark.slow
 def test_the_refit_brings_every_prediction_to_its_measurement(graph, compute: float, comm: float,
                                                                cores: float) -> None:
     # cores 1.5: other work on the host leaves the 2 ranks 1.5 of its 2 cores, which the file does not say
