@@ -22,6 +22,8 @@ The rules, by feature:
   :func:`autopar.contract.ep_refusal`; cp splits the sequence, with an attention method the model takes. The
   passes ask the same before lowering, and add only what they read from the module itself (that it is the
   module captured).
+* **pipelines** (:func:`pipeline_refusals`, from the graph alone): a split-backward schedule only beside what it
+  splits; inside stages that call no layer module, no tp, recompute or dp-summed BatchNorm.
 * **MoE bias updates** (DeepSeek-V3's auxiliary-loss-free balancing): γ finite and ≥ 0; a model with a
   biased router; not under pp, torch.compile, or sequence parallelism on an MoE layer.
 """
@@ -33,13 +35,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.batch_coupling import refusal as coupling_refusal
+from autopar.batch_coupling import synced
 from autopar.choice import CpAttention
 from autopar.contract import (
     cp_admits_style,
     cp_refusal,
+    data_ranks,
     ep_refusal,
     experts_split_refusal,
     ring_refusal,
+    schedule_refusal,
+    tp_applies,
     ulysses_refusal,
 )
 from autopar.contract_compile import BREAK_RECOMPUTES, compile_refusal, compiled_break
@@ -102,7 +108,7 @@ def layer_refusals(graph: LayerGraph, plan: Plan) -> list[Refusal]:
     :class:`LoweringError`; the module docstring's rules."""
     return [Refusal(LoweringError, why) for why in
             (*tensor_parallel_refusals(graph, plan), *expert_parallel_refusals(graph, plan),
-             *context_parallel_refusals(graph, plan))]
+             *context_parallel_refusals(graph, plan), *pipeline_refusals(graph, plan))]
 
 
 def mesh_refusal(graph: LayerGraph | None, mesh: Mesh, compiled: bool, float8: bool) -> str | None:
@@ -329,6 +335,38 @@ def context_parallel_refusals(graph: LayerGraph, plan: Plan) -> list[str]:
     return out
 
 
+def pipeline_refusals(graph: LayerGraph, plan: Plan) -> list[str]:
+    """Why the plan's pipeline does not run on this graph as priced: a split-backward schedule beside what it
+    cannot split (:func:`autopar.contract.schedule_refusal`: recompute, ZeRO-3, torch.compile, tied ends in a V),
+    and, where the stages are single traced graphs that call no layer module (:func:`autopar.contract.tp_applies`),
+    the per-module rules a stage cannot hook: tensor parallelism, recompute, and BatchNorm statistics summed over
+    dp. A plan the planner made never has these; one written or edited by hand is refused before any rank starts
+    (it would run with the wrong gradients, or fail in the pipeline pass)."""
+    pp, mesh = plan.mesh.pp, plan.mesh
+    if pp <= 1:
+        return []
+    out = []
+    recomputed = [lp.name for lp in plan.layers if lp.choice.recompute]
+    zero3 = data_ranks(mesh) > 1 and any(lp.choice.zero == 3 for lp in plan.layers)
+    if why := schedule_refusal(graph, plan.schedule, plan.training.compiled, bool(recomputed), zero3):
+        out.append(why)
+    if tp_applies(graph, pp):
+        return out
+    inlined = f"the pipeline stages of {graph.model_name} are single traced graphs that call no layer module"
+    tp = [lp.name for lp in plan.layers if lp.choice.tp is not None]
+    if tp and mesh.tp > 1:
+        out.append(f"tensor parallelism inside pipeline stages splits layer modules, but {inlined}; plan layers "
+                   f"{tp[:3]} with tp=none, or use pp=1")
+    if recomputed:
+        out.append(f"recompute inside pipeline stages checkpoints layer modules, but {inlined}; plan layers "
+                   f"{recomputed[:3]} with recompute=off, or use pp=1")
+    norms = [layer.name for layer in graph if layer.sync_norm_channels]
+    if norms and mesh.dp > 1 and synced(plan.training.batch_coupled):
+        out.append(f"BatchNorm under dp={mesh.dp} sums its statistics over the dp group in its module, but {inlined} "
+                   f"({norms[0]!r}'s norms are ops there): pin pp=1, dp=1 or batch_coupled=split")
+    return out
+
+
 def owning_layer(graph: LayerGraph, path: str) -> str | None:
     """The layer whose module holds module ``path`` (the innermost such layer), None if none does: which
     pipeline stage runs a module cp rewrites."""
@@ -342,4 +380,4 @@ def owning_layer(graph: LayerGraph, path: str) -> str | None:
 
 __all__ = ["FLOAT8_AXES", "Here", "Refusal", "admit", "compiled_refusals", "context_parallel_refusals",
            "expert_parallel_refusals", "float8_device_refusal", "float8_refusals", "launch_hint", "layer_refusals",
-           "mesh_refusal", "owning_layer", "refusals", "tensor_parallel_refusals"]
+           "mesh_refusal", "owning_layer", "pipeline_refusals", "refusals", "tensor_parallel_refusals"]

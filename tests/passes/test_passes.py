@@ -81,6 +81,30 @@ def test_admission_lists_what_the_passes_refuse_from_the_graph_alone(graph) -> N
         f"ep=2 shards experts, but none of the model's {len(graph)} layers has any"]
 
 
+def test_admission_refuses_a_hand_edited_pipeline_the_planner_would_not_make(graph) -> None:
+    """A plan file edited by hand (or a plan of another capture) reaches the runtime without the planner: a
+    split-backward schedule beside recompute or ZeRO-3 would run with wrong gradients, and tp or recompute
+    inside stages that call no layer module would fail in the pipeline pass. Admission refuses both first."""
+    import dataclasses
+
+    from autopar.admission import Here, pipeline_refusals, refusals
+
+    zb = autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=4,
+                       pins=["pp=2", "dp=1", "schedule=interleaved_zb", "microbatches=2"])
+    assert zb.schedule.value == "interleaved_zb" and pipeline_refusals(graph, zb) == []
+    assert refusals(graph, zb, Here(world_size=2)) == []
+    layers = tuple(dataclasses.replace(lp, choice=dataclasses.replace(lp.choice, recompute=True))
+                   if lp.name.startswith("blocks") else lp for lp in zb.layers)
+    edited = dataclasses.replace(zb, layers=layers)
+    found = refusals(graph, edited, Here(world_size=2))
+    assert found and found[0].error is LoweringError and "splits each backward" in found[0].reason
+    one = autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=4,
+                        pins=["pp=2", "dp=1", "schedule=1f1b", "blocks.*:recompute=on"])
+    assert pipeline_refusals(graph, one) == []
+    inlined = graph.__class__.from_dict({**graph.to_dict(), "tracer": "export"})  # layers inlined by export
+    assert any("recompute inside pipeline stages" in why for why in pipeline_refusals(inlined, one))
+
+
 def test_recompute_keeps_names_and_gradients(graph) -> None:
     plan = _plan(graph, 1, "blocks.*:recompute=on", "tok_emb:recompute=off", "pos_emb:recompute=off",
                  "drop:recompute=off", "ln_f:recompute=off", "lm_head:recompute=off")
