@@ -80,6 +80,7 @@ def test_a_call_with_its_own_mask_is_priced_at_the_masked_rate():
         attention_op_time_s(replace(op, masked=False), 4, None, 1, cpu, "fp32")
 
 
+@pytest.mark.slow
 def test_stage_trace_runs_sdpa_causal_and_matches_eager():
     model, ids = _llama(32, device="cpu")
     gm, _, tracer = trace_layers(model, (ids,))

@@ -80,6 +80,7 @@ def test_gpt_tiny_layers_and_costs():
     assert g.graph.has_edge("blocks.0", "blocks.1")
 
 
+@pytest.mark.slow
 def test_gpt_small_flops_params_and_styles(gpt_small_graph):
     model, g = gpt_small_graph
     cfg = model.config
@@ -112,6 +113,7 @@ def test_gpt_small_flops_params_and_styles(gpt_small_graph):
     assert head.sharded_flops_per_sample == pytest.approx(2 * s * h * cfg.vocab_size)
 
 
+@pytest.mark.slow
 def test_gpt3_175b_on_meta_allocates_nothing():
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
@@ -198,6 +200,7 @@ def test_convnet_example():
     assert all(not l.tp_styles for l in g)  # conv layers and a narrow FC head admit nothing
 
 
+@pytest.mark.slow
 def test_mlp_example_meta():
     model, inputs = _example("mlp").mlp()
     g = capture(model, inputs)
@@ -238,6 +241,7 @@ HF_BLOCKS = {"gpt2": "transformer.h", "llama": "model.layers", "bert": "bert.enc
 @pytest.mark.parametrize(
     "kind,device", [("gpt2", "cpu"), ("llama", "cpu"), ("bert", "cpu"), ("gpt2", "meta"), ("llama", "meta")]
 )
+@pytest.mark.slow
 def test_hugging_face_models(kind, device):
     model, ids = _hf(kind, device)
     g = capture(model, {"input_ids": ids})
@@ -306,6 +310,7 @@ TWIN_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(TWIN_CASES))
+@pytest.mark.slow
 def test_twin_replay_matches_full_execution(case, monkeypatch):
     """Replaying twin layers gives exactly what executing every layer gives, and does replay."""
     from autopar.capturing import twins

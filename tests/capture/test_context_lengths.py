@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ def _llama() -> nn.Module:
         return transformers.LlamaForCausalLM(cfg)
 
 
+@pytest.mark.slow
 def test_a_llama_whose_hidden_size_is_the_sequence_length_is_split() -> None:
     """hidden 64 at 64 tokens (Llama 3 8B's 4096 at 4096): RMSNorm's mean over the hidden dim is no
     mean over tokens; the facts are those at a length no dimension shares, scaled."""

@@ -34,6 +34,7 @@ def test_the_gpt_is_split_with_its_position_embedding_given_global_positions() -
     assert [(l.qo_bytes_per_sample, l.kv_heads) for l in graph if l.name.startswith("blocks.")] == [(16384.0, (4,))] * 2
 
 
+@pytest.mark.slow
 def test_a_hugging_face_llama_gets_its_rotary_positions_and_grouped_kv_bytes() -> None:
     import transformers
 
@@ -149,6 +150,7 @@ def test_attention_written_by_hand_is_followed_op_by_op_and_recorded_for_the_rew
     assert facts.kv_bytes == {"inner": 2 * 12 * 8 * 4} and facts.calls == {}  # no SDPA call: no prefix masks
 
 
+@pytest.mark.slow
 def test_nanogpt_as_its_author_writes_it_is_captured_for_cp_and_noted_to_hold_s_by_s() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import zoo

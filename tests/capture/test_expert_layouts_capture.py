@@ -92,6 +92,7 @@ def test_splitting_experts_of_another_layout_across_tp_is_refused_at_plan_time_n
     assert "\n" not in str(refused.value) and "torchtitan" in str(refused.value), refused.value
 
 
+@pytest.mark.slow
 def test_a_torchtitan_moe_built_on_meta_is_captured_and_offered_ep() -> None:
     """torchtitan's router counts its tokens with ``bincount`` (no meta kernel) and its experts' loop takes
     the counts to Python: on meta the block runs as a balanced stand-in (the router's projection, the

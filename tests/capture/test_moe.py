@@ -94,6 +94,7 @@ def test_grouped_mm_rule_counts_every_group_once_in_each_form() -> None:
 
 
 @pytest.mark.parametrize("build", [_mixtral, _qwen2_moe, _deepseek], ids=["mixtral", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.slow
 def test_hf_moe_is_priced_as_torch_counts_its_eager_loop(build) -> None:
     """Captured (grouped GEMM, static shapes) = torch's counter on HF's eager loop over real routing:
     dropless routing sends tokens × top-k rows to the experts whatever the balance."""
@@ -110,6 +111,7 @@ def test_hf_moe_is_priced_as_torch_counts_its_eager_loop(build) -> None:
     (_qwen2_moe, 4, 2, 16, 3 * 32 * 32 + 32, RouterKind.SOFTMAX_TOPK),  # shared MLP + its sigmoid gate
     (_deepseek, 8, 2, 16, 3 * 32 * 16, RouterKind.SIGMOID_GROUPED),
 ], ids=["mixtral", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.slow
 def test_hf_moe_facts_and_every_expert_held(build, experts, top_k, inter, shared, router) -> None:
     model = build()
     graph = capture(model, (_tokens(),))
@@ -126,6 +128,7 @@ def test_hf_moe_facts_and_every_expert_held(build, experts, top_k, inter, shared
     assert facts.routed_activation_bytes_per_sample > 0
 
 
+@pytest.mark.slow
 def test_hf_eager_experts_are_captured_through_grouped_mm_and_said_so() -> None:
     tokens = _tokens()
     model = _mixtral("eager")
@@ -150,6 +153,7 @@ def _gpt_moe_forward_flops(cfg: dict, moe_cfg: dict, tokens: int, seq: int, rout
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.slow
 def test_an_hf_moe_block_splits_its_attention_over_tp_and_keeps_its_experts_whole(device) -> None:
     """The proof runs the grouped GEMM one matmul per expert in float64 and by shape on meta (the kernels
     refuse both); the style's split FLOPs and weights are the attention's alone."""
@@ -167,6 +171,7 @@ def test_an_hf_moe_block_splits_its_attention_over_tp_and_keeps_its_experts_whol
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.slow
 def test_module_list_loop_moe_priced_at_top_k_experts_per_token(device) -> None:
     ex = _examples_moe()
     model, inputs = ex.loop_moe_tiny(device)
@@ -188,6 +193,7 @@ def test_module_list_loop_moe_priced_at_top_k_experts_per_token(device) -> None:
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.slow
 def test_capacity_einsum_moe_priced_as_written(device) -> None:
     """GShard/Switch dispatch: every expert runs its full capacity, and dispatch and combine are
     einsums over [tokens, E, capacity]; all of it is work the model does."""
@@ -207,12 +213,14 @@ def test_capacity_einsum_moe_priced_as_written(device) -> None:
     assert facts.activation_margin(ep=8) == 1.0  # the capacity buffers are the model's own, measured
 
 
+@pytest.mark.slow
 def test_imbalance_margin_only_where_a_rank_holds_a_share_of_dropless_experts() -> None:
     graph = capture(_mixtral(), (_tokens(),))
     facts = graph.layer("model.layers.0").moe[0]
     assert facts.activation_margin(ep=1) == 1.0 and facts.activation_margin(ep=2) == DEFAULT_IMBALANCE_MARGIN
 
 
+@pytest.mark.slow
 def test_moe_facts_survive_the_graph_file() -> None:
     graph = capture(_deepseek(), (_tokens(),))
     again = LayerGraph.from_dict(graph.to_dict())

@@ -25,6 +25,7 @@ GENERATE = nn.Transformer.__dict__["generate_square_subsequent_mask"]
 
 @pytest.mark.parametrize("say_causal", [False, True])
 @pytest.mark.parametrize("train", [True, False])
+@pytest.mark.slow
 def test_encoder_layers_are_layers_on_meta_in_either_mode(say_causal: bool, train: bool) -> None:
     with torch.device("meta"):
         model = TorchEncoderLM(say_causal=say_causal)
@@ -39,6 +40,7 @@ def test_encoder_layers_are_layers_on_meta_in_either_mode(say_causal: bool, trai
 
 
 @pytest.mark.parametrize("say_causal", [False, True])
+@pytest.mark.slow
 def test_attention_is_traced_as_training_runs_it_and_computes_the_same(say_causal: bool) -> None:
     torch.manual_seed(0)
     model = TorchEncoderLM(say_causal=say_causal)

@@ -171,6 +171,7 @@ def test_ep_pins_the_planner_refuses_in_one_line_naming_the_blocks(mixtral) -> N
         autopar.solve(capacity, 2, cluster="cpu", global_batch=4, pins=["ep=2", "batch_coupled=exact"])
 
 
+@pytest.mark.slow
 def test_the_planner_offers_ep_where_it_runs_and_prices_it(mixtral) -> None:
     graph = autopar.capture(*mixtral)
     plan = autopar.solve(graph, 4, cluster="cpu", global_batch=8, dtype="fp32", pins=["ep=2", "tp=1"])
@@ -222,6 +223,7 @@ def test_the_free_search_plans_ep_inside_pipeline_stages_where_that_is_fastest(m
             pass  # nothing fits without it: slower still
 
 
+@pytest.mark.slow
 def test_ep_with_pp_stays_refused_where_the_stages_are_single_aten_graphs(mixtral) -> None:
     """A model whose export could not keep its layers' module calls (tracer "export") runs each stage as
     one ATen graph: no experts module is called there, so ep with pp is refused, with that reason, by the
@@ -243,6 +245,7 @@ def test_ep_with_pp_stays_refused_where_the_stages_are_single_aten_graphs(mixtra
         check_expert_parallel(mixtral[0], graph, staged)
 
 
+@pytest.mark.slow
 def test_each_parts_experts_take_the_zero_stage_the_contract_gives_their_layer(mixtral) -> None:
     """The ep pass reads an MoE layer's ZeRO stage from its part's units: the whole model's, or one
     pipeline stage's (whose plan holds its own layers only), equal to the contract's effective stage

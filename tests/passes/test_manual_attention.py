@@ -38,6 +38,7 @@ def test_nanogpt_attention_rewrite_is_proved_against_its_own_forward(nano, cp: i
 
 @pytest.mark.parametrize("window, what", [(4, "is not the causal mask of its 6 local tokens"),
                                           (8, "differs from the module's own by")])
+@pytest.mark.slow
 def test_a_sliding_window_mask_is_refused(nano, window: int, what: str) -> None:
     model, graph = nano
     attn = zoo.NanoCausalSelfAttention(zoo.NanoConfig(block_size=24))
@@ -48,6 +49,7 @@ def test_a_sliding_window_mask_is_refused(nano, window: int, what: str) -> None:
         prove_one(attn, PATH, graph.cp_manual[PATH], 24, 4)
 
 
+@pytest.mark.slow
 def test_a_mask_buffer_on_the_meta_device_cannot_be_proved(nano) -> None:
     _, graph = nano
     meta = zoo.NanoGPT(zoo.NanoConfig(block_size=24)).to("meta")
@@ -65,6 +67,7 @@ def test_meta_weights_beside_a_real_mask_are_proved_on_random_weights(nano) -> N
 
 
 @pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.slow
 def test_ulysses_rewrite_of_nanogpt_attention_is_proved_against_its_own_forward(nano, cp: int) -> None:
     model, graph = nano  # 4 heads: 2 or 1 a rank, the scores S × S for them
     prove_manual_attention(model, graph, cp, ulysses=True)

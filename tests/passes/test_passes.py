@@ -151,6 +151,7 @@ def test_outside_a_process_group_the_plan_is_inspectable_but_does_not_train(grap
         autopar.compile(model, example_inputs=inputs)
 
 
+@pytest.mark.slow
 def test_one_rank_runs_locally_like_plain_torch(graph) -> None:
     model, _ = _tiny()
     ref, _ = _tiny()
@@ -170,6 +171,7 @@ def test_one_rank_runs_locally_like_plain_torch(graph) -> None:
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
 
 
+@pytest.mark.slow
 def test_a_plan_for_another_model_is_refused(graph, tmp_path: Path) -> None:
     plan = _plan(graph, 1)
     other, inputs = gpt.gpt(n_layer=3, d_model=32, n_head=4, vocab_size=256, seq_len=16)

@@ -80,6 +80,7 @@ def test_stages_chain_to_the_model(build, pins: list[str]) -> None:
     assert split.tracer == ("export-layers" if build is hf_llama else "fx-layers")
 
 
+@pytest.mark.slow
 def test_layer_modules_are_called_in_fx_stages() -> None:
     torch.manual_seed(0)
     model, inputs = gpt_tiny()

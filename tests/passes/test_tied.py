@@ -24,6 +24,7 @@ def _plan(model: nn.Module, *extra: str):
     return graph, autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=4, pins=PINS + list(extra))
 
 
+@pytest.mark.slow
 def test_tied_embeddings_let_a_pipeline_cut_the_model_and_price_both_copies() -> None:
     torch.manual_seed(0)
     graph, tied = _plan(zoo.NanoGPT(zoo.NanoConfig(), tie=True))
@@ -38,6 +39,7 @@ def test_tied_embeddings_let_a_pipeline_cut_the_model_and_price_both_copies() ->
     assert tied.predicted.breakdown.dp_comm_s > untied.predicted.breakdown.dp_comm_s == 0.0
 
 
+@pytest.mark.slow
 def test_tied_ends_run_replicated_over_tp_in_a_pipeline() -> None:
     torch.manual_seed(0)
     graph = autopar.capture(zoo.NanoGPT(zoo.NanoConfig(), tie=True), zoo._ids())

@@ -195,6 +195,7 @@ def _check_part(part: nn.Module, stage: int, graph, layout, table, strategies) -
 
 
 @pytest.mark.parametrize("case", sorted(MATRIX))
+@pytest.mark.slow
 def test_lowered_modules_are_what_the_contract_and_pricing_say(case: str, fake_group) -> None:
     from autopar.runtime import default_loss
     from autopar.runtime.lowering import lower

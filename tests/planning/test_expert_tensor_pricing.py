@@ -79,6 +79,7 @@ def test_split_experts_cost_one_tp_th_and_their_all_reduces(graph) -> None:
     assert split.forward_tp_mb_s - rep.forward_tp_mb_s == pytest.approx(extra) and extra > 0
 
 
+@pytest.mark.slow
 def test_the_solver_splits_the_experts_where_cheaper_and_the_plan_says_so(graph) -> None:
     # a batch large enough that the experts' kernels, not the host issuing them, decide (at 256 samples of 128
     # tokens an H100's host takes longer to issue each layer's ops than its kernels run, so splitting them

@@ -52,6 +52,7 @@ def gpt_tiny():
 # ------------------------------------------------------------------ which linears
 
 
+@pytest.mark.slow
 def test_the_blocks_linears_are_converted_and_the_head_is_not(gpt_tiny) -> None:
     model, _, g = gpt_tiny
     picked = select_linears(model, g)
@@ -118,6 +119,7 @@ def test_converted_gemms_run_at_the_float8_peak_plus_their_casts() -> None:
     assert emulated.device_fwd_s > plain.device_fwd_s and emulated.device_bwd_s > plain.device_bwd_s
 
 
+@pytest.mark.slow
 def test_a_matmul_bound_plan_on_h100_is_faster_in_float8_and_a_tiny_one_is_not() -> None:
     model, _, g = _gpt(n_layer=4, d_model=4096, n_head=32, seq_len=2048)
     f8 = settings_for(model, g, True)
@@ -234,6 +236,7 @@ def test_a_float8_plan_round_trips_shows_its_linears_and_old_plans_load_without(
     assert Float8Settings.from_dict(f8.to_dict()) == f8 and describe(f8).startswith("rowwise scaling")
 
 
+@pytest.mark.slow
 def test_cli_plan_float8_writes_and_shows_the_linears(tmp_path: Path, capsys) -> None:
     out = tmp_path / "f8.json"
     assert main(["plan", GPT, "--world-size", "2", "--cluster", "cpu", "--float8", "-o", str(out)]) == 0

@@ -39,6 +39,7 @@ def _block(graph: LayerGraph):
     return next(l for l in graph if l.name.startswith("blocks."))
 
 
+@pytest.mark.slow
 def test_capture_records_each_gemm_attention_and_memory_bound_op(gpt_graph):
     block = _block(gpt_graph)
     gemms = sorted((o.n, o.k) for o in block.ops if o.kind is OpKind.GEMM)

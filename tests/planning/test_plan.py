@@ -114,6 +114,7 @@ def _table_rows(text: str) -> tuple[list[str], list[list[str]]]:
     return lines[0].split(), [line.split() for line in lines[2:]]
 
 
+@pytest.mark.slow
 def test_interleaved_summary_gives_each_row_its_rank_and_chunk(interleaved):
     assert interleaved.chunks == 2
     header, rows = _table_rows(interleaved.summary())

@@ -114,6 +114,7 @@ def test_a_memory_forced_recompute_of_the_head_gives_its_saving_and_cost(graph):
 
 
 @pytest.mark.parametrize("pins", [["recompute=all"], ["recompute=none"], ["blocks.*:recompute=on"]])
+@pytest.mark.slow
 def test_no_recompute_note_when_blocks_recompute_or_nothing_does(tiny_gpt, pins):
     plan = autopar.solve(tiny_gpt, 4, cluster="cpu", dtype="fp32", global_batch=8, pins=pins)
     assert not any("no block does" in n for n in plan.notes)

@@ -93,6 +93,7 @@ def test_models_as_upstream_writes_them_are_offered_sequence_parallelism(zoo_sty
         assert styles[0].sequence_stream_elems == 16 * 32  # the example's 16 positions × width 32
 
 
+@pytest.mark.slow
 def test_models_whose_code_mixes_the_sequence_are_refused_with_the_op(zoo_styles):
     opt = zoo_styles["hf_opt"]  # OPT's decoder layer flattens [batch, sequence] before its MLP
     assert opt and all(not s.sequence for s in opt)
@@ -214,6 +215,7 @@ def test_a_global_sp_on_applies_where_it_can_and_the_plan_says_so(tmp_path):
     assert not any(l.choice.sp for l in Plan.load(path, fingerprint=plan.fingerprint).layers)
 
 
+@pytest.mark.slow
 def test_lowering_refuses_sequence_parallelism_the_style_does_not_run_at_that_degree():
     from autopar.passes.tensor_parallel import check_tensor_parallel
 
@@ -230,6 +232,7 @@ def test_lowering_refuses_sequence_parallelism_the_style_does_not_run_at_that_de
         check_tensor_parallel(model, bare, plan, 2)
 
 
+@pytest.mark.slow
 def test_memory_budget_shrinks_with_sequence_parallelism_on_a_real_capture():
     model, inputs = zoo.build("nanogpt")
     graph = capture(model, inputs)

@@ -113,6 +113,7 @@ def test_overlapped_solves_decide_as_the_sequential_search(blocks, hidden, seq, 
     assert overlapped.configs_solved == sequential.configs_solved
 
 
+@pytest.mark.slow
 def test_the_search_solves_best_first_and_only_what_could_beat_the_plan(monkeypatch):
     """A configuration goes to CP-SAT only when its full bound is the least key the search holds: the bounds
     it solves at come in rising order, each below the plan chosen (a higher one can only be a runner-up;
@@ -215,6 +216,7 @@ def test_shards_when_memory_is_tight():
     assert max(solution.prediction.memory_per_rank_bytes) <= cluster.memory_budget_bytes
 
 
+@pytest.mark.slow
 def test_tensor_parallel_stays_inside_a_node():
     graph = transformer_graph(8, 8192, 2048, vocab=50304, heads=64)
     cluster = PRESETS["a100-80g"].for_world_size(64)

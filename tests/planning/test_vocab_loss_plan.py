@@ -70,6 +70,7 @@ def test_pins_against_it_are_refused_in_one_line(gpt_graph, tied_graph) -> None:
         _solve(tied_graph, TP2 + ["loss=full", "model.embed_tokens:tp=vocab"])
 
 
+@pytest.mark.slow
 def test_tied_ends_split_together_or_not_at_all(tied_graph) -> None:
     split = _solve(tied_graph, TP2)
     assert split.training.loss is LossKind.VOCAB_PARALLEL

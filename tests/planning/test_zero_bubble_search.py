@@ -92,6 +92,7 @@ def test_a_bound_with_nothing_that_fits_is_inf_not_nan():
     assert balanced_step_s(table, 1.0, 0.25) == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 def test_the_tiny_llama_that_found_a_slower_plan(monkeypatch):
     monkeypatch.setattr(configs, "SEARCH_SPLIT_BACKWARD", True)
     """The instance that kept these schedules out of the free search: a tiny Llama at 6 MiB on 8 ranks, pp=2,

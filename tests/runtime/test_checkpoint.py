@@ -90,6 +90,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]]:
     return root, [float(p.detach().sum()) for p in pm.optimizer.param_groups[0]["params"]]
 
 
+@pytest.mark.slow
 def test_latest_checkpoint_is_the_newest_complete_one(saved, tmp_path: Path) -> None:
     root, _ = saved
     assert autopar.latest_checkpoint(root) == root / "step-2"
@@ -134,6 +135,7 @@ def test_a_damaged_checkpoint_is_refused_and_nothing_loads(saved, tmp_path: Path
     assert worst(pm.state_dict(full=True), before) == 0 and not pm.optimizer.state and pm.step == 0
 
 
+@pytest.mark.slow
 def test_an_incomplete_checkpoint_is_refused(saved, tmp_path: Path) -> None:
     root, _ = saved
     shutil.copytree(root / "step-1", tmp_path / "step-5.partial")
@@ -164,6 +166,7 @@ def test_a_single_process_round_trip_restores_everything(saved) -> None:
     assert all("momentum_buffer" in s for s in pm.optimizer.state.values())
 
 
+@pytest.mark.slow
 def test_a_bf16_checkpoint_holds_the_fp32_masters_and_loads_into_an_fp32_plan(tmp_path: Path) -> None:
     adam = lambda p: torch.optim.AdamW(p, lr=1e-3)  # noqa: E731
     bf16 = _compiled(optimizer=adam, dtype="bf16")

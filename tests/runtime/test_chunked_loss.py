@@ -78,6 +78,7 @@ def _one_process(build, chunk_tokens: int, vocab: int, monkeypatch) -> dict:
 
 
 @pytest.mark.parametrize("build,vocab", [(gpt_tiny, 256), (hf_llama, 128)], ids=["gpt", "hf_llama"])
+@pytest.mark.slow
 def test_a_chunked_plan_trains_as_the_default_loss(build, vocab: int, monkeypatch) -> None:
     out = _one_process(build, 7, vocab, monkeypatch)
     assert out["plan"].training.loss is LossKind.CHUNKED
@@ -111,6 +112,7 @@ def test_a_loss_function_with_a_chunked_plan_is_refused() -> None:
     assert any("a loss function was given" in n for n in own.plan.notes)
 
 
+@pytest.mark.slow
 def test_the_measured_peak_is_the_priced_one(monkeypatch) -> None:
     """fp32 on a CPU: the chunked loss's forward and backward over one microbatch peak within 10% of
     ``PriceTable.loss_bytes``, beside the gradients it returns (of h and W: priced as the head layer's

@@ -320,6 +320,7 @@ def test_hugging_face_decoder_layers_are_the_compiled_blocks() -> None:
 # ------------------------------------------------------------------ the plan says it
 
 
+@pytest.mark.slow
 def test_a_compiled_solve_offers_expert_and_context_parallelism_it_now_runs(graph) -> None:
     """Compiled, the search offers ep on a mixture of experts and cp on a long sequence (it skipped both
     before), prices an MoE block under ep with its memory-bound ops unfused (its experts run eagerly in the
@@ -566,6 +567,7 @@ def test_compile_refuses_what_it_does_not_run(graph) -> None:
         autopar.compile(model, 2, inputs, graph=exported, plan=pp_compiled)
 
 
+@pytest.mark.slow
 def test_cli_verify_compile_refuses_an_eager_plan_and_context_beside_tensor_parallelism_in_one_line(tmp_path: Path,
                                                                                       capsys) -> None:
     plan = tmp_path / "tp.json"

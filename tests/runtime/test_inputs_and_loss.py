@@ -86,6 +86,7 @@ def test_a_model_fed_a_padding_mask_and_its_labels_trains_on_its_own_loss_with_m
     assert whole == pytest.approx(sum(halves) / 2, rel=0.2)  # (not equal: padding differs per half)
 
 
+@pytest.mark.slow
 def test_no_recompute_is_offered_on_layers_holding_a_batchnorm() -> None:
     model, inputs = build("resnet_bn")
     graph = autopar.capture(model, inputs)
@@ -97,6 +98,7 @@ def test_no_recompute_is_offered_on_layers_holding_a_batchnorm() -> None:
         assert (kinds == (Recompute.NONE,)) if layer.name in refused else Recompute.FULL in kinds
 
 
+@pytest.mark.slow
 def test_batchnorm_statistics_all_reduces_are_priced_under_dp_only() -> None:
     from autopar.choice import BatchCoupling, LayerChoice
     from autopar.cost_models.pipeline import Schedule, ScheduleKind

@@ -89,6 +89,7 @@ def test_a_negative_or_non_finite_gamma_is_refused(gamma: float, mixtral_plan) -
         admit(graph, plan, Here(world_size=1, moe_bias_update=gamma, biased_routers=1))
 
 
+@pytest.mark.slow
 def test_what_the_bias_update_does_not_run_under_is_refused_each_reason_named(mixtral_plan) -> None:
     """Admission lists every reason, the first raised: no biased router, a pipeline, torch.compile."""
     import dataclasses

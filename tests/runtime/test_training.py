@@ -69,6 +69,7 @@ def _one_process(dtype: str = "fp32", **kwargs):
     return autopar.compile(model, world_size=1, plan=plan, graph=graph, **kwargs)
 
 
+@pytest.mark.slow
 def test_one_process_clips_and_schedules_like_torch() -> None:
     pm = _one_process(optimizer=sgd, max_grad_norm=MAX_NORM, lr_scheduler=warmup)
     norms = []
@@ -86,6 +87,7 @@ def test_without_max_grad_norm_nothing_is_measured() -> None:
     assert pm.grad_norm is None and pm.step == 1
 
 
+@pytest.mark.slow
 def test_one_process_bf16_keeps_fp32_masters_and_follows_fp32() -> None:
     adam = lambda p: torch.optim.AdamW(p, lr=1e-3)  # noqa: E731
     bf16, fp32 = _one_process("bf16", optimizer=adam), _one_process(optimizer=adam)

@@ -81,6 +81,7 @@ def test_a_meta_model_starts_from_the_weights(tmp_path: Path) -> None:
     assert all(torch.equal(full[k], v) for k, v in state.items())
 
 
+@pytest.mark.slow
 def test_an_export_round_trips_into_another_model(tmp_path: Path) -> None:
     path, state = _gpt_weights(tmp_path)
     _one_process(weights=path).export(tmp_path / "out")
@@ -90,6 +91,7 @@ def test_an_export_round_trips_into_another_model(tmp_path: Path) -> None:
     assert all(torch.equal(pm.state_dict(full=True)[k], v) for k, v in state.items())
 
 
+@pytest.mark.slow
 def test_sharded_exports_have_an_index(tmp_path: Path) -> None:
     from autopar.runtime.weights import export
 

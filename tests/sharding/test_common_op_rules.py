@@ -23,6 +23,7 @@ def _megatron(graph: autopar.LayerGraph, name: str):
     return next((s for s in graph.layer(name).tp_styles if s.name == "megatron"), None)
 
 
+@pytest.mark.slow
 def test_meta_llama_rotary_through_view_as_complex_is_proved_and_its_model_left_as_it_was() -> None:
     model, x = meta_llama(n_kv_heads=2)
     graph = autopar.capture(model, x)

@@ -120,6 +120,7 @@ def test_a_head_width_that_does_not_scale_with_the_layer_is_refused_naming_the_o
     assert "no narrower copy of it runs the same program" in refusal and "reshape" in refusal, refusal
 
 
+@pytest.mark.slow
 def test_code_that_changes_at_the_real_sequence_is_refused_at_the_real_size() -> None:
     """Simulated on a short sequence the layer is exact; at its real 128 positions it averages
     over the sharded heads: the shape proof at the real size withdraws the style, naming the op."""
@@ -134,6 +135,7 @@ def test_code_that_changes_at_the_real_sequence_is_refused_at_the_real_size() ->
     assert "expand_as" in refusal and "at the layer's real size" in refusal and "tp=2" in refusal, refusal
 
 
+@pytest.mark.slow
 def test_a_plain_gpt_block_of_100m_parameters_is_proved_at_degrees_beyond_a_node() -> None:
     """No config, 113M parameters a block, on meta: proved on a narrower copy of its own class
     and by shapes at full size, at every degree its 32 heads admit, in seconds."""
@@ -208,6 +210,7 @@ def test_an_lm_head_onto_the_vocabulary_is_vocab_parallel_however_narrow() -> No
     assert any(s.name == "vocab" for s in head.tp_styles)
 
 
+@pytest.mark.slow
 def test_a_head_count_equal_to_the_head_width_is_narrowed_with_it() -> None:
     """Megatron's 310B row: 128 heads of 128 (16,384 wide), no config. The size 128 has two roles,
     so both are narrowed alike (128 heads of 128 → 8 of 8, one map for every integer): the copy is
@@ -222,6 +225,7 @@ def test_a_head_count_equal_to_the_head_width_is_narrowed_with_it() -> None:
     assert style.segments["blocks.0.attn.qkv"] == (16384, 16384, 16384)
 
 
+@pytest.mark.slow
 def test_heads_narrowed_with_their_width_keep_the_degrees_they_admit(monkeypatch: pytest.MonkeyPatch) -> None:
     """24 heads of 24 (576 wide): narrowing 24 to 12 or 6 would drop tp=3 or 8 from the degrees it
     admits, and 4 heads of 4 are too thin, so the only map is the identity: refused, saying why."""

@@ -88,6 +88,7 @@ def _falcon(multi_query: bool) -> nn.Module:
     return transformers.FalconForCausalLM(cfg)
 
 
+@pytest.mark.slow
 def test_falcon_parallel_block_with_multi_query_is_refused_with_the_op_not_offered() -> None:
     layer = _block(_falcon(True), "transformer.h.0")
     assert "megatron" not in [s.name for s in layer.tp_styles]
@@ -95,6 +96,7 @@ def test_falcon_parallel_block_with_multi_query_is_refused_with_the_op_not_offer
     assert re.match(named, layer.tp_refusal), layer.tp_refusal  # refused, the op named
 
 
+@pytest.mark.slow
 def test_falcon_parallel_block_without_multi_query_is_proved_through_its_own_linear() -> None:
     layer = _block(_falcon(False), "transformer.h.0")
     style = layer.tp_style("megatron")
@@ -113,6 +115,7 @@ def _deepseek(dense: int) -> nn.Module:
     return transformers.DeepseekV3ForCausalLM(cfg)
 
 
+@pytest.mark.slow
 def test_mla_is_sharded_by_heads_after_its_low_rank_up_projections() -> None:
     layer = _block(_deepseek(1), "model.layers.0")
     style = layer.tp_style("megatron")
@@ -136,6 +139,7 @@ class _Stack(nn.Module):
         return x
 
 
+@pytest.mark.slow
 def test_deepseek_moe_block_splits_attention_and_shared_expert_and_keeps_routed_experts_whole() -> None:
     """The routed experts' grouped GEMM has no float64 kernel: the proof runs it one matmul per expert."""
     layer = _block(_deepseek(1), "model.layers.1")
@@ -211,6 +215,7 @@ def test_a_layer_with_projections_but_no_group_says_which() -> None:
                                        "blocks.0.a, blocks.0.b")
 
 
+@pytest.mark.slow
 def test_a_scalar_gate_beside_a_group_runs_whole_and_keeps_tensor_parallelism() -> None:
     """Qwen2-MoE's shared expert: its output scaled by the sigmoid of a [tokens, 1] gate projection that
     reads the block's input; the gate runs whole on every rank, the expert is a column → row group."""
@@ -252,6 +257,7 @@ def _llama(kv_heads: int) -> nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
+@pytest.mark.slow
 def test_one_kv_head_replicates_the_kv_projections_and_prices_them_whole() -> None:
     layer = _block(_llama(1), "model.layers.0")
     style = layer.tp_style("megatron")
@@ -264,6 +270,7 @@ def test_one_kv_head_replicates_the_kv_projections_and_prices_them_whole() -> No
     assert style.bwd_allreduce_count == 2 + 2  # the two row inputs' sums and the two kv gradients
 
 
+@pytest.mark.slow
 def test_as_many_kv_heads_as_tp_keeps_sharding_them() -> None:
     style = _block(_llama(2), "model.layers.0").tp_style("megatron")
     assert "model.layers.0.self_attn.k_proj" in style.column and style.checked == (2,)
@@ -272,6 +279,7 @@ def test_as_many_kv_heads_as_tp_keeps_sharding_them() -> None:
 # ------------------------------------------------------------------ pattern 2: a norm over the whole q/k
 
 
+@pytest.mark.slow
 def test_olmo2_norm_over_the_whole_query_is_computed_with_its_statistics_all_reduced() -> None:
     cfg = transformers.Olmo2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
@@ -304,6 +312,7 @@ def test_a_variance_over_the_sharded_dimension_is_still_refused() -> None:
 # ------------------------------------------------------------------ pattern 4: ALiBi, per-head fused qkv
 
 
+@pytest.mark.slow
 def test_bloom_per_head_fused_qkv_and_alibi_scores_are_proved() -> None:
     cfg = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, use_cache=False,
                                    tie_word_embeddings=False, hidden_dropout=0.0, attention_dropout=0.0)
@@ -343,6 +352,7 @@ def test_a_bias_shared_by_every_batch_and_head_needs_no_cut() -> None:
 # ------------------------------------------------------------------ pattern 5: multi-query fused in one c_attn
 
 
+@pytest.mark.slow
 def test_gptbigcode_multi_query_fused_c_attn_runs_its_key_value_rows_whole() -> None:
     """q for every head and one shared k/v head in a single projection: each rank computes its share of
     the q rows and the whole k/v rows (Megatron-Core's and vLLM's answer), proved by simulation."""
@@ -361,6 +371,7 @@ def test_gptbigcode_multi_query_fused_c_attn_runs_its_key_value_rows_whole() -> 
     assert style.sequence == () and "key/value rows run whole" in style.sequence_refusal
 
 
+@pytest.mark.slow
 def test_a_whole_segment_that_is_not_the_key_value_rows_is_refused() -> None:
     """Running the query rows whole instead would give every rank all heads while c_proj reads a share."""
     cfg = transformers.GPTBigCodeConfig(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=64,

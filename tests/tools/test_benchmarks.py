@@ -54,6 +54,7 @@ def speed_graph():
 
 @pytest.mark.parametrize("lowering", ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "PP 1F1B", "selective", "full", "TP",
                                       "cp all-gather", "cp Ulysses", "cp ring"])
+@pytest.mark.slow
 def test_each_compile_speed_row_is_the_lowering_it_names_and_compiles(speed_graph, lowering):
     """Both models of a row are that lowering (the eager and the compiled plan the same mesh, ZeRO stage,
     schedule and recompute), and the compiled one is a plan the compiled runtime runs."""

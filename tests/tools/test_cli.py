@@ -70,6 +70,7 @@ def test_plan_json_parses(capsys):
     assert data["pins"] == ["tp=2"]
 
 
+@pytest.mark.slow
 def test_saved_plan_shows_and_is_bound_to_its_model(plan_file, capsys):
     code, out, err = _run(capsys, "show", str(plan_file))
     assert code == 0 and err == "" and out.startswith("autopar plan — gpt_tiny")
@@ -87,6 +88,7 @@ def test_show_does_not_import_torch(plan_file):
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow
 def test_compare_chosen_is_no_slower_than_any_fitting_baseline(capsys):
     code, out, err = _run(capsys, "compare", *BASE, "--json")
     assert code == 0 and err == ""
@@ -101,6 +103,7 @@ def test_compare_chosen_is_no_slower_than_any_fitting_baseline(capsys):
             assert row["vs_chosen"] >= 1 - 1e-9
 
 
+@pytest.mark.slow
 def test_compare_table(capsys):
     code, out, _ = _run(capsys, "compare", *BASE)
     assert code == 0
@@ -153,6 +156,7 @@ def test_bad_cluster_file(tmp_path, capsys, suffix, defect, needle):
     _assert_one_line_error(code, err, 2, needle)
 
 
+@pytest.mark.slow
 def test_cluster_file_plans(tmp_path, capsys):
     path = tmp_path / "mine.toml"
     _write_toml(path, _cluster_dict())
@@ -177,6 +181,7 @@ def test_cluster_file_plans(tmp_path, capsys):
     (["--world-size", "eight"], ["invalid int value"]),
     (["--dtype", "fp8"], ["invalid choice"]),
 ])
+@pytest.mark.slow
 def test_bad_plan_options(capsys, extra, needles):
     code, out, err = _run(capsys, "plan", *BASE, *extra)
     _assert_one_line_error(code, err, 2, *needles)
@@ -188,6 +193,7 @@ def test_no_subcommand_or_unknown_option(capsys):
     _assert_one_line_error(*_run(capsys, "plan", *BASE, "--frobnicate")[::2])
 
 
+@pytest.mark.slow
 def test_memory_too_small_is_infeasible(capsys):
     code, _, err = _run(capsys, "plan", *BASE, "--memory-gb", "0.0001")
     _assert_one_line_error(code, err, 3, "per rank at best", "MiB")
@@ -279,6 +285,7 @@ def test_unwritable_output_is_bad_input(tmp_path, capsys):
     _assert_one_line_error(code, err, 2, "plan.json")
 
 
+@pytest.mark.slow
 def test_console_script_bad_input(plan_file):
     proc = _console("plan", TINY, "--world-size", "8", "--cluster", "nosuch")
     _assert_one_line_error(proc.returncode, proc.stderr, 2, "unknown cluster")
@@ -291,6 +298,7 @@ def test_console_script_bad_input(plan_file):
 SMALL = [TINY, "--world-size", "2", "--cluster", "cpu", "--batch-size", "8"]
 
 
+@pytest.mark.slow
 def test_compare_on_a_small_model_keeps_significant_digits_in_units_that_fit(capsys):
     code, out, err = _run(capsys, "compare", *SMALL)
     assert code == 0 and err == ""
@@ -306,6 +314,7 @@ def test_compare_on_a_small_model_keeps_significant_digits_in_units_that_fit(cap
                 "peak_memory_bytes", "vs_chosen", "same_as", "note"} <= set(row)
 
 
+@pytest.mark.slow
 def test_compare_says_when_a_baseline_collapses_into_another_row(capsys):
     code, out, _ = _run(capsys, "compare", *SMALL, "--json")
     rows = {r["name"]: r for r in json.loads(out)}
@@ -323,6 +332,7 @@ def test_compare_says_when_a_baseline_collapses_into_another_row(capsys):
     assert line.endswith("does not fit or cannot run)") and "same plan as DDP" in line
 
 
+@pytest.mark.slow
 def test_compare_prints_reasons_in_full_below_the_table_naming_the_baselines_pins(capsys):
     code, out, err = _run(capsys, "compare", TINY, "--world-size", "4", "--cluster", "cpu",
                           "--batch-size", "6")
@@ -342,6 +352,7 @@ def test_compare_prints_reasons_in_full_below_the_table_naming_the_baselines_pin
     assert not ddp["fits"] and ddp["reason"] == notes[0][len("[1] DDP: "):]
 
 
+@pytest.mark.slow
 def test_compare_on_a_gpu_cluster_says_per_gpu_and_tflops(capsys):
     code, out, _ = _run(capsys, "compare", TINY, "--world-size", "8", "--cluster", "a100-80g",
                         "--batch-size", "64")

@@ -32,7 +32,8 @@ def graph():
 
 @pytest.fixture(scope="module")
 def plan(graph):
-    return autopar.solve(graph, 16, cluster="a100-40g", global_batch=64, memory_gb=BUDGET_GB)
+    # runners-up are solved in 3% of the time limit: 0.9 s of the default 30 s found none on a loaded host
+    return autopar.solve(graph, 16, cluster="a100-40g", global_batch=64, memory_gb=BUDGET_GB, time_limit_s=300)
 
 
 def _key(figures) -> tuple:
@@ -168,6 +169,7 @@ def tiny_plan(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_cli_explains_a_spec_and_a_plan_file(capsys, tiny_plan):
     code, out, err = _run(capsys, "explain", TINY, "--world-size", "8", "--cluster", "cpu", "--why-not", "pp=2")
     assert code == 0 and err == ""
@@ -199,6 +201,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(capsys, argv, needles):
     assert out == ""
 
 
+@pytest.mark.slow
 def test_cli_plan_file_bad_input(capsys, tiny_plan, tmp_path):
     _one_line_error(*_run(capsys, "explain", str(tiny_plan), "--why-not", "pp=2")[::2], "--model SPEC")
     _one_line_error(*_run(capsys, "explain", str(tiny_plan), "--world-size", "4")[::2], "--world-size",
@@ -275,6 +278,7 @@ def test_a_compiled_plans_pin_counterfactual_is_solved_compiled(gpt_graph):
     assert eager_cf.figures.step_time_s > cf.figures.step_time_s  # solved eager, as asked
 
 
+@pytest.mark.slow
 def test_cli_explain_compile_why_not_compile_off(capsys):
     assert main(["explain", TINY, "--world-size", "2", "--cluster", "h100-80g", "--batch-size", "4", "--compile",
                  "--why-not", "compile=off"]) == 0

@@ -33,6 +33,7 @@ def test_an_unknown_row_is_one_line_and_exit_2(capsys):
     assert err.count("\n") == 1 and "unknown row 2T" in err
 
 
+@pytest.mark.slow
 def test_one_row_prints_published_predicted_and_free_side_by_side(capsys):
     assert megatron_scaling.main(["--rows", "1.7B", "--time-limit", "10"]) == 0
     out = capsys.readouterr().out

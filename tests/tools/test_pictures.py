@@ -187,6 +187,7 @@ def _check_self_contained(page: str, images: int) -> None:
         assert base64.b64decode(src.split(",", 1)[1]).startswith(PNG)
 
 
+@pytest.mark.slow
 def test_plan_html_is_self_contained(plans, tmp_path):
     _check_self_contained(pictures.plan_html(plans["1f1b"]), images=3)
     paths = pictures.write_pngs(plans["1f1b"], tmp_path / "pngs")
@@ -201,6 +202,7 @@ def _one_line_error(code: int, err: str, *needles: str) -> None:
         assert needle in err, err
 
 
+@pytest.mark.slow
 def test_cli_show_draws_and_refuses_what_it_cannot_draw(plans, tmp_path, capsys):
     path = tmp_path / "plan.json"
     plans["gpipe"].save(path)
@@ -248,6 +250,7 @@ def test_the_readme_example_plan_draws():
     assert [sum(b.values()) for b in pictures.memory_bars(plan)] == list(plan.predicted.memory_per_rank_bytes)
 
 
+@pytest.mark.slow
 def test_cli_show_html_does_not_import_torch(plans, tmp_path):
     path = tmp_path / "plan.json"
     plans["flat"].save(path)

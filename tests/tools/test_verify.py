@@ -106,6 +106,7 @@ def test_the_floor_still_catches_a_real_error(name: str, error: float) -> None:
     assert c.rel > v.TOLERANCE and c.worst == name
 
 
+@pytest.mark.slow
 def test_disable_dropout_switches_off_modules_attributes_and_hf_configs() -> None:
     import verify_specs
 
@@ -141,6 +142,7 @@ def _solve_tiny(*pins: str):
                          pins=["pp=1", "tp=2", *pins])
 
 
+@pytest.mark.slow
 def test_a_tp_mesh_with_no_tensor_parallel_layer_is_warned_about_and_the_layers_printed() -> None:
     plan = _solve_tiny("*:tp=none", "loss=full")
     (warning,) = v.plan_warnings(plan)
