@@ -1,7 +1,7 @@
 """``autopar tune`` on this machine: its wall time, and how far the predictions were from the measured
 step times before and after its refit, given a cluster file told wrong on purpose.
 
-    python benchmarks/tune.py [--json FILE] [--worlds 2 4] [--steps 20] [--metrics [--rounds R]]
+    python benchmarks/tune.py [--json FILE] [--worlds 2 4] [--steps 20] [--metrics [--rounds R] [--sequential]]
     python benchmarks/tune.py --refit-from FILE      # a saved run's measurements refit again
 
 For each world size W and each wrong cluster — calibrate's fit of this machine
@@ -43,6 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "gpt.py") + ":gpt_tiny"
 MEASURED_STEPS = 100  # --metrics: tune's timed steps of the trained plan, beside the training run
+SEQUENTIAL_STEPS = 105  # --metrics --sequential: the training run's steps, the first SEQUENTIAL_WARMUP left out
+SEQUENTIAL_WARMUP = 5
 WRONG = {"compute 4× fast, comm 4× slow": (4.0, 0.25), "compute 4× slow, comm 4× fast": (0.25, 4.0)}
 
 
@@ -91,13 +93,14 @@ def one(world: int, label: str, compute: float, comm: float, steps: int, tmp: Pa
                       "measured_s": x["measured_s"]} for x in c]}
 
 
-def _train(metrics: Path, plan_path: Path, steps: int, log: Path) -> subprocess.Popen:
+def _train(metrics: Path, plan_path: Path, steps: int, log: Path, *extra: str) -> subprocess.Popen:
     """``autopar run examples/train_gpt.py`` on 2 processes, in the background: its own process group (to
     stop it), in this session (Linux shares a busy host's cores between sessions: another would give it
     another share than tune's ranks get)."""
     cmd = [sys.executable, "-c", "import sys; from autopar.tools.cli import main; sys.exit(main(sys.argv[1:]))",
            "run", str(ROOT / "examples" / "train_gpt.py"), "--nproc", "2", "--", "--steps", str(steps),
-           "--batch-size", "16", "--metrics-file", str(metrics), "--save-plan", str(plan_path), "--log-every", "1"]
+           "--batch-size", "16", "--metrics-file", str(metrics), "--save-plan", str(plan_path), "--log-every", "1",
+           *extra]
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, process_group=0)
 
 
@@ -105,7 +108,7 @@ def _reports(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
-def from_metrics(tmp: Path, rounds: int = 3) -> dict:
+def from_metrics(tmp: Path, rounds: int = 3, sequential: bool = False) -> dict:
     """The refit from train_gpt.py's metrics file against the refit from tune's own measurement of that plan.
 
     The host's load moves a plan's step time by far more than the 5 % compared here within seconds (the
@@ -114,7 +117,13 @@ def from_metrics(tmp: Path, rounds: int = 3) -> dict:
     once it reports steps, tune's measurement of the plan it trains (:data:`MEASURED_STEPS`) beside it,
     both under the same load (each other's included, in the same session); the training run is then
     stopped, its file cut to the reports written while tune's steps ran (each report's ``time``), and
-    refit from (``autopar calibrate --from-metrics``)."""
+    refit from (``autopar calibrate --from-metrics``).
+
+    ``sequential`` (``--sequential``, for an idle host): the training run goes to its end
+    (:data:`SEQUENTIAL_STEPS`), then tune measures its plan alone; the file's reports after the first
+    :data:`SEQUENTIAL_WARMUP` are refit from, the run unclipped as tune's candidates are (clipping's ops are
+    not priced). Two jobs at once on two cores each get about half, which is the same load for both but not
+    the load either job runs under alone."""
     from autopar.capturing import capture
     from autopar.cost_models.presets import load_cluster
     from autopar.plan import Plan
@@ -132,23 +141,33 @@ def from_metrics(tmp: Path, rounds: int = 3) -> dict:
     for r in range(rounds):
         whole, metrics, refit_path = tmp / f"run-{r}.jsonl", tmp / f"cut-{r}.jsonl", tmp / f"from-metrics-{r}.json"
         plan_path = tmp / f"plan-{r}.json"
-        training = _train(whole, plan_path, 10**6, tmp / f"run-{r}.log")
-        try:
-            while len(_reports(whole)) < 5:  # the training run is past its warm-up: measure beside it
-                if training.poll() is not None:
-                    raise RuntimeError(f"train_gpt.py failed: see {tmp / f'run-{r}.log'}")
-                time.sleep(0.5)
-            plan = Plan.load(plan_path)  # the plan train_gpt.py trains
-            n = MEASURED_STEPS
+        n = MEASURED_STEPS
+        if sequential:  # the training run to its end, then tune's measurement of its plan: one job at a time
+            # tune measures its candidates unclipped (the default AdamW, no scheduler): the run alike
+            training = _train(whole, plan_path, SEQUENTIAL_STEPS, tmp / f"run-{r}.log", "--max-grad-norm", "0")
+            if training.wait() != 0:
+                raise RuntimeError(f"train_gpt.py failed: see {tmp / f'run-{r}.log'}")
+            plan = Plan.load(plan_path)
             results, _ = measure_spawned(2, TINY, None, [(0, plan.to_json())], graph.to_dict(), steps=n,
                                          warmup=2, deadline=None)
-            ended = time.time()
-        finally:
-            os.killpg(training.pid, signal.SIGTERM)
-            training.wait()
-        # tune's timed steps: about its n steps at its median before it ended
-        began = ended - n * results[0].measured_s
-        lines = [json.dumps(x) for x in _reports(whole) if began <= x["time"] <= ended]
+            lines = [json.dumps(x) for x in _reports(whole)[SEQUENTIAL_WARMUP:]]
+        else:
+            training = _train(whole, plan_path, 10**6, tmp / f"run-{r}.log")
+            try:
+                while len(_reports(whole)) < 5:  # the training run is past its warm-up: measure beside it
+                    if training.poll() is not None:
+                        raise RuntimeError(f"train_gpt.py failed: see {tmp / f'run-{r}.log'}")
+                    time.sleep(0.5)
+                plan = Plan.load(plan_path)  # the plan train_gpt.py trains
+                results, _ = measure_spawned(2, TINY, None, [(0, plan.to_json())], graph.to_dict(), steps=n,
+                                             warmup=2, deadline=None)
+                ended = time.time()
+            finally:
+                os.killpg(training.pid, signal.SIGTERM)
+                training.wait()
+            # tune's timed steps: about its n steps at its median before it ended
+            began = ended - n * results[0].measured_s
+            lines = [json.dumps(x) for x in _reports(whole) if began <= x["time"] <= ended]
         metrics.write_text("\n".join(lines) + "\n")
         with contextlib.redirect_stdout(io.StringIO()):
             assert main(["calibrate", "--from-metrics", str(metrics), "--plan", str(plan_path), "--model", TINY,
@@ -217,6 +236,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20, help="tune's --steps")
     parser.add_argument("--metrics", action="store_true")
     parser.add_argument("--rounds", type=int, default=3, help="--metrics: training runs, each beside tune's own")
+    parser.add_argument("--sequential", action="store_true",
+                        help="--metrics: the training run first, then tune's measurement alone (an idle host)")
     parser.add_argument("--refit-from", default=None, metavar="FILE",
                         help="refit a saved run's measurements again (its --json file) and print the errors")
     args = parser.parse_args()
@@ -233,7 +254,7 @@ def main() -> int:
                 rows.append(one(world, label, compute, comm, args.steps, Path(d)))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         if args.metrics:
-            extra = from_metrics(Path(d), args.rounds)
+            extra = from_metrics(Path(d), args.rounds, args.sequential)
     print("| W | wrong cluster | wall s | ran | kept fastest | ≤ first | error before (worst / median) "
           "| after (worst / median) |")
     print("|---|---|---|---|---|---|---|---|")

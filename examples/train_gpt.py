@@ -101,7 +101,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate / peak")
     p.add_argument("--warmup", type=int, default=5, help="warm-up steps")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm to this")
+    p.add_argument("--max-grad-norm", type=float, default=1.0,
+                   help="clip the global gradient norm to this (0: no clipping)")
     p.add_argument("--data", default=None, metavar="PATH", help="a .bin of token ids or a text file "
                    "(default: synthetic data)")
     p.add_argument("--data-dtype", choices=["uint16", "uint32"], default=None,
@@ -174,7 +175,7 @@ def train(args: argparse.Namespace) -> None:
     schedule = warmup_cosine(args.warmup, args.steps, args.min_lr_ratio)
     pins = args.pin if any(p.strip().startswith("pp=") for p in args.pin) else ["pp=1", *args.pin]
     pm = autopar.compile(model, example_inputs=example, pins=pins, global_batch=args.batch_size, dtype=dtype,
-                         max_grad_norm=args.max_grad_norm,
+                         max_grad_norm=args.max_grad_norm or None,
                          optimizer=lambda p: torch.optim.AdamW(p, lr=args.lr, weight_decay=0.01),
                          lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule))
     rank = dist.get_rank() if dist.is_initialized() else 0
