@@ -13,8 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import outside_matrix_cases as outside
 import torch
 import torch.nn as nn
+import zoo
 from equivalence_cases import PP1, Spec, equivalence
 from meta_models import meta_llama
 from moe_cases import hf_qwen2_moe
@@ -72,6 +74,11 @@ MODELS: dict[str, tuple[Callable[[], tuple[nn.Module, tuple]], str]] = {
     "llama4_router": (llama4, "model.layers.*"),
     # Qwen2-MoE's shared expert scaled by a sigmoid of a [tokens, 1] gate projection, run whole as the router
     "qwen2_moe_gate": (hf_qwen2_moe, "model.layers.*"),
+    # Mamba mixers (issue 41): in_proj column, the depthwise conv1d, dt_proj, A_log and D split on the
+    # channels, x_proj a row inside the group (its partial sums all-reduced), out_proj row; Jamba's beside
+    # its attention layer and an MoE in each, Hugging Face's MambaForCausalLM alone
+    "jamba_mamba": (outside.jamba, "model.layers.*"),
+    "hf_mamba": (lambda: zoo.build("hf_mamba"), "backbone.layers.*"),
 }
 SPECS: dict[str, Spec] = {
     name: Spec(build, PP1 + ("dp=1", "tp=2", "zero=0", f"{blocks}:tp=megatron"), 4)
@@ -79,6 +86,10 @@ SPECS: dict[str, Spec] = {
 }
 # a size with two roles: 64 wide at 64 positions; proved on a narrower copy (the path of a layer too
 # large to simulate, taken here by lowering the limit while rank 0 captures) told apart at a second length
+# PyTorch's nn.TransformerDecoder: each decoder layer one layer (self-attention, cross-attention over the
+# encoder's memory, MLP), its MLP column → row; batches as verify makes them (source and target ids)
+SPECS["torch_decoder_layers"] = Spec(outside.torch_seq2seq, PP1 + ("dp=1", "tp=2", "zero=0",
+                                     "decoder.layers.*:tp=megatron"), 4, synthetic=True)
 SPECS["plain_gpt_seq_is_width"] = Spec(plain_gpt_64, PP1 + ("dp=1", "tp=2", "zero=0", "blocks.*:tp=megatron"), 4)
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}
 CASES["plain_gpt_seq_is_width"] = narrowed(CASES["plain_gpt_seq_is_width"])

@@ -85,11 +85,12 @@ def with_whole(style: TPStyle, module: nn.Module, prefix: str, whole: dict[str, 
         bwd_allreduce_count=style.bwd_allreduce_count + count)
 
 
-def with_statistics(style: TPStyle, count: int, tokens_per_sample: int) -> TPStyle:
-    """``style`` with ``count`` statistics all-reduced per call (one value per token each)."""
+def with_statistics(style: TPStyle, count: int, tokens_per_sample: int, values_per_token: float) -> TPStyle:
+    """``style`` with ``count`` all-reduces per call inside the layer, of ``values_per_token`` values per
+    token in all (a norm's statistic: one; a Mamba mixer's ``x_proj``: its ``dt``, ``B`` and ``C``)."""
     if not count:
         return style
-    elems = float(count * tokens_per_sample)
+    elems = float(values_per_token * tokens_per_sample)
     return dataclasses.replace(
         style, fwd_allreduce_count=style.fwd_allreduce_count + count,
         fwd_allreduce_elems=style.fwd_allreduce_elems + elems,

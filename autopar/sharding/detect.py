@@ -27,6 +27,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.graph import TPStyle
+from autopar.sharding.channel_ops import channel_params
 from autopar.sharding.rules import projection_dims
 
 
@@ -177,6 +178,49 @@ def _try_pair(view: LayerView, p_path: str, linears: list[str]) -> _Pair | None:
         divisors=divisors,
         params=sum(_numel(mods[c]) for c in cols) + _numel(mods[row], skip_bias=True),
         flops=sum(view.stats[n].flops for n in sharded | set(in_mod[row])),
+        act_elems=act / view.dtype_bytes,
+        allreduce_elems=float(view.stats[in_mod[row][-1]].out_numel),
+    )
+
+
+def _try_inner(view: LayerView, p_path: str, linears: list[str]) -> _Pair | None:
+    """A selective state-space mixer (Mamba's): one column projection reads the replicated input
+    (``in_proj``), projections inside the group read only what it made (``x_proj``, contracting over
+    the sharded channels: :func:`autopar.sharding.channel_ops.inner_row`), and the last maps the
+    channels back to the input's width (``out_proj``). The inner projections stay whole on every rank;
+    the simulation decides whether the code between runs exactly on shards."""
+    col, inner, row = linears[0], linears[1:-1], linears[-1]
+    dims = {lp: linear_dims(view.model.get_submodule(lp)) for lp in linears}
+    if not inner or dims[col][0] != dims[row][1]:  # type: ignore[index]
+        return None
+    p_nodes = [n for n in view.nodes if _inside(view.stats[n], p_path)]
+    in_mod = {lp: [n for n in p_nodes if _inside(view.stats[n], lp)] for lp in linears}
+    if any(not v for v in in_mod.values()):
+        return None
+    xs = _external_inputs(in_mod[col], set(in_mod[col]), view)
+    if len(xs) != 1:
+        return None
+    row_start = p_nodes.index(in_mod[row][0])
+    reach = set(in_mod[col])  # what depends on the column's output
+    for n in p_nodes[:row_start]:
+        if n not in reach and any(a in reach for a in n.all_input_nodes):
+            reach.add(n)
+    for lp in (*inner, row):  # each reads what the column made, never the replicated input itself
+        ext = _external_inputs(in_mod[lp], set(in_mod[lp]), view)
+        if not ext or not ext <= reach:
+            return None
+    sharded = reach - {n for lp in inner for n in in_mod[lp]}
+    act = sum(b for n in sharded | set(in_mod[row]) for b, prod in view.stats[n].saved if prod in sharded)
+    mods = {lp: view.model.get_submodule(lp) for lp in (col, row)}
+    channels = channel_params(view.model, (col,), (row,)).get(col, ())  # split with the column
+    return _Pair(
+        path=p_path,
+        columns=[col],
+        row=row,
+        divisors=[dims[col][1]],  # type: ignore[index]
+        params=_numel(mods[col]) + _numel(mods[row], skip_bias=True)
+        + sum(view.model.get_parameter(p).numel() for p in channels),
+        flops=sum(view.stats[n].flops for n in reach | set(in_mod[row])),
         act_elems=act / view.dtype_bytes,
         allreduce_elems=float(view.stats[in_mod[row][-1]].out_numel),
     )
@@ -348,7 +392,7 @@ def _megatron_or_why(view: LayerView) -> tuple[TPStyle | None, str]:
         mine = [lp for lp in linears if lp.startswith(p_path + ".") and lp not in used and lp not in gates]
         if len(mine) < 2:
             continue
-        pair = _try_pair(view, p_path, mine) or _try_low_rank(view, p_path, mine)
+        pair = _try_pair(view, p_path, mine) or _try_inner(view, p_path, mine) or _try_low_rank(view, p_path, mine)
         if pair is not None:
             pairs.append(pair)
             used.update(mine)  # a low-rank pair's down-projections run whole, unsharded

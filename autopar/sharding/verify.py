@@ -325,7 +325,7 @@ def verify_styles(model: nn.Module, args: tuple, kwargs: dict, layers: list[Laye
             if result.ok:
                 style = without_replicated(style, model.get_submodule(layer.module_path), layer.module_path,  # type: ignore[arg-type]
                                            result.replicated, seq_len or 1)
-                style = with_statistics(style, result.statistics, seq_len or 1)
+                style = with_statistics(style, result.statistics, seq_len or 1, result.statistic_values)
                 style = with_whole(style, model.get_submodule(layer.module_path), layer.module_path,  # type: ignore[arg-type]
                                    result.whole, result.segments, seq_len or 1)
                 proved = dataclasses.replace(
