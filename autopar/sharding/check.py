@@ -72,6 +72,8 @@ class CheckResult:
     replicated: tuple[str, ...] = ()  # columns proved run whole on every rank (too few key/value heads)
     statistics: int = 0  # sums over a sharded dimension, all-reduced, per call of the layer
     statistic_values: float = 0.0  # the values those all-reduces carry per token, in all
+    grad_sums: int = 0  # replicated tensors whose gradient is summed over the tp group (backward all-reduces)
+    grad_sum_values: float = 0.0  # their elements per token of the simulated call, in all
     whole: dict[str, tuple[int, ...]] = field(default_factory=dict)  # a column's segments run whole
 
 
@@ -230,6 +232,7 @@ class SequenceStats:
     grad_sums: tuple[int, ...] = ()
     statistics: int = 0  # sums over a sharded dimension, all-reduced (a norm over the whole query)
     statistic_values: float = 0.0  # their values per token of the hidden state, in all (Mamba's dt, B, C)
+    grad_sum_values: float = 0.0  # the elements of ``grad_sums`` per token of the hidden state
 
 
 def hidden_input(args: tuple, kwargs: dict) -> tuple[int | str, torch.Tensor] | None:
@@ -309,6 +312,7 @@ def simulate(layer: nn.Module, inputs: tuple, pair_columns: tuple[str, ...], pai
                 stats.grad_sums = tuple(mode.grad_sums)
                 stats.statistics = len(mode.stat_reduces)
                 stats.statistic_values = sum(mode.stat_reduces) / _tokens(args, kwargs)
+                stats.grad_sum_values = sum(mode.grad_sums) / _tokens(args, kwargs)
         except BaseException as exc:  # noqa: BLE001 - carried to the caller's thread
             failure.append(exc)
             reducer.abort()
@@ -371,7 +375,7 @@ def _check_style(layer: nn.Module, inputs: tuple, columns: tuple[str, ...], rows
     worst = 0.0
     todo = [2]
     retries = 0
-    statistics, statistic_values = 0, 0.0
+    statistics, statistic_values, sums = 0, 0.0, SequenceStats()
     replicated: set[str] = set()  # columns run whole on every rank (key/value heads fewer than tp)
     whole: dict[str, tuple[int, ...]] = {}  # a fused column's segments run whole (its key/value rows)
     while todo:
@@ -420,11 +424,12 @@ def _check_style(layer: nn.Module, inputs: tuple, columns: tuple[str, ...], rows
                 divisors.update(x for i, x in enumerate(s) if i not in whole.get(c, ()))
         tried.append(tp)
         if len(tried) == 1:
-            statistics, statistic_values = stats.statistics, stats.statistic_values
+            statistics, statistic_values, sums = stats.statistics, stats.statistic_values, stats
             todo = [d for d in degrees(tuple(sorted(divisors))) if d not in tried]
     return CheckResult(True, {c: s for c, s in segments.items() if c not in replicated}, tuple(sorted(divisors)),
                        tuple(tried), worst, replicated=tuple(c for c in columns if c in replicated),
-                       statistics=statistics, statistic_values=statistic_values, whole=dict(whole))
+                       statistics=statistics, statistic_values=statistic_values, whole=dict(whole),
+                       grad_sums=len(sums.grad_sums), grad_sum_values=sums.grad_sum_values)
 
 
 def check_sequence(layer: nn.Module, recorded: tuple, columns: tuple[str, ...], rows: tuple[str, ...],

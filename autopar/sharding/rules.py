@@ -343,6 +343,11 @@ class ShardMode(TorchFunctionMode):
         :meth:`Collectives.grad_sum` (see the class docstring)."""
         def fix(a):
             if isinstance(a, torch.Tensor) and a.requires_grad and self.layout(a) is None:
+                base = a._base
+                if self.channels and base is not None and base.requires_grad and self.layout(base) is None:
+                    # a Mamba scan reads one step of C at a time: its whole tensor's gradient is summed
+                    # once, not once a step (channel_ops.py); the step is the same view of the sum
+                    return fix(base).as_strided(a.size(), a.stride(), a.storage_offset())
                 done = self._summed.get(id(a))
                 if done is None:
                     done = self._summed[id(a)] = (a, self.comm.grad_sum(a))

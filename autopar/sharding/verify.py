@@ -35,6 +35,7 @@ import torch.utils._pytree as pytree
 from autopar.graph import Layer, TPStyle
 from autopar.sharding import check as shard_check
 from autopar.sharding import narrow, shapes
+from autopar.sharding.channel_ops import channel_params
 from autopar.sharding.collectives import with_statistics, with_whole, without_replicated
 from autopar.sharding.layout import NoShardRule
 from autopar.sharding.rules import projection_dims
@@ -325,7 +326,12 @@ def verify_styles(model: nn.Module, args: tuple, kwargs: dict, layers: list[Laye
             if result.ok:
                 style = without_replicated(style, model.get_submodule(layer.module_path), layer.module_path,  # type: ignore[arg-type]
                                            result.replicated, seq_len or 1)
-                style = with_statistics(style, result.statistics, seq_len or 1, result.statistic_values)
+                module = model.get_submodule(layer.module_path)  # type: ignore[arg-type]
+                rel = len(layer.module_path) + 1  # type: ignore[arg-type]
+                # a Mamba mixer's backward sums its replicated dt, B, C and x_proj weight (channel_ops.py)
+                summed = (result.grad_sums, result.grad_sum_values) if channel_params(
+                    module, tuple(c[rel:] for c in style.column), tuple(r[rel:] for r in style.row)) else None
+                style = with_statistics(style, result.statistics, seq_len or 1, result.statistic_values, summed)
                 style = with_whole(style, model.get_submodule(layer.module_path), layer.module_path,  # type: ignore[arg-type]
                                    result.whole, result.segments, seq_len or 1)
                 proved = dataclasses.replace(
