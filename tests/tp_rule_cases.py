@@ -17,9 +17,11 @@ import outside_matrix_cases as outside
 import torch
 import torch.nn as nn
 import zoo
+from batch_coupling_cases import switch_dropping8
 from equivalence_cases import PP1, Spec, equivalence
 from meta_models import meta_llama
 from moe_cases import hf_qwen2_moe
+from moe_layouts import titan_moe
 
 
 def gpt_oss() -> tuple[nn.Module, tuple]:
@@ -79,6 +81,12 @@ MODELS: dict[str, tuple[Callable[[], tuple[nn.Module, tuple]], str]] = {
     # its attention layer and an MoE in each, Hugging Face's MambaForCausalLM alone
     "jamba_mamba": (outside.jamba, "model.layers.*"),
     "hf_mamba": (lambda: zoo.build("hf_mamba"), "backbone.layers.*"),
+    # a Switch block (issue 41): its fused QKV viewed [3, heads, head_dim] with no split before (retried as
+    # three segments), its capacity router beside the attention's group, the routed experts whole
+    "switch_fused_qkv": (switch_dropping8, "h.*"),
+    # torchtitan's MoE, its block traced with the MoE as a stand-in (a routing loop that takes counts to
+    # Python): the attention split, proved on the block itself, the MoE whole on every rank
+    "titan_moe_block": (titan_moe, "layers.*"),
 }
 SPECS: dict[str, Spec] = {
     name: Spec(build, PP1 + ("dp=1", "tp=2", "zero=0", f"{blocks}:tp=megatron"), 4)

@@ -81,9 +81,10 @@ def inner_row(mode: ShardMode, name, func, args, kwargs):
 
 def channel_params(layer: nn.Module, columns: tuple[str, ...], rows: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
     """Per column projection (paths relative to ``layer``), the per-channel parameters its group shares
-    out: only for a group of one column whose module also holds other projections (a Mamba mixer's
-    ``x_proj``, ``dt_proj``), every parameter of that module outside the column and the row whose first
-    dim is the row's input width (the channels). Attention and MLP groups hold none."""
+    out: only for a group of one column in a submodule of its own (a mixer, not the layer) that also holds
+    other projections (a Mamba mixer's ``x_proj``, ``dt_proj``), every parameter of that module outside the
+    column and the row whose first dim is the row's input width (the channels). Attention and MLP groups
+    hold none, nor does a block that holds its projections itself (a Switch block's norms are no channels)."""
     out: dict[str, tuple[str, ...]] = {}
     for row in rows:
         parent = row.rsplit(".", 1)[0] if "." in row else ""
@@ -92,7 +93,7 @@ def channel_params(layer: nn.Module, columns: tuple[str, ...], rows: tuple[str, 
         dims = projection_dims(layer.get_submodule(row))
         others = [n for n, m in owner.named_modules() if n and projection_dims(m) is not None
                   and f"{parent}.{n}".lstrip(".") not in (*mine, row)]
-        if len(mine) != 1 or not others or dims is None:
+        if not parent or len(mine) != 1 or not others or dims is None:
             continue
         skip = tuple(f"{p[len(parent):].lstrip('.')}." for p in (*mine, row))
         found = tuple(f"{parent}.{n}".lstrip(".") for n, p in owner.named_parameters()

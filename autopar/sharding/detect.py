@@ -322,12 +322,13 @@ def _executed_linears(view: LayerView) -> list[str]:
 _ROUTING_HOPS = 8  # ops between a router's projection and its top-k (softmax, casts, a bias, a sigmoid…)
 
 
-def _routes(view: LayerView, path: str) -> bool:
+def _routes(view: LayerView, path: str, others: tuple[str, ...] = ()) -> bool:
     """Whether the projection at ``path`` is an MoE router: its output reaches a top-k within a few ops.
     A router outside every column → row group reads the replicated hidden state and runs whole on every
     rank (its ``[tokens, experts]`` scores are small), so it does not withdraw tensor parallelism from
     the block (Llama 4's MoE layer, its shared expert a group of its own); the shard simulation still
-    proves the block."""
+    proves the block. ``others``: projections the way to the top-k may not pass through (the router itself,
+    not a projection whose output reaches a router)."""
     mine = [n for n in view.nodes if _inside(view.stats[n], path)]
     if not mine:
         return False
@@ -340,7 +341,7 @@ def _routes(view: LayerView, path: str) -> bool:
             for user in n.users:
                 if _is_topk(user):
                     return True
-                if user not in seen:
+                if user not in seen and not any(_inside(view.stats[user], o) for o in others if user in view.stats):
                     seen.add(user)
                     nxt.add(user)
         frontier = nxt
@@ -388,8 +389,10 @@ def _megatron_or_why(view: LayerView) -> tuple[TPStyle | None, str]:
     used: set[str] = set()
     pairs: list[_Pair] = []
     gates = {lp for lp in linears if _gates(view, lp)}  # one output feature: no tp degree divides it
+    # a router is no group's column or row (a Switch block's router beside its fused-QKV attention)
+    whole = gates | {lp for lp in linears if _routes(view, lp, tuple(o for o in linears if o != lp))}
     for p_path in sorted(candidates, key=lambda c: -c.count(".") - (c != "")):
-        mine = [lp for lp in linears if lp.startswith(p_path + ".") and lp not in used and lp not in gates]
+        mine = [lp for lp in linears if lp.startswith(p_path + ".") and lp not in used and lp not in whole]
         if len(mine) < 2:
             continue
         pair = _try_pair(view, p_path, mine) or _try_inner(view, p_path, mine) or _try_low_rank(view, p_path, mine)

@@ -249,8 +249,13 @@ def view_layout(mode: ShardMode, in_shape: list[int], lay: Sharded, out_shape: l
             segments = (segments[0],)
             e, group = e + lead + 1, group[lead + 1:]
             continue
+        k = group[lead]
+        # a fused [q; k; v] viewed as (3, heads, head_dim) with no split before: retried as k segments
+        # (not (heads, head_dim): a head count tp does not divide is tried at other degrees instead)
+        hint = (lay.source, (lay.segments[0] // k,) * k) if len(lay.segments) == 1 and k > 1 \
+            and len(group) - lead >= 3 and lay.segments[0] % k == 0 and not lay.sequence and lay.source else None
         raise NoShardRule(op, f"splits the sharded dimension ({'+'.join(map(str, lay.segments))}) into "
-                          f"{tuple(out_shape[e:e_end])}, which tp={mode.tp} cannot share exactly")
+                          f"{tuple(out_shape[e:e_end])}, which tp={mode.tp} cannot share exactly", hint)
     for s in new:
         mode.divisors.add(s)
     local = list(out_shape)

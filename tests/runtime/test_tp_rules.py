@@ -9,7 +9,7 @@ from distributed import check_equivalent, every_rank
 from tp_rule_cases import CASES
 
 pytestmark = pytest.mark.distributed
-BLOCKS = ("layers.", "model.layers.", "blocks.", "decoder.layers.", "backbone.layers.")
+BLOCKS = ("layers.", "model.layers.", "blocks.", "decoder.layers.", "backbone.layers.", "h.")
 
 
 @pytest.fixture(scope="module")

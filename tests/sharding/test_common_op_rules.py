@@ -137,8 +137,9 @@ def test_mamba_mixers_split_on_their_channels_and_a_convolution_across_channels_
         assert style.column == (f"{name}.mixer.in_proj",) and style.row == (f"{name}.mixer.out_proj",)
         assert style.fwd_allreduce_count == 2 and style.fwd_allreduce_elems == ids[0].shape[1] * (32 + width)
         assert style.bwd_allreduce_count > 2 and style.bwd_allreduce_elems > style.fwd_allreduce_elems
-    shared = channel_params(mixer, ("in_proj",), ("out_proj",))["in_proj"]
-    assert set(shared) == {"conv1d.weight", "conv1d.bias", "dt_proj.weight", "dt_proj.bias", "A_log", "D"}
+    shared = channel_params(model.backbone.layers[0], ("mixer.in_proj",), ("mixer.out_proj",))["mixer.in_proj"]
+    assert set(shared) == {f"mixer.{p}" for p in ("conv1d.weight", "conv1d.bias", "dt_proj.weight", "dt_proj.bias",
+                                                  "A_log", "D")}
     split = sum(p.numel() for n, p in mixer.named_parameters() if not n.startswith("x_proj"))
     assert _megatron(graph, "backbone.layers.0").sharded_params == split
 
