@@ -389,13 +389,16 @@ def _megatron_or_why(view: LayerView) -> tuple[TPStyle | None, str]:
     used: set[str] = set()
     pairs: list[_Pair] = []
     gates = {lp for lp in linears if _gates(view, lp)}  # one output feature: no tp degree divides it
-    # a router is no group's column or row (a Switch block's router beside its fused-QKV attention)
-    whole = gates | {lp for lp in linears if _routes(view, lp, tuple(o for o in linears if o != lp))}
     for p_path in sorted(candidates, key=lambda c: -c.count(".") - (c != "")):
-        mine = [lp for lp in linears if lp.startswith(p_path + ".") and lp not in used and lp not in whole]
+        mine = [lp for lp in linears if lp.startswith(p_path + ".") and lp not in used and lp not in gates]
         if len(mine) < 2:
             continue
-        pair = _try_pair(view, p_path, mine) or _try_inner(view, p_path, mine) or _try_low_rank(view, p_path, mine)
+        pair = _try_pair(view, p_path, mine) or _try_inner(view, p_path, mine)
+        # else: a router is no group's column or row (a Switch block's, beside its fused-QKV attention)
+        routers = {lp for lp in mine if _routes(view, lp, tuple(o for o in linears if o != lp))}
+        if pair is None and routers and len(mine) - len(routers) >= 2:
+            pair = _try_pair(view, p_path, [lp for lp in mine if lp not in routers])
+        pair = pair or _try_low_rank(view, p_path, mine)
         if pair is not None:
             pairs.append(pair)
             used.update(mine)  # a low-rank pair's down-projections run whole, unsharded
