@@ -94,6 +94,10 @@ SPECS: dict[str, Spec] = {
 }
 # a size with two roles: 64 wide at 64 positions; proved on a narrower copy (the path of a layer too
 # large to simulate, taken here by lowering the limit while rank 0 captures) told apart at a second length
+# Mamba under sequence parallelism: each rank's share of the sequence gathered before in_proj, out_proj's
+# partial sums reduce-scattered back onto it (the per-channel parameters and x_proj's sum as without it)
+SPECS["hf_mamba_sp"] = Spec(MODELS["hf_mamba"][0], PP1 + ("dp=1", "tp=2", "zero=0", "backbone.layers.*:tp=megatron",
+                                                       "backbone.layers.*:sp=on"), 4)
 # PyTorch's nn.TransformerDecoder: each decoder layer one layer (self-attention, cross-attention over the
 # encoder's memory, MLP), its MLP column → row; batches as verify makes them (source and target ids)
 SPECS["torch_decoder_layers"] = Spec(outside.torch_seq2seq, PP1 + ("dp=1", "tp=2", "zero=0",
