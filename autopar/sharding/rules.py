@@ -303,7 +303,7 @@ class ShardMode(TorchFunctionMode):
             return a
         share = self._channel_shares.get(id(a))
         if share is None:
-            size = int(a.shape[0])
+            size = self.comm.full_size(a, 0)  # a compiled block's trace hands over the local share
             self.need(size, f"{found[1]}'s channels", found[1])
             with torch._C.DisableTorchFunction():
                 share = self.comm.column_weight(a, 0, (size,))
