@@ -52,6 +52,7 @@ from autopar.admission import tensor_parallel_refusals
 from autopar.errors import LoweringError
 from autopar.graph import Layer, LayerGraph, TPStyle
 from autopar.plan import Plan
+from autopar.sharding.channel_ops import channel_params
 from autopar.sharding.check import SEQ_DIM, hidden_input, install_projection_hooks, with_hidden_input
 from autopar.sharding.rules import Collectives, ShardMode, is_conv1d, projection_dims, segment_permutation
 
@@ -345,6 +346,12 @@ def _megatron(model: nn.Module, layer: Layer, style: TPStyle, tp_mesh: Any, resu
     if layer.module_path is None:
         raise LoweringError(f"layer {layer.name!r} has no module of its own to run sharded")
     owner = model.get_submodule(layer.module_path)
+    # a Mamba mixer's per-channel parameters, split on their channels (sharding/channel_ops.py)
+    rel = len(layer.module_path) + 1
+    shared = channel_params(owner, tuple(c[rel:] for c in style.column), tuple(r[rel:] for r in style.row))
+    for path in (p for params in shared.values() for p in params):
+        parent, _, name = path.rpartition(".")
+        _shard(owner.get_submodule(parent) if parent else owner, name, tp_mesh, Shard(0))
     install_projection_hooks(owner, style.column, style.row, style.segments, prefix=layer.module_path,
                              whole=style.whole)
     _run_sharded(owner, tp_mesh, sequence)

@@ -90,6 +90,10 @@ class TorchSeq2Seq(nn.Module):
         return self.head(self.decoder(self.tgt_tok(tgt) + pos, memory, tgt_mask=mask, tgt_is_causal=True))
 
 
+def torch_seq2seq() -> tuple[nn.Module, tuple]:
+    return TorchSeq2Seq(), _ids(2)
+
+
 def _ids(n: int = 1) -> tuple:
     g = torch.Generator().manual_seed(0)
     return tuple(torch.randint(0, VOCAB, (2, SEQ), generator=g) for _ in range(n))
@@ -123,7 +127,7 @@ FAMILIES: dict[str, tuple[Callable[[], tuple], str, bool, Callable | None]] = {
     "titan_moe": (moe_layouts.titan_moe, "layers.*", True, None),
     "nanogpt": (lambda: zoo.build("nanogpt"), "transformer.h.*", False, None),
     "torch_encoder_lm": (lambda: zoo.build("torch_lm"), "encoder.layers.*", False, None),
-    "torch_seq2seq (nn.TransformerDecoder)": (lambda: (TorchSeq2Seq(), _ids(2)), "decoder.layers.*", False, None),
+    "torch_seq2seq (nn.TransformerDecoder)": (torch_seq2seq, "decoder.layers.*", False, None),
     "torch_mha_lm (nn.MultiheadAttention)": (lambda: (MhaLM(), _ids()), "blocks.*", False, None),
     "hf_clip": (lambda: zoo.build("hf_clip"), "vision_model.encoder.layers.*", False, zoo.clip_matched_pairs),
     "unet (integer timestep)": (verify_specs.unet, "mid", False, None),

@@ -13,11 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import outside_matrix_cases as outside
 import torch
 import torch.nn as nn
+import zoo
+from batch_coupling_cases import switch_dropping8
 from equivalence_cases import PP1, Spec, equivalence
 from meta_models import meta_llama
 from moe_cases import hf_qwen2_moe
+from moe_layouts import titan_moe
 
 
 def gpt_oss() -> tuple[nn.Module, tuple]:
@@ -72,6 +76,17 @@ MODELS: dict[str, tuple[Callable[[], tuple[nn.Module, tuple]], str]] = {
     "llama4_router": (llama4, "model.layers.*"),
     # Qwen2-MoE's shared expert scaled by a sigmoid of a [tokens, 1] gate projection, run whole as the router
     "qwen2_moe_gate": (hf_qwen2_moe, "model.layers.*"),
+    # Mamba mixers (issue 41): in_proj column, the depthwise conv1d, dt_proj, A_log and D split on the
+    # channels, x_proj a row inside the group (its partial sums all-reduced), out_proj row; Jamba's beside
+    # its attention layer and an MoE in each, Hugging Face's MambaForCausalLM alone
+    "jamba_mamba": (outside.jamba, "model.layers.*"),
+    "hf_mamba": (lambda: zoo.build("hf_mamba"), "backbone.layers.*"),
+    # a Switch block (issue 41): its fused QKV viewed [3, heads, head_dim] with no split before (retried as
+    # three segments), its capacity router beside the attention's group, the routed experts whole
+    "switch_fused_qkv": (switch_dropping8, "h.*"),
+    # torchtitan's MoE, its block traced with the MoE as a stand-in (a routing loop that takes counts to
+    # Python): the attention split, proved on the block itself, the MoE whole on every rank
+    "titan_moe_block": (titan_moe, "layers.*"),
 }
 SPECS: dict[str, Spec] = {
     name: Spec(build, PP1 + ("dp=1", "tp=2", "zero=0", f"{blocks}:tp=megatron"), 4)
@@ -79,6 +94,14 @@ SPECS: dict[str, Spec] = {
 }
 # a size with two roles: 64 wide at 64 positions; proved on a narrower copy (the path of a layer too
 # large to simulate, taken here by lowering the limit while rank 0 captures) told apart at a second length
+# Mamba under sequence parallelism: each rank's share of the sequence gathered before in_proj, out_proj's
+# partial sums reduce-scattered back onto it (the per-channel parameters and x_proj's sum as without it)
+SPECS["hf_mamba_sp"] = Spec(MODELS["hf_mamba"][0], PP1 + ("dp=1", "tp=2", "zero=0", "backbone.layers.*:tp=megatron",
+                                                       "backbone.layers.*:sp=on"), 4)
+# PyTorch's nn.TransformerDecoder: each decoder layer one layer (self-attention, cross-attention over the
+# encoder's memory, MLP), its MLP column → row; batches as verify makes them (source and target ids)
+SPECS["torch_decoder_layers"] = Spec(outside.torch_seq2seq, PP1 + ("dp=1", "tp=2", "zero=0",
+                                     "decoder.layers.*:tp=megatron"), 4, synthetic=True)
 SPECS["plain_gpt_seq_is_width"] = Spec(plain_gpt_64, PP1 + ("dp=1", "tp=2", "zero=0", "blocks.*:tp=megatron"), 4)
 CASES: dict[str, Callable[[int, int], dict[str, Any]]] = {k: equivalence(v) for k, v in SPECS.items()}
 CASES["plain_gpt_seq_is_width"] = narrowed(CASES["plain_gpt_seq_is_width"])

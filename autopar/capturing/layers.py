@@ -12,6 +12,7 @@ from autopar.capturing import twins
 from autopar.capturing.moe import find_blocks
 
 _SKIP_TARGETS = ("_guards_fn",)
+_ATTENTION = (nn.MultiheadAttention,)  # attention modules a block may hold several of (self, cross)
 
 
 def expanded_paths(model: nn.Module) -> set[str]:
@@ -24,7 +25,11 @@ def expanded_paths(model: nn.Module) -> set[str]:
     Mamba and attention decoder layers, one of each in a 2-layer model; not
     T5's self-attention, cross-attention and MLP inside its blocks). Repeated leaves (ln_1/ln_2, fc1/fc2) do not count,
     so a transformer block stays one layer; nor do an MoE block's experts
-    (:mod:`autopar.capturing.moe`): the block is one layer with its router.
+    (:mod:`autopar.capturing.moe`): the block is one layer with its router; nor, inside a block of a
+    stack, PyTorch's own ``nn.MultiheadAttention`` children (``nn.TransformerDecoderLayer``'s self- and
+    cross-attention are two of one class, yet the decoder layer is the block: its attentions and MLP make
+    one layer, as an encoder layer's do). A block's other repeated children still open it (MLP-Mixer's
+    token- and channel-mixing MLPs, a Swin stage's blocks).
     """
     expanded = {""}
     experts = {b.experts_path for b in find_blocks(model)}
@@ -33,10 +38,12 @@ def expanded_paths(model: nn.Module) -> set[str]:
     for path, mod in model.named_modules():
         if path in experts:
             continue
+        in_block = path in members and not isinstance(mod, nn.ModuleList)
         counts = Counter(
             type(child)
             for _, child in mod.named_children()
-            if isinstance(mod, nn.ModuleList) or next(child.children(), None) is not None
+            if isinstance(mod, nn.ModuleList)
+            or (next(child.children(), None) is not None and not (in_block and isinstance(child, _ATTENTION)))
         )
         if any(c >= 2 for c in counts.values()):
             _open(expanded, path)

@@ -472,7 +472,10 @@ def _capture(model: nn.Module, args: tuple, kwargs: dict, name: str | None, repl
             )
         )
     layers = experts.settle(verify_styles(model, args, kwargs, layers, batch, seq_len))
-    if stand_in:  # a block run as a stand-in is not the layer's program: no style is proved on it
+    # a block run as a stand-in is not the layer's program: where the inputs were real, the styles were
+    # proved on the block itself (verify_styles runs the model's own modules: its routing loop, its experts
+    # whole on every rank); on meta nothing ran the loop, so none is offered
+    if stand_in and any(t.is_meta for t in flat if isinstance(t, torch.Tensor)):
         layers = [dataclasses.replace(l, tp_styles=(), tp_refusal=f"tensor parallelism withdrawn: "
                                       f"{l.moe[0].module_path} is traced whole (its routing loop cannot run "
                                       "on the meta device)") if l.moe else l for l in layers]

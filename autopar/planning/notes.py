@@ -116,7 +116,9 @@ def moe_notes(graph: LayerGraph, ep: int = 1, dp: int = 1, tp_split: bool = Fals
             if f.dispatch is Dispatch.STAND_IN:
                 note += ("; its routing loop cannot run on the meta device: the block is traced whole and "
                          "priced from its structure, a balanced step (the router, each expert on "
-                         "tokens × top-k / experts rows), so tensor parallelism is not offered on it")
+                         "tokens × top-k / experts rows); tensor parallelism never splits it (its experts and "
+                         "router run whole on every rank), and splits the rest of its layer only where capture "
+                         "ran on real inputs, which proved the layer's own code")
             elif f.dispatch is Dispatch.HF_EAGER:
                 note += ("; HF's eager loop over the experts is data-dependent: captured through HF's "
                          "grouped_mm path, the same function of the same weights")

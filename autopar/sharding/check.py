@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from autopar.sharding.channel_ops import channel_params
 from autopar.sharding.copies import layer_copy, real_value, shrink_inputs, small_copy
 from autopar.sharding.layout import with_cuts
 from autopar.sharding.replay import replayed_twins
@@ -70,6 +71,9 @@ class CheckResult:
     copy_segments: dict[str, tuple[int, ...]] | None = None  # ``segments`` at a narrower copy's sizes
     replicated: tuple[str, ...] = ()  # columns proved run whole on every rank (too few key/value heads)
     statistics: int = 0  # sums over a sharded dimension, all-reduced, per call of the layer
+    statistic_values: float = 0.0  # the values those all-reduces carry per token, in all
+    grad_sums: int = 0  # replicated tensors whose gradient is summed over the tp group (backward all-reduces)
+    grad_sum_values: float = 0.0  # their elements per token of the simulated call, in all
     whole: dict[str, tuple[int, ...]] = field(default_factory=dict)  # a column's segments run whole
 
 
@@ -88,16 +92,21 @@ def install_projection_hooks(layer: nn.Module, columns: Iterable[str], rows: Ite
     def rel(p: str) -> str:
         return p[len(prefix) + 1:] if prefix and p.startswith(prefix + ".") else p
 
+    columns, rows = tuple(columns), tuple(rows)
+    channels = channel_params(layer, tuple(rel(c) for c in columns), tuple(rel(r) for r in rows))
     for role, paths in (("column", columns), ("row", rows)):
         for path in paths:
             mod = layer.get_submodule(rel(path))
             proj = Projection(mod, path, role, tuple(segments.get(path, ())), tuple((whole or {}).get(path, ())))
+            shared = channels.get(rel(path), ())
 
-            def pre(module, args, proj=proj):
+            def pre(module, args, proj=proj, shared=shared):
                 mode = current_mode()
                 if mode is None:
                     raise RuntimeError(f"{proj.path} ran outside its tensor-parallel layer")
                 mode.projections.append(proj)
+                if shared:  # the group's per-channel parameters, as this rank's shares from here on
+                    mode.add_channels([(p, layer.get_parameter(p)) for p in shared])
                 return mode.gather_input(proj, args)
 
             def post(module, args, output, proj=proj):
@@ -222,6 +231,8 @@ class SequenceStats:
     gathers: tuple[tuple[str, ...], ...] = ()
     grad_sums: tuple[int, ...] = ()
     statistics: int = 0  # sums over a sharded dimension, all-reduced (a norm over the whole query)
+    statistic_values: float = 0.0  # their values per token of the hidden state, in all (Mamba's dt, B, C)
+    grad_sum_values: float = 0.0  # the elements of ``grad_sums`` per token of the hidden state
 
 
 def hidden_input(args: tuple, kwargs: dict) -> tuple[int | str, torch.Tensor] | None:
@@ -231,6 +242,12 @@ def hidden_input(args: tuple, kwargs: dict) -> tuple[int | str, torch.Tensor] | 
         return 0, args[0]
     x = kwargs.get("hidden_states")
     return ("hidden_states", x) if isinstance(x, torch.Tensor) and x.is_floating_point() else None
+
+
+def _tokens(args: tuple, kwargs: dict) -> int:
+    """Tokens in a call's hidden state (every dim but its features); 1 when it has none."""
+    hidden = hidden_input(args, kwargs)
+    return max(1, hidden[1].numel() // max(1, hidden[1].shape[-1])) if hidden is not None else 1
 
 
 def with_hidden_input(args: tuple, kwargs: dict, where: int | str, x: torch.Tensor) -> tuple[tuple, dict]:
@@ -294,6 +311,8 @@ def simulate(layer: nn.Module, inputs: tuple, pair_columns: tuple[str, ...], pai
                 stats.gathers = tuple(tuple(g) for g in mode.gathers)
                 stats.grad_sums = tuple(mode.grad_sums)
                 stats.statistics = len(mode.stat_reduces)
+                stats.statistic_values = sum(mode.stat_reduces) / _tokens(args, kwargs)
+                stats.grad_sum_values = sum(mode.grad_sums) / _tokens(args, kwargs)
         except BaseException as exc:  # noqa: BLE001 - carried to the caller's thread
             failure.append(exc)
             reducer.abort()
@@ -356,7 +375,7 @@ def _check_style(layer: nn.Module, inputs: tuple, columns: tuple[str, ...], rows
     worst = 0.0
     todo = [2]
     retries = 0
-    statistics = 0
+    statistics, statistic_values, sums = 0, 0.0, SequenceStats()
     replicated: set[str] = set()  # columns run whole on every rank (key/value heads fewer than tp)
     whole: dict[str, tuple[int, ...]] = {}  # a fused column's segments run whole (its key/value rows)
     while todo:
@@ -405,11 +424,12 @@ def _check_style(layer: nn.Module, inputs: tuple, columns: tuple[str, ...], rows
                 divisors.update(x for i, x in enumerate(s) if i not in whole.get(c, ()))
         tried.append(tp)
         if len(tried) == 1:
-            statistics = stats.statistics
+            statistics, statistic_values, sums = stats.statistics, stats.statistic_values, stats
             todo = [d for d in degrees(tuple(sorted(divisors))) if d not in tried]
     return CheckResult(True, {c: s for c, s in segments.items() if c not in replicated}, tuple(sorted(divisors)),
                        tuple(tried), worst, replicated=tuple(c for c in columns if c in replicated),
-                       statistics=statistics, whole=dict(whole))
+                       statistics=statistics, statistic_values=statistic_values, whole=dict(whole),
+                       grad_sums=len(sums.grad_sums), grad_sum_values=sums.grad_sum_values)
 
 
 def check_sequence(layer: nn.Module, recorded: tuple, columns: tuple[str, ...], rows: tuple[str, ...],

@@ -85,16 +85,23 @@ def with_whole(style: TPStyle, module: nn.Module, prefix: str, whole: dict[str, 
         bwd_allreduce_count=style.bwd_allreduce_count + count)
 
 
-def with_statistics(style: TPStyle, count: int, tokens_per_sample: int) -> TPStyle:
-    """``style`` with ``count`` statistics all-reduced per call (one value per token each)."""
-    if not count:
+def with_statistics(style: TPStyle, count: int, tokens_per_sample: int, values_per_token: float,
+                    grad_sums: tuple[int, float] | None = None) -> TPStyle:
+    """``style`` with ``count`` all-reduces per call inside the layer, of ``values_per_token`` values per
+    token in all (a norm's statistic: one; a Mamba mixer's ``x_proj``: its ``dt``, ``B`` and ``C``), the
+    same again backward; or, with ``grad_sums`` (count, elements per token), those backward instead: the
+    gradient sums of the replicated tensors the simulation counted (a Mamba mixer's ``dt``, ``B``, ``C`` and
+    ``x_proj``'s weight, whose sum is per call, priced per token of the simulated call: an upper bound
+    once a microbatch holds more tokens)."""
+    elems = float(values_per_token * tokens_per_sample)
+    bwd_count, bwd_elems = (count, elems) if grad_sums is None else (grad_sums[0], grad_sums[1] * tokens_per_sample)
+    if not count and not bwd_count:
         return style
-    elems = float(count * tokens_per_sample)
     return dataclasses.replace(
         style, fwd_allreduce_count=style.fwd_allreduce_count + count,
         fwd_allreduce_elems=style.fwd_allreduce_elems + elems,
-        bwd_allreduce_count=style.bwd_allreduce_count + count,
-        bwd_allreduce_elems=style.bwd_allreduce_elems + elems)
+        bwd_allreduce_count=style.bwd_allreduce_count + bwd_count,
+        bwd_allreduce_elems=style.bwd_allreduce_elems + bwd_elems)
 
 
 __all__ = ["with_statistics", "with_whole", "without_replicated"]

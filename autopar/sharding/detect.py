@@ -27,6 +27,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autopar.graph import TPStyle
+from autopar.sharding.channel_ops import channel_params
 from autopar.sharding.rules import projection_dims
 
 
@@ -182,6 +183,49 @@ def _try_pair(view: LayerView, p_path: str, linears: list[str]) -> _Pair | None:
     )
 
 
+def _try_inner(view: LayerView, p_path: str, linears: list[str]) -> _Pair | None:
+    """A selective state-space mixer (Mamba's): one column projection reads the replicated input
+    (``in_proj``), projections inside the group read only what it made (``x_proj``, contracting over
+    the sharded channels: :func:`autopar.sharding.channel_ops.inner_row`), and the last maps the
+    channels back to the input's width (``out_proj``). The inner projections stay whole on every rank;
+    the simulation decides whether the code between runs exactly on shards."""
+    col, inner, row = linears[0], linears[1:-1], linears[-1]
+    dims = {lp: linear_dims(view.model.get_submodule(lp)) for lp in linears}
+    if not inner or dims[col][0] != dims[row][1]:  # type: ignore[index]
+        return None
+    p_nodes = [n for n in view.nodes if _inside(view.stats[n], p_path)]
+    in_mod = {lp: [n for n in p_nodes if _inside(view.stats[n], lp)] for lp in linears}
+    if any(not v for v in in_mod.values()):
+        return None
+    xs = _external_inputs(in_mod[col], set(in_mod[col]), view)
+    if len(xs) != 1:
+        return None
+    row_start = p_nodes.index(in_mod[row][0])
+    reach = set(in_mod[col])  # what depends on the column's output
+    for n in p_nodes[:row_start]:
+        if n not in reach and any(a in reach for a in n.all_input_nodes):
+            reach.add(n)
+    for lp in (*inner, row):  # each reads what the column made, never the replicated input itself
+        ext = _external_inputs(in_mod[lp], set(in_mod[lp]), view)
+        if not ext or not ext <= reach:
+            return None
+    sharded = reach - {n for lp in inner for n in in_mod[lp]}
+    act = sum(b for n in sharded | set(in_mod[row]) for b, prod in view.stats[n].saved if prod in sharded)
+    mods = {lp: view.model.get_submodule(lp) for lp in (col, row)}
+    channels = channel_params(view.model, (col,), (row,)).get(col, ())  # split with the column
+    return _Pair(
+        path=p_path,
+        columns=[col],
+        row=row,
+        divisors=[dims[col][1]],  # type: ignore[index]
+        params=_numel(mods[col]) + _numel(mods[row], skip_bias=True)
+        + sum(view.model.get_parameter(p).numel() for p in channels),
+        flops=sum(view.stats[n].flops for n in reach | set(in_mod[row])),
+        act_elems=act / view.dtype_bytes,
+        allreduce_elems=float(view.stats[in_mod[row][-1]].out_numel),
+    )
+
+
 def _try_low_rank(view: LayerView, p_path: str, linears: list[str]) -> _Pair | None:
     """Multi-head latent attention (DeepSeek-V2/V3): low-rank *down*-projections (``q_a_proj``,
     ``kv_a_proj_with_mqa``) feed *up*-projections through norms, and the row reads the heads the
@@ -278,12 +322,13 @@ def _executed_linears(view: LayerView) -> list[str]:
 _ROUTING_HOPS = 8  # ops between a router's projection and its top-k (softmax, casts, a bias, a sigmoid…)
 
 
-def _routes(view: LayerView, path: str) -> bool:
+def _routes(view: LayerView, path: str, others: tuple[str, ...] = ()) -> bool:
     """Whether the projection at ``path`` is an MoE router: its output reaches a top-k within a few ops.
     A router outside every column → row group reads the replicated hidden state and runs whole on every
     rank (its ``[tokens, experts]`` scores are small), so it does not withdraw tensor parallelism from
     the block (Llama 4's MoE layer, its shared expert a group of its own); the shard simulation still
-    proves the block."""
+    proves the block. ``others``: projections the way to the top-k may not pass through (the router itself,
+    not a projection whose output reaches a router)."""
     mine = [n for n in view.nodes if _inside(view.stats[n], path)]
     if not mine:
         return False
@@ -296,7 +341,7 @@ def _routes(view: LayerView, path: str) -> bool:
             for user in n.users:
                 if _is_topk(user):
                     return True
-                if user not in seen:
+                if user not in seen and not any(_inside(view.stats[user], o) for o in others if user in view.stats):
                     seen.add(user)
                     nxt.add(user)
         frontier = nxt
@@ -348,7 +393,12 @@ def _megatron_or_why(view: LayerView) -> tuple[TPStyle | None, str]:
         mine = [lp for lp in linears if lp.startswith(p_path + ".") and lp not in used and lp not in gates]
         if len(mine) < 2:
             continue
-        pair = _try_pair(view, p_path, mine) or _try_low_rank(view, p_path, mine)
+        pair = _try_pair(view, p_path, mine) or _try_inner(view, p_path, mine)
+        # else: a router is no group's column or row (a Switch block's, beside its fused-QKV attention)
+        routers = {lp for lp in mine if _routes(view, lp, tuple(o for o in linears if o != lp))}
+        if pair is None and routers and len(mine) - len(routers) >= 2:
+            pair = _try_pair(view, p_path, [lp for lp in mine if lp not in routers])
+        pair = pair or _try_low_rank(view, p_path, mine)
         if pair is not None:
             pairs.append(pair)
             used.update(mine)  # a low-rank pair's down-projections run whole, unsharded

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 TAG = "_autopar_shard"  # the attribute a rank's sharded activations carry: (mode key, Sharded)
 SEQUENCE = "<sequence>"  # the ``source`` of a share along the sequence (sequence parallelism)
@@ -107,5 +108,20 @@ def with_cuts(segments: tuple[int, ...], cuts: tuple[int, ...]) -> tuple[int, ..
     return tuple(out)
 
 
-__all__ = ["SEQUENCE", "TAG", "NoShardRule", "Sharded", "local_of", "segment_indices", "segment_permutation",
-           "with_cuts"]
+def is_conv1d(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D``: a linear layer whose weight is stored (in, out)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None
+
+
+def projection_dims(module: nn.Module) -> tuple[int, int] | None:
+    """(in, out) features of an nn.Linear or a Conv1D; None for anything else."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if is_conv1d(module):
+        w = module.weight
+        return int(w.shape[0]), int(w.shape[1])
+    return None
+
+
+__all__ = ["SEQUENCE", "TAG", "NoShardRule", "Sharded", "is_conv1d", "local_of", "projection_dims", "segment_indices",
+           "segment_permutation", "with_cuts"]

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from autopar.sharding.attention_ops import baddbmm, matmul, sdpa
+from autopar.sharding.channel_ops import conv, inner_row
 from autopar.sharding.join_ops import cat, complex_view
 from autopar.sharding.layout import TAG, NoShardRule, Sharded, local_of
 
@@ -248,8 +249,13 @@ def view_layout(mode: ShardMode, in_shape: list[int], lay: Sharded, out_shape: l
             segments = (segments[0],)
             e, group = e + lead + 1, group[lead + 1:]
             continue
+        k = group[lead]
+        # a fused [q; k; v] viewed as (3, heads, head_dim) with no split before: retried as k segments
+        # (not (heads, head_dim): a head count tp does not divide is tried at other degrees instead)
+        hint = (lay.source, (lay.segments[0] // k,) * k) if len(lay.segments) == 1 and k > 1 \
+            and len(group) - lead >= 3 and lay.segments[0] % k == 0 and not lay.sequence and lay.source else None
         raise NoShardRule(op, f"splits the sharded dimension ({'+'.join(map(str, lay.segments))}) into "
-                          f"{tuple(out_shape[e:e_end])}, which tp={mode.tp} cannot share exactly")
+                          f"{tuple(out_shape[e:e_end])}, which tp={mode.tp} cannot share exactly", hint)
     for s in new:
         mode.divisors.add(s)
     local = list(out_shape)
@@ -330,6 +336,10 @@ def _split(mode: ShardMode, name, func, args, kwargs):
     if lay is None:
         raise NoShardRule(name, "a sharded activation as a non-input argument")
     gshape = mode.global_shape(x)
+    if name == "tensor_split":  # by indices or a count: ruled along a dim other than the sharded one
+        if _dim(_dim_arg(args, kwargs, 2, "dim", 0), x.dim()) == lay.dim:
+            raise NoShardRule(name, "splits the sharded dimension at indices")
+        return mode.tag(tuple(func(*args, **kwargs)), lay)
     if name == "chunk":
         chunks = int(_dim_arg(args, kwargs, 1, "chunks"))
         dim = _dim(_dim_arg(args, kwargs, 2, "dim", 0), x.dim())
@@ -515,6 +525,7 @@ RULES: dict[str, Callable] = {
     "t": _permute_like, "get_T": _permute_like, "get_mT": _permute_like, "movedim": _permute_like,
     "moveaxis": _permute_like,
     "split": _split, "chunk": _split, "unbind": _split, "split_with_sizes": _split,
+    "tensor_split": _split,
     "__getitem__": _getitem,
     "expand": _expand, "expand_as": _expand, "repeat": _expand,
     "repeat_interleave": _repeat_interleave,
@@ -522,6 +533,7 @@ RULES: dict[str, Callable] = {
     "cat": cat, "concat": cat, "concatenate": cat, "stack": cat,
     "matmul": matmul, "__matmul__": matmul, "bmm": matmul, "baddbmm": baddbmm,
     "scaled_dot_product_attention": sdpa,
+    "conv1d": conv, "linear": inner_row,
     "view_as_complex": complex_view, "view_as_real": complex_view,
     "dropout": _dropout, "dropout_": _dropout, "feature_dropout": _dropout,
     **{name: _reduction for name in _REDUCTIONS},

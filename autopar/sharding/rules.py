@@ -39,7 +39,16 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 from autopar.sharding import whole
-from autopar.sharding.layout import SEQUENCE, TAG, NoShardRule, Sharded, segment_indices, segment_permutation
+from autopar.sharding.layout import (
+    SEQUENCE,
+    TAG,
+    NoShardRule,
+    Sharded,
+    is_conv1d,
+    projection_dims,
+    segment_indices,
+    segment_permutation,
+)
 from autopar.sharding.ops import ELEMENTWISE, NO_GRADIENT_OPS, RULES, any_tagged, elementwise
 
 # ------------------------------------------------------------------ collectives
@@ -172,21 +181,6 @@ class Projection:
     whole: tuple[int, ...] = ()  # segments every rank computes in full (:mod:`autopar.sharding.whole`)
 
 
-def is_conv1d(module: nn.Module) -> bool:
-    """Hugging Face's ``Conv1D``: a linear layer whose weight is stored (in, out)."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None
-
-
-def projection_dims(module: nn.Module) -> tuple[int, int] | None:
-    """(in, out) features of an nn.Linear or a Conv1D; None for anything else."""
-    if isinstance(module, nn.Linear):
-        return module.in_features, module.out_features
-    if is_conv1d(module):
-        w = module.weight
-        return int(w.shape[0]), int(w.shape[1])
-    return None
-
-
 class ShardMode(TorchFunctionMode):
     """Runs a module's forward on one rank's shards (see the module docstring).
 
@@ -225,6 +219,10 @@ class ShardMode(TorchFunctionMode):
         self._pending_bias: dict[int, torch.Tensor] = {}  # id(module) -> its output awaiting ``+ bias``
         self.stat_reduces: list[int] = []  # elements of each sum over the sharded dim (all-reduced)
         self.consumed: set[int] = set()  # id() of the projection modules whose weight the rules sharded
+        # per-channel parameters the layer's code reads directly (a Mamba mixer's conv1d, dt_proj, A_log, D:
+        # :mod:`autopar.sharding.channel_ops`): id -> (parameter, path); handed over as this rank's share
+        self.channels: dict[int, tuple[torch.Tensor, str]] = {}
+        self._channel_shares: dict[int, torch.Tensor] = {}
 
     def enter_sequence(self, x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
         """Tag ``x``, this rank's share of a hidden state of ``length`` positions along ``dim``."""
@@ -292,7 +290,30 @@ class ShardMode(TorchFunctionMode):
                 setattr(exc, OP_ATTR, name)
             raise
 
+    def add_channels(self, params: list[tuple[str, torch.Tensor]]) -> None:
+        """From now on, ``params`` (split on their first dim, the channels) reach ops as this rank's share."""
+        for path, p in params:
+            self.channels[id(p)] = (p, path)
+
+    def _channel_share(self, a: Any) -> Any:
+        if isinstance(a, (tuple, list)) and any(isinstance(t, torch.Tensor) for t in a):
+            return type(a)(self._channel_share(t) for t in a)
+        found = self.channels.get(id(a)) if isinstance(a, torch.Tensor) else None
+        if found is None or found[0] is not a:
+            return a
+        share = self._channel_shares.get(id(a))
+        if share is None:
+            size = self.comm.full_size(a, 0)  # a compiled block's trace hands over the local share
+            self.need(size, f"{found[1]}'s channels", found[1])
+            with torch._C.DisableTorchFunction():
+                share = self.comm.column_weight(a, 0, (size,))
+            share = self._channel_shares[id(a)] = self.tag(share, Sharded(0, (size,), found[1]))
+        return share
+
     def _dispatch(self, name: str, func, args, kwargs):
+        if self.channels:
+            args = tuple(self._channel_share(a) for a in args)
+            kwargs = {k: self._channel_share(v) for k, v in kwargs.items()}
         if self.projection is not None:
             done = self._projection_op(name, func, args, kwargs)
             if done is not _NOT_MINE:
@@ -322,6 +343,11 @@ class ShardMode(TorchFunctionMode):
         :meth:`Collectives.grad_sum` (see the class docstring)."""
         def fix(a):
             if isinstance(a, torch.Tensor) and a.requires_grad and self.layout(a) is None:
+                base = a._base
+                if self.channels and base is not None and base.requires_grad and self.layout(base) is None:
+                    # a Mamba scan reads one step of C at a time: its whole tensor's gradient is summed
+                    # once, not once a step (channel_ops.py); the step is the same view of the sum
+                    return fix(base).as_strided(a.size(), a.stride(), a.storage_offset())
                 done = self._summed.get(id(a))
                 if done is None:
                     done = self._summed[id(a)] = (a, self.comm.grad_sum(a))

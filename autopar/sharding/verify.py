@@ -35,6 +35,7 @@ import torch.utils._pytree as pytree
 from autopar.graph import Layer, TPStyle
 from autopar.sharding import check as shard_check
 from autopar.sharding import narrow, shapes
+from autopar.sharding.channel_ops import channel_params
 from autopar.sharding.collectives import with_statistics, with_whole, without_replicated
 from autopar.sharding.layout import NoShardRule
 from autopar.sharding.rules import projection_dims
@@ -189,15 +190,20 @@ def _scaled_segments(module: nn.Module, cols: tuple[str, ...],
 
 
 def _prove_at_size(module: nn.Module, style: TPStyle, prefix: str, recorded: tuple,
-                   result: shard_check.CheckResult) -> shard_check.CheckResult:
+                   result: shard_check.CheckResult, simulated_whole: bool = False) -> shard_check.CheckResult:
     """``result`` (the numerical proof) with the degrees the shape proof at the layer's real size
     admits: the simulated ones it confirms and every larger one up to ``shapes.MAX_DEGREE`` the real
-    sizes admit; withdrawn (naming the op) where a simulated degree fails at the real size."""
+    sizes admit; withdrawn (naming the op) where a simulated degree fails at the real size.
+    ``simulated_whole``: the numerical proof ran the layer itself at its real size on its recorded
+    inputs, so an op with no meta kernel (a torchtitan MoE's ``bincount``) leaves the simulated
+    degrees proved, and offers no larger one."""
     cols = tuple(c for c in (p[len(prefix) + 1:] for p in style.column) if c not in result.replicated)
     rows = tuple(p[len(prefix) + 1:] for p in style.row)
     n_params = sum(p.numel() for p in module.parameters())
     full = narrow.meta_module(module)
     inputs = shapes.meta_inputs(recorded)
+
+    no_meta: list[bool] = []
 
     def attempt(tp: int) -> tuple[set[int] | None, str, bool]:
         try:
@@ -205,10 +211,13 @@ def _prove_at_size(module: nn.Module, style: TPStyle, prefix: str, recorded: tup
         except NoShardRule as exc:
             return None, str(exc), "does not divide" in exc.why or "cannot share exactly" in exc.why
         except Exception as exc:  # noqa: BLE001 - the layer's own code failed at its real size
+            no_meta.append(isinstance(exc, NotImplementedError) and "Meta" in str(exc))
             return None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}", False
 
     first = result.degrees[0]
     divisors, why, _ = attempt(first)
+    if divisors is None and simulated_whole and no_meta and no_meta[-1]:
+        return result
     if divisors is None:
         return dataclasses.replace(result, ok=False, reason=f"{why} (at the layer's real size, {n_params:,} "
                                    f"parameters, tp={first})")
@@ -223,6 +232,12 @@ def _prove_at_size(module: nn.Module, style: TPStyle, prefix: str, recorded: tup
             return dataclasses.replace(result, ok=False, reason=f"{why} (at the layer's real size, {n_params:,} "
                                        f"parameters, tp={tp})")
     return dataclasses.replace(result, divisors=tuple(sorted(divisors)), degrees=tuple(sorted(proved)))
+
+
+def _full_size(copy: nn.Module, path: str, model: nn.Module) -> bool:
+    """Whether ``copy`` has the layer's own sizes (not a narrowed copy)."""
+    mine = model.get_submodule(path)
+    return [p.shape for p in copy.parameters()] == [p.shape for p in mine.parameters()]
 
 
 def _sequence_fields(model: nn.Module, module: nn.Module, copy: nn.Module, result: shard_check.CheckResult,
@@ -306,7 +321,9 @@ def verify_styles(model: nn.Module, args: tuple, kwargs: dict, layers: list[Laye
             result, copy, used = _check(model, model.get_submodule(path), style, path, rec, batch, seq_len,  # type: ignore[arg-type]
                                         short.get(path))  # type: ignore[arg-type]
             if result.ok:
-                result = _prove_at_size(model.get_submodule(path), style, path, rec, result)  # type: ignore[arg-type]
+                at_size = used is rec and copy is not None and _full_size(copy, path, model)  # type: ignore[arg-type]
+                result = _prove_at_size(model.get_submodule(path), style, path, rec, result,  # type: ignore[arg-type]
+                                        simulated_whole=at_size)
         sequence: dict[str, Any] = {}
         if result.ok and copy is not None:
             cols = tuple(c for c in (p[len(path) + 1:] for p in style.column)  # type: ignore[arg-type]
@@ -325,7 +342,12 @@ def verify_styles(model: nn.Module, args: tuple, kwargs: dict, layers: list[Laye
             if result.ok:
                 style = without_replicated(style, model.get_submodule(layer.module_path), layer.module_path,  # type: ignore[arg-type]
                                            result.replicated, seq_len or 1)
-                style = with_statistics(style, result.statistics, seq_len or 1)
+                module = model.get_submodule(layer.module_path)  # type: ignore[arg-type]
+                rel = len(layer.module_path) + 1  # type: ignore[arg-type]
+                # a Mamba mixer's backward sums its replicated dt, B, C and x_proj weight (channel_ops.py)
+                summed = (result.grad_sums, result.grad_sum_values) if channel_params(
+                    module, tuple(c[rel:] for c in style.column), tuple(r[rel:] for r in style.row)) else None
+                style = with_statistics(style, result.statistics, seq_len or 1, result.statistic_values, summed)
                 style = with_whole(style, model.get_submodule(layer.module_path), layer.module_path,  # type: ignore[arg-type]
                                    result.whole, result.segments, seq_len or 1)
                 proved = dataclasses.replace(

@@ -72,3 +72,29 @@ def test_a_hand_made_mask_without_is_causal_is_refused_with_what_to_pass() -> No
     with pytest.raises(CaptureError, match="pass is_causal=True"):
         autopar.capture(OwnMask(), (torch.zeros(2, 8, 16),))
     assert torch.backends.mha.get_fastpath_enabled()
+
+
+def test_decoder_layers_are_one_layer_each_and_other_stacks_keep_their_layering() -> None:
+    """``nn.TransformerDecoderLayer`` holds two ``nn.MultiheadAttention`` (self and cross): it is still one
+    layer (both attentions and its MLP), which admits Megatron; blocks whose other repeated children open
+    them keep their layering (MLP-Mixer's token- and channel-mixing MLPs, Swin's stages)."""
+    import transformers
+    from outside_matrix_cases import torch_seq2seq
+    from zoo import build
+
+    from autopar.capturing.layers import expanded_paths
+
+    torch.manual_seed(0)
+    model, ids = torch_seq2seq()
+    assert expanded_paths(model) == {"", "encoder", "encoder.layers", "decoder", "decoder.layers"}
+    graph = autopar.capture(model, ids)
+    for name in ("decoder.layers.0", "decoder.layers.1"):
+        style = next(s for s in graph.layer(name).tp_styles if s.name == "megatron")
+        assert style.column == (f"{name}.linear1",) and style.row == (f"{name}.linear2",)
+    assert not any(layer.name.startswith("decoder.layers.0.") for layer in graph)
+    assert expanded_paths(build("mlp_mixer")[0]) == {"", "blocks", "blocks.0", "blocks.1"}
+    cfg = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 2],
+                                  window_size=2)
+    assert expanded_paths(transformers.SwinModel(cfg)) == {
+        "", "encoder", "encoder.layers", "encoder.layers.0", "encoder.layers.0.blocks", "encoder.layers.1",
+        "encoder.layers.1.blocks"}

@@ -9,6 +9,7 @@ from distributed import check_equivalent, every_rank
 from tp_rule_cases import CASES
 
 pytestmark = pytest.mark.distributed
+BLOCKS = ("layers.", "model.layers.", "blocks.", "decoder.layers.", "backbone.layers.", "h.")
 
 
 @pytest.fixture(scope="module")
@@ -22,5 +23,5 @@ def test_two_tp_ranks_match_one_device(w2: dict, case: str) -> None:
     for r in every_rank(w2[case]):
         # the blocks hold shares (gpt-oss's experts stay whole: ep is not asked)
         assert r["mesh"] == [1, 1, 2] and r["local_bytes_frac"] < 0.95
-        blocks = [layer for layer in r["layers"] if layer[0].startswith(("layers.", "model.layers.", "blocks."))]
+        blocks = [layer for layer in r["layers"] if layer[0].startswith(BLOCKS)]
         assert blocks and all(tp == "megatron" for _, tp, _, _, _ in blocks)

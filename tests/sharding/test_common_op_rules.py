@@ -118,3 +118,52 @@ def test_a_sequence_as_long_as_the_width_is_told_apart_by_a_second_length(build:
     style = _megatron(graph, name)
     assert style is not None, graph.layer(name).tp_refusal
     assert style.checked == (2, 4, 8, 16, 32)
+
+
+def test_mamba_mixers_split_on_their_channels_and_a_convolution_across_channels_is_refused() -> None:
+    """Hugging Face's Mamba (slow path, as on CPU): in_proj column, out_proj row, the per-channel conv1d,
+    dt_proj, A_log and D split with them (priced as sharded), x_proj's partial sums all-reduced inside the
+    group (priced: its dt, B, C per token, forward; their gradient sums backward). A grouped convolution
+    whose groups hold several channels reads other ranks' channels: refused, naming conv1d."""
+    import zoo
+
+    from autopar.sharding.channel_ops import channel_params
+
+    torch.manual_seed(0)
+    model, ids = zoo.build("hf_mamba")
+    graph = autopar.capture(model, ids)
+    mixer = model.backbone.layers[0].mixer
+    width = mixer.time_step_rank + 2 * mixer.ssm_state_size
+    for name in ("backbone.layers.0", "backbone.layers.1"):
+        style = _megatron(graph, name)
+        assert style is not None, graph.layer(name).tp_refusal
+        assert style.column == (f"{name}.mixer.in_proj",) and style.row == (f"{name}.mixer.out_proj",)
+        assert style.fwd_allreduce_count == 2 and style.fwd_allreduce_elems == ids[0].shape[1] * (32 + width)
+        assert style.bwd_allreduce_count > 2 and style.bwd_allreduce_elems > style.fwd_allreduce_elems
+    shared = channel_params(model.backbone.layers[0], ("mixer.in_proj",), ("mixer.out_proj",))["mixer.in_proj"]
+    assert set(shared) == {f"mixer.{p}" for p in ("conv1d.weight", "conv1d.bias", "dt_proj.weight", "dt_proj.bias",
+                                                  "A_log", "D")}
+    split = sum(p.numel() for n, p in mixer.named_parameters() if not n.startswith("x_proj"))
+    assert _megatron(graph, "backbone.layers.0").sharded_params == split
+
+    class Grouped(nn.Module):  # a conv of two channels per group between a column and a row
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+            self.conv = nn.Conv1d(16, 16, 3, padding=1, groups=8)
+
+        def forward(self, x):
+            return self.down(self.conv(self.up(x).transpose(1, 2)).transpose(1, 2))
+
+    class Wrap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Grouped(), Grouped()])
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    graph = autopar.capture(Wrap(), (torch.randn(2, 6, 8),))
+    assert "conv1d: not depthwise" in graph.layer("blocks.0").tp_refusal
