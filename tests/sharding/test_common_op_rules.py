@@ -120,6 +120,7 @@ def test_a_sequence_as_long_as_the_width_is_told_apart_by_a_second_length(build:
     assert style.checked == (2, 4, 8, 16, 32)
 
 
+@pytest.mark.slow
 def test_mamba_mixers_split_on_their_channels_and_a_convolution_across_channels_is_refused() -> None:
     """Hugging Face's Mamba (slow path, as on CPU): in_proj column, out_proj row, the per-channel conv1d,
     dt_proj, A_log and D split with them (priced as sharded), x_proj's partial sums all-reduced inside the
