@@ -99,7 +99,10 @@ class TPStyle:
     # ``passes/expert_tensor.py``): their FLOPs and parameters are in ``sharded_*``, their output's all-reduce
     # in the all-reduce counts (``autopar/sharding/experts.py``)
     experts: tuple[str, ...] = ()
-    expert_width: int = 0  # their intermediate size I, which tp divides (a fused gate-up [E, 2I, H], down [E, H, I])
+    expert_width: int = 0
+    # what of the layer the style leaves whole on every tp rank, and why (a sentence for the plan's notes; priced
+    # so already: its FLOPs and parameters are not in ``sharded_*``)
+    runs_whole: str = ""  # their intermediate size I, which tp divides (a fused gate-up [E, 2I, H], down [E, H, I])
 
     def admits_sequence(self, tp: int) -> bool:
         """Whether sequence parallelism on this style runs exact on ``tp`` ranks."""

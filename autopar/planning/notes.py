@@ -69,7 +69,24 @@ def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
                      "top-k weights' gradients); their saved activations priced whole on every rank (an "
                      "overestimate)")
     manual = manual_attention_notes(graph, solution.config.mesh.cp, solution.config.cp_attention)
-    return tuple(notes) + refusal_notes(graph) + cut + moe + manual + unpriced_notes(graph)
+    return tuple(notes) + refusal_notes(graph) + whole_notes(graph, solution) + cut + moe + manual + \
+        unpriced_notes(graph)
+
+
+def whole_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
+    """The tensor-parallel layers of the plan that leave a part whole on every tp rank (the style's
+    ``runs_whole``), runs of layers saying the same folded into one note."""
+    if solution.config.mesh.tp <= 1:
+        return ()
+    runs: list[tuple[list[str], str]] = []
+    for layer, c in zip(graph, solution.choices):
+        why = layer.tp_style(c.tp).runs_whole if c.tp else ""
+        if why and runs and runs[-1][1] == why:
+            runs[-1][0].append(layer.name)
+        elif why:
+            runs.append(([layer.name], why))
+    return tuple(f"{names[0] if len(names) == 1 else f'{names[0]} … {names[-1]} ({len(names)})'}: {why}"
+                 for names, why in runs)
 
 
 def _runs(graph: LayerGraph, key) -> list[tuple[list[str], Any]]:

@@ -410,6 +410,7 @@ def _megatron_or_why(view: LayerView) -> tuple[TPStyle | None, str]:
                       f"{', '.join(left[:4])}{' …' if len(left) > 4 else ''} (a group is column projections "
                       "reading one replicated input, then a row projection mapping their result back to it)")
     pairs.sort(key=lambda p: linears.index(p.columns[0]))
+    whole = _functional_attention(view)
     b = view.batch
     elems = sum(p.allreduce_elems for p in pairs) / b
     return TPStyle(
@@ -424,7 +425,20 @@ def _megatron_or_why(view: LayerView) -> tuple[TPStyle | None, str]:
         fwd_allreduce_count=len(pairs),
         bwd_allreduce_elems=elems,
         bwd_allreduce_count=len(pairs),
+        runs_whole=(f"its attention ({', '.join(whole)}: nn.MultiheadAttention) runs whole on every tp rank: the "
+                    "module hands its packed in_proj_weight and out_proj's weight to F.multi_head_attention_forward, "
+                    "where no projection module runs for the rules to split; priced so") if whole else "",
     ), ""
+
+
+def _functional_attention(view: LayerView) -> list[str]:
+    """The layer's ``nn.MultiheadAttention`` modules (relative paths), which compute through the functional
+    ``F.multi_head_attention_forward``: a Megatron style splits none of them (their projections never run as
+    modules), so they run whole beside the groups it splits."""
+    if view.path is None:
+        return []
+    root = view.model.get_submodule(view.path) if view.path else view.model
+    return [name for name, mod in root.named_modules() if isinstance(mod, nn.MultiheadAttention)]
 
 
 def _vocab_embedding(view: LayerView) -> TPStyle | None:

@@ -92,6 +92,15 @@ def test_decoder_layers_are_one_layer_each_and_other_stacks_keep_their_layering(
         style = next(s for s in graph.layer(name).tp_styles if s.name == "megatron")
         assert style.column == (f"{name}.linear1",) and style.row == (f"{name}.linear2",)
     assert not any(layer.name.startswith("decoder.layers.0.") for layer in graph)
+    # their attentions compute through F.multi_head_attention_forward: left whole under tp, and the plan says so
+    plan = autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=4,
+                         pins=["pp=1", "dp=1", "tp=2", "encoder.layers.*:tp=megatron", "decoder.layers.*:tp=megatron"])
+    whole = [n for n in plan.notes if "runs whole on every tp rank" in n]
+    assert [n.split(":", 1)[0] for n in whole] == ["encoder.layers.0 … encoder.layers.1 (2)",
+                                                   "decoder.layers.0 … decoder.layers.1 (2)"], plan.notes
+    assert "(self_attn, multihead_attn: nn.MultiheadAttention)" in whole[1]
+    assert style.sharded_params == sum(p.numel() for n, p in model.named_parameters()
+                                       if n.startswith("decoder.layers.1.linear") and not n.endswith("2.bias"))
     assert expanded_paths(build("mlp_mixer")[0]) == {"", "blocks", "blocks.0", "blocks.1"}
     cfg = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 2],
                                   window_size=2)
