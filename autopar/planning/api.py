@@ -72,10 +72,11 @@ def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | No
     linears that run float8 matmuls (:func:`autopar.float8.settings_for` picks them from the model),
     priced at the device's float8 peak plus the casts, in the plans the float8 runtime runs
     (:data:`FLOAT8_PINS`); a device without float8 matmuls raises :class:`Float8Error` (a CPU cluster
-    emulates, unsped). The loss runs chunked (:class:`~autopar.choice.LossKind`) wherever the contract
-    offers it, unless pinned ``loss=full`` or ``custom_loss`` (a loss function of the user's: only the
-    default cross-entropy runs chunked). Raises :class:`InfeasibleError` when nothing fits,
-    :class:`PinError` for bad pins.
+    emulates, unsped). The loss is searched chunked (:class:`~autopar.choice.LossKind`) wherever the
+    contract offers it, unless pinned ``loss=full`` or ``custom_loss`` (a loss function of the user's: only the
+    default cross-entropy runs chunked); unpinned, the plan's choices are then priced with the whole logits too,
+    and hold them where they fit and step faster (:func:`whole_logits_if_faster`). Raises
+    :class:`InfeasibleError` when nothing fits, :class:`PinError` for bad pins.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise AutoparError(f"world size must be a positive integer, got {world_size!r}")
@@ -96,7 +97,30 @@ def solve(graph: LayerGraph, world_size: int, *, cluster: str | ClusterSpec | No
     solution = _solve(graph, world_size, spec, training, pins=parsed,
                       memory_budget_bytes=memory_budget(spec, memory_gb),
                       options=SolverOptions(time_limit_s=time_limit_s), runners_up=runners_up)
+    if parsed.loss is None and training.loss is LossKind.CHUNKED:
+        solution, training = whole_logits_if_faster(graph, solution, training)
     return build_plan(graph, solution, spec, training, parsed)
+
+
+def whole_logits_if_faster(graph: LayerGraph, solution: Solution,
+                           training: TrainingSpec) -> tuple[Solution, TrainingSpec]:
+    """The loss as a priced choice: the plan's own choices priced with the whole logits held
+    (:attr:`LossKind.FULL`), kept where they fit the budget and step faster (no chunk's logits recomputed in
+    backward, one GEMM instead of many); the chunked (or vocabulary-parallel) loss where only it fits or it
+    is no slower. Only the chosen plan is priced both ways: memory the chunked loss freed may have paid for
+    fewer recomputes, and then the whole logits do not fit those choices — it stays chunked. The other
+    loss's price is the plan's :attr:`Solution.loss_runner_up`."""
+    from autopar.planning.evaluate import evaluate
+    from autopar.planning.pricing import PriceTable
+
+    full_training = replace(training, loss=LossKind.FULL)
+    table = PriceTable(graph, solution.config, solution.table.cluster, full_training)
+    full = evaluate(table, solution.stages, solution.choices)
+    fits = full.peak_memory_bytes <= solution.memory_budget_bytes
+    if fits and full.step_time_s < solution.prediction.step_time_s:
+        return (replace(solution, prediction=full, table=table,
+                        loss_runner_up=(solution.table.loss, solution.prediction.step_time_s, True)), full_training)
+    return replace(solution, loss_runner_up=(LossKind.FULL, full.step_time_s, fits)), training
 
 
 def coupling_notes(graph: LayerGraph, dp: int, microbatches: int, training: TrainingSpec) -> tuple[str, ...]:

@@ -223,11 +223,13 @@ def loss_notes(graph: LayerGraph, solution: Solution, pins: Pins) -> tuple[str, 
     """How the loss runs, in one line: chunked (and its chunk), or full and why it is not chunked."""
     table = solution.table
     head = graph.loss_head
+    other = solution.loss_runner_up  # the plan's choices under the other loss (api.whole_logits_if_faster)
     if table.loss is LossKind.CHUNKED and head is not None:
         chunk, peak = loss_price.chunk_tokens(table), _bytes(loss_price.chunked_peak_bytes(table))
         return (f"loss: chunked cross-entropy on {head.module_path}'s weight, {chunk:,} tokens a chunk (fp32 logits "
                 f"of one chunk at a time, {peak} at its peak; each chunk's logits "
-                "recomputed in backward): the whole logits are never held; pin loss=full to hold them",)
+                f"recomputed in backward): the whole logits are never held{_whole_logits(other)}; pin loss=full to "
+                "hold them",)
     if table.loss is LossKind.VOCAB_PARALLEL and head is not None:
         chunk, peak = loss_price.chunk_tokens(table), _bytes(loss_price.chunked_peak_bytes(table))
         tp = solution.config.mesh.tp
@@ -235,9 +237,14 @@ def loss_notes(graph: LayerGraph, solution: Solution, pins: Pins) -> tuple[str, 
                 f"({loss_price.shard_vocab(table):,} of {head.out_features:,} classes a rank), {chunk:,} tokens a "
                 f"chunk (fp32 logits of one chunk of a shard at a time, {peak} at its peak; log-sum-exp and the "
                 "target logit joined by one all-gather a chunk; each chunk's logits recomputed in backward): the "
-                "vocabulary is never gathered; pin loss=full to hold the logits",)
+                f"vocabulary is never gathered{_whole_logits(other)}; pin loss=full to hold the logits",)
     if graph.loss_refusal == NOT_CHECKED:
         return ()
+    if other is not None and other[2]:
+        kind = "vocabulary-parallel" if other[0] is LossKind.VOCAB_PARALLEL else "chunked"
+        return (f"loss: the whole logits are held: this plan steps in {solution.prediction.step_time_s:.4g} s with "
+                f"them and fits, against {other[1]:.4g} s {kind} (each chunk's logits recomputed in backward); pin "
+                "loss=chunked never to hold them",)
     if pins.loss is LossKind.FULL:
         why = "pinned loss=full"
     elif head is None:
@@ -246,6 +253,14 @@ def loss_notes(graph: LayerGraph, solution: Solution, pins: Pins) -> tuple[str, 
         why = (contract.chunked_loss_refusal(graph, solution.config.mesh, table.training.float8)
                or "a loss function was given (only the default cross-entropy runs chunked)")
     return (f"loss: the whole logits are held (not chunked: {why})",)
+
+
+def _whole_logits(other: tuple[LossKind, float, bool] | None) -> str:
+    """What the plan's choices would step in with the whole logits held, beside the chunked loss kept."""
+    if other is None:
+        return ""
+    return (f" (the whole logits would step in {other[1]:.4g} s" +
+            ("" if other[2] else " and exceed the memory budget") + ")")
 
 
 def unpriced_notes(graph: LayerGraph) -> tuple[str, ...]:

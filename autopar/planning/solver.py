@@ -95,7 +95,7 @@ from dataclasses import dataclass, field, replace
 
 from ortools.sat.python import cp_model
 
-from autopar.choice import LayerChoice
+from autopar.choice import LayerChoice, LossKind
 from autopar.cost_models.hardware import ClusterSpec
 from autopar.errors import InfeasibleError, PinError
 from autopar.graph import LayerGraph
@@ -159,6 +159,8 @@ class Solution:
     runners_up: tuple[Candidate, ...] = ()  # the next distinct configurations, fastest first
     cp_pp_left_out: int = 0  # configurations with cp inside pipeline stages the search left out (configs.py)
     schedule_runner_up: Candidate | None = None  # the best plan found on this mesh under another pipeline schedule
+    # the plan's choices under the other loss (api.whole_logits_if_faster): its kind, step time, and whether it fits
+    loss_runner_up: tuple[LossKind, float, bool] | None = None
 
 
 def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: TrainingSpec, *,

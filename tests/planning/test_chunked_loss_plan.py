@@ -1,5 +1,6 @@
 """The chunked loss as a plan choice: offered where the head and loss are the common pattern (else a
-one-line reason on the plan), chosen whenever offered, pinned off by ``loss=full``, recorded in the plan
+one-line reason on the plan), chosen by price against the whole logits (these fit the small models here and
+step faster: the tests about the chunked loss itself pin it), pinned off by ``loss=full``, recorded in the plan
 file and its summary, and priced: the logits it no longer holds leave the priced peak."""
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ def _solve(graph, pins=(), world=1, **kw):
     return autopar.solve(graph, world, cluster="cpu", dtype="fp32", global_batch=4, pins=list(pins), **kw)
 
 
+def _chunked(graph, pins=(), world=1, **kw):
+    """Solved with the chunked loss pinned: at these sizes the whole logits fit and step faster, so the planner
+    would otherwise hold them (:func:`test_the_loss_is_chosen_by_price`)."""
+    return _solve(graph, [*pins, "loss=chunked"], world, **kw)
+
+
 def _loss_note(plan: Plan) -> str:
     return next(n for n in plan.notes if n.startswith("loss: "))
 
@@ -33,7 +40,7 @@ def _loss_note(plan: Plan) -> str:
 def test_the_common_pattern_is_chunked_and_says_so() -> None:
     graph = autopar.capture(*gpt_tiny())
     assert graph.loss_head is not None and graph.loss_head.module_path == "lm_head"
-    plan = _solve(graph)
+    plan = _chunked(graph)
     assert plan.training.loss is LossKind.CHUNKED
     assert "chunked cross-entropy on lm_head's weight" in _loss_note(plan)
     assert "\nloss          chunked: the head's GEMM and cross-entropy a chunk" in plan.summary()
@@ -70,6 +77,27 @@ def test_a_hugging_face_moe_s_head_is_found(on_meta: bool) -> None:
     assert graph.loss_head.module_path == "lm_head" and not graph.loss_head.tied
 
 
+def test_the_loss_is_chosen_by_price() -> None:
+    """Unpinned, the plan's choices are priced with both losses: the whole logits where they fit and step faster
+    (no chunk's logits recomputed in backward), the chunked loss where only it fits; the note gives the other's
+    price either way."""
+    graph = autopar.capture(*gpt_tiny())
+    free = autopar.solve(graph, 1, cluster="cpu", dtype="fp32", global_batch=4)
+    chunked = _chunked(graph)
+    assert free.training.loss is LossKind.FULL and chunked.training.loss is LossKind.CHUNKED
+    assert free.predicted.step_time_s < chunked.predicted.step_time_s
+    assert _loss_note(free) == (f"loss: the whole logits are held: this plan steps in {free.predicted.step_time_s:.4g}"
+                                f" s with them and fits, against {chunked.predicted.step_time_s:.4g} s chunked (each "
+                                "chunk's logits recomputed in backward); pin loss=chunked never to hold them")
+    # a budget between the two peaks: only the chunked loss fits these choices, and it is kept
+    peak_full, peak_chunked = free.predicted.memory_per_rank_bytes[0], chunked.predicted.memory_per_rank_bytes[0]
+    assert peak_chunked < peak_full
+    tight = autopar.solve(graph, 1, cluster="cpu", dtype="fp32", global_batch=4,
+                          memory_gb=(peak_chunked + peak_full) / 2 / 2**30, pins=["recompute=none"])
+    assert tight.training.loss is LossKind.CHUNKED
+    assert "(the whole logits would step in " in _loss_note(tight) and "exceed the memory budget" in _loss_note(tight)
+
+
 def test_pinned_off_it_holds_the_logits() -> None:
     plan = _solve(autopar.capture(*gpt_tiny()), ["loss=full"])
     assert plan.training.loss is LossKind.FULL and "pins" in plan.summary()
@@ -102,7 +130,7 @@ def test_elsewhere_it_is_not_offered_with_the_reason() -> None:
 
 
 def test_a_head_tp_splits_runs_the_vocabulary_parallel_loss() -> None:
-    plan = _solve(autopar.capture(*gpt_tiny()), ("pp=1", "dp=1", "tp=2", "zero=0") + GPT_TP, world=2)
+    plan = _chunked(autopar.capture(*gpt_tiny()), ("pp=1", "dp=1", "tp=2", "zero=0") + GPT_TP, world=2)
     assert plan.training.loss is LossKind.VOCAB_PARALLEL
     assert "vocabulary-parallel cross-entropy on lm_head's weight split over tp=2" in _loss_note(plan)
 
@@ -123,8 +151,8 @@ def test_the_350m_gpt_peak_drops_by_the_logits_it_no_longer_holds() -> None:
 
     graph = autopar.capture(*gpt.gpt2_medium(seq_len=2048))
     pins = ["microbatches=1", "recompute=full"]
-    chunked, full = (autopar.solve(graph, 1, cluster="a100-40g", global_batch=18, pins=pins + extra)
-                     for extra in ([], ["loss=full"]))
+    chunked, full, free = (autopar.solve(graph, 1, cluster="a100-40g", global_batch=18, pins=pins + extra)
+                           for extra in (["loss=chunked"], ["loss=full"], []))
     assert chunked.training.loss is LossKind.CHUNKED and full.training.loss is LossKind.FULL
     logits = 18 * 2048 * 50304 * 4
     chunk_peak = 2 * 1280 * 50304 * 4 + 50304 * 1024 * 4
@@ -137,3 +165,5 @@ def test_the_350m_gpt_peak_drops_by_the_logits_it_no_longer_holds() -> None:
     only = dataclasses.replace(full.predicted.ranks[0], workspace_bytes=chunked.predicted.ranks[0].workspace_bytes)
     assert only == dataclasses.replace(chunked.predicted.ranks[0])  # every other part alike
     assert chunked.predicted.step_time_s > full.predicted.step_time_s  # the head's GEMM once more in backward
+    # with every layer recomputed the whole logits fit 40 GB: unpinned, the planner holds them (faster)
+    assert free.training.loss is LossKind.FULL and free.predicted == full.predicted

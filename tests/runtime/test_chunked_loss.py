@@ -92,7 +92,7 @@ def test_a_loss_function_with_a_chunked_plan_is_refused() -> None:
     torch.manual_seed(0)
     model, inputs = gpt_tiny()
     graph = autopar.capture(model, inputs)
-    plan = autopar.solve(graph, 1, cluster="cpu", dtype="fp32", global_batch=2)
+    plan = autopar.solve(graph, 1, cluster="cpu", dtype="fp32", global_batch=2, pins=["loss=chunked"])
     assert plan.training.loss is LossKind.CHUNKED
 
     def mine(output, targets):

@@ -409,11 +409,12 @@ def test_a_compiled_solve_offers_recompute_where_memory_asks_and_the_runtime_tak
 
     _, _, g = graph
     kwargs = dict(cluster="cpu", global_batch=64, dtype="fp32", compiled=True)
-    kept = autopar.solve(g, 1, **kwargs, pins=["dp=1", "microbatches=1", "recompute=none"])
+    # one loss throughout (the whole logits): unpinned, the loss is chosen by price and moves the peak
+    kept = autopar.solve(g, 1, **kwargs, pins=["dp=1", "microbatches=1", "recompute=none", "loss=full"])
     budget = max(kept.predicted.memory_per_rank_bytes) * 0.9 / 2**30
     with pytest.raises(autopar.InfeasibleError):
-        autopar.solve(g, 1, **kwargs, pins=["dp=1", "microbatches=1", "recompute=none"], memory_gb=budget)
-    tight = autopar.solve(g, 1, **kwargs, pins=["dp=1", "microbatches=1"], memory_gb=budget)
+        autopar.solve(g, 1, **kwargs, pins=["dp=1", "microbatches=1", "recompute=none", "loss=full"], memory_gb=budget)
+    tight = autopar.solve(g, 1, **kwargs, pins=["dp=1", "microbatches=1", "loss=full"], memory_gb=budget)
     assert tight.training.compiled and any(l.choice.recompute for l in tight.layers), tight.summary()
     assert any(l.choice.recompute for l in tight.layers if l.name.startswith("blocks."))
     assert not compiled_refusals(tight)  # a refused recompute would be named
