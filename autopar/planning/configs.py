@@ -32,12 +32,16 @@ from autopar.planning.configuration import Configuration, TrainingSpec
 
 INTERLEAVED_CHUNKS = (2, 4)
 ZB_CHUNKS = (1, 2, 4)  # interleaved_zb: ZB-H1 on one chunk a rank, interleaved on more
-# The split-backward schedules (interleaved_zb, zbv, dualpipev) are planned where a pin asks for one, not in the
-# free search. The search is right with them (the 0.4% slower plan they once led to was a nan bound,
-# bounds.balanced_step_s; tests/planning/test_zero_bubble_search.py proves the free plan with them against brute
-# force), but they cost: HF Llama 3 70B × 512 at 8,192 tokens keyed 28,394 configurations instead of 12,037 and
-# planned in 42 s instead of 17 (load 5), past its 10 s goal. True searches them.
-SEARCH_SPLIT_BACKWARD = False
+# The split-backward schedules (interleaved_zb, zbv, dualpipev) are searched with the others. Searching them once
+# cost HF Llama 3 70B × 512 at 8,192 tokens 28,394 configurations keyed instead of 12,037 and 42 s of planning
+# instead of 17 (load 5): the memory screen walked torch's action lists for their activations in flight, and each
+# w simulated them at every microbatch count. Now their activations in flight are in closed form
+# (cost_models.pipeline.split_backward_in_flight), w is simulated at 2p microbatches at most
+# (schedule_sim.steady_microbatches), they are keyed from their GPipe/1F1B sibling's table and their own table is
+# built only when the search reaches them (planning.candidates), and their pooled bound reads the floor of w. The
+# free plan with them is never worse than without (tests/planning/test_zero_bubble_search.py, by brute force).
+# False plans them only where pinned.
+SEARCH_SPLIT_BACKWARD = True
 # cp inside pipeline stages (a mesh with both above 1, neither pinned) multiplies the configurations: Llama 3
 # 70B at 131,072 tokens on 512 H100s has 8,914 with them against 1,318 without, DeepSeek-V3 on 1,024 100,954
 # against 13,552. The free search takes them where the whole count stays within CP_PP_SEARCHED_UP_TO: the 70B

@@ -39,7 +39,7 @@ def _without_split_backward(monkeypatch) -> None:
 ])
 def test_the_free_plan_with_them_is_never_worse_than_without(blocks, hidden, seq, world, gpus, batch, mem,
                                                              monkeypatch):
-    monkeypatch.setattr(configs, "SEARCH_SPLIT_BACKWARD", True)  # off by default: planning time (configs.py)
+    monkeypatch.setattr(configs, "SEARCH_SPLIT_BACKWARD", True)  # the default; held so here
     graph = transformer_graph(blocks, hidden, seq, vocab=8192, heads=16)
     cluster = tiny_cluster(mem, gpus).for_world_size(world)
     training = TrainingSpec(batch, "bf16")
