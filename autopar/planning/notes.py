@@ -208,7 +208,8 @@ def loss_notes(graph: LayerGraph, solution: Solution, pins: Pins) -> tuple[str, 
         chunk, peak = loss_price.chunk_tokens(table), _bytes(loss_price.chunked_peak_bytes(table))
         return (f"loss: chunked cross-entropy on {head.module_path}'s weight, {chunk:,} tokens a chunk (fp32 logits "
                 f"of one chunk at a time, {peak} at its peak; each chunk's logits "
-                "recomputed in backward): the whole logits are never held; pin loss=full to hold them",)
+                "recomputed in backward): the whole logits are never held; pin loss=full to hold them"
+                + _tied_whole(graph, solution),)
     if table.loss is LossKind.VOCAB_PARALLEL and head is not None:
         chunk, peak = loss_price.chunk_tokens(table), _bytes(loss_price.chunked_peak_bytes(table))
         tp = solution.config.mesh.tp
@@ -227,6 +228,18 @@ def loss_notes(graph: LayerGraph, solution: Solution, pins: Pins) -> tuple[str, 
         why = (contract.chunked_loss_refusal(graph, solution.config.mesh, table.training.float8)
                or "a loss function was given (only the default cross-entropy runs chunked)")
     return (f"loss: the whole logits are held (not chunked: {why})",)
+
+
+def _tied_whole(graph: LayerGraph, solution: Solution) -> str:
+    """Why a head tied across pipeline stages runs whole beside tp, not vocabulary-parallel ("" elsewhere)."""
+    mesh, head = solution.config.mesh, graph.loss_head
+    if head is None or not head.tied or mesh.tp <= 1 or not contract.tied_across_stages(graph, len(graph) - 1,
+                                                                                         mesh.pp):
+        return ""
+    return (f"; not vocabulary-parallel over tp={mesh.tp}: the head's weight is tied to {head.weight} in the first "
+            "pipeline stage, and tied ends a pipeline splits run replicated over tp (contract.tied_across_stages): "
+            "the two stages' gradient sum (passes/tied.py) has run on whole and dp-sharded weights only, never on "
+            "vocabulary shards, so split over tp it is not offered")
 
 
 def unpriced_notes(graph: LayerGraph) -> tuple[str, ...]:
