@@ -367,7 +367,7 @@ def _runners_up(search: Search, waiting: list[_Waiting], time_limit_s: float, fi
             return
         if item.key >= threshold:
             continue
-        item.table = item.table or candidates[item.source][2]
+        item.table = candidates[item.source][2] if item.table is None else item.table
         if item.allowed is None:
             if fits(item.cheap, item.table):
                 item.allowed = allowed_choices(item.table, layer_pins)
