@@ -157,8 +157,33 @@ def in_flight(schedule: Schedule, pp: int, microbatches: int, rank: int) -> Frac
     if schedule.kind is ScheduleKind.ONE_F_ONE_B:
         return Fraction(min(m, p - rank))
     if schedule.split_backward:
-        from autopar.cost_models.schedule_sim import peak_in_flight
-
-        return peak_in_flight(schedule, p, m)[rank]
+        return split_backward_in_flight(schedule, p, m, rank)
     warmup = 2 * (p - rank - 1) + (v - 1) * p + 1
     return Fraction(min(m * v, warmup), v)
+
+
+def split_backward_in_flight(schedule: Schedule, pp: int, microbatches: int, rank: int) -> Fraction:
+    """The most chunk-microbatches, over v, that rank ``rank`` of a split-backward schedule holds: the peak
+    along torch's actions (:func:`.schedule_sim.peak_in_flight`, a chunk-microbatch held from its forward to its
+    weight backward) in closed form, so a search need not generate torch's action lists to screen memory
+    (they cost up to 0.7 s a configuration at m = 512). Read off torch 2.13's ``_calculate_single_rank_operations``
+    and held to its actions over p ≤ 16, m ≤ 128 by tests/cost_models/test_zero_bubble_memory.py:
+
+    - ``interleaved_zb`` (``ScheduleInterleavedZeroBubble``: ``_get_1f1b_rank_ops`` with ``enable_zero_bubble``,
+      then ``_add_bubbles_to_actions``): p·v, i.e. p microbatches on every rank, where the paper's ZB-H1 holds
+      1F1B's p − rank (Qi et al. 2024, §3.1): torch defers the later ranks' W;
+    - ``zbv`` (``ScheduleZBVZeroBubble``: warm-ups of 2(p − rank) − 1, rank and p − rank forwards): m + 1 + rank,
+      at most 2m and 2p, i.e. p microbatches at most, the paper's ZB-V at 1F1B's memory (§6);
+    - ``dualpipev`` (``ScheduleDualPipeV``, its W queued until the cool-down): 2p + 1 chunk-microbatches on every
+      rank, the DeepSeek-V3 report's PP + 1 (§3.2.1, Table 2) with its PP the 2p stages of the V.
+    """
+    m, p, v = microbatches, pp, schedule.chunks
+    if schedule.kind is ScheduleKind.INTERLEAVED_ZB:
+        held = p * v
+    elif schedule.kind is ScheduleKind.ZBV:
+        held = min(m + 1 + rank, 2 * m, 2 * p)
+    elif schedule.kind is ScheduleKind.DUALPIPE_V:
+        held = 2 * p + 1
+    else:
+        raise ValueError(f"{schedule.kind.value} does not split its backward")
+    return Fraction(held, v)

@@ -126,10 +126,29 @@ def simulate(schedule: Any, pp: int, microbatches: int,
     return max(clock)
 
 
+def steady_microbatches(pp: int, microbatches: int) -> int:
+    """The microbatch count whose simulated w is every larger count's: 2p where m ≥ 2p, else m itself.
+
+    From 2p microbatches on, torch's three split-backward schedules are in their steady phase: every further
+    microbatch adds exactly F + B + W to each rank's busy time, and its warm-up and cool-down, which set w,
+    stay as they are (interleaved_zb from p already, in rounds of p; zbv and dualpipev from 2p, their warm-up's
+    3p − rank − 1 forwards filled). So w at m ≥ 2p is w at 2p (2p divides into rounds of p and is dualpipev's
+    least count), which keeps a search's simulations at most 2p microbatches: torch's action lists at m = 512
+    cost up to 0.7 s each. tests/cost_models/test_zero_bubble_memory.py holds w at m to w at 2p over a grid of
+    (pp, m, chunks, F : B : W)."""
+    return min(microbatches, 2 * pp)
+
+
 @lru_cache(maxsize=1024)
 def bubble_weight(schedule: Any, pp: int, microbatches: int, f: float, b: float, w: float) -> Fraction:
     """w of the step model for a rank whose layers take F = ``f``, B = ``b``, W = ``w`` a microbatch
-    (any unit; only their ratios count), its chunks splitting them equally."""
+    (any unit; only their ratios count), its chunks splitting them equally; simulated at
+    :func:`steady_microbatches`, whose w is the same."""
+    return simulated_bubble_weight(schedule, pp, steady_microbatches(pp, microbatches), f, b, w)
+
+
+def simulated_bubble_weight(schedule: Any, pp: int, microbatches: int, f: float, b: float, w: float) -> Fraction:
+    """w as :func:`bubble_weight` gives it, simulated at ``microbatches`` itself."""
     if pp <= 1:
         return Fraction(0)
     total = f + b + w

@@ -15,7 +15,7 @@ import math
 from typing import Any
 
 from autopar.contract import Buffers
-from autopar.planning import edges
+from autopar.planning import edges, pipeline_price
 from autopar.planning.pricing import PriceTable
 
 Curve = list[tuple[int, list[tuple[int, float]]]]  # (room in bytes, strategy frontier) per buffer choice
@@ -24,7 +24,7 @@ _ROUNDING = 1 + 1e-12  # a count is skipped only when its least time is past the
 
 
 def lower_bound_s(table: PriceTable, allowed: list[list[int]], budget: int | None = None,
-                  cuts_ok: list[int] | None = None, enough: float = math.inf) -> float:
+                  cuts_ok: list[int] | None = None, enough: float = math.inf, bubble_weight: Any = None) -> float:
     """Step time no plan of this configuration can beat (``inf``: none fits in memory).
 
     Every rank's time is at least the average over ranks of the layers' summed
@@ -34,7 +34,8 @@ def lower_bound_s(table: PriceTable, allowed: list[list[int]], budget: int | Non
     Σ_l min_k (t_lk + λ·mem_lk) − λ·capacity (:func:`knapsack_dual_bound`). The
     slowest rank is also bounded rank by rank (:func:`_rank_time_bound_s`), unless the bound
     without it is already ``enough`` to rule the configuration out (it then returns that weaker
-    bound: the rank by rank one costs most of a search's bounding time).
+    bound: the rank by rank one costs most of a search's bounding time). ``bubble_weight``: a floor of
+    the table's w to bound with (:func:`balanced_step_s`; None: w itself).
     """
     c = table.config
     memo: dict[tuple, float] = {}
@@ -53,20 +54,23 @@ def lower_bound_s(table: PriceTable, allowed: list[list[int]], budget: int | Non
         capacity = sum(budget - table.rank_workspace_bytes(j) for j in range(c.mesh.pp))
         total = _knapsack_bound(table, allowed, capacity)
         edge = _least_edge_s(table, allowed, capacity)
-        with_tail = _step_knapsack_bound_s(table, allowed, capacity, sends) + edge
-        weaker = max(balanced_step_s(table, total + sends, slowest) + edge, with_tail)
+        with_tail = _step_knapsack_bound_s(table, allowed, capacity, sends, bubble_weight) + edge
+        weaker = max(balanced_step_s(table, total + sends, slowest, bubble_weight) + edge, with_tail)
         if weaker >= enough:
             return weaker
         slowest = max(slowest, _rank_time_bound_s(table, allowed, budget, cuts_ok or []))
-        return max(balanced_step_s(table, total + sends, slowest) + edge, with_tail)
-    return balanced_step_s(table, total + sends, slowest)
+        return max(balanced_step_s(table, total + sends, slowest, bubble_weight) + edge, with_tail)
+    return balanced_step_s(table, total + sends, slowest, bubble_weight)
 
 
 def pooled_bound_s(table: PriceTable, allowed: list[list[int]], budget: int | None = None,
                    cuts_ok: list[int] | None = None) -> float:
     """:func:`lower_bound_s` without its rank by rank part, which costs most of it: what the search keys a
-    configuration by until it comes next (the full bound is computed only for those that do)."""
-    return lower_bound_s(table, allowed, budget, cuts_ok, enough=-math.inf)
+    configuration by until it comes next (the full bound is computed only for those that do). A split-backward
+    schedule's w is its floor here (:func:`.pipeline_price.bubble_weight_floor`): its exact w simulates torch's
+    actions, which only the configurations that come next need."""
+    return lower_bound_s(table, allowed, budget, cuts_ok, enough=-math.inf,
+                         bubble_weight=pipeline_price.bubble_weight_floor(table))
 
 
 def balanced_step_s(table: PriceTable, total: float, slowest_layer: float, bubble_weight: Any = None) -> float:
@@ -117,7 +121,8 @@ def _least_edge_s(table: PriceTable, allowed: list[list[int]], capacity: int) ->
     return 0.0  # nothing fits: the knapsack says so
 
 
-def _step_knapsack_bound_s(table: PriceTable, allowed: list[list[int]], capacity: int, sends: float) -> float:
+def _step_knapsack_bound_s(table: PriceTable, allowed: list[list[int]], capacity: int, sends: float,
+                           bubble_weight: Any = None) -> float:
     """The step with the tail in the knapsack: the step is at least α·S + X, with S the layers' summed time
     per microbatch (α its least weight in :func:`balanced_step_s`'s step, T ≥ S/pp) and X the slowest rank's
     tail, at least the mean of the ranks' (the layers' tails over pp). Each layer's choice then costs
@@ -125,7 +130,7 @@ def _step_knapsack_bound_s(table: PriceTable, allowed: list[list[int]], capacity
     traffic, while the memory it has room for is ZeRO-3's, whose gathers and FSDP2's host work per
     microbatch the tail carries (Llama 3 70B × 512 at 8,192 tokens: pp=2 × dp=32 × cp=8 at 32 microbatches
     was bounded at 15.5 s beside its 21.8 s optimum, and 50 such configurations were solved to be refuted)."""
-    c, w = table.config, float(table.bubble_weight)
+    c, w = table.config, float(table.bubble_weight if bubble_weight is None else bubble_weight)
     sigma, _ = table.core_sharing
     alpha = ((c.microbatches - w) / c.mesh.pp + w) if sigma == 1 else c.microbatches / c.mesh.pp
     rank = min(range(c.mesh.pp), key=lambda j: table.in_flight[j])

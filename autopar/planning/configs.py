@@ -32,12 +32,17 @@ from autopar.planning.configuration import Configuration, TrainingSpec
 
 INTERLEAVED_CHUNKS = (2, 4)
 ZB_CHUNKS = (1, 2, 4)  # interleaved_zb: ZB-H1 on one chunk a rank, interleaved on more
-# The split-backward schedules (interleaved_zb, zbv, dualpipev) are planned where a pin asks for one, not in the
-# free search. The search is right with them (the 0.4% slower plan they once led to was a nan bound,
-# bounds.balanced_step_s; tests/planning/test_zero_bubble_search.py proves the free plan with them against brute
-# force), but they cost: HF Llama 3 70B × 512 at 8,192 tokens keyed 28,394 configurations instead of 12,037 and
-# planned in 42 s instead of 17 (load 5), past its 10 s goal. True searches them.
-SEARCH_SPLIT_BACKWARD = False
+# The split-backward schedules (interleaved_zb, zbv, dualpipev) are searched with the others. Searching them once
+# cost HF Llama 3 70B × 512 at 8,192 tokens 28,394 configurations keyed instead of 12,037 and 42 s of planning
+# instead of 17 (load 5): the memory screen walked torch's action lists for their activations in flight, and each
+# w simulated them at every microbatch count. Now their activations in flight are in closed form
+# (cost_models.pipeline.split_backward_in_flight), w is simulated at 2p microbatches at most
+# (schedule_sim.steady_microbatches), they are keyed from their GPipe/1F1B sibling's table and their own table is
+# built only when the search reaches them (planning.candidates), and their pooled bound reads the floor of w. The
+# free plan with them is never worse than without (tests/planning/test_zero_bubble_search.py, by brute force).
+# The free search takes them on the meshes their runs against one device cover (split_proven: pp beside dp
+# alone), which also keeps the 70B's count at 12,157. False plans them only where pinned.
+SEARCH_SPLIT_BACKWARD = True
 # cp inside pipeline stages (a mesh with both above 1, neither pinned) multiplies the configurations: Llama 3
 # 70B at 131,072 tokens on 512 H100s has 8,914 with them against 1,318 without, DeepSeek-V3 on 1,024 100,954
 # against 13,552. The free search takes them where the whole count stays within CP_PP_SEARCHED_UP_TO: the 70B
@@ -134,7 +139,7 @@ def searched_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
                 continue
             into = staged if mesh.cp > 1 and mesh.pp > 1 and not {"cp", "pp"} & set(pinned) else configs
             into += [Configuration(mesh, m, s, mode, method)
-                     for s in _schedules(mesh.pp, m, limits.max_stages, pins, refused)
+                     for s in _schedules(mesh.pp, m, limits.max_stages, pins, refused, split_proven(mesh))
                      for mode in contract.data_parallel_modes(graph, mesh.pp, contract.data_ranks(mesh), floor)
                      if mode.sharded or mesh.dp_replicate == 1  # replicas of ZeRO's shards: sharded plans only
                      for method in methods]
@@ -227,13 +232,21 @@ def _check_pinned_mesh(pinned: dict[str, int], limits: AxisLimits) -> None:
         raise PinError(f"pinned {names} = {product} but the world size is {limits.world_size}")
 
 
+def split_proven(mesh: Mesh) -> bool:
+    """Whether the free search takes the split-backward schedules on ``mesh``: pp beside dp alone (ZeRO ≤ 2, no
+    HSDP replicas), the meshes their runs against one device cover (tests/passes/test_zero_bubble.py); beside tp,
+    cp, ep or replicas torch's separate input and weight backwards have not been held to one device's numbers
+    (a pin still plans them there)."""
+    return mesh.tp == 1 and mesh.cp == 1 and mesh.ep == 1 and mesh.dp_replicate == 1
+
+
 def _schedules(pp: int, m: int, max_stages: int, pins: Pins,
-               refused: dict[ScheduleKind, str] | None = None) -> list[Schedule]:
+               refused: dict[ScheduleKind, str] | None = None, split_searched: bool = True) -> list[Schedule]:
     """The schedules searched for pp ranks and m microbatches: GPipe only where 1F1B cannot run, interleaved
-    1F1B with 2 or 4 chunks, and where pinned (or :data:`SEARCH_SPLIT_BACKWARD`) the split-backward ones
-    (interleaved_zb with 1, 2 or 4 chunks, zbv and dualpipev with 2 in a V) but those ``refused`` says the
-    model cannot run (:func:`autopar.contract.schedule_refusal`); each where torch runs it
-    (:func:`autopar.cost_models.pipeline.schedule_refusal`) and the stages can be cut."""
+    1F1B with 2 or 4 chunks, and where pinned (or :data:`SEARCH_SPLIT_BACKWARD` and ``split_searched``:
+    :func:`split_proven`) the split-backward ones (interleaved_zb with 1, 2 or 4 chunks, zbv and dualpipev with 2
+    in a V) but those ``refused`` says the model cannot run (:func:`autopar.contract.schedule_refusal`); each where
+    torch runs it (:func:`autopar.cost_models.pipeline.schedule_refusal`) and the stages can be cut."""
     if pp == 1:
         return [Schedule(ScheduleKind.NONE)] if pins.schedule in (None, ScheduleKind.NONE) else []
     out: list[Schedule] = []
@@ -246,7 +259,7 @@ def _schedules(pp: int, m: int, max_stages: int, pins: Pins,
                ScheduleKind.ZBV: (2,), ScheduleKind.DUALPIPE_V: (2,)}
     for kind, counts in chunked.items():
         if want not in (None, kind) or kind in (refused or {}) or (
-                want is None and kind in SPLIT_BACKWARD and not SEARCH_SPLIT_BACKWARD):
+                want is None and kind in SPLIT_BACKWARD and not (SEARCH_SPLIT_BACKWARD and split_searched)):
             continue
         for v in [pins.chunks] if pins.chunks else counts:
             if pp * v <= max_stages and v in counts and not schedule_refusal(kind, pp, m, v):

@@ -108,14 +108,19 @@ def memory_floor_bytes(table: Any) -> int:
             rows.setdefault(key, [layer, zeros, 0])[2] += 1
         memo[rows_key] = (graph, rows)
     total = (c.mesh.pp - 1) * table.rank_workspace_bytes(0) + table.rank_workspace_bytes(c.mesh.pp - 1)
-    for key, (layer, zeros, count) in memo[rows_key][1].items():
-        if (held := (*search, "held", key, c.mesh, c.data_parallel)) not in memo:
-            memo[held] = (graph, least_held(table, layer, table.offered_choices(layer, zeros)))
-        if (kept := (*search, "kept", key, c.mesh, c.microbatches, c.cp_attention)) not in memo:
-            memo[kept] = (graph, least_kept(table, layer, table.offered_choices(layer, zeros)))
-        acts = memo[kept][1]
-        total += count * min(state - (-acts[tp] * f.numerator // f.denominator) for tp, state in memo[held][1].items())
-    return total
+    # the layers' part, alike over the schedules with as few microbatches in flight (the split-backward ones)
+    if (layers := (*rows_key, "layers", c.mesh, c.microbatches, c.cp_attention, f)) not in memo:
+        part = 0
+        for key, (layer, zeros, count) in memo[rows_key][1].items():
+            if (held := (*search, "held", key, c.mesh, c.data_parallel)) not in memo:
+                memo[held] = (graph, least_held(table, layer, table.offered_choices(layer, zeros)))
+            if (kept := (*search, "kept", key, c.mesh, c.microbatches, c.cp_attention)) not in memo:
+                memo[kept] = (graph, least_kept(table, layer, table.offered_choices(layer, zeros)))
+            acts = memo[kept][1]
+            part += count * min(state - (-acts[tp] * f.numerator // f.denominator)
+                                for tp, state in memo[held][1].items())
+        memo[layers] = (graph, part)
+    return total + memo[layers][1]
 
 
 __all__ = ["held_bytes", "kept_mb_bytes", "least_held", "least_kept", "master_grad_bytes", "memory_floor_bytes"]

@@ -229,7 +229,7 @@ def loss_notes(graph: LayerGraph, solution: Solution, pins: Pins) -> tuple[str, 
         return (f"loss: chunked cross-entropy on {head.module_path}'s weight, {chunk:,} tokens a chunk (fp32 logits "
                 f"of one chunk at a time, {peak} at its peak; each chunk's logits "
                 f"recomputed in backward): the whole logits are never held{_whole_logits(other)}; pin loss=full to "
-                "hold them",)
+                "hold them" + _tied_whole(graph, solution),)
     if table.loss is LossKind.VOCAB_PARALLEL and head is not None:
         chunk, peak = loss_price.chunk_tokens(table), _bytes(loss_price.chunked_peak_bytes(table))
         tp = solution.config.mesh.tp
@@ -261,6 +261,18 @@ def _whole_logits(other: tuple[LossKind, float, bool] | None) -> str:
         return ""
     return (f" (the whole logits would step in {other[1]:.4g} s" +
             ("" if other[2] else " and exceed the memory budget") + ")")
+
+
+def _tied_whole(graph: LayerGraph, solution: Solution) -> str:
+    """Why a head tied across pipeline stages runs whole beside tp, not vocabulary-parallel ("" elsewhere)."""
+    mesh, head = solution.config.mesh, graph.loss_head
+    if head is None or not head.tied or mesh.tp <= 1 or not contract.tied_across_stages(graph, len(graph) - 1,
+                                                                                         mesh.pp):
+        return ""
+    return (f"; not vocabulary-parallel over tp={mesh.tp}: the head's weight is tied to {head.weight} in the first "
+            "pipeline stage, and tied ends a pipeline splits run replicated over tp (contract.tied_across_stages): "
+            "the two stages' gradient sum (passes/tied.py) has run on whole and dp-sharded weights only, never on "
+            "vocabulary shards, so split over tp it is not offered")
 
 
 def unpriced_notes(graph: LayerGraph) -> tuple[str, ...]:

@@ -29,6 +29,7 @@ from typing import Any
 
 from autopar.cost_models import schedule_sim
 from autopar.cost_models.communication import p2p_time_s
+from autopar.cost_models.pipeline import Schedule
 from autopar.graph import Layer, OpKind, SampleDim
 from autopar.planning import loss_price
 
@@ -118,15 +119,20 @@ def send_s(table: PriceTable, cut: int, stage: int | None) -> float:
     return p2p_time_s(nbytes, inter_node=across, cluster=table.cluster) + table.cluster.collective_sync_s
 
 
-def bubble_weight_floor(table: PriceTable) -> Fraction:
+def bubble_weight_floor(table: PriceTable, schedule: Schedule | None = None) -> Fraction:
     """A floor of :func:`bubble_weight` (the module docstring): w itself for GPipe and the 1F1B schedules; for
     the split-backward ones T_F / (v·(T_F + T_B + T_W)), less the simulated w's rounding to a fraction
-    (:data:`~autopar.cost_models.schedule_sim.DENOMINATOR`)."""
+    (:data:`~autopar.cost_models.schedule_sim.DENOMINATOR`). ``schedule``: a split-backward schedule of a
+    configuration alike in its times to ``table``'s (:attr:`~.pricing.PriceTable.times_alike`), whose own
+    table need not be built (:mod:`.candidates`)."""
     c = table.config
-    if c.mesh.pp <= 1 or not c.schedule.split_backward:
+    schedule = schedule or c.schedule
+    if c.mesh.pp <= 1 or not schedule.split_backward:
         return bubble_weight(table)
-    f, b, w = phase_times(table)
-    if f + b + w <= 0:
-        return Fraction(0)
-    floor = Fraction(f / (c.schedule.chunks * (f + b + w))) - Fraction(1, schedule_sim.DENOMINATOR)
-    return max(floor, Fraction(0))
+    memo = table.shared.phases  # keyed apart from phase_times' entries: a search keys ~16,000 of these
+    if (key := (table.times_alike, "floor", schedule.chunks)) not in memo:
+        f, b, w = phase_times(table)
+        floor = Fraction(0) if f + b + w <= 0 else max(
+            Fraction(f / (schedule.chunks * (f + b + w))) - Fraction(1, schedule_sim.DENOMINATOR), Fraction(0))
+        memo[key] = (table.graph, floor)
+    return memo[key][1]

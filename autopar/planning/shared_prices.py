@@ -32,11 +32,12 @@ class SharedPrices:
         field(default_factory=dict)
     # (graph id, cluster id, training id, mesh, microbatches, cp method) → (the graph; PriceTable.fastest_time_mb_s)
     fastest: dict[tuple, tuple[LayerGraph, list[float]]] = field(default_factory=dict)
-    # the same key → (the graph; pipeline_price.phase_times: T_F, T_B, T_W of a microbatch through every layer)
-    phases: dict[tuple, tuple[LayerGraph, tuple[float, float, float]]] = field(default_factory=dict)
+    # the same key → (the graph; pipeline_price.phase_times: T_F, T_B, T_W of a microbatch through every layer),
+    # and (that key, "floor", chunks) → (the graph; pipeline_price.bubble_weight_floor)
+    phases: dict[tuple, tuple[LayerGraph, Any]] = field(default_factory=dict)
     groups: dict[tuple, tuple[Any, tuple]] = field(default_factory=dict)  # (cluster id, mesh): PriceTable._groups
     # memory_floor.memory_floor_bytes's rows, least states and least activations, each keyed by what it reads
-    floors: dict[tuple, tuple[LayerGraph, dict]] = field(default_factory=dict)
+    floors: dict[tuple, tuple[LayerGraph, Any]] = field(default_factory=dict)
     choices: dict[tuple, tuple[Layer, list[LayerChoice]]] = field(default_factory=dict)  # (layer id, zeros, mesh)
     # (PriceTable.alike, layer pins' id) → (the pins, kept so their id is not reused; choices.allowed_choices)
     allowed: dict[tuple, tuple[list, list[list[int]]]] = field(default_factory=dict)

@@ -100,8 +100,9 @@ from autopar.cost_models.hardware import ClusterSpec
 from autopar.errors import InfeasibleError, PinError
 from autopar.graph import LayerGraph
 from autopar.pins import Pins
-from autopar.planning import hsdp_price, pipeline_price
-from autopar.planning.bounds import balanced_step_s, lower_bound_s, pooled_bound_s
+from autopar.planning import hsdp_price
+from autopar.planning.bounds import lower_bound_s, pooled_bound_s
+from autopar.planning.candidates import Candidates
 from autopar.planning.choices import allowed_choices, check_recompute_pins, check_sp_pins
 from autopar.planning.configs import cut_positions, enumerate_configs, searched_configs
 from autopar.planning.configuration import Configuration, TrainingSpec
@@ -181,15 +182,8 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     cuts_ok = cut_positions(graph)
     # Configurations in order of a cheap bound (fastest strategy per layer, balanced),
     # priced in full only when that bound could still beat the best plan so far.
-    candidates, shared = [], SharedPrices()
     configs, left_out = searched_configs(graph, world_size, cluster, training, pins, keep_idle=keep_idle)
-    for config in configs:
-        table = PriceTable(graph, config, cluster, training, shared)
-        fastest = table.fastest_time_mb_s()
-        cheap = balanced_step_s(table, sum(fastest), max(fastest), pipeline_price.bubble_weight_floor(table))
-        candidates.append((cheap, config, table))
-    candidates.sort(key=lambda x: (x[0], x[1]))
-    tables = {config: table for _, config, table in candidates}  # a configuration with replicas: its twin's
+    candidates = Candidates.keyed(graph, configs, cluster, training, SharedPrices())  # tables built when read
     pinned = pins.mesh_degrees()
     search, priced = Search(keep=1 + max(0, runners_up)), []
     # configurations no plan of which fits (memory_floor: what the bound would find), dropped before pricing;
@@ -203,7 +197,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     #    bounded rank by rank. Those that can only be runners-up wait, so runners-up never take the time the
     #    optimum needs. With no plan found by half the time limit, each configuration examined is solved at once
     #    (a search too large to reach its first solve in time still returns a plan).
-    queue: list[_Queued] = [_Queued(cheap, n) for n, (cheap, _, _) in enumerate(candidates)]  # sorted: a heap
+    queue: list[_Queued] = [_Queued(candidates.cheap(n), n) for n in range(len(candidates))]  # sorted: a heap
     later: list[tuple[float, Configuration, PriceTable, list[list[int]] | None, float]] = []
     unexamined = 0
     deferred: list[Deferred] = []  # configurations whose first, short solve ran out: solved again below
@@ -230,7 +224,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
             if head.allowed is None:  # examine it: its pooled bound becomes its key
                 if not (ahead or fits(cheap, table)):
                     continue
-                twin = tables.get(hsdp_price.twin(config)) if config.mesh.dp_replicate > 1 else None
+                twin = candidates.twin_table(config) if config.mesh.dp_replicate > 1 else None
                 if twin is not None and not ("dp_replicate" in pinned or pins.dp_shard
                                              or hsdp_price.worth_searching(table, twin, cheap)):
                     continue  # replicas cannot save enough against ZeRO over all of dp (planning.hsdp_price)
@@ -268,10 +262,11 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
     if search.best is not None and runners_up > 0:
         waiting = [_Waiting(bound, n, cheap, config, table, allowed, full=True)
                    for n, (cheap, config, table, allowed, bound) in enumerate(later)]
-        waiting += [_Waiting(q.key, len(later) + q.index, *candidates[q.index], q.allowed, q.full) for q in queue]
+        waiting += [_Waiting(q.key, len(later) + q.index, candidates.cheap(q.index), candidates.entries[q.index][1],
+                             None, q.allowed, q.full, q.index) for q in queue]  # tables built when reached
         until = min(options.time_limit_s, time.perf_counter() - start + RUNNER_UP_SHARE * options.time_limit_s)
         _runners_up(search, waiting, until - (time.perf_counter() - start), fits, layer_pins, cuts_ok, budget,
-                    options)
+                    options, candidates)
     wall = time.perf_counter() - start
     if search.best is None:
         if not keep_idle and len(searched_configs(graph, world_size, cluster, training, pins,
@@ -281,7 +276,7 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
                          options=options, runners_up=runners_up, keep_idle=True)
         priced = _with_screened(priced, screened, layer_pins)
         if not priced:
-            degrees = ", ".join(f"tp={t}" for t in sorted({config.mesh.tp for _, config, _ in candidates}))
+            degrees = ", ".join(f"tp={t}" for t in sorted({config.mesh.tp for config in candidates.configs()}))
             raise PinError(f"no configuration the pins allow can run every layer: the pinned tensor-parallel "
                            f"styles admit none of the degrees the pins leave ({degrees}), or the pinned ZeRO "
                            "stages cannot run (inside an export-captured model's pipeline stages every layer "
@@ -350,13 +345,14 @@ class _Waiting:
     index: int
     cheap: float = field(compare=False)
     config: Configuration = field(compare=False)
-    table: PriceTable = field(compare=False)
+    table: PriceTable | None = field(compare=False)  # None: candidates[source]'s, built when reached
     allowed: list[list[int]] | None = field(compare=False)
     full: bool = field(default=False, compare=False)
+    source: int = field(default=-1, compare=False)
 
 
 def _runners_up(search: Search, waiting: list[_Waiting], time_limit_s: float, fits: _Screen, layer_pins,
-                cuts_ok, budget, options: SolverOptions) -> None:
+                cuts_ok, budget, options: SolverOptions, candidates: Candidates) -> None:
     """The best plans of configurations that cannot be chosen, in ``time_limit_s``, best first as the chosen
     plan's search goes, each solve short (``RUNNER_UP_SOLVE_S``) and held to plans within
     ``RUNNER_UP_BAND`` of its bound (or of the best plan, if higher): CP-SAT finds such a plan or refutes
@@ -373,6 +369,7 @@ def _runners_up(search: Search, waiting: list[_Waiting], time_limit_s: float, fi
             return
         if item.key >= threshold:
             continue
+        item.table = candidates[item.source][2] if item.table is None else item.table
         if item.allowed is None:
             if fits(item.cheap, item.table):
                 item.allowed = allowed_choices(item.table, layer_pins)

@@ -72,7 +72,12 @@ def test_even_interleaved_stages_and_plain_pipelines_get_no_stage_note(graph):
 # ---------------------------------------------------------------- recompute on no block
 
 
-def test_a_free_recompute_of_a_norm_is_explained(tiny_gpt):
+def test_a_free_recompute_of_a_norm_is_explained(tiny_gpt, monkeypatch):
+    # searched, a split-backward schedule wins here (zbv at pp=2, 0.8% faster), and they recompute nothing: the
+    # note is asked of the plan of the three schedules before them
+    from autopar.planning import configs
+
+    monkeypatch.setattr(configs, "SEARCH_SPLIT_BACKWARD", False)
     plan = autopar.solve(tiny_gpt, 4, cluster="cpu", dtype="fp32", global_batch=8)
     assert [lp.name for lp in plan.layers if lp.choice.recompute] == ["ln_f"]
     note = _note(plan, "ln_f recomputes")

@@ -82,6 +82,10 @@ def test_tied_ends_split_together_or_not_at_all(tied_graph) -> None:
     assert _styles(whole)["model.embed_tokens"] is None and _styles(whole)["lm_head"] is None
     piped = _solve(tied_graph, ["pp=2", "dp=1", "tp=2", "zero=0", "microbatches=2"], world=4)
     assert piped.training.loss is LossKind.CHUNKED and _styles(piped)["lm_head"] is None  # replicated ends
+    note = next(n for n in piped.notes if n.startswith("loss: "))  # and the plan says why
+    assert "not vocabulary-parallel over tp=2: the head's weight is tied to" in note and "not offered" in note
+    assert not any("not vocabulary-parallel" in n for n in split.notes + _solve(tied_graph, ["pp=2", "dp=2"],
+                                                                                   world=4).notes)
 
 
 def test_under_cp_it_runs_on_each_ranks_tokens(gpt_graph) -> None:

@@ -59,13 +59,11 @@ def test_zero_bubble_prices_a_smaller_bubble_than_1f1b(graph) -> None:
 
 
 def test_the_free_search_takes_them_where_they_are_cheapest(graph, monkeypatch) -> None:
-    # searched (configs.SEARCH_SPLIT_BACKWARD; by default only where pinned) with GPipe, 1F1B and interleaved
-    # 1F1B: memory is ample, so a split-backward schedule's smaller bubble wins, and the plan is what pinning
-    # that schedule gives; by default the free search leaves them out
+    # searched with GPipe, 1F1B and interleaved 1F1B (configs.SEARCH_SPLIT_BACKWARD): memory is ample, so a
+    # split-backward schedule's smaller bubble wins, and the plan is what pinning that schedule gives; with the
+    # search left to the three, only a pin takes them
     from autopar.planning import configs
 
-    assert _solve(graph, ["pp=2", "microbatches=4"]).schedule not in SPLIT_BACKWARD
-    monkeypatch.setattr(configs, "SEARCH_SPLIT_BACKWARD", True)
     free = _solve(graph, ["pp=2", "microbatches=4"])
     assert free.schedule in SPLIT_BACKWARD
     assert all(not l.choice.recompute for l in free.layers)
@@ -73,6 +71,8 @@ def test_the_free_search_takes_them_where_they_are_cheapest(graph, monkeypatch) 
     assert pinned.predicted.step_time_s == pytest.approx(free.predicted.step_time_s, rel=1e-9)
     one = _solve(graph, ["pp=2", "microbatches=4", "schedule=1f1b"])
     assert free.predicted.step_time_s < one.predicted.step_time_s
+    monkeypatch.setattr(configs, "SEARCH_SPLIT_BACKWARD", False)
+    assert _solve(graph, ["pp=2", "microbatches=4"]).schedule not in SPLIT_BACKWARD
 
 
 @pytest.mark.parametrize("pins,why", [

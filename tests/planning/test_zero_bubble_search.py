@@ -39,7 +39,7 @@ def _without_split_backward(monkeypatch) -> None:
 ])
 def test_the_free_plan_with_them_is_never_worse_than_without(blocks, hidden, seq, world, gpus, batch, mem,
                                                              monkeypatch):
-    monkeypatch.setattr(configs, "SEARCH_SPLIT_BACKWARD", True)  # off by default: planning time (configs.py)
+    monkeypatch.setattr(configs, "SEARCH_SPLIT_BACKWARD", True)  # the default; held so here
     graph = transformer_graph(blocks, hidden, seq, vocab=8192, heads=16)
     cluster = tiny_cluster(mem, gpus).for_world_size(world)
     training = TrainingSpec(batch, "bf16")
@@ -116,3 +116,16 @@ def test_the_tiny_llama_that_found_a_slower_plan(monkeypatch):
     with_them = step()
     _without_split_backward(monkeypatch)
     assert with_them <= step() * (1 + 1e-9)
+
+
+def test_searched_freely_only_on_the_meshes_their_runs_cover():
+    """pp beside dp alone (configs.split_proven: what tests/passes/test_zero_bubble.py holds to one device); beside
+    tp the free search leaves them out, and a pin still plans them there."""
+    graph = transformer_graph(2, 1024, 512, vocab=8192, heads=16)
+    cluster, training = tiny_cluster(80, 4).for_world_size(8), TrainingSpec(8, "bf16")
+    searched = enumerate_configs(graph, 8, cluster, training, Pins())
+    split = [c for c in searched if c.schedule.split_backward]
+    assert split and all(c.mesh.tp == c.mesh.cp == c.mesh.ep == c.mesh.dp_replicate == 1 for c in split)
+    assert any(c.mesh.tp > 1 and c.mesh.pp > 1 for c in searched)  # those meshes are searched, under the others
+    pinned = enumerate_configs(graph, 8, cluster, training, Pins.parse(["schedule=zbv", "tp=2"]))
+    assert pinned and all(c.schedule.kind is ScheduleKind.ZBV and c.mesh.tp == 2 for c in pinned)
