@@ -111,6 +111,7 @@ from autopar.planning.infeasible import raise_infeasible
 from autopar.planning.memory_floor import memory_floor_bytes
 from autopar.planning.model import SolverOptions, cp_solver
 from autopar.planning.pricing import PriceTable
+from autopar.planning.rank_dp import RankDp, full_bound
 from autopar.planning.shared_prices import SharedPrices
 from autopar.planning.solves import (
     Candidate,
@@ -245,10 +246,12 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
                 else:
                     heapq.heappush(queue, _Queued(bound, head.index, allowed))
                 continue
-            if not head.full:  # next in line: its full bound becomes its key
-                bound = ahead.bound if ahead and ahead.enough == enough else \
-                    lower_bound_s(table, head.allowed, budget, cuts_ok, enough=enough)
-                if not (math.isinf(bound) or bound >= enough):
+            if not head.full:  # next in line: its full bound becomes its key, and the rank programme's plan is kept
+                found = ahead.found if ahead and ahead.found and ahead.enough == enough else \
+                    full_bound(table, head.allowed, budget, cuts_ok, layer_pins, enough=enough)
+                bound = found.bound_s
+                _offer_plan(search, table, found)
+                if not (math.isinf(bound) or bound >= search.threshold(config)):
                     heapq.heappush(queue, _Queued(bound, head.index, head.allowed, full=True))
                 continue
             entry = (cheap, config, table, head.allowed, head.key)
@@ -392,6 +395,15 @@ def _runners_up(search: Search, waiting: list[_Waiting], time_limit_s: float, fi
                 heapq.heappush(waiting, item)
 
 
+def _offer_plan(search: Search, table: PriceTable, found: RankDp) -> None:
+    """Offer the rank programme's plan of a configuration (:mod:`.rank_dp`) to the search: configurations
+    are then held to it before any is solved. Proved best for its configuration where it meets the bound."""
+    if found.plan is not None:
+        stages, choices, prediction = found.plan
+        search.offer(Candidate(table.config, stages, choices, prediction, table,
+                               optimal=prediction.step_time_s <= found.bound_s))
+
+
 def _stops(search: Search, cheap: float) -> bool:
     """Whether no configuration from this cheap bound on can be kept (they come in its order)."""
     best = search.best
@@ -420,6 +432,7 @@ class _Ahead:
     bound: float = math.inf
     enough: float = math.nan
     prepared: Prepared | None = None
+    found: RankDp | None = None  # the full bound, and the rank programme's plan
 
 
 def _look_ahead(search: Search, head: _Queued, table: PriceTable, layer_pins, budget, cuts_ok,
@@ -439,7 +452,8 @@ def _look_ahead(search: Search, head: _Queued, table: PriceTable, layer_pins, bu
         return ahead
     if not head.full:
         enough = search.threshold(table.config)
-        return _Ahead(head.allowed, lower_bound_s(table, head.allowed, budget, cuts_ok, enough=enough), enough)
+        found = full_bound(table, head.allowed, budget, cuts_ok, layer_pins, enough=enough)
+        return _Ahead(head.allowed, found.bound_s, enough, found=found)
     if head.key >= search.threshold(table.config) or (best is not None and head.key >= best.step_time_s):
         return None
     return _Ahead(head.allowed, head.key, prepared=prepare(table, head.allowed, layer_pins, cuts_ok, budget))
