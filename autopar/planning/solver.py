@@ -247,8 +247,9 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
                     heapq.heappush(queue, _Queued(bound, head.index, allowed))
                 continue
             if not head.full:  # next in line: its full bound becomes its key, and the rank programme's plan is kept
-                found = ahead.found if ahead and ahead.found and ahead.enough == enough else \
-                    full_bound(table, head.allowed, budget, cuts_ok, layer_pins, enough=enough)
+                now = best.step_time_s if best is not None else math.inf
+                found = ahead.found if ahead and ahead.found and ahead.enough == enough and ahead.best == now else \
+                    full_bound(table, head.allowed, budget, cuts_ok, layer_pins, enough=enough, best=now)
                 bound = found.bound_s
                 _offer_plan(search, table, found)
                 if not (math.isinf(bound) or bound >= search.threshold(config)):
@@ -433,6 +434,7 @@ class _Ahead:
     enough: float = math.nan
     prepared: Prepared | None = None
     found: RankDp | None = None  # the full bound, and the rank programme's plan
+    best: float = math.inf  # the best plan's step when it was computed (the programme runs below it only)
 
 
 def _look_ahead(search: Search, head: _Queued, table: PriceTable, layer_pins, budget, cuts_ok,
@@ -452,8 +454,9 @@ def _look_ahead(search: Search, head: _Queued, table: PriceTable, layer_pins, bu
         return ahead
     if not head.full:
         enough = search.threshold(table.config)
-        found = full_bound(table, head.allowed, budget, cuts_ok, layer_pins, enough=enough)
-        return _Ahead(head.allowed, found.bound_s, enough, found=found)
+        found = full_bound(table, head.allowed, budget, cuts_ok, layer_pins, enough=enough,
+                           best=best.step_time_s if best is not None else math.inf)
+        return _Ahead(head.allowed, found.bound_s, enough, found=found, best=best.step_time_s if best else math.inf)
     if head.key >= search.threshold(table.config) or (best is not None and head.key >= best.step_time_s):
         return None
     return _Ahead(head.allowed, head.key, prepared=prepare(table, head.allowed, layer_pins, cuts_ok, budget))
