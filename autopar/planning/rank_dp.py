@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -43,13 +43,24 @@ MOST_END_CHOICES = 256  # end-layer choice combinations enumerated per rank (bey
 MOST_CAPS = 400  # caps T tried; past them the bound is what the next cap could reach at best
 
 
-@dataclass(frozen=True)
+Plan = tuple[tuple[int, ...], tuple[LayerChoice, ...], Evaluation]  # stages, choices, and their prediction
+
+
+@dataclass
 class RankDp:
-    """What the programme found for one configuration: a lower bound on its step (``-inf``: it does
-    not apply) and the plan its allotment gives (None: none that fits and keeps the model's rules)."""
+    """What the programme found for one configuration: a lower bound on its step (``-inf``: it does not
+    apply) and what its plan is built from, only when asked (:meth:`plan`: most configurations bounded are
+    never solved, and building and pricing the plans took two thirds of the programme's time)."""
 
     bound_s: float
-    plan: tuple[tuple[int, ...], tuple[LayerChoice, ...], Evaluation] | None = None
+    allotment: tuple | None = None  # (facts, allowed, cuts_ok, ends, blocks, counts, budget): _best_plan's
+    _plan: list = field(default_factory=list)
+
+    def plan(self) -> Plan | None:
+        """The allotment's plan (None: none that fits and keeps the model's rules), built once."""
+        if not self._plan:
+            self._plan.append(_best_plan(*self.allotment) if self.allotment is not None else None)
+        return self._plan[0]
 
 
 @dataclass(frozen=True)
@@ -81,15 +92,28 @@ def rank_dp(table: PriceTable, allowed: list[list[int]], budget: int | None, cut
     w, pp, n = float(table.bubble_weight), c.mesh.pp, len(blocks)
     offsets, facts = rank_p2p_floor(table, cuts_ok), _Facts(table)
     a_cost, b_cost = np.full((pp, n + 1), math.inf), np.full((pp, n + 1), math.inf)
+    # a rank running any block sequence parallel pays the blocks' region once a chunk (:mod:`.sequence`): the
+    # least over its sp strategies (evaluate charges the first one's); the least with none of them is apart
+    sp = [k for k in allowed[block] if table.choices[block][k].sp]
+    region = c.schedule.chunks * min((table.sequence_region_s(block, k) for k in sp), default=0.0)
+    plain = [ks if i != block else [k for k in ks if k not in sp] for i, ks in enumerate(allowed)] \
+        if region > 0 and len(sp) < len(allowed[block]) else None
     for j in range(pp):
         a_rank = _rank_options(facts, allowed, ends.get(j, []), block, j, budget, lambda p: p.time_mb_s)
         b_rank = _rank_options(facts, allowed, ends.get(j, []), block, j, budget,
                                lambda p: w * p.time_mb_s + p.tail_s / pp)
+        if plain is not None:
+            a_plain = _rank_options(facts, plain, ends.get(j, []), block, j, budget, lambda p: p.time_mb_s)
+            b_plain = _rank_options(facts, plain, ends.get(j, []), block, j, budget,
+                                    lambda p: w * p.time_mb_s + p.tail_s / pp)
         for count in range(n + 1):
-            a_cost[j, count] = offsets[j] + _least(*a_rank, count)
+            a_cost[j, count] = offsets[j] + _least(*a_rank, count) + (region if count else 0.0)
+            b_cost[j, count] = w * offsets[j] + _least(*b_rank, count) + (w * region if count else 0.0)
+            if plain is not None and count:
+                a_cost[j, count] = min(a_cost[j, count], offsets[j] + _least(*a_plain, count))
+                b_cost[j, count] = min(b_cost[j, count], w * offsets[j] + _least(*b_plain, count))
             if math.isinf(a_cost[j, count]):
                 break  # more blocks fit no better: both stay inf (one frontier's least memory)
-            b_cost[j, count] = w * offsets[j] + _least(*b_rank, count)
     edge = least_edge_s(table, allowed, sum(budget - table.rank_workspace_bytes(j) for j in range(pp)))
     bound, cap = _best_cap(a_cost, b_cost, c.microbatches - w, n)
     if math.isinf(bound):
@@ -98,11 +122,11 @@ def rank_dp(table: PriceTable, allowed: list[list[int]], budget: int | None, cut
     if any("stage" in pin for pin in layer_pins or ()):
         return RankDp(bound)
     counts = _allotment(np.where(a_cost <= cap, b_cost, math.inf), n)
-    return RankDp(bound, _best_plan(facts, allowed, cuts_ok, ends, blocks, counts, budget))
+    return RankDp(bound, (facts, allowed, cuts_ok, ends, blocks, counts, budget))
 
 
 def _best_plan(facts: _Facts, allowed: list[list[int]], cuts_ok: list[int], ends: dict[int, list[int]],
-               blocks: list[int], counts: list[int] | None, budget: int):
+               blocks: list[int], counts: list[int] | None, budget: int) -> Plan | None:
     """The fastest of the allotment's plans over the ZeRO stage the root units share and the highest ZeRO
     stage any layer runs at (what the ends expose: :mod:`.edges`), each rank's layers weighed as the step
     weighs a rank of a balanced pipeline: α·time + tail/pp, α = (m − w)/pp + w."""
@@ -380,4 +404,5 @@ def full_bound(table: PriceTable, allowed: list[list[int]], budget: int | None, 
     if math.isinf(bound) or bound >= min(enough, best):
         return RankDp(bound)
     found = rank_dp(table, allowed, budget, cuts_ok, layer_pins)
-    return RankDp(max(bound, found.bound_s), found.plan)
+    found.bound_s = max(bound, found.bound_s)
+    return found

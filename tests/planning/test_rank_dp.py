@@ -48,8 +48,8 @@ def test_the_programme_s_bound_and_plan_against_brute_force(blocks, hidden, seq,
         assert full_bound(table, allowed, budget, cuts_ok, free).bound_s <= step * (1 + 1e-9), config
         bounded += math.isfinite(found.bound_s) and math.isfinite(step)
         tighter += found.bound_s > lower_bound_s(table, allowed, budget, cuts_ok) * (1 + 1e-6)
-        if found.plan is not None:
-            stages, choices, prediction = found.plan
+        if (plan := found.plan()) is not None:
+            stages, choices, prediction = plan
             assert max(prediction.memory_per_rank_bytes) <= budget, config
             assert _keeps_rules(table, list(stages), list(choices), cuts_ok), config
             assert prediction.step_time_s == pytest.approx(evaluate(table, stages, choices).step_time_s, rel=1e-12)
