@@ -112,7 +112,7 @@ from autopar.planning.cut_checks import check_stage_pins
 from autopar.planning.evaluate import Evaluation
 from autopar.planning.infeasible import raise_infeasible
 from autopar.planning.memory_floor import memory_floor_bytes
-from autopar.planning.model import SolverOptions, cp_solver
+from autopar.planning.model import SolverOptions, cp_solver, hint_plan
 from autopar.planning.pricing import PriceTable
 from autopar.planning.rank_dp import RankDp, full_bound
 from autopar.planning.shared_prices import SharedPrices
@@ -267,6 +267,10 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
                 continue  # its plan meets its bound: proved best for its configuration, no solve
             prepared = ahead.prepared if ahead and ahead.prepared else \
                 prepare(table, head.allowed, layer_pins, cuts_ok, budget)
+            if head.found is not None and (plan := head.found.plan()) is not None:
+                # CP-SAT starts from it: the 462B stand-in's best configuration proved in 0.23 deterministic
+                # seconds instead of 0.49, within its first solve (0.5 s)
+                hint_plan(prepared.built, table, prepared.runs, plan[0], plan[1])
             flight.submit(search, later, prepared, remaining, options, entry)
         flight.land(search, later)
     solve_deferred(search, deferred, later, start, options)
