@@ -34,7 +34,7 @@ from autopar import contract
 from autopar.choice import LayerChoice
 from autopar.contract import Buffers
 from autopar.planning import edges
-from autopar.planning.bounds import layer_groups, least_edge_s, least_time_in, lower_bound_s, rank_p2p_floor
+from autopar.planning.bounds import layer_groups, least_edge_s, least_time_in, rank_p2p_floor
 from autopar.planning.evaluate import Evaluation, evaluate
 from autopar.planning.pricing import LayerPrice, PriceTable
 
@@ -393,16 +393,3 @@ def _keeps_rules(table: PriceTable, stages: list[int], choices: list[LayerChoice
     return True
 
 
-
-def full_bound(table: PriceTable, allowed: list[list[int]], budget: int | None, cuts_ok: list[int],
-               layer_pins: list[dict] | None = None, enough: float = math.inf, best: float = math.inf) -> RankDp:
-    """The search's full bound of a configuration: :func:`.bounds.lower_bound_s`, raised by the programme's
-    where that alone reaches neither ``enough`` nor ``best`` (the best plan so far: a configuration bounded
-    past it is a runner-up at most, and the programme, 0.2–0.9 s a configuration, is left out: GPT-1T × 4,096
-    ran it 43 times, 12.8 s, with 2 needed), with the programme's plan."""
-    bound = lower_bound_s(table, allowed, budget, cuts_ok, enough=enough)
-    if math.isinf(bound) or bound >= min(enough, best):
-        return RankDp(bound)
-    found = rank_dp(table, allowed, budget, cuts_ok, layer_pins)
-    found.bound_s = max(bound, found.bound_s)
-    return found

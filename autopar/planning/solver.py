@@ -15,13 +15,14 @@ Search, in two levels:
    balanced stages), and tighter ones with its memory terms
    (:func:`.bounds.pooled_bound_s`: a knapsack over all ranks' memory;
    :func:`.bounds.lower_bound_s`: also rank by rank, with in-flight activations
-   and FSDP2's buffers; :func:`.rank_dp.full_bound`: in a pipeline, also a dynamic
-   programme over how many alike blocks each rank holds, whose allotment gives a
-   whole plan, offered to the search before CP-SAT runs: a configuration whose plan
-   meets its bound is proved without a solve). The search is best first (branch and bound): a
-   configuration is keyed by its cheap bound, then by the pooled one, then by
-   the rank-by-rank one, each computed only when its key is the least of all,
-   and solved when its full bound is; the search stops when the least key
+   and FSDP2's buffers; :func:`.rank_dp.rank_dp`: in a pipeline, also a dynamic
+   programme over how many alike blocks each rank holds, run only on a configuration
+   about to be solved, whose allotment gives a whole plan offered to the search and
+   CP-SAT's start: a plan that meets its bound is proved without a solve). The
+   search is best first (branch and bound): a configuration is keyed by its cheap
+   bound, then by the pooled one, then by the rank-by-rank one, then by the
+   programme's, each computed only when its key is the least of all, and solved
+   when its last bound is; the search stops when the least key
    reaches the best plan found, so the answer is optimal over the whole space
    when every inner solve is, and the first plan found is most often the best
    (Llama 3 70B at 131,072 tokens on 512: 7 CP-SAT solves where the search in
@@ -114,7 +115,7 @@ from autopar.planning.infeasible import raise_infeasible
 from autopar.planning.memory_floor import memory_floor_bytes
 from autopar.planning.model import SolverOptions, cp_solver, hint_plan
 from autopar.planning.pricing import PriceTable
-from autopar.planning.rank_dp import RankDp, full_bound
+from autopar.planning.rank_dp import RankDp, rank_dp
 from autopar.planning.shared_prices import SharedPrices
 from autopar.planning.solves import (
     Candidate,
@@ -249,13 +250,11 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
                 else:
                     heapq.heappush(queue, _Queued(bound, head.index, allowed))
                 continue
-            if not head.full:  # next in line: its full bound becomes its key, and the rank programme's plan is kept
-                now = best.step_time_s if best is not None else math.inf
-                found = ahead.found if ahead and ahead.found and ahead.enough == enough and ahead.best == now else \
-                    full_bound(table, head.allowed, budget, cuts_ok, layer_pins, enough=enough, best=now)
-                bound = found.bound_s
+            if not head.full:  # next in line: its full bound becomes its key
+                bound = ahead.bound if ahead and ahead.enough == enough else \
+                    lower_bound_s(table, head.allowed, budget, cuts_ok, enough=enough)
                 if not (math.isinf(bound) or bound >= enough):
-                    heapq.heappush(queue, _Queued(bound, head.index, head.allowed, full=True, found=found))
+                    heapq.heappush(queue, _Queued(bound, head.index, head.allowed, full=True))
                 continue
             entry = (cheap, config, table, head.allowed, head.key)
             if head.key >= enough:
@@ -263,11 +262,18 @@ def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: Tr
             if best is not None and head.key >= best.step_time_s:  # cannot be chosen: a runner-up at most
                 later.append(entry)
                 continue
-            if head.found is not None and _offer_plan(search, table, head.found):
+            if head.found is None:  # about to be solved: the rank programme's bound becomes its key (.rank_dp)
+                found = rank_dp(table, head.allowed, budget, cuts_ok, layer_pins)
+                if found.bound_s > head.key:  # waits again, keyed by it (or leaves, when it cannot be kept)
+                    if not (math.isinf(found.bound_s) or found.bound_s >= enough):
+                        heapq.heappush(queue, _Queued(found.bound_s, head.index, head.allowed, full=True, found=found))
+                    continue
+                head.found = found
+            if _offer_plan(search, table, head.found):
                 continue  # its plan meets its bound: proved best for its configuration, no solve
             prepared = ahead.prepared if ahead and ahead.prepared else \
                 prepare(table, head.allowed, layer_pins, cuts_ok, budget)
-            if head.found is not None and (plan := head.found.plan()) is not None:
+            if (plan := head.found.plan()) is not None:
                 # CP-SAT starts from it: the 462B stand-in's best configuration proved in 0.23 deterministic
                 # seconds instead of 0.49, within its first solve (0.5 s)
                 hint_plan(prepared.built, table, prepared.runs, plan[0], plan[1])
@@ -435,7 +441,7 @@ class _Queued:
     index: int
     allowed: list[list[int]] | None = field(default=None, compare=False)
     full: bool = field(default=False, compare=False)
-    found: RankDp | None = field(default=None, compare=False)  # the full bound's programme: its plan when solved
+    found: RankDp | None = field(default=None, compare=False)  # its rank programme, once it was about to be solved
 
 
 @dataclass
@@ -448,8 +454,6 @@ class _Ahead:
     bound: float = math.inf
     enough: float = math.nan
     prepared: Prepared | None = None
-    found: RankDp | None = None  # the full bound, and the rank programme's plan
-    best: float = math.inf  # the best plan's step when it was computed (the programme runs below it only)
 
 
 def _look_ahead(search: Search, head: _Queued, table: PriceTable, layer_pins, budget, cuts_ok,
@@ -469,9 +473,7 @@ def _look_ahead(search: Search, head: _Queued, table: PriceTable, layer_pins, bu
         return ahead
     if not head.full:
         enough = search.threshold(table.config)
-        found = full_bound(table, head.allowed, budget, cuts_ok, layer_pins, enough=enough,
-                           best=best.step_time_s if best is not None else math.inf)
-        return _Ahead(head.allowed, found.bound_s, enough, found=found, best=best.step_time_s if best else math.inf)
+        return _Ahead(head.allowed, lower_bound_s(table, head.allowed, budget, cuts_ok, enough=enough), enough)
     if head.key >= search.threshold(table.config) or (best is not None and head.key >= best.step_time_s):
         return None
     return _Ahead(head.allowed, head.key, prepared=prepare(table, head.allowed, layer_pins, cuts_ok, budget))
