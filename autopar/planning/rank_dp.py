@@ -4,21 +4,29 @@ Most models are a run of alike blocks between a few layers every plan puts on th
 pipeline stage (the *ends*: the layers before the first allowed cut and after the last). Then how many
 blocks each rank holds decides most of the step, (m − w)·T + w·S + X (:mod:`.pricing`). With
 A_j(n) the least time per microbatch rank j can run n blocks in, in its own memory (its ends, their
-least time and room, and the FSDP2 buffers its strategies need: :func:`.bounds.rank_curves`), and
+least time and room, and the FSDP2 buffers its strategies need, as :func:`.bounds.rank_curves`), and
 B_j(n) the least of w·time + tail/pp there (X is at least the ranks' mean tail), every plan has a
 cap T ≥ A_j(n_j) on each rank and step ≥ (m − w)·T + Σ_j B_j(n_j) + the least exposed ends
 (:func:`.bounds.least_edge_s`). For each cap, the least Σ_j B_j(n_j) over Σ_j n_j = N is a knapsack
 over ranks solved exactly (:func:`_least_sum`); the least over the caps is :attr:`RankDp.bound_s`.
 The rank floors the search had (:func:`.bounds.lower_bound_s`) bound T alone and let every rank
 sit at the slowest's time; here the ranks that must recompute (the first, holding pp microbatches)
-are charged for it in S as well. Layers neither blocks nor ends count nothing: the bound stays a bound.
+are charged for it in S as well; and a rank running blocks sequence parallel pays the region's entry and
+exit (:mod:`.sequence`). Layers neither blocks nor ends count nothing: the bound stays a bound.
 
-The allotment the programme picks, each rank's blocks on the strategies (two at most) that its
-least time or least w·time + tail/pp used, is a whole plan (:attr:`RankDp.plan`). Priced by
-:func:`.evaluate.evaluate` and kept only where it fits and keeps the model's rules (cuts where allowed,
-every stage holding a layer, a sharded plan sharding a layer, the root units at one ZeRO stage), the
-search starts from it: CP-SAT's first plan of the 462B stand-in at tp 8 × pp 16 × dp 48 was 11.36 s a
-step, 12% slower than the optimum, and a configuration is pruned only against a plan already held.
+The allotment the programme picks, each rank's ends and blocks on the strategies (two at most) that
+least its α·time + tail/pp (α = (m − w)/pp + w, a rank's weight in a balanced pipeline), at each ZeRO
+stage the root units may share and each highest ZeRO stage (what the ends expose), is a whole plan
+(:meth:`RankDp.plan`). Priced by :func:`.evaluate.evaluate` and kept only where it fits and keeps the
+model's rules (cuts where allowed, every stage holding a layer, a sharded plan sharding a layer, the root
+units at one ZeRO stage), it is offered to the search before the configuration's CP-SAT solve, which
+starts from it (:func:`.model.hint_plan`). A plan that meets the bound is proved best for its
+configuration without a solve: no plan of it is faster than a lower bound. The 462B stand-in at tp 8 ×
+pp 16 × dp 48 (``examples/gpt.py:gpt_462b_standin``): its best configuration (interleaved ×4, m = 32)
+bounded at 9.10 s a step (the search's bound 8.79), the programme's plan 9.64 s, the optimum 9.46 s,
+proved by CP-SAT in 0.23 deterministic seconds from that plan (0.49 held to it without the hint, past
+the first solve's 0.5 s once the model is built); the next configuration (×2) bounded at 9.51 s, past the optimum, where
+the search's 9.17 s had to be refuted by CP-SAT.
 """
 
 from __future__ import annotations
