@@ -1,5 +1,6 @@
 """The rank programme (:mod:`autopar.planning.rank_dp`) against brute force: its bound never exceeds a
-configuration's best plan, and its plan fits, keeps the model's rules and is priced as :func:`evaluate` prices it."""
+configuration's best plan, and its plan fits, keeps the model's rules, is priced as :func:`evaluate` prices it
+and, given to CP-SAT as its hint (:func:`autopar.planning.model.hint_plan`), is a solution of the model."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 
 import pytest
 from brute_force import config_best, configs_and_root_stages, tiny_cluster
+from ortools.sat.python import cp_model
 from synthetic import transformer_graph
 
 from autopar.pins import Pins
@@ -15,8 +17,10 @@ from autopar.planning.choices import allowed_choices
 from autopar.planning.configs import cut_positions
 from autopar.planning.configuration import TrainingSpec
 from autopar.planning.evaluate import evaluate
+from autopar.planning.model import SolverOptions, cp_solver, hint_plan
 from autopar.planning.pricing import PriceTable
 from autopar.planning.rank_dp import _keeps_rules, rank_dp
+from autopar.planning.solves import prepare
 
 CASES = [
     # (blocks, hidden, seq, world, gpus per node, batch, memory GiB)
@@ -53,6 +57,16 @@ def test_the_programme_s_bound_and_plan_against_brute_force(blocks, hidden, seq,
             assert _keeps_rules(table, list(stages), list(choices), cuts_ok), config
             assert prediction.step_time_s == pytest.approx(evaluate(table, stages, choices).step_time_s, rel=1e-12)
             assert prediction.step_time_s >= step * (1 - 1e-9), config  # no plan beats the best
+            if prediction.step_time_s <= found.bound_s:  # proved without a solve: then it is the best
+                assert prediction.step_time_s == pytest.approx(step, rel=1e-9)
+            # the hint is a solution of the configuration's CP-SAT model, at the step evaluate gives it
+            prepared = prepare(table, allowed, free, cuts_ok, budget)
+            hint_plan(prepared.built, table, prepared.runs, stages, choices)
+            solver = cp_solver(5.0, SolverOptions())
+            solver.parameters.fix_variables_to_their_hinted_value = True
+            assert solver.Solve(prepared.built.model) in (cp_model.OPTIMAL, cp_model.FEASIBLE), config
+            objective = solver.ObjectiveValue() * prepared.units.unit_s / prepared.built.scale
+            assert objective == pytest.approx(prediction.step_time_s, rel=1e-4), config
             planned += 1
     assert bounded and planned  # the programme bounded and planned configurations that have plans
     assert tighter or mem >= 80  # and where memory binds, bounded some tighter than the search's bound
