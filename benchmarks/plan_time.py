@@ -3,6 +3,7 @@
     python benchmarks/plan_time.py              # GPT-3 175B on 1024 × A100 80GB (the README figures)
     python benchmarks/plan_time.py --sweep      # GPT sizes × world sizes
     python benchmarks/plan_time.py --hf         # Llama 3 70B (Hugging Face classes) on 512 × H100 only
+    python benchmarks/plan_time.py --pinned     # the 462B stand-in pinned to tp 8 × pp 16 × dp 48 on 6,144 × H100
 
 Each figure is the median wall time of ``--repeat`` runs of the console script
 in a fresh interpreter (imports, model construction on the meta device,
@@ -53,6 +54,10 @@ HEADLINE = [("gpt3_175b", 1024, "a100-80g", 1536), ("gpt3_175b_plain", 1024, "a1
             ("plain_gpt:spec", 1024, "a100-80g", 1536)]
 HF_ROWS = [("hf_llama3_70b:spec", 512, "h100-80g", 1024), ("hf_llama3_70b:config", 512, "h100-80g", 1024)]
 HF_SEQ = 8192
+# issue 39: a pinned plan of a published configuration (462B on 6,144 H100 at tp 8 × pp 16 × dp 48), from a stand-in
+# of its size (examples/gpt.py: gpt_462b_standin); --pinned
+PINNED_ROWS = [("gpt_462b_standin", 6144, "h100-80g", 1536)]
+PINS = {"gpt_462b_standin": ("tp=8", "pp=16", "dp=48")}
 
 
 @dataclass(frozen=True)
@@ -163,17 +168,21 @@ def run_once(model: str, world: int, cluster: str, batch: int, workdir: Path | N
     """One `autopar plan --json` process: its wall time, and the solver's status, gap, mesh,
     the process's peak RSS (``peak_rss_bytes``) and CPU seconds (``cpu_s``)."""
     spec = spec_args(model, workdir or Path(tempfile.gettempdir()))
+    pins = [arg for pin in PINS.get(model, ()) for arg in ("--pin", pin)]
     cmd = [AUTOPAR, "plan", *spec, "--world-size", str(world),
-           "--cluster", cluster, "--batch-size", str(batch), "--json"]
+           "--cluster", cluster, "--batch-size", str(batch), *pins, "--json"]
     wall, code, stdout, stderr, rss = run_measured(cmd)
     cpu = LAST_CPU_S[0]
     if code not in (0, 3):
         raise SystemExit(f"{' '.join(cmd)} failed:\n{stderr}")
     if code == 3:
-        return wall, {"status": "INFEASIBLE", "gap": None, "mesh": None, "peak_rss_bytes": rss, "cpu_s": cpu}
+        return wall, {"status": "INFEASIBLE", "gap": None, "mesh": None, "peak_rss_bytes": rss, "cpu_s": cpu,
+                      "solve_s": None, "solved": "—"}
     plan = json.loads(stdout)
-    return wall, {"status": plan["solver"]["status"], "gap": plan["solver"]["gap"], "mesh": plan["mesh"],
-                  "peak_rss_bytes": rss, "cpu_s": cpu}
+    solver = plan["solver"]
+    return wall, {"status": solver["status"], "gap": solver["gap"], "mesh": plan["mesh"],
+                  "peak_rss_bytes": rss, "cpu_s": cpu, "solve_s": solver["wall_s"],
+                  "solved": f"{solver['configs_solved']}/{solver['configs_considered']}"}
 
 
 def timed(fn: Callable[[], Any], repeat: int = 1) -> tuple[float, Any]:
@@ -252,15 +261,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--hf", action="store_true", help="only the Hugging Face Llama 3 70B rows")
+    parser.add_argument("--pinned", action="store_true", help="only the pinned 462B stand-in on 6,144 × H100")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    rows = SWEEP if args.sweep else HF_ROWS if args.hf else HEADLINE + HF_ROWS
+    rows = SWEEP if args.sweep else HF_ROWS if args.hf else PINNED_ROWS if args.pinned else HEADLINE + HF_ROWS
     if not has_transformers():
         print("transformers is not installed: the hf_llama3_70b rows are skipped", file=sys.stderr)
         rows = [r for r in rows if r not in HF_ROWS]
-    print("| model | world | cluster | batch | wall s (median) | CPU s (median) | status | gap | mesh pp×dp×tp "
-          "| peak RSS |")
-    print("|---|---:|---|---:|---:|---:|---|---:|---|---:|")
+    print("| model | world | cluster | batch | wall s (median) | CPU s (median) | solve s | status | gap | solved "
+          "| mesh pp×dp×tp | peak RSS |")
+    print("|---|---:|---|---:|---:|---:|---:|---|---:|---:|---|---:|")
     verdicts = []
     compile_bytecode()
     with tempfile.TemporaryDirectory() as workdir:
@@ -273,8 +283,10 @@ def main() -> int:
                 rss = max(rss, info["peak_rss_bytes"])
             wall = statistics.median(walls)
             gap = f"{info['gap']:.2%}" if info["gap"] is not None else "—"
-            print(f"| {model} | {world} | {cluster} | {batch} | {wall:.2f} | {statistics.median(cpus):.2f} | "
-                  f"{info['status']} | {gap} | {mesh_text(info['mesh'])} | {rss / 2**30:.2f} GiB |", flush=True)
+            solve = f"{info['solve_s']:.2f}" if info["solve_s"] is not None else "—"
+            print(f"| {model} | {world} | {cluster} | {batch} | {wall:.2f} | {statistics.median(cpus):.2f} | {solve} | "
+                  f"{info['status']} | {gap} | {info['solved']} | {mesh_text(info['mesh'])} | {rss / 2**30:.2f} GiB |",
+                  flush=True)
             target = MUST_REACH.get(model) if not args.sweep else None
             if target is not None:
                 verdicts.append((model, target, target.missed(wall, info["status"], rss)))

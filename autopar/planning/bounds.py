@@ -53,7 +53,7 @@ def lower_bound_s(table: PriceTable, allowed: list[list[int]], budget: int | Non
     if budget is not None:
         capacity = sum(budget - table.rank_workspace_bytes(j) for j in range(c.mesh.pp))
         total = _knapsack_bound(table, allowed, capacity)
-        edge = _least_edge_s(table, allowed, capacity)
+        edge = least_edge_s(table, allowed, capacity)
         with_tail = _step_knapsack_bound_s(table, allowed, capacity, sends, bubble_weight) + edge
         weaker = max(balanced_step_s(table, total + sends, slowest, bubble_weight) + edge, with_tail)
         if weaker >= enough:
@@ -104,7 +104,7 @@ def _knapsack_bound(table: PriceTable, allowed: list[list[int]], capacity: int) 
     return knapsack_dual_bound(groups, capacity)
 
 
-def _least_edge_s(table: PriceTable, allowed: list[list[int]], capacity: int) -> float:
+def least_edge_s(table: PriceTable, allowed: list[list[int]], capacity: int) -> float:
     """What every rank's tail holds at the least: the first and last FSDP2 units' exposed traffic
     (:func:`.edges.edge_exposed_s`) at the lowest ZeRO level whose choices can hold the layers in the pooled
     memory (a model that fits only at ZeRO-3 pays ZeRO-3's ends; Llama 3 70B × 512: 0.52 s at pp=2)."""
@@ -287,10 +287,10 @@ def least_time(curve: Curve, n: int) -> float:
     buffers) in its room; inf if they cannot fit. 0 for none."""
     if n <= 0:
         return 0.0
-    return min((_least_time_in(front, room, n) for room, front in curve), default=math.inf)
+    return min((least_time_in(front, room, n) for room, front in curve), default=math.inf)
 
 
-def _least_time_in(front: list[tuple[int, float]], room: int, n: int) -> float:
+def least_time_in(front: list[tuple[int, float]], room: int, n: int) -> float:
     """Least time of n layers on the strategies of ``front`` in ``room`` bytes (inf: none fit).
 
     Exact (integer counts) while that takes at most :data:`EXACT_WORK` combinations, which covers
@@ -312,7 +312,7 @@ def _least_time_in(front: list[tuple[int, float]], room: int, n: int) -> float:
 
 
 def _least_integer_time(front: list[tuple[int, float]], room: int, n: int) -> float:
-    """:func:`_least_time_in` by enumerating the counts of the middle strategies; with two left,
+    """:func:`least_time_in` by enumerating the counts of the middle strategies; with two left,
     the fastest takes as many layers as the room allows."""
     (m_small, t_small), (m_fast, t_fast) = front[0], front[-1]
     if n * m_small > room:

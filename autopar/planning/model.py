@@ -424,3 +424,20 @@ def cp_solver(time_limit_s: float, options: SolverOptions, again: bool = False) 
     if not options.presolve_inclusion:
         solver.parameters.presolve_inclusion_work_limit = 0
     return solver
+
+
+def hint_plan(built: BuiltModel, table: PriceTable, runs: list[tuple[int, int]], stages: tuple[int, ...],
+              choices: tuple[LayerChoice, ...]) -> None:
+    """Start the search from a whole plan (its cuts and each run's strategy counts per rank) instead of
+    evenly spaced cuts: a plan found another way (:mod:`.rank_dp`)."""
+    built.model.ClearHints()
+    for s in range(1, table.config.stages):
+        if not isinstance(built.cuts[s], int):
+            built.model.AddHint(built.cuts[s], stages.index(s))
+    held: dict[tuple[int, int, int], int] = {}
+    for r, (a, b) in enumerate(runs):
+        for i in range(a, b):
+            key = (r, table.config.rank_of_stage(stages[i]), table.index_of(i, choices[i]))
+            held[key] = held.get(key, 0) + 1
+    for key, var in built.counts.items():
+        built.model.AddHint(var, held.get(key, 0))

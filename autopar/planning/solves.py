@@ -14,7 +14,7 @@ import math
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ortools.sat.python import cp_model
 
@@ -93,7 +93,17 @@ class Search:
         own = self.kept.get(distinct_key(config))
         return min(self.cutoff, own.step_time_s if own is not None else math.inf)
 
+    def prove(self, config: Configuration) -> None:
+        """Mark the plan kept for ``config`` proved best for it: a solve held to it found nothing faster (a plan
+        offered before its configuration was solved: :mod:`.rank_dp`)."""
+        own = self.kept.get(key := distinct_key(config))
+        if own is not None and own.config == config and not own.optimal:
+            self.kept[key] = replace(own, optimal=True)
+
     def offer(self, candidate: Candidate) -> None:
+        own = self.kept.get(distinct_key(candidate.config))
+        if candidate.optimal and own is not None and own.step_time_s <= candidate.step_time_s:
+            self.prove(candidate.config)  # the solve's optimum is no faster than the plan held
         by_schedule = (distinct_key(candidate.config), candidate.config.schedule)
         if by_schedule not in self.schedules or candidate.step_time_s < self.schedules[by_schedule].step_time_s:
             self.schedules[by_schedule] = candidate
@@ -161,6 +171,9 @@ def finish(search: Search, prepared: Prepared, solver: cp_model.CpSolver, status
         cheap, config, _, allowed, bound = defer[1]
         sound = max(bound, (solver.BestObjectiveBound() - _slack(prepared)) * units.unit_s / built.scale)
         defer[0].append(Deferred(sound, (cheap, config, table, allowed, sound), prepared))
+    if status == cp_model.INFEASIBLE and not runner_up and search.best is not None \
+            and search.best.config == table.config:
+        search.prove(table.config)  # held to the best plan, its own: nothing beats it
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if status == cp_model.UNKNOWN and not runner_up and defer is None:
             search.open_bounds.append(lower_bound_s(table, prepared.allowed, prepared.budget, prepared.cuts_ok))
