@@ -45,12 +45,14 @@ from autopar.contract import (
     experts_split_refusal,
     ring_refusal,
     schedule_refusal,
+    split_backward_mesh_refusal,
     tp_applies,
     ulysses_refusal,
 )
 from autopar.contract_compile import BREAK_RECOMPUTES, compile_refusal, compiled_break
 from autopar.contract_hsdp import hsdp_refusal
 from autopar.cost_models.gpu_figures import FP8_MIN_COMPUTE_CAPABILITY
+from autopar.cost_models.pipeline import SPLIT_BACKWARD
 from autopar.errors import AutoparError, CompileError, Float8Error, LoweringError, PlanError
 from autopar.experts.layouts import ROUTER_BIAS as BIAS
 from autopar.float8 import NEEDS
@@ -349,6 +351,8 @@ def pipeline_refusals(graph: LayerGraph, plan: Plan) -> list[str]:
     recomputed = [lp.name for lp in plan.layers if lp.choice.recompute]
     zero3 = data_ranks(mesh) > 1 and any(lp.choice.zero == 3 for lp in plan.layers)
     if why := schedule_refusal(graph, plan.schedule, plan.training.compiled, bool(recomputed), zero3):
+        out.append(why)
+    if plan.schedule in SPLIT_BACKWARD and (why := split_backward_mesh_refusal(mesh)):
         out.append(why)
     if tp_applies(graph, pp):
         return out

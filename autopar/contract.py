@@ -266,6 +266,18 @@ def tied_across_stages(graph: LayerGraph, index: int, pp: int) -> bool:
     return pp > 1 and bool(graph[index].tied_params)
 
 
+def split_backward_mesh_refusal(mesh: Mesh) -> str | None:
+    """Why the split-backward schedules (interleaved_zb, zbv, dualpipev) are not offered on ``mesh`` (None: they
+    are): their runs are held to one device's numbers beside dp alone (``tests/passes/test_zero_bubble.py``: pp × dp,
+    ZeRO ≤ 2); beside tp, cp, ep or HSDP replicas torch's separate input- and weight-gradient backwards have never
+    been checked, so no plan, pinned or searched, runs them there."""
+    beside = [f"{axis}={getattr(mesh, axis)}" for axis in ("tp", "cp", "ep", "dp_replicate") if getattr(mesh, axis) > 1]
+    if not beside:
+        return None
+    return (f"the split-backward schedules (interleaved_zb, zbv, dualpipev) are held to one device's numbers beside "
+            f"dp alone; beside {', '.join(beside)} they are not offered yet: use 1f1b or interleaved_1f1b there")
+
+
 def schedule_refusal(graph: LayerGraph, kind: ScheduleKind, compiled: bool, recompute: bool = False,
                      zero3: bool = False) -> str | None:
     """Why a plan of ``graph`` cannot run the split-backward schedule ``kind`` (None: it can, or ``kind``

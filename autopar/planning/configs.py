@@ -113,6 +113,7 @@ def searched_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
     split_refused = ""  # why a configuration was left out only because it splits a batch-coupled layer's batch
     staged: list[Configuration] = []  # cp inside pipeline stages, neither pinned: searched up to a count
     hsdp_refused = ""  # why a mesh was left out only because its pinned dp_replicate cannot run
+    unproven = ""  # why a mesh was left out only because the pinned split-backward schedule is unproven on it
     for mesh in meshes(limits, pinned):
         if contract.ep_refusal(mesh, graph) or contract.cp_refusal(mesh, graph):
             continue
@@ -128,6 +129,9 @@ def searched_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
             continue
         if why := mesh_refusal(graph, mesh, training.compiled, training.float8 is not None):
             compile_refused.append(why)  # the runtime asked for would not run it (autopar.admission): not offered
+            continue
+        if pins.schedule in SPLIT_BACKWARD and (why := contract.split_backward_mesh_refusal(mesh)):
+            unproven = unproven or why  # a pinned split-backward schedule is never planned where it is unproven
             continue
         floor = contract.root_floor(graph, pinned_zeros, mesh.pp)
         per_replica = training.global_batch // mesh.dp
@@ -160,6 +164,8 @@ def searched_configs(graph: LayerGraph, world_size: int, cluster: ClusterSpec,
         raise PinError(f"{hsdp_refused} (and no other mesh the pins allow runs)")
     if not configs and split_refused:
         raise PinError(split_refused)
+    if not configs and unproven:
+        raise PinError(f"pin schedule={pins.schedule.value}: {unproven}")
     if not configs and compile_refused and not training.compiled:
         raise Float8Error(f"{compile_refused[0]}: plan it without --float8, or pin tp=1 pp=1 ep=1")
     if not configs and compile_refused:
@@ -233,11 +239,10 @@ def _check_pinned_mesh(pinned: dict[str, int], limits: AxisLimits) -> None:
 
 
 def split_proven(mesh: Mesh) -> bool:
-    """Whether the free search takes the split-backward schedules on ``mesh``: pp beside dp alone (ZeRO ≤ 2, no
-    HSDP replicas), the meshes their runs against one device cover (tests/passes/test_zero_bubble.py); beside tp,
-    cp, ep or replicas torch's separate input and weight backwards have not been held to one device's numbers
-    (a pin still plans them there)."""
-    return mesh.tp == 1 and mesh.cp == 1 and mesh.ep == 1 and mesh.dp_replicate == 1
+    """Whether the split-backward schedules are planned on ``mesh``, searched or pinned: pp beside dp alone (ZeRO ≤ 2,
+    no HSDP replicas), the meshes their runs against one device cover (:func:`autopar.contract.
+    split_backward_mesh_refusal`)."""
+    return contract.split_backward_mesh_refusal(mesh) is None
 
 
 def _schedules(pp: int, m: int, max_stages: int, pins: Pins,
@@ -258,8 +263,8 @@ def _schedules(pp: int, m: int, max_stages: int, pins: Pins,
     chunked = {ScheduleKind.INTERLEAVED_1F1B: INTERLEAVED_CHUNKS, ScheduleKind.INTERLEAVED_ZB: ZB_CHUNKS,
                ScheduleKind.ZBV: (2,), ScheduleKind.DUALPIPE_V: (2,)}
     for kind, counts in chunked.items():
-        if want not in (None, kind) or kind in (refused or {}) or (
-                want is None and kind in SPLIT_BACKWARD and not (SEARCH_SPLIT_BACKWARD and split_searched)):
+        if want not in (None, kind) or kind in (refused or {}) or (kind in SPLIT_BACKWARD and (
+                not split_searched or (want is None and not SEARCH_SPLIT_BACKWARD))):
             continue
         for v in [pins.chunks] if pins.chunks else counts:
             if pp * v <= max_stages and v in counts and not schedule_refusal(kind, pp, m, v):

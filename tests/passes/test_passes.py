@@ -98,6 +98,10 @@ def test_admission_refuses_a_hand_edited_pipeline_the_planner_would_not_make(gra
     edited = dataclasses.replace(zb, layers=layers)
     found = refusals(graph, edited, Here(world_size=2))
     assert found and found[0].error is LoweringError and "splits each backward" in found[0].reason
+    from autopar.mesh import Mesh
+
+    beside_tp = dataclasses.replace(zb, mesh=Mesh(pp=2, tp=2), world_size=4)  # never held to one device there
+    assert any("beside tp=2 they are not offered yet" in why for why in pipeline_refusals(graph, beside_tp))
     one = autopar.solve(graph, 2, cluster="cpu", dtype="fp32", global_batch=4,
                         pins=["pp=2", "dp=1", "schedule=1f1b", "blocks.*:recompute=on"])
     assert pipeline_refusals(graph, one) == []

@@ -16,6 +16,7 @@ import autopar
 from autopar.cost_models import schedule_sim
 from autopar.cost_models.pipeline import Schedule, ScheduleKind, schedule_refusal
 from autopar.cost_models.presets import PRESETS
+from autopar.errors import PinError
 from autopar.mesh import Mesh
 from autopar.pins import Pins
 from autopar.planning import configs
@@ -120,12 +121,16 @@ def test_the_tiny_llama_that_found_a_slower_plan(monkeypatch):
 
 def test_searched_freely_only_on_the_meshes_their_runs_cover():
     """pp beside dp alone (configs.split_proven: what tests/passes/test_zero_bubble.py holds to one device); beside
-    tp the free search leaves them out, and a pin still plans them there."""
+    tp neither the free search nor a pin plans them (contract.split_backward_mesh_refusal), and admission refuses a
+    plan file that has them there."""
     graph = transformer_graph(2, 1024, 512, vocab=8192, heads=16)
     cluster, training = tiny_cluster(80, 4).for_world_size(8), TrainingSpec(8, "bf16")
     searched = enumerate_configs(graph, 8, cluster, training, Pins())
     split = [c for c in searched if c.schedule.split_backward]
     assert split and all(c.mesh.tp == c.mesh.cp == c.mesh.ep == c.mesh.dp_replicate == 1 for c in split)
     assert any(c.mesh.tp > 1 and c.mesh.pp > 1 for c in searched)  # those meshes are searched, under the others
-    pinned = enumerate_configs(graph, 8, cluster, training, Pins.parse(["schedule=zbv", "tp=2"]))
-    assert pinned and all(c.schedule.kind is ScheduleKind.ZBV and c.mesh.tp == 2 for c in pinned)
+    with pytest.raises(PinError, match=r"pin schedule=zbv: .*beside tp=2 they are not offered yet"):
+        enumerate_configs(graph, 8, cluster, training, Pins.parse(["schedule=zbv", "tp=2"]))
+    pinned = enumerate_configs(graph, 8, cluster, training, Pins.parse(["schedule=zbv"]))
+    assert pinned and all(c.schedule.kind is ScheduleKind.ZBV and c.mesh.tp == c.mesh.cp == c.mesh.ep == 1
+                          for c in pinned)
