@@ -131,7 +131,7 @@ def qwen2_compile_trains(rank: int, world_size: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 128, (8, 16), generator=g)
     losses = [float(pm.train_step(pm.local_batch(x), pm.local_batch(x))) for _ in range(3)]
-    return {"losses": losses, "pp": pm.plan.mesh.pp,
+    return {"losses": losses, "pp": pm.plan.mesh.pp, "stages": pm.plan.stages, "schedule": pm.plan.schedule.value,
             "cut_after": [l.name for l, n in zip(pm.plan.layers, pm.plan.layers[1:]) if l.stage != n.stage]}
 
 

@@ -158,7 +158,8 @@ def test_models_cut_where_they_need_match_one_device(w2: dict, case: str) -> Non
 @pytest.mark.distributed
 def test_compile_of_qwen2_with_pp2_trains(w2: dict) -> None:
     m = w2["qwen2_compile_trains"]
-    assert m["pp"] == 2 and len(m["cut_after"]) == 1
+    # the schedule is searched (a V or interleaved one has 2 stages a rank): one cut between each two stages
+    assert m["pp"] == 2 and m["stages"] >= 2 and len(m["cut_after"]) == m["stages"] - 1, m
     assert all(l == l for l in m["losses"]) and m["losses"][-1] < m["losses"][0]
 
 
