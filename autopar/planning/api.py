@@ -32,7 +32,7 @@ from autopar.planning.notes import (
     loss_notes,
     search_notes,
 )
-from autopar.planning.solver import RUNNERS_UP, Candidate, Solution, SolverOptions
+from autopar.planning.solver import RUNNERS_UP, Candidate, LossRunnerUp, Solution, SolverOptions
 from autopar.planning.solver import solve as _solve
 from autopar.units import GiB
 
@@ -119,8 +119,9 @@ def whole_logits_if_faster(graph: LayerGraph, solution: Solution,
     fits = full.peak_memory_bytes <= solution.memory_budget_bytes
     if fits and full.step_time_s < solution.prediction.step_time_s:
         return (replace(solution, prediction=full, table=table,
-                        loss_runner_up=(solution.table.loss, solution.prediction.step_time_s, True)), full_training)
-    return replace(solution, loss_runner_up=(LossKind.FULL, full.step_time_s, fits)), training
+                        loss_runner_up=LossRunnerUp(solution.table.loss, solution.prediction.step_time_s, True)),
+                full_training)
+    return replace(solution, loss_runner_up=LossRunnerUp(LossKind.FULL, full.step_time_s, fits)), training
 
 
 def coupling_notes(graph: LayerGraph, dp: int, microbatches: int, training: TrainingSpec) -> tuple[str, ...]:

@@ -19,7 +19,7 @@ from autopar.planning.configs import CP_PP_SEARCHED_UP_TO, CP_UNSEARCHED, idle_t
 from autopar.planning.configuration import TrainingSpec
 from autopar.planning.cut_checks import withdrawn_cut_notes
 from autopar.planning.evaluate import evaluate
-from autopar.planning.solver import Solution
+from autopar.planning.solver import LossRunnerUp, Solution
 
 
 def contract_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
@@ -78,15 +78,9 @@ def whole_notes(graph: LayerGraph, solution: Solution) -> tuple[str, ...]:
     ``runs_whole``), runs of layers saying the same folded into one note."""
     if solution.config.mesh.tp <= 1:
         return ()
-    runs: list[tuple[list[str], str]] = []
-    for layer, c in zip(graph, solution.choices):
-        why = layer.tp_style(c.tp).runs_whole if c.tp else ""
-        if why and runs and runs[-1][1] == why:
-            runs[-1][0].append(layer.name)
-        elif why:
-            runs.append(([layer.name], why))
-    return tuple(f"{names[0] if len(names) == 1 else f'{names[0]} … {names[-1]} ({len(names)})'}: {why}"
-                 for names, why in runs)
+    tp = {layer.name: c.tp for layer, c in zip(graph, solution.choices)}
+    return tuple(f"{_who(names)}: {why}" for names, why in
+                 _runs(graph, lambda layer: layer.tp_style(tp[layer.name]).runs_whole if tp[layer.name] else ""))
 
 
 def _runs(graph: LayerGraph, key) -> list[tuple[list[str], Any]]:
@@ -240,11 +234,11 @@ def loss_notes(graph: LayerGraph, solution: Solution, pins: Pins) -> tuple[str, 
                 f"vocabulary is never gathered{_whole_logits(other)}; pin loss=full to hold the logits",)
     if graph.loss_refusal == NOT_CHECKED:
         return ()
-    if other is not None and other[2]:
-        kind = "vocabulary-parallel" if other[0] is LossKind.VOCAB_PARALLEL else "chunked"
+    if other is not None and other.fits:
+        kind = "vocabulary-parallel" if other.kind is LossKind.VOCAB_PARALLEL else "chunked"
         return (f"loss: the whole logits are held: this plan steps in {solution.prediction.step_time_s:.4g} s with "
-                f"them and fits, against {other[1]:.4g} s {kind} (each chunk's logits recomputed in backward); pin "
-                "loss=chunked never to hold them",)
+                f"them and fits, against {other.step_time_s:.4g} s {kind} (each chunk's logits recomputed in "
+                "backward); pin loss=chunked never to hold them",)
     if pins.loss is LossKind.FULL:
         why = "pinned loss=full"
     elif head is None:
@@ -255,12 +249,12 @@ def loss_notes(graph: LayerGraph, solution: Solution, pins: Pins) -> tuple[str, 
     return (f"loss: the whole logits are held (not chunked: {why})",)
 
 
-def _whole_logits(other: tuple[LossKind, float, bool] | None) -> str:
+def _whole_logits(other: LossRunnerUp | None) -> str:
     """What the plan's choices would step in with the whole logits held, beside the chunked loss kept."""
     if other is None:
         return ""
-    return (f" (the whole logits would step in {other[1]:.4g} s" +
-            ("" if other[2] else " and exceed the memory budget") + ")")
+    return (f" (the whole logits would step in {other.step_time_s:.4g} s" +
+            ("" if other.fits else " and exceed the memory budget") + ")")
 
 
 def _tied_whole(graph: LayerGraph, solution: Solution) -> str:

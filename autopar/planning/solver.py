@@ -147,6 +147,16 @@ RUNNER_UP_SHARE = 0.03
 RUNNER_UP_BAND = 0.05  # a runner-up's solve looks for plans within 5% of its bound: _runners_up
 
 
+@dataclass(frozen=True)
+class LossRunnerUp:
+    """The chosen plan's own choices priced under the loss it does not run: that loss's kind, the step, and
+    whether it fits the memory budget (:func:`autopar.planning.api.whole_logits_if_faster`)."""
+
+    kind: LossKind
+    step_time_s: float
+    fits: bool
+
+
 @dataclass
 class Solution:
     """The chosen assignment, its prediction, and how the search went."""
@@ -165,8 +175,7 @@ class Solution:
     runners_up: tuple[Candidate, ...] = ()  # the next distinct configurations, fastest first
     cp_pp_left_out: int = 0  # configurations with cp inside pipeline stages the search left out (configs.py)
     schedule_runner_up: Candidate | None = None  # the best plan found on this mesh under another pipeline schedule
-    # the plan's choices under the other loss (api.whole_logits_if_faster): its kind, step time, and whether it fits
-    loss_runner_up: tuple[LossKind, float, bool] | None = None
+    loss_runner_up: LossRunnerUp | None = None  # the plan's choices under the other loss (api.whole_logits_if_faster)
 
 
 def solve(graph: LayerGraph, world_size: int, cluster: ClusterSpec, training: TrainingSpec, *,
