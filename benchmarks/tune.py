@@ -88,7 +88,8 @@ def one(world: int, label: str, compute: float, comm: float, steps: int, tmp: Pa
             "before_worst": max(before), "before_median": statistics.median(before),
             "after_worst": max(after), "after_median": statistics.median(after),
             "determined": r["refit"]["determined"], "factors": r["refit"]["factors"], "notes": r["refit"]["notes"],
-            "each": [{"pins": [p for p in x["pins"] if not p.endswith("=1")], "status": x["status"],
+            "each": [{"pins": [p for p in x["pins"] if not p.endswith("=1") or p.startswith("microbatches=")],
+                      "status": x["status"],
                       "before_s": x["predicted_before_s"], "after_s": x["predicted_after_s"],
                       "measured_s": x["measured_s"]} for x in c]}
 
@@ -185,6 +186,12 @@ def from_metrics(tmp: Path, rounds: int = 3, sequential: bool = False) -> dict:
             "compute_rate_ratio_median": statistics.median(x["compute_rate_ratio"] for x in out)}
 
 
+def _ran_pins(pins: list[str]) -> list[str]:
+    """A saved candidate's pins as it ran: files before the fifth run left out every ``=1`` pin, so a
+    candidate of one microbatch is pinned to it again (else the solver may pick more on the wrong cluster)."""
+    return pins if any(p.startswith("microbatches=") for p in pins) else [*pins, "microbatches=1"]
+
+
 def refit_again(path: Path) -> list[dict]:
     """The refit of a saved run's measurements made again by this checkout (``--refit-from FILE``): each
     row's candidates solved again from their pins (mesh, schedule, microbatches) on the wrong cluster
@@ -210,7 +217,7 @@ def refit_again(path: Path) -> list[dict]:
             wrong = load_cluster(str(file))
             ran = [c for c in r["each"] if c["status"] == "ok"]
             plans = [solve(graph, r["world"], cluster=wrong, global_batch=16, dtype="fp32",
-                           pins=with_pins(["cp=1"], c["pins"]), runners_up=0) for c in ran]
+                           pins=with_pins(["cp=1"], _ran_pins(c["pins"])), runners_up=0) for c in ran]
             measured = [c["measured_s"] for c in ran]
 
             def predict(cl, plans=plans) -> list[float]:
@@ -224,7 +231,9 @@ def refit_again(path: Path) -> list[dict]:
             out.append({"world": r["world"], "wrong": r["wrong"], "after_worst": max(after),
                         "after_median": statistics.median(after), "factors": result.factors,
                         "after_s": predict(result.cluster), "measured_s": measured,
-                        "plans_the_fastest_again": plan_pins(again) == plan_pins(kept)})
+                        "plans_the_fastest_again": plan_pins(again) == plan_pins(kept),
+                        "plans": [p for p in plan_pins(again) if not p.endswith("=1")],
+                        "planned_s": again.predicted.step_time_s})
             print(json.dumps(out[-1]), file=sys.stderr, flush=True)
     return out
 

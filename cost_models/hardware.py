@@ -335,6 +335,26 @@ def idle_core_speedup(cluster: ClusterSpec, ranks_on_node: int) -> Fraction:
     return Fraction(ranks_on_node) / cores
 
 
+def blocking_wait_share(cluster: ClusterSpec, busy_ranks: float, ranks_on_node: int) -> float:
+    """The share of a blocking exchange's calibrated wait a collective pays while only ``busy_ranks`` of
+    the node's ``ranks_on_node`` processes compete for its cores.
+
+    ``autopar calibrate`` measures ``collective_sync_s`` and ``tp_overhead_s`` with every rank busy: where
+    the ranks outnumber the cores, each is off its core 1 − cores/ranks of the time, and a collective waits
+    for its peers to be scheduled again. While fewer ranks work (a pipeline with fewer microbatches than
+    stages: the others sleep in a receive), fewer are descheduled, so the wait shrinks in proportion:
+    ``off(busy) / off(ranks_on_node)`` with ``off(n) = max(0, 1 − cores/n)``, none once every busy rank
+    has a core. 1 where the ranks do not outnumber the cores (GPUs: ``cores_per_node`` 0), so a figure
+    calibrated without that wait is kept as measured.
+    """
+    if cluster.cores_per_node <= 0:
+        return 1.0
+    cores = max(1.0, float(cluster.cores_per_node))
+    if ranks_on_node <= cores:
+        return 1.0
+    return max(0.0, 1.0 - cores / max(busy_ranks, 1.0)) / (1.0 - cores / ranks_on_node)
+
+
 def _validate(c: ClusterSpec) -> None:
     positive = {
         "gpus_per_node": c.gpus_per_node,

@@ -76,7 +76,8 @@ def vocab_comm_s(table: PriceTable) -> float:
         return 0.0
     n, chunk = tokens(table), chunk_tokens(table)
     nbytes = FP32_PER_TOKEN * FP32_BYTES * n * table.config.mesh.tp  # the gathered buffer, every rank's
-    return collective_time_s(Collective.ALL_GATHER, nbytes, table.tp_group, table.cluster, count=math.ceil(n / chunk))
+    return collective_time_s(Collective.ALL_GATHER, nbytes, table.tp_group, table.paced_cluster,
+                             count=math.ceil(n / chunk))
 
 
 def _tokens_per_sample(table: PriceTable) -> float:
@@ -92,7 +93,8 @@ def output_gather_s(table: PriceTable, layer: Layer, style: TPStyle, elem: float
     that loss's own collectives (:func:`vocab_comm_s`), the logits never gathered."""
     if style.vocab and table.loss is LossKind.VOCAB_PARALLEL and layer.index == len(table.graph) - 1:
         return vocab_comm_s(table)
-    return collective_time_s(Collective.ALL_GATHER, style.fwd_allgather_elems * elem, table.tp_group, table.cluster)
+    return collective_time_s(Collective.ALL_GATHER, style.fwd_allgather_elems * elem, table.tp_group,
+                             table.paced_cluster)
 
 
 def shard_vocab(table: PriceTable) -> int:

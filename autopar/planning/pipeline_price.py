@@ -24,11 +24,15 @@ w ≥ T_F / (v·(T_F + T_B + T_W)) (torch's schedules meet it at T_F = T_B = T_W
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from fractions import Fraction
 from typing import Any
 
+from autopar import contract
 from autopar.cost_models import schedule_sim
 from autopar.cost_models.communication import p2p_time_s
+from autopar.cost_models.hardware import ClusterSpec, blocking_wait_share
 from autopar.cost_models.pipeline import Schedule
 from autopar.graph import Layer, OpKind, SampleDim
 from autopar.planning import loss_price
@@ -116,7 +120,38 @@ def send_s(table: PriceTable, cut: int, stage: int | None) -> float:
               * table.act_scale / table.config.mesh.cp)  # under cp a stage sends its S/cp tokens
     inter = table.boundary_inter_node
     across = (len(inter) > 1 and all(inter[1:])) if stage is None else inter[stage]
-    return p2p_time_s(nbytes, inter_node=across, cluster=table.cluster) + table.cluster.collective_sync_s
+    return p2p_time_s(nbytes, inter_node=across, cluster=table.cluster) + table.paced_cluster.collective_sync_s
+
+
+def busy_ranks(table: PriceTable) -> float:
+    """How many of a node's ranks work at once while the pipeline runs: its k consecutive pipeline ranks
+    (:attr:`PriceTable.core_sharing`'s k) hold at most m microbatches between them, so min(k, m) of them
+    work and the rest wait in a receive; every rank where no pipeline rank waits (pp = 1, or a node's
+    ranks all of one stage)."""
+    c = table.config
+    on_node = min(table.cluster.gpus_per_node, c.world_size)
+    k = math.gcd(contract.pipeline_ranks_per_node(c.mesh, table.cluster.gpus_per_node), c.mesh.pp)
+    if c.mesh.pp <= 1 or k < 2:
+        return float(on_node)
+    return on_node * min(k, c.microbatches) / k
+
+
+def paced_cluster(table: PriceTable) -> ClusterSpec:
+    """The cluster the pipeline's per-microbatch collectives (tp's, the sends) are priced on: its blocking
+    waits (``collective_sync_s``, ``tp_overhead_s``, measured with every rank busy) at the share
+    :func:`~autopar.cost_models.hardware.blocking_wait_share` gives for :func:`busy_ranks` — the cluster
+    itself where that is 1 (GPUs; every rank busy). One object per share, so the tables' memos keyed by
+    its id see one cluster."""
+    cluster = table.cluster
+    on_node = min(cluster.gpus_per_node, table.config.world_size)
+    share = blocking_wait_share(cluster, busy_ranks(table), on_node)
+    if share == 1.0:
+        return cluster
+    memo = table.shared.paced
+    if (key := (id(cluster), share)) not in memo:  # the cluster is kept, so its id is not reused
+        memo[key] = (cluster, replace(cluster, collective_sync_s=cluster.collective_sync_s * share,
+                                      tp_overhead_s=cluster.tp_overhead_s * share))
+    return memo[key][1]
 
 
 def bubble_weight_floor(table: PriceTable, schedule: Schedule | None = None) -> Fraction:

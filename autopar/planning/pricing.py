@@ -27,7 +27,9 @@ are processes, a waiting rank lends its cores to the working ones: then
 
 the critical path at the speed σ of a rank with the node's cores to itself
 (cost_models.hardware.idle_core_speedup), or the node's work spread over
-its cores, whichever is longer (PriceTable.pipeline_s).
+its cores, whichever is longer (PriceTable.pipeline_s). There the per-microbatch collectives (tp's, the
+sends) wait for descheduled peers only as much as the ranks busy at once compete for the cores
+(cost_models.hardware.blocking_wait_share; PriceTable.paced_cluster): none while each has a core.
 
 Each layer's data-parallel collectives hide only under that layer's own
 compute over the step (FSDP2 prefetches one layer ahead), so a layer with no
@@ -312,6 +314,10 @@ class PriceTable:
         sigma = idle_core_speedup(self.cluster, on_node)
         return (Fraction(1), 1) if c.mesh.pp <= 1 or k < 2 or sigma == 1 else (sigma, k)
 
+    @cached_property
+    def paced_cluster(self) -> ClusterSpec:  # blocking waits at the ranks busy at once: pipeline_price
+        return pipeline_price.paced_cluster(self)
+
     def pipeline_s(self, per_rank_mb_s: list[float]) -> float:
         """The step before the tail, from each pipeline rank's per-microbatch time (:func:`.pipeline_price.step_s`)."""
         return pipeline_price.step_s(self, per_rank_mb_s)
@@ -401,7 +407,8 @@ class PriceTable:
         the compute's device and host parts (:class:`~.layer_compute.LayerCompute`)."""
         c, b = self.config, self.microbatch_size
         key = (id(layer), style_name, sp, c.mesh.tp, b, self.tp_group, self.act_scale, self.dtype_for_compute,
-               id(self.cluster), self.training.compiled, c.mesh.ep, c.mesh.cp, self.cp_group, c.cp_attention,
+               id(self.cluster), id(paced := self.paced_cluster), self.training.compiled, c.mesh.ep, c.mesh.cp,
+               self.cp_group, c.cp_attention,
                id(self.training.float8), self.loss)
         if key in self._style_memo:
             return self._style_memo[key][1]
@@ -414,17 +421,17 @@ class PriceTable:
             elem = self.prec.activation_bytes * b
             tp_comm_fwd = collective_time_s(
                 Collective.ALL_REDUCE, style.fwd_allreduce_elems * elem, self.tp_group,
-                self.cluster, count=style.fwd_allreduce_count,
+                paced, count=style.fwd_allreduce_count,
             ) + loss_price.output_gather_s(self, layer, style, elem)  # a vocab head's logits (or the loss's)
             tp_comm_bwd = collective_time_s(
                 Collective.ALL_REDUCE, style.bwd_allreduce_elems * elem, self.tp_group,
-                self.cluster, count=style.bwd_allreduce_count,
+                paced, count=style.bwd_allreduce_count,
             )
-            overhead = self.cluster.tp_overhead_s  # DTensor's work around each collective
+            overhead = paced.tp_overhead_s  # DTensor's work around each collective
             tp_comm_fwd += overhead * (style.fwd_allreduce_count + (style.fwd_allgather_elems > 0))
             tp_comm_bwd += overhead * style.bwd_allreduce_count
             if sp:
-                tp_comm_fwd, tp_comm_bwd = sequence_comm_s(style, elem, self.tp_group, self.cluster)
+                tp_comm_fwd, tp_comm_bwd = sequence_comm_s(style, elem, self.tp_group, paced)
                 acts = sequence_activation_bytes(layer, style, c.mesh.tp, self.graph.dtype_bytes)
         times = layer_compute(layer, style_name, c.mesh.tp, b, self.cluster.device, self.dtype_for_compute,
                               self.act_scale, c.mesh.cp, method=c.cp_attention,
@@ -558,7 +565,7 @@ class PriceTable:
             alike = (None, style.cost_signature() if style is not None else None)  # styles that price alike
             if alike not in self._region_memo:
                 self._region_memo[alike] = 0.0 if style is None else region_s(
-                    style, self.prec.activation_bytes * self.microbatch_size, self.tp_group, self.cluster)
+                    style, self.prec.activation_bytes * self.microbatch_size, self.tp_group, self.paced_cluster)
             self._region_memo[key] = self._region_memo[alike]
         return self._region_memo[key]
 

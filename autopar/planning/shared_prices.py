@@ -36,6 +36,8 @@ class SharedPrices:
     # and (that key, "floor", chunks) → (the graph; pipeline_price.bubble_weight_floor)
     phases: dict[tuple, tuple[LayerGraph, Any]] = field(default_factory=dict)
     groups: dict[tuple, tuple[Any, tuple]] = field(default_factory=dict)  # (cluster id, mesh): PriceTable._groups
+    # (cluster id, wait share) → (the cluster, kept so its id is not reused; pipeline_price.paced_cluster's)
+    paced: dict[tuple, tuple[Any, Any]] = field(default_factory=dict)
     # memory_floor.memory_floor_bytes's rows, least states and least activations, each keyed by what it reads
     floors: dict[tuple, tuple[LayerGraph, Any]] = field(default_factory=dict)
     choices: dict[tuple, tuple[Layer, list[LayerChoice]]] = field(default_factory=dict)  # (layer id, zeros, mesh)

@@ -152,3 +152,16 @@ def test_efficiency_and_backend_checked():
     with pytest.raises(ClusterError, match="backend"):
         replace(base, backend="mpi")
     assert isinstance(ClusterSpec.from_dict(_file_dict("cpu"), source="x.toml"), ClusterSpec)
+
+
+def test_blocking_wait_share_follows_the_ranks_competing_for_the_cores():
+    from dataclasses import replace
+
+    from autopar.cost_models.hardware import blocking_wait_share
+
+    host = replace(PRESETS["a100-80g"], gpus_per_node=4, cores_per_node=2)
+    assert blocking_wait_share(host, 4, 4) == 1.0  # as calibrate measured it: every rank busy
+    assert blocking_wait_share(host, 3, 4) == pytest.approx((1 - 2 / 3) / (1 - 2 / 4))
+    assert blocking_wait_share(host, 2, 4) == 0.0  # each busy rank has a core
+    assert blocking_wait_share(replace(host, cores_per_node=4), 2, 4) == 1.0  # never outnumbered: as measured
+    assert blocking_wait_share(replace(host, cores_per_node=0), 1, 4) == 1.0  # GPUs

@@ -134,3 +134,35 @@ def test_the_first_and_last_fsdp2_unit_show_on_every_sharded_rank():
     # a replicated plan has no FSDP2 unit to expose
     replicated = _gpu_table(1, 16, 1, m=2)
     assert edges.edge_level(replicated, 1, 0) == 0
+
+
+def _shared_host_table(pp: int, tp: int, m: int, cores: float) -> PriceTable:
+    """4 ranks on one host of ``cores`` cores, with calibrate's blocking waits (measured with all 4 busy)."""
+    graph = transformer_graph(2, 256, 64, vocab=1024, heads=4)
+    cluster = replace(PRESETS["a100-80g"], gpus_per_node=4, cores_per_node=cores, collective_sync_s=5e-4,
+                      tp_overhead_s=4e-3).for_world_size(pp * tp)
+    return PriceTable(graph, Configuration(Mesh(pp=pp, tp=tp), m, GPIPE), cluster, TrainingSpec(8 * m))
+
+
+def test_collectives_wait_only_for_ranks_that_compete_for_the_cores():
+    # pp=2 × tp=2, one microbatch, 4 ranks on 2 cores: one stage works at a time, its two tp ranks each
+    # have a core, so their all-reduces and the pipeline's sends wait for no descheduled peer
+    alone = _shared_host_table(2, 2, 1, cores=2)
+    assert alone.paced_cluster.collective_sync_s == 0 and alone.paced_cluster.tp_overhead_s == 0
+    busy = _shared_host_table(2, 2, 2, cores=2)  # two microbatches: both stages at once, as calibrate measured
+    assert busy.paced_cluster is busy.cluster
+    cut = 2
+    assert busy.p2p_s(cut, 1) - alone.p2p_s(cut, 1) == pytest.approx(5e-4)
+    # a tp layer's collectives per microbatch: its tp_overhead_s and sync dropped while alone
+    i = 1
+    k_alone = next(k for k, c in enumerate(alone.choices[i]) if c.tp is not None and not c.sp)
+    k_busy = busy.choices[i].index(alone.choices[i][k_alone])
+    assert busy.prices[i][k_busy].tp_comm_mb_s - alone.prices[i][k_alone].tp_comm_mb_s > 2 * 4e-3
+    # fewer cores (other work on the host): the two busy ranks are off their cores half the time,
+    # against 3/4 with all four busy: 2/3 of the measured wait
+    loaded = _shared_host_table(2, 2, 1, cores=1)
+    assert loaded.paced_cluster.collective_sync_s == pytest.approx(5e-4 * 2 / 3)
+    # every rank busy (pp = 1), or a GPU node (no shared cores): the cluster as calibrated
+    assert _shared_host_table(1, 4, 1, cores=2).paced_cluster.collective_sync_s == 5e-4
+    gpu = _shared_host_table(2, 2, 1, cores=0)
+    assert gpu.paced_cluster is gpu.cluster

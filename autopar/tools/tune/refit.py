@@ -19,7 +19,8 @@ shares a busy host's cores between sessions, not processes, so other work leaves
 of the cores that is rarely a whole number, and a rank that waits (in a pipeline) gives its part of
 that share to the ranks still working — plans whose ranks wait then measure faster than plans whose
 ranks all work, by more than the host's whole cores would make them
-(:func:`autopar.cost_models.hardware.idle_core_speedup`). Another count than the given is kept only
+(:func:`autopar.cost_models.hardware.idle_core_speedup`), and whose collectives then wait for fewer
+descheduled peers (:func:`~autopar.cost_models.hardware.blocking_wait_share`). Another count than the given is kept only
 where the given leaves errors beyond the measurements' noise (:data:`NOISE`) and the other fits
 :data:`CORES_BETTER` times better.
 
