@@ -59,10 +59,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                 + "\n  ".join(unmarked))
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--pool-slowest", type=int, default=15, metavar="N",
+                     help="list the N slowest rank-pool cases at the end (default 15; 0 lists none)")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     """Where the distributed tests' time went: each pool's starts (spawning W processes that import torch)
     and the slowest cases (a test's ``setup`` in --durations is its module fixture running them)."""
-    lines = [line for pools in _POOLS for line in pools.report()]
+    slowest = config.getoption("--pool-slowest")
+    lines = [line for pools in _POOLS for line in pools.report(slowest)]
     if lines:
         terminalreporter.write_sep("=", "rank pools: starts and slowest cases")
         for line in lines:
