@@ -85,9 +85,10 @@ from autopar.cost_models.pipeline import SPLIT_BACKWARD, V_SHAPED, ScheduleKind,
 from autopar.units import MiB
 
 if TYPE_CHECKING:
-    from autopar.graph import Layer, LayerGraph, TPStyle
+    from autopar.graph import Layer, LayerGraph
     from autopar.mesh import Mesh
     from autopar.plan import Plan
+    from autopar.tp_style import TPStyle
 
 DDP_BUCKET_BYTES = 25 * MiB  # DistributedDataParallel's default bucket_cap_mb
 ROOT = ""  # the unit path of a part's root module

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 from autopar.choice import CpAttention
 
 if TYPE_CHECKING:
-    from autopar.graph import Layer, LayerGraph, TPStyle
+    from autopar.graph import Layer, LayerGraph
     from autopar.mesh import Mesh
+    from autopar.tp_style import TPStyle
 
 
 def data_ranks(mesh: Mesh) -> int:

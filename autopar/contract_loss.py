@@ -22,8 +22,9 @@ from autopar.units import MiB
 
 if TYPE_CHECKING:
     from autopar.float8 import Float8Settings
-    from autopar.graph import LayerGraph, TPStyle
+    from autopar.graph import LayerGraph
     from autopar.mesh import Mesh
+    from autopar.tp_style import TPStyle
 
 # One chunk's fp32 logits at most: 256 MiB is 512 tokens of a 128K vocabulary, 1,280 of GPT-2's 50K. Each
 # chunk's head GEMM (512 × hidden × 128K) stays far above the sizes where a GPU's GEMMs lose their rate, the

@@ -50,11 +50,12 @@ import torch.utils._pytree as pytree
 
 from autopar.admission import tensor_parallel_refusals
 from autopar.errors import LoweringError
-from autopar.graph import Layer, LayerGraph, TPStyle
+from autopar.graph import Layer, LayerGraph
 from autopar.plan import Plan
 from autopar.sharding.channel_ops import channel_params
 from autopar.sharding.check import SEQ_DIM, hidden_input, install_projection_hooks, with_hidden_input
 from autopar.sharding.rules import Collectives, ShardMode, is_conv1d, projection_dims, segment_permutation
+from autopar.tp_style import TPStyle
 
 
 @dataclass(frozen=True)

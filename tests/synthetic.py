@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from autopar.graph import Layer, LayerGraph, TPStyle
+from autopar.graph import Layer, LayerGraph
+from autopar.tp_style import TPStyle
 
 
 def transformer_graph(n_blocks: int = 4, hidden: int = 1024, seq: int = 1024, vocab: int = 32768,

@@ -44,7 +44,8 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.cost_models.compute import FUSED_ATTENTION_OPS, MATMUL_OPS
-from autopar.graph import OpKind, OpRecord, SampleDim, ShardDim, TPStyle
+from autopar.graph import OpKind, OpRecord, SampleDim, ShardDim
+from autopar.tp_style import TPStyle
 
 # gathers: they move the rows they pick (twice the output: read, write) and the indices
 _GATHER_OPS = frozenset({"aten::embedding", "aten::index_select", "aten::gather", "aten::index"})

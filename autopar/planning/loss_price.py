@@ -22,7 +22,8 @@ from autopar.choice import LossKind
 from autopar.cost_models import compute
 from autopar.cost_models.communication import Collective, collective_time_s
 from autopar.cost_models.pipeline import ScheduleKind
-from autopar.graph import Layer, TPStyle
+from autopar.graph import Layer
+from autopar.tp_style import TPStyle
 
 PriceTable = Any  # a planning.pricing.PriceTable (not imported: pricing imports this module)
 

@@ -66,11 +66,12 @@ from autopar.cost_models.pipeline import in_flight
 from autopar.graph import Layer, LayerGraph
 from autopar.planning import context_price, edges, expert_price, hsdp_price, loss_price, pipeline_price
 from autopar.planning.configuration import Configuration, TrainingSpec
-from autopar.planning.layer_compute import LayerCompute, layer_compute, master_hooks_s
+from autopar.planning.layer_compute import LayerCompute, master_hooks_s
 from autopar.planning.memory_floor import held_bytes, kept_mb_bytes
 from autopar.planning.recompute_price import compiled_ops
-from autopar.planning.sequence import region_s, sequence_activation_bytes, sequence_comm_s
+from autopar.planning.sequence import region_s
 from autopar.planning.shared_prices import SharedPrices
+from autopar.planning.style_price import style_part
 
 FP32_BYTES = 4  # the loss, and a bf16 plan's master gradients outside FSDP2, are fp32
 
@@ -138,7 +139,6 @@ class PriceTable:
          self.shard_group, self.replicate_group, self.edp_group) = self._groups(config.mesh, cluster)
         self.pp_inter_node = edges.ranks_inter_node(0, config.mesh.pp - 1, self)  # the tied ends' all-reduce
         self.engine = config.engine
-        self._style_memo = self._shared.styles
         self._p2p_memo: dict[tuple[int, int | None], float] = {}
         self._runs_memo: dict[tuple[int, LayerChoice], LayerChoice] = {}
         self._region_memo: dict[tuple, float] = {}  # (i, k), and (None, a style's cost signature)
@@ -401,47 +401,8 @@ class PriceTable:
 
     def _style_part(self, layer: Layer, style_name: str | None,
                     sp: bool = False) -> tuple[float, float, float, float, float, float, float, LayerCompute]:
-        """What a tensor-parallel style (or none; with sequence parallelism or not) sets, whatever the
-        ZeRO stage and recompute: forward and backward compute, forward and backward communication
-        (tp's and cp's), saved activations, cp's forward and backward part of that communication, and
-        the compute's device and host parts (:class:`~.layer_compute.LayerCompute`)."""
-        c, b = self.config, self.microbatch_size
-        key = (id(layer), style_name, sp, c.mesh.tp, b, self.tp_group, self.act_scale, self.dtype_for_compute,
-               id(self.cluster), id(paced := self.paced_cluster), self.training.compiled, c.mesh.ep, c.mesh.cp,
-               self.cp_group, c.cp_attention,
-               id(self.training.float8), self.loss)
-        if key in self._style_memo:
-            return self._style_memo[key][1]
-        acts = layer.activation_bytes_per_sample
-        tp_comm_fwd = tp_comm_bwd = 0.0
-        if style_name is not None:
-            style = layer.tp_style(style_name)
-            sharded_act = style.sharded_activation_elems_per_sample * self.graph.dtype_bytes
-            acts -= sharded_act * (1 - 1 / c.mesh.tp)
-            elem = self.prec.activation_bytes * b
-            tp_comm_fwd = collective_time_s(
-                Collective.ALL_REDUCE, style.fwd_allreduce_elems * elem, self.tp_group,
-                paced, count=style.fwd_allreduce_count,
-            ) + loss_price.output_gather_s(self, layer, style, elem)  # a vocab head's logits (or the loss's)
-            tp_comm_bwd = collective_time_s(
-                Collective.ALL_REDUCE, style.bwd_allreduce_elems * elem, self.tp_group,
-                paced, count=style.bwd_allreduce_count,
-            )
-            overhead = paced.tp_overhead_s  # DTensor's work around each collective
-            tp_comm_fwd += overhead * (style.fwd_allreduce_count + (style.fwd_allgather_elems > 0))
-            tp_comm_bwd += overhead * style.bwd_allreduce_count
-            if sp:
-                tp_comm_fwd, tp_comm_bwd = sequence_comm_s(style, elem, self.tp_group, paced)
-                acts = sequence_activation_bytes(layer, style, c.mesh.tp, self.graph.dtype_bytes)
-        times = layer_compute(layer, style_name, c.mesh.tp, b, self.cluster.device, self.dtype_for_compute,
-                              self.act_scale, c.mesh.cp, method=c.cp_attention,
-                              compiled=self.compiled_ops(layer),
-                              float8=self.training.float8.shapes(layer.name) if self.training.float8 else frozenset())
-        heads_split = c.mesh.tp if style_name is not None else 1  # K/V of this tp rank's heads only
-        kv_fwd, kv_bwd, acts = context_price.context_part(self, layer, acts, heads_split)
-        part = (times.fwd_s, times.bwd_s, tp_comm_fwd + kv_fwd, tp_comm_bwd + kv_bwd, acts, kv_fwd, kv_bwd, times)
-        self._style_memo[key] = (layer, part)  # the layer is kept, so its id is not reused while the memo lives
-        return part
+        """What a tensor-parallel style (or none) sets, whatever the ZeRO stage and recompute: :mod:`.style_price`."""
+        return style_part(self, layer, style_name, sp)
 
     def _price(self, layer: Layer, choice: LayerChoice) -> LayerPrice:
         """The layer priced as it runs (:meth:`runs_as`)."""

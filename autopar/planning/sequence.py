@@ -27,7 +27,8 @@ from typing import Any
 
 from autopar.cost_models.communication import Collective, GroupPlacement, collective_time_s
 from autopar.cost_models.hardware import ClusterSpec
-from autopar.graph import Layer, TPStyle
+from autopar.graph import Layer
+from autopar.tp_style import TPStyle
 
 
 def sequence_comm_s(style: TPStyle, elem_bytes: float, group: GroupPlacement,

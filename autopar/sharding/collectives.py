@@ -31,8 +31,8 @@ import dataclasses
 
 import torch.nn as nn
 
-from autopar.graph import TPStyle
 from autopar.sharding.rules import projection_dims
+from autopar.tp_style import TPStyle
 
 
 def without_replicated(style: TPStyle, module: nn.Module, prefix: str, replicated: tuple[str, ...],

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.graph import TPStyle
 from autopar.sharding.channel_ops import channel_params
 from autopar.sharding.rules import projection_dims
+from autopar.tp_style import TPStyle
 
 
 @dataclass

@@ -29,7 +29,8 @@ import dataclasses
 import torch.nn as nn
 
 from autopar.experts.layouts import hidden_split_refusal, hidden_split_weights
-from autopar.graph import Layer, TPStyle
+from autopar.graph import Layer
+from autopar.tp_style import TPStyle
 
 EXPERTS_STYLE = "megatron+experts"
 

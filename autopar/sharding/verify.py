@@ -32,13 +32,14 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from autopar.graph import Layer, TPStyle
+from autopar.graph import Layer
 from autopar.sharding import check as shard_check
 from autopar.sharding import narrow, shapes
 from autopar.sharding.channel_ops import channel_params
 from autopar.sharding.collectives import with_statistics, with_whole, without_replicated
 from autopar.sharding.layout import NoShardRule
 from autopar.sharding.rules import projection_dims
+from autopar.tp_style import TPStyle
 
 SHORT_SEQ = 16  # the sequence length a small layer is simulated at when the example's is longer
 DEGREES = tuple(range(2, 9))  # simulated numerically (threads in one process); larger ones by shapes only

@@ -32,6 +32,7 @@ LEVELS: dict[str, int] = {
     "autopar.mesh": 2,
     "autopar.choice": 2,
     "autopar.graph": 2,
+    "autopar.tp_style": 2,  # a tensor-parallel style: what capture's rules make and a layer lists
     "autopar.experts": 2,
     "autopar.batch_coupling": 2,
     "autopar.float8": 2,

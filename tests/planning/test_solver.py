@@ -169,10 +169,11 @@ def test_a_plan_cp_sat_presolve_refutes_is_found_by_searching_again() -> None:
     search, finding no plan where one fits, searches again without presolve's inclusion detection."""
     from dataclasses import replace
 
-    from autopar.graph import Layer, TPStyle
+    from autopar.graph import Layer
     from autopar.pins import Pins
     from autopar.planning.model import cp_solver
     from autopar.planning.solves import prepare
+    from autopar.tp_style import TPStyle
 
     style = TPStyle("megatron", divisors=(1,), sharded_params=0, sharded_flops_per_sample=0.0,
                     sharded_activation_elems_per_sample=0.0, fwd_allreduce_elems=0.0, fwd_allreduce_count=2,

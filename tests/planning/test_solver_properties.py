@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 from autopar.cost_models.hardware import GiB
 from autopar.cost_models.presets import PRESETS
 from autopar.errors import InfeasibleError
-from autopar.graph import Layer, LayerGraph, TPStyle
+from autopar.graph import Layer, LayerGraph
 from autopar.planning.configuration import TrainingSpec
 from autopar.planning.evaluate import evaluate
 from autopar.planning.solver import SolverOptions, cut_positions, solve
+from autopar.tp_style import TPStyle
 
 
 @st.composite
