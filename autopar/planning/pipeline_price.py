@@ -24,12 +24,10 @@ w ≥ T_F / (v·(T_F + T_B + T_W)) (torch's schedules meet it at T_F = T_B = T_W
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from fractions import Fraction
 from typing import Any
 
-from autopar import contract
 from autopar.cost_models import schedule_sim
 from autopar.cost_models.communication import p2p_time_s
 from autopar.cost_models.hardware import ClusterSpec, blocking_wait_share
@@ -128,12 +126,9 @@ def busy_ranks(table: PriceTable) -> float:
     (:attr:`PriceTable.core_sharing`'s k) hold at most m microbatches between them, so min(k, m) of them
     work and the rest wait in a receive; every rank where no pipeline rank waits (pp = 1, or a node's
     ranks all of one stage)."""
-    c = table.config
-    on_node = min(table.cluster.gpus_per_node, c.world_size)
-    k = math.gcd(contract.pipeline_ranks_per_node(c.mesh, table.cluster.gpus_per_node), c.mesh.pp)
-    if c.mesh.pp <= 1 or k < 2:
-        return float(on_node)
-    return on_node * min(k, c.microbatches) / k
+    on_node = min(table.cluster.gpus_per_node, table.config.world_size)
+    _, k = table.core_sharing  # k = 1 where no rank lends its cores (then every rank works)
+    return on_node * min(k, table.config.microbatches) / k
 
 
 def paced_cluster(table: PriceTable) -> ClusterSpec:
