@@ -207,7 +207,8 @@ def refit_again(path: Path) -> list[dict]:
 
     graph = capture(*load_spec(TINY, device="meta"))
     doc = json.loads(path.read_text())
-    rows = doc["runs"][-1]["rows"] if "runs" in doc else doc["rows"]
+    # the last run that measured candidates (a --metrics run with no --worlds has none)
+    rows = next((run["rows"] for run in reversed(doc["runs"]) if run["rows"]), []) if "runs" in doc else doc["rows"]
     out = []
     with tempfile.TemporaryDirectory(prefix="autopar-tune-refit-") as d:
         for r in rows:
